@@ -1,0 +1,30 @@
+"""genai-ratelimit: exact sliding-window rate limiting for GenAI endpoints on Redis.
+
+    from genai_ratelimit import RateLimiter
+    allowed, remaining, retry_after_s = RateLimiter().check("user_8421", limit=10, window_seconds=60)
+"""
+
+from __future__ import annotations
+
+from ._native import (
+    SCRIPT_SHA1,
+    RateLimiterAuthError,
+    RateLimiterError,
+    RateLimiterTimeout,
+    RateLimiterUnavailable,
+)
+from .limiter import RateLimiter
+from .tiers import TIER_LIMITS
+
+__all__ = [
+    "RateLimiter",
+    "RateLimiterError",
+    "RateLimiterUnavailable",
+    "RateLimiterTimeout",
+    "RateLimiterAuthError",
+    "TIER_LIMITS",
+    "SCRIPT_SHA1",
+    "__version__",
+]
+
+__version__ = "0.1.0"

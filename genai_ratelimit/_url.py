@@ -1,0 +1,126 @@
+"""Redis URL parsing: URL in, keyword options for the C limiter out. Runs once per limiter."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from urllib.parse import parse_qs, unquote, urlsplit
+
+__all__ = ["RedisOptions", "parse_redis_url", "DEFAULT_URL"]
+
+DEFAULT_URL = "redis://localhost:6379/0"
+
+_SSL_CERT_REQS = {"required": "required", "none": "none"}
+_SSL_PARAMS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+
+
+@dataclass(frozen=True)
+class RedisOptions:
+    """Where and how to connect. `password` is kept out of repr()."""
+
+    host: str | None = None
+    port: int = 6379
+    unix_path: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls: bool = False
+    ssl_cert_reqs: str = "required"
+    ssl_ca_certs: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+
+    def describe(self) -> str:
+        """Where this points, without credentials: safe for logs and messages."""
+        if self.unix_path is not None:
+            return f"unix://{self.unix_path}?db={self.db}"
+        scheme = "rediss" if self.tls else "redis"
+        host = f"[{self.host}]" if self.host and ":" in self.host else self.host
+        return f"{scheme}://{host}:{self.port}/{self.db}"
+
+
+def _parse_db(text: str, url_kind: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"invalid Redis URL: the database in a {url_kind} URL must be a "
+                         f"non-negative integer, got {text!r}")
+    return int(text)
+
+
+def parse_redis_url(url: str) -> RedisOptions:
+    """Parses redis://, rediss:// and unix:// URLs. Raises ValueError naming the problem;
+    the message never contains the password."""
+    if not isinstance(url, str):
+        raise TypeError(f"the Redis URL must be a str, not {type(url).__name__}")
+    if not url.strip():
+        raise ValueError("invalid Redis URL: it is empty")
+    try:
+        parts = urlsplit(url.strip())
+    except ValueError as exc:
+        raise ValueError(f"invalid Redis URL: {exc}") from None
+    scheme = parts.scheme.lower()
+    try:
+        query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
+    except ValueError:
+        raise ValueError("invalid Redis URL: malformed query string") from None
+    single = {}
+    for name, values in query.items():
+        if len(values) != 1:
+            raise ValueError(f"invalid Redis URL: query parameter {name!r} is given more than once")
+        single[name] = values[0]
+
+    if scheme == "unix":
+        path = unquote(parts.path)
+        if not path:
+            raise ValueError("invalid Redis URL: a unix:// URL needs a socket path, "
+                             "e.g. unix:///run/redis/redis.sock")
+        unknown = set(single) - {"db", "password", "username"}
+        if unknown:
+            raise ValueError(f"invalid Redis URL: unknown query parameter(s) {sorted(unknown)} for unix://")
+        username = unquote(parts.username) if parts.username else single.get("username") or None
+        password = unquote(parts.password) if parts.password is not None else single.get("password")
+        db = _parse_db(single.get("db", "0"), "unix://")
+        return RedisOptions(unix_path=path, db=db, username=username, password=password)
+
+    if scheme not in ("redis", "rediss"):
+        shown = scheme or "(none)"
+        raise ValueError(f"invalid Redis URL: unsupported scheme {shown!r}; "
+                         "use redis://, rediss:// or unix://")
+    try:
+        host = parts.hostname
+        port = parts.port
+    except ValueError:
+        raise ValueError("invalid Redis URL: the port must be an integer from 1 to 65535") from None
+    if not host:
+        raise ValueError(f"invalid Redis URL: a {scheme}:// URL needs a host")
+    if port == 0:
+        raise ValueError("invalid Redis URL: the port must be an integer from 1 to 65535")
+    path = parts.path.strip("/")
+    db = _parse_db(path, f"{scheme}://") if path else 0
+    if "db" in single:
+        db = _parse_db(single["db"], f"{scheme}://")
+    username = unquote(parts.username) if parts.username else None
+    password = unquote(parts.password) if parts.password is not None else None
+    if password == "":
+        password = None
+
+    tls = scheme == "rediss"
+    unknown = set(single) - {"db", *_SSL_PARAMS}
+    if unknown:
+        raise ValueError(f"invalid Redis URL: unknown query parameter(s) {sorted(unknown)}")
+    if not tls and any(name in single for name in _SSL_PARAMS):
+        raise ValueError("invalid Redis URL: ssl_* parameters need a rediss:// URL")
+    cert_reqs = single.get("ssl_cert_reqs", "required").lower()
+    if cert_reqs not in _SSL_CERT_REQS:
+        raise ValueError(f"invalid Redis URL: unknown ssl_cert_reqs {single['ssl_cert_reqs']!r}; "
+                         "use 'required' or 'none'")
+    return RedisOptions(
+        host=host,
+        port=port or 6379,
+        db=db,
+        username=username,
+        password=password,
+        tls=tls,
+        ssl_cert_reqs=_SSL_CERT_REQS[cert_reqs],
+        ssl_ca_certs=single.get("ssl_ca_certs") or None,
+        ssl_certfile=single.get("ssl_certfile") or None,
+        ssl_keyfile=single.get("ssl_keyfile") or None,
+    )

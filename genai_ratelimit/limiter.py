@@ -1,0 +1,112 @@
+"""RateLimiter: the blocking limiter. A thin layer over the C extension: the URL and options
+are turned into C configuration once; every check is one C call that validates, builds the
+keys and the UUID4 member, runs the script on Redis with the GIL released and decodes the
+reply. `check` and `check_windows` are the C methods themselves, with no Python frame between."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Literal
+
+from . import _native
+from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
+
+__all__ = ["RateLimiter", "limiter_options"]
+
+Clock = Literal["server", "client"]
+
+
+def _positive_seconds(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    return float(value)
+
+
+def limiter_options(
+    url: str | None,
+    key_prefix: str,
+    connect_timeout: float,
+    socket_timeout: float,
+    clock: str,
+    max_connections: int,
+) -> tuple[RedisOptions, dict[str, object]]:
+    """Validates the constructor's arguments. Returns the parsed URL and the keyword
+    arguments of the C limiter. Shared by the sync and async limiters."""
+    if url is None:
+        url = os.environ.get("REDIS_URL") or DEFAULT_URL
+    options = parse_redis_url(url)
+    if not isinstance(key_prefix, str):
+        raise TypeError(f"key_prefix must be a str, not {type(key_prefix).__name__}")
+    if not key_prefix:
+        raise ValueError("key_prefix must not be empty")
+    if clock not in ("server", "client"):
+        raise ValueError(f"clock must be 'server' or 'client', got {clock!r}")
+    if isinstance(max_connections, bool) or not isinstance(max_connections, int):
+        raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
+    if not 1 <= max_connections <= 4096:
+        raise ValueError(f"max_connections must be between 1 and 4096, got {max_connections}")
+    native = dict(
+        host=options.host,
+        port=options.port,
+        unix_path=options.unix_path,
+        db=options.db,
+        username=options.username,
+        password=options.password,
+        connect_timeout=_positive_seconds("connect_timeout", connect_timeout),
+        socket_timeout=_positive_seconds("socket_timeout", socket_timeout),
+        key_prefix=key_prefix,
+        client_clock=clock == "client",
+        max_connections=max_connections,
+        tls=options.tls,
+        ssl_verify=options.ssl_cert_reqs == "required",
+        ssl_ca_certs=options.ssl_ca_certs,
+        ssl_certfile=options.ssl_certfile,
+        ssl_keyfile=options.ssl_keyfile,
+    )
+    return options, native
+
+
+class RateLimiter(_native.Limiter):
+    """Exact sliding-window rate limiter on Redis sorted sets.
+
+    >>> limiter = RateLimiter("redis://localhost:6379/0")
+    >>> allowed, remaining, retry_after_s = limiter.check("user_8421", limit=10, window_seconds=60)
+
+    Safe to share across threads (a small pool of connections) and across fork() (a child
+    never reuses its parent's socket). Raises RateLimiterUnavailable when Redis cannot answer
+    within the timeouts; the next call reconnects by itself.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        key_prefix: str = "ratelimit",
+        connect_timeout: float = 1.0,
+        socket_timeout: float = 1.0,
+        clock: Clock = "server",
+        max_connections: int = 32,
+    ) -> None:
+        options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
+                                          clock, max_connections)
+        super().__init__(**native)
+        self._options = options
+        self._clock = clock
+
+    @property
+    def url(self) -> str:
+        """Where this limiter connects, without credentials."""
+        return self._options.describe()
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self._options.describe()!r}, "
+                f"key_prefix={self.key_prefix!r}, clock={self._clock!r})")
+
+    def __enter__(self) -> "RateLimiter":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

@@ -64,7 +64,7 @@ def find_library(pc_name: str, header: str, library: str, debian: str) -> tuple[
 def c_string_literal(text: str) -> str:
     lines = []
     for line in text.splitlines(keepends=True):
-        escaped = line.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+        escaped = line.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("?", "\\?")
         lines.append(f'    "{escaped}"')
     return "\n".join(lines) if lines else '    ""'
 
@@ -84,6 +84,11 @@ def write_script_header() -> None:
         f'#define RL_SCRIPT_SHA1 "{sha1}"\n'
         "static const char rl_script_source[] =\n"
         f"{c_string_literal(source)};\n"
+        "/* SCRIPT LOAD <source>, already RESP-encoded: sent as is on NOSCRIPT. */\n"
+        "static const char rl_script_load_command[] =\n"
+        f'    "*3\\r\\n$6\\r\\nSCRIPT\\r\\n$4\\r\\nLOAD\\r\\n${len(source.encode("utf-8"))}\\r\\n"\n'
+        f"{c_string_literal(source)}\n"
+        '    "\\r\\n";\n'
         "#endif\n"
     )
     if not SCRIPT_HEADER.exists() or SCRIPT_HEADER.read_text() != content:

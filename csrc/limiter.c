@@ -1,0 +1,317 @@
+/*
+ * limiter.c - the Limiter type: the blocking rate limiter that genai_ratelimit.RateLimiter
+ * subclasses. One call = one decision: validate and format with the GIL held, then release
+ * the GIL for the pool and the socket, then build the result tuple with the GIL again.
+ *
+ * GIL/lock contract: the pool's mutex is only ever taken with the GIL released
+ * (Py_BEGIN_ALLOW_THREADS around every rl_pool_* call that locks). The fork check runs
+ * with the GIL held, before the GIL is released, so only one thread of a fork child can
+ * reset the pool.
+ *
+ * The type holds no Python references (all its configuration is copied into C memory), so
+ * it needs no GC support of its own; Python subclasses get theirs from CPython.
+ */
+#include "native.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef struct {
+    PyObject_HEAD
+    rl_pool pool;                /* connections, shared by every thread */
+    char *key_prefix;            /* UTF-8, owned */
+    size_t key_prefix_len;
+    int client_clock;            /* 1: the caller's clock; 0: the server's TIME */
+    int configured;              /* __init__ ran to completion */
+} LimiterObject;
+
+static rl_module_state *
+state_of(PyTypeObject *defining_class)
+{
+    return (rl_module_state *)PyType_GetModuleState(defining_class);
+}
+
+static PyObject *
+Limiter_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwargs))
+{
+    LimiterObject *self = (LimiterObject *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    /* tp_alloc zeroed everything: pool.initialized == 0, configured == 0. */
+    return (PyObject *)self;
+}
+
+static int
+Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"host", "port", "unix_path", "db", "username", "password",
+                               "connect_timeout", "socket_timeout", "key_prefix",
+                               "client_clock", "max_connections", "tls", "ssl_verify",
+                               "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", NULL};
+    const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
+    const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
+    Py_ssize_t prefix_len = 9;
+    int port = 6379, client_clock = 0, max_connections = 32, tls = 0, ssl_verify = 1;
+    long long db = 0;
+    double connect_timeout = 1.0, socket_timeout = 1.0;
+
+    if (self->configured) {
+        PyErr_SetString(PyExc_RuntimeError, "a limiter is configured once, by its constructor");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzz", keywords, &host,
+                                     &port, &unix_path, &db, &username, &password,
+                                     &connect_timeout, &socket_timeout, &prefix, &prefix_len,
+                                     &client_clock, &max_connections, &tls, &ssl_verify, &ca,
+                                     &certfile, &keyfile))
+        return -1;
+    if (host == NULL && unix_path == NULL) {
+        PyErr_SetString(PyExc_ValueError, "a host or a unix socket path is needed");
+        return -1;
+    }
+    if (port < 1 || port > 65535) {
+        PyErr_Format(PyExc_ValueError, "port must be between 1 and 65535, got %d", port);
+        return -1;
+    }
+    if (db < 0) {
+        PyErr_Format(PyExc_ValueError, "db must be >= 0, got %lld", db);
+        return -1;
+    }
+    if (!(connect_timeout > 0) || !(socket_timeout > 0)) {
+        PyErr_SetString(PyExc_ValueError, "timeouts must be positive numbers of seconds");
+        return -1;
+    }
+    if (max_connections < 1) {
+        PyErr_SetString(PyExc_ValueError, "max_connections must be >= 1");
+        return -1;
+    }
+    if (prefix_len == 0) {
+        PyErr_SetString(PyExc_ValueError, "key_prefix must not be empty");
+        return -1;
+    }
+    if (tls) {
+        PyErr_SetString(PyExc_ValueError,
+                        "rediss:// (TLS) is not supported by this build of genai-ratelimit yet; "
+                        "use redis:// or unix://");
+        return -1;
+    }
+    (void)ssl_verify;
+    (void)ca;
+    (void)certfile;
+    (void)keyfile;
+
+    self->key_prefix = malloc((size_t)prefix_len + 1);
+    if (self->key_prefix == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(self->key_prefix, prefix, (size_t)prefix_len + 1);
+    self->key_prefix_len = (size_t)prefix_len;
+    self->client_clock = client_clock;
+    if (rl_config_init(&self->pool.config, host, port, unix_path, db, username, password,
+                       connect_timeout, socket_timeout) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    if (rl_pool_init(&self->pool, max_connections, getpid()) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    self->configured = 1;
+    return 0;
+}
+
+static void
+Limiter_dealloc(LimiterObject *self)
+{
+    PyTypeObject *tp = Py_TYPE(self);
+    rl_pool_destroy(&self->pool);
+    rl_config_clear(&self->pool.config);
+    free(self->key_prefix);
+    tp->tp_free((PyObject *)self);
+    Py_DECREF(tp);
+}
+
+/* Runs one prepared decision. Returns a new reference to the result tuple, or NULL. */
+static PyObject *
+decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepared *p,
+       int with_window)
+{
+    rl_error err = {RL_OK, 0, ""};
+    rl_status st;
+    PyObject *result = NULL;
+
+    if (!self->configured) {
+        PyErr_SetString(PyExc_RuntimeError, "the limiter was not initialised (call __init__)");
+        return NULL;
+    }
+    if (rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, p) < 0)
+        goto done;
+    if (p->disabled) {
+        result = rl_result_tuple(&p->windows, &p->result, with_window);
+        goto done;
+    }
+    if (self->pool.pid != state->pid) {
+        /* First use in a fork child: never touch the parent's sockets. */
+        rl_pool_after_fork(&self->pool, state->pid);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    st = rl_script_run(&self->pool, p->command, (size_t)p->command_len, p->windows.count,
+                       &p->result, &err);
+    Py_END_ALLOW_THREADS
+    if (st != RL_OK) {
+        rl_raise(state, &err);
+        goto done;
+    }
+    result = rl_result_tuple(&p->windows, &p->result, with_window);
+done:
+    rl_prepared_clear(p);
+    return result;
+}
+
+PyDoc_STRVAR(Limiter_check_doc,
+"check(user_id, limit, window_seconds) -> (allowed, remaining, retry_after_s)\n\n"
+"Decides one request of user_id against `limit` requests per `window_seconds`, in one\n"
+"script execution on Redis. On allow the request is logged; a rejection writes nothing.");
+
+static PyObject *
+Limiter_check(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
+              Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"user_id", "limit", "window_seconds"};
+    PyObject *values[3];
+    rl_prepared p;
+    if (rl_parse_args("check", args, nargs, kwnames, names, 3, values) < 0)
+        return NULL;
+    /* Validate the user id first so errors name arguments in signature order. */
+    Py_ssize_t unused;
+    if (rl_user_id_utf8(values[0], &unused) == NULL)
+        return NULL;
+    if (rl_windows_from_pair(&p.windows, values[1], values[2]) < 0)
+        return NULL;
+    return decide(self, state_of(defining_class), values[0], &p, 0);
+}
+
+PyDoc_STRVAR(Limiter_check_windows_doc,
+"check_windows(user_id, windows) -> (allowed, remaining, retry_after_s, window_seconds)\n\n"
+"Decides one request against every (limit, window_seconds) pair in one script execution,\n"
+"shortest window first. The first window that rejects stops the script: no later window\n"
+"is read or written and nothing is logged. On allow the request is logged in every\n"
+"window, and window_seconds names the window with the fewest remaining (ties: the\n"
+"shorter); on reject it names the window that rejected.");
+
+static PyObject *
+Limiter_check_windows(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
+                      Py_ssize_t nargs, PyObject *kwnames)
+{
+    static const char *const names[] = {"user_id", "windows"};
+    PyObject *values[2];
+    rl_prepared p;
+    Py_ssize_t unused;
+    if (rl_parse_args("check_windows", args, nargs, kwnames, names, 2, values) < 0)
+        return NULL;
+    if (rl_user_id_utf8(values[0], &unused) == NULL)
+        return NULL;
+    if (rl_windows_from_sequence(&p.windows, values[1]) < 0)
+        return NULL;
+    return decide(self, state_of(defining_class), values[0], &p, 1);
+}
+
+PyDoc_STRVAR(Limiter_close_doc,
+"close()\n\nCloses every idle connection; connections in use close when their call ends.\n"
+"Later checks raise RateLimiterError. Closing twice is harmless.");
+
+static PyObject *
+Limiter_close(LimiterObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->configured) {
+        Py_BEGIN_ALLOW_THREADS
+        rl_pool_close(&self->pool);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Limiter_get_key_prefix(LimiterObject *self, void *Py_UNUSED(closure))
+{
+    if (self->key_prefix == NULL)
+        Py_RETURN_NONE;
+    return PyUnicode_DecodeUTF8(self->key_prefix, (Py_ssize_t)self->key_prefix_len, "strict");
+}
+
+static PyObject *
+Limiter_get_max_connections(LimiterObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(self->configured ? self->pool.max_open : 0);
+}
+
+static PyObject *
+Limiter_get_open_connections(LimiterObject *self, void *Py_UNUSED(closure))
+{
+    int n = 0;
+    if (self->configured) {
+        Py_BEGIN_ALLOW_THREADS
+        n = rl_pool_open_count(&self->pool);
+        Py_END_ALLOW_THREADS
+    }
+    return PyLong_FromLong(n);
+}
+
+static PyObject *
+Limiter_get_closed(LimiterObject *self, void *Py_UNUSED(closure))
+{
+    int closed = 0;
+    if (self->configured) {
+        Py_BEGIN_ALLOW_THREADS
+        pthread_mutex_lock(&self->pool.mutex);
+        closed = self->pool.closed;
+        pthread_mutex_unlock(&self->pool.mutex);
+        Py_END_ALLOW_THREADS
+    }
+    return PyBool_FromLong(closed);
+}
+
+static PyMethodDef Limiter_methods[] = {
+    {"check", (PyCFunction)(void (*)(void))Limiter_check,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_doc},
+    {"check_windows", (PyCFunction)(void (*)(void))Limiter_check_windows,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_windows_doc},
+    {"close", (PyCFunction)Limiter_close, METH_NOARGS, Limiter_close_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Limiter_getset[] = {
+    {"key_prefix", (getter)Limiter_get_key_prefix, NULL, "The prefix of every key.", NULL},
+    {"max_connections", (getter)Limiter_get_max_connections, NULL,
+     "The most connections this limiter opens at once.", NULL},
+    {"open_connections", (getter)Limiter_get_open_connections, NULL,
+     "Connections open now (idle or in use).", NULL},
+    {"closed", (getter)Limiter_get_closed, NULL, "True once close() was called.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+PyDoc_STRVAR(Limiter_doc,
+"Limiter(*, host=None, port=6379, unix_path=None, db=0, username=None, password=None,\n"
+"        connect_timeout=1.0, socket_timeout=1.0, key_prefix='ratelimit',\n"
+"        client_clock=False, max_connections=32)\n\n"
+"The C core of genai_ratelimit.RateLimiter; use that class, which takes a URL.");
+
+static PyType_Slot Limiter_slots[] = {
+    {Py_tp_doc, (void *)Limiter_doc},
+    {Py_tp_new, Limiter_new},
+    {Py_tp_init, Limiter_init},
+    {Py_tp_dealloc, Limiter_dealloc},
+    {Py_tp_methods, Limiter_methods},
+    {Py_tp_getset, Limiter_getset},
+    {0, NULL},
+};
+
+PyType_Spec rl_limiter_spec = {
+    .name = "genai_ratelimit._native.Limiter",
+    .basicsize = sizeof(LimiterObject),
+    .itemsize = 0,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .slots = Limiter_slots,
+};

@@ -1,0 +1,234 @@
+/*
+ * module.c - genai_ratelimit._native: module state, exceptions, multi-phase init, and
+ * the one place where a C-level rl_error becomes a Python exception (rl_raise).
+ *
+ * GIL contract: everything here runs with the GIL held.
+ * State: no static PyObject*; the exceptions, the types and the process id live in the
+ * module state. PyInit__native is the only exported symbol (-fvisibility=hidden).
+ */
+#include "native.h"
+
+#include <unistd.h>
+
+extern PyType_Spec rl_limiter_spec;
+
+static rl_module_state *
+get_state(PyObject *module)
+{
+    return (rl_module_state *)PyModule_GetState(module);
+}
+
+PyObject *
+rl_raise(rl_module_state *state, const rl_error *err)
+{
+    PyObject *type;
+    switch (err->kind) {
+    case RL_ERR_NOMEM:
+        return PyErr_NoMemory();
+    case RL_ERR_TIMEOUT:
+        type = state->Timeout;
+        break;
+    case RL_ERR_AUTH:
+        type = state->AuthError;
+        break;
+    case RL_ERR_CLOSED:
+        type = state->Error;
+        break;
+    case RL_OK: /* a bug: report it rather than return NULL without an exception */
+        PyErr_SetString(PyExc_SystemError, "rate limiter failed without an error");
+        return NULL;
+    default:
+        type = state->Unavailable;
+        break;
+    }
+    PyErr_SetString(type, err->message[0] ? err->message : "Redis is unavailable");
+    return NULL;
+}
+
+PyDoc_STRVAR(after_fork_doc,
+"_after_fork_in_child()\n\nRegistered with os.register_at_fork: records the child's pid so "
+"every limiter drops its parent's sockets before its first call in the child.");
+
+static PyObject *
+after_fork_in_child(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    get_state(module)->pid = getpid();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"_after_fork_in_child", after_fork_in_child, METH_NOARGS, after_fork_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int
+add_exception(PyObject *module, PyObject **slot, const char *name, const char *doc, PyObject *bases)
+{
+    char qualified[128];
+    PyOS_snprintf(qualified, sizeof(qualified), "genai_ratelimit.%s", name);
+    *slot = PyErr_NewExceptionWithDoc(qualified, doc, bases, NULL);
+    if (*slot == NULL)
+        return -1;
+    return PyModule_AddObjectRef(module, name, *slot);
+}
+
+static int
+add_long_long(PyObject *module, const char *name, long long value)
+{
+    PyObject *obj = PyLong_FromLongLong(value);
+    int rc;
+    if (obj == NULL)
+        return -1;
+    rc = PyModule_AddObjectRef(module, name, obj);
+    Py_DECREF(obj);
+    return rc;
+}
+
+static int
+register_fork_hook(PyObject *module)
+{
+    PyObject *os = NULL, *hook = NULL, *kwargs = NULL, *empty = NULL, *res = NULL;
+    int rc = -1;
+    if ((os = PyImport_ImportModule("os")) == NULL)
+        goto done;
+    if ((hook = PyObject_GetAttrString(module, "_after_fork_in_child")) == NULL)
+        goto done;
+    if ((kwargs = Py_BuildValue("{s:O}", "after_in_child", hook)) == NULL)
+        goto done;
+    if ((empty = PyTuple_New(0)) == NULL)
+        goto done;
+    PyObject *register_at_fork = PyObject_GetAttrString(os, "register_at_fork");
+    if (register_at_fork == NULL)
+        goto done;
+    res = PyObject_Call(register_at_fork, empty, kwargs);
+    Py_DECREF(register_at_fork);
+    if (res != NULL)
+        rc = 0;
+done:
+    Py_XDECREF(res);
+    Py_XDECREF(empty);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(hook);
+    Py_XDECREF(os);
+    return rc;
+}
+
+static int
+module_exec(PyObject *module)
+{
+    rl_module_state *state = get_state(module);
+    PyObject *bases = NULL;
+    size_t script_len;
+    const char *script = rl_script_source_text(&script_len);
+    int rc = -1;
+
+    state->pid = getpid();
+    state->kill_switch_warned = 0;
+
+    if (add_exception(module, &state->Error, "RateLimiterError",
+                      "Base class of every error this package raises.", NULL) < 0)
+        goto done;
+    if (add_exception(module, &state->Unavailable, "RateLimiterUnavailable",
+                      "Redis could not give a decision: unreachable, timed out, or it answered "
+                      "something that is not a decision. The next call reconnects by itself.",
+                      state->Error) < 0)
+        goto done;
+    if ((bases = PyTuple_Pack(2, state->Unavailable, PyExc_TimeoutError)) == NULL)
+        goto done;
+    if (add_exception(module, &state->Timeout, "RateLimiterTimeout",
+                      "Redis did not answer within the configured timeout.", bases) < 0)
+        goto done;
+    if (add_exception(module, &state->AuthError, "RateLimiterAuthError",
+                      "Redis refused the credentials, or wants a password that was not given.",
+                      state->Unavailable) < 0)
+        goto done;
+
+    state->LimiterType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &rl_limiter_spec, NULL);
+    if (state->LimiterType == NULL)
+        goto done;
+    if (PyModule_AddObjectRef(module, "Limiter", (PyObject *)state->LimiterType) < 0)
+        goto done;
+
+    if (PyModule_AddStringConstant(module, "SCRIPT_SHA1", rl_script_sha1_hex) < 0)
+        goto done;
+    {
+        PyObject *source = PyUnicode_DecodeUTF8(script, (Py_ssize_t)script_len, "strict");
+        if (source == NULL)
+            goto done;
+        int added = PyModule_AddObjectRef(module, "SCRIPT_SOURCE", source);
+        Py_DECREF(source);
+        if (added < 0)
+            goto done;
+    }
+    if (PyModule_AddIntConstant(module, "MAX_WINDOWS", RL_MAX_WINDOWS) < 0 ||
+        add_long_long(module, "MAX_LIMIT", RL_MAX_LIMIT) < 0 ||
+        add_long_long(module, "MAX_WINDOW_SECONDS", RL_MAX_WINDOW_SECONDS) < 0)
+        goto done;
+    if (register_fork_hook(module) < 0)
+        goto done;
+    rc = 0;
+done:
+    Py_XDECREF(bases);
+    return rc;
+}
+
+static int
+module_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    rl_module_state *state = get_state(module);
+    Py_VISIT(state->LimiterType);
+    Py_VISIT(state->CodecType);
+    Py_VISIT(state->ReaderType);
+    Py_VISIT(state->Error);
+    Py_VISIT(state->Unavailable);
+    Py_VISIT(state->Timeout);
+    Py_VISIT(state->AuthError);
+    return 0;
+}
+
+static int
+module_clear(PyObject *module)
+{
+    rl_module_state *state = get_state(module);
+    Py_CLEAR(state->LimiterType);
+    Py_CLEAR(state->CodecType);
+    Py_CLEAR(state->ReaderType);
+    Py_CLEAR(state->Error);
+    Py_CLEAR(state->Unavailable);
+    Py_CLEAR(state->Timeout);
+    Py_CLEAR(state->AuthError);
+    return 0;
+}
+
+static void
+module_free(void *module)
+{
+    module_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+PyDoc_STRVAR(module_doc,
+"The C core of genai_ratelimit: argument validation, UUID4 members, RESP encoding and\n"
+"decoding (hiredis), the socket round trip with the GIL released, connection pooling.");
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "genai_ratelimit._native",
+    .m_doc = module_doc,
+    .m_size = sizeof(rl_module_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC
+PyInit__native(void)
+{
+    return PyModuleDef_Init(&native_module);
+}

@@ -1,0 +1,308 @@
+"""FastAPI integration: a dependency that decides each request in one `check_windows` call
+(minute, then day) and answers 429 with the headers clients expect.
+
+    from fastapi import Depends, FastAPI
+    from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, rate_limit
+
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)   # headers on every response type
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(rate_limit)])
+    async def chat(): ...
+
+How the X-RateLimit-* headers reach an allowed response: the dependency records its decision
+in the ASGI scope and also sets the headers on FastAPI's injected `Response`. FastAPI copies
+those onto the responses it builds from a route's return value, but not onto a `Response` the
+route returns itself (JSONResponse, StreamingResponse, ...). `RateLimitHeadersMiddleware`, a
+pure ASGI middleware, closes that gap: it adds the recorded headers to the
+`http.response.start` message of every response, without buffering a streamed body. Without
+it, a warning is logged once per process.
+
+Sync or async: with a blocking `RateLimiter` the dependency is a plain `def`, so FastAPI runs
+it in its threadpool and the event loop never waits on Redis; with an async limiter (one whose
+`check_windows` is a coroutine function, or that says `is_async = True`) it is an `async def`.
+
+Requires the `fastapi` extra: pip install genai-ratelimit[fastapi].
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol
+
+from fastapi import HTTPException, Request, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import RateLimiterError
+from ._tiers_config import TIER_BUDGET_KEYS, tier_limits_from_env, validate_tier_limits
+from .limiter import RateLimiter
+from .tiers import DEFAULT_TIER, TIER_LIMITS
+
+__all__ = [
+    "RateLimit",
+    "RateLimitHeadersMiddleware",
+    "rate_limit",
+    "Identify",
+    "default_identify",
+    "window_name",
+]
+
+logger = logging.getLogger("genai_ratelimit")
+
+Windows = tuple[tuple[int, int], ...]
+Decision = tuple[bool, int, int, int]
+Identify = Callable[[Request], "tuple[str, str | None]"]
+OnUnavailable = Literal["deny", "allow"]
+
+
+class SyncWindowLimiter(Protocol):
+    def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> Decision: ...
+
+
+class AsyncWindowLimiter(Protocol):
+    def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> Awaitable[Decision]: ...
+
+
+_WINDOW_NAMES = {60: "minute", 86_400: "day"}
+
+
+def window_name(window_seconds: int) -> str:
+    """The X-RateLimit-Window value: "minute", "day", else e.g. "3600s"."""
+    return _WINDOW_NAMES.get(window_seconds, f"{window_seconds}s")
+
+
+def default_identify(request: Request) -> tuple[str, str | None]:
+    """The contract's identity rule: request.state.user_id (set by the app's auth), else the
+    client address as "ip:<host>"; tier from request.state.tier. Never query parameters or
+    client headers. (Behind a reverse proxy, request.client is what the ASGI server reports:
+    configure its trusted proxies, e.g. uvicorn --forwarded-allow-ips.)"""
+    user_id = getattr(request.state, "user_id", None)
+    if user_id is None or user_id == "":
+        client = request.client
+        user_id = f"ip:{client.host}" if client is not None and client.host else "ip:unknown"
+    return user_id, getattr(request.state, "tier", None)
+
+
+# --- getting the headers onto every response ----------------------------------------------
+
+_SCOPE_KEY = "genai_ratelimit.decision"
+
+
+class _AllowedDecision:
+    """The tightest allowed decision of this request (several RateLimit dependencies on one
+    route keep the one with the fewest remaining; ties: the shorter window). Lives in the ASGI
+    scope; the middleware puts it there before the app runs, so shallow scope copies share it."""
+
+    __slots__ = ("middleware", "limit", "remaining", "window_seconds")
+
+    def __init__(self, middleware: bool) -> None:
+        self.middleware = middleware  # True when RateLimitHeadersMiddleware created it
+        self.limit = 0
+        self.remaining = -1  # -1: nothing recorded yet
+        self.window_seconds = 0
+
+    def offer(self, limit: int, remaining: int, window_seconds: int) -> None:
+        if self.remaining < 0 or (remaining, window_seconds) < (self.remaining, self.window_seconds):
+            self.limit, self.remaining, self.window_seconds = limit, remaining, window_seconds
+
+    def headers(self) -> list[tuple[str, str]]:
+        if self.remaining < 0:
+            return []
+        return [
+            ("x-ratelimit-limit", str(self.limit)),
+            ("x-ratelimit-remaining", str(self.remaining)),
+            ("x-ratelimit-window", window_name(self.window_seconds)),
+        ]
+
+
+class RateLimitHeadersMiddleware:
+    """Pure ASGI middleware: adds the X-RateLimit-* headers of an allowed request to whatever
+    response the route produced (StreamingResponse and JSONResponse included). A header the
+    response already has (a 429's own, or one the route set) is left as it is.
+
+        app.add_middleware(RateLimitHeadersMiddleware)
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        decision = _AllowedDecision(middleware=True)
+        scope[_SCOPE_KEY] = decision
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                extra = decision.headers()
+                if extra:
+                    headers = list(message.get("headers", ()))
+                    present = {bytes(name).lower() for name, _ in headers}
+                    headers += [(name.encode("latin-1"), value.encode("latin-1"))
+                                for name, value in extra if name.encode("latin-1") not in present]
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+_warned_no_middleware = False
+
+
+def _record_allowed(request: Request, response: Response, limit: int, remaining: int,
+                    window_seconds: int) -> None:
+    global _warned_no_middleware
+    decision = request.scope.get(_SCOPE_KEY)
+    if not isinstance(decision, _AllowedDecision):
+        decision = _AllowedDecision(middleware=False)
+        request.scope[_SCOPE_KEY] = decision
+        if not _warned_no_middleware:
+            _warned_no_middleware = True
+            logger.warning(
+                "RateLimitHeadersMiddleware is not installed: X-RateLimit-* headers reach only "
+                "responses FastAPI builds from a route's return value, not a Response the route "
+                "returns itself (StreamingResponse, JSONResponse). Add "
+                "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware).")
+    decision.offer(limit, remaining, window_seconds)
+    for name, value in decision.headers():
+        response.headers[name] = value
+
+
+# --- the dependency ------------------------------------------------------------------------
+
+
+def _is_async_limiter(limiter: object) -> bool:
+    flag = getattr(limiter, "is_async", None)
+    if isinstance(flag, bool):
+        return flag
+    return inspect.iscoroutinefunction(getattr(limiter, "check_windows", None))
+
+
+class RateLimit:
+    """A FastAPI dependency: `Depends(RateLimit(...))`, or the ready `rate_limit`.
+
+    limiter        a RateLimiter or an AsyncRateLimiter; None: a RateLimiter() created on the
+                   first request (it reads $REDIS_URL, else redis://localhost:6379/0).
+    tier_limits    {"free": {"per_minute": 5, "per_day": 100}, ...}; None: the file named by
+                   $GENAI_RATELIMIT_TIERS when set, else TIER_LIMITS. Checked here, at start-up.
+    identify       identify(request) -> (user_id, tier), replacing default_identify.
+    on_unavailable "deny": HTTP 503 + Retry-After: 1 when Redis cannot decide; "allow": let the
+                   request through and log a warning.
+
+    A blocking limiter gives an instance whose __call__ is a plain def (FastAPI's threadpool);
+    an async limiter gives an instance of a subclass whose __call__ is async.
+    """
+
+    def __new__(cls, limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
+                *args: Any, **kwargs: Any) -> RateLimit:
+        if cls is RateLimit and limiter is not None and _is_async_limiter(limiter):
+            cls = _AsyncRateLimit
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
+        tier_limits: Mapping[str, Mapping[str, int]] | None = None,
+        identify: Identify | None = None,
+        on_unavailable: OnUnavailable = "deny",
+    ) -> None:
+        if on_unavailable not in ("deny", "allow"):
+            raise ValueError(f"on_unavailable must be 'deny' or 'allow', got {on_unavailable!r}")
+        if identify is not None and not callable(identify):
+            raise TypeError(f"identify must be a callable taking the request, not {type(identify).__name__}")
+        if limiter is not None and not callable(getattr(limiter, "check_windows", None)):
+            raise TypeError(f"limiter must be a RateLimiter or AsyncRateLimiter, not {type(limiter).__name__}")
+        if tier_limits is None:
+            tier_limits = tier_limits_from_env() or TIER_LIMITS
+        self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)
+        # Per tier, the (limit, window_seconds) pairs of one check_windows call, shortest first.
+        self._windows: dict[str, Windows] = {
+            tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items())
+            for tier, budget in self.tier_limits.items()
+        }
+        self.identify: Identify = identify or default_identify
+        self.on_unavailable: OnUnavailable = on_unavailable
+        self._limiter = limiter
+        self._limiter_lock = threading.Lock()
+
+    @property
+    def limiter(self) -> Any:
+        """The limiter; the default one is created on first use."""
+        if self._limiter is None:
+            with self._limiter_lock:
+                if self._limiter is None:
+                    self._limiter = RateLimiter()
+        return self._limiter
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
+                f"on_unavailable={self.on_unavailable!r})")
+
+    def _subject(self, request: Request) -> tuple[str, Windows]:
+        """Who is asking and under which budget: (user_id, windows)."""
+        user_id, tier = self.identify(request)
+        if isinstance(user_id, int) and not isinstance(user_id, bool):
+            user_id = str(user_id)
+        if not isinstance(user_id, str) or not user_id:
+            raise TypeError(f"the rate-limit identity must be a non-empty str, got {user_id!r}")
+        windows = self._windows.get(tier) if isinstance(tier, str) else None
+        return user_id, windows or self._windows[DEFAULT_TIER]
+
+    def _apply(self, request: Request, response: Response, windows: Windows, decision: Decision) -> None:
+        """Raises the 429, or records the allowed decision's headers."""
+        allowed, remaining, retry_after_s, window_seconds = decision
+        limit = next((lim for lim, seconds in windows if seconds == window_seconds), windows[0][0])
+        if not allowed:
+            raise HTTPException(
+                status_code=429,
+                detail="Rate limit exceeded",
+                headers={
+                    "Retry-After": str(retry_after_s),
+                    "X-RateLimit-Limit": str(limit),
+                    "X-RateLimit-Remaining": "0",
+                    "X-RateLimit-Window": window_name(window_seconds),
+                },
+            )
+        _record_allowed(request, response, limit, remaining, window_seconds)
+
+    def _unavailable(self, user_id: str, exc: RateLimiterError) -> None:
+        """Redis could not decide: 503 (deny) or a logged pass (allow)."""
+        if self.on_unavailable == "allow":
+            logger.warning("rate limiter unavailable, letting %r through (on_unavailable='allow'): %s",
+                           user_id, exc)
+            return
+        logger.warning("rate limiter unavailable, answering 503 to %r: %s", user_id, exc)
+        raise HTTPException(status_code=503, detail="Rate limiter unavailable",
+                            headers={"Retry-After": "1"})
+
+    def __call__(self, request: Request, response: Response) -> Any:
+        # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
+        user_id, windows = self._subject(request)
+        try:
+            decision = self.limiter.check_windows(user_id, windows)
+        except RateLimiterError as exc:
+            self._unavailable(user_id, exc)
+            return
+        self._apply(request, response, windows, decision)
+
+
+class _AsyncRateLimit(RateLimit):
+    """RateLimit over an async limiter: awaited on the event loop, no worker thread."""
+
+    async def __call__(self, request: Request, response: Response) -> None:
+        user_id, windows = self._subject(request)
+        try:
+            decision = await self.limiter.check_windows(user_id, windows)
+        except RateLimiterError as exc:
+            self._unavailable(user_id, exc)
+            return
+        self._apply(request, response, windows, decision)
+
+
+rate_limit: RateLimit = RateLimit()
+"""The ready dependency: default limiter ($REDIS_URL), TIER_LIMITS or $GENAI_RATELIMIT_TIERS,
+default identity, 503 when Redis is unavailable."""

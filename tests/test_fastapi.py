@@ -1,0 +1,570 @@
+"""genai_ratelimit.fastapi through Starlette's TestClient, on a real Redis: identity, tiers,
+the 429 and allowed headers on every response type, the kill switch, Redis unavailable, and
+where the limiter runs (threadpool or event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+import redis
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+import genai_ratelimit.fastapi as ratelimit_fastapi
+from genai_ratelimit import TIER_LIMITS, RateLimiter
+from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, rate_limit, window_name
+from redis_server import RedisServer, free_port
+
+with warnings.catch_warnings():
+    # Starlette >= 1.x asks for the `httpx2` package behind its TestClient and warns when it
+    # falls back to `httpx` (what the test extra installs); the fallback works the same here.
+    warnings.filterwarnings("ignore", message=r".*httpx2")
+    from fastapi.testclient import TestClient
+
+DAY_MS = 86_400_000
+ALL_FOUR = ("Retry-After", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Window")
+
+
+class FakeAuth:
+    """Stands in for an app's auth middleware: `X-Test-Auth: <user_id>[/<tier>]` becomes
+    request.state.user_id (and .tier). The dependency itself never reads client headers."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            for name, value in scope["headers"]:
+                if name == b"x-test-auth":
+                    user_id, _, tier = value.decode().partition("/")
+                    state = scope.setdefault("state", {})
+                    state["user_id"] = user_id
+                    if tier:
+                        state["tier"] = tier
+        await self.app(scope, receive, send)
+
+
+def build_app(dependency: Any, *, headers_middleware: bool = True, extra: Sequence[Any] = ()) -> FastAPI:
+    """An app whose limited routes return each kind of response a route can return."""
+    app = FastAPI()
+    if headers_middleware:
+        app.add_middleware(RateLimitHeadersMiddleware)
+    app.add_middleware(FakeAuth)
+    limited = [Depends(dependency), *(Depends(d) for d in extra)]
+
+    @app.get("/dict", dependencies=limited)
+    async def as_dict() -> dict[str, str]:
+        return {"answer": "ok"}
+
+    @app.get("/json", dependencies=limited)
+    async def as_json_response() -> JSONResponse:
+        return JSONResponse({"answer": "ok"})
+
+    @app.get("/plain", dependencies=limited)
+    def as_plain_response() -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    @app.get("/stream", dependencies=limited)
+    async def as_stream() -> StreamingResponse:
+        async def tokens() -> Any:
+            for token in ("data: a\n\n", "data: b\n\n", "data: [DONE]\n\n"):
+                yield token
+        return StreamingResponse(tokens(), media_type="text/event-stream")
+
+    @app.get("/unlimited")
+    async def unlimited() -> dict[str, str]:
+        return {"answer": "ok"}
+
+    return app
+
+
+@pytest.fixture
+def client_for() -> Iterator[Callable[..., TestClient]]:
+    clients: list[TestClient] = []
+
+    def make(dependency: Any, **kwargs: Any) -> TestClient:
+        client = TestClient(build_app(dependency, **kwargs))
+        client.__enter__()
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        client.__exit__(None, None, None)
+
+
+@pytest.fixture
+def client(limiter: RateLimiter, client_for: Callable[..., TestClient]) -> TestClient:
+    return client_for(RateLimit(limiter=limiter))
+
+
+def as_user(user_id: str, tier: str | None = None) -> dict[str, str]:
+    return {"X-Test-Auth": f"{user_id}/{tier}" if tier else user_id}
+
+
+def server_now_ms(redis_client: redis.Redis) -> int:
+    seconds, micros = redis_client.time()
+    return seconds * 1000 + micros // 1000
+
+
+def prefill(redis_client: redis.Redis, key: str, scores: list[int]) -> None:
+    redis_client.zadd(key, {f"prefill-{i}": score for i, score in enumerate(scores)})
+
+
+@pytest.fixture
+def closed_port_url() -> str:
+    """A loopback port where nothing listens: connecting is refused at once."""
+    return f"redis://127.0.0.1:{free_port()}/0"
+
+
+# --- 429 and the allowed headers ------------------------------------------------------------
+
+
+def test_sixth_free_request_in_a_minute_is_429_with_all_four_headers(client: TestClient, user_id: str) -> None:
+    for _ in range(5):
+        assert client.get("/dict", headers=as_user(user_id, "free")).status_code == 200
+    response = client.get("/dict", headers=as_user(user_id, "free"))
+    assert response.status_code == 429
+    assert response.json() == {"detail": "Rate limit exceeded"}
+    assert all(name in response.headers for name in ALL_FOUR)
+    assert 1 <= int(response.headers["Retry-After"]) <= 60
+    assert response.headers["X-RateLimit-Limit"] == "5"
+    assert response.headers["X-RateLimit-Remaining"] == "0"
+    assert response.headers["X-RateLimit-Window"] == "minute"
+
+
+def test_retry_after_is_the_time_until_the_oldest_request_leaves_the_window(
+        client: TestClient, user_id: str, redis_client: redis.Redis) -> None:
+    # The minute is full of requests made 45 s ago: a retry is honest after 15 s.
+    prefill(redis_client, f"ratelimit:{user_id}:60", [server_now_ms(redis_client) - 45_000] * 5)
+    response = client.get("/dict", headers=as_user(user_id))
+    assert response.status_code == 429
+    assert 13 <= int(response.headers["Retry-After"]) <= 15
+
+
+def test_remaining_counts_down_on_allowed_responses(client: TestClient, user_id: str) -> None:
+    seen = []
+    for _ in range(5):
+        response = client.get("/dict", headers=as_user(user_id, "free"))
+        assert response.status_code == 200
+        assert response.headers["X-RateLimit-Limit"] == "5"
+        assert response.headers["X-RateLimit-Window"] == "minute"
+        assert "Retry-After" not in response.headers
+        seen.append(int(response.headers["X-RateLimit-Remaining"]))
+    assert seen == [4, 3, 2, 1, 0]
+
+
+@pytest.mark.parametrize("route", ["/dict", "/json", "/plain", "/stream"])
+def test_allowed_headers_reach_every_response_type(client: TestClient, user_id: str, route: str) -> None:
+    response = client.get(route, headers=as_user(user_id, "pro"))
+    assert response.status_code == 200
+    assert response.headers["X-RateLimit-Limit"] == "60"
+    assert response.headers["X-RateLimit-Remaining"] == "59"
+    assert response.headers["X-RateLimit-Window"] == "minute"
+    assert response.headers.get_list("X-RateLimit-Remaining") == ["59"]  # never twice
+    if route == "/stream":
+        assert response.text == "data: a\n\ndata: b\n\ndata: [DONE]\n\n"
+
+
+def test_route_without_the_dependency_is_not_limited(client: TestClient, user_id: str,
+                                                     redis_client: redis.Redis) -> None:
+    for _ in range(10):
+        response = client.get("/unlimited", headers=as_user(user_id))
+        assert response.status_code == 200
+        assert "X-RateLimit-Remaining" not in response.headers
+    assert redis_client.keys("*") == []
+
+
+def test_without_the_middleware_returned_values_still_get_headers_and_a_warning_is_logged(
+        limiter: RateLimiter, client_for: Callable[..., TestClient], user_id: str,
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ratelimit_fastapi, "_warned_no_middleware", False)
+    client = client_for(RateLimit(limiter=limiter), headers_middleware=False)
+    with caplog.at_level(logging.WARNING, logger="genai_ratelimit"):
+        first = client.get("/dict", headers=as_user(user_id))
+        second = client.get("/dict", headers=as_user(user_id))
+    assert first.headers["X-RateLimit-Remaining"] == "4"
+    assert second.headers["X-RateLimit-Remaining"] == "3"
+    warnings = [r for r in caplog.records if "RateLimitHeadersMiddleware" in r.getMessage()]
+    assert len(warnings) == 1  # once per process, not per request
+
+
+def test_a_429_keeps_its_own_headers_when_an_earlier_limit_allowed(
+        redis_url: str, redis_client: redis.Redis, client_for: Callable[..., TestClient], user_id: str) -> None:
+    roomy = RateLimiter(redis_url, key_prefix="roomy")
+    strict = RateLimiter(redis_url, key_prefix="strict")
+    try:
+        client = client_for(RateLimit(limiter=roomy),
+                            extra=[RateLimit(limiter=strict, tier_limits={"free": {"per_minute": 1, "per_day": 10}})])
+        assert client.get("/stream", headers=as_user(user_id)).status_code == 200
+        response = client.get("/stream", headers=as_user(user_id))
+        assert response.status_code == 429
+        assert response.headers.get_list("X-RateLimit-Remaining") == ["0"]
+        assert response.headers.get_list("X-RateLimit-Limit") == ["1"]
+    finally:
+        roomy.close()
+        strict.close()
+
+
+def test_two_limits_on_one_route_report_the_tighter_one(
+        redis_url: str, redis_client: redis.Redis, client_for: Callable[..., TestClient], user_id: str) -> None:
+    roomy = RateLimiter(redis_url, key_prefix="roomy")
+    tight = RateLimiter(redis_url, key_prefix="tight")
+    try:
+        client = client_for(RateLimit(limiter=tight, tier_limits={"free": {"per_minute": 3, "per_day": 10}}),
+                            extra=[RateLimit(limiter=roomy)])
+        response = client.get("/json", headers=as_user(user_id))
+        assert response.status_code == 200
+        assert response.headers["X-RateLimit-Limit"] == "3"
+        assert response.headers["X-RateLimit-Remaining"] == "2"
+    finally:
+        roomy.close()
+        tight.close()
+
+
+# --- tiers -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tier", ["free", "pro", "enterprise"])
+def test_each_tier_gets_its_per_minute_budget(client: TestClient, user_id: str, tier: str) -> None:
+    budget = TIER_LIMITS[tier]["per_minute"]
+    assert budget == {"free": 5, "pro": 60, "enterprise": 600}[tier]
+    for number in range(1, budget + 1):
+        response = client.get("/dict", headers=as_user(user_id, tier))
+        assert response.status_code == 200, f"request {number} of {budget}"
+    assert response.headers["X-RateLimit-Remaining"] == "0"
+    response = client.get("/dict", headers=as_user(user_id, tier))
+    assert response.status_code == 429
+    assert response.headers["X-RateLimit-Limit"] == str(budget)
+    assert response.headers["X-RateLimit-Window"] == "minute"
+
+
+def test_tier_in_query_or_client_headers_does_not_raise_the_budget(client: TestClient, user_id: str) -> None:
+    forged = {**as_user(user_id, "free"), "X-Tier": "enterprise", "X-RateLimit-Tier": "enterprise",
+              "Tier": "enterprise", "X-User-Tier": "enterprise"}
+    for _ in range(5):
+        response = client.get("/dict", params={"tier": "enterprise"}, headers=forged)
+        assert response.status_code == 200
+        assert response.headers["X-RateLimit-Limit"] == "5"
+    assert client.get("/dict", params={"tier": "enterprise"}, headers=forged).status_code == 429
+
+
+def test_forged_user_id_in_query_or_headers_does_not_change_identity(client: TestClient, user_id: str) -> None:
+    for n in range(5):
+        response = client.get("/dict", params={"user_id": f"other-{n}"},
+                              headers={**as_user(user_id), "X-User-Id": f"other-{n}"})
+        assert response.status_code == 200
+    assert client.get("/dict", params={"user_id": "fresh"}, headers=as_user(user_id)).status_code == 429
+
+
+@pytest.mark.parametrize("tier", [None, "platinum", ""])
+def test_missing_or_unknown_tier_gets_the_free_budget(client: TestClient, user_id: str, tier: str | None) -> None:
+    headers = {"X-Test-Auth": f"{user_id}/{tier}"} if tier else as_user(user_id)
+    response = client.get("/dict", headers=headers)
+    assert response.headers["X-RateLimit-Limit"] == "5"
+
+
+def test_changing_tier_changes_only_the_budget_not_the_keys(
+        client: TestClient, user_id: str, redis_client: redis.Redis) -> None:
+    for _ in range(5):
+        assert client.get("/dict", headers=as_user(user_id, "free")).status_code == 200
+    assert client.get("/dict", headers=as_user(user_id, "free")).status_code == 429
+    upgraded = client.get("/dict", headers=as_user(user_id, "pro"))
+    assert upgraded.status_code == 200
+    assert upgraded.headers["X-RateLimit-Remaining"] == "54"  # the 5 free requests still count
+    assert sorted(redis_client.keys("*")) == [f"ratelimit:{user_id}:60".encode(),
+                                              f"ratelimit:{user_id}:86400".encode()]
+
+
+# --- the day window --------------------------------------------------------------------------
+
+
+def test_prefilled_day_window_trips_with_window_day(client: TestClient, user_id: str,
+                                                     redis_client: redis.Redis) -> None:
+    now = server_now_ms(redis_client)
+    two_hours_ago = now - 2 * 3_600_000
+    # 100 requests today, none in the last minute: the minute allows, the day rejects.
+    prefill(redis_client, f"ratelimit:{user_id}:86400", [two_hours_ago + i for i in range(100)])
+    response = client.get("/dict", headers=as_user(user_id, "free"))
+    assert response.status_code == 429
+    assert response.headers["X-RateLimit-Window"] == "day"
+    assert response.headers["X-RateLimit-Limit"] == "100"
+    assert response.headers["X-RateLimit-Remaining"] == "0"
+    # The oldest entry leaves the day window 22 h from now.
+    assert 22 * 3600 - 5 <= int(response.headers["Retry-After"]) <= 22 * 3600
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 0  # a rejection writes nothing
+
+
+def test_when_both_windows_reject_the_minutes_retry_after_wins(client: TestClient, user_id: str,
+                                                              redis_client: redis.Redis) -> None:
+    now = server_now_ms(redis_client)
+    recent = [now - 30_000 + i for i in range(5)]  # the minute is full: free again in ~30 s
+    older = [now - 2 * 3_600_000 + i for i in range(95)]
+    prefill(redis_client, f"ratelimit:{user_id}:60", recent)
+    prefill(redis_client, f"ratelimit:{user_id}:86400", older + recent)
+    response = client.get("/dict", headers=as_user(user_id, "free"))
+    assert response.status_code == 429
+    assert response.headers["X-RateLimit-Window"] == "minute"
+    assert response.headers["X-RateLimit-Limit"] == "5"
+    assert 25 <= int(response.headers["Retry-After"]) <= 30
+
+
+def test_allowed_headers_describe_the_window_with_fewest_remaining(client: TestClient, user_id: str,
+                                                                   redis_client: redis.Redis) -> None:
+    now = server_now_ms(redis_client)
+    prefill(redis_client, f"ratelimit:{user_id}:86400", [now - 3_600_000 + i for i in range(97)])
+    response = client.get("/stream", headers=as_user(user_id, "free"))
+    assert response.status_code == 200
+    assert response.headers["X-RateLimit-Window"] == "day"
+    assert response.headers["X-RateLimit-Limit"] == "100"
+    assert response.headers["X-RateLimit-Remaining"] == "2"
+
+
+# --- identity --------------------------------------------------------------------------------
+
+
+def test_missing_user_id_falls_back_to_the_client_address(client: TestClient, redis_client: redis.Redis) -> None:
+    for _ in range(5):
+        assert client.get("/dict").status_code == 200
+    assert client.get("/dict").status_code == 429
+    # Starlette's TestClient connects as the host "testclient".
+    assert redis_client.zcard("ratelimit:ip:testclient:60") == 5
+
+
+def test_each_user_id_has_its_own_budget(client: TestClient, user_id: str) -> None:
+    for _ in range(5):
+        client.get("/dict", headers=as_user(user_id))
+    assert client.get("/dict", headers=as_user(user_id)).status_code == 429
+    assert client.get("/dict", headers=as_user(user_id + "-other")).status_code == 200
+
+
+def test_identify_overrides_identity_and_tier(limiter: RateLimiter, client_for: Callable[..., TestClient],
+                                              redis_client: redis.Redis) -> None:
+    seen: list[Request] = []
+
+    def identify(request: Request) -> tuple[str, str]:
+        seen.append(request)
+        return "org:acme", "pro"
+
+    client = client_for(RateLimit(limiter=limiter, identify=identify))
+    response = client.get("/dict", headers=as_user("someone-else", "free"))
+    assert response.headers["X-RateLimit-Limit"] == "60"
+    assert len(seen) == 1
+    assert redis_client.zcard("ratelimit:org:acme:60") == 1
+    assert redis_client.keys("ratelimit:someone-else:*") == []
+
+
+def test_identity_that_is_not_a_string_is_a_programming_error(
+        limiter: RateLimiter, client_for: Callable[..., TestClient]) -> None:
+    app = build_app(RateLimit(limiter=limiter, identify=lambda request: (None, "free")))
+    with TestClient(app, raise_server_exceptions=True) as client:
+        with pytest.raises(TypeError, match="non-empty str"):
+            client.get("/dict")
+
+
+# --- configuration checked when the dependency is built ---------------------------------------
+
+
+def test_on_unavailable_other_than_deny_or_allow_is_a_value_error(limiter: RateLimiter) -> None:
+    with pytest.raises(ValueError, match="on_unavailable"):
+        RateLimit(limiter=limiter, on_unavailable="ignore")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("tier_limits", [
+    {"pro": {"per_minute": 60, "per_day": 5000}},          # no free tier
+    {"free": {"per_minute": 0, "per_day": 100}},           # a zero budget
+    {"free": {"per_minute": 5}},                           # no per_day
+    {"free": {"per_minute": 5, "per_day": 100, "per_hour": 50}},
+    {"free": {"per_minute": True, "per_day": 100}},
+    {"free": {"per_minute": 5.0, "per_day": 100}},
+])
+def test_bad_tier_limits_fail_when_the_dependency_is_built(limiter: RateLimiter, tier_limits: Any) -> None:
+    with pytest.raises(ValueError, match="tier_limits"):
+        RateLimit(limiter=limiter, tier_limits=tier_limits)
+
+
+def test_limiter_without_check_windows_is_a_type_error() -> None:
+    with pytest.raises(TypeError, match="limiter"):
+        RateLimit(limiter=object())  # type: ignore[arg-type]
+
+
+def test_tier_limits_argument_sets_the_budget(limiter: RateLimiter, client_for: Callable[..., TestClient],
+                                              user_id: str) -> None:
+    client = client_for(RateLimit(limiter=limiter, tier_limits={"free": {"per_minute": 2, "per_day": 3}}))
+    assert [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_window_names() -> None:
+    assert (window_name(60), window_name(86400), window_name(3600)) == ("minute", "day", "3600s")
+
+
+def test_ready_dependency_uses_redis_url_on_first_request(
+        redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
+        client_for: Callable[..., TestClient], user_id: str) -> None:
+    assert isinstance(rate_limit, RateLimit)
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    dependency = RateLimit()  # what `rate_limit` is: the default limiter, made on first use
+    client = client_for(dependency)
+    assert client.get("/dict", headers=as_user(user_id)).headers["X-RateLimit-Remaining"] == "4"
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 1
+    dependency.limiter.close()
+
+
+# --- kill switch -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "On"])
+def test_kill_switch_lets_everything_through_without_touching_redis(
+        closed_port_url: str, client_for: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch,
+        user_id: str, value: str) -> None:
+    # The limiter points at a port where nothing listens: any Redis I/O would be a 503.
+    unreachable = RateLimiter(closed_port_url)
+    try:
+        monkeypatch.setenv("RATE_LIMIT_DISABLED", value)
+        client = client_for(RateLimit(limiter=unreachable))
+        for _ in range(20):
+            assert client.get("/stream", headers=as_user(user_id)).status_code == 200
+        monkeypatch.delenv("RATE_LIMIT_DISABLED")
+        assert client.get("/stream", headers=as_user(user_id)).status_code == 503
+    finally:
+        unreachable.close()
+
+
+def test_kill_switch_sends_no_command_to_a_live_redis(
+        client: TestClient, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, user_id: str) -> None:
+    redis_client.config_resetstat()
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    for _ in range(10):
+        assert client.get("/dict", headers=as_user(user_id)).status_code == 200
+    stats = redis_client.info("commandstats")
+    assert not any(name in stats for name in ("cmdstat_evalsha", "cmdstat_eval", "cmdstat_zadd"))
+    assert redis_client.keys("*") == []
+
+
+# --- Redis unavailable -------------------------------------------------------------------------
+
+
+def test_redis_down_answers_503_with_retry_after_1(closed_port_url: str,
+                                                   client_for: Callable[..., TestClient], user_id: str) -> None:
+    unreachable = RateLimiter(closed_port_url)
+    try:
+        client = client_for(RateLimit(limiter=unreachable))
+        for route in ("/dict", "/stream"):
+            response = client.get(route, headers=as_user(user_id))
+            assert response.status_code == 503
+            assert response.json() == {"detail": "Rate limiter unavailable"}
+            assert response.headers["Retry-After"] == "1"
+            assert "X-RateLimit-Remaining" not in response.headers
+    finally:
+        unreachable.close()
+
+
+def test_redis_killed_while_serving_answers_503_then_recovers(
+        private_redis: RedisServer, client_for: Callable[..., TestClient], user_id: str) -> None:
+    limiter = RateLimiter(private_redis.url)
+    try:
+        client = client_for(RateLimit(limiter=limiter))
+        assert client.get("/stream", headers=as_user(user_id)).status_code == 200
+        private_redis.kill()
+        response = client.get("/stream", headers=as_user(user_id))
+        assert (response.status_code, response.headers["Retry-After"]) == (503, "1")
+        private_redis.start(port=private_redis.port)
+        assert client.get("/stream", headers=as_user(user_id)).status_code == 200
+    finally:
+        limiter.close()
+
+
+def test_on_unavailable_allow_lets_requests_through_and_logs_a_warning(
+        closed_port_url: str, client_for: Callable[..., TestClient], user_id: str,
+        caplog: pytest.LogCaptureFixture) -> None:
+    unreachable = RateLimiter(closed_port_url)
+    try:
+        client = client_for(RateLimit(limiter=unreachable, on_unavailable="allow"))
+        with caplog.at_level(logging.WARNING, logger="genai_ratelimit"):
+            response = client.get("/json", headers=as_user(user_id))
+        assert response.status_code == 200
+        assert response.json() == {"answer": "ok"}
+        assert "X-RateLimit-Remaining" not in response.headers
+        assert any(r.name == "genai_ratelimit" and r.levelno == logging.WARNING
+                   and "unavailable" in r.getMessage() for r in caplog.records)
+    finally:
+        unreachable.close()
+
+
+# --- where the limiter runs ------------------------------------------------------------------
+
+
+class ThreadRecordingLimiter:
+    """A RateLimiter wrapper that remembers which thread made each call."""
+
+    def __init__(self, inner: RateLimiter) -> None:
+        self.inner = inner
+        self.threads: list[int] = []
+
+    def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> tuple[bool, int, int, int]:
+        self.threads.append(threading.get_ident())
+        return self.inner.check_windows(user_id, windows)
+
+
+def test_a_blocking_limiter_runs_in_the_threadpool_not_on_the_event_loop(
+        limiter: RateLimiter, user_id: str) -> None:
+    recording = ThreadRecordingLimiter(limiter)
+    dependency = RateLimit(limiter=recording)
+    assert not inspect.iscoroutinefunction(dependency.__call__)
+    app = build_app(dependency)
+    loop_threads: list[int] = []
+
+    @app.get("/loop-thread", dependencies=[Depends(dependency)])
+    async def loop_thread() -> dict[str, str]:
+        loop_threads.append(threading.get_ident())
+        return {}
+
+    with TestClient(app) as client:
+        assert client.get("/loop-thread", headers=as_user(user_id)).status_code == 200
+    assert len(recording.threads) == 1 and len(loop_threads) == 1
+    assert recording.threads[0] != loop_threads[0]
+
+
+class AwaitableLimiter:
+    """An async limiter stand-in: `await check_windows(...)`, answered by a real RateLimiter
+    on the loop's default executor. Records the event loop it was awaited on."""
+
+    def __init__(self, inner: RateLimiter) -> None:
+        self.inner = inner
+        self.awaited_on: list[asyncio.AbstractEventLoop] = []
+
+    async def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> tuple[bool, int, int, int]:
+        loop = asyncio.get_running_loop()
+        self.awaited_on.append(loop)
+        return await loop.run_in_executor(None, self.inner.check_windows, user_id, list(windows))
+
+
+def test_an_async_limiter_is_awaited_on_the_event_loop(limiter: RateLimiter, user_id: str,
+                                                       client_for: Callable[..., TestClient]) -> None:
+    async_limiter = AwaitableLimiter(limiter)
+    dependency = RateLimit(limiter=async_limiter)
+    assert isinstance(dependency, RateLimit)
+    assert inspect.iscoroutinefunction(dependency.__call__)
+    client = client_for(dependency)
+    statuses = [client.get("/stream", headers=as_user(user_id)).status_code for _ in range(6)]
+    assert statuses == [200] * 5 + [429]
+    assert len(async_limiter.awaited_on) == 6
+
+
+def test_is_async_attribute_decides_over_introspection(limiter: RateLimiter) -> None:
+    class Flagged:
+        is_async = True
+
+        def check_windows(self, user_id: str, windows: Any) -> Any:  # e.g. a C method returning an awaitable
+            raise AssertionError("not called")
+
+    assert inspect.iscoroutinefunction(RateLimit(limiter=Flagged()).__call__)
+    assert not inspect.iscoroutinefunction(RateLimit(limiter=limiter).__call__)

@@ -1,0 +1,208 @@
+"""Tier budgets from the file named by GENAI_RATELIMIT_TIERS (JSON or TOML): honoured by the
+dependency, and a malformed file fails when the dependency is built (at start-up), naming the
+file and the problem."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from fastapi import Depends, FastAPI, Request
+
+from genai_ratelimit import TIER_LIMITS, RateLimiter
+from genai_ratelimit._tiers_config import (
+    TIERS_FILE_ENV,
+    TierConfigError,
+    load_tier_limits,
+    tier_limits_from_env,
+    validate_tier_limits,
+)
+from genai_ratelimit.fastapi import RateLimit
+
+with warnings.catch_warnings():
+    # Starlette >= 1.x warns when its TestClient falls back to `httpx` instead of `httpx2`.
+    warnings.filterwarnings("ignore", message=r".*httpx2")
+    from fastapi.testclient import TestClient
+
+GOOD = {
+    "free": {"per_minute": 2, "per_day": 50},
+    "pro": {"per_minute": 7, "per_day": 500},
+}
+GOOD_TOML = """\
+# budgets for this deployment
+[free]
+per_minute = 2
+per_day = 50
+
+[pro]
+per_minute = 7
+per_day = 500
+"""
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def statuses(dependency: RateLimit, user_id: str, tier: str, count: int) -> list[int]:
+    app = FastAPI()
+
+    @app.get("/", dependencies=[Depends(dependency)])
+    async def limited(request: Request) -> dict[str, str]:
+        return {}
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next: Any) -> Any:
+        request.state.user_id, request.state.tier = user_id, tier
+        return await call_next(request)
+
+    with TestClient(app) as client:
+        return [client.get("/").status_code for _ in range(count)]
+
+
+# --- honoured ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,text", [("tiers.json", json.dumps(GOOD)), ("tiers.toml", GOOD_TOML)])
+def test_tiers_file_named_by_the_environment_sets_the_budgets(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter, user_id: str,
+        name: str, text: str) -> None:
+    monkeypatch.setenv(TIERS_FILE_ENV, str(write(tmp_path, name, text)))
+    dependency = RateLimit(limiter=limiter)
+    assert dependency.tier_limits == GOOD
+    assert statuses(dependency, user_id, "free", 3) == [200, 200, 429]
+    assert statuses(dependency, user_id + "-pro", "pro", 8) == [200] * 7 + [429]
+
+
+def test_a_tier_missing_from_the_file_gets_the_files_free_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter, user_id: str) -> None:
+    monkeypatch.setenv(TIERS_FILE_ENV, str(write(tmp_path, "tiers.json", json.dumps(GOOD))))
+    assert statuses(RateLimit(limiter=limiter), user_id, "enterprise", 3) == [200, 200, 429]
+
+
+def test_explicit_tier_limits_win_over_the_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter) -> None:
+    monkeypatch.setenv(TIERS_FILE_ENV, str(write(tmp_path, "tiers.json", json.dumps(GOOD))))
+    explicit = {"free": {"per_minute": 9, "per_day": 90}}
+    assert RateLimit(limiter=limiter, tier_limits=explicit).tier_limits == explicit
+
+
+@pytest.mark.parametrize("value", [None, "", "   "])
+def test_without_the_variable_the_built_in_tiers_apply(
+        monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter, value: str | None) -> None:
+    if value is None:
+        monkeypatch.delenv(TIERS_FILE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TIERS_FILE_ENV, value)
+    assert tier_limits_from_env() is None
+    assert RateLimit(limiter=limiter).tier_limits == TIER_LIMITS
+
+
+def test_the_file_is_read_once_at_start_up_not_per_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter, user_id: str) -> None:
+    path = write(tmp_path, "tiers.json", json.dumps(GOOD))
+    monkeypatch.setenv(TIERS_FILE_ENV, str(path))
+    dependency = RateLimit(limiter=limiter)
+    path.write_text("{ broken", encoding="utf-8")  # a later edit cannot break a running service
+    assert statuses(dependency, user_id, "free", 3) == [200, 200, 429]
+
+
+def test_the_validated_budgets_are_a_copy(limiter: RateLimiter) -> None:
+    budgets = {"free": {"per_minute": 3, "per_day": 30}}
+    dependency = RateLimit(limiter=limiter, tier_limits=budgets)
+    budgets["free"]["per_minute"] = 1000
+    assert dependency.tier_limits["free"]["per_minute"] == 3
+
+
+# --- malformed: fails when built, naming the file and the problem ----------------------------
+
+MALFORMED = [
+    ("syntax.json", '{"free": {"per_minute": 5, "per_day": 100},}', "invalid JSON"),
+    ("syntax.toml", "[free]\nper_minute = = 5\n", "invalid TOML"),
+    ("empty.json", "", "invalid JSON"),
+    ("list.json", "[1, 2]", "expected a table of tiers"),
+    ("none.json", "{}", "no tiers defined"),
+    ("nofree.json", '{"pro": {"per_minute": 60, "per_day": 5000}}', "'free' tier is required"),
+    ("zero.json", '{"free": {"per_minute": 0, "per_day": 100}}', "per_minute must be an integer >= 1"),
+    ("negative.toml", "[free]\nper_minute = 5\nper_day = -1\n", "per_day must be an integer >= 1"),
+    ("float.json", '{"free": {"per_minute": 5.5, "per_day": 100}}', "per_minute must be an integer >= 1"),
+    ("bool.json", '{"free": {"per_minute": true, "per_day": 100}}', "per_minute must be an integer >= 1"),
+    ("string.toml", '[free]\nper_minute = "5"\nper_day = 100\n', "per_minute must be an integer >= 1"),
+    ("missing.json", '{"free": {"per_minute": 5}}', "missing per_day"),
+    ("typo.json", '{"free": {"per_minute": 5, "per_dya": 100, "per_day": 100}}', "unknown key(s) ['per_dya']"),
+    ("scalar.json", '{"free": 5}', "tier 'free' must be a table"),
+    ("order.json", '{"free": {"per_minute": 50, "per_day": 10}}', "per_day (10) is smaller than per_minute (50)"),
+    ("dup.json", '{"free": {"per_minute": 5, "per_day": 100}, "free": {"per_minute": 500, "per_day": 1000}}',
+     "duplicate key 'free'"),
+    ("blank.json", '{" ": {"per_minute": 5, "per_day": 100}, "free": {"per_minute": 5, "per_day": 100}}',
+     "tier names must be non-empty"),
+    ("tiers.yaml", "free: {per_minute: 5, per_day: 100}\n", "use a .json or .toml file"),
+]
+
+
+@pytest.mark.parametrize("name,text,problem", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_tiers_file_fails_when_the_dependency_is_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter,
+        name: str, text: str, problem: str) -> None:
+    path = write(tmp_path, name, text)
+    monkeypatch.setenv(TIERS_FILE_ENV, str(path))
+    with pytest.raises(TierConfigError) as caught:
+        RateLimit(limiter=limiter)
+    message = str(caught.value)
+    assert str(path) in message
+    assert TIERS_FILE_ENV in message
+    assert problem in message
+
+
+def test_missing_tiers_file_fails_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            limiter: RateLimiter) -> None:
+    path = tmp_path / "nowhere.toml"
+    monkeypatch.setenv(TIERS_FILE_ENV, str(path))
+    with pytest.raises(TierConfigError, match="file not found") as caught:
+        RateLimit(limiter=limiter)
+    assert str(path) in str(caught.value)
+
+
+def test_tier_config_error_is_a_value_error() -> None:
+    assert issubclass(TierConfigError, ValueError)
+
+
+def test_load_tier_limits_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "tiers.json", '{"free": {"per_minute": 0, "per_day": 1}}')
+    with pytest.raises(TierConfigError, match=r"^" + str(path).replace(".", r"\.") + ": tier 'free'"):
+        load_tier_limits(path)
+    assert load_tier_limits(write(tmp_path, "ok.toml", GOOD_TOML)) == GOOD
+
+
+def test_validate_tier_limits_accepts_the_built_in_tiers() -> None:
+    assert validate_tier_limits(TIER_LIMITS) == TIER_LIMITS
+
+
+def test_malformed_tiers_file_stops_an_app_at_import(tmp_path: Path) -> None:
+    """The ready `rate_limit` reads the file when genai_ratelimit.fastapi is imported: an app
+    with a broken file never starts (and says why) instead of failing request by request."""
+    path = write(tmp_path, "tiers.toml", "[free]\nper_minute = 5\n")
+    env = {**os.environ, TIERS_FILE_ENV: str(path)}
+    result = subprocess.run([sys.executable, "-c", "import genai_ratelimit.fastapi"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "TierConfigError" in result.stderr
+    assert f"{TIERS_FILE_ENV}={path}: tier 'free': missing per_day" in result.stderr
+
+
+def test_file_budgets_use_the_same_keys_as_built_in_tiers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter, user_id: str,
+        redis_client: redis.Redis) -> None:
+    monkeypatch.setenv(TIERS_FILE_ENV, str(write(tmp_path, "tiers.json", json.dumps(GOOD))))
+    statuses(RateLimit(limiter=limiter), user_id, "pro", 1)
+    assert sorted(redis_client.keys("*")) == [f"ratelimit:{user_id}:60".encode(),
+                                              f"ratelimit:{user_id}:86400".encode()]

@@ -1,0 +1,255 @@
+"""The example service (examples/app.py) under a real uvicorn on loopback, driven by a real
+HTTP client (httpx): the 429 path, the headers of streamed and JSON responses as they arrive
+on the wire, tiers, identity, and start-up with a broken tiers file or Redis down."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from genai_ratelimit import TIER_LIMITS
+from redis_server import free_port
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+KEYS = {"free": "sk-demo-free", "pro": "sk-demo-pro", "enterprise": "sk-demo-enterprise"}
+USERS = {"free": "user_free", "pro": "user_pro", "enterprise": "user_enterprise"}
+CHAT = "/v1/chat/completions"
+ALL_FOUR = ("Retry-After", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Window")
+
+
+class UvicornApp:
+    """examples/app.py served by `python -m uvicorn` in a subprocess on a free loopback port.
+    Runs from a temporary directory so the installed package is imported, not the source tree."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = {**os.environ, **env}
+        self.directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-uvicorn-"))
+        self.log_path = self.directory / "uvicorn.log"
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        self.port = free_port()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "app:app", "--app-dir", str(EXAMPLES),
+                 "--host", "127.0.0.1", "--port", str(self.port), "--no-proxy-headers",
+                 "--no-access-log", "--log-level", "warning"],
+                cwd=self.directory, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        return self.process
+
+    def start(self, timeout: float = 30.0) -> None:
+        for _ in range(5):  # the free port may be taken before uvicorn binds it: try another
+            process = self.spawn()
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and process.poll() is None:
+                try:
+                    if httpx.get(self.base_url + "/healthz", timeout=1.0).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)  # readiness polling until /healthz answers, exits, or the deadline
+            self.stop()
+            if "address already in use" not in self.log().lower():
+                break
+        raise RuntimeError(f"uvicorn did not start:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def clean_env(**env: str) -> dict[str, str]:
+    base = {"GENAI_RATELIMIT_TIERS": "", "RATE_LIMIT_DISABLED": "", "EXAMPLE_KEY_PREFIX": "ratelimit"}
+    return {**base, **env}
+
+
+@pytest.fixture(scope="module")
+def served(redis_url: str) -> Iterator[UvicornApp]:
+    server = UvicornApp(clean_env(REDIS_URL=redis_url))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def http(served: UvicornApp, redis_client: redis.Redis) -> Iterator[httpx.Client]:
+    """A client of the served app, on a Redis database flushed for this test."""
+    with httpx.Client(base_url=served.base_url, timeout=10.0) as client:
+        yield client
+
+
+def chat(http: httpx.Client, tier: str | None, *, stream: bool = True, **kwargs: object) -> httpx.Response:
+    headers = dict(kwargs.pop("headers", {}))  # type: ignore[arg-type]
+    if tier is not None:
+        headers["Authorization"] = f"Bearer {KEYS[tier]}"
+    body = {"messages": [{"role": "user", "content": "hello"}], "stream": stream}
+    return http.post(CHAT, json=body, headers=headers, **kwargs)  # type: ignore[arg-type]
+
+
+# --- the 429 path and the headers on the wire ---------------------------------------------
+
+
+def test_sixth_free_request_gets_429_with_all_four_headers_over_http(http: httpx.Client) -> None:
+    remaining = []
+    for _ in range(5):
+        response = chat(http, "free")
+        assert response.status_code == 200
+        remaining.append(response.headers["X-RateLimit-Remaining"])
+    assert remaining == ["4", "3", "2", "1", "0"]
+    response = chat(http, "free")
+    assert response.status_code == 429
+    assert response.json() == {"detail": "Rate limit exceeded"}
+    assert all(name in response.headers for name in ALL_FOUR)
+    assert 1 <= int(response.headers["Retry-After"]) <= 60
+    assert (response.headers["X-RateLimit-Limit"], response.headers["X-RateLimit-Remaining"],
+            response.headers["X-RateLimit-Window"]) == ("5", "0", "minute")
+
+
+def test_streamed_response_carries_the_headers_before_its_body(http: httpx.Client) -> None:
+    body = {"messages": [{"role": "user", "content": "stream please"}], "stream": True}
+    with http.stream("POST", CHAT, json=body, headers={"Authorization": f"Bearer {KEYS['pro']}"}) as response:
+        # Headers are read when the response starts, before any of the stream is consumed.
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["X-RateLimit-Limit"] == "60"
+        assert response.headers["X-RateLimit-Remaining"] == "59"
+        assert response.headers["X-RateLimit-Window"] == "minute"
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event[len("data: "):]) for event in events[:-1]]
+    assert len(chunks) > 3
+    assert all(chunk["object"] == "chat.completion.chunk" for chunk in chunks)
+
+
+def test_json_response_carries_the_headers(http: httpx.Client) -> None:
+    response = chat(http, "enterprise", stream=False)
+    assert response.status_code == 200
+    assert response.json()["object"] == "chat.completion"
+    assert response.headers["X-RateLimit-Limit"] == "600"
+    assert response.headers["X-RateLimit-Remaining"] == "599"
+    assert response.headers["X-RateLimit-Window"] == "minute"
+
+
+@pytest.mark.parametrize("tier", ["free", "pro", "enterprise"])
+def test_each_tier_gets_its_per_minute_budget_over_http(http: httpx.Client, tier: str) -> None:
+    budget = TIER_LIMITS[tier]["per_minute"]
+    codes = [chat(http, tier, stream=False).status_code for _ in range(budget + 1)]
+    assert codes == [200] * budget + [429]
+
+
+def test_tier_in_query_or_forged_headers_does_not_raise_the_budget_over_http(http: httpx.Client) -> None:
+    forged = {"X-Tier": "enterprise", "X-RateLimit-Tier": "enterprise", "X-User-Id": "someone-else"}
+    codes = [chat(http, "free", params={"tier": "enterprise"}, headers=forged).status_code for _ in range(6)]
+    assert codes == [200] * 5 + [429]
+
+
+def test_day_window_trips_with_window_day_over_http(http: httpx.Client, redis_client: redis.Redis) -> None:
+    seconds, micros = redis_client.time()
+    now = seconds * 1000 + micros // 1000
+    redis_client.zadd("ratelimit:user_free:86400", {f"old-{i}": now - 3 * 3_600_000 + i for i in range(100)})
+    response = chat(http, "free")
+    assert response.status_code == 429
+    assert response.headers["X-RateLimit-Window"] == "day"
+    assert response.headers["X-RateLimit-Limit"] == "100"
+    assert 21 * 3600 - 5 <= int(response.headers["Retry-After"]) <= 21 * 3600
+
+
+# --- identity ------------------------------------------------------------------------------
+
+
+def test_anonymous_requests_are_limited_by_client_address(http: httpx.Client, redis_client: redis.Redis) -> None:
+    # --no-proxy-headers: a forged X-Forwarded-For does not buy a fresh budget.
+    codes = [chat(http, None, headers={"X-Forwarded-For": f"203.0.113.{n}"}).status_code for n in range(6)]
+    assert codes == [200] * 5 + [429]
+    assert redis_client.zcard("ratelimit:ip:127.0.0.1:60") == 5
+
+
+def test_invalid_api_key_is_401_and_not_counted(http: httpx.Client, redis_client: redis.Redis) -> None:
+    response = chat(http, None, headers={"Authorization": "Bearer sk-wrong"})
+    assert response.status_code == 401
+    assert redis_client.keys("*") == []
+
+
+def test_health_route_is_not_limited(http: httpx.Client, redis_client: redis.Redis) -> None:
+    for _ in range(20):
+        response = http.get("/healthz")
+        assert response.status_code == 200
+        assert "X-RateLimit-Remaining" not in response.headers
+    assert redis_client.keys("*") == []
+
+
+# --- start-up and Redis down -----------------------------------------------------------------
+
+
+def test_tiers_file_is_honoured_by_the_served_app(redis_url: str, redis_client: redis.Redis,
+                                                  tmp_path: Path) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text("[free]\nper_minute = 2\nper_day = 20\n", encoding="utf-8")
+    server = UvicornApp(clean_env(REDIS_URL=redis_url, GENAI_RATELIMIT_TIERS=str(tiers)))
+    server.start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=10.0) as client:
+            responses = [chat(client, "pro") for _ in range(3)]  # pro is not in the file: free's budget
+        assert [r.status_code for r in responses] == [200, 200, 429]
+        assert responses[-1].headers["X-RateLimit-Limit"] == "2"
+    finally:
+        server.close()
+
+
+def test_malformed_tiers_file_stops_the_server_at_start_up(redis_url: str, tmp_path: Path) -> None:
+    tiers = tmp_path / "tiers.json"
+    tiers.write_text('{"free": {"per_minute": 5, "per_day": "lots"}}', encoding="utf-8")
+    server = UvicornApp(clean_env(REDIS_URL=redis_url, GENAI_RATELIMIT_TIERS=str(tiers)))
+    try:
+        process = server.spawn()
+        assert process.wait(60) != 0
+        log = server.log()
+        assert f"GENAI_RATELIMIT_TIERS={tiers}" in log
+        assert "tier 'free': per_day must be an integer >= 1, got str 'lots'" in log
+    finally:
+        server.close()
+
+
+def test_redis_down_answers_503_with_retry_after_1_over_http() -> None:
+    server = UvicornApp(clean_env(REDIS_URL=f"redis://127.0.0.1:{free_port()}/0"))
+    server.start()
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=10.0) as client:
+            for stream in (True, False):
+                response = chat(client, "pro", stream=stream)
+                assert response.status_code == 503
+                assert response.json() == {"detail": "Rate limiter unavailable"}
+                assert response.headers["Retry-After"] == "1"
+            assert client.get("/healthz").status_code == 200
+    finally:
+        server.close()

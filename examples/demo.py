@@ -26,7 +26,7 @@ COLUMNS = ("#", "status", "X-RateLimit-Remaining", "Retry-After", "X-RateLimit-W
 
 def fire(client: httpx.Client, api_key: str, count: int) -> list[tuple[str, ...]]:
     """`count` streamed chat completions as one user. Returns one table row per request."""
-    rows = []
+    rows: list[tuple[str, ...]] = []
     body = {"model": "demo-1", "stream": True,
             "messages": [{"role": "user", "content": "Tell me about rate limits."}]}
     for number in range(1, count + 1):

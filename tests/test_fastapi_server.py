@@ -108,12 +108,14 @@ def http(served: UvicornApp, redis_client: redis.Redis) -> Iterator[httpx.Client
         yield client
 
 
-def chat(http: httpx.Client, tier: str | None, *, stream: bool = True, **kwargs: object) -> httpx.Response:
-    headers = dict(kwargs.pop("headers", {}))  # type: ignore[arg-type]
+def chat(http: httpx.Client, tier: str | None, *, stream: bool = True,
+         headers: dict[str, str] | None = None, params: dict[str, str] | None = None) -> httpx.Response:
+    """One chat completion as the user of `tier` (None: anonymous), read in full."""
+    headers = dict(headers or {})
     if tier is not None:
         headers["Authorization"] = f"Bearer {KEYS[tier]}"
     body = {"messages": [{"role": "user", "content": "hello"}], "stream": stream}
-    return http.post(CHAT, json=body, headers=headers, **kwargs)  # type: ignore[arg-type]
+    return http.post(CHAT, json=body, headers=headers, params=params)
 
 
 # --- the 429 path and the headers on the wire ---------------------------------------------

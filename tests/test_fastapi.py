@@ -86,6 +86,12 @@ def build_app(dependency: Any, *, headers_middleware: bool = True, extra: Sequen
     return app
 
 
+@pytest.fixture(autouse=True)
+def _built_in_tiers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiers file named in the developer's shell must not change the budgets tested here."""
+    monkeypatch.delenv("GENAI_RATELIMIT_TIERS", raising=False)
+
+
 @pytest.fixture
 def client_for() -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []

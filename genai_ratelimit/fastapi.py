@@ -96,10 +96,9 @@ class _AllowedDecision:
     route keep the one with the fewest remaining; ties: the shorter window). Lives in the ASGI
     scope; the middleware puts it there before the app runs, so shallow scope copies share it."""
 
-    __slots__ = ("middleware", "limit", "remaining", "window_seconds")
+    __slots__ = ("limit", "remaining", "window_seconds")
 
-    def __init__(self, middleware: bool) -> None:
-        self.middleware = middleware  # True when RateLimitHeadersMiddleware created it
+    def __init__(self) -> None:
         self.limit = 0
         self.remaining = -1  # -1: nothing recorded yet
         self.window_seconds = 0
@@ -133,7 +132,7 @@ class RateLimitHeadersMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        decision = _AllowedDecision(middleware=True)
+        decision = _AllowedDecision()
         scope[_SCOPE_KEY] = decision
 
         async def send_with_headers(message: Message) -> None:
@@ -158,7 +157,7 @@ def _record_allowed(request: Request, response: Response, limit: int, remaining:
     global _warned_no_middleware
     decision = request.scope.get(_SCOPE_KEY)
     if not isinstance(decision, _AllowedDecision):
-        decision = _AllowedDecision(middleware=False)
+        decision = _AllowedDecision()  # no middleware: only the sub-response carries it
         request.scope[_SCOPE_KEY] = decision
         if not _warned_no_middleware:
             _warned_no_middleware = True

@@ -33,8 +33,12 @@ import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
-from fastapi import HTTPException, Request, Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+try:
+    from fastapi import HTTPException, Request, Response
+    from starlette.types import ASGIApp, Message, Receive, Scope, Send
+except ImportError as exc:  # the core package works without FastAPI; this module does not
+    raise ImportError("genai_ratelimit.fastapi needs FastAPI: pip install 'genai-ratelimit[fastapi]'"
+                      f" ({exc})") from exc
 
 from . import RateLimiterError
 from ._tiers_config import TIER_BUDGET_KEYS, tier_limits_from_env, validate_tier_limits

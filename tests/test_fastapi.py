@@ -7,9 +7,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import subprocess
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -405,6 +408,24 @@ def test_tier_limits_argument_sets_the_budget(limiter: RateLimiter, client_for: 
                                               user_id: str) -> None:
     client = client_for(RateLimit(limiter=limiter, tier_limits={"free": {"per_minute": 2, "per_day": 3}}))
     assert [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_core_package_imports_without_fastapi_and_the_integration_says_what_to_install(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "sys.modules['fastapi'] = None  # as if FastAPI were not installed\n"
+        "import genai_ratelimit\n"
+        "assert genai_ratelimit.RateLimiter\n"
+        "try:\n"
+        "    import genai_ratelimit.fastapi\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    # From a temporary directory: `python -c` puts the cwd first on sys.path.
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "pip install 'genai-ratelimit[fastapi]'" in result.stdout
 
 
 def test_window_names() -> None:

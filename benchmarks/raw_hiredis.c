@@ -18,6 +18,9 @@
  * allowed / rejected. Every reply is checked: an error reply or a malformed one stops the run
  * with exit status 2, so a "fast" run can never be a run of errors.
  *
+ * Credentials, when the server needs them, come from RAW_HIREDIS_USERNAME / RAW_HIREDIS_PASSWORD
+ * in the environment (never argv, which any user can read in ps).
+ *
  * Single-threaded, no locks, no globals that outlive main().
  */
 
@@ -281,6 +284,14 @@ int main(int argc, char **argv) {
     if (!o.unix_path) {
         int one = 1;  /* hiredis sets it too; say it explicitly so the floor is honest */
         setsockopt(ctx->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    }
+    const char *password = getenv("RAW_HIREDIS_PASSWORD");  /* not argv: ps shows argv */
+    if (password && *password) {
+        const char *user = getenv("RAW_HIREDIS_USERNAME");
+        redisReply *r = user && *user ? redisCommand(ctx, "AUTH %s %s", user, password)
+                                      : redisCommand(ctx, "AUTH %s", password);
+        if (!r || r->type == REDIS_REPLY_ERROR) { fprintf(stderr, "AUTH failed\n"); return 69; }
+        freeReplyObject(r);
     }
     if (o.db) {
         redisReply *r = redisCommand(ctx, "SELECT %d", o.db);

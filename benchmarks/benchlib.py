@@ -1,0 +1,426 @@
+"""Shared pieces of the benchmark: the Redis under test, the timing loops, and the baseline
+implementations (redis-py `register_script` of this package's script, the design's original
+four-op script, the `limits` library) that the package is measured against.
+
+Nothing here imports genai_ratelimit at module level: the baselines must run before (and
+without) the package being importable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+from urllib.parse import unquote, urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / "benchmarks"
+SCRIPT_PATH = ROOT / "lua" / "sliding_window.lua"
+SCRIPT_TEXT = SCRIPT_PATH.read_text()
+RAW_BINARY = BENCH_DIR / "bin" / "raw_hiredis"
+
+# The design this package comes from: one window, client time, four commands, written the way
+# the usual blog post does it (trim, count, and only on allow add + expire). Kept here, in the
+# benchmark, as the reference the package's script must not be slower than on the server.
+FOUR_OP_SCRIPT = """\
+-- KEYS[1] the window's sorted set; ARGV: now_ms, window_ms, limit, member
+local key = KEYS[1]
+local now = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+local limit = tonumber(ARGV[3])
+redis.call('ZREMRANGEBYSCORE', key, 0, now - window)
+local count = redis.call('ZCARD', key)
+if count < limit then
+  redis.call('ZADD', key, now, ARGV[4])
+  redis.call('EXPIRE', key, math.ceil(window / 1000) + 1)
+  return {1, limit - count - 1}
+end
+return {0, 0}
+"""
+
+# The same four commands run unconditionally (the client decides from the count): the other
+# common form of the design. It writes on every rejection, so it is shown for reference only.
+FOUR_OP_ALWAYS_SCRIPT = """\
+local key = KEYS[1]
+local now = tonumber(ARGV[1])
+local window = tonumber(ARGV[2])
+redis.call('ZREMRANGEBYSCORE', key, 0, now - window)
+local count = redis.call('ZCARD', key)
+redis.call('ZADD', key, now, ARGV[4])
+redis.call('EXPIRE', key, math.ceil(window / 1000) + 1)
+return {count < tonumber(ARGV[3]) and 1 or 0, count}
+"""
+
+
+# --------------------------------------------------------------------------- the server
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RedisTarget:
+    """Where the benchmark sends its traffic, and whether we own (and may flush) it."""
+    url: str
+    host: str = "127.0.0.1"
+    port: int = 6379
+    unix_path: str | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = None
+    owned: bool = False
+    process: subprocess.Popen | None = None
+    directory: Path | None = None
+
+    @classmethod
+    def from_url(cls, url: str) -> "RedisTarget":
+        parts = urlsplit(url)
+        if parts.scheme == "unix":
+            db = 0
+            for item in parts.query.split("&"):
+                if item.startswith("db="):
+                    db = int(item[3:])
+            return cls(url=url, unix_path=parts.path, db=db)
+        if parts.scheme != "redis":
+            raise SystemExit(f"benchmarks: REDIS_URL must be redis:// or unix:// (got {parts.scheme}://)")
+        db = int(parts.path.lstrip("/") or 0)
+        return cls(url=url, host=parts.hostname or "127.0.0.1", port=parts.port or 6379, db=db,
+                   username=unquote(parts.username) if parts.username else None,
+                   password=unquote(parts.password) if parts.password else None)
+
+    @classmethod
+    def start_own(cls) -> "RedisTarget":
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("benchmarks: redis-server is not installed (apt-get install redis-server)")
+        directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-bench-"))
+        for _ in range(5):
+            port = free_port()
+            process = subprocess.Popen(
+                [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", str(directory),
+                 "--logfile", str(directory / "redis.log")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and process.poll() is None:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                        s.sendall(b"PING\r\n")
+                        if s.recv(64).startswith(b"+PONG"):
+                            return cls(url=f"redis://127.0.0.1:{port}/0", port=port, owned=True,
+                                       process=process, directory=directory)
+                except OSError:
+                    pass
+                time.sleep(0.02)  # polling for readiness until PONG or the deadline
+            process.kill()
+            process.wait()
+        raise SystemExit("benchmarks: could not start redis-server")
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def redis_kwargs(self) -> dict[str, Any]:
+        if self.unix_path:
+            return dict(unix_socket_path=self.unix_path, db=self.db,
+                        username=self.username, password=self.password)
+        return dict(host=self.host, port=self.port, db=self.db,
+                    username=self.username, password=self.password)
+
+    def raw_args(self) -> list[str]:
+        args = ["--unix", self.unix_path] if self.unix_path else ["--host", self.host, "--port", str(self.port)]
+        return args + ["--db", str(self.db)]
+
+    def raw_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.password:
+            env["RAW_HIREDIS_PASSWORD"] = self.password
+        if self.username:
+            env["RAW_HIREDIS_USERNAME"] = self.username
+        return env
+
+
+def admin_client(target: RedisTarget):
+    import redis
+    return redis.Redis(**target.redis_kwargs(), decode_responses=True)
+
+
+def clean_keys(admin, prefixes: Sequence[str], owned: bool) -> None:
+    """Empties the database we own; on somebody else's server deletes only our keys."""
+    if owned:
+        admin.flushdb()
+        return
+    for prefix in prefixes:
+        batch = []
+        for key in admin.scan_iter(match=f"{prefix}*", count=1000):
+            batch.append(key)
+            if len(batch) == 500:
+                admin.unlink(*batch)
+                batch.clear()
+        if batch:
+            admin.unlink(*batch)
+
+
+def script_stats(admin) -> tuple[int, float]:
+    """(calls, usec) of script executions so far (EVALSHA + EVAL), from INFO commandstats."""
+    stats = admin.info("commandstats")
+    calls, usec = 0, 0.0
+    for name in ("cmdstat_evalsha", "cmdstat_eval"):
+        if name in stats:
+            calls += int(stats[name]["calls"])
+            usec += float(stats[name]["usec"])
+    return calls, usec
+
+
+# --------------------------------------------------------------------------- measurements
+
+@dataclass
+class Sample:
+    """One contender's run: what a row of the table is made of."""
+    calls: int
+    elapsed_s: float
+    p50_us: float
+    p99_us: float
+    cpu_us_per_call: float
+    allowed: int = 0
+    rejected: int = 0
+    server_us_per_call: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def calls_per_s(self) -> float:
+        return self.calls / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+def _cpu_seconds() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def percentile(sorted_values: Sequence[float], p: float) -> float:
+    if not sorted_values:
+        return 0.0
+    index = min(len(sorted_values) - 1, int(p * (len(sorted_values) - 1) + 0.5))
+    return sorted_values[index]
+
+
+def timed_loop(fn: Callable[..., Any], arglist: Sequence[tuple], duration: float, max_calls: int,
+               warmup: int, verdict: str = "index0") -> Sample:
+    """Calls fn(*arglist[i % len(arglist)]) back to back for `duration` seconds (or max_calls),
+    after `warmup` unmeasured calls. Latency per call from perf_counter_ns; client CPU from
+    getrusage over the measured loop. `verdict`: how to read "allowed" from a result
+    ("index0": result[0], "bool": the result itself)."""
+    n = len(arglist)
+    for i in range(warmup):
+        fn(*arglist[i % n])
+    latencies: list[int] = []
+    append = latencies.append
+    clock = time.perf_counter_ns
+    allowed = 0
+    i = 0
+    cpu0 = _cpu_seconds()
+    t0 = clock()
+    deadline = t0 + int(duration * 1e9)
+    t = t0
+    if verdict == "bool":
+        while t < deadline and i < max_calls:
+            if fn(*arglist[i % n]):
+                allowed += 1
+            t1 = clock()
+            append(t1 - t)
+            t = t1
+            i += 1
+    else:
+        while t < deadline and i < max_calls:
+            if fn(*arglist[i % n])[0]:
+                allowed += 1
+            t1 = clock()
+            append(t1 - t)
+            t = t1
+            i += 1
+    elapsed = (t - t0) / 1e9
+    cpu = _cpu_seconds() - cpu0
+    latencies.sort()
+    return Sample(calls=i, elapsed_s=elapsed, p50_us=percentile(latencies, 0.5) / 1e3,
+                  p99_us=percentile(latencies, 0.99) / 1e3,
+                  cpu_us_per_call=cpu * 1e6 / i if i else 0.0, allowed=allowed, rejected=i - allowed)
+
+
+async def async_timed_loop(fn: Callable[..., Any], arglist: Sequence[tuple], concurrency: int,
+                           duration: float, max_calls: int, warmup: int,
+                           verdict: str = "index0") -> Sample:
+    """`concurrency` coroutines each awaiting fn(*args) back to back until the deadline.
+    Latency is per call (issue to completion); calls/s is over all coroutines."""
+    n = len(arglist)
+    state = {"next": 0, "allowed": 0}
+    latencies: list[int] = []
+    clock = time.perf_counter_ns
+
+    async def warm(worker: int) -> None:
+        for i in range(worker, warmup, concurrency):
+            await fn(*arglist[i % n])
+
+    await asyncio.gather(*(warm(w) for w in range(concurrency)))
+
+    deadline = clock() + int(duration * 1e9)
+
+    async def worker() -> None:
+        append = latencies.append
+        while True:
+            i = state["next"]
+            if i >= max_calls:
+                return
+            start = clock()
+            if start >= deadline:
+                return
+            state["next"] = i + 1
+            result = await fn(*arglist[i % n])
+            append(clock() - start)
+            if (result if verdict == "bool" else result[0]):
+                state["allowed"] += 1
+
+    cpu0 = _cpu_seconds()
+    t0 = clock()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = (clock() - t0) / 1e9
+    cpu = _cpu_seconds() - cpu0
+    calls = len(latencies)
+    latencies.sort()
+    return Sample(calls=calls, elapsed_s=elapsed, p50_us=percentile(latencies, 0.5) / 1e3,
+                  p99_us=percentile(latencies, 0.99) / 1e3,
+                  cpu_us_per_call=cpu * 1e6 / calls if calls else 0.0,
+                  allowed=state["allowed"], rejected=calls - state["allowed"])
+
+
+def run_raw(target: RedisTarget, args: Sequence[str], duration: float, max_calls: int,
+            warmup: int) -> Sample:
+    """Runs benchmarks/bin/raw_hiredis once; its own JSON line becomes the Sample. In
+    pipelined mode the latency columns are per batch (the JSON also has them per call)."""
+    cmd = [str(RAW_BINARY), "--script", str(SCRIPT_PATH), *target.raw_args(),
+           "--duration", str(duration), "--calls", str(max_calls), "--warmup", str(warmup), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=target.raw_env(),
+                          timeout=duration + 60)
+    if proc.returncode != 0:
+        raise RuntimeError(f"raw_hiredis failed ({proc.returncode}): {proc.stderr.strip()}")
+    data = json.loads(proc.stdout)
+    return Sample(calls=data["calls"], elapsed_s=data["elapsed_s"], p50_us=data["p50_us"],
+                  p99_us=data["p99_us"], cpu_us_per_call=data["cpu_us_per_call"],
+                  allowed=data["allowed"], rejected=data["rejected"],
+                  extra={"depth": data["depth"], "p50_per_call_us": data["p50_per_call_us"],
+                         "p99_per_call_us": data["p99_per_call_us"]})
+
+
+def summarize(values: Sequence[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+# --------------------------------------------------------------------------- the baselines
+
+class RedisPyLimiter:
+    """This package's algorithm the way the original design runs it: redis-py,
+    `register_script` with the text of lua/sliding_window.lua, the same keys and ARGV, a
+    Python uuid4 member, the server's clock. Same results as RateLimiter.check/check_windows."""
+
+    def __init__(self, client, key_prefix: str = "ratelimit") -> None:
+        self._script = client.register_script(SCRIPT_TEXT)
+        self._prefix = key_prefix
+
+    def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]:
+        reply = self._script(keys=[f"{self._prefix}:{user_id}:{window_seconds}"],
+                             args=[str(uuid.uuid4()), "", window_seconds * 1000, limit])
+        return bool(reply[0]), int(reply[1]), int(reply[2])
+
+    def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> tuple[bool, int, int, int]:
+        keys = [f"{self._prefix}:{user_id}:{window}" for _, window in windows]
+        args: list[Any] = [str(uuid.uuid4()), ""]
+        for limit, window in windows:
+            args += [window * 1000, limit]
+        reply = self._script(keys=keys, args=args)
+        return bool(reply[0]), int(reply[1]), int(reply[2]), windows[int(reply[3]) - 1][1]
+
+
+class AsyncRedisPyLimiter:
+    """RedisPyLimiter on redis.asyncio (issue 5's baseline)."""
+
+    def __init__(self, client, key_prefix: str = "ratelimit") -> None:
+        self._script = client.register_script(SCRIPT_TEXT)
+        self._prefix = key_prefix
+
+    async def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]:
+        reply = await self._script(keys=[f"{self._prefix}:{user_id}:{window_seconds}"],
+                                   args=[str(uuid.uuid4()), "", window_seconds * 1000, limit])
+        return bool(reply[0]), int(reply[1]), int(reply[2])
+
+
+class FourOpLimiter:
+    """The design's original script (FOUR_OP_SCRIPT): one window, client time."""
+
+    def __init__(self, client, key_prefix: str = "ratelimit", script: str = FOUR_OP_SCRIPT) -> None:
+        self._script = client.register_script(script)
+        self._prefix = key_prefix
+
+    def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int]:
+        reply = self._script(keys=[f"{self._prefix}:{user_id}:{window_seconds}"],
+                             args=[int(time.time() * 1000), window_seconds * 1000, limit,
+                                   str(uuid.uuid4())])
+        return bool(reply[0]), int(reply[1])
+
+
+def redis_py_client(target: RedisTarget, pure_python_parser: bool = False):
+    """A redis-py client; with pure_python_parser the RESP parser is redis-py's own Python one
+    even though the hiredis package is installed (redis-py >= 5: redis._parsers._RESP2Parser;
+    older: redis.connection.PythonParser)."""
+    import redis
+    if not pure_python_parser:
+        return redis.Redis(**target.redis_kwargs())
+    try:
+        from redis._parsers import _RESP2Parser as parser_class
+    except ImportError:  # redis-py 4.x
+        from redis.connection import PythonParser as parser_class  # type: ignore[attr-defined,no-redef]
+    kwargs = target.redis_kwargs()
+    if "unix_socket_path" in kwargs:
+        kwargs["path"] = kwargs.pop("unix_socket_path")
+        pool = redis.ConnectionPool(connection_class=redis.UnixDomainSocketConnection,
+                                    parser_class=parser_class, **kwargs)
+    else:
+        pool = redis.ConnectionPool(parser_class=parser_class, **kwargs)
+    return redis.Redis(connection_pool=pool)
+
+
+def parser_name(client) -> str:
+    connection = client.connection_pool.get_connection()
+    try:
+        return type(connection._parser).__name__
+    finally:
+        client.connection_pool.release(connection)
+
+
+def limits_storage_uri(target: RedisTarget, asynchronous: bool = False) -> str:
+    scheme = "async+redis" if asynchronous else "redis"
+    auth = ""
+    if target.password:
+        auth = f"{target.username or ''}:{target.password}@"
+    if target.unix_path:
+        return f"{'async+' if asynchronous else ''}redis+unix://{auth}{target.unix_path}?db={target.db}"
+    return f"{scheme}://{auth}{target.host}:{target.port}/{target.db}"

@@ -1,0 +1,578 @@
+#!/usr/bin/env python3
+"""genai-ratelimit benchmarks: this package side by side with its baselines, in one run.
+
+    make bench            # full run (several minutes)
+    make bench QUICK=1    # under a minute
+    .venv/bin/python benchmarks/run.py [--quick] [--rounds N] [--duration S] [--only TEXT]
+                                       [--skip e2e,memory,server,cpu] [--no-write]
+
+What it does:
+  1. builds the raw hiredis client (make -C benchmarks),
+  2. starts its own redis-server on a free loopback port (--save "" --appendonly no), unless
+     REDIS_URL is set (then only keys under gbench:* / the contenders' prefixes are touched),
+  3. runs every contender in contenders.py against that server, round after round, the order
+     alternating forward / reversed (drift cancels), each run on a clean keyspace,
+  4. measures server time per decision (INFO commandstats), memory per logged request
+     (MEMORY USAGE), client instructions per check (callgrind), and the example FastAPI app under
+     uvicorn + wrk (limited vs unlimited route),
+  5. prints the tables (medians, min-max over rounds, ratios to the baselines) and writes them to
+     benchmarks/RESULTS.md with the commit, versions, CPU model and a met/not-met line per target.
+All traffic goes to loopback (or REDIS_URL), bounded in time and count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from benchlib import (BENCH_DIR, ROOT, RedisTarget, Sample, admin_client, clean_keys,  # noqa: E402
+                      script_stats)
+from contenders import (ASYNC_REDISPY, RAW, REDISPY, WORKLOADS, Contender, Context,  # noqa: E402
+                        all_contenders)
+import sections  # noqa: E402
+
+# Issue 4 targets (ratios in the same run) and issue 5's async ones.
+TARGET_CHECK_THROUGHPUT = 0.9      # check calls/s >= 0.9x raw hiredis sequential
+TARGET_CHECK_P50 = 1.1             # check p50 <= 1.1x raw hiredis sequential
+TARGET_CPU = 0.5                   # client CPU per check <= 0.5x redis-py
+TARGET_WINDOWS = 1.15              # check_windows (2 windows) <= 1.15x one check
+TARGET_SERVER = 1.0                # server usec per decision <= the four-op script's
+TARGET_E2E = 0.8                   # limited route >= 0.8x the unlimited route's requests/s
+TARGET_ASYNC_VS_REDISPY = 3.0      # async @64+ >= 3x redis.asyncio
+TARGET_ASYNC_VS_PIPE64 = 0.7       # async @64+ >= 0.7x raw pipelined depth 64
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- environment
+
+def environment(target: RedisTarget, admin) -> dict[str, str]:
+    def cmd(*args: str) -> str:
+        try:
+            return subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return "?"
+
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    dirty = cmd("git", "status", "--porcelain", "--untracked-files=no")
+    versions = {}
+    for module in ("redis", "hiredis", "limits", "fastapi", "uvicorn"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception:  # noqa: BLE001
+            versions[module] = "not installed"
+    try:
+        import genai_ratelimit
+        package = genai_ratelimit.__version__
+    except Exception as exc:  # noqa: BLE001
+        package = f"not importable ({type(exc).__name__})"
+    info = admin.info("server")
+    return {
+        "commit": cmd("git", "rev-parse", "--short", "HEAD") + (" (+ uncommitted changes)" if dirty else ""),
+        "python": f"{platform.python_implementation()} {platform.python_version()}",
+        "hiredis (C, pkg-config)": cmd("pkg-config", "--modversion", "hiredis"),
+        "redis server": f"{info.get('redis_version')} ({'started by run.py' if target.owned else 'REDIS_URL'})",
+        "cpu": f"{cpu} x {os.cpu_count()} vCPU",
+        "kernel": platform.release(),
+        "genai_ratelimit": package,
+        "redis-py / hiredis-py / limits": f"{versions['redis']} / {versions['hiredis']} / {versions['limits']}",
+        "fastapi / uvicorn / wrk": f"{versions['fastapi']} / {versions['uvicorn']} / "
+                                   f"{cmd('sh', '-c', 'wrk -v 2>&1 | head -1').split(' [')[0] or '?'}",
+    }
+
+
+# --------------------------------------------------------------------------- the main loop
+
+def run_contenders(contenders: list[Contender], target: RedisTarget, admin, rounds: int,
+                   duration: float, warmup: int) -> tuple[dict[str, list[Sample]], dict[str, str]]:
+    ctx = Context(target=target)
+    samples: dict[str, list[Sample]] = {c.key: [] for c in contenders}
+    skipped: dict[str, str] = {}
+    runners: dict[str, tuple[Any, Any, str]] = {}
+    for index, contender in enumerate(contenders):
+        reason = contender.available()
+        if reason:
+            skipped[contender.key] = reason
+            continue
+        prefix = f"gbench:c{index}"
+        try:
+            run, close = contender.setup(ctx, prefix)
+        except Exception as exc:  # noqa: BLE001 - a broken contender must not hide the others
+            skipped[contender.key] = f"set-up failed: {type(exc).__name__}: {exc}"
+            continue
+        runners[contender.key] = (run, close, prefix)
+    active = [c for c in contenders if c.key in runners]
+    max_calls = int(duration * 200_000) + warmup
+    for round_index in range(rounds):
+        order = active if round_index % 2 == 0 else active[::-1]
+        started = time.monotonic()
+        for contender in order:
+            run, _, prefix = runners[contender.key]
+            if contender.key in skipped:
+                continue
+            clean_keys(admin, [prefix], target.owned)
+            before = script_stats(admin)
+            try:
+                sample = run(duration, max_calls, warmup)
+            except Exception as exc:  # noqa: BLE001
+                skipped[contender.key] = f"failed in round {round_index + 1}: {type(exc).__name__}: {exc}"
+                continue
+            after = script_stats(admin)
+            if after[0] > before[0]:
+                sample.server_us_per_call = (after[1] - before[1]) / (after[0] - before[0])
+            samples[contender.key].append(sample)
+        log(f"  round {round_index + 1}/{rounds}: {len(order)} contenders in {time.monotonic() - started:.1f} s")
+    for key, (_, close, prefix) in runners.items():
+        try:
+            close()
+        except Exception:  # noqa: BLE001
+            pass
+        clean_keys(admin, [prefix], target.owned)
+    return samples, skipped
+
+
+# --------------------------------------------------------------------------- report helpers
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    if not values:
+        return "–"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return fmt(med, digits)
+    return f"{fmt(med, digits)} ({fmt(min(values), digits)}–{fmt(max(values), digits)})"
+
+
+def ratio_str(values: list[float]) -> str:
+    if not values:
+        return "–"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.2f}×"
+    return f"{med:.2f}× ({min(values):.2f}–{max(values):.2f})"
+
+
+def paired(a: list[Sample], b: list[Sample], fn) -> list[float]:
+    """Per-round ratios fn(a_round, b_round), for rounds both completed."""
+    out = []
+    for x, y in zip(a, b):
+        try:
+            out.append(fn(x, y))
+        except ZeroDivisionError:
+            pass
+    return out
+
+
+def med(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+class Report:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, line: str = "") -> None:
+        self.lines.append(line)
+
+    def table(self, header: list[str], rows: list[list[str]]) -> None:
+        self.add("| " + " | ".join(header) + " |")
+        self.add("|" + "|".join("---" for _ in header) + "|")
+        for row in rows:
+            self.add("| " + " | ".join(row) + " |")
+        self.add()
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def by_role(contenders: list[Contender], workload: str, role: str) -> Contender | None:
+    for c in contenders:
+        if c.workload == workload and c.role == role:
+            return c
+    return None
+
+
+def find(contenders: list[Contender], workload: str, startswith: str) -> Contender | None:
+    for c in contenders:
+        if c.workload == workload and c.name.startswith(startswith):
+            return c
+    return None
+
+
+# --------------------------------------------------------------------------- main
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    parser.add_argument("--rounds", type=int, help="rounds over all contenders (default 3 quick, 5 full)")
+    parser.add_argument("--duration", type=float, help="seconds per contender per round (default 0.15 quick, 1.5 full)")
+    parser.add_argument("--only", help="only contenders whose workload or name contains this text")
+    parser.add_argument("--skip", default="", help="comma list of sections to skip: e2e,memory,server,cpu")
+    parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    quick = args.quick
+    rounds = args.rounds or (3 if quick else 5)
+    duration = args.duration or (0.15 if quick else 1.5)
+    warmup = 50 if quick else 300
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    os.environ.pop("RATE_LIMIT_DISABLED", None)  # the kill switch must not turn a benchmark into a no-op
+    began = time.monotonic()
+
+    build = subprocess.run(["make", "-s", "-C", str(BENCH_DIR)], capture_output=True, text=True)
+    if build.returncode != 0:
+        log(build.stdout + build.stderr)
+        return 1
+
+    external = os.environ.get("REDIS_URL", "").strip()
+    target = RedisTarget.from_url(external) if external else RedisTarget.start_own()
+    admin = admin_client(target)
+    try:
+        env = environment(target, admin)
+        contenders = all_contenders(quick)
+        if args.only:
+            contenders = [c for c in contenders if args.only in c.workload or args.only in c.name]
+        package_ok = _package_importable()
+        log(f"benchmarks: {len(contenders)} contenders, {rounds} rounds x {duration} s, "
+            f"Redis at {target.url if target.owned else 'REDIS_URL'}")
+        samples, skipped = run_contenders(contenders, target, admin, rounds, duration, warmup)
+        results: dict[str, Any] = {}
+        if "server" not in skip:
+            log("benchmarks: server time per decision (INFO commandstats)")
+            results["server"] = sections.server_time_section(target, admin, quick, 3 if quick else rounds)
+        if "memory" not in skip:
+            log("benchmarks: memory per logged request (MEMORY USAGE)")
+            results["memory"] = sections.memory_section(target, admin, quick, package_ok)
+        if "e2e" not in skip:
+            log("benchmarks: end to end (uvicorn + wrk)")
+            results["e2e"] = sections.e2e_section(target, admin, quick, 2 if quick else 3,
+                                                  1.0 if quick else 5.0)
+        if "cpu" not in skip:
+            log("benchmarks: client instructions per check (callgrind)")
+            results["cpu"] = sections.callgrind_section(target, quick, package_ok)
+    finally:
+        admin.close()
+        target.close()
+
+    report = build_report(env, contenders, samples, skipped, results, quick, rounds, duration,
+                          time.monotonic() - began)
+    print(report)
+    if not args.no_write and not args.only:
+        (BENCH_DIR / "RESULTS.md").write_text(report)
+        log("benchmarks: wrote benchmarks/RESULTS.md")
+    log(f"benchmarks: done in {time.monotonic() - began:.0f} s")
+    return 0
+
+
+def _package_importable() -> bool:
+    try:
+        import genai_ratelimit  # noqa: F401
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+# --------------------------------------------------------------------------- the report
+
+def build_report(env: dict[str, str], contenders: list[Contender], samples: dict[str, list[Sample]],
+                 skipped: dict[str, str], results: dict[str, Any], quick: bool, rounds: int,
+                 duration: float, elapsed: float) -> str:
+    r = Report()
+    r.add("# genai-ratelimit benchmark results")
+    r.add()
+    r.add(f"Generated by `benchmarks/run.py{' --quick' if quick else ''}` "
+          f"({time.strftime('%Y-%m-%d %H:%M:%S %Z')}; {rounds} rounds × {duration:g} s per contender, "
+          f"order alternating forward/reversed; {elapsed:.0f} s in all).")
+    r.add()
+    r.table(["", ""], [[k, v] for k, v in env.items()])
+    r.add("Cells: median over rounds (min–max). Ratios are computed per round against the baseline "
+          "measured in the same round, then the median (min–max) of those is shown. "
+          "Client CPU = user+sys of the client process (getrusage) per call; server µs = "
+          "`INFO commandstats` usec_per_call of EVALSHA over the run. Python contenders are timed "
+          "by the same loop (perf_counter_ns per call, ≈0.1 µs).")
+    r.add()
+
+    targets: list[tuple[str, bool | None, str]] = []
+
+    def sample_list(c: Contender | None) -> list[Sample]:
+        return samples.get(c.key, []) if c else []
+
+    # ---- sequential table
+    r.add("## Sequential: one connection, one call at a time")
+    r.add()
+    r.add("Pipelined raw rows: latency per batch / per call (batch ÷ depth).")
+    r.add()
+    header = ["workload", "contender", "calls/s", "p50 µs", "p99 µs", "client CPU µs/call",
+              "server µs/call", "calls/s vs raw C", "p50 vs raw C", "calls/s vs redis-py"]
+    rows = []
+    for workload, wl in WORKLOADS.items():
+        raw = by_role(contenders, workload, RAW)
+        redispy = by_role(contenders, workload, REDISPY)
+        for c in contenders:
+            if c.workload != workload:
+                continue
+            rows.append(_row(c, wl.title, samples, skipped, raw, redispy))
+    r.table(header, rows)
+
+    # ---- async table
+    async_rows = []
+    pipe64 = find(contenders, "1ku-allow", "raw hiredis C, pipelined depth 64")
+    for c in contenders:
+        if not c.workload.startswith("async-"):
+            continue
+        base = by_role(contenders, c.workload, ASYNC_REDISPY)
+        row = _row(c, f"{c.concurrency} in flight", samples, skipped, None, base, with_p50_ratio=False)
+        row = row[:7] + [ratio_str(paired(sample_list(c), sample_list(pipe64),
+                                          lambda a, b: a.calls_per_s / b.calls_per_s)) if c.key not in skipped else "–",
+                         row[9]]
+        async_rows.append(row)
+    if async_rows:
+        r.add("## Concurrent (issue 5): checks/s at N in-flight calls, 1,000 users, allow-heavy")
+        r.add()
+        r.add("Baselines: `redis.asyncio` register_script at the same concurrency (its pool opens one "
+              "connection per in-flight call), and the raw C client pipelined at depth 64 (same run).")
+        r.add()
+        r.table(["in flight", "contender", "checks/s", "p50 µs", "p99 µs", "client CPU µs/call",
+                 "server µs/call", "vs raw C pipelined 64", "vs redis.asyncio"], async_rows)
+
+    # ---- targets: check vs raw
+    pkg_rows = []
+    all_met: bool | None = True
+    for workload in ("1u-allow", "1ku-allow", "1u-reject", "1ku-reject"):
+        pkg = find(contenders, workload, "genai_ratelimit check")
+        raw = by_role(contenders, workload, RAW)
+        if not sample_list(pkg) or not sample_list(raw):
+            all_met = None
+            continue
+        tput = med(paired(sample_list(pkg), sample_list(raw), lambda a, b: a.calls_per_s / b.calls_per_s))
+        p50 = med(paired(sample_list(pkg), sample_list(raw), lambda a, b: a.p50_us / b.p50_us))
+        ok = tput >= TARGET_CHECK_THROUGHPUT and p50 <= TARGET_CHECK_P50
+        if all_met is not None:
+            all_met = all_met and ok
+        pkg_rows.append(f"{workload}: {tput:.2f}× calls/s, p50 {p50:.2f}×")
+    targets.append(("sync `check` ≥ 0.9× raw hiredis loop calls/s, p50 within 1.1×",
+                    all_met if pkg_rows else None, "; ".join(pkg_rows) or "package not measured"))
+
+    # ---- targets: client CPU
+    cpu = results.get("cpu", {})
+    per_check = cpu.get("per_check", {})
+    cpu_detail = []
+    cpu_ok: bool | None = None
+    if "pkg" in per_check and "redispy" in per_check:
+        ratio = per_check["pkg"] / per_check["redispy"]
+        cpu_ok = ratio <= TARGET_CPU
+        cpu_detail.append(f"callgrind {fmt(per_check['pkg'], 0)} vs {fmt(per_check['redispy'], 0)} "
+                          f"instructions/check = {ratio:.3f}×")
+    pkg1 = find(contenders, "1u-allow", "genai_ratelimit check")
+    rp1 = by_role(contenders, "1u-allow", REDISPY)
+    rus = paired(sample_list(pkg1), sample_list(rp1), lambda a, b: a.cpu_us_per_call / b.cpu_us_per_call)
+    if rus:
+        cpu_detail.append(f"getrusage user+sys {med(rus):.2f}× (1 user allow-heavy)")
+        if cpu_ok is None:
+            cpu_ok = med(rus) <= TARGET_CPU
+    targets.append(("client CPU per check ≤ 0.5× redis-py", cpu_ok,
+                    "; ".join(cpu_detail) or cpu.get("error", "package not measured")))
+
+    # ---- targets: check_windows vs check
+    pw = find(contenders, "1ku-2win", "genai_ratelimit check_windows")
+    pc = find(contenders, "1ku-allow", "genai_ratelimit check")
+    if sample_list(pw) and sample_list(pc):
+        cost = med(paired(sample_list(pw), sample_list(pc), lambda a, b: b.calls_per_s / a.calls_per_s))
+        p50 = med(paired(sample_list(pw), sample_list(pc), lambda a, b: a.p50_us / b.p50_us))
+        targets.append(("`check_windows` (minute+day) ≤ 1.15× one `check`", cost <= TARGET_WINDOWS,
+                        f"time per call {cost:.2f}×, p50 {p50:.2f}× (1,000 users, allow-heavy)"))
+    else:
+        targets.append(("`check_windows` (minute+day) ≤ 1.15× one `check`", None, "package not measured"))
+
+    # ---- server time section
+    server = results.get("server")
+    if server:
+        r.add("## Server time per decision (`INFO commandstats`, usec_per_call of EVALSHA)")
+        r.add()
+        r.add(f"Same data for every script: keys emptied (and pre-filled where stated) before each "
+              f"script's run; {server['calls']:,} calls per script per round, {server['rounds']} rounds, "
+              f"scripts alternated. Ratio: median of per-round ratios to the original four-op script "
+              f"(add only on allow).")
+        r.add()
+        srows = []
+        verdict_notes = []
+        server_ok: bool | None = True
+        details = []
+        for title, per_script in server["results"].items():
+            for name in server["names"]:
+                values = per_script[name]
+                ratios = [a / b for a, b in zip(values, per_script[sections.FOUR_OP]) if b]
+                allowed, rejected = server["verdicts"][title][name]
+                srows.append([title, name, spread(values, 2), ratio_str(ratios),
+                              f"{allowed:,} / {rejected:,}"])
+            ours = [a / b for a, b in zip(per_script[sections.OURS], per_script[sections.FOUR_OP]) if b]
+            if ours:
+                details.append(f"{title.split(',')[0]}{',' + title.split(',')[1] if ',' in title else ''}: {med(ours):.2f}×")
+                server_ok = server_ok and med(ours) <= TARGET_SERVER
+        r.table(["data", "script", "server µs/call", "vs four-op", "allowed / rejected"], srows)
+        targets.append(("server time per decision ≤ original four-op script's", server_ok,
+                        "; ".join(details)))
+    else:
+        targets.append(("server time per decision ≤ original four-op script's", None, "skipped"))
+
+    # ---- memory
+    memory = results.get("memory")
+    if memory:
+        r.add("## Memory per logged request (`MEMORY USAGE key SAMPLES 0` ÷ entries)")
+        r.add()
+        cfg = memory.get("config", {})
+        r.add("Redis encoding thresholds: " + ", ".join(f"{k}={v}" for k, v in sorted(cfg.items())) + ".")
+        r.add()
+        mrows = []
+        for row in memory["rows"]:
+            pkg_cell = "–"
+            if "pkg_bytes" in row:
+                pkg_cell = (f"{row['pkg_per_entry']:.1f} ({row['pkg_bytes']:,} B, {row['pkg_encoding']}; "
+                            f"members {','.join(map(str, row['pkg_member_lengths']))} chars, "
+                            f"UUID v{','.join(map(str, row['pkg_member_uuid_versions']))})")
+            mrows.append([f"{row['entries']:,}",
+                          f"{row['uuid_per_entry']:.1f} ({row['uuid_bytes']:,} B, {row['uuid_encoding']})",
+                          pkg_cell])
+        r.table(["entries", "36-char UUID4 text members: B/entry (total, encoding)",
+                 "written by this package's check: B/entry"], mrows)
+
+    # ---- callgrind
+    if cpu:
+        r.add("## Client instructions per check (callgrind, user space)")
+        r.add()
+        if "error" in cpu:
+            r.add(f"n/a: {cpu['error']}")
+            r.add()
+        else:
+            r.add(f"Instructions in the client process per check: (I(2N) − I(N)) / N with N = {cpu['calls']:,}, "
+                  "1,000 users allow-heavy; start-up, imports and set-up cancel out.")
+            r.add()
+            names = {"raw": "raw hiredis C", "pkg": "genai_ratelimit check", "redispy": "redis-py register_script (hiredis parser)",
+                     "redispy-pure": "redis-py register_script (pure-Python parser)", "limits": "limits MovingWindowRateLimiter.hit"}
+            base = per_check.get("redispy")
+            crows = [[names.get(k, k), fmt(v, 0), f"{v / base:.3f}×" if base else "–"]
+                     for k, v in per_check.items()]
+            r.table(["client", "instructions/check", "vs redis-py"], crows)
+
+    # ---- e2e
+    e2e = results.get("e2e")
+    if e2e:
+        r.add("## End to end: examples/app.py under uvicorn, wrk on loopback")
+        r.add()
+        if "error" in e2e:
+            r.add(e2e["error"])
+            r.add()
+            targets.append(("limited FastAPI route ≥ 0.8× the unlimited route's requests/s", None, e2e["error"]))
+        else:
+            r.add(f"`POST /v1/chat/completions` (`\"stream\": false`), one uvicorn worker, wrk 1 thread × "
+                  f"{e2e['connections']} connections × {e2e['duration']:g} s, {e2e['rounds']} rounds alternated. "
+                  "The unlimited route is the same handler behind the same middlewares without "
+                  "`Depends(rate_limit)` (benchmarks/e2e_app.py).")
+            r.add()
+            unlimited = e2e["variants"][0]
+            erows = []
+            for title in e2e["variants"]:
+                rows_ = e2e["results"][title]
+                ratios = [a["rps"] / b["rps"] for a, b in zip(rows_, e2e["results"][unlimited]) if b["rps"]]
+                non2xx = sum(x["non2xx"] for x in rows_)
+                total = sum(x["requests"] for x in rows_)
+                erows.append([title, e2e["statuses"].get(title, "?"),
+                              spread([x["rps"] for x in rows_]), spread([x["p50_us"] for x in rows_]),
+                              spread([x["p99_us"] for x in rows_]),
+                              f"{non2xx / total:.0%}" if total else "–", ratio_str(ratios)])
+            r.table(["route", "probe status", "requests/s", "p50 µs", "p99 µs", "non-2xx", "vs unlimited"], erows)
+            limited = e2e["variants"][1]
+            ratios = [a["rps"] / b["rps"] for a, b in zip(e2e["results"][limited], e2e["results"][unlimited]) if b["rps"]]
+            targets.append(("limited FastAPI route ≥ 0.8× the unlimited route's requests/s",
+                            med(ratios) >= TARGET_E2E if ratios else None,
+                            f"{med(ratios):.2f}× (allow-heavy)" if ratios else "no data"))
+    else:
+        targets.append(("limited FastAPI route ≥ 0.8× the unlimited route's requests/s", None, "skipped"))
+
+    # ---- async targets (issue 5)
+    async_detail = []
+    async_ok: bool | None = None
+    for c in contenders:
+        if c.workload.startswith("async-") and c.concurrency >= 64 and c.name.startswith("genai_ratelimit AsyncRateLimiter"):
+            base = by_role(contenders, c.workload, ASYNC_REDISPY)
+            vs_rp = med(paired(sample_list(c), sample_list(base), lambda a, b: a.calls_per_s / b.calls_per_s))
+            vs_pipe = med(paired(sample_list(c), sample_list(pipe64), lambda a, b: a.calls_per_s / b.calls_per_s))
+            if vs_rp is None or vs_pipe is None:
+                continue
+            ok = vs_rp >= TARGET_ASYNC_VS_REDISPY and vs_pipe >= TARGET_ASYNC_VS_PIPE64
+            async_ok = ok if async_ok is None else async_ok and ok
+            async_detail.append(f"@{c.concurrency}: {vs_rp:.2f}× redis.asyncio, {vs_pipe:.2f}× raw pipelined 64")
+
+    r.add("## Targets (issue 4; issue 5's async targets last)")
+    r.add()
+    for title, ok, detail in targets:
+        r.add(f"- {title}: **{_verdict(ok)}** — {detail}")
+    r.add(f"- (issue 5) AsyncRateLimiter at 64+ in flight ≥ 3× redis.asyncio and ≥ 0.7× raw pipelined "
+          f"depth 64: **{_verdict(async_ok)}** — "
+          + ("; ".join(async_detail) if async_detail else "AsyncRateLimiter not measured (does not exist yet)"))
+    r.add()
+    if skipped:
+        r.add("## Not measured in this run")
+        r.add()
+        for key, reason in skipped.items():
+            r.add(f"- {key.replace('|', ': ')} — {reason}")
+        r.add()
+    return r.text()
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "NOT met")
+
+
+def _row(c: Contender, workload_title: str, samples: dict[str, list[Sample]], skipped: dict[str, str],
+         raw: Contender | None, redispy: Contender | None, with_p50_ratio: bool = True) -> list[str]:
+    got = samples.get(c.key, [])
+    if c.key in skipped or not got:
+        reason = skipped.get(c.key, "no data")
+        return [workload_title, c.name, f"n/a ({reason})", "", "", "", "", "", "", ""]
+    depth = got[0].extra.get("depth", 1)
+    if depth > 1:
+        p50 = f"{spread([s.p50_us for s in got])} / {fmt(statistics.median(s.p50_us / depth for s in got), 1)}"
+        p99 = f"{spread([s.p99_us for s in got])} / {fmt(statistics.median(s.p99_us / depth for s in got), 1)}"
+    else:
+        p50 = spread([s.p50_us for s in got])
+        p99 = spread([s.p99_us for s in got])
+    server = [s.server_us_per_call for s in got if s.server_us_per_call is not None]
+    raw_s = samples.get(raw.key, []) if raw else []
+    rp_s = samples.get(redispy.key, []) if redispy else []
+    vs_raw = ratio_str(paired(got, raw_s, lambda a, b: a.calls_per_s / b.calls_per_s)) if raw and raw is not c else ""
+    p50_raw = ratio_str(paired(got, raw_s, lambda a, b: a.p50_us / b.p50_us)) if raw and raw is not c and depth == 1 else ""
+    vs_rp = ratio_str(paired(got, rp_s, lambda a, b: a.calls_per_s / b.calls_per_s)) if redispy and redispy is not c else ""
+    name = c.name + (" **(baseline)**" if c.role else "")
+    return [workload_title, name, spread([s.calls_per_s for s in got], 0), p50, p99,
+            spread([s.cpu_us_per_call for s in got]), spread(server, 1), vs_raw,
+            p50_raw if with_p50_ratio else "", vs_rp]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

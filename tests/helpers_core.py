@@ -1,0 +1,385 @@
+"""Helpers for the core limiter tests: reading the server's clock and command statistics,
+watching MONITOR, lining up concurrent callers, and real faulty endpoints on loopback
+(a closed port, a listener whose accept queue is full, a server that answers garbage).
+
+Nothing here mocks Redis: every helper observes or provokes a real server or socket."""
+
+from __future__ import annotations
+
+import math
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from redis_server import RedisServer, free_port
+
+# The commands the inspection client itself sends while a test measures.
+INSPECTION_COMMANDS = frozenset({"info", "time", "echo", "client|list", "client|info",
+                                 "client|id", "config|resetstat", "monitor", "hello",
+                                 "client|setinfo", "ping"})
+
+
+# ------------------------------------------------------------------ the server's clock
+
+def server_ms(client: redis.Redis) -> int:
+    """The Redis server's clock (TIME) in unix milliseconds, truncated like the script does."""
+    seconds, micros = client.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def wait_until_server_ms(client: redis.Redis, target_ms: int, timeout: float) -> int:
+    """Polls the server's clock until it reads at least target_ms; returns the reading.
+    Fails the test when the deadline passes first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = server_ms(client)
+        if now >= target_ms:
+            return now
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"the server clock did not reach {target_ms} within {timeout} s "
+                                 f"(it reads {now})")
+        # Sleep most of what is left, then poll again: the condition is the server's clock.
+        time.sleep(min(0.05, max(0.001, (target_ms - now) / 1000 / 2)))
+
+
+def expected_retry_after(oldest_ms: int, window_ms: int, now_ms: int) -> int:
+    """The contract's formula: max(1, ceil((score_k + window_ms - now_ms) / 1000))."""
+    return max(1, math.ceil((oldest_ms + window_ms - now_ms) / 1000))
+
+
+def retry_after_bounds(score_ms: int, window_ms: int, before_ms: int, after_ms: int) -> tuple[int, int]:
+    """The retry values the formula allows when the script's `now` lies between the server
+    clock read just before and just after the call: (smallest, largest)."""
+    return (expected_retry_after(score_ms, window_ms, after_ms),
+            expected_retry_after(score_ms, window_ms, before_ms))
+
+
+# ------------------------------------------------------------ command statistics
+
+def commandstats(client: redis.Redis) -> dict[str, int]:
+    """Calls per command since the last reset, as INFO commandstats reports them (commands
+    run inside a script are counted too on Redis 7)."""
+    info = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(stats["calls"]) for name, stats in info.items()}
+
+
+def stats_delta(before: dict[str, int], after: dict[str, int],
+                ignore: frozenset[str] = INSPECTION_COMMANDS) -> dict[str, int]:
+    """Commands whose call count grew between two commandstats snapshots, without the
+    inspection client's own commands."""
+    delta = {}
+    for name, calls in after.items():
+        grown = calls - before.get(name, 0)
+        if grown and name not in ignore:
+            delta[name] = grown
+    return delta
+
+
+@contextmanager
+def measured_commands(client: redis.Redis) -> Iterator[dict[str, int]]:
+    """`with measured_commands(client) as delta:` fills `delta` with the commands that ran
+    on the server inside the block (script-internal commands included)."""
+    delta: dict[str, int] = {}
+    before = commandstats(client)
+    yield delta
+    delta.update(stats_delta(before, commandstats(client)))
+
+
+def connections_received(client: redis.Redis) -> int:
+    return int(client.info("stats")["total_connections_received"])
+
+
+# ------------------------------------------------------------------------ MONITOR
+
+_MONITOR_LINE = re.compile(r"^\+?(?P<time>\d+\.\d+) \[(?P<db>\d+) (?P<source>[^\]]+)\] (?P<args>.*)$", re.S)
+_MONITOR_ARG = re.compile(r'"((?:\\.|[^"\\])*)"', re.S)
+_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b", '"': '"', "\\": "\\"}
+
+
+def _unescape(text: str) -> str:
+    """Undoes Redis' sdscatrepr quoting of one MONITOR argument."""
+    out, i = [], 0
+    raw = bytearray()
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\" and i + 1 < len(text):
+            nxt = text[i + 1]
+            if nxt == "x" and i + 3 < len(text):
+                raw.append(int(text[i + 2:i + 4], 16))
+                i += 4
+                continue
+            raw.extend(_ESCAPES.get(nxt, nxt).encode())
+            i += 2
+            continue
+        raw.extend(ch.encode())
+        i += 1
+    out.append(raw.decode("utf-8", errors="surrogateescape"))
+    return "".join(out)
+
+
+@dataclass
+class MonitoredCommand:
+    source: str            # "lua" for commands run by a script, else "host:port" or "unix:..."
+    args: list[str]        # the command and its arguments, unquoted
+
+    @property
+    def name(self) -> str:
+        return self.args[0].upper() if self.args else ""
+
+    @property
+    def from_script(self) -> bool:
+        return self.source == "lua"
+
+
+@dataclass
+class Monitor:
+    """Records every command the server runs while it is open (MONITOR). Commands run by
+    scripts show up with source "lua". Closing it waits until the server echoed a sentinel
+    sent after everything else, so no command of the block can be missed."""
+
+    client: redis.Redis
+    commands: list[MonitoredCommand] = field(default_factory=list)
+    _token: str = field(default_factory=lambda: f"monitor-end-{uuid.uuid4().hex}")
+
+    def __enter__(self) -> "Monitor":
+        # A raw socket, so what we read is exactly the server's MONITOR text.
+        kwargs = self.client.connection_pool.connection_kwargs
+        if kwargs.get("path"):
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._sock.connect(kwargs["path"])
+        else:
+            self._sock = socket.create_connection((kwargs.get("host", "localhost"),
+                                                   kwargs.get("port", 6379)))
+        self._sock.settimeout(10)
+        self._lines = self._sock.makefile("rb")
+        if kwargs.get("password"):
+            auth = [b"AUTH"] + ([kwargs["username"].encode()] if kwargs.get("username") else [])
+            self._send(*auth, kwargs["password"].encode())
+            assert self._lines.readline().startswith(b"+OK"), "MONITOR could not authenticate"
+        self._send(b"MONITOR")
+        assert self._lines.readline().startswith(b"+OK"), "MONITOR was refused"
+        self._inspector = self.client.client_info()["addr"]
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        return self
+
+    def _send(self, *args: bytes) -> None:
+        out = b"*%d\r\n" % len(args)
+        for arg in args:
+            out += b"$%d\r\n%s\r\n" % (len(arg), arg)
+        self._sock.sendall(out)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                raw = self._lines.readline()
+                if not raw:
+                    raise ConnectionError("the MONITOR connection closed")
+                line = raw.rstrip(b"\r\n").decode("utf-8", errors="surrogateescape")
+                match = _MONITOR_LINE.match(line)
+                if match is None:
+                    continue
+                args = [_unescape(a) for a in _MONITOR_ARG.findall(match["args"])]
+                if len(args) == 2 and args[0].upper() == "ECHO" and args[1] == self._token:
+                    return
+                self.commands.append(MonitoredCommand(source=match["source"], args=args))
+        except BaseException as exc:  # reported by __exit__
+            self._error = exc
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.echo(self._token)
+        self._thread.join(10)
+        alive = self._thread.is_alive()
+        self._lines.close()
+        self._sock.close()
+        if alive:
+            raise AssertionError("MONITOR did not see its end marker within 10 s")
+        if self._error is not None:
+            raise AssertionError(f"reading MONITOR failed: {self._error!r}")
+
+    def from_others(self) -> list[MonitoredCommand]:
+        """Top-level commands from any client but the inspection client."""
+        return [c for c in self.commands if not c.from_script and c.source != self._inspector]
+
+    def from_scripts(self) -> list[MonitoredCommand]:
+        return [c for c in self.commands if c.from_script]
+
+
+# ---------------------------------------------------------------- concurrency
+
+def run_lined_up(count: int, call: Callable[[int], Any], timeout: float = 30.0) -> list[Any]:
+    """Runs call(i) in `count` threads released together by a barrier; returns the results
+    in index order. An exception in any thread fails the test with that exception."""
+    barrier = threading.Barrier(count)
+    results: list[Any] = [None] * count
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            barrier.wait(timeout)
+            results[i] = call(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if any(t.is_alive() for t in threads):
+        raise AssertionError(f"a thread was still running after {timeout} s")
+    if errors:
+        raise errors[0]
+    return results
+
+
+def process_worker(url: str, user_ids: list[str], limit: int, window_seconds: int,
+                   barrier: Any, results: Any, worker_index: int) -> None:
+    """One process of the multi-process tests: its own RateLimiter; for each user id, waits
+    at the barrier with the other processes, then makes one check and reports it."""
+    from genai_ratelimit import RateLimiter
+
+    try:
+        with RateLimiter(url) as limiter:
+            for round_index, user in enumerate(user_ids):
+                barrier.wait(60)
+                results.put((worker_index, round_index, limiter.check(user, limit, window_seconds)))
+    except BaseException as exc:  # the parent fails the test with it
+        results.put((worker_index, -1, f"{type(exc).__name__}: {exc}"))
+
+
+# ------------------------------------------------------------ faulty endpoints
+
+def closed_port_url() -> str:
+    """A redis:// URL on a loopback port nothing listens on."""
+    return f"redis://127.0.0.1:{free_port()}/0"
+
+
+class FullBacklogListener:
+    """A loopback listener that never accepts and whose accept queue is full, so a new
+    connect() gets no answer at all (its SYN is dropped) until the client gives up."""
+
+    def __init__(self) -> None:
+        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(0)
+        self.port = self.server.getsockname()[1]
+        self.fillers: list[socket.socket] = []
+        for _ in range(16):
+            filler = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            filler.settimeout(0.2)
+            self.fillers.append(filler)
+            try:
+                filler.connect(("127.0.0.1", self.port))
+            except OSError:
+                return  # this connect got no answer: the queue is full
+        raise RuntimeError("could not fill the accept queue of a loopback listener")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def close(self) -> None:
+        for filler in self.fillers:
+            filler.close()
+        self.server.close()
+
+    def __enter__(self) -> "FullBacklogListener":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class GarbageServer:
+    """A loopback TCP server that answers every request with the same bytes (not a
+    decision of the rate-limit script) and keeps the connection open afterwards."""
+
+    def __init__(self, reply: bytes) -> None:
+        self.reply = reply
+        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(16)
+        self.server.settimeout(0.1)
+        self.port = self.server.getsockname()[1]
+        self.requests = 0
+        self._stop = threading.Event()
+        self._connections: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except (socket.timeout, OSError):
+                continue
+            self._connections.append(conn)
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                data = conn.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            self.requests += 1
+            try:
+                conn.sendall(self.reply)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for conn in self._connections:
+            conn.close()
+        self.server.close()
+
+    def __enter__(self) -> "GarbageServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PasswordRedisServer(RedisServer):
+    """A RedisServer that requires a password. The base class waits for +PONG to a bare
+    PING, which such a server answers with -NOAUTH: that answer proves it is ready too."""
+
+    def __init__(self, password: str, *extra_args: str) -> None:
+        super().__init__("--requirepass", password, *extra_args)
+        self.password = password
+
+    def _wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                return False
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.02)  # readiness polling: we loop until an answer or the deadline
+        return False

@@ -1,0 +1,304 @@
+"""Real faults, real recoveries: a closed port, a listener that never answers a connect, a
+paused server, a server that answers garbage, a flushed script cache, a restarted and a
+killed server, a wrong password, a unix socket, fork(), a closed limiter."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+import redis
+
+from helpers_core import (
+    FullBacklogListener,
+    GarbageServer,
+    PasswordRedisServer,
+    closed_port_url,
+    connections_received,
+    measured_commands,
+)
+
+MARGIN = 0.5  # seconds of slack on top of a configured timeout
+
+
+def limiter_for(url: str, timeout: float = 0.5):
+    from genai_ratelimit import RateLimiter
+
+    return RateLimiter(url, connect_timeout=timeout, socket_timeout=timeout)
+
+
+def timed_failure(limiter, user: str = "user-1"):
+    """Runs one check that must fail; returns (exception, seconds it took)."""
+    from genai_ratelimit import RateLimiterError
+
+    started = time.monotonic()
+    with pytest.raises(RateLimiterError) as info:
+        limiter.check(user, 10, 60)
+    return info.value, time.monotonic() - started
+
+
+# ------------------------------------------------------------- unreachable server
+
+def test_exception_hierarchy():
+    from genai_ratelimit import RateLimiterError, RateLimiterUnavailable
+
+    assert issubclass(RateLimiterUnavailable, RateLimiterError)
+    assert issubclass(RateLimiterError, Exception)
+
+
+def test_closed_port_raises_unavailable_within_the_connect_timeout():
+    from genai_ratelimit import RateLimiterUnavailable
+
+    with limiter_for(closed_port_url()) as limiter:
+        error, elapsed = timed_failure(limiter)
+    assert isinstance(error, RateLimiterUnavailable)
+    assert elapsed < 0.5 + MARGIN
+    assert str(error)
+
+
+def test_closed_port_keeps_failing_fast_on_every_call():
+    from genai_ratelimit import RateLimiterUnavailable
+
+    with limiter_for(closed_port_url()) as limiter:
+        for _ in range(3):
+            error, elapsed = timed_failure(limiter)
+            assert isinstance(error, RateLimiterUnavailable) and elapsed < 0.5 + MARGIN
+
+
+def test_unanswered_connect_raises_unavailable_within_the_connect_timeout():
+    from genai_ratelimit import RateLimiterUnavailable
+
+    with FullBacklogListener() as listener, limiter_for(listener.url, timeout=0.3) as limiter:
+        error, elapsed = timed_failure(limiter)
+    assert isinstance(error, RateLimiterUnavailable)
+    assert 0.2 <= elapsed < 0.3 + MARGIN
+
+
+def test_paused_server_raises_unavailable_within_the_socket_timeout(private_redis):
+    from genai_ratelimit import RateLimiterUnavailable
+
+    with limiter_for(private_redis.url) as limiter:
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+        private_redis.pause()
+        try:
+            error, elapsed = timed_failure(limiter)
+        finally:
+            private_redis.resume()
+    assert isinstance(error, RateLimiterUnavailable)
+    assert elapsed < 0.5 + MARGIN
+
+
+def test_paused_server_works_again_once_resumed(private_redis):
+    from genai_ratelimit import RateLimiterUnavailable
+
+    with limiter_for(private_redis.url) as limiter:
+        assert limiter.check("user-1", 100, 60)[0] is True
+        private_redis.pause()
+        try:
+            error, _ = timed_failure(limiter)
+            assert isinstance(error, RateLimiterUnavailable)
+        finally:
+            private_redis.resume()
+        # The request that timed out may have been counted by the server; the next answer is
+        # a fresh, in-step decision, not the late reply to the old one.
+        allowed, remaining, retry_after_s = limiter.check("user-2", 100, 60)
+        assert (allowed, remaining, retry_after_s) == (True, 99, 0)
+
+
+@pytest.mark.parametrize("garbage", [
+    b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",  # not RESP at all
+    b"+OK\r\n",                                                 # RESP, but not a decision
+    b":1\r\n",
+    b"*4\r\n:1\r\n:2\r\n",                                      # a decision cut short
+    b"*2\r\n$3\r\nfoo\r\n$3\r\nbar\r\n",
+], ids=["http", "status", "integer", "truncated", "strings"])
+def test_server_answering_garbage_raises_unavailable_within_the_timeout(garbage):
+    from genai_ratelimit import RateLimiterUnavailable
+
+    with GarbageServer(garbage) as server, limiter_for(server.url) as limiter:
+        error, elapsed = timed_failure(limiter)
+        assert server.requests >= 1
+    assert isinstance(error, RateLimiterUnavailable)
+    assert elapsed < 2 * 0.5 + MARGIN
+
+
+# ---------------------------------------------------------------------- recovery
+
+def test_script_flush_is_recovered_transparently(limiter, redis_client, user_id):
+    from genai_ratelimit import SCRIPT_SHA1
+
+    assert limiter.check(user_id, 10, 60) == (True, 9, 0)
+    redis_client.script_flush()
+    with measured_commands(redis_client) as delta:
+        assert limiter.check(user_id, 10, 60) == (True, 8, 0)
+    assert delta.get("script|load") == 1
+    assert redis_client.script_exists(SCRIPT_SHA1) == [True]
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 2
+
+
+def test_restarted_server_is_recovered_transparently(private_redis):
+    with limiter_for(private_redis.url) as limiter:
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+        private_redis.restart()  # same port, empty data, empty script cache
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+        assert limiter.check("user-1", 10, 60) == (True, 8, 0)
+
+
+def test_killed_server_raises_unavailable_then_works_after_restart(private_redis):
+    from genai_ratelimit import RateLimiterUnavailable
+
+    with limiter_for(private_redis.url) as limiter:
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+        private_redis.kill()
+        error, elapsed = timed_failure(limiter)
+        assert isinstance(error, RateLimiterUnavailable) and elapsed < 0.5 + MARGIN
+        private_redis.start(port=private_redis.port)
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+
+
+def test_server_error_reply_raises_rate_limiter_error_and_the_connection_stays_usable(
+        limiter, redis_client, user_id):
+    from genai_ratelimit import RateLimiterError
+
+    redis_client.set(f"ratelimit:{user_id}:60", "not a sorted set")
+    with pytest.raises(RateLimiterError, match="WRONGTYPE"):
+        limiter.check(user_id, 10, 60)
+    assert limiter.check(f"{user_id}-other", 10, 60) == (True, 9, 0)
+
+
+# ------------------------------------------------------------------- passwords
+
+@pytest.fixture
+def password_redis():
+    with PasswordRedisServer("sekret") as server:
+        yield server
+
+
+def test_wrong_password_raises_an_error_saying_authentication_failed(password_redis):
+    from genai_ratelimit import RateLimiterError
+
+    url = f"redis://:wrong-password@127.0.0.1:{password_redis.port}/0"
+    with limiter_for(url) as limiter:
+        with pytest.raises(RateLimiterError, match="(?i)auth") as info:
+            limiter.check("user-1", 10, 60)
+    assert "wrong-password" not in str(info.value)
+
+
+def test_missing_password_raises_an_error_saying_authentication_is_required(password_redis):
+    from genai_ratelimit import RateLimiterError
+
+    with limiter_for(password_redis.url) as limiter:
+        with pytest.raises(RateLimiterError, match="(?i)auth"):
+            limiter.check("user-1", 10, 60)
+
+
+def test_right_password_in_the_url_works(password_redis):
+    url = f"redis://:sekret@127.0.0.1:{password_redis.port}/0"
+    with limiter_for(url) as limiter:
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+    client = redis.Redis(port=password_redis.port, password="sekret")
+    try:
+        assert client.zcard("ratelimit:user-1:60") == 1
+    finally:
+        client.close()
+
+
+def test_database_number_in_the_url_is_selected(private_redis):
+    with limiter_for(f"redis://127.0.0.1:{private_redis.port}/3") as limiter:
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+    db3, db0 = redis.Redis(port=private_redis.port, db=3), redis.Redis(port=private_redis.port, db=0)
+    try:
+        assert db3.keys("*") == [b"ratelimit:user-1:60"]
+        assert db0.dbsize() == 0
+    finally:
+        db3.close()
+        db0.close()
+
+
+def test_unix_socket_url_works(private_redis):
+    with limiter_for(private_redis.unix_url) as limiter:
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+        assert limiter.check("user-1", 10, 60) == (True, 8, 0)
+    client = redis.Redis(unix_socket_path=private_redis.unix_path)
+    try:
+        assert client.zcard("ratelimit:user-1:60") == 2
+    finally:
+        client.close()
+
+
+# ------------------------------------------------------------------------- fork
+
+def test_fork_parent_and_child_both_get_correct_answers_on_their_own_connections(
+        limiter, redis_client):
+    calls = 300
+    parent_user, child_user = f"parent-{uuid.uuid4().hex}", f"child-{uuid.uuid4().hex}"
+    assert limiter.check(parent_user, 10_000, 60) == (True, 9_999, 0)  # the parent's socket is open
+    connections_before = connections_received(redis_client)
+
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        status = 3
+        try:
+            answers = [limiter.check(child_user, 10_000, 60) for _ in range(calls)]
+            expected = [(True, 10_000 - 1 - n, 0) for n in range(calls)]
+            status = 0 if answers == expected else 1
+        except BaseException:
+            status = 2
+        finally:
+            os._exit(status)
+
+    # The parent keeps using the limiter at the same time as the child.
+    answers = [limiter.check(parent_user, 10_000, 60) for _ in range(calls)]
+    _, wait_status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(wait_status) == 0, "the child got wrong answers or failed"
+    assert answers == [(True, 10_000 - 2 - n, 0) for n in range(calls)]
+    assert redis_client.zcard(f"ratelimit:{child_user}:60") == calls
+    assert redis_client.zcard(f"ratelimit:{parent_user}:60") == calls + 1
+    assert connections_received(redis_client) > connections_before  # the child dialled anew
+    assert limiter.check(parent_user, 10_000, 60)[1] == 10_000 - calls - 2
+
+
+def test_fork_child_does_not_close_the_parents_connection(limiter, redis_client, user_id):
+    assert limiter.check(user_id, 100, 60)[0] is True
+    connections_before = connections_received(redis_client)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)  # the child leaves at once, without a call
+    os.waitpid(pid, 0)
+    assert limiter.check(user_id, 100, 60) == (True, 98, 0)
+    assert connections_received(redis_client) == connections_before  # parent kept its socket
+
+
+# --------------------------------------------------------------------- closing
+
+def test_check_after_close_raises_an_error_saying_closed(redis_url):
+    from genai_ratelimit import RateLimiterError
+
+    limiter = limiter_for(redis_url)
+    limiter.check(f"user-{uuid.uuid4().hex}", 10, 60)
+    limiter.close()
+    with pytest.raises(RateLimiterError, match="(?i)closed"):
+        limiter.check("user-1", 10, 60)
+
+
+def test_close_twice_is_harmless(redis_url):
+    limiter = limiter_for(redis_url)
+    limiter.close()
+    limiter.close()
+
+
+def test_context_manager_closes_the_limiter(redis_url, redis_client):
+    from genai_ratelimit import RateLimiterError
+
+    clients_before = int(redis_client.info("clients")["connected_clients"])
+    with limiter_for(redis_url) as limiter:
+        assert limiter.check(f"user-{uuid.uuid4().hex}", 10, 60)[0] is True
+    with pytest.raises(RateLimiterError):
+        limiter.check("user-1", 10, 60)
+    # The server notices the closed socket in its own time: poll, with a deadline.
+    deadline = time.monotonic() + 5
+    while int(redis_client.info("clients")["connected_clients"]) != clients_before:
+        assert time.monotonic() < deadline, "the limiter's connection stayed open after close()"
+        time.sleep(0.01)

@@ -1,0 +1,280 @@
+"""Input rules: bad arguments raise TypeError or ValueError before any Redis I/O; odd but
+valid user ids work and never share a key; bad URLs are refused with a message naming the
+problem; a password never shows in repr() or in an error message."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import redis
+
+from helpers_core import PasswordRedisServer, closed_port_url, measured_commands
+
+BAD_USER_IDS = [
+    pytest.param("", ValueError, id="empty"),
+    pytest.param(None, TypeError, id="None"),
+    pytest.param(123, TypeError, id="int"),
+    pytest.param(b"bytes", TypeError, id="bytes"),
+    pytest.param(["user"], TypeError, id="list"),
+    pytest.param("\ud800", ValueError, id="lone-surrogate"),  # not encodable as UTF-8
+]
+
+BAD_COUNTS = [  # for limit and for window_seconds
+    pytest.param(0, (ValueError,), id="zero"),
+    pytest.param(-1, (ValueError,), id="negative"),
+    pytest.param(1.5, (TypeError,), id="float"),
+    pytest.param(10.0, (TypeError,), id="whole-float"),
+    pytest.param(True, (TypeError, ValueError), id="True"),
+    pytest.param(False, (TypeError, ValueError), id="False"),
+    pytest.param("10", (TypeError,), id="str"),
+    pytest.param(None, (TypeError,), id="None"),
+    pytest.param(10**30, (ValueError,), id="too-big-to-be-exact"),
+]
+
+
+@pytest.fixture
+def unreachable_limiter():
+    """A limiter on a closed port: any Redis I/O would raise RateLimiterUnavailable, so an
+    input error that is raised instead proves the input was checked first."""
+    from genai_ratelimit import RateLimiter
+
+    with RateLimiter(closed_port_url(), connect_timeout=0.5, socket_timeout=0.5) as limiter:
+        yield limiter
+
+
+# ------------------------------------------------------------------ bad arguments
+
+@pytest.mark.parametrize("user_id, error", BAD_USER_IDS)
+def test_bad_user_id_is_refused_before_any_redis_io(unreachable_limiter, user_id, error):
+    with pytest.raises(error):
+        unreachable_limiter.check(user_id, 10, 60)
+
+
+@pytest.mark.parametrize("limit, errors", BAD_COUNTS)
+def test_bad_limit_is_refused_before_any_redis_io(unreachable_limiter, limit, errors):
+    with pytest.raises(errors):
+        unreachable_limiter.check("user-1", limit, 60)
+
+
+@pytest.mark.parametrize("window_seconds, errors", BAD_COUNTS)
+def test_bad_window_is_refused_before_any_redis_io(unreachable_limiter, window_seconds, errors):
+    with pytest.raises(errors):
+        unreachable_limiter.check("user-1", 10, window_seconds)
+
+
+def test_bad_arguments_send_no_command_to_a_live_server(limiter, redis_client):
+    limiter.check("warm-up", 10, 60)
+    with measured_commands(redis_client) as delta:
+        for args in [("", 10, 60), (None, 10, 60), ("u", 0, 60), ("u", 10, -1), ("u", True, 60),
+                     ("u", 10, 1.5), ("u", "10", 60)]:
+            with pytest.raises((TypeError, ValueError)):
+                limiter.check(*args)
+        for windows in [[], [(0, 60)], [(10,)], "nope"]:
+            with pytest.raises((TypeError, ValueError)):
+                limiter.check_windows("u", windows)
+    assert delta == {}
+    assert redis_client.keys("ratelimit:u:*") == []
+
+
+def test_largest_exact_limit_is_accepted(limiter, user_id):
+    biggest = 2**53 - 1
+    assert limiter.check(user_id, biggest, 60) == (True, biggest - 1, 0)
+
+
+@pytest.mark.parametrize("windows, error", [
+    pytest.param([], ValueError, id="empty"),
+    pytest.param(None, TypeError, id="None"),
+    pytest.param([(10,)], (TypeError, ValueError), id="one-element"),
+    pytest.param([(10, 60, 1)], (TypeError, ValueError), id="three-elements"),
+    pytest.param([10, 60], TypeError, id="flat-numbers"),
+    pytest.param(["10", "60"], (TypeError, ValueError), id="strings"),
+    pytest.param([("10", 60)], TypeError, id="str-limit"),
+    pytest.param([(10, 1.5)], TypeError, id="float-window"),
+    pytest.param([(0, 60)], ValueError, id="zero-limit"),
+    pytest.param([(10, -60)], ValueError, id="negative-window"),
+    pytest.param([(True, 60)], (TypeError, ValueError), id="bool-limit"),
+    pytest.param([(5, 60), (None, 86400)], TypeError, id="second-pair-bad"),
+], )
+def test_bad_windows_are_refused_before_any_redis_io(unreachable_limiter, windows, error):
+    with pytest.raises(error):
+        unreachable_limiter.check_windows("user-1", windows)
+
+
+def test_check_windows_bad_user_id_is_refused_before_any_redis_io(unreachable_limiter):
+    with pytest.raises(ValueError):
+        unreachable_limiter.check_windows("", [(5, 60)])
+    with pytest.raises(TypeError):
+        unreachable_limiter.check_windows(None, [(5, 60)])
+
+
+def test_check_windows_accepts_a_tuple_of_pairs(limiter, user_id):
+    assert limiter.check_windows(user_id, ((5, 60), (100, 86400))) == (True, 4, 0, 60)
+
+
+# ---------------------------------------------------------------- odd, valid ids
+
+ODD_IDS = [":", "::", "a:b", "a:60", "{x}", "{user}:1", " ", "  padded  ", "ü日本", "emoji-🚦",
+           "\x00", "a\x00b", "line\r\nbreak", "*", "?", "[a]", "\\", '"quoted"', "x" * 1000]
+
+
+@pytest.mark.parametrize("user_id", ODD_IDS, ids=lambda u: repr(u)[:30])
+def test_odd_but_valid_user_id_gets_its_own_exact_key(limiter, redis_client, user_id):
+    assert limiter.check(user_id, 2, 60) == (True, 1, 0)
+    assert limiter.check(user_id, 2, 60) == (True, 0, 0)
+    assert limiter.check(user_id, 2, 60)[:2] == (False, 0)
+    key = b"ratelimit:" + user_id.encode("utf-8") + b":60"
+    assert redis_client.keys("*") == [key]
+    assert redis_client.zcard(key) == 2
+
+
+def test_odd_user_ids_never_share_a_key(limiter, redis_client):
+    ids = ODD_IDS + ["a", "a:60:60", "a\x00", "a ", "A", "x" * 999]
+    windows = (60, 61, 3600)
+    for user in ids:
+        for window in windows:
+            # limit 1: a second request on a shared key would be rejected
+            assert limiter.check(user, 1, window) == (True, 0, 0), (user, window)
+    assert redis_client.dbsize() == len(ids) * len(windows)
+
+
+def test_user_whose_id_ends_like_a_window_does_not_share_the_key_of_another_window(limiter, redis_client):
+    # "a:60" in a 60 s window is ratelimit:a:60:60; "a" in a 60 s window is ratelimit:a:60.
+    assert limiter.check("a:60", 1, 60) == (True, 0, 0)
+    assert limiter.check("a", 1, 60) == (True, 0, 0)
+    assert sorted(redis_client.keys("*")) == [b"ratelimit:a:60", b"ratelimit:a:60:60"]
+
+
+# ---------------------------------------------------------------------- URLs
+
+@pytest.mark.parametrize("url, named", [
+    pytest.param("", "empty", id="empty"),
+    pytest.param("   ", "empty", id="blank"),
+    pytest.param("http://x", "scheme", id="http"),
+    pytest.param("redis-x://h", "scheme", id="unknown-scheme"),
+    pytest.param("localhost:6379", "scheme", id="no-scheme"),
+    pytest.param("redis://h:99999", "port", id="port-too-big"),
+    pytest.param("redis://h:0", "port", id="port-zero"),
+    pytest.param("redis://h:abc", "port", id="port-not-a-number"),
+    pytest.param("redis://", "host", id="no-host"),
+    pytest.param("redis://h/notadb", "database", id="db-not-a-number"),
+    pytest.param("rediss://h?ssl_cert_reqs=bogus", "ssl_cert_reqs", id="ssl-cert-reqs"),
+    pytest.param("redis://h?ssl_cert_reqs=none", "rediss", id="ssl-without-tls"),
+    pytest.param("redis://h?colour=blue", "colour", id="unknown-parameter"),
+    pytest.param("unix://", "path", id="unix-without-path"),
+])
+def test_bad_url_raises_value_error_naming_the_problem(url, named):
+    from genai_ratelimit import RateLimiter
+
+    with pytest.raises(ValueError, match=f"(?i){named}"):
+        RateLimiter(url)
+
+
+def test_non_string_url_raises_type_error():
+    from genai_ratelimit import RateLimiter
+
+    with pytest.raises(TypeError):
+        RateLimiter(b"redis://localhost")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    pytest.param({"clock": "local"}, ValueError, id="clock"),
+    pytest.param({"key_prefix": ""}, ValueError, id="empty-prefix"),
+    pytest.param({"key_prefix": None}, TypeError, id="None-prefix"),
+    pytest.param({"connect_timeout": 0}, ValueError, id="zero-connect-timeout"),
+    pytest.param({"socket_timeout": -1}, ValueError, id="negative-socket-timeout"),
+    pytest.param({"socket_timeout": float("nan")}, ValueError, id="nan-socket-timeout"),
+    pytest.param({"socket_timeout": "1"}, TypeError, id="str-socket-timeout"),
+    pytest.param({"max_connections": 0}, ValueError, id="zero-connections"),
+    pytest.param({"max_connections": 2.0}, TypeError, id="float-connections"),
+])
+def test_bad_constructor_option_is_refused(redis_url, kwargs, error):
+    from genai_ratelimit import RateLimiter
+
+    with pytest.raises(error):
+        RateLimiter(redis_url, **kwargs)
+
+
+def test_url_defaults_to_the_redis_url_environment_variable(monkeypatch, private_redis):
+    from genai_ratelimit import RateLimiter
+
+    monkeypatch.setenv("REDIS_URL", private_redis.url)
+    with RateLimiter(connect_timeout=0.5, socket_timeout=0.5) as limiter:
+        assert limiter.check("env-user", 10, 60) == (True, 9, 0)
+    client = redis.Redis(port=private_redis.port)
+    try:
+        assert client.keys("*") == [b"ratelimit:env-user:60"]
+    finally:
+        client.close()
+
+
+def test_url_defaults_to_localhost_6379_db_0(monkeypatch):
+    from genai_ratelimit import RateLimiter
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with RateLimiter() as limiter:  # connecting is lazy: nothing is dialled here
+        assert limiter.url == "redis://localhost:6379/0"
+
+
+# ------------------------------------------------------------------ secrecy
+
+SECRET = "sekret-Pa55word"
+
+
+@pytest.mark.parametrize("url", [
+    f"redis://:{SECRET}@127.0.0.1:6379/0",
+    f"redis://alice:{SECRET}@127.0.0.1:6379/2",
+    f"rediss://:{SECRET}@127.0.0.1:6380/0?ssl_cert_reqs=none",
+    f"unix:///tmp/redis.sock?db=1&password={SECRET}",
+])
+def test_password_is_not_in_repr_or_url(url):
+    from genai_ratelimit import RateLimiter
+
+    with RateLimiter(url) as limiter:
+        assert SECRET not in repr(limiter)
+        assert SECRET not in str(limiter)
+        assert SECRET not in limiter.url
+
+
+@pytest.mark.parametrize("url", [
+    f"redis://:{SECRET}@h:99999",
+    f"rediss://:{SECRET}@h?ssl_cert_reqs=bogus",
+    f"http://:{SECRET}@h",
+    f"redis://:{SECRET}@h/notadb",
+])
+def test_password_is_not_in_url_error_messages(url):
+    from genai_ratelimit import RateLimiter
+
+    with pytest.raises(ValueError) as info:
+        RateLimiter(url)
+    assert SECRET not in str(info.value) and SECRET not in repr(info.value)
+
+
+def test_password_is_not_in_authentication_errors_or_logs(caplog):
+    from genai_ratelimit import RateLimiter, RateLimiterError
+
+    caplog.set_level(logging.DEBUG)
+    with PasswordRedisServer("the-right-one") as server:
+        for url in (f"redis://:{SECRET}@127.0.0.1:{server.port}/0",
+                    f"redis://alice:{SECRET}@127.0.0.1:{server.port}/0"):
+            with RateLimiter(url, connect_timeout=0.5, socket_timeout=0.5) as limiter:
+                with pytest.raises(RateLimiterError) as info:
+                    limiter.check("user-1", 10, 60)
+            chain = []
+            error: BaseException | None = info.value
+            while error is not None:
+                chain.append(f"{error!s} {error!r}")
+                error = error.__cause__ or error.__context__
+            assert SECRET not in " ".join(chain)
+            assert "auth" in str(info.value).lower()
+    assert SECRET not in caplog.text
+
+
+def test_password_is_not_in_unavailable_errors():
+    from genai_ratelimit import RateLimiter, RateLimiterUnavailable
+
+    url = closed_port_url().replace("redis://", f"redis://:{SECRET}@")
+    with RateLimiter(url, connect_timeout=0.5, socket_timeout=0.5) as limiter:
+        with pytest.raises(RateLimiterUnavailable) as info:
+            limiter.check("user-1", 10, 60)
+    assert SECRET not in str(info.value) and SECRET not in repr(info.value)

@@ -11,6 +11,9 @@
 #include <unistd.h>
 
 extern PyType_Spec rl_limiter_spec;
+extern PyType_Spec rl_codec_spec;
+extern PyType_Spec rl_request_spec;
+extern PyType_Spec rl_pipeline_spec;
 
 static rl_module_state *
 get_state(PyObject *module)
@@ -19,12 +22,12 @@ get_state(PyObject *module)
 }
 
 PyObject *
-rl_raise(rl_module_state *state, const rl_error *err)
+rl_exception(rl_module_state *state, const rl_error *err)
 {
     PyObject *type;
     switch (err->kind) {
     case RL_ERR_NOMEM:
-        return PyErr_NoMemory();
+        return PyObject_CallOneArg(PyExc_MemoryError, Py_None);
     case RL_ERR_TIMEOUT:
         type = state->Timeout;
         break;
@@ -34,14 +37,26 @@ rl_raise(rl_module_state *state, const rl_error *err)
     case RL_ERR_CLOSED:
         type = state->Error;
         break;
-    case RL_OK: /* a bug: report it rather than return NULL without an exception */
-        PyErr_SetString(PyExc_SystemError, "rate limiter failed without an error");
-        return NULL;
+    case RL_OK: /* a bug: report it rather than fail without an exception */
+        return PyObject_CallFunction(PyExc_SystemError, "s", "rate limiter failed without an error");
     default:
         type = state->Unavailable;
         break;
     }
-    PyErr_SetString(type, err->message[0] ? err->message : "Redis is unavailable");
+    return PyObject_CallFunction(type, "s", err->message[0] ? err->message : "Redis is unavailable");
+}
+
+PyObject *
+rl_raise(rl_module_state *state, const rl_error *err)
+{
+    PyObject *exc;
+    if (err->kind == RL_ERR_NOMEM)
+        return PyErr_NoMemory();
+    exc = rl_exception(state, err);
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
     return NULL;
 }
 
@@ -70,6 +85,15 @@ add_exception(PyObject *module, PyObject **slot, const char *name, const char *d
     if (*slot == NULL)
         return -1;
     return PyModule_AddObjectRef(module, name, *slot);
+}
+
+static int
+add_type(PyObject *module, PyTypeObject **slot, PyType_Spec *spec, const char *name)
+{
+    *slot = (PyTypeObject *)PyType_FromModuleAndSpec(module, spec, NULL);
+    if (*slot == NULL)
+        return -1;
+    return PyModule_AddObjectRef(module, name, (PyObject *)*slot);
 }
 
 static int
@@ -143,10 +167,10 @@ module_exec(PyObject *module)
                       state->Unavailable) < 0)
         goto done;
 
-    state->LimiterType = (PyTypeObject *)PyType_FromModuleAndSpec(module, &rl_limiter_spec, NULL);
-    if (state->LimiterType == NULL)
-        goto done;
-    if (PyModule_AddObjectRef(module, "Limiter", (PyObject *)state->LimiterType) < 0)
+    if (add_type(module, &state->LimiterType, &rl_limiter_spec, "Limiter") < 0 ||
+        add_type(module, &state->CodecType, &rl_codec_spec, "Codec") < 0 ||
+        add_type(module, &state->RequestType, &rl_request_spec, "Request") < 0 ||
+        add_type(module, &state->PipelineType, &rl_pipeline_spec, "Pipeline") < 0)
         goto done;
 
     if (PyModule_AddStringConstant(module, "SCRIPT_SHA1", rl_script_sha1_hex) < 0)
@@ -178,7 +202,8 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
     rl_module_state *state = get_state(module);
     Py_VISIT(state->LimiterType);
     Py_VISIT(state->CodecType);
-    Py_VISIT(state->ReaderType);
+    Py_VISIT(state->RequestType);
+    Py_VISIT(state->PipelineType);
     Py_VISIT(state->Error);
     Py_VISIT(state->Unavailable);
     Py_VISIT(state->Timeout);
@@ -192,7 +217,8 @@ module_clear(PyObject *module)
     rl_module_state *state = get_state(module);
     Py_CLEAR(state->LimiterType);
     Py_CLEAR(state->CodecType);
-    Py_CLEAR(state->ReaderType);
+    Py_CLEAR(state->RequestType);
+    Py_CLEAR(state->PipelineType);
     Py_CLEAR(state->Error);
     Py_CLEAR(state->Unavailable);
     Py_CLEAR(state->Timeout);

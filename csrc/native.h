@@ -147,7 +147,8 @@ double rl_monotonic(void);                           /* seconds, for deadlines *
 typedef struct {
     PyTypeObject *LimiterType;
     PyTypeObject *CodecType;
-    PyTypeObject *ReaderType;
+    PyTypeObject *RequestType;
+    PyTypeObject *PipelineType;
     PyObject *Error;             /* RateLimiterError */
     PyObject *Unavailable;       /* RateLimiterUnavailable */
     PyObject *Timeout;           /* RateLimiterTimeout */
@@ -158,6 +159,8 @@ typedef struct {
 
 /* Raises the Python exception for err. Always returns NULL. */
 PyObject *rl_raise(rl_module_state *state, const rl_error *err);
+/* The exception instance for err (a new reference), or NULL with an exception set. */
+PyObject *rl_exception(rl_module_state *state, const rl_error *err);
 
 /* One decision, prepared with the GIL held (args.c). */
 typedef struct {

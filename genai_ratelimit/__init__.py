@@ -13,11 +13,13 @@ from ._native import (
     RateLimiterTimeout,
     RateLimiterUnavailable,
 )
+from .aio import AsyncRateLimiter
 from .limiter import RateLimiter
 from .tiers import TIER_LIMITS
 
 __all__ = [
     "RateLimiter",
+    "AsyncRateLimiter",
     "RateLimiterError",
     "RateLimiterUnavailable",
     "RateLimiterTimeout",

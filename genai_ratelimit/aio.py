@@ -1,0 +1,335 @@
+"""AsyncRateLimiter: the asyncio limiter. Same arguments, results, errors, kill switch,
+script and keys as RateLimiter; only the I/O differs.
+
+The C extension validates each check and formats its EVALSHA (Codec), and parses replies
+and resolves their futures in order (Pipeline, on hiredis's reader). This module only moves
+bytes: an asyncio.Protocol per connection, driven by the running loop, so a check never
+blocks the loop and never needs a worker thread. Checks issued by many coroutines in the
+same loop iteration share a connection and go out in one write (auto-pipelining).
+
+Connections belong to the loop that opened them: a limiter used from several loops (e.g. a
+test client that runs each request on a fresh loop) keeps one small set per loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import weakref
+from typing import Any
+
+from . import _native
+from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable
+from ._url import RedisOptions
+from .limiter import Clock, limiter_options
+
+__all__ = ["AsyncRateLimiter"]
+
+# A connection takes new checks until this many replies are due on every open connection;
+# only then is another one opened (up to max_connections).
+_PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
+
+
+class _Connection(asyncio.Protocol):
+    """One Redis connection on one event loop: writes batched once per loop iteration,
+    replies decoded by the C Pipeline, a timer for the oldest reply due."""
+
+    def __init__(self, pool: "_LoopPool", timeout: float) -> None:
+        self.pool = pool
+        self.loop = pool.loop
+        self.timeout = timeout
+        self.pipeline = _native.Pipeline(timeout)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._flush_scheduled = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            wrote = self.pipeline.feed(data)
+        except Exception as exc:  # garbage from the server: this connection is done
+            self.abort(exc if isinstance(exc, RateLimiterError)
+                       else RateLimiterUnavailable(f"cannot decode Redis's reply: {exc}"))
+            return
+        if wrote:
+            self._schedule_flush()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = f": {exc}" if exc else ""
+        self._close(RateLimiterUnavailable(f"connection to Redis lost{reason}"))
+
+    # -- sending
+    def submit(self, request: Any) -> asyncio.Future[Any]:
+        future = self.loop.create_future()
+        self.pipeline.push(future, request)
+        self._schedule_flush()
+        if self._timer is None:
+            self._timer = self.loop.call_later(self.timeout, self._on_timer)
+        return future
+
+    def command(self, *words: str | bytes) -> asyncio.Future[Any]:
+        future = self.loop.create_future()
+        self.pipeline.push_command(future, *words)
+        self._schedule_flush()
+        if self._timer is None:
+            self._timer = self.loop.call_later(self.timeout, self._on_timer)
+        return future
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        data = self.pipeline.take()
+        if data is not None and not self.closed and self.transport is not None:
+            self.transport.write(data)
+
+    # -- deadlines: replies come in order, so the oldest pending one expires first
+    def _on_timer(self) -> None:
+        self._timer = None
+        deadline = self.pipeline.oldest_deadline()
+        if deadline is None or self.closed:
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self.abort(RateLimiterTimeout(
+                f"Redis did not answer within {self.timeout:g} s (socket_timeout)"))
+        else:
+            self._timer = self.loop.call_later(left, self._on_timer)
+
+    # -- closing
+    def abort(self, exc: Exception) -> None:
+        """Fails every pending check with exc and drops the connection (it may be out of step)."""
+        transport = self.transport
+        self._close(exc)
+        if transport is not None:
+            transport.abort()
+
+    def close(self, exc: Exception) -> None:
+        transport = self.transport
+        self._close(exc)
+        if transport is not None:
+            transport.close()
+
+    def _close(self, exc: Exception) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.pipeline.fail_all(exc)
+        self.pool.discard(self)
+
+
+class _LoopPool:
+    """The connections of one limiter on one event loop."""
+
+    def __init__(self, limiter: "AsyncRateLimiter", loop: asyncio.AbstractEventLoop) -> None:
+        self.limiter = limiter
+        self.loop = loop
+        self.connections: list[_Connection] = []
+        self.opening: asyncio.Future[_Connection] | None = None
+
+    def pick(self) -> _Connection | None:
+        """The least busy open connection, unless every one is deep enough that another
+        connection is worth opening. None means: call open()."""
+        best: _Connection | None = None
+        for conn in self.connections:
+            if best is None or conn.pipeline.pending < best.pipeline.pending:
+                best = conn
+        if best is None:
+            return None
+        if (best.pipeline.pending < _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION
+                or len(self.connections) >= self.limiter.max_connections
+                or self.opening is not None):
+            return best
+        return None
+
+    async def get(self) -> _Connection:
+        conn = self.pick()
+        if conn is not None:
+            return conn
+        if self.opening is None:
+            self.opening = self.loop.create_task(self._open())
+            self.opening.add_done_callback(self._opened)
+        # shield: a cancelled caller must not cancel the connect that others wait for
+        return await asyncio.shield(self.opening)
+
+    def _opened(self, task: asyncio.Future[_Connection]) -> None:
+        self.opening = None
+        if not task.cancelled():
+            task.exception()  # mark retrieved: every waiter got it already
+
+    async def _open(self) -> _Connection:
+        limiter = self.limiter
+        options = limiter._options
+        conn = _Connection(self, limiter._socket_timeout)
+        where = options.describe()
+        try:
+            await asyncio.wait_for(self._connect(conn, options), limiter._connect_timeout)
+        except asyncio.TimeoutError:
+            conn.abort(RateLimiterTimeout("connect timed out"))
+            raise RateLimiterTimeout(
+                f"timed out connecting to Redis at {where} "
+                f"(connect_timeout {limiter._connect_timeout:g} s)") from None
+        except RateLimiterError:
+            conn.abort(RateLimiterUnavailable("handshake failed"))
+            raise
+        except OSError as exc:
+            conn.abort(RateLimiterUnavailable("connect failed"))
+            raise RateLimiterUnavailable(
+                f"cannot connect to Redis at {where}: {exc.strerror or exc}") from None
+        if limiter._closed:
+            conn.close(RateLimiterError("the rate limiter is closed"))
+            raise RateLimiterError("the rate limiter is closed")
+        self.connections.append(conn)
+        return conn
+
+    async def _connect(self, conn: _Connection, options: RedisOptions) -> None:
+        if options.unix_path is not None:
+            await self.loop.create_unix_connection(lambda: conn, options.unix_path)
+        else:
+            await self.loop.create_connection(lambda: conn, options.host, options.port)
+        replies = []
+        if options.password is not None:
+            words = ["AUTH"] + ([options.username] if options.username else []) + [options.password]
+            replies.append(conn.command(*words))
+        if options.db:
+            replies.append(conn.command("SELECT", str(options.db)))
+        for reply in replies:
+            try:
+                await reply
+            except RateLimiterError as exc:
+                # The message is the server's text, which never contains the password.
+                if replies and reply is replies[0] and options.password is not None:
+                    raise _native.RateLimiterAuthError(f"Redis authentication failed: {exc}") from None
+                raise
+
+    def discard(self, conn: _Connection) -> None:
+        try:
+            self.connections.remove(conn)
+        except ValueError:
+            pass
+
+    def close_all(self, exc: Exception) -> None:
+        for conn in list(self.connections):
+            conn.close(exc)
+        self.connections.clear()
+
+
+class AsyncRateLimiter:
+    """Exact sliding-window rate limiter on Redis for asyncio.
+
+    >>> limiter = AsyncRateLimiter("redis://localhost:6379/0")
+    >>> allowed, remaining, retry_after_s = await limiter.check("user_8421", 10, 60)
+
+    Concurrent checks share connections and are pipelined. `await limiter.aclose()` (or
+    `async with`) closes it; a call after that raises RateLimiterError and sends nothing.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        key_prefix: str = "ratelimit",
+        connect_timeout: float = 1.0,
+        socket_timeout: float = 1.0,
+        clock: Clock = "server",
+        max_connections: int = 4,
+    ) -> None:
+        options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
+                                          clock, max_connections)
+        if options.tls:
+            raise ValueError("rediss:// (TLS) is not supported by this build of genai-ratelimit "
+                             "yet; use redis:// or unix://")
+        self._options = options
+        self._clock = clock
+        self._codec = _native.Codec(key_prefix, client_clock=clock == "client")
+        self._connect_timeout = float(native["connect_timeout"])  # type: ignore[arg-type]
+        self._socket_timeout = float(native["socket_timeout"])  # type: ignore[arg-type]
+        self.max_connections = max_connections
+        self.key_prefix = key_prefix
+        self._closed = False
+        self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPool] = (
+            weakref.WeakKeyDictionary())
+
+    @property
+    def url(self) -> str:
+        """Where this limiter connects, without credentials."""
+        return self._options.describe()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self._options.describe()!r}, "
+                f"key_prefix={self.key_prefix!r}, clock={self._clock!r})")
+
+    def _pool(self) -> _LoopPool:
+        loop = asyncio.get_running_loop()
+        pool = self._pools.get(loop)
+        if pool is None:
+            pool = self._pools[loop] = _LoopPool(self, loop)
+        return pool
+
+    async def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]:
+        """Decides one request of user_id: (allowed, remaining, retry_after_s)."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.check(user_id, limit, window_seconds)
+        if type(request) is tuple:  # the kill switch answered
+            return request
+        pool = self._pool()
+        conn = pool.pick()
+        if conn is None:
+            conn = await pool.get()
+        return await conn.submit(request)  # type: ignore[no-any-return]
+
+    async def check_windows(self, user_id: str,
+                            windows: Any) -> tuple[bool, int, int, int]:
+        """Decides one request against every (limit, window_seconds) pair, shortest first:
+        (allowed, remaining, retry_after_s, window_seconds)."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.check_windows(user_id, windows)
+        if type(request) is tuple:
+            return request
+        pool = self._pool()
+        conn = pool.pick()
+        if conn is None:
+            conn = await pool.get()
+        return await conn.submit(request)  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        """Closes every connection; pending checks fail. A second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        exc = RateLimiterError("the rate limiter is closed")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        for loop, pool in list(self._pools.items()):
+            if loop is running:
+                pool.close_all(exc)
+            elif not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(pool.close_all, exc)
+                except RuntimeError:  # the loop closed meanwhile
+                    pass
+        self._pools.clear()
+
+    async def __aenter__(self) -> "AsyncRateLimiter":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -15,6 +15,8 @@ from redis_server import RedisServer, env_redis_url
 
 # The kill switch must never leak in from the developer's shell.
 os.environ.pop("RATE_LIMIT_DISABLED", None)
+# Nor may a tiers file named in the shell change the budgets the tests expect.
+os.environ.pop("GENAI_RATELIMIT_TIERS", None)
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchlib import (BENCH_DIR, FOUR_OP_ALWAYS_SCRIPT, FOUR_OP_SCRIPT, RAW_BINARY, ROOT,
-                      SCRIPT_PATH, SCRIPT_TEXT, RedisTarget, clean_keys, free_port, script_stats)
+from benchlib import (BENCH_DIR, FOUR_OP_ADD_ON_ALLOW_SCRIPT, ORIGINAL_FOUR_OP_SCRIPT, RAW_BINARY, ROOT,
+                      SCRIPT_PATH, SCRIPT_TEXT, RedisTarget, RespPipe, clean_keys, free_port,
+                      script_stats)
 
 BIG = 10**9
 
@@ -32,11 +33,12 @@ SERVER_SCRIPTS = {
     # name: (script text, build ARGV from (member, now_ms, window_ms, limit))
     "this package's script, server clock (default)": (SCRIPT_TEXT, lambda m, now, w, l: (m, "", w, l)),
     "this package's script, client clock": (SCRIPT_TEXT, lambda m, now, w, l: (m, now, w, l)),
-    "original four-op script (add only on allow)": (FOUR_OP_SCRIPT, lambda m, now, w, l: (now, w, l, m)),
-    "original four-op script (always add; reference)": (FOUR_OP_ALWAYS_SCRIPT, lambda m, now, w, l: (now, w, l, m)),
+    "original four-op script (the design: all four commands every call)": (ORIGINAL_FOUR_OP_SCRIPT, lambda m, now, w, l: (now, w, l, m)),
+    "four-op, ZADD+EXPIRE only on allow (stricter reference)": (FOUR_OP_ADD_ON_ALLOW_SCRIPT, lambda m, now, w, l: (now, w, l, m)),
 }
 OURS = "this package's script, server clock (default)"
-FOUR_OP = "original four-op script (add only on allow)"
+FOUR_OP = "original four-op script (the design: all four commands every call)"
+STRICT = "four-op, ZADD+EXPIRE only on allow (stricter reference)"
 
 
 def server_time_section(target: RedisTarget, admin, quick: bool, rounds: int) -> dict[str, Any]:
@@ -44,10 +46,10 @@ def server_time_section(target: RedisTarget, admin, quick: bool, rounds: int) ->
     original four-op script, on the same data, scripts alternated over rounds. Calls are sent
     pipelined (256 per batch) so that the section is fast; the server executes them one by one
     all the same, and only the server's own time is reported."""
-    import redis
-    client = redis.Redis(**target.redis_kwargs())
-    shas = {name: client.script_load(text) for name, (text, _) in SERVER_SCRIPTS.items()}
-    calls = 3000 if quick else 20000
+    pipe = RespPipe(target)
+    shas = {name: pipe.execute([["SCRIPT", "LOAD", text]])[0].decode()
+            for name, (text, _) in SERVER_SCRIPTS.items()}
+    calls = 2000 if quick else 20000
     users_reject = 200 if quick else 1000
     prefix = "gbench:srv"
     scenarios = [
@@ -68,27 +70,30 @@ def server_time_section(target: RedisTarget, admin, quick: bool, rounds: int) ->
                 now = int(time.time() * 1000)
                 keys = [f"{prefix}:user_{u}:{window}" for u in range(users)]
                 if live or expired:
-                    pipe = client.pipeline(transaction=False)
+                    fill = []
                     for key in keys:
-                        mapping = {str(uuid.uuid4()): now - window * 1000 - 1000 - i for i in range(expired)}
-                        mapping.update({str(uuid.uuid4()): now - 5000 + i for i in range(live)})
-                        pipe.zadd(key, mapping)
-                    pipe.execute()
-                text, argv = SERVER_SCRIPTS[name]
+                        command: list[Any] = ["ZADD", key]
+                        for i in range(expired):
+                            command += [now - window * 1000 - 1000 - i, str(uuid.uuid4())]
+                        for i in range(live):
+                            command += [now - 5000 + i, str(uuid.uuid4())]
+                        fill.append(command)
+                    for start in range(0, len(fill), 256):
+                        pipe.execute(fill[start:start + 256])
+                _, argv = SERVER_SCRIPTS[name]
                 sha = shas[name]
                 before = script_stats(admin)
-                pipe = client.pipeline(transaction=False)
-                for i in range(calls):
+                for start in range(0, calls, 256):
                     now = int(time.time() * 1000)
-                    pipe.evalsha(sha, 1, keys[i % users], *argv(str(uuid.uuid4()), now, window * 1000, limit))
-                    if len(pipe) == 256 or i == calls - 1:
-                        for reply in pipe.execute():
-                            verdicts[title][name][0 if reply[0] else 1] += 1
+                    batch = [["EVALSHA", sha, 1, keys[i % users], *argv(str(uuid.uuid4()), now, window * 1000, limit)]
+                             for i in range(start, min(calls, start + 256))]
+                    for reply in pipe.execute(batch):
+                        verdicts[title][name][0 if reply[0] else 1] += 1
                 after = script_stats(admin)
                 delta_calls = after[0] - before[0]
                 results[title][name].append((after[1] - before[1]) / delta_calls if delta_calls else float("nan"))
     clean_keys(admin, [prefix], target.owned)
-    client.close()
+    pipe.close()
     return {"calls": calls, "rounds": rounds, "names": names, "results": results, "verdicts": verdicts}
 
 
@@ -165,13 +170,13 @@ def callgrind_section(target: RedisTarget, quick: bool, package_ok: bool) -> dic
     dumped around N and 2N checks (see cpu_probe.py). Raw C: two runs, N and 2N calls."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         return {"error": "valgrind not installed (apt-get install valgrind)"}
-    calls = 200 if quick else 1000
-    impls = (["pkg"] if package_ok else []) + ["redispy", "redispy-pure", "limits"]
+    calls = 100 if quick else 1000
+    impls = (["pkg"] if package_ok else []) + ["redispy"] + ([] if quick else ["redispy-pure", "limits"])
     out: dict[str, Any] = {"calls": calls, "per_check": {}}
     with tempfile.TemporaryDirectory(prefix="gbench-cg-") as tmp:
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out",
                sys.executable, str(BENCH_DIR / "cpu_probe.py"), "--url", target.url,
-               "--calls", str(calls), *impls]
+               "--calls", str(calls), "--warmup", "20" if quick else "100", *impls]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=target.raw_env())
         if proc.returncode != 0:
             return {"error": f"cpu_probe under callgrind failed: {proc.stderr[-2000:]}"}

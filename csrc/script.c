@@ -6,9 +6,11 @@
  * caller still holds the GIL (it is pure C and quick); rl_script_run does socket I/O and
  * is called with the GIL released.
  *
- * Retry rule: the call is replayed only after an explicit NOSCRIPT reply, which proves
- * the script did not run. Anything else that fails mid-flight is reported, not replayed:
- * a blind replay could count one request twice.
+ * Retry rule: after an explicit NOSCRIPT reply (which proves the script did not run) the
+ * script is loaded and the call sent again. After a connection that broke mid-call, the
+ * call is replayed once on a fresh connection with the script's replay marker: the member
+ * is generated here, client-side, so the script can tell "already counted" and a request
+ * is never counted twice. Nothing else is replayed (not timeouts: that would exceed them).
  */
 #include "native.h"
 #include "script_source.h"
@@ -207,9 +209,10 @@ done:
     return st;
 }
 
-rl_status
-rl_script_run(rl_pool *pool, const char *command, size_t command_len, int nwindows,
-              rl_result *out, rl_error *err)
+/* One attempt on one pooled connection: EVALSHA, and SCRIPT LOAD + EVALSHA on NOSCRIPT. */
+static rl_status
+attempt(rl_pool *pool, const char *command, size_t command_len, int nwindows, rl_result *out,
+        rl_error *err)
 {
     rl_conn *conn = NULL;
     redisReply *reply = NULL;
@@ -236,5 +239,50 @@ rl_script_run(rl_pool *pool, const char *command, size_t command_len, int nwindo
     if (reply != NULL)
         freeReplyObject(reply);
     rl_pool_release(pool, conn, reusable);
+    return st;
+}
+
+/* The same command with the script's trailing replay marker ("1"): "*N\r\n..." becomes
+   "*N+1\r\n...$1\r\n1\r\n". Returns a malloc'd buffer, or NULL. */
+static char *
+replay_command(const char *command, size_t command_len, size_t *out_len)
+{
+    char *end = NULL, *buf;
+    long argc;
+    char header[32];
+    if (command_len < 4 || command[0] != '*')
+        return NULL;
+    argc = strtol(command + 1, &end, 10);
+    if (end == NULL || end[0] != '\r' || end[1] != '\n' || argc < 1)
+        return NULL;
+    size_t rest = command_len - (size_t)(end + 2 - command);
+    int header_len = snprintf(header, sizeof(header), "*%ld\r\n", argc + 1);
+    *out_len = (size_t)header_len + rest + 7;
+    buf = malloc(*out_len);
+    if (buf == NULL)
+        return NULL;
+    memcpy(buf, header, (size_t)header_len);
+    memcpy(buf + header_len, end + 2, rest);
+    memcpy(buf + header_len + rest, "$1\r\n1\r\n", 7);
+    return buf;
+}
+
+rl_status
+rl_script_run(rl_pool *pool, const char *command, size_t command_len, int nwindows,
+              rl_result *out, rl_error *err)
+{
+    rl_status st = attempt(pool, command, command_len, nwindows, out, err);
+    if (st != RL_ERR_IO)
+        return st;
+    /* The connection broke mid-call: the script may or may not have run. Replay once on a
+       fresh connection, marked, with the same member: if the first attempt logged the
+       request the script answers "already counted", so a request is never counted twice.
+       Timeouts are not replayed: that would stretch the call past socket_timeout. */
+    size_t replay_len = 0;
+    char *replay = replay_command(command, command_len, &replay_len);
+    if (replay == NULL)
+        return st;
+    st = attempt(pool, replay, replay_len, nwindows, out, err);
+    free(replay);
     return st;
 }

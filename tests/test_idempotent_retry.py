@@ -1,0 +1,132 @@
+"""A reply lost to a broken connection is replayed once, and never counts a request twice.
+
+A TCP proxy on loopback sits between the limiter and a real redis-server. On its first
+connection it forwards the request, lets Redis run the script (so the request IS logged),
+then swallows the reply and drops the connection: the client cannot know whether its
+request counted. The limiter replays once on a fresh connection with the script's replay
+marker and the same member, and the script answers "already counted". Without the marker
+the replay would be judged as a new request against a window that already holds it: with
+limit 1 it would be rejected although the request was allowed and logged.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import redis
+
+from genai_ratelimit import SCRIPT_SHA1, RateLimiter, RateLimiterUnavailable, _native
+
+
+class ReplyDroppingProxy:
+    """Forwards loopback TCP to Redis; the first `drop` connections lose their first reply."""
+
+    def __init__(self, target_port: int, drop: int = 1) -> None:
+        self.target_port = target_port
+        self.drop = drop
+        self.connections = 0
+        self.dropped_replies: list[bytes] = []
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.listener.settimeout(0.2)
+        self.port = self.listener.getsockname()[1]
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._accept_loop, daemon=True)
+        self.thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            lose_reply = self.connections <= self.drop
+            threading.Thread(target=self._serve, args=(client, lose_reply), daemon=True).start()
+
+    def _serve(self, client: socket.socket, lose_reply: bool) -> None:
+        upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+        client.settimeout(5)
+        try:
+            while not self.stopping.is_set():
+                request = client.recv(65536)
+                if not request:
+                    return
+                upstream.sendall(request)
+                reply = upstream.recv(65536)  # one small reply per request here
+                if lose_reply:
+                    # Redis ran the script; the client never hears of it.
+                    self.dropped_replies.append(reply)
+                    return
+                client.sendall(reply)
+        except OSError:
+            return
+        finally:
+            client.close()
+            upstream.close()
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.listener.close()
+        self.thread.join(5)
+
+
+@pytest.fixture
+def redis_port(redis_url: str) -> int:
+    port = redis.Redis.from_url(redis_url).connection_pool.connection_kwargs.get("port")
+    if not isinstance(port, int):
+        pytest.fail(f"this test needs a TCP Redis URL, got {redis_url!r}")
+    return port
+
+
+def test_lost_reply_is_replayed_and_counted_once(redis_client: redis.Redis, redis_port: int,
+                                                 user_id: str) -> None:
+    redis_client.script_load(_native.SCRIPT_SOURCE)
+    proxy = ReplyDroppingProxy(redis_port, drop=1)
+    try:
+        with RateLimiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            result = limiter.check(user_id, 1, 60)
+    finally:
+        proxy.close()
+    key = f"ratelimit:{user_id}:60"
+    # The first attempt really ran on the server and logged the request ...
+    assert len(proxy.dropped_replies) == 1
+    assert proxy.dropped_replies[0].startswith(b"*4\r\n:1\r\n")
+    # ... and the replay answered "allowed" without logging it a second time.
+    assert result == (True, 0, 0)
+    assert redis_client.zcard(key) == 1
+
+
+def test_replay_marker_without_a_logged_member_decides_normally(redis_client: redis.Redis,
+                                                               user_id: str) -> None:
+    """When the first attempt never reached the script, the replay is an ordinary decision."""
+    redis_client.script_load(_native.SCRIPT_SOURCE)
+    key = f"ratelimit:{user_id}:60"
+    reply = redis_client.evalsha(SCRIPT_SHA1, 1, key, "11111111-1111-4111-8111-111111111111",
+                                 "", 60000, 2, "1")
+    assert reply == [1, 1, 0, 1]
+    assert redis_client.zcard(key) == 1
+    # The same member replayed again is recognised and not logged twice.
+    reply = redis_client.evalsha(SCRIPT_SHA1, 1, key, "11111111-1111-4111-8111-111111111111",
+                                 "", 60000, 2, "1")
+    assert reply == [1, 1, 0, 1]
+    assert redis_client.zcard(key) == 1
+
+
+def test_second_lost_reply_raises_unavailable(redis_client: redis.Redis, redis_port: int,
+                                              user_id: str) -> None:
+    """Only one replay: when the replay's reply is lost too, the caller hears of it."""
+    redis_client.script_load(_native.SCRIPT_SOURCE)
+    proxy = ReplyDroppingProxy(redis_port, drop=2)
+    try:
+        with RateLimiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            with pytest.raises(RateLimiterUnavailable):
+                limiter.check(user_id, 5, 60)
+    finally:
+        proxy.close()
+    assert len(proxy.dropped_replies) == 2
+    # Both attempts reached the script, yet the request is logged once.
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 1

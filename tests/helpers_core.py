@@ -302,10 +302,12 @@ class FullBacklogListener:
 
 class GarbageServer:
     """A loopback TCP server that answers every request with the same bytes (not a
-    decision of the rate-limit script) and keeps the connection open afterwards."""
+    decision of the rate-limit script) and keeps the connection open afterwards. With
+    `drip`, it sends them one byte at a time, `drip` seconds apart."""
 
-    def __init__(self, reply: bytes) -> None:
+    def __init__(self, reply: bytes, drip: float | None = None) -> None:
         self.reply = reply
+        self.drip = drip
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.server.bind(("127.0.0.1", 0))
         self.server.listen(16)
@@ -343,7 +345,13 @@ class GarbageServer:
                 return
             self.requests += 1
             try:
-                conn.sendall(self.reply)
+                if self.drip is None:
+                    conn.sendall(self.reply)
+                    continue
+                for i in range(len(self.reply)):
+                    if self._stop.wait(self.drip):
+                        return
+                    conn.sendall(self.reply[i:i + 1])
             except OSError:
                 return
 
@@ -383,3 +391,74 @@ class PasswordRedisServer(RedisServer):
                 pass
             time.sleep(0.02)  # readiness polling: we loop until an answer or the deadline
         return False
+
+
+class RendezvousServer:
+    """A loopback server that holds every request until `parallel` requests are waiting at
+    once (each on its own connection), then answers each with `reply`. When they never
+    meet within `patience` seconds it answers anyway and `met` stays False: a client that
+    serialises its callers behind one socket can never make them meet."""
+
+    def __init__(self, reply: bytes, parallel: int, patience: float = 2.0) -> None:
+        self.reply = reply
+        self.met = False
+        self.accepted = 0
+        self._barrier = threading.Barrier(parallel, timeout=patience)
+        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(64)
+        self.server.settimeout(0.1)
+        self.port = self.server.getsockname()[1]
+        self._stop = threading.Event()
+        self._connections: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except (socket.timeout, OSError):
+                continue
+            self.accepted += 1
+            self._connections.append(conn)
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(0.1)
+        while not self._stop.is_set():
+            try:
+                data = conn.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                self._barrier.wait()
+                self.met = True
+            except threading.BrokenBarrierError:
+                pass
+            try:
+                conn.sendall(self.reply)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._barrier.abort()
+        self._thread.join(5)
+        for conn in self._connections:
+            conn.close()
+        self.server.close()
+
+    def __enter__(self) -> "RendezvousServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

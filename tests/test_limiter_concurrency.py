@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import multiprocessing
 import queue
+import threading
 import time
 import uuid
 from collections import Counter
 
 import pytest
 
-from helpers_core import process_worker, run_lined_up, server_ms, wait_until_server_ms
+from helpers_core import (
+    RendezvousServer,
+    connections_received,
+    process_worker,
+    run_lined_up,
+    server_ms,
+    wait_until_server_ms,
+)
 
 LIMIT = 10
 CALLERS = 20
@@ -85,6 +93,65 @@ def test_eight_threads_times_500_checks_on_their_own_users_are_each_exact(limite
         assert [r[2] for r in results[:limit]] == [0] * limit
         assert all(r[0] is False and r[1] == 0 and r[2] >= 1 for r in results[limit:])
         assert redis_client.zcard(f"ratelimit:{user}:60") == limit
+
+
+def test_concurrent_threads_are_served_on_separate_connections_at_once():
+    from genai_ratelimit import RateLimiter
+
+    decision = b"*4\r\n:1\r\n:9\r\n:0\r\n:1\r\n"  # allowed, 9 remaining, no retry, window 1
+    with RendezvousServer(decision, parallel=2) as server:
+        with RateLimiter(server.url, connect_timeout=1, socket_timeout=5) as limiter:
+            results = run_lined_up(2, lambda i: limiter.check(f"user-{i}", 10, 60))
+        assert results == [(True, 9, 0), (True, 9, 0)]
+        assert server.met, "the two checks never waited on the server at the same time"
+        assert server.accepted == 2
+
+
+def test_max_connections_bounds_the_connections_a_limiter_opens(redis_url, redis_client):
+    from genai_ratelimit import RateLimiter
+
+    user = fresh_user("bounded")
+    with RateLimiter(redis_url, max_connections=2) as limiter:
+        before = connections_received(redis_client)
+        results = run_lined_up(8, lambda _: [limiter.check(user, 10**6, 60) for _ in range(100)])
+        opened = connections_received(redis_client) - before
+    flat = [r for per_thread in results for r in per_thread]
+    assert sorted(r[1] for r in flat) == list(range(10**6 - 800, 10**6))
+    assert 1 <= opened <= 2
+
+
+def test_a_check_waiting_on_the_network_lets_other_threads_run(private_redis):
+    from genai_ratelimit import RateLimiter, RateLimiterUnavailable
+
+    with RateLimiter(private_redis.url, connect_timeout=1, socket_timeout=1) as limiter:
+        assert limiter.check("user-1", 10, 60)[0] is True
+        outcome: list[object] = []
+        started = threading.Event()
+
+        def blocked_check() -> None:
+            started.set()
+            began = time.monotonic()
+            try:
+                limiter.check("user-1", 10, 60)
+                outcome.append("answered")
+            except RateLimiterUnavailable:
+                outcome.append(time.monotonic() - began)
+
+        private_redis.pause()
+        try:
+            thread = threading.Thread(target=blocked_check)
+            thread.start()
+            started.wait(5)
+            longest_gap, last = 0.0, time.monotonic()
+            while thread.is_alive():  # this loop needs the GIL between every two readings
+                now = time.monotonic()
+                longest_gap, last = max(longest_gap, now - last), now
+                time.sleep(0.001)
+            thread.join()
+        finally:
+            private_redis.resume()
+    assert len(outcome) == 1 and isinstance(outcome[0], float) and outcome[0] >= 0.9, outcome
+    assert longest_gap < 0.3, f"the main thread was held for {longest_gap:.3f} s"
 
 
 # ---------------------------------------------------------------------- processes

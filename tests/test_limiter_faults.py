@@ -5,6 +5,7 @@ killed server, a wrong password, a unix socket, fork(), a closed limiter."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 
@@ -113,7 +114,10 @@ def test_paused_server_works_again_once_resumed(private_redis):
     b":1\r\n",
     b"*4\r\n:1\r\n:2\r\n",                                      # a decision cut short
     b"*2\r\n$3\r\nfoo\r\n$3\r\nbar\r\n",
-], ids=["http", "status", "integer", "truncated", "strings"])
+    b"$2000000\r\n" + b"x" * 2_000_000 + b"\r\n",              # far too big for a decision
+    b"*4\r\n:1\r\n:-5\r\n:0\r\n:1\r\n",                          # negative remaining
+    b"*4\r\n:1\r\n:9\r\n:0\r\n:7\r\n",                           # a window it never asked about
+], ids=["http", "status", "integer", "truncated", "strings", "huge", "negative", "bad-window"])
 def test_server_answering_garbage_raises_unavailable_within_the_timeout(garbage):
     from genai_ratelimit import RateLimiterUnavailable
 
@@ -122,6 +126,51 @@ def test_server_answering_garbage_raises_unavailable_within_the_timeout(garbage)
         assert server.requests >= 1
     assert isinstance(error, RateLimiterUnavailable)
     assert elapsed < 2 * 0.5 + MARGIN
+
+
+def test_a_reply_that_trickles_in_is_bounded_by_the_socket_timeout():
+    from genai_ratelimit import RateLimiterUnavailable
+
+    decision = b"*4\r\n:1\r\n:9\r\n:0\r\n:1\r\n"  # a valid answer, one byte every 0.1 s
+    with GarbageServer(decision, drip=0.1) as server, limiter_for(server.url) as limiter:
+        error, elapsed = timed_failure(limiter)
+    assert isinstance(error, RateLimiterUnavailable)
+    assert elapsed < 0.5 + MARGIN
+
+
+def test_close_while_threads_are_checking_neither_crashes_nor_hangs(redis_url, redis_client):
+    from genai_ratelimit import RateLimiterError
+
+    clients_before = int(redis_client.info("clients")["connected_clients"])
+    limiter = limiter_for(redis_url)
+    answered = [0] * 8
+    endings: list[object] = [None] * 8
+
+    def hammer(i: int) -> None:
+        try:
+            for _ in range(100_000):
+                assert limiter.check(f"closing-{i}", 10**9, 60)[0] is True
+                answered[i] += 1
+            endings[i] = "never closed"
+        except RateLimiterError as exc:
+            endings[i] = str(exc)
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while min(answered) < 20:  # every thread is in its stride
+        assert time.monotonic() < deadline, answered
+        time.sleep(0.005)
+    limiter.close()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), "a check hung after close()"
+    assert all(isinstance(e, str) and "closed" in e.lower() for e in endings), endings
+    deadline = time.monotonic() + 5
+    while int(redis_client.info("clients")["connected_clients"]) != clients_before:
+        assert time.monotonic() < deadline, "connections stayed open after close()"
+        time.sleep(0.01)
 
 
 # ---------------------------------------------------------------------- recovery
@@ -181,7 +230,7 @@ def test_wrong_password_raises_an_error_saying_authentication_failed(password_re
 
     url = f"redis://:wrong-password@127.0.0.1:{password_redis.port}/0"
     with limiter_for(url) as limiter:
-        with pytest.raises(RateLimiterError, match="(?i)auth") as info:
+        with pytest.raises(RateLimiterError, match=r"(?i)auth\w* failed") as info:
             limiter.check("user-1", 10, 60)
     assert "wrong-password" not in str(info.value)
 

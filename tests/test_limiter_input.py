@@ -77,6 +77,30 @@ def test_bad_arguments_send_no_command_to_a_live_server(limiter, redis_client):
     assert redis_client.keys("ratelimit:u:*") == []
 
 
+def test_check_accepts_keyword_arguments(limiter, user_id):
+    assert limiter.check(user_id, limit=10, window_seconds=60) == (True, 9, 0)
+    assert limiter.check(user_id=user_id, limit=10, window_seconds=60) == (True, 8, 0)
+    assert limiter.check_windows(user_id=user_id, windows=[(10, 60)]) == (True, 7, 0, 60)
+
+
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda rl: rl.check("u", 10), id="missing-window"),
+    pytest.param(lambda rl: rl.check("u", 10, 60, 1), id="extra-positional"),
+    pytest.param(lambda rl: rl.check("u", limit=10, window=60), id="unknown-keyword"),
+    pytest.param(lambda rl: rl.check("u", 10, 60, limit=10), id="given-twice"),
+    pytest.param(lambda rl: rl.check_windows("u"), id="windows-missing"),
+])
+def test_wrong_call_signature_raises_type_error(unreachable_limiter, call):
+    with pytest.raises(TypeError):
+        call(unreachable_limiter)
+
+
+def test_repeated_window_length_is_refused(unreachable_limiter):
+    # Two budgets for one window length would share one key and count every request twice.
+    with pytest.raises(ValueError):
+        unreachable_limiter.check_windows("user-1", [(5, 60), (10, 60)])
+
+
 def test_largest_exact_limit_is_accepted(limiter, user_id):
     biggest = 2**53 - 1
     assert limiter.check(user_id, biggest, 60) == (True, biggest - 1, 0)
@@ -224,7 +248,6 @@ SECRET = "sekret-Pa55word"
 @pytest.mark.parametrize("url", [
     f"redis://:{SECRET}@127.0.0.1:6379/0",
     f"redis://alice:{SECRET}@127.0.0.1:6379/2",
-    f"rediss://:{SECRET}@127.0.0.1:6380/0?ssl_cert_reqs=none",
     f"unix:///tmp/redis.sock?db=1&password={SECRET}",
 ])
 def test_password_is_not_in_repr_or_url(url):

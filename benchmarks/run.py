@@ -26,6 +26,7 @@ import argparse
 import math
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -87,6 +88,7 @@ def environment(target: RedisTarget, admin) -> dict[str, str]:
         package = f"not importable ({type(exc).__name__})"
     info = admin.info("server")
     return {
+        "load average at start (1/5/15 min)": _loadavg(),
         "commit": cmd("git", "rev-parse", "--short", "HEAD") + (" (+ uncommitted changes)" if dirty else ""),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "hiredis (C, pkg-config)": cmd("pkg-config", "--modversion", "hiredis"),
@@ -260,6 +262,7 @@ def main() -> int:
         package_ok = _package_importable()
         log(f"benchmarks: {len(contenders)} contenders, {rounds} rounds x {duration} s, "
             f"Redis at {target.url if target.owned else 'REDIS_URL'}")
+        account = CpuAccount(target)
         samples, skipped = run_contenders(contenders, target, admin, rounds, duration, warmup)
         results: dict[str, Any] = {}
         plan = [
@@ -278,6 +281,7 @@ def main() -> int:
             started = time.monotonic()
             results[name] = section()
             log(f"benchmarks: {title}: {time.monotonic() - started:.1f} s")
+        results["others_cpu"] = account.others()
     finally:
         admin.close()
         target.close()
@@ -290,6 +294,55 @@ def main() -> int:
         log("benchmarks: wrote benchmarks/RESULTS.md")
     log(f"benchmarks: done in {time.monotonic() - began:.0f} s")
     return 0
+
+
+class CpuAccount:
+    """How much CPU other processes took while we ran: the machine's busy time (/proc/stat)
+    minus ours (this process, its waited-for children, and the redis-server we started)."""
+
+    def __init__(self, target: RedisTarget) -> None:
+        self.pid = target.process.pid if target.process is not None else None
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.start = self._sample()
+
+    def _busy(self) -> float:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        user, nice, system, idle, iowait, irq, softirq = fields[:7]
+        return (user + nice + system + irq + softirq) / self.tick
+
+    def _ours(self) -> float:
+        total = 0.0
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+            ru = resource.getrusage(who)
+            total += ru.ru_utime + ru.ru_stime
+        if self.pid is not None:
+            try:
+                stat = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(stat[11]) + int(stat[12])) / self.tick
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+    def _sample(self) -> tuple[float, float, float]:
+        return time.monotonic(), self._busy(), self._ours()
+
+    def others(self) -> float | None:
+        """Average vCPUs used by others since the start."""
+        try:
+            end = self._sample()
+        except OSError:
+            return None
+        wall = end[0] - self.start[0]
+        if wall <= 0:
+            return None
+        return max(0.0, ((end[1] - self.start[1]) - (end[2] - self.start[2])) / wall)
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
 
 
 def _package_importable() -> bool:
@@ -312,7 +365,16 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
           f"({time.strftime('%Y-%m-%d %H:%M:%S %Z')}; {rounds} rounds × {duration:g} s per contender, "
           f"order alternating forward/reversed; {elapsed:.0f} s in all).")
     r.add()
+    others = results.get("others_cpu")
+    env = dict(env)
+    if others is not None:
+        env["CPU used by other processes during the run"] = (
+            f"{others:.2f} of {os.cpu_count()} vCPU on average (not this benchmark, not its Redis)")
     r.table(["", ""], [[k, v] for k, v in env.items()])
+    if others is not None and others > 0.25:
+        r.add(f"**Warning:** other work on this machine used {others:.2f} vCPU on average during the run: "
+              f"absolute figures are inflated and noisy; same-round ratios are more trustworthy.")
+        r.add()
     r.add("Cells: median over rounds (min–max). Ratios are computed per round against the baseline "
           "measured in the same round, then the median (min–max) of those is shown. "
           "Client CPU = user+sys of the client process (getrusage) per call; server µs = "

@@ -260,7 +260,7 @@ def e2e_section(target: RedisTarget, admin, quick: bool, rounds: int, duration: 
             proc = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "e2e_app:app", "--app-dir", str(BENCH_DIR),
                  "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", "--no-access-log"],
-                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT))
+                env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(BENCH_DIR))
             servers[budget] = (proc, port)
             if not _wait_http(f"http://127.0.0.1:{port}/healthz", proc, 20):
                 return {"error": "uvicorn did not start: " + (tmp / f"uvicorn-{budget}.log").read_text()[-2000:]}

@@ -1,7 +1,11 @@
-"""The end-to-end benchmark's app: examples/app.py exactly as shipped, plus one extra route,
-`POST /bench/unlimited/v1/chat/completions`, which is the same handler function as the limited
-`POST /v1/chat/completions`, behind the same middlewares, without `Depends(rate_limit)`.
-So "limited vs unlimited" differs by the rate limiter and nothing else.
+"""The end-to-end benchmark's app: examples/app.py exactly as shipped, plus extra routes that
+reuse its handler function behind the same middlewares:
+
+- `POST /bench/unlimited/v1/chat/completions`: the handler without `Depends(rate_limit)`, so
+  "limited vs unlimited" differs by the rate limiter and nothing else;
+- `POST /bench/async/v1/chat/completions` (when genai_ratelimit.AsyncRateLimiter exists): the
+  handler behind a `RateLimit` on an `AsyncRateLimiter` (same tiers, same identity rule), to
+  show what the async dependency costs next to the app's own choice of limiter.
 
     uvicorn e2e_app:app --app-dir benchmarks
 
@@ -10,12 +14,25 @@ So "limited vs unlimited" differs by the rate limiter and nothing else.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 from app import app, chat_completions  # noqa: E402
+from fastapi import Depends  # noqa: E402
+
+import genai_ratelimit  # noqa: E402
+from genai_ratelimit.fastapi import RateLimit  # noqa: E402
 
 UNLIMITED_PATH = "/bench/unlimited/v1/chat/completions"
+ASYNC_PATH = "/bench/async/v1/chat/completions"
+
 app.add_api_route(UNLIMITED_PATH, chat_completions, methods=["POST"])
+
+if hasattr(genai_ratelimit, "AsyncRateLimiter"):
+    _async_limit = RateLimit(limiter=genai_ratelimit.AsyncRateLimiter(
+        key_prefix=os.environ.get("EXAMPLE_KEY_PREFIX", "ratelimit") + ":async"))
+    app.add_api_route(ASYNC_PATH, chat_completions, methods=["POST"],
+                      dependencies=[Depends(_async_limit)])

@@ -240,6 +240,10 @@ def e2e_section(target: RedisTarget, admin, quick: bool, rounds: int, duration: 
         ("unlimited route (same handler, no limiter)", "/bench/unlimited/v1/chat/completions", "big", "sk-demo-enterprise"),
         ("limited route, allow-heavy (budgets 1e9)", "/v1/chat/completions", "big", "sk-demo-enterprise"),
     ]
+    import genai_ratelimit
+    if hasattr(genai_ratelimit, "AsyncRateLimiter"):
+        variants.append(("bench route: same handler, `RateLimit(limiter=AsyncRateLimiter())`, allow-heavy",
+                         "/bench/async/v1/chat/completions", "big", "sk-demo-enterprise"))
     if not quick:
         variants.append(("limited route, reject-heavy (free tier 5/min: 429s)", "/v1/chat/completions",
                          "default", "sk-demo-free"))

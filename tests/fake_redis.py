@@ -1,0 +1,416 @@
+"""A hostile fake Redis on loopback, and one way to drive the sync and the async limiter alike.
+
+FakeRedis listens on 127.0.0.1 (a free port) and speaks just enough RESP to read the
+commands a limiter sends. While it is "hostile" it answers every EVALSHA with a chosen
+misbehaviour (garbage, a wrong type, a truncated reply, silence, a slow trickle, a huge
+bulk string, ...). `heal()` turns it into a transparent proxy to a real redis-server: from
+then on every command, on old and new connections alike, is relayed byte for byte. So one
+limiter object can meet the fault and then, on the same URL, a good server: what the test
+proves is that the limiter got over the fault by itself.
+
+Bounded, and stops by itself: at most `max_connections` connections at once (more are
+closed on accept), a `lifetime` after which it shuts everything down even if the test
+forgot to, daemon threads only, and every blocking wait polls a stop event.
+
+Nothing here mocks the limiter or Redis's algorithm: the good answers come from a real
+server, the bad ones go over a real socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# ------------------------------------------------------------------- RESP requests
+
+
+def parse_command(buf: bytes | bytearray) -> tuple[list[bytes], int] | None:
+    """Parses one RESP request (an array of bulk strings) at the start of buf.
+    Returns (arguments, bytes consumed), or None when buf holds only part of it."""
+    if not buf:
+        return None
+    if buf[:1] != b"*":
+        raise ValueError(f"not a RESP request: {bytes(buf[:20])!r}")
+    end = buf.find(b"\r\n")
+    if end < 0:
+        return None
+    count = int(buf[1:end])
+    pos = end + 2
+    args: list[bytes] = []
+    for _ in range(count):
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
+            return None
+        if buf[pos:pos + 1] != b"$":
+            raise ValueError("a request argument is not a bulk string")
+        length = int(buf[pos + 1:end])
+        start = end + 2
+        if len(buf) < start + length + 2:
+            return None
+        args.append(bytes(buf[start:start + length]))
+        pos = start + length + 2
+    return args, pos
+
+
+def decision(allowed: int, remaining: int, retry_after_s: int, window_index: int = 1) -> bytes:
+    """The RESP text of a well-formed script reply."""
+    return b"*4\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n" % (allowed, remaining, retry_after_s, window_index)
+
+
+# ---------------------------------------------------------------- misbehaviours
+
+class Behaviour:
+    """What the fake does with one EVALSHA while it is hostile. act() returns True when the
+    connection should stay open (and be read on), False when the fake must drop it."""
+
+    def act(self, conn: socket.socket, stop: threading.Event) -> bool:
+        raise NotImplementedError
+
+
+@dataclass
+class Reply(Behaviour):
+    """Sends `data` at once; then keeps the connection open, or closes it (close=True)."""
+
+    data: bytes
+    close: bool = False
+
+    def act(self, conn: socket.socket, stop: threading.Event) -> bool:
+        try:
+            if self.data:
+                conn.sendall(self.data)
+        except OSError:
+            return False
+        return not self.close
+
+
+@dataclass
+class Silence(Behaviour):
+    """Never answers: holds the connection until the client gives up (or the fake stops)."""
+
+    def act(self, conn: socket.socket, stop: threading.Event) -> bool:
+        while not stop.is_set():
+            try:
+                if conn.recv(65536) == b"":
+                    return False
+            except socket.timeout:
+                continue
+            except OSError:
+                return False
+        return False
+
+
+@dataclass
+class Trickle(Behaviour):
+    """Sends `data` one byte every `interval` seconds: a valid reply, far too slowly."""
+
+    data: bytes
+    interval: float
+
+    def act(self, conn: socket.socket, stop: threading.Event) -> bool:
+        for i in range(len(self.data)):
+            if i and stop.wait(self.interval):
+                return False
+            try:
+                conn.sendall(self.data[i:i + 1])
+            except OSError:
+                return False
+        return True
+
+
+@dataclass
+class Stream(Behaviour):
+    """Sends `header`, then `chunk` every `interval` seconds until `total` bytes went out
+    or the client hung up. With header b"$1000000000\\r\\n" it is a bulk string of a gigabyte
+    that a client would have to read to the end to stay in step."""
+
+    header: bytes
+    chunk: bytes
+    interval: float
+    total: int
+    sent: int = 0
+
+    def act(self, conn: socket.socket, stop: threading.Event) -> bool:
+        self.sent = 0
+        try:
+            conn.sendall(self.header)
+            while self.sent < self.total and not stop.is_set():
+                conn.sendall(self.chunk)
+                self.sent += len(self.chunk)
+                if self.interval and stop.wait(self.interval):
+                    break
+        except OSError:
+            return False
+        return False
+
+
+# ------------------------------------------------------------------------ server
+
+class FakeRedis:
+    """A loopback server that misbehaves on every EVALSHA until heal(), then proxies to
+    `upstream` ((host, port) of a real redis-server). See the module docstring."""
+
+    def __init__(self, behaviour: Behaviour | None, upstream: tuple[str, int] | None = None,
+                 *, max_connections: int = 64, lifetime: float = 120.0) -> None:
+        self._behaviour = behaviour
+        self.upstream = upstream
+        self.max_connections = max_connections
+        self._deadline = time.monotonic() + lifetime
+        self._stop = threading.Event()
+        self._changed = threading.Condition()
+        self.accepted = 0          # connections accepted so far
+        self.active = 0            # connections being served now
+        self.decisions = 0         # EVALSHA commands answered with a misbehaviour
+        self.script_loads = 0      # SCRIPT LOAD commands answered while hostile
+        self.proxied = 0           # connections that became a proxy to upstream
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(128)
+        self.server.settimeout(0.05)
+        self.port = self.server.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, name=f"fake-redis-{self.port}",
+                                        daemon=True)
+        self._threads: list[threading.Thread] = []
+        self._thread.start()
+
+    # -- what the tests use
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def set_behaviour(self, behaviour: Behaviour | None) -> None:
+        """The misbehaviour for the next EVALSHA (None: heal). A connection that already
+        became a proxy stays one."""
+        with self._changed:
+            self._behaviour = behaviour
+            self._changed.notify_all()
+
+    def heal(self) -> None:
+        """From now on, every command is relayed to the real server."""
+        if self.upstream is None:
+            raise RuntimeError("this FakeRedis has no upstream to heal to")
+        self.set_behaviour(None)
+
+    def wait_until(self, condition: Callable[["FakeRedis"], bool], timeout: float = 10.0) -> None:
+        """Blocks until condition(self) holds (checked on every change of the counters);
+        fails the test when `timeout` seconds pass first."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not condition(self):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AssertionError(
+                        f"the fake Redis did not reach the expected state within {timeout} s "
+                        f"(accepted={self.accepted}, active={self.active}, "
+                        f"decisions={self.decisions}, proxied={self.proxied})")
+                self._changed.wait(left)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        with self._lock:
+            sockets = list(self._sockets)
+        for s in sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in list(self._threads):
+            t.join(5)
+        self.server.close()
+
+    def __enter__(self) -> "FakeRedis":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- bookkeeping
+    def _bump(self, name: str, delta: int = 1) -> None:
+        with self._changed:
+            setattr(self, name, getattr(self, name) + delta)
+            self._changed.notify_all()
+
+    def _track(self, s: socket.socket) -> None:
+        with self._lock:
+            self._sockets.add(s)
+
+    def _forget(self, s: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(s)
+        s.close()
+
+    # -- serving
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if time.monotonic() > self._deadline:  # the test forgot us: stop by ourselves
+                self._stop.set()
+                break
+            try:
+                conn, _ = self.server.accept()
+            except (socket.timeout, OSError):
+                continue
+            if self.active >= self.max_connections:
+                conn.close()
+                continue
+            conn.settimeout(0.05)
+            self._track(conn)
+            self._bump("accepted")
+            self._bump("active")
+            thread = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        buf = bytearray()
+        try:
+            while not self._stop.is_set():
+                try:
+                    parsed = parse_command(buf)
+                except ValueError:
+                    return  # not a client's request: hang up
+                if parsed is None:
+                    try:
+                        data = conn.recv(65536)
+                    except socket.timeout:
+                        continue
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    buf += data
+                    continue
+                args, used = parsed
+                raw = bytes(buf[:used])
+                del buf[:used]
+                with self._changed:
+                    behaviour = self._behaviour
+                if behaviour is None:
+                    self._proxy(conn, raw + bytes(buf))
+                    return
+                name = args[0].upper()
+                if name == b"EVALSHA":
+                    self._bump("decisions")
+                    if not behaviour.act(conn, self._stop):
+                        return
+                elif name == b"SCRIPT" and len(args) == 3 and args[1].upper() == b"LOAD":
+                    self._bump("script_loads")
+                    sha = hashlib.sha1(args[2]).hexdigest().encode()
+                    conn.sendall(b"$%d\r\n%s\r\n" % (len(sha), sha))
+                elif name == b"PING":
+                    conn.sendall(b"+PONG\r\n")
+                else:
+                    conn.sendall(b"-ERR the fake Redis does not know '%s'\r\n" % args[0])
+        except OSError:
+            return
+        finally:
+            self._forget(conn)
+            self._bump("active", -1)
+
+    def _proxy(self, conn: socket.socket, pending: bytes) -> None:
+        """Relays bytes both ways between conn and a new connection to upstream until
+        either side closes or the fake stops."""
+        assert self.upstream is not None
+        upstream = socket.create_connection(self.upstream, timeout=5)
+        self._track(upstream)
+        self._bump("proxied")
+        try:
+            upstream.sendall(pending)
+            with selectors.DefaultSelector() as selector:
+                selector.register(conn, selectors.EVENT_READ, upstream)
+                selector.register(upstream, selectors.EVENT_READ, conn)
+                while not self._stop.is_set():
+                    for key, _ in selector.select(timeout=0.05):
+                        source: socket.socket = key.fileobj  # type: ignore[assignment]
+                        try:
+                            data = source.recv(65536)
+                        except (socket.timeout, BlockingIOError):
+                            continue
+                        if not data:
+                            return
+                        key.data.sendall(data)
+        except OSError:
+            return
+        finally:
+            self._forget(upstream)
+
+
+# ------------------------------------------------------- driving both limiters alike
+
+class SyncDriver:
+    """A RateLimiter behind the driver interface."""
+
+    kind = "sync"
+
+    def __init__(self, url: str, timeout: float, **options: Any) -> None:
+        from genai_ratelimit import RateLimiter
+
+        self.limiter = RateLimiter(url, connect_timeout=timeout, socket_timeout=timeout, **options)
+
+    def check(self, user_id: Any, limit: Any, window_seconds: Any) -> tuple[bool, int, int]:
+        return self.limiter.check(user_id, limit, window_seconds)
+
+    def check_windows(self, user_id: Any, windows: Any) -> tuple[bool, int, int, int]:
+        return self.limiter.check_windows(user_id, windows)
+
+    def close(self) -> None:
+        self.limiter.close()
+
+
+class AsyncDriver:
+    """An AsyncRateLimiter on one private event loop that lives as long as the driver, so
+    consecutive calls share the limiter's connections exactly as in a running service."""
+
+    kind = "async"
+
+    def __init__(self, url: str, timeout: float, **options: Any) -> None:
+        from genai_ratelimit import AsyncRateLimiter
+
+        self.loop = asyncio.new_event_loop()
+        self.limiter = AsyncRateLimiter(url, connect_timeout=timeout, socket_timeout=timeout,
+                                        **options)
+
+    def _run(self, coro: Any) -> Any:
+        try:
+            return self.loop.run_until_complete(coro)
+        finally:
+            # Let transports that were aborted during the call finish closing their sockets.
+            self.loop.run_until_complete(asyncio.sleep(0))
+
+    def check(self, user_id: Any, limit: Any, window_seconds: Any) -> tuple[bool, int, int]:
+        return self._run(self.limiter.check(user_id, limit, window_seconds))  # type: ignore[no-any-return]
+
+    def check_windows(self, user_id: Any, windows: Any) -> tuple[bool, int, int, int]:
+        return self._run(self.limiter.check_windows(user_id, windows))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        try:
+            self.loop.run_until_complete(self.limiter.aclose())
+            for _ in range(3):  # connection_lost callbacks, then the sockets' close
+                self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        finally:
+            self.loop.close()
+
+
+DRIVERS = {"sync": SyncDriver, "async": AsyncDriver}
+
+
+def make_driver(kind: str, url: str, timeout: float = 0.5, **options: Any) -> SyncDriver | AsyncDriver:
+    return DRIVERS[kind](url, timeout, **options)  # type: ignore[return-value]
+
+
+def open_fds() -> int:
+    """How many file descriptors this process holds now."""
+    import os
+
+    return len(os.listdir("/proc/self/fd"))

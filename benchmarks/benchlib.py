@@ -221,11 +221,18 @@ class RespPipe:
             out.append(b"$%d\r\n%s\r\n" % (len(arg), arg))
         return b"".join(out)
 
+    def encode(self, commands: Sequence[Sequence[Any]]) -> bytes:
+        return b"".join(self._encode(c) for c in commands)
+
     def execute(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        return self.execute_encoded(self.encode(commands), len(commands))
+
+    def execute_encoded(self, payload: bytes, count: int) -> list[Any]:
+        """Sends `count` commands already encoded by encode(); returns their replies."""
         import hiredis
-        self._sock.sendall(b"".join(self._encode(c) for c in commands))
+        self._sock.sendall(payload)
         replies: list[Any] = []
-        while len(replies) < len(commands):
+        while len(replies) < count:
             reply = self._reader.gets()
             if reply is False:
                 data = self._sock.recv(1 << 16)

@@ -35,10 +35,18 @@ SERVER_SCRIPTS = {
     "this package's script, client clock": (SCRIPT_TEXT, lambda m, now, w, l: (m, now, w, l)),
     "original four-op script (the design: all four commands every call)": (ORIGINAL_FOUR_OP_SCRIPT, lambda m, now, w, l: (now, w, l, m)),
     "four-op, ZADD+EXPIRE only on allow (stricter reference)": (FOUR_OP_ADD_ON_ALLOW_SCRIPT, lambda m, now, w, l: (now, w, l, m)),
+    # What reading the server's clock costs by itself: the original with TIME instead of ARGV time.
+    "original four-op script + TIME (server clock; reference)": (
+        ORIGINAL_FOUR_OP_SCRIPT.replace(
+            "local now = tonumber(ARGV[1])",
+            "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"),
+        lambda m, now, w, l: (now, w, l, m)),
 }
 OURS = "this package's script, server clock (default)"
 FOUR_OP = "original four-op script (the design: all four commands every call)"
 STRICT = "four-op, ZADD+EXPIRE only on allow (stricter reference)"
+OURS_CLIENT = "this package's script, client clock"
+FOUR_OP_TIME = "original four-op script + TIME (server clock; reference)"
 
 
 def server_time_section(target: RedisTarget, admin, quick: bool, rounds: int) -> dict[str, Any]:

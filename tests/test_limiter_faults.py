@@ -19,6 +19,7 @@ from helpers_core import (
     closed_port_url,
     connections_received,
     measured_commands,
+    run_lined_up,
 )
 
 MARGIN = 0.5  # seconds of slack on top of a configured timeout
@@ -89,6 +90,21 @@ def test_paused_server_raises_unavailable_within_the_socket_timeout(private_redi
             private_redis.resume()
     assert isinstance(error, RateLimiterUnavailable)
     assert elapsed < 0.5 + MARGIN
+
+
+def test_paused_server_bounds_a_new_connections_handshake_by_the_connect_timeout():
+    from genai_ratelimit import RateLimiter, RateLimiterUnavailable
+
+    with PasswordRedisServer("sekret") as server:
+        url = f"redis://:sekret@127.0.0.1:{server.port}/2"  # AUTH and SELECT on connect
+        with RateLimiter(url, connect_timeout=0.3, socket_timeout=5) as limiter:
+            server.pause()
+            try:
+                error, elapsed = timed_failure(limiter)
+            finally:
+                server.resume()
+    assert isinstance(error, RateLimiterUnavailable)
+    assert elapsed < 0.3 + MARGIN
 
 
 def test_paused_server_works_again_once_resumed(private_redis):
@@ -207,6 +223,24 @@ def test_killed_server_raises_unavailable_then_works_after_restart(private_redis
         assert limiter.check("user-1", 10, 60) == (True, 9, 0)
 
 
+def test_script_flush_under_concurrent_callers_is_recovered_by_every_one(limiter, redis_client, user_id):
+    assert limiter.check(f"{user_id}-warm", 10, 60)[0] is True
+    run_lined_up(20, lambda i: limiter.check(f"{user_id}-warm-{i}", 10, 60))  # many pooled connections
+    redis_client.script_flush()
+    results = run_lined_up(20, lambda _: limiter.check(user_id, 10, 60))
+    assert sum(1 for r in results if r[0]) == 10
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 10
+
+
+def test_restart_with_many_pooled_connections_recovers_every_one(private_redis):
+    with limiter_for(private_redis.url, timeout=2) as limiter:
+        run_lined_up(16, lambda i: limiter.check(f"warm-{i}", 10, 60))
+        private_redis.restart()
+        results = run_lined_up(16, lambda _: limiter.check("user-1", 10, 60))
+    assert sorted(r for r in results if r[0]) == sorted((True, n, 0) for n in range(10))
+    assert all(r[:2] == (False, 0) for r in results if not r[0])
+
+
 def test_server_error_reply_raises_rate_limiter_error_and_the_connection_stays_usable(
         limiter, redis_client, user_id):
     from genai_ratelimit import RateLimiterError
@@ -254,6 +288,41 @@ def test_right_password_in_the_url_works(password_redis):
         client.close()
 
 
+def test_acl_user_and_password_in_the_url_work(private_redis):
+    admin = redis.Redis(port=private_redis.port)
+    try:
+        admin.acl_setuser("alice", enabled=True, passwords=["+alice-pw"], keys=["*"],
+                          commands=["+@all"])
+    finally:
+        admin.close()
+    with limiter_for(f"redis://alice:alice-pw@127.0.0.1:{private_redis.port}/0") as limiter:
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+
+
+def test_acl_user_with_a_wrong_password_raises_an_error_saying_authentication_failed(private_redis):
+    from genai_ratelimit import RateLimiterError
+
+    admin = redis.Redis(port=private_redis.port)
+    try:
+        admin.acl_setuser("alice", enabled=True, passwords=["+alice-pw"], keys=["*"],
+                          commands=["+@all"])
+    finally:
+        admin.close()
+    with limiter_for(f"redis://alice:not-alices@127.0.0.1:{private_redis.port}/0") as limiter:
+        with pytest.raises(RateLimiterError, match=r"(?i)auth\w* failed") as info:
+            limiter.check("user-1", 10, 60)
+    assert "not-alices" not in str(info.value)
+
+
+def test_database_the_server_does_not_have_raises_an_error_naming_it(private_redis):
+    from genai_ratelimit import RateLimiterError
+
+    with limiter_for(f"redis://127.0.0.1:{private_redis.port}/99") as limiter:
+        with pytest.raises(RateLimiterError, match=r"(?i)select|db") as info:
+            limiter.check("user-1", 10, 60)
+    assert "99" in str(info.value)
+
+
 def test_database_number_in_the_url_is_selected(private_redis):
     with limiter_for(f"redis://127.0.0.1:{private_redis.port}/3") as limiter:
         assert limiter.check("user-1", 10, 60) == (True, 9, 0)
@@ -273,6 +342,16 @@ def test_unix_socket_url_works(private_redis):
     client = redis.Redis(unix_socket_path=private_redis.unix_path)
     try:
         assert client.zcard("ratelimit:user-1:60") == 2
+    finally:
+        client.close()
+
+
+def test_unix_socket_url_selects_the_database_it_names(private_redis):
+    with limiter_for(f"unix://{private_redis.unix_path}?db=2") as limiter:
+        assert limiter.check("user-1", 10, 60) == (True, 9, 0)
+    client = redis.Redis(unix_socket_path=private_redis.unix_path, db=2)
+    try:
+        assert client.keys("*") == [b"ratelimit:user-1:60"]
     finally:
         client.close()
 

@@ -248,6 +248,7 @@ SECRET = "sekret-Pa55word"
 @pytest.mark.parametrize("url", [
     f"redis://:{SECRET}@127.0.0.1:6379/0",
     f"redis://alice:{SECRET}@127.0.0.1:6379/2",
+    f"rediss://:{SECRET}@127.0.0.1:6380/0?ssl_cert_reqs=none",
     f"unix:///tmp/redis.sock?db=1&password={SECRET}",
 ])
 def test_password_is_not_in_repr_or_url(url):

@@ -399,6 +399,32 @@ def test_fork_child_does_not_close_the_parents_connection(limiter, redis_client,
     assert connections_received(redis_client) == connections_before  # parent kept its socket
 
 
+def test_child_forked_below_python_never_reuses_the_parents_socket(limiter, redis_client, user_id):
+    # fork() called straight from C, as an embedding server or a C extension may do: Python's
+    # at-fork hooks do not run. The child must still notice it is a new process (its pid)
+    # and dial its own connection instead of writing on the parent's socket.
+    import ctypes
+
+    assert limiter.check(user_id, 100, 60) == (True, 99, 0)  # the parent's socket is open
+    connections_before = connections_received(redis_client)
+    libc_fork = ctypes.PyDLL(None).fork  # PyDLL: called with the GIL held, like C code would
+    libc_fork.restype = ctypes.c_int
+    pid = libc_fork()
+    if pid == 0:
+        status = 3
+        try:
+            status = 0 if limiter.check(user_id, 100, 60) == (True, 98, 0) else 1
+        except BaseException:
+            status = 2
+        finally:
+            os._exit(status)
+    _, wait_status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(wait_status) == 0
+    assert connections_received(redis_client) > connections_before, \
+        "the child sent its request on the parent's socket"
+    assert limiter.check(user_id, 100, 60) == (True, 97, 0)
+
+
 # --------------------------------------------------------------------- closing
 
 def test_check_after_close_raises_an_error_saying_closed(redis_url):

@@ -23,10 +23,11 @@ HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "lua" / "sliding_window.lua"
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 
-# (pkg-config name, header, library, Debian package that provides them)
+# (pkg-config name, header, libraries, Debian package that provides them)
 SYSTEM_LIBRARIES = [
-    ("hiredis", "hiredis/hiredis.h", "hiredis", "libhiredis-dev"),
-    ("uuid", "uuid/uuid.h", "uuid", "uuid-dev"),
+    ("hiredis", "hiredis/hiredis.h", ["hiredis"], "libhiredis-dev"),
+    ("uuid", "uuid/uuid.h", ["uuid"], "uuid-dev"),
+    ("openssl", "openssl/ssl.h", ["ssl", "crypto"], "libssl-dev"),
 ]
 
 
@@ -35,7 +36,7 @@ def fail(message: str) -> None:
     raise SystemExit(1)
 
 
-def find_library(pc_name: str, header: str, library: str, debian: str) -> tuple[list[str], list[str], list[str]]:
+def find_library(pc_name: str, header: str, libraries: list[str], debian: str) -> tuple[list[str], list[str], list[str]]:
     """Returns (include_dirs, library_dirs, libraries) for one system library."""
     if shutil.which("pkg-config"):
         result = subprocess.run(
@@ -50,12 +51,12 @@ def find_library(pc_name: str, header: str, library: str, debian: str) -> tuple[
             # code includes <hiredis.h> and <uuid.h>, which works for 0.14 and 1.x alike.
             lib_dirs = [f[2:] for f in flags if f.startswith("-L")]
             libs = [f[2:] for f in flags if f.startswith("-l")]
-            return includes, lib_dirs, libs or [library]
+            return includes, lib_dirs, libs or libraries
     for prefix in ("/usr/include", "/usr/local/include"):
         if (Path(prefix) / header).exists():
-            return [str(Path(prefix) / Path(header).parent)], [], [library]
+            return [str(Path(prefix) / Path(header).parent)], [], libraries
     fail(
-        f"the {library} development files were not found (no pkg-config entry '{pc_name}', "
+        f"the {pc_name} development files were not found (no pkg-config entry '{pc_name}', "
         f"no {header}). On Debian or Ubuntu install them with: apt-get install {debian}"
     )
     raise AssertionError("unreachable")

@@ -1,6 +1,9 @@
 /*
  * conn.c - connections to Redis and the pool that shares them between threads.
  *
+ * TLS (rediss://) is OpenSSL on the same blocking socket: SSL_read/SSL_write honour the
+ * socket timeouts, and a handshake failure names the certificate problem.
+ *
  * GIL contract: nothing in this file touches a Python object, and every function but
  * rl_pool_init / rl_pool_after_fork is called with the GIL released. Errors are
  * reported as an rl_status plus an rl_error (native.h), never as Python exceptions.
@@ -17,6 +20,7 @@
  */
 #include "native.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -31,6 +35,11 @@
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
+
+#include <openssl/err.h>
+#include <openssl/x509v3.h>
+
+static rl_status arm_timeouts(rl_conn *conn, double seconds, rl_error *err);
 
 rl_status
 rl_error_set(rl_error *err, rl_status kind, int saved_errno, const char *fmt, ...)
@@ -80,12 +89,73 @@ rl_config_clear(rl_config *cfg)
     free(cfg->host);
     free(cfg->unix_path);
     free(cfg->username);
+    if (cfg->ssl_ctx != NULL)
+        SSL_CTX_free(cfg->ssl_ctx);
     if (cfg->password != NULL) {
         /* Do not leave the secret lying in freed memory. */
         memset(cfg->password, 0, strlen(cfg->password));
         free(cfg->password);
     }
     memset(cfg, 0, sizeof(*cfg));
+}
+
+/* The newest OpenSSL error as text, and the queue cleared. */
+static const char *
+ssl_error_text(char *buf, size_t len)
+{
+    unsigned long code = ERR_get_error();
+    if (code == 0)
+        snprintf(buf, len, "no detail from OpenSSL");
+    else
+        ERR_error_string_n(code, buf, len);
+    ERR_clear_error();
+    return buf;
+}
+
+rl_status
+rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const char *cert_file,
+              const char *key_file, rl_error *err)
+{
+    char detail[200];
+    SSL_CTX *ctx = SSL_CTX_new(TLS_client_method());
+    if (ctx == NULL)
+        return rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "cannot create a TLS context: %s",
+                            ssl_error_text(detail, sizeof(detail)));
+    SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
+    /* Our sockets block with timeouts: let OpenSSL retry internal renegotiation reads. */
+    SSL_CTX_set_mode(ctx, SSL_MODE_AUTO_RETRY);
+    if (verify) {
+        SSL_CTX_set_verify(ctx, SSL_VERIFY_PEER, NULL);
+        int loaded = ca_file != NULL ? SSL_CTX_load_verify_locations(ctx, ca_file, NULL)
+                                     : SSL_CTX_set_default_verify_paths(ctx);
+        if (loaded != 1) {
+            SSL_CTX_free(ctx);
+            return rl_error_set(err, RL_ERR_CONNECT, 0, "cannot load CA certificates from %s: %s",
+                                ca_file ? ca_file : "the system's default locations",
+                                ssl_error_text(detail, sizeof(detail)));
+        }
+    } else {
+        SSL_CTX_set_verify(ctx, SSL_VERIFY_NONE, NULL);
+    }
+    if (cert_file != NULL &&
+        SSL_CTX_use_certificate_chain_file(ctx, cert_file) != 1) {
+        SSL_CTX_free(ctx);
+        return rl_error_set(err, RL_ERR_CONNECT, 0, "cannot load the client certificate %s: %s",
+                            cert_file, ssl_error_text(detail, sizeof(detail)));
+    }
+    if (key_file != NULL || cert_file != NULL) {
+        const char *key = key_file != NULL ? key_file : cert_file;
+        if (SSL_CTX_use_PrivateKey_file(ctx, key, SSL_FILETYPE_PEM) != 1 ||
+            SSL_CTX_check_private_key(ctx) != 1) {
+            SSL_CTX_free(ctx);
+            return rl_error_set(err, RL_ERR_CONNECT, 0, "cannot load the client key %s: %s", key,
+                                ssl_error_text(detail, sizeof(detail)));
+        }
+    }
+    cfg->tls = 1;
+    cfg->tls_verify = verify;
+    cfg->ssl_ctx = ctx;
+    return RL_OK;
 }
 
 /* ------------------------------------------------------------------- clock */
@@ -123,6 +193,8 @@ conn_free(rl_conn *conn)
 {
     if (conn == NULL)
         return;
+    if (conn->ssl != NULL)
+        SSL_free(conn->ssl); /* no close_notify: the socket may be broken or a parent's */
     if (conn->fd >= 0)
         close(conn->fd);
     if (conn->reader != NULL)
@@ -282,6 +354,12 @@ handshake(rl_conn *conn, const rl_config *cfg, double deadline, rl_error *err)
         lengths[n] = redisFormatCommandArgv(&commands[n], 2, argv, argvlen);
         n++;
     }
+    if (n == 0 && cfg->tls) {
+        /* A TLS 1.3 server sends its session tickets after the handshake; one round trip
+           now reads them, so an idle pooled connection never looks readable (stale). */
+        argv[0] = "PING"; argvlen[0] = 4;
+        lengths[n++] = redisFormatCommandArgv(&commands[0], 1, argv, argvlen);
+    }
     if (n == 0)
         return RL_OK;
     for (int i = 0; i < n; i++) {
@@ -334,6 +412,51 @@ done:
 }
 
 static rl_status
+tls_handshake(rl_conn *conn, const rl_config *cfg, double deadline, rl_error *err)
+{
+    char detail[200];
+    unsigned char ip[sizeof(struct in6_addr)];
+    int is_ip = inet_pton(AF_INET, cfg->host, ip) == 1 || inet_pton(AF_INET6, cfg->host, ip) == 1;
+    rl_status st = arm_timeouts(conn, deadline - rl_monotonic(), err);
+    if (st != RL_OK)
+        return st;
+    ERR_clear_error();
+    conn->ssl = SSL_new(cfg->ssl_ctx);
+    if (conn->ssl == NULL || SSL_set_fd(conn->ssl, conn->fd) != 1)
+        return rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "cannot start TLS: %s",
+                            ssl_error_text(detail, sizeof(detail)));
+    if (!is_ip)
+        (void)SSL_set_tlsext_host_name(conn->ssl, cfg->host); /* SNI */
+    if (cfg->tls_verify) {
+        int named = is_ip ? X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(conn->ssl), cfg->host)
+                          : SSL_set1_host(conn->ssl, cfg->host);
+        if (named != 1)
+            return rl_error_set(err, RL_ERR_CONNECT, 0, "cannot set the TLS peer name %s: %s",
+                                cfg->host, ssl_error_text(detail, sizeof(detail)));
+    }
+    int rc = SSL_connect(conn->ssl);
+    if (rc == 1)
+        return RL_OK;
+    int saved = errno, code = SSL_get_error(conn->ssl, rc);
+    long verify = SSL_get_verify_result(conn->ssl);
+    if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE ||
+        (code == SSL_ERROR_SYSCALL && (saved == EAGAIN || saved == EWOULDBLOCK)))
+        return rl_error_set(err, RL_ERR_TIMEOUT, ETIMEDOUT,
+                            "timed out in the TLS handshake with Redis at %s:%d", cfg->host, cfg->port);
+    if (verify != X509_V_OK)
+        return rl_error_set(err, RL_ERR_CONNECT, 0,
+                            "TLS handshake with Redis at %s:%d failed: certificate verify failed "
+                            "(%s)", cfg->host, cfg->port, X509_verify_cert_error_string(verify));
+    if (code == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)
+        return rl_error_set(err, RL_ERR_CONNECT, saved,
+                            "TLS handshake with Redis at %s:%d failed: %s", cfg->host, cfg->port,
+                            saved ? strerror(saved) : "the server closed the connection "
+                            "(is it a TLS port?)");
+    return rl_error_set(err, RL_ERR_CONNECT, 0, "TLS handshake with Redis at %s:%d failed: %s",
+                        cfg->host, cfg->port, ssl_error_text(detail, sizeof(detail)));
+}
+
+static rl_status
 conn_open(const rl_config *cfg, rl_conn **out, rl_error *err)
 {
     double deadline = rl_monotonic() + cfg->connect_timeout;
@@ -350,6 +473,8 @@ conn_open(const rl_config *cfg, rl_conn **out, rl_error *err)
     }
     st = open_socket(cfg, deadline, &conn->fd, err);
     if (st != RL_OK)
+        goto error;
+    if (cfg->tls && (st = tls_handshake(conn, cfg, deadline, err)) != RL_OK)
         goto error;
     st = handshake(conn, cfg, deadline, err);
     if (st != RL_OK)
@@ -368,6 +493,8 @@ static int
 conn_is_stale(const rl_conn *conn)
 {
     struct pollfd pfd = {.fd = conn->fd, .events = POLLIN};
+    if (conn->ssl != NULL && SSL_pending(conn->ssl) > 0)
+        return 1; /* decrypted bytes nobody asked for */
     int rc = poll(&pfd, 1, 0);
     return rc != 0; /* readable, hung up, or poll failed: do not trust it */
 }
@@ -395,6 +522,52 @@ arm_timeouts(rl_conn *conn, double seconds, rl_error *err)
     return RL_OK;
 }
 
+/* After a failed SSL_read/SSL_write: 0 for a clean or abrupt EOF, else -1 with errno
+   (EAGAIN when the socket timeout expired, EPROTO for a TLS failure). */
+static ssize_t
+ssl_failure(rl_conn *conn, int rc)
+{
+    int saved = errno;
+    switch (SSL_get_error(conn->ssl, rc)) {
+    case SSL_ERROR_ZERO_RETURN:
+        return 0;
+    case SSL_ERROR_WANT_READ:
+    case SSL_ERROR_WANT_WRITE:
+        errno = EAGAIN;
+        return -1;
+    case SSL_ERROR_SYSCALL:
+        ERR_clear_error();
+        if (saved == 0)
+            return 0;
+        errno = saved;
+        return -1;
+    default:
+        ERR_clear_error();
+        errno = EPROTO;
+        return -1;
+    }
+}
+
+static ssize_t
+conn_write(rl_conn *conn, const char *buf, size_t len)
+{
+    if (conn->ssl == NULL)
+        return send(conn->fd, buf, len, MSG_NOSIGNAL);
+    ERR_clear_error();
+    int n = SSL_write(conn->ssl, buf, len > 1048576 ? 1048576 : (int)len);
+    return n > 0 ? n : ssl_failure(conn, n);
+}
+
+static ssize_t
+conn_read(rl_conn *conn, char *buf, size_t len)
+{
+    if (conn->ssl == NULL)
+        return recv(conn->fd, buf, len, 0);
+    ERR_clear_error();
+    int n = SSL_read(conn->ssl, buf, (int)len);
+    return n > 0 ? n : ssl_failure(conn, n);
+}
+
 rl_status
 rl_conn_roundtrip(rl_conn *conn, const char *buf, size_t len, int nreplies,
                   redisReply **replies, double timeout, rl_error *err)
@@ -411,7 +584,7 @@ rl_conn_roundtrip(rl_conn *conn, const char *buf, size_t len, int nreplies,
         return st;
 
     while (len > 0) {
-        ssize_t n = send(conn->fd, buf, len, MSG_NOSIGNAL);
+        ssize_t n = conn_write(conn, buf, len);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
@@ -449,7 +622,7 @@ rl_conn_roundtrip(rl_conn *conn, const char *buf, size_t len, int nreplies,
             conn->armed_timeout = -1;
         }
         first_recv = 0;
-        ssize_t n = recv(conn->fd, chunk, sizeof(chunk), 0);
+        ssize_t n = conn_read(conn, chunk, sizeof(chunk));
         if (n < 0) {
             if (errno == EINTR) {
                 first_recv = 1; /* same read again; the deadline check above still holds */

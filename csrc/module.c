@@ -60,19 +60,7 @@ rl_raise(rl_module_state *state, const rl_error *err)
     return NULL;
 }
 
-PyDoc_STRVAR(after_fork_doc,
-"_after_fork_in_child()\n\nRegistered with os.register_at_fork: records the child's pid so "
-"every limiter drops its parent's sockets before its first call in the child.");
-
-static PyObject *
-after_fork_in_child(PyObject *module, PyObject *Py_UNUSED(ignored))
-{
-    get_state(module)->pid = getpid();
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef module_methods[] = {
-    {"_after_fork_in_child", after_fork_in_child, METH_NOARGS, after_fork_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -109,35 +97,6 @@ add_long_long(PyObject *module, const char *name, long long value)
 }
 
 static int
-register_fork_hook(PyObject *module)
-{
-    PyObject *os = NULL, *hook = NULL, *kwargs = NULL, *empty = NULL, *res = NULL;
-    int rc = -1;
-    if ((os = PyImport_ImportModule("os")) == NULL)
-        goto done;
-    if ((hook = PyObject_GetAttrString(module, "_after_fork_in_child")) == NULL)
-        goto done;
-    if ((kwargs = Py_BuildValue("{s:O}", "after_in_child", hook)) == NULL)
-        goto done;
-    if ((empty = PyTuple_New(0)) == NULL)
-        goto done;
-    PyObject *register_at_fork = PyObject_GetAttrString(os, "register_at_fork");
-    if (register_at_fork == NULL)
-        goto done;
-    res = PyObject_Call(register_at_fork, empty, kwargs);
-    Py_DECREF(register_at_fork);
-    if (res != NULL)
-        rc = 0;
-done:
-    Py_XDECREF(res);
-    Py_XDECREF(empty);
-    Py_XDECREF(kwargs);
-    Py_XDECREF(hook);
-    Py_XDECREF(os);
-    return rc;
-}
-
-static int
 module_exec(PyObject *module)
 {
     rl_module_state *state = get_state(module);
@@ -146,7 +105,6 @@ module_exec(PyObject *module)
     const char *script = rl_script_source_text(&script_len);
     int rc = -1;
 
-    state->pid = getpid();
     state->kill_switch_warned = 0;
 
     if (add_exception(module, &state->Error, "RateLimiterError",
@@ -187,8 +145,6 @@ module_exec(PyObject *module)
     if (PyModule_AddIntConstant(module, "MAX_WINDOWS", RL_MAX_WINDOWS) < 0 ||
         add_long_long(module, "MAX_LIMIT", RL_MAX_LIMIT) < 0 ||
         add_long_long(module, "MAX_WINDOW_SECONDS", RL_MAX_WINDOW_SECONDS) < 0)
-        goto done;
-    if (register_fork_hook(module) < 0)
         goto done;
     rc = 0;
 done:

@@ -21,6 +21,7 @@
 #include <sys/types.h>
 
 #include <hiredis.h>
+#include <openssl/ssl.h>
 
 #define RL_MAX_WINDOWS 32            /* windows decided by one check */
 #define RL_MEMBER_LEN 36             /* canonical UUID text, without the NUL */
@@ -63,10 +64,14 @@ typedef struct {
     char *password;              /* AUTH password, or NULL; never printed */
     double connect_timeout;      /* seconds, for connect + AUTH + SELECT */
     double socket_timeout;       /* seconds, for one decision's round trip */
+    int tls;                     /* rediss://: TLS on the TCP connection */
+    int tls_verify;              /* verify the server's certificate and name */
+    SSL_CTX *ssl_ctx;            /* shared by every connection of the pool, or NULL */
 } rl_config;
 
 typedef struct rl_conn {
     int fd;                      /* blocking socket with SO_RCVTIMEO/SO_SNDTIMEO set */
+    SSL *ssl;                    /* TLS session on fd, or NULL for plain TCP/unix */
     redisReader *reader;         /* hiredis RESP parser fed with what we read */
     double armed_timeout;        /* SO_SNDTIMEO/SO_RCVTIMEO now set, -1 when mixed */
     struct rl_conn *next;        /* next idle connection in the pool */
@@ -88,6 +93,11 @@ int rl_config_init(rl_config *cfg, const char *host, int port, const char *unix_
                    long long db, const char *username, const char *password,
                    double connect_timeout, double socket_timeout);  /* 0 or -1 (ENOMEM) */
 void rl_config_clear(rl_config *cfg);
+/* Sets up TLS for the config: a client SSL_CTX with the CA file (or the system's CAs), an
+   optional client certificate and key, and verification unless verify is 0. Returns
+   RL_OK, or an error naming the file or the problem. */
+rl_status rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const char *cert_file,
+                        const char *key_file, rl_error *err);
 
 /* Pool; all of these run without the GIL, except rl_pool_init/rl_pool_after_fork. */
 int rl_pool_init(rl_pool *pool, int max_open, pid_t pid);   /* 0, or -1 with errno */
@@ -153,7 +163,6 @@ typedef struct {
     PyObject *Unavailable;       /* RateLimiterUnavailable */
     PyObject *Timeout;           /* RateLimiterTimeout */
     PyObject *AuthError;         /* RateLimiterAuthError */
-    pid_t pid;                   /* this process; refreshed in a fork child */
     int kill_switch_warned;      /* the kill-switch warning was logged */
 } rl_module_state;
 

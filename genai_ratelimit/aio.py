@@ -14,6 +14,7 @@ test client that runs each request on a fresh loop) keeps one small set per loop
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 import weakref
 from typing import Any
@@ -28,6 +29,30 @@ __all__ = ["AsyncRateLimiter"]
 # A connection takes new checks until this many replies are due on every open connection;
 # only then is another one opened (up to max_connections).
 _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
+
+
+def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
+    """The client TLS context of a rediss:// URL: certificates verified unless
+    ssl_cert_reqs=none. A missing or bad file is a ValueError naming it, at construction."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if options.ssl_cert_reqs == "none":
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    elif options.ssl_ca_certs:
+        try:
+            context.load_verify_locations(cafile=options.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load CA certificates from {options.ssl_ca_certs}: "
+                             f"{exc.strerror or exc}") from None
+    if options.ssl_certfile or options.ssl_keyfile:
+        certfile = options.ssl_certfile or options.ssl_keyfile
+        try:
+            context.load_cert_chain(certfile, options.ssl_keyfile)  # type: ignore[arg-type]
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the client certificate {certfile} "
+                             f"(key {options.ssl_keyfile or certfile}): {exc.strerror or exc}") from None
+    return context
 
 
 class _Connection(asyncio.Protocol):
@@ -64,6 +89,8 @@ class _Connection(asyncio.Protocol):
 
     # -- sending
     def submit(self, request: Any) -> asyncio.Future[Any]:
+        if self.closed:
+            raise RateLimiterUnavailable("connection to Redis lost")
         future = self.loop.create_future()
         self.pipeline.push(future, request)
         self._schedule_flush()
@@ -72,6 +99,8 @@ class _Connection(asyncio.Protocol):
         return future
 
     def command(self, *words: str | bytes) -> asyncio.Future[Any]:
+        if self.closed:
+            raise RateLimiterUnavailable("connection to Redis lost")
         future = self.loop.create_future()
         self.pipeline.push_command(future, *words)
         self._schedule_flush()
@@ -182,6 +211,10 @@ class _LoopPool:
         except RateLimiterError:
             conn.abort(RateLimiterUnavailable("handshake failed"))
             raise
+        except ssl.SSLError as exc:
+            conn.abort(RateLimiterUnavailable("TLS handshake failed"))
+            raise RateLimiterUnavailable(
+                f"TLS handshake with Redis at {where} failed: {exc.reason or exc}") from None
         except OSError as exc:
             conn.abort(RateLimiterUnavailable("connect failed"))
             raise RateLimiterUnavailable(
@@ -189,6 +222,8 @@ class _LoopPool:
         if limiter._closed:
             conn.close(RateLimiterError("the rate limiter is closed"))
             raise RateLimiterError("the rate limiter is closed")
+        if conn.closed:  # the server hung up right after the handshake (e.g. TLS auth)
+            raise RateLimiterUnavailable(f"Redis at {where} closed the connection after connecting")
         self.connections.append(conn)
         return conn
 
@@ -196,7 +231,9 @@ class _LoopPool:
         if options.unix_path is not None:
             await self.loop.create_unix_connection(lambda: conn, options.unix_path)
         else:
-            await self.loop.create_connection(lambda: conn, options.host, options.port)
+            await self.loop.create_connection(
+                lambda: conn, options.host, options.port, ssl=self.limiter._ssl,
+                server_hostname=options.host if self.limiter._ssl is not None else None)
         replies = []
         if options.password is not None:
             words = ["AUTH"] + ([options.username] if options.username else []) + [options.password]
@@ -246,9 +283,7 @@ class AsyncRateLimiter:
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
                                           clock, max_connections)
-        if options.tls:
-            raise ValueError("rediss:// (TLS) is not supported by this build of genai-ratelimit "
-                             "yet; use redis:// or unix://")
+        self._ssl = _ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock
         self._codec = _native.Codec(key_prefix, client_clock=clock == "client")

@@ -99,11 +99,12 @@ class RateLimiter(_native.Limiter):
     @property
     def url(self) -> str:
         """Where this limiter connects, without credentials."""
-        return self._options.describe()
+        options = getattr(self, "_options", None)
+        return options.describe() if options is not None else "(not configured)"
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}({self._options.describe()!r}, "
-                f"key_prefix={self.key_prefix!r}, clock={self._clock!r})")
+        return (f"{type(self).__name__}({self.url!r}, "
+                f"key_prefix={self.key_prefix!r}, clock={getattr(self, '_clock', None)!r})")
 
     def __enter__(self) -> "RateLimiter":
         return self

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the build and the tests need, when they are missing:
-# a C compiler, pkg-config, Python headers, hiredis, libuuid and redis-server.
+# a C compiler, pkg-config, Python headers, hiredis, libuuid, OpenSSL and redis-server.
 # Root installs directly; otherwise sudo is used when it works without a password prompt
 # in a non-interactive shell, and failing that we print exactly what to install.
 set -euo pipefail
@@ -14,7 +14,9 @@ command -v gcc >/dev/null 2>&1 || command -v cc >/dev/null 2>&1 || missing+=(gcc
 command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
 have_pkgconfig_module hiredis || [ -f /usr/include/hiredis/hiredis.h ] || missing+=(libhiredis-dev)
 have_pkgconfig_module uuid || [ -f /usr/include/uuid/uuid.h ] || missing+=(uuid-dev)
+have_pkgconfig_module openssl || [ -f /usr/include/openssl/ssl.h ] || missing+=(libssl-dev)
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)   # the TLS tests make certificates
 if ! "$PYTHON" -c 'import os, sysconfig, sys; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null; then
   missing+=(python3-dev)
 fi

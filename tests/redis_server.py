@@ -76,7 +76,8 @@ class RedisServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(64).startswith(b"+PONG"):
+                    # -NOAUTH: a server started with --requirepass is up, too.
+                    if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         return True
             except OSError:
                 pass

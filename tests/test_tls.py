@@ -1,0 +1,177 @@
+"""rediss:// against a real redis-server with --tls-port and certificates made by this test
+(openssl CLI): verification on by default, a CA file, client certificates, ACL users, and
+the password kept out of every message. Both the blocking and the asyncio limiter."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from genai_ratelimit import (
+    AsyncRateLimiter,
+    RateLimiter,
+    RateLimiterAuthError,
+    RateLimiterUnavailable,
+)
+from redis_server import RedisServer, free_port
+
+PASSWORD = "tls-s3cret-pw"
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA, a server certificate for localhost/127.0.0.1 and a client certificate."""
+    if shutil.which("openssl") is None:
+        pytest.fail("the openssl command is needed (apt-get install openssl; make test installs it)")
+    d = tmp_path_factory.mktemp("tls")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
+             "-days", "2", "-subj", "/CN=genai-ratelimit test CA", cwd=d)
+    (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    (d / "other.ext").write_text("subjectAltName=DNS:other.example\n")
+    for name, ext in (("server", "server.ext"), ("other", "other.ext"), ("client", None)):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                 f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
+        args = ["x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+                "-CAcreateserial", "-out", f"{name}.crt", "-days", "2"]
+        if ext:
+            args += ["-extfile", ext]
+        _openssl(*args, cwd=d)
+    return d
+
+
+def _tls_server(certs: Path, cert: str = "server", auth_clients: str = "no") -> RedisServer:
+    tls_port = free_port()
+    server = RedisServer(
+        "--tls-port", str(tls_port),
+        "--tls-cert-file", str(certs / f"{cert}.crt"),
+        "--tls-key-file", str(certs / f"{cert}.key"),
+        "--tls-ca-cert-file", str(certs / "ca.crt"),
+        "--tls-auth-clients", auth_clients,
+    )
+    server.tls_port = tls_port  # type: ignore[attr-defined]
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def tls_server(certificates: Path) -> Iterator[RedisServer]:
+    server = _tls_server(certificates)
+    admin = redis.Redis(port=server.port)
+    admin.acl_setuser("app", enabled=True, passwords=[f"+{PASSWORD}"], keys=["*"],
+                      commands=["+@all"])
+    admin.close()
+    yield server
+    server.close()
+
+
+def _run(kind: str, url: str, user: str, calls: int = 3) -> list[Any]:
+    """Makes `calls` checks with a limit of 2 per minute through the kind of limiter."""
+    if kind == "sync":
+        with RateLimiter(url, connect_timeout=2, socket_timeout=2) as limiter:
+            return [limiter.check(user, 2, 60) for _ in range(calls)]
+
+    async def go() -> list[Any]:
+        async with AsyncRateLimiter(url, connect_timeout=2, socket_timeout=2) as limiter:
+            return [await limiter.check(user, 2, 60) for _ in range(calls)]
+
+    return asyncio.run(go())
+
+
+KINDS = ["sync", "async"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tls_with_ca_file_limits_exactly(tls_server: RedisServer, certificates: Path, kind: str,
+                                         user_id: str) -> None:
+    url = f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
+    assert _run(kind, url, user_id) == [(True, 1, 0), (True, 0, 0), (False, 0, 60)]
+    assert redis.Redis(port=tls_server.port).zcard(f"ratelimit:{user_id}:60") == 2
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tls_verifies_by_default_and_refuses_an_unknown_ca(tls_server: RedisServer, kind: str,
+                                                          user_id: str) -> None:
+    url = f"rediss://127.0.0.1:{tls_server.tls_port}/0"
+    with pytest.raises(RateLimiterUnavailable, match="(?i)certificate"):
+        _run(kind, url, user_id, calls=1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tls_refuses_a_certificate_for_another_name(certificates: Path, kind: str,
+                                                    user_id: str) -> None:
+    server = _tls_server(certificates, cert="other")
+    try:
+        url = f"rediss://127.0.0.1:{server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
+        with pytest.raises(RateLimiterUnavailable):
+            _run(kind, url, user_id, calls=1)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tls_without_verification_only_when_asked(tls_server: RedisServer, kind: str,
+                                                 user_id: str) -> None:
+    url = f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_cert_reqs=none"
+    assert _run(kind, url, user_id)[0] == (True, 1, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tls_client_certificate(certificates: Path, kind: str, user_id: str) -> None:
+    server = _tls_server(certificates, auth_clients="yes")
+    try:
+        base = f"rediss://127.0.0.1:{server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
+        with pytest.raises(RateLimiterUnavailable):
+            _run(kind, base, user_id, calls=1)
+        with_cert = (f"{base}&ssl_certfile={certificates / 'client.crt'}"
+                     f"&ssl_keyfile={certificates / 'client.key'}")
+        assert _run(kind, with_cert, user_id)[0] == (True, 1, 0)
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tls_acl_user_and_password(tls_server: RedisServer, certificates: Path, kind: str,
+                                   user_id: str) -> None:
+    ca = certificates / "ca.crt"
+    good = f"rediss://app:{PASSWORD}@127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={ca}"
+    assert _run(kind, good, user_id)[0] == (True, 1, 0)
+    bad = f"rediss://app:wrong-{PASSWORD}@127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={ca}"
+    with pytest.raises(RateLimiterAuthError) as info:
+        _run(kind, bad, user_id, calls=1)
+    assert PASSWORD not in str(info.value)
+    assert "authentication" in str(info.value).lower()
+
+
+@pytest.mark.parametrize("cls", [RateLimiter, AsyncRateLimiter])
+def test_tls_password_never_in_repr(tls_server: RedisServer, cls: type) -> None:
+    limiter = cls(f"rediss://app:{PASSWORD}@127.0.0.1:{tls_server.tls_port}/0?ssl_cert_reqs=none")
+    assert PASSWORD not in repr(limiter)
+    assert PASSWORD not in limiter.url
+
+
+@pytest.mark.parametrize("cls", [RateLimiter, AsyncRateLimiter])
+def test_tls_missing_ca_file_fails_at_construction(cls: type, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-ca.pem"
+    with pytest.raises(ValueError, match="no-such-ca.pem"):
+        cls(f"rediss://127.0.0.1:6379/0?ssl_ca_certs={missing}")
+
+
+def test_tls_url_with_unknown_cert_reqs_is_refused() -> None:
+    with pytest.raises(ValueError, match="ssl_cert_reqs"):
+        RateLimiter("rediss://127.0.0.1:6379/0?ssl_cert_reqs=sometimes")
+
+
+def test_ssl_parameters_need_rediss() -> None:
+    with pytest.raises(ValueError, match="rediss"):
+        RateLimiter("redis://127.0.0.1:6379/0?ssl_cert_reqs=none")

@@ -228,7 +228,7 @@ Pipeline_init(PipelineObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_ValueError, "timeout must be a positive number of seconds");
         return -1;
     }
-    if (self->reader == NULL && (self->reader = redisReaderCreate()) == NULL) {
+    if (self->reader == NULL && (self->reader = rl_reader_create()) == NULL) {
         PyErr_NoMemory();
         return -1;
     }
@@ -543,7 +543,7 @@ handle_reply(PipelineObject *self, rl_module_state *state, pl_entry e, redisRepl
             return 0;      /* e's references now live in the ring */
         }
         rl_result result;
-        rl_status st = rl_script_decode(reply, e.request->prepared.windows.count, &result, &err);
+        rl_status st = rl_script_decode(reply, &e.request->prepared.windows, &result, &err);
         if (st == RL_OK)
             rc = resolve(e.future, rl_result_tuple(&e.request->prepared.windows, &result,
                                                    e.request->with_window), 0);
@@ -588,7 +588,7 @@ Pipeline_feed(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
         void *raw = NULL;
         if (redisReaderGetReply(self->reader, &raw) != REDIS_OK) {
             rl_error_set(&err, RL_ERR_PROTOCOL, 0, "Redis sent a malformed reply: %s",
-                         self->reader->errstr);
+                         rl_reader_error(self->reader));
             return rl_raise(state, &err);
         }
         if (raw == NULL)

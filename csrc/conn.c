@@ -186,6 +186,86 @@ set_io_timeout(int fd, int option, double seconds)
     return setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
 }
 
+/* ----------------------------------------------------------------- reader */
+
+/* The reply functions of our readers: hiredis's defaults (reached through the reader's
+   privdata), except that an array longer than any reply we expect is refused at once.
+   Without this, a hostile "*1000000000" header makes hiredis 0.14 calloc and later walk
+   a billion element slots. The table is constant: no global mutable state. */
+#define RL_MAX_REPLY_ELEMENTS 64
+
+#if HIREDIS_MAJOR >= 1
+typedef size_t rl_elements_t;
+#else
+typedef int rl_elements_t;
+#endif
+
+static const redisReplyObjectFunctions *
+defaults_of(const redisReadTask *task)
+{
+    return (const redisReplyObjectFunctions *)task->privdata;
+}
+
+static void *
+bounded_string(const redisReadTask *task, char *str, size_t len)
+{
+    return defaults_of(task)->createString(task, str, len);
+}
+
+static void *
+bounded_array(const redisReadTask *task, rl_elements_t elements)
+{
+    if ((size_t)elements > RL_MAX_REPLY_ELEMENTS)
+        return NULL; /* the reader reports it as an error; the connection is dropped */
+    return defaults_of(task)->createArray(task, elements);
+}
+
+static void *
+bounded_integer(const redisReadTask *task, long long value)
+{
+    return defaults_of(task)->createInteger(task, value);
+}
+
+static void *
+bounded_nil(const redisReadTask *task)
+{
+    return defaults_of(task)->createNil(task);
+}
+
+static const redisReplyObjectFunctions bounded_functions = {
+    .createString = bounded_string,
+    .createArray = bounded_array,
+    .createInteger = bounded_integer,
+    .createNil = bounded_nil,
+    .freeObject = freeReplyObject,
+};
+
+redisReader *
+rl_reader_create(void)
+{
+    redisReader *reader = redisReaderCreate();
+    if (reader == NULL)
+        return NULL;
+    reader->privdata = (void *)reader->fn; /* hiredis's own (static) default functions */
+    reader->fn = (redisReplyObjectFunctions *)&bounded_functions;
+    return reader;
+}
+
+const char *
+rl_reader_error(const redisReader *reader)
+{
+    /* Our bounded_array makes the reader say "Out of memory": say what it means. */
+    if (reader->err == REDIS_ERR_OOM)
+        return "a reply far larger than a rate-limit decision";
+    return reader->errstr;
+}
+
+int
+rl_reader_idle(const redisReader *reader)
+{
+    return reader->pos >= reader->len;
+}
+
 /* ------------------------------------------------------------- connection */
 
 static void
@@ -466,7 +546,7 @@ conn_open(const rl_config *cfg, rl_conn **out, rl_error *err)
     if (conn == NULL)
         return rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "out of memory opening a connection");
     conn->fd = -1;
-    conn->reader = redisReaderCreate();
+    conn->reader = rl_reader_create();
     if (conn->reader == NULL) {
         st = rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "out of memory opening a connection");
         goto error;
@@ -607,7 +687,7 @@ rl_conn_roundtrip(rl_conn *conn, const char *buf, size_t len, int nreplies,
         void *reply = NULL;
         if (redisReaderGetReply(conn->reader, &reply) != REDIS_OK)
             return rl_error_set(err, RL_ERR_PROTOCOL, 0, "Redis sent a malformed reply: %s",
-                                conn->reader->errstr);
+                                rl_reader_error(conn->reader));
         if (reply != NULL) {
             replies[got++] = reply;
             continue;

@@ -167,7 +167,7 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         rl_pool_after_fork(&self->pool, pid);
     }
     Py_BEGIN_ALLOW_THREADS
-    st = rl_script_run(&self->pool, p->command, (size_t)p->command_len, p->windows.count,
+    st = rl_script_run(&self->pool, p->command, (size_t)p->command_len, &p->windows,
                        &p->result, &err);
     Py_END_ALLOW_THREADS
     if (st != RL_OK) {

@@ -108,6 +108,11 @@ rl_status rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err);
 void rl_pool_release(rl_pool *pool, rl_conn *conn, int reusable);
 int rl_pool_open_count(rl_pool *pool);
 
+/* A hiredis reader that refuses arrays longer than any reply we expect. NULL: no memory. */
+redisReader *rl_reader_create(void);
+const char *rl_reader_error(const redisReader *reader);   /* the reader's error, for people */
+int rl_reader_idle(const redisReader *reader);            /* no unread bytes buffered */
+
 /* Writes len bytes of commands and reads nreplies replies (each owned by the caller,
    freeReplyObject) before the deadline. On error the connection is out of step: discard it. */
 rl_status rl_conn_roundtrip(rl_conn *conn, const char *buf, size_t len, int nreplies,
@@ -137,10 +142,13 @@ long long rl_script_format(const char *prefix, size_t prefix_len, const char *us
 /* Runs one decision: EVALSHA, and on NOSCRIPT, SCRIPT LOAD + EVALSHA once more.
    No GIL needed; command is a formatted EVALSHA. */
 rl_status rl_script_run(rl_pool *pool, const char *command, size_t command_len,
-                        int nwindows, rl_result *out, rl_error *err);
+                        const rl_windows *w, rl_result *out, rl_error *err);
 
-/* Decodes a script reply into a result; PROTOCOL/SERVER errors otherwise. No GIL needed. */
-rl_status rl_script_decode(const redisReply *reply, int nwindows, rl_result *out, rl_error *err);
+/* Decodes a script reply into a result, checked against the request's windows (an allow
+   has 0 <= remaining < that window's limit and no retry; a reject has remaining 0 and a
+   retry >= 1); PROTOCOL/SERVER errors otherwise. No GIL needed. */
+rl_status rl_script_decode(const redisReply *reply, const rl_windows *w, rl_result *out,
+                           rl_error *err);
 
 /* The script's SHA1 hex and source, embedded from lua/sliding_window.lua at build time. */
 extern const char rl_script_sha1_hex[];

@@ -124,8 +124,9 @@ reply_type_name(int type)
 }
 
 rl_status
-rl_script_decode(const redisReply *reply, int nwindows, rl_result *out, rl_error *err)
+rl_script_decode(const redisReply *reply, const rl_windows *w, rl_result *out, rl_error *err)
 {
+    int nwindows = w->count;
     if (reply->type == REDIS_REPLY_ERROR) {
         if (error_starts_with(reply, "NOAUTH") || error_starts_with(reply, "WRONGPASS"))
             return rl_error_set(err, RL_ERR_AUTH, 0,
@@ -151,7 +152,9 @@ rl_script_decode(const redisReply *reply, int nwindows, rl_result *out, rl_error
     long long retry = reply->element[2]->integer;
     long long window = reply->element[3]->integer;
     if ((allowed != 0 && allowed != 1) || remaining < 0 || retry < 0 || window < 1 ||
-        window > nwindows || (allowed == 0 && retry < 1))
+        window > nwindows ||
+        (allowed == 1 && (retry != 0 || remaining >= w->limit[window - 1])) ||
+        (allowed == 0 && (retry < 1 || remaining != 0)))
         return rl_error_set(err, RL_ERR_PROTOCOL, 0,
                             "the rate-limit script answered values out of range "
                             "(%lld, %lld, %lld, %lld)", allowed, remaining, retry, window);
@@ -211,8 +214,8 @@ done:
 
 /* One attempt on one pooled connection: EVALSHA, and SCRIPT LOAD + EVALSHA on NOSCRIPT. */
 static rl_status
-attempt(rl_pool *pool, const char *command, size_t command_len, int nwindows, rl_result *out,
-        rl_error *err)
+attempt(rl_pool *pool, const char *command, size_t command_len, const rl_windows *w,
+        rl_result *out, rl_error *err)
 {
     rl_conn *conn = NULL;
     redisReply *reply = NULL;
@@ -230,12 +233,15 @@ attempt(rl_pool *pool, const char *command, size_t command_len, int nwindows, rl
         st = load_and_retry(conn, command, command_len, timeout, &reply, err);
     }
     if (st == RL_OK) {
-        st = rl_script_decode(reply, nwindows, out, err);
+        st = rl_script_decode(reply, w, out, err);
         /* An error reply leaves the connection in step; garbage does not. */
         reusable = st == RL_OK || st == RL_ERR_SERVER;
     } else if (st == RL_ERR_SERVER) {
         reusable = 1;
     }
+    /* Bytes after our reply were never asked for: the connection is out of step. */
+    if (reusable && !rl_reader_idle(conn->reader))
+        reusable = 0;
     if (reply != NULL)
         freeReplyObject(reply);
     rl_pool_release(pool, conn, reusable);
@@ -268,10 +274,10 @@ replay_command(const char *command, size_t command_len, size_t *out_len)
 }
 
 rl_status
-rl_script_run(rl_pool *pool, const char *command, size_t command_len, int nwindows,
+rl_script_run(rl_pool *pool, const char *command, size_t command_len, const rl_windows *w,
               rl_result *out, rl_error *err)
 {
-    rl_status st = attempt(pool, command, command_len, nwindows, out, err);
+    rl_status st = attempt(pool, command, command_len, w, out, err);
     if (st != RL_ERR_IO)
         return st;
     /* The connection broke mid-call: the script may or may not have run. Replay once on a
@@ -282,7 +288,7 @@ rl_script_run(rl_pool *pool, const char *command, size_t command_len, int nwindo
     char *replay = replay_command(command, command_len, &replay_len);
     if (replay == NULL)
         return st;
-    st = attempt(pool, replay, replay_len, nwindows, out, err);
+    st = attempt(pool, replay, replay_len, w, out, err);
     free(replay);
     return st;
 }

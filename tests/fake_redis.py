@@ -25,7 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # ------------------------------------------------------------------- RESP requests
@@ -88,6 +88,29 @@ class Reply(Behaviour):
         except OSError:
             return False
         return not self.close
+
+
+@dataclass
+class ReplyThenStray(Behaviour):
+    """Sends `data` at once; then, when the test sets `release`, a `stray` reply nobody
+    asked for, and sets `sent`. The connection stays open."""
+
+    data: bytes
+    stray: bytes
+    release: threading.Event = field(default_factory=threading.Event)
+    sent: threading.Event = field(default_factory=threading.Event)
+
+    def act(self, conn: socket.socket, stop: threading.Event) -> bool:
+        try:
+            conn.sendall(self.data)
+            while not self.release.wait(0.05):
+                if stop.is_set():
+                    return False
+            conn.sendall(self.stray)
+        except OSError:
+            return False
+        self.sent.set()
+        return True
 
 
 @dataclass

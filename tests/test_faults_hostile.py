@@ -26,6 +26,7 @@ from fake_redis import (
     Behaviour,
     FakeRedis,
     Reply,
+    ReplyThenStray,
     Silence,
     Stream,
     Trickle,
@@ -273,6 +274,30 @@ def test_a_reply_nobody_asked_for_never_answers_a_later_call(run_case, redis_cli
     except RateLimiterUnavailable:
         pass
     fake.heal()
+    user = fresh_user()
+    try:
+        answer = driver.check(user, LIMIT, 60)
+    except RateLimiterUnavailable:
+        answer = driver.check(user, LIMIT, 60)
+    assert answer == (True, 9, 0), f"got {answer}, the stray reply or worse"
+    assert redis_client.zcard(f"ratelimit:{user}:60") == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stray_reply_arriving_between_two_calls_never_answers_the_second(
+        run_case, redis_client, kind):
+    """The fake answers the first check, then (once that call has returned) sends a second
+    decision nobody asked for, a rejection with retry 42, on the idle connection. The next
+    check goes to the good server: it must get that server's answer (or an error), never the
+    stray reply that was already waiting on its connection."""
+    from genai_ratelimit import RateLimiterUnavailable
+
+    stray = ReplyThenStray(decision(1, 9, 0), decision(0, 0, 42))
+    fake, driver = run_case(kind, stray)
+    assert driver.check(fresh_user(), LIMIT, 60) == (True, 9, 0)
+    fake.heal()
+    stray.release.set()
+    assert stray.sent.wait(5), "the fake did not send the stray reply"
     user = fresh_user()
     try:
         answer = driver.check(user, LIMIT, 60)

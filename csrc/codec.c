@@ -212,6 +212,7 @@ typedef struct {
     redisReader *reader;         /* RESP parser of this connection's replies */
     pl_entry *ring;              /* FIFO of replies due, in send order */
     size_t capacity, head, count;
+    size_t unsent;               /* trailing entries whose bytes take() has not handed out */
     char *out;                   /* bytes queued for the next write */
     size_t out_len, out_capacity;
     double timeout;              /* seconds a reply may take */
@@ -260,6 +261,7 @@ drop_entries(PipelineObject *self)
         Py_XDECREF((PyObject *)e.request);
     }
     self->head = 0;
+    self->unsent = 0;
 }
 
 static int
@@ -325,6 +327,7 @@ push_entry(PipelineObject *self, pl_entry e)
     }
     self->ring[(self->head + self->count) % self->capacity] = e;
     self->count++;
+    self->unsent++;
     return 0;
 }
 
@@ -425,6 +428,7 @@ Pipeline_take(PipelineObject *self, PyObject *Py_UNUSED(ignored))
         self->out_capacity = 0;
     }
     self->out_len = 0;
+    self->unsent = 0; /* every queued entry's bytes are on their way now */
     return data;
 }
 
@@ -594,7 +598,8 @@ Pipeline_feed(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
         if (raw == NULL)
             break;
         redisReply *reply = raw;
-        if (self->count == 0) {
+        if (self->count == self->unsent) {
+            /* No entry whose command went out is waiting: nobody asked for this reply. */
             freeReplyObject(reply);
             rl_error_set(&err, RL_ERR_PROTOCOL, 0, "Redis sent a reply nobody asked for");
             return rl_raise(state, &err);
@@ -631,6 +636,7 @@ Pipeline_fail_all(PipelineObject *self, PyObject *exc)
 {
     int failed = 0;
     self->out_len = 0;
+    self->unsent = 0;
     while (self->count > 0) {
         pl_entry e = self->ring[self->head];
         self->head = (self->head + 1) % self->capacity;

@@ -567,8 +567,9 @@ error:
     return st;
 }
 
-/* A pooled connection that the server closed (restart, idle timeout, kill) shows up as
-   readable with nothing pending from us. Costs one poll(); never blocks. */
+/* A pooled connection that the server closed (restart, idle timeout, kill), or on which
+   bytes arrived that nobody asked for, shows up as readable while idle. One poll() per
+   call (about a microsecond) keeps such bytes from ever being read as our reply. */
 static int
 conn_is_stale(const rl_conn *conn)
 {
@@ -768,18 +769,12 @@ free_idle(rl_conn *list)
 void
 rl_pool_close(rl_pool *pool)
 {
-    rl_conn *idle;
     if (!pool->initialized)
         return;
     pthread_mutex_lock(&pool->mutex);
     pool->closed = 1;
-    idle = pool->idle;
-    pool->idle = NULL;
-    for (rl_conn *c = idle; c != NULL; c = c->next)
-        pool->open--;
-    pthread_cond_broadcast(&pool->available);
     pthread_mutex_unlock(&pool->mutex);
-    free_idle(idle); /* close() outside the lock */
+    rl_pool_drop_idle(pool);
 }
 
 void
@@ -889,6 +884,20 @@ rl_pool_release(rl_pool *pool, rl_conn *conn, int reusable)
     pthread_cond_signal(&pool->available);
     pthread_mutex_unlock(&pool->mutex);
     conn_free(discard);
+}
+
+void
+rl_pool_drop_idle(rl_pool *pool)
+{
+    rl_conn *idle;
+    pthread_mutex_lock(&pool->mutex);
+    idle = pool->idle;
+    pool->idle = NULL;
+    for (rl_conn *c = idle; c != NULL; c = c->next)
+        pool->open--;
+    pthread_cond_broadcast(&pool->available);
+    pthread_mutex_unlock(&pool->mutex);
+    free_idle(idle);
 }
 
 int

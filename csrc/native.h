@@ -106,6 +106,8 @@ void rl_pool_close(rl_pool *pool);
 void rl_pool_after_fork(rl_pool *pool, pid_t pid);
 rl_status rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err);
 void rl_pool_release(rl_pool *pool, rl_conn *conn, int reusable);
+/* Closes every idle connection: after one broke, its siblings likely did too. */
+void rl_pool_drop_idle(rl_pool *pool);
 int rl_pool_open_count(rl_pool *pool);
 
 /* A hiredis reader that refuses arrays longer than any reply we expect. NULL: no memory. */

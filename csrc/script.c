@@ -245,6 +245,8 @@ attempt(rl_pool *pool, const char *command, size_t command_len, const rl_windows
     if (reply != NULL)
         freeReplyObject(reply);
     rl_pool_release(pool, conn, reusable);
+    if (st == RL_ERR_IO)
+        rl_pool_drop_idle(pool); /* a server restart broke them all: reconnect afresh */
     return st;
 }
 

@@ -202,7 +202,9 @@ def _async_redispy(wl: Workload, concurrency: int):
 
         async def measure(duration: float, max_calls: int, warmup: int) -> Sample:
             import redis.asyncio
-            client = redis.asyncio.Redis(**ctx.target.redis_kwargs())
+            # One connection per in-flight call is how redis.asyncio serves concurrency; its
+            # pool refuses more than max_connections, so allow as many as there are coroutines.
+            client = redis.asyncio.Redis(**ctx.target.redis_kwargs(), max_connections=max(concurrency, 50))
             try:
                 limiter = AsyncRedisPyLimiter(client, key_prefix=prefix)
                 return await async_timed_loop(limiter.check, arglist, concurrency, duration,
@@ -227,7 +229,8 @@ def _async_limits(wl: Workload, concurrency: int):
             # implementation="redispy": limits' async Redis storage on redis.asyncio (its
             # default, coredis, is another client library; redis-py is what this suite pins).
             storage = storage_from_string(limits_storage_uri(ctx.target, asynchronous=True),
-                                          key_prefix=prefix, implementation="redispy")
+                                          key_prefix=prefix, implementation="redispy",
+                                          max_connections=max(concurrency, 50))
             limiter = MovingWindowRateLimiter(storage)
             item = RateLimitItemPerMinute(limit)
             arglist = [(item, user) for user in wl.user_ids()]

@@ -51,58 +51,71 @@ FOUR_OP_TIME = "original four-op script + TIME (server clock; reference)"
 
 def server_time_section(target: RedisTarget, admin, quick: bool, rounds: int) -> dict[str, Any]:
     """usec_per_call of the script (INFO commandstats) for this package's script against the
-    original four-op script, on the same data, scripts alternated over rounds. Calls are sent
-    pipelined (256 per batch) so that the section is fast; the server executes them one by one
-    all the same, and only the server's own time is reported."""
+    original four-op script, on the same data. Each script gets its own copy of the keys,
+    pre-filled identically; then batches of 128 calls go to the scripts in turn (the order
+    rotating batch by batch), with commandstats read around every batch, so that drift on a
+    shared machine lands on every script alike. The calls of a batch are sent pipelined; the
+    server runs them one by one all the same, and only the server's own time is counted."""
     pipe = RespPipe(target)
+    names = list(SERVER_SCRIPTS)
     shas = {name: pipe.execute([["SCRIPT", "LOAD", text]])[0].decode()
             for name, (text, _) in SERVER_SCRIPTS.items()}
-    calls = 2000 if quick else 20000
-    users_reject = 200 if quick else 1000
+    calls = 1280 if quick else 20000
+    batch_size = 128
+    users_small = 200 if quick else 1000
     prefix = "gbench:srv"
     scenarios = [
         # (title, users, limit, window_s, prefill_live, prefill_expired)
         ("allow, 1 user (the set grows to N entries)", 1, BIG, 60, 0, 0),
         ("allow, 1,000 users (empty keys at start)", 1000, BIG, 60, 0, 0),
-        (f"allow, {users_reject:,} users, each with 50 expired + 50 live entries to trim/count",
-         users_reject, BIG, 60, 50, 50),
-        (f"reject, {users_reject:,} users with full windows (100 of limit 100)", users_reject, 100, 60, 100, 0),
+        (f"allow, {users_small:,} users, each with 50 expired + 50 live entries to trim/count",
+         users_small, BIG, 60, 50, 50),
+        (f"reject, {users_small:,} users with full windows (100 of limit 100)", users_small, 100, 60, 100, 0),
     ]
-    names = list(SERVER_SCRIPTS)
     results: dict[str, dict[str, list[float]]] = {s[0]: {n: [] for n in names} for s in scenarios}
     verdicts: dict[str, dict[str, list[int]]] = {s[0]: {n: [0, 0] for n in names} for s in scenarios}
-    for round_index in range(rounds):
-        order = names if round_index % 2 == 0 else names[::-1]
+    for _ in range(rounds):
         for title, users, limit, window, live, expired in scenarios:
-            keys = [f"{prefix}:user_{u}:{window}" for u in range(users)]
-            # The same pre-fill (members and scores) for every script of this round.
+            clean_keys(admin, [prefix], target.owned)
+            keys = {name: [f"{prefix}:s{index}:user_{u}:{window}" for u in range(users)]
+                    for index, name in enumerate(names)}
             now = int(time.time() * 1000)
-            fill = []
             if live or expired:
-                for key in keys:
-                    command: list[Any] = ["ZADD", key]
-                    for i in range(expired):
-                        command += [now - window * 1000 - 1000 - i, str(uuid.uuid4())]
-                    for i in range(live):
-                        command += [now - 5000 + i, str(uuid.uuid4())]
-                    fill.append(command)
-            fill_batches = [(pipe.encode(fill[i:i + 256]), len(fill[i:i + 256])) for i in range(0, len(fill), 256)]
-            for name in order:
-                clean_keys(admin, [prefix], target.owned)
-                for payload, count in fill_batches:
-                    pipe.execute_encoded(payload, count)
-                _, argv = SERVER_SCRIPTS[name]
-                sha = shas[name]
-                before = script_stats(admin)
-                for start in range(0, calls, 256):
+                for name in names:
+                    fill = []
+                    for key in keys[name]:
+                        command: list[Any] = ["ZADD", key]
+                        for i in range(expired):
+                            command += [now - window * 1000 - 1000 - i, str(uuid.uuid4())]
+                        for i in range(live):
+                            command += [now - 5000 + i, str(uuid.uuid4())]
+                        fill.append(command)
+                    for start in range(0, len(fill), 256):
+                        pipe.execute(fill[start:start + 256])
+            usec = {name: 0.0 for name in names}
+            count = {name: 0 for name in names}
+            for batch_index, start in enumerate(range(0, calls, batch_size)):
+                shift = batch_index % len(names)
+                order = names[shift:] + names[:shift]
+                if batch_index % 2:
+                    order.reverse()
+                for name in order:
+                    _, argv = SERVER_SCRIPTS[name]
                     now = int(time.time() * 1000)
-                    batch = [["EVALSHA", sha, 1, keys[i % users], *argv(str(uuid.uuid4()), now, window * 1000, limit)]
-                             for i in range(start, min(calls, start + 256))]
-                    for reply in pipe.execute(batch):
+                    payload = pipe.encode([
+                        ["EVALSHA", shas[name], 1, keys[name][i % users],
+                         *argv(str(uuid.uuid4()), now, window * 1000, limit)]
+                        for i in range(start, min(calls, start + batch_size))])
+                    n = min(calls, start + batch_size) - start
+                    before = script_stats(admin)
+                    replies = pipe.execute_encoded(payload, n)
+                    after = script_stats(admin)
+                    usec[name] += after[1] - before[1]
+                    count[name] += after[0] - before[0]
+                    for reply in replies:
                         verdicts[title][name][0 if reply[0] else 1] += 1
-                after = script_stats(admin)
-                delta_calls = after[0] - before[0]
-                results[title][name].append((after[1] - before[1]) / delta_calls if delta_calls else float("nan"))
+            for name in names:
+                results[title][name].append(usec[name] / count[name] if count[name] else float("nan"))
     clean_keys(admin, [prefix], target.owned)
     pipe.close()
     return {"calls": calls, "rounds": rounds, "names": names, "results": results, "verdicts": verdicts}

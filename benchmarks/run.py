@@ -271,7 +271,7 @@ def main() -> int:
             ("memory", "memory per logged request (MEMORY USAGE)",
              lambda: sections.memory_section(target, admin, quick, package_ok)),
             ("e2e", "end to end (uvicorn + wrk)",
-             lambda: sections.e2e_section(target, admin, quick, 2 if quick else 6, 1.0 if quick else 2.0)),
+             lambda: sections.e2e_section(target, admin, quick, 2 if quick else 10, 1.0)),
             ("cpu", "client instructions per check (callgrind)",
              lambda: sections.callgrind_section(target, quick, package_ok)),
         ]

@@ -264,6 +264,8 @@ def e2e_section(target: RedisTarget, admin, quick: bool, rounds: int, duration: 
         ("unlimited route (same handler, no limiter)", "/bench/unlimited/v1/chat/completions", "big", "sk-demo-enterprise"),
         ("limited route, allow-heavy (budgets 1e9)", "/v1/chat/completions", "big", "sk-demo-enterprise"),
     ]
+    variants.append(("reference: same handler behind a no-op plain-`def` dependency (threadpool hop only)",
+                     "/bench/noop-sync-dependency/v1/chat/completions", "big", "sk-demo-enterprise"))
     import genai_ratelimit
     if hasattr(genai_ratelimit, "AsyncRateLimiter"):
         variants.append(("bench route: same handler, `RateLimit(limiter=AsyncRateLimiter())`, allow-heavy",

@@ -216,7 +216,10 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         out->result.window = best;
         return warn_kill_switch(state);
     }
-    rl_member_uuid4(member);
+    if (rl_member_uuid4(state->random, member) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
     out->command_len = rl_script_format(prefix, prefix_len, user, (size_t)user_len, &out->windows,
                                         member, client_clock ? rl_clock_ms() : -1, &out->command);
     if (out->command_len < 0) {

@@ -106,6 +106,10 @@ module_exec(PyObject *module)
     int rc = -1;
 
     state->kill_switch_warned = 0;
+    if ((state->random = rl_random_new()) == NULL) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
 
     if (add_exception(module, &state->Error, "RateLimiterError",
                       "Base class of every error this package raises.", NULL) < 0)
@@ -185,7 +189,12 @@ module_clear(PyObject *module)
 static void
 module_free(void *module)
 {
+    rl_module_state *state = get_state((PyObject *)module);
     module_clear((PyObject *)module);
+    if (state != NULL) {
+        rl_random_free(state->random);
+        state->random = NULL;
+    }
 }
 
 static PyModuleDef_Slot module_slots[] = {

@@ -158,7 +158,11 @@ const char *rl_script_source_text(size_t *len);
 
 /* ----------------------------------------------------------- member, clock */
 
-void rl_member_uuid4(char out[RL_MEMBER_LEN + 1]);   /* canonical lowercase UUID4 text */
+typedef struct rl_random rl_random;                  /* a page of kernel randomness */
+rl_random *rl_random_new(void);                      /* NULL with errno on failure */
+void rl_random_free(rl_random *page);
+/* Canonical lowercase UUID4 text. 0, or -1 with errno when getrandom failed. GIL held. */
+int rl_member_uuid4(rl_random *page, char out[RL_MEMBER_LEN + 1]);
 long long rl_clock_ms(void);                         /* unix time in milliseconds */
 double rl_monotonic(void);                           /* seconds, for deadlines */
 
@@ -174,6 +178,7 @@ typedef struct {
     PyObject *Timeout;           /* RateLimiterTimeout */
     PyObject *AuthError;         /* RateLimiterAuthError */
     int kill_switch_warned;      /* the kill-switch warning was logged */
+    rl_random *random;           /* UUID4 randomness, wiped in a fork child */
 } rl_module_state;
 
 /* Raises the Python exception for err. Always returns NULL. */

@@ -18,9 +18,15 @@ pure ASGI middleware, closes that gap: it adds the recorded headers to the
 `http.response.start` message of every response, without buffering a streamed body. Without
 it, a warning is logged once per process.
 
-Sync or async: with a blocking `RateLimiter` the dependency is a plain `def`, so FastAPI runs
-it in its threadpool and the event loop never waits on Redis; with an async limiter (one whose
-`check_windows` is a coroutine function, or that says `is_async = True`) it is an `async def`.
+Async by default: `rate_limit` and `RateLimit()` without a limiter use an `AsyncRateLimiter`
+(from $REDIS_URL, made on the first request), so the dependency is an `async def` awaited on
+the event loop, with no worker thread. Any async limiter (one whose `check_windows` is a
+coroutine function, or that says `is_async = True`) gives the same. A blocking `RateLimiter`
+passed explicitly gives a plain `def`, which FastAPI runs in its threadpool, so the event
+loop never waits on Redis either way.
+
+Failing open: with on_unavailable="allow", `RateLimit.fail_open_count` counts the requests let
+through because Redis could not decide; export it to your metrics and alert when it grows.
 
 Requires the `fastapi` extra: pip install genai-ratelimit[fastapi].
 """
@@ -42,7 +48,7 @@ except ImportError as exc:  # the core package works without FastAPI; this modul
 
 from . import RateLimiterError
 from ._tiers_config import TIER_BUDGET_KEYS, tier_limits_from_env, validate_tier_limits
-from .limiter import RateLimiter
+from .aio import AsyncRateLimiter
 from .tiers import DEFAULT_TIER, TIER_LIMITS
 
 __all__ = [
@@ -188,21 +194,22 @@ def _is_async_limiter(limiter: object) -> bool:
 class RateLimit:
     """A FastAPI dependency: `Depends(RateLimit(...))`, or the ready `rate_limit`.
 
-    limiter        a RateLimiter or an AsyncRateLimiter; None: a RateLimiter() created on the
-                   first request (it reads $REDIS_URL, else redis://localhost:6379/0).
+    limiter        a RateLimiter or an AsyncRateLimiter; None: an AsyncRateLimiter() created on
+                   the first request (it reads $REDIS_URL, else redis://localhost:6379/0).
     tier_limits    {"free": {"per_minute": 5, "per_day": 100}, ...}; None: the file named by
                    $GENAI_RATELIMIT_TIERS when set, else TIER_LIMITS. Checked here, at start-up.
     identify       identify(request) -> (user_id, tier), replacing default_identify.
     on_unavailable "deny": HTTP 503 + Retry-After: 1 when Redis cannot decide; "allow": let the
-                   request through and log a warning.
+                   request through, log a warning and count it in fail_open_count.
 
-    A blocking limiter gives an instance whose __call__ is a plain def (FastAPI's threadpool);
-    an async limiter gives an instance of a subclass whose __call__ is async.
+    An async limiter (the default) gives an instance of a subclass whose __call__ is async,
+    awaited on the event loop; a blocking limiter gives an instance whose __call__ is a plain
+    def (FastAPI's threadpool).
     """
 
     def __new__(cls, limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
                 *args: Any, **kwargs: Any) -> RateLimit:
-        if cls is RateLimit and limiter is not None and _is_async_limiter(limiter):
+        if cls is RateLimit and (limiter is None or _is_async_limiter(limiter)):
             cls = _AsyncRateLimit
         return super().__new__(cls)
 
@@ -231,15 +238,24 @@ class RateLimit:
         self.on_unavailable: OnUnavailable = on_unavailable
         self._limiter = limiter
         self._limiter_lock = threading.Lock()
+        self._fail_open_count = 0
+        self._fail_open_lock = threading.Lock()  # the threadpool may fail open in parallel
 
     @property
     def limiter(self) -> Any:
-        """The limiter; the default one is created on first use."""
+        """The limiter; the default one, an AsyncRateLimiter, is created on first use."""
         if self._limiter is None:
             with self._limiter_lock:
                 if self._limiter is None:
-                    self._limiter = RateLimiter()
+                    self._limiter = AsyncRateLimiter()
         return self._limiter
+
+    @property
+    def fail_open_count(self) -> int:
+        """How many requests on_unavailable="allow" let through because the limiter could not
+        decide (Redis unreachable, timed out, answering garbage). Always 0 with "deny". For
+        alerting: each one is a request that was never counted against any budget."""
+        return self._fail_open_count
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
@@ -275,8 +291,11 @@ class RateLimit:
     def _unavailable(self, user_id: str, exc: RateLimiterError) -> None:
         """Redis could not decide: 503 (deny) or a logged pass (allow)."""
         if self.on_unavailable == "allow":
-            logger.warning("rate limiter unavailable, letting %r through (on_unavailable='allow'): %s",
-                           user_id, exc)
+            with self._fail_open_lock:
+                self._fail_open_count += 1
+                count = self._fail_open_count
+            logger.warning("rate limiter unavailable, letting %r through (on_unavailable='allow', "
+                           "fail-open #%d): %s", user_id, count, exc)
             return
         logger.warning("rate limiter unavailable, answering 503 to %r: %s", user_id, exc)
         raise HTTPException(status_code=503, detail="Rate limiter unavailable",
@@ -307,5 +326,5 @@ class _AsyncRateLimit(RateLimit):
 
 
 rate_limit: RateLimit = RateLimit()
-"""The ready dependency: default limiter ($REDIS_URL), TIER_LIMITS or $GENAI_RATELIMIT_TIERS,
-default identity, 503 when Redis is unavailable."""
+"""The ready dependency: an async default limiter ($REDIS_URL, made on the first request),
+TIER_LIMITS or $GENAI_RATELIMIT_TIERS, default identity, 503 when Redis is unavailable."""

@@ -1,6 +1,10 @@
 """genai_ratelimit.fastapi through Starlette's TestClient, on a real Redis: identity, tiers,
-the 429 and allowed headers on every response type, the kill switch, Redis unavailable, and
-where the limiter runs (threadpool or event loop)."""
+the 429 and allowed headers on every response type, the kill switch, Redis unavailable, the
+fail-open counter, and where the limiter runs (threadpool or event loop).
+
+Every test that uses a limiter runs twice: with a blocking RateLimiter (the dependency is a
+plain def, run in FastAPI's threadpool) and with an AsyncRateLimiter (an async def, awaited on
+the event loop, the default)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -21,9 +26,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+import fastapi.dependencies.utils as fastapi_dependency_utils
 import genai_ratelimit.fastapi as ratelimit_fastapi
-from genai_ratelimit import TIER_LIMITS, RateLimiter
+from genai_ratelimit import TIER_LIMITS, AsyncRateLimiter, RateLimiter
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, rate_limit, window_name
+from helpers_async import close_and_collect
 from redis_server import RedisServer, free_port
 
 with warnings.catch_warnings():
@@ -95,8 +102,68 @@ def _built_in_tiers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GENAI_RATELIMIT_TIERS", raising=False)
 
 
+AnyLimiter = RateLimiter | AsyncRateLimiter
+
+
+class AsyncLimitersToClose(list[AsyncRateLimiter]):
+    """The AsyncRateLimiters a test used. Their connections belong to the loop of the
+    TestClient that used them, so client_for closes them on that loop while the client still
+    runs; whatever was used on loops already gone is closed at the very end."""
+
+    def close_on(self, client: TestClient) -> None:
+        for limiter in self:
+            if not limiter.closed:
+                client.portal.call(limiter.aclose)  # type: ignore[union-attr]
+
+
 @pytest.fixture
-def client_for() -> Iterator[Callable[..., TestClient]]:
+def async_limiters() -> Iterator[AsyncLimitersToClose]:
+    limiters = AsyncLimitersToClose()
+    yield limiters
+    for limiter in limiters:
+        close_and_collect(limiter)
+
+
+class Limiters:
+    """make_limiter(url, **kwargs): limiters of the kind under test ("sync" or "async")."""
+
+    def __init__(self, kind: str, async_limiters: AsyncLimitersToClose) -> None:
+        self.kind = kind
+        self.async_limiters = async_limiters
+        self.sync_limiters: list[RateLimiter] = []
+
+    def __call__(self, url: str, **kwargs: Any) -> AnyLimiter:
+        if self.kind == "sync":
+            self.sync_limiters.append(RateLimiter(url, **kwargs))
+            return self.sync_limiters[-1]
+        self.async_limiters.append(AsyncRateLimiter(url, **kwargs))
+        return self.async_limiters[-1]
+
+
+@pytest.fixture(params=["sync", "async"])
+def make_limiter(request: pytest.FixtureRequest, async_limiters: AsyncLimitersToClose) -> Iterator[Limiters]:
+    """Each test that uses it runs twice: with RateLimiter, and with AsyncRateLimiter."""
+    limiters = Limiters(request.param, async_limiters)
+    yield limiters
+    for limiter in limiters.sync_limiters:
+        limiter.close()
+
+
+@pytest.fixture
+def limiter(make_limiter: Limiters, redis_url: str, redis_client: redis.Redis) -> AnyLimiter:
+    """A limiter of the kind under test on the session's Redis, on a clean database."""
+    return make_limiter(redis_url)
+
+
+@pytest.fixture
+def sync_limiter(redis_url: str, redis_client: redis.Redis) -> Iterator[RateLimiter]:
+    """A blocking RateLimiter, for the tests about the threadpool path itself."""
+    with RateLimiter(redis_url) as rl:
+        yield rl
+
+
+@pytest.fixture
+def client_for(async_limiters: AsyncLimitersToClose) -> Iterator[Callable[..., TestClient]]:
     clients: list[TestClient] = []
 
     def make(dependency: Any, **kwargs: Any) -> TestClient:
@@ -106,13 +173,17 @@ def client_for() -> Iterator[Callable[..., TestClient]]:
         return client
 
     yield make
+    if clients:
+        async_limiters.close_on(clients[0])  # the other clients' loops still run too
     for client in clients:
         client.__exit__(None, None, None)
 
 
 @pytest.fixture
-def client(limiter: RateLimiter, client_for: Callable[..., TestClient]) -> TestClient:
-    return client_for(RateLimit(limiter=limiter))
+def client(limiter: AnyLimiter, client_for: Callable[..., TestClient]) -> TestClient:
+    dependency = RateLimit(limiter=limiter)
+    assert inspect.iscoroutinefunction(dependency.__call__) == isinstance(limiter, AsyncRateLimiter)
+    return client_for(dependency)
 
 
 def as_user(user_id: str, tier: str | None = None) -> dict[str, str]:
@@ -193,7 +264,7 @@ def test_route_without_the_dependency_is_not_limited(client: TestClient, user_id
 
 
 def test_without_the_middleware_returned_values_still_get_headers_and_a_warning_is_logged(
-        limiter: RateLimiter, client_for: Callable[..., TestClient], user_id: str,
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ratelimit_fastapi, "_warned_no_middleware", False)
     client = client_for(RateLimit(limiter=limiter), headers_middleware=False)
@@ -207,36 +278,30 @@ def test_without_the_middleware_returned_values_still_get_headers_and_a_warning_
 
 
 def test_a_429_keeps_its_own_headers_when_an_earlier_limit_allowed(
-        redis_url: str, redis_client: redis.Redis, client_for: Callable[..., TestClient], user_id: str) -> None:
-    roomy = RateLimiter(redis_url, key_prefix="roomy")
-    strict = RateLimiter(redis_url, key_prefix="strict")
-    try:
-        client = client_for(RateLimit(limiter=roomy),
-                            extra=[RateLimit(limiter=strict, tier_limits={"free": {"per_minute": 1, "per_day": 10}})])
-        assert client.get("/stream", headers=as_user(user_id)).status_code == 200
-        response = client.get("/stream", headers=as_user(user_id))
-        assert response.status_code == 429
-        assert response.headers.get_list("X-RateLimit-Remaining") == ["0"]
-        assert response.headers.get_list("X-RateLimit-Limit") == ["1"]
-    finally:
-        roomy.close()
-        strict.close()
+        redis_url: str, redis_client: redis.Redis, make_limiter: Limiters,
+        client_for: Callable[..., TestClient], user_id: str) -> None:
+    roomy = make_limiter(redis_url, key_prefix="roomy")
+    strict = make_limiter(redis_url, key_prefix="strict")
+    client = client_for(RateLimit(limiter=roomy),
+                        extra=[RateLimit(limiter=strict, tier_limits={"free": {"per_minute": 1, "per_day": 10}})])
+    assert client.get("/stream", headers=as_user(user_id)).status_code == 200
+    response = client.get("/stream", headers=as_user(user_id))
+    assert response.status_code == 429
+    assert response.headers.get_list("X-RateLimit-Remaining") == ["0"]
+    assert response.headers.get_list("X-RateLimit-Limit") == ["1"]
 
 
 def test_two_limits_on_one_route_report_the_tighter_one(
-        redis_url: str, redis_client: redis.Redis, client_for: Callable[..., TestClient], user_id: str) -> None:
-    roomy = RateLimiter(redis_url, key_prefix="roomy")
-    tight = RateLimiter(redis_url, key_prefix="tight")
-    try:
-        client = client_for(RateLimit(limiter=tight, tier_limits={"free": {"per_minute": 3, "per_day": 10}}),
-                            extra=[RateLimit(limiter=roomy)])
-        response = client.get("/json", headers=as_user(user_id))
-        assert response.status_code == 200
-        assert response.headers["X-RateLimit-Limit"] == "3"
-        assert response.headers["X-RateLimit-Remaining"] == "2"
-    finally:
-        roomy.close()
-        tight.close()
+        redis_url: str, redis_client: redis.Redis, make_limiter: Limiters,
+        client_for: Callable[..., TestClient], user_id: str) -> None:
+    roomy = make_limiter(redis_url, key_prefix="roomy")
+    tight = make_limiter(redis_url, key_prefix="tight")
+    client = client_for(RateLimit(limiter=tight, tier_limits={"free": {"per_minute": 3, "per_day": 10}}),
+                        extra=[RateLimit(limiter=roomy)])
+    response = client.get("/json", headers=as_user(user_id))
+    assert response.status_code == 200
+    assert response.headers["X-RateLimit-Limit"] == "3"
+    assert response.headers["X-RateLimit-Remaining"] == "2"
 
 
 # --- tiers -----------------------------------------------------------------------------------
@@ -355,7 +420,7 @@ def test_each_user_id_has_its_own_budget(client: TestClient, user_id: str) -> No
     assert client.get("/dict", headers=as_user(user_id + "-other")).status_code == 200
 
 
-def test_identify_overrides_identity_and_tier(limiter: RateLimiter, client_for: Callable[..., TestClient],
+def test_identify_overrides_identity_and_tier(limiter: AnyLimiter, client_for: Callable[..., TestClient],
                                               redis_client: redis.Redis) -> None:
     seen: list[Request] = []
 
@@ -371,17 +436,18 @@ def test_identify_overrides_identity_and_tier(limiter: RateLimiter, client_for: 
     assert redis_client.keys("ratelimit:someone-else:*") == []
 
 
-def test_identity_that_is_not_a_string_is_a_programming_error(limiter: RateLimiter) -> None:
-    app = build_app(RateLimit(limiter=limiter, identify=lambda request: (None, "free")))  # type: ignore[arg-type,return-value]
-    with TestClient(app, raise_server_exceptions=True) as client:
-        with pytest.raises(TypeError, match="non-empty str"):
-            client.get("/dict")
+def test_identity_that_is_not_a_string_is_a_programming_error(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient]) -> None:
+    client = client_for(RateLimit(limiter=limiter, identify=lambda request: (None, "free")))  # type: ignore[arg-type,return-value]
+    # TestClient re-raises server exceptions by default (raise_server_exceptions=True).
+    with pytest.raises(TypeError, match="non-empty str"):
+        client.get("/dict")
 
 
 # --- configuration checked when the dependency is built ---------------------------------------
 
 
-def test_on_unavailable_other_than_deny_or_allow_is_a_value_error(limiter: RateLimiter) -> None:
+def test_on_unavailable_other_than_deny_or_allow_is_a_value_error(limiter: AnyLimiter) -> None:
     with pytest.raises(ValueError, match="on_unavailable"):
         RateLimit(limiter=limiter, on_unavailable="ignore")  # type: ignore[arg-type]
 
@@ -394,7 +460,7 @@ def test_on_unavailable_other_than_deny_or_allow_is_a_value_error(limiter: RateL
     {"free": {"per_minute": True, "per_day": 100}},
     {"free": {"per_minute": 5.0, "per_day": 100}},
 ])
-def test_bad_tier_limits_fail_when_the_dependency_is_built(limiter: RateLimiter, tier_limits: Any) -> None:
+def test_bad_tier_limits_fail_when_the_dependency_is_built(limiter: AnyLimiter, tier_limits: Any) -> None:
     with pytest.raises(ValueError, match="tier_limits"):
         RateLimit(limiter=limiter, tier_limits=tier_limits)
 
@@ -404,7 +470,7 @@ def test_limiter_without_check_windows_is_a_type_error() -> None:
         RateLimit(limiter=object())  # type: ignore[arg-type]
 
 
-def test_tier_limits_argument_sets_the_budget(limiter: RateLimiter, client_for: Callable[..., TestClient],
+def test_tier_limits_argument_sets_the_budget(limiter: AnyLimiter, client_for: Callable[..., TestClient],
                                               user_id: str) -> None:
     client = client_for(RateLimit(limiter=limiter, tier_limits={"free": {"per_minute": 2, "per_day": 3}}))
     assert [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(3)] == [200, 200, 429]
@@ -434,14 +500,31 @@ def test_window_names() -> None:
 
 def test_ready_dependency_uses_redis_url_on_first_request(
         redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
-        client_for: Callable[..., TestClient], user_id: str) -> None:
+        async_limiters: AsyncLimitersToClose, client_for: Callable[..., TestClient], user_id: str) -> None:
     assert isinstance(rate_limit, RateLimit)
     monkeypatch.setenv("REDIS_URL", redis_url)
     dependency = RateLimit()  # what `rate_limit` is: the default limiter, made on first use
     client = client_for(dependency)
     assert client.get("/dict", headers=as_user(user_id)).headers["X-RateLimit-Remaining"] == "4"
+    async_limiters.append(dependency.limiter)
     assert redis_client.zcard(f"ratelimit:{user_id}:60") == 1
-    dependency.limiter.close()
+
+
+def test_ready_dependency_is_async_with_an_async_limiter_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # never dialled here
+    for dependency in (rate_limit, RateLimit(), RateLimit(on_unavailable="allow")):
+        assert inspect.iscoroutinefunction(dependency.__call__)
+    dependency = RateLimit()
+    assert type(dependency.limiter) is AsyncRateLimiter
+    assert dependency.limiter.url == "redis://127.0.0.1:1/0"
+    assert dependency.limiter is dependency.limiter  # made once
+
+
+def test_an_explicit_limiter_decides_sync_or_async(sync_limiter: RateLimiter) -> None:
+    assert not inspect.iscoroutinefunction(RateLimit(limiter=sync_limiter).__call__)
+    assert not inspect.iscoroutinefunction(RateLimit(sync_limiter, on_unavailable="allow").__call__)
+    async_limiter = AsyncRateLimiter("redis://127.0.0.1:1/0")
+    assert inspect.iscoroutinefunction(RateLimit(limiter=async_limiter).__call__)
 
 
 # --- kill switch -------------------------------------------------------------------------------
@@ -449,19 +532,17 @@ def test_ready_dependency_uses_redis_url_on_first_request(
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", "On"])
 def test_kill_switch_lets_everything_through_without_touching_redis(
-        closed_port_url: str, client_for: Callable[..., TestClient], monkeypatch: pytest.MonkeyPatch,
-        user_id: str, value: str) -> None:
+        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        monkeypatch: pytest.MonkeyPatch, user_id: str, value: str) -> None:
     # The limiter points at a port where nothing listens: any Redis I/O would be a 503.
-    unreachable = RateLimiter(closed_port_url)
-    try:
-        monkeypatch.setenv("RATE_LIMIT_DISABLED", value)
-        client = client_for(RateLimit(limiter=unreachable))
-        for _ in range(20):
-            assert client.get("/stream", headers=as_user(user_id)).status_code == 200
-        monkeypatch.delenv("RATE_LIMIT_DISABLED")
-        assert client.get("/stream", headers=as_user(user_id)).status_code == 503
-    finally:
-        unreachable.close()
+    unreachable = make_limiter(closed_port_url)
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", value)
+    dependency = RateLimit(limiter=unreachable, on_unavailable="deny")
+    client = client_for(dependency)
+    for _ in range(20):
+        assert client.get("/stream", headers=as_user(user_id)).status_code == 200
+    monkeypatch.delenv("RATE_LIMIT_DISABLED")
+    assert client.get("/stream", headers=as_user(user_id)).status_code == 503
 
 
 def test_kill_switch_sends_no_command_to_a_live_redis(
@@ -478,51 +559,124 @@ def test_kill_switch_sends_no_command_to_a_live_redis(
 # --- Redis unavailable -------------------------------------------------------------------------
 
 
-def test_redis_down_answers_503_with_retry_after_1(closed_port_url: str,
+def test_redis_down_answers_503_with_retry_after_1(closed_port_url: str, make_limiter: Limiters,
                                                    client_for: Callable[..., TestClient], user_id: str) -> None:
-    unreachable = RateLimiter(closed_port_url)
+    unreachable = make_limiter(closed_port_url)
+    client = client_for(RateLimit(limiter=unreachable))
+    for route in ("/dict", "/stream"):
+        response = client.get(route, headers=as_user(user_id))
+        assert response.status_code == 503
+        assert response.json() == {"detail": "Rate limiter unavailable"}
+        assert response.headers["Retry-After"] == "1"
+        assert "X-RateLimit-Remaining" not in response.headers
+
+
+def test_redis_paused_answers_503_within_the_socket_timeout(
+        private_redis: RedisServer, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        user_id: str) -> None:
+    limiter = make_limiter(private_redis.url, connect_timeout=0.5, socket_timeout=0.5)
+    client = client_for(RateLimit(limiter=limiter))
+    assert client.get("/dict", headers=as_user(user_id)).status_code == 200
+    private_redis.pause()
     try:
-        client = client_for(RateLimit(limiter=unreachable))
-        for route in ("/dict", "/stream"):
-            response = client.get(route, headers=as_user(user_id))
-            assert response.status_code == 503
-            assert response.json() == {"detail": "Rate limiter unavailable"}
-            assert response.headers["Retry-After"] == "1"
-            assert "X-RateLimit-Remaining" not in response.headers
+        started = time.monotonic()
+        response = client.get("/dict", headers=as_user(user_id))
+        elapsed = time.monotonic() - started
     finally:
-        unreachable.close()
+        private_redis.resume()
+    assert (response.status_code, response.headers["Retry-After"]) == (503, "1")
+    assert elapsed < 0.5 + 0.5  # never a hung request
+    assert client.get("/dict", headers=as_user(user_id)).status_code == 200
 
 
 def test_redis_killed_while_serving_answers_503_then_recovers(
-        private_redis: RedisServer, client_for: Callable[..., TestClient], user_id: str) -> None:
-    limiter = RateLimiter(private_redis.url)
-    try:
-        client = client_for(RateLimit(limiter=limiter))
-        assert client.get("/stream", headers=as_user(user_id)).status_code == 200
-        private_redis.kill()
-        response = client.get("/stream", headers=as_user(user_id))
-        assert (response.status_code, response.headers["Retry-After"]) == (503, "1")
-        private_redis.start(port=private_redis.port)
-        assert client.get("/stream", headers=as_user(user_id)).status_code == 200
-    finally:
-        limiter.close()
+        private_redis: RedisServer, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        user_id: str) -> None:
+    limiter = make_limiter(private_redis.url)
+    client = client_for(RateLimit(limiter=limiter))
+    assert client.get("/stream", headers=as_user(user_id)).status_code == 200
+    private_redis.kill()
+    response = client.get("/stream", headers=as_user(user_id))
+    assert (response.status_code, response.headers["Retry-After"]) == (503, "1")
+    private_redis.start(port=private_redis.port)
+    assert client.get("/stream", headers=as_user(user_id)).status_code == 200
 
 
 def test_on_unavailable_allow_lets_requests_through_and_logs_a_warning(
-        closed_port_url: str, client_for: Callable[..., TestClient], user_id: str,
+        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient], user_id: str,
         caplog: pytest.LogCaptureFixture) -> None:
-    unreachable = RateLimiter(closed_port_url)
-    try:
-        client = client_for(RateLimit(limiter=unreachable, on_unavailable="allow"))
-        with caplog.at_level(logging.WARNING, logger="genai_ratelimit"):
-            response = client.get("/json", headers=as_user(user_id))
-        assert response.status_code == 200
-        assert response.json() == {"answer": "ok"}
-        assert "X-RateLimit-Remaining" not in response.headers
-        assert any(r.name == "genai_ratelimit" and r.levelno == logging.WARNING
-                   and "unavailable" in r.getMessage() for r in caplog.records)
-    finally:
-        unreachable.close()
+    unreachable = make_limiter(closed_port_url)
+    client = client_for(RateLimit(limiter=unreachable, on_unavailable="allow"))
+    with caplog.at_level(logging.WARNING, logger="genai_ratelimit"):
+        response = client.get("/json", headers=as_user(user_id))
+    assert response.status_code == 200
+    assert response.json() == {"answer": "ok"}
+    assert "X-RateLimit-Remaining" not in response.headers
+    assert any(r.name == "genai_ratelimit" and r.levelno == logging.WARNING
+               and "unavailable" in r.getMessage() for r in caplog.records)
+
+
+# --- the fail-open counter ---------------------------------------------------------------------
+
+
+def test_fail_open_count_counts_each_request_let_through_because_redis_was_unavailable(
+        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        user_id: str, caplog: pytest.LogCaptureFixture) -> None:
+    dependency = RateLimit(limiter=make_limiter(closed_port_url), on_unavailable="allow")
+    assert dependency.fail_open_count == 0
+    client = client_for(dependency)
+    with caplog.at_level(logging.WARNING, logger="genai_ratelimit"):
+        for number in range(1, 8):
+            assert client.get("/dict", headers=as_user(user_id)).status_code == 200
+            assert dependency.fail_open_count == number
+    assert "fail-open #7" in caplog.text
+
+
+def test_fail_open_count_stays_zero_when_redis_decides(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str) -> None:
+    dependency = RateLimit(limiter=limiter, on_unavailable="allow")
+    client = client_for(dependency)
+    statuses = [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(7)]
+    assert statuses == [200] * 5 + [429] * 2
+    assert dependency.fail_open_count == 0
+
+
+def test_fail_open_count_stays_zero_when_unavailable_means_deny(
+        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient], user_id: str) -> None:
+    dependency = RateLimit(limiter=make_limiter(closed_port_url))
+    client = client_for(dependency)
+    assert [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(3)] == [503] * 3
+    assert dependency.fail_open_count == 0
+
+
+def test_fail_open_count_ignores_the_kill_switch(
+        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        monkeypatch: pytest.MonkeyPatch, user_id: str) -> None:
+    dependency = RateLimit(limiter=make_limiter(closed_port_url), on_unavailable="allow")
+    client = client_for(dependency)
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    assert client.get("/dict", headers=as_user(user_id)).status_code == 200
+    assert dependency.fail_open_count == 0  # switched off on purpose, not a failure
+
+
+def test_fail_open_count_is_exact_under_concurrent_requests(
+        closed_port_url: str, make_limiter: Limiters, user_id: str) -> None:
+    # 200 requests at once through the ASGI app: with a blocking limiter they fail open in
+    # FastAPI's threadpool in parallel, with an async one on the loop.
+    import httpx
+
+    dependency = RateLimit(limiter=make_limiter(closed_port_url), on_unavailable="allow")
+    app = build_app(dependency)
+
+    async def burst() -> list[int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as client:
+            responses = await asyncio.gather(
+                *(client.get("/dict", headers=as_user(f"{user_id}-{i}")) for i in range(200)))
+        return [r.status_code for r in responses]
+
+    assert asyncio.run(burst()) == [200] * 200
+    assert dependency.fail_open_count == 200
 
 
 # --- where the limiter runs ------------------------------------------------------------------
@@ -540,23 +694,75 @@ class ThreadRecordingLimiter:
         return self.inner.check_windows(user_id, windows)
 
 
+@pytest.fixture
+def threadpool_calls(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """What FastAPI hands to its threadpool to solve dependencies, recorded as it goes."""
+    calls: list[Any] = []
+    run_in_threadpool = fastapi_dependency_utils.run_in_threadpool
+
+    async def recording(func: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(func)
+        return await run_in_threadpool(func, *args, **kwargs)
+
+    monkeypatch.setattr(fastapi_dependency_utils, "run_in_threadpool", recording)
+    return calls
+
+
+def add_loop_thread_route(app: FastAPI, dependency: Any, seen: list[tuple[int, Any]]) -> None:
+    """GET /loop-thread: an async route (it runs on the event loop) behind the dependency,
+    recording its thread and loop."""
+    @app.get("/loop-thread", dependencies=[Depends(dependency)])
+    async def loop_thread() -> dict[str, str]:
+        seen.append((threading.get_ident(), asyncio.get_running_loop()))
+        return {}
+
+
 def test_a_blocking_limiter_runs_in_the_threadpool_not_on_the_event_loop(
-        limiter: RateLimiter, user_id: str) -> None:
-    recording = ThreadRecordingLimiter(limiter)
+        sync_limiter: RateLimiter, user_id: str, threadpool_calls: list[Any]) -> None:
+    recording = ThreadRecordingLimiter(sync_limiter)
     dependency = RateLimit(limiter=recording)
     assert not inspect.iscoroutinefunction(dependency.__call__)
     app = build_app(dependency)
-    loop_threads: list[int] = []
-
-    @app.get("/loop-thread", dependencies=[Depends(dependency)])
-    async def loop_thread() -> dict[str, str]:
-        loop_threads.append(threading.get_ident())
-        return {}
+    loop_threads: list[tuple[int, Any]] = []
+    add_loop_thread_route(app, dependency, loop_threads)
 
     with TestClient(app) as client:
         assert client.get("/loop-thread", headers=as_user(user_id)).status_code == 200
     assert len(recording.threads) == 1 and len(loop_threads) == 1
-    assert recording.threads[0] != loop_threads[0]
+    assert recording.threads[0] != loop_threads[0][0]
+    assert dependency in threadpool_calls  # the probe below sees the threadpool when it is used
+
+
+def test_the_default_dependency_checks_on_the_event_loop_and_never_uses_the_threadpool(
+        redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, user_id: str,
+        threadpool_calls: list[Any], async_limiters: AsyncLimitersToClose,
+        client_for: Callable[..., TestClient]) -> None:
+    # The real AsyncRateLimiter that RateLimit() makes, with a record of where each of its
+    # checks ran: the thread and the running loop.
+    monkeypatch.setenv("REDIS_URL", redis_url)
+    dependency = RateLimit()
+    limiter = dependency.limiter
+    assert type(limiter) is AsyncRateLimiter
+    async_limiters.append(limiter)
+    checks: list[tuple[int, Any]] = []
+    real_check_windows = limiter.check_windows
+
+    async def recording_check_windows(user: str, windows: Any) -> tuple[bool, int, int, int]:
+        checks.append((threading.get_ident(), asyncio.get_running_loop()))
+        return await real_check_windows(user, windows)
+
+    monkeypatch.setattr(limiter, "check_windows", recording_check_windows)
+    routes: list[tuple[int, Any]] = []
+    client = client_for(dependency)
+    add_loop_thread_route(client.app, dependency, routes)  # type: ignore[arg-type]
+
+    statuses = [client.get("/loop-thread", headers=as_user(user_id)).status_code for _ in range(6)]
+    assert statuses == [200] * 5 + [429]
+    assert len(checks) == 6 and len(routes) == 5
+    loop_thread, loop = routes[0]
+    assert all(check == (loop_thread, loop) for check in checks)  # on the loop's own thread
+    assert threadpool_calls == []  # nothing went to the threadpool
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 5
 
 
 class AwaitableLimiter:
@@ -573,9 +779,9 @@ class AwaitableLimiter:
         return await loop.run_in_executor(None, self.inner.check_windows, user_id, list(windows))
 
 
-def test_an_async_limiter_is_awaited_on_the_event_loop(limiter: RateLimiter, user_id: str,
-                                                       client_for: Callable[..., TestClient]) -> None:
-    async_limiter = AwaitableLimiter(limiter)
+def test_any_async_limiter_is_awaited_on_the_event_loop(sync_limiter: RateLimiter, user_id: str,
+                                                        client_for: Callable[..., TestClient]) -> None:
+    async_limiter = AwaitableLimiter(sync_limiter)
     dependency = RateLimit(limiter=async_limiter)
     assert isinstance(dependency, RateLimit)
     assert inspect.iscoroutinefunction(dependency.__call__)
@@ -585,7 +791,7 @@ def test_an_async_limiter_is_awaited_on_the_event_loop(limiter: RateLimiter, use
     assert len(async_limiter.awaited_on) == 6
 
 
-def test_is_async_attribute_decides_over_introspection(limiter: RateLimiter) -> None:
+def test_is_async_attribute_decides_over_introspection(sync_limiter: RateLimiter) -> None:
     class Flagged:
         is_async = True
 
@@ -593,4 +799,17 @@ def test_is_async_attribute_decides_over_introspection(limiter: RateLimiter) -> 
             raise AssertionError("not called")
 
     assert inspect.iscoroutinefunction(RateLimit(limiter=Flagged()).__call__)
-    assert not inspect.iscoroutinefunction(RateLimit(limiter=limiter).__call__)
+    assert not inspect.iscoroutinefunction(RateLimit(limiter=sync_limiter).__call__)
+
+
+# --- a test client that runs each request on a fresh event loop -------------------------------
+
+
+def test_a_client_that_runs_each_request_on_a_fresh_loop_is_limited_exactly(
+        limiter: AnyLimiter, user_id: str, redis_client: redis.Redis) -> None:
+    # TestClient outside `with` starts a new event loop for every request: the async limiter
+    # opens a connection on each (its connections belong to their loop) and keeps counting.
+    client = TestClient(build_app(RateLimit(limiter=limiter)))
+    statuses = [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(7)]
+    assert statuses == [200] * 5 + [429] * 2
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 5

@@ -1,6 +1,10 @@
 """The example service (examples/app.py) under a real uvicorn on loopback, driven by a real
 HTTP client (httpx): the 429 path, the headers of streamed and JSON responses as they arrive
-on the wire, tiers, identity, and start-up with a broken tiers file or Redis down."""
+on the wire, tiers, identity, and start-up with a broken tiers file or Redis down.
+
+Every test runs twice: with the example's limiter forced to a blocking RateLimiter (the
+dependency runs in FastAPI's threadpool) and to an AsyncRateLimiter (awaited on uvicorn's
+loop, uvloop when it is installed). See SERVED_MODULE."""
 
 from __future__ import annotations
 
@@ -26,15 +30,35 @@ KEYS = {"free": "sk-demo-free", "pro": "sk-demo-pro", "enterprise": "sk-demo-ent
 USERS = {"free": "user_free", "pro": "user_pro", "enterprise": "user_enterprise"}
 CHAT = "/v1/chat/completions"
 ALL_FOUR = ("Retry-After", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Window")
+LIMITER_CLASSES = {"sync": "RateLimiter", "async": "AsyncRateLimiter"}
+
+# What uvicorn serves: examples/app.py itself, imported after both limiter names of
+# genai_ratelimit were pointed at the class under test, so whichever one app.py builds is of
+# that class. It checks that the served dependency really holds one and says so in the log.
+SERVED_MODULE = """
+import sys
+sys.path.insert(0, {examples!r})
+import genai_ratelimit
+genai_ratelimit.RateLimiter = genai_ratelimit.AsyncRateLimiter = getattr(genai_ratelimit, {cls!r})
+import app as example
+app = example.app
+kind = type(example.rate_limit.limiter).__name__
+if kind != {cls!r}:
+    raise SystemExit(f"examples/app.py serves a {{kind}}, not the {cls} under test")
+print(f"serving examples/app.py with a {{kind}}", flush=True)
+"""
 
 
 class UvicornApp:
     """examples/app.py served by `python -m uvicorn` in a subprocess on a free loopback port.
     Runs from a temporary directory so the installed package is imported, not the source tree."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], limiter_kind: str) -> None:
         self.env = {**os.environ, **env}
+        self.limiter_class = LIMITER_CLASSES[limiter_kind]
         self.directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-uvicorn-"))
+        (self.directory / "served_app.py").write_text(
+            SERVED_MODULE.format(examples=str(EXAMPLES), cls=self.limiter_class), encoding="utf-8")
         self.log_path = self.directory / "uvicorn.log"
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -47,7 +71,7 @@ class UvicornApp:
         self.port = free_port()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "app:app", "--app-dir", str(EXAMPLES),
+                [sys.executable, "-m", "uvicorn", "served_app:app", "--app-dir", str(self.directory),
                  "--host", "127.0.0.1", "--port", str(self.port), "--no-proxy-headers",
                  "--no-access-log", "--log-level", "warning"],
                 cwd=self.directory, env=self.env, stdout=log, stderr=subprocess.STDOUT)
@@ -60,6 +84,7 @@ class UvicornApp:
             while time.monotonic() < deadline and process.poll() is None:
                 try:
                     if httpx.get(self.base_url + "/healthz", timeout=1.0).status_code == 200:
+                        assert f"serving examples/app.py with a {self.limiter_class}" in self.log()
                         return
                 except httpx.TransportError:
                     pass
@@ -91,9 +116,14 @@ def clean_env(**env: str) -> dict[str, str]:
     return {**base, **env}
 
 
+@pytest.fixture(scope="module", params=sorted(LIMITER_CLASSES))
+def limiter_kind(request: pytest.FixtureRequest) -> str:
+    return request.param  # type: ignore[no-any-return]
+
+
 @pytest.fixture(scope="module")
-def served(redis_url: str) -> Iterator[UvicornApp]:
-    server = UvicornApp(clean_env(REDIS_URL=redis_url))
+def served(redis_url: str, limiter_kind: str) -> Iterator[UvicornApp]:
+    server = UvicornApp(clean_env(REDIS_URL=redis_url), limiter_kind)
     server.start()
     try:
         yield server
@@ -214,10 +244,10 @@ def test_health_route_is_not_limited(http: httpx.Client, redis_client: redis.Red
 
 
 def test_tiers_file_is_honoured_by_the_served_app(redis_url: str, redis_client: redis.Redis,
-                                                  tmp_path: Path) -> None:
+                                                  tmp_path: Path, limiter_kind: str) -> None:
     tiers = tmp_path / "tiers.toml"
     tiers.write_text("[free]\nper_minute = 2\nper_day = 20\n", encoding="utf-8")
-    server = UvicornApp(clean_env(REDIS_URL=redis_url, GENAI_RATELIMIT_TIERS=str(tiers)))
+    server = UvicornApp(clean_env(REDIS_URL=redis_url, GENAI_RATELIMIT_TIERS=str(tiers)), limiter_kind)
     server.start()
     try:
         with httpx.Client(base_url=server.base_url, timeout=10.0) as client:
@@ -228,10 +258,11 @@ def test_tiers_file_is_honoured_by_the_served_app(redis_url: str, redis_client: 
         server.close()
 
 
-def test_malformed_tiers_file_stops_the_server_at_start_up(redis_url: str, tmp_path: Path) -> None:
+def test_malformed_tiers_file_stops_the_server_at_start_up(redis_url: str, tmp_path: Path,
+                                                          limiter_kind: str) -> None:
     tiers = tmp_path / "tiers.json"
     tiers.write_text('{"free": {"per_minute": 5, "per_day": "lots"}}', encoding="utf-8")
-    server = UvicornApp(clean_env(REDIS_URL=redis_url, GENAI_RATELIMIT_TIERS=str(tiers)))
+    server = UvicornApp(clean_env(REDIS_URL=redis_url, GENAI_RATELIMIT_TIERS=str(tiers)), limiter_kind)
     try:
         process = server.spawn()
         assert process.wait(60) != 0
@@ -242,8 +273,8 @@ def test_malformed_tiers_file_stops_the_server_at_start_up(redis_url: str, tmp_p
         server.close()
 
 
-def test_redis_down_answers_503_with_retry_after_1_over_http() -> None:
-    server = UvicornApp(clean_env(REDIS_URL=f"redis://127.0.0.1:{free_port()}/0"))
+def test_redis_down_answers_503_with_retry_after_1_over_http(limiter_kind: str) -> None:
+    server = UvicornApp(clean_env(REDIS_URL=f"redis://127.0.0.1:{free_port()}/0"), limiter_kind)
     server.start()
     try:
         with httpx.Client(base_url=server.base_url, timeout=10.0) as client:

@@ -17,6 +17,7 @@
 #include "native.h"
 #include "script_source.h"
 
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -26,12 +27,49 @@ typedef struct {
     PyObject_HEAD
     rl_prepared prepared;        /* windows + formatted command (owned) */
     int with_window;             /* result has 4 items (check_windows) or 3 (check) */
+    char *replay;                /* the command with the replay marker, once replayed */
+    size_t replay_len;
 } RequestObject;
+
+/* The bytes to send for this request: the replay form once it was marked for replay. */
+static const char *
+request_bytes(const RequestObject *req, size_t *len)
+{
+    if (req->replay != NULL) {
+        *len = req->replay_len;
+        return req->replay;
+    }
+    *len = (size_t)req->prepared.command_len;
+    return req->prepared.command;
+}
+
+PyDoc_STRVAR(Request_mark_replay_doc,
+"mark_replay() -> bool\n\nSwitches the request to its replay form (the script answers "
+"\"already counted\" if the first attempt logged it). False when it was replayed already: "
+"a request is replayed at most once.");
+
+static PyObject *
+Request_mark_replay(RequestObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->replay != NULL)
+        Py_RETURN_FALSE;
+    self->replay = rl_script_replay_command(self->prepared.command,
+                                            (size_t)self->prepared.command_len, &self->replay_len);
+    if (self->replay == NULL)
+        return PyErr_NoMemory();
+    Py_RETURN_TRUE;
+}
+
+static PyMethodDef Request_methods[] = {
+    {"mark_replay", (PyCFunction)Request_mark_replay, METH_NOARGS, Request_mark_replay_doc},
+    {NULL, NULL, 0, NULL},
+};
 
 static void
 Request_dealloc(RequestObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
+    free(self->replay);
     rl_prepared_clear(&self->prepared);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -54,6 +92,7 @@ static PyType_Slot Request_slots[] = {
     {Py_tp_doc, "One formatted rate-limit decision, made by Codec."},
     {Py_tp_dealloc, Request_dealloc},
     {Py_tp_getset, Request_getset},
+    {Py_tp_methods, Request_methods},
     {0, NULL},
 };
 
@@ -133,6 +172,8 @@ encode(CodecObject *self, PyTypeObject *defining_class, PyObject *user_id, rl_wi
     }
     req->prepared = p; /* takes ownership of the command */
     req->with_window = with_window;
+    req->replay = NULL;
+    req->replay_len = 0;
     return (PyObject *)req;
 }
 
@@ -352,12 +393,14 @@ Pipeline_push(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
         return NULL;
     }
     RequestObject *req = (RequestObject *)request;
-    if (append_out(self, req->prepared.command, (size_t)req->prepared.command_len) < 0)
+    size_t len;
+    const char *bytes = request_bytes(req, &len);
+    if (append_out(self, bytes, len) < 0)
         return NULL;
     pl_entry e = {ENTRY_DECISION, 0, rl_monotonic() + self->timeout, Py_NewRef(future),
                   (RequestObject *)Py_NewRef(request)};
     if (push_entry(self, e) < 0) {
-        self->out_len -= (size_t)req->prepared.command_len;
+        self->out_len -= len;
         return NULL;
     }
     Py_RETURN_NONE;
@@ -434,12 +477,12 @@ Pipeline_take(PipelineObject *self, PyObject *Py_UNUSED(ignored))
 
 /* Resolves a future unless it is already done (cancelled). Steals value. */
 static int
-resolve(PyObject *future, PyObject *value, int is_exception)
+resolve(rl_module_state *state, PyObject *future, PyObject *value, int is_exception)
 {
     PyObject *done, *res;
     if (value == NULL)
         return -1;
-    done = PyObject_CallMethod(future, "done", NULL);
+    done = PyObject_CallMethodNoArgs(future, state->str_done);
     if (done == NULL) {
         Py_DECREF(value);
         return -1;
@@ -450,14 +493,9 @@ resolve(PyObject *future, PyObject *value, int is_exception)
         Py_DECREF(value);
         return already < 0 ? -1 : 0;
     }
-    PyObject *name = PyUnicode_InternFromString(is_exception ? "set_exception" : "set_result");
-    if (name == NULL) {
-        Py_DECREF(value);
-        return -1;
-    }
     /* OneArg, not CallMethod("O"): a tuple result must not be spread into arguments. */
-    res = PyObject_CallMethodOneArg(future, name, value);
-    Py_DECREF(name);
+    res = PyObject_CallMethodOneArg(
+        future, is_exception ? state->str_set_exception : state->str_set_result, value);
     Py_DECREF(value);
     if (res == NULL)
         return -1;
@@ -521,17 +559,18 @@ handle_reply(PipelineObject *self, rl_module_state *state, pl_entry e, redisRepl
             rl_status kind = (is_error_with(reply, "NOAUTH") || is_error_with(reply, "WRONGPASS"))
                                  ? RL_ERR_AUTH : RL_ERR_SERVER;
             rl_error_set(&err, kind, 0, "Redis answered an error: %.240s", reply->str);
-            rc = resolve(e.future, rl_exception(state, &err), 1);
+            rc = resolve(state, e.future, rl_exception(state, &err), 1);
         } else {
-            rc = resolve(e.future, reply_to_python(reply), 0);
+            rc = resolve(state, e.future, reply_to_python(reply), 0);
         }
         break;
     case ENTRY_DECISION:
         if (is_error_with(reply, "NOSCRIPT") && e.attempts == 0) {
             /* The script cache is empty: nothing ran. Load it and send the same command. */
-            RequestObject *req = e.request;
+            size_t len;
+            const char *bytes = request_bytes(e.request, &len);
             if (append_out(self, rl_script_load_command, sizeof(rl_script_load_command) - 1) < 0 ||
-                append_out(self, req->prepared.command, (size_t)req->prepared.command_len) < 0) {
+                append_out(self, bytes, len) < 0) {
                 rc = -1;
                 break;
             }
@@ -549,10 +588,10 @@ handle_reply(PipelineObject *self, rl_module_state *state, pl_entry e, redisRepl
         rl_result result;
         rl_status st = rl_script_decode(reply, &e.request->prepared.windows, &result, &err);
         if (st == RL_OK)
-            rc = resolve(e.future, rl_result_tuple(&e.request->prepared.windows, &result,
+            rc = resolve(state, e.future, rl_result_tuple(&e.request->prepared.windows, &result,
                                                    e.request->with_window), 0);
         else {
-            rc = resolve(e.future, rl_exception(state, &err), 1);
+            rc = resolve(state, e.future, rl_exception(state, &err), 1);
             if (rc == 0 && st == RL_ERR_PROTOCOL)
                 rc = 1;
         }
@@ -632,16 +671,23 @@ PyDoc_STRVAR(Pipeline_fail_all_doc,
 "and forgets them; the queued bytes are dropped too.");
 
 static PyObject *
-Pipeline_fail_all(PipelineObject *self, PyObject *exc)
+Pipeline_fail_all(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
+                  Py_ssize_t nargs, PyObject *kwnames)
 {
+    rl_module_state *state = PyType_GetModuleState(defining_class);
     int failed = 0;
+    if (nargs != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "fail_all(exception) takes 1 positional argument");
+        return NULL;
+    }
+    PyObject *exc = args[0];
     self->out_len = 0;
     self->unsent = 0;
     while (self->count > 0) {
         pl_entry e = self->ring[self->head];
         self->head = (self->head + 1) % self->capacity;
         self->count--;
-        if (e.future != NULL && !failed && resolve(e.future, Py_NewRef(exc), 1) < 0)
+        if (e.future != NULL && !failed && resolve(state, e.future, Py_NewRef(exc), 1) < 0)
             failed = 1; /* keep draining: every reference must be released */
         Py_XDECREF(e.future);
         Py_XDECREF((PyObject *)e.request);
@@ -649,6 +695,39 @@ Pipeline_fail_all(PipelineObject *self, PyObject *exc)
     if (failed)
         return NULL;
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Pipeline_take_pending_doc,
+"take_pending() -> list[tuple[future, Request | None]]\n\nEmpties the FIFO and returns the "
+"futures still waiting (with their Request, or None for a plain command), oldest first; "
+"queued bytes are dropped. For a connection that broke: the caller replays or fails them.");
+
+static PyObject *
+Pipeline_take_pending(PipelineObject *self, PyObject *Py_UNUSED(ignored))
+{
+    PyObject *list = PyList_New(0);
+    int failed = list == NULL;
+    self->out_len = 0;
+    while (self->count > 0) {
+        pl_entry e = self->ring[self->head];
+        self->head = (self->head + 1) % self->capacity;
+        self->count--;
+        if (!failed && e.future != NULL) {
+            PyObject *pair = PyTuple_Pack(2, e.future, e.request ? (PyObject *)e.request : Py_None);
+            if (pair == NULL || PyList_Append(list, pair) < 0)
+                failed = 1;
+            Py_XDECREF(pair);
+        }
+        Py_XDECREF(e.future);
+        Py_XDECREF((PyObject *)e.request);
+    }
+    self->head = 0;
+    self->unsent = 0;
+    if (failed) {
+        Py_XDECREF(list);
+        return NULL;
+    }
+    return list;
 }
 
 PyDoc_STRVAR(Pipeline_oldest_deadline_doc,
@@ -677,7 +756,9 @@ static PyMethodDef Pipeline_methods[] = {
     {"take", (PyCFunction)Pipeline_take, METH_NOARGS, Pipeline_take_doc},
     {"feed", (PyCFunction)(void (*)(void))Pipeline_feed, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      Pipeline_feed_doc},
-    {"fail_all", (PyCFunction)Pipeline_fail_all, METH_O, Pipeline_fail_all_doc},
+    {"fail_all", (PyCFunction)(void (*)(void))Pipeline_fail_all,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_fail_all_doc},
+    {"take_pending", (PyCFunction)Pipeline_take_pending, METH_NOARGS, Pipeline_take_pending_doc},
     {"oldest_deadline", (PyCFunction)Pipeline_oldest_deadline, METH_NOARGS,
      Pipeline_oldest_deadline_doc},
     {NULL, NULL, 0, NULL},

@@ -111,6 +111,10 @@ module_exec(PyObject *module)
         return -1;
     }
 
+    if ((state->str_done = PyUnicode_InternFromString("done")) == NULL ||
+        (state->str_set_result = PyUnicode_InternFromString("set_result")) == NULL ||
+        (state->str_set_exception = PyUnicode_InternFromString("set_exception")) == NULL)
+        goto done;
     if (add_exception(module, &state->Error, "RateLimiterError",
                       "Base class of every error this package raises.", NULL) < 0)
         goto done;
@@ -183,6 +187,9 @@ module_clear(PyObject *module)
     Py_CLEAR(state->Unavailable);
     Py_CLEAR(state->Timeout);
     Py_CLEAR(state->AuthError);
+    Py_CLEAR(state->str_done);
+    Py_CLEAR(state->str_set_result);
+    Py_CLEAR(state->str_set_exception);
     return 0;
 }
 

@@ -141,6 +141,10 @@ long long rl_script_format(const char *prefix, size_t prefix_len, const char *us
                            size_t user_len, const rl_windows *w, const char *member,
                            long long now_ms, char **out);
 
+/* The command with the script's replay marker appended (malloc'd; NULL when out of memory
+   or not a formatted command). A replay never counts a request its first attempt logged. */
+char *rl_script_replay_command(const char *command, size_t command_len, size_t *out_len);
+
 /* Runs one decision: EVALSHA, and on NOSCRIPT, SCRIPT LOAD + EVALSHA once more.
    No GIL needed; command is a formatted EVALSHA. */
 rl_status rl_script_run(rl_pool *pool, const char *command, size_t command_len,
@@ -179,6 +183,9 @@ typedef struct {
     PyObject *AuthError;         /* RateLimiterAuthError */
     int kill_switch_warned;      /* the kill-switch warning was logged */
     rl_random *random;           /* UUID4 randomness, wiped in a fork child */
+    PyObject *str_done;          /* interned method names for resolving futures */
+    PyObject *str_set_result;
+    PyObject *str_set_exception;
 } rl_module_state;
 
 /* Raises the Python exception for err. Always returns NULL. */

@@ -252,8 +252,8 @@ attempt(rl_pool *pool, const char *command, size_t command_len, const rl_windows
 
 /* The same command with the script's trailing replay marker ("1"): "*N\r\n..." becomes
    "*N+1\r\n...$1\r\n1\r\n". Returns a malloc'd buffer, or NULL. */
-static char *
-replay_command(const char *command, size_t command_len, size_t *out_len)
+char *
+rl_script_replay_command(const char *command, size_t command_len, size_t *out_len)
 {
     char *end = NULL, *buf;
     long argc;
@@ -287,7 +287,7 @@ rl_script_run(rl_pool *pool, const char *command, size_t command_len, const rl_w
        request the script answers "already counted", so a request is never counted twice.
        Timeouts are not replayed: that would stretch the call past socket_timeout. */
     size_t replay_len = 0;
-    char *replay = replay_command(command, command_len, &replay_len);
+    char *replay = rl_script_replay_command(command, command_len, &replay_len);
     if (replay == NULL)
         return st;
     st = attempt(pool, replay, replay_len, w, out, err);

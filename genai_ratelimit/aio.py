@@ -84,19 +84,51 @@ class _Connection(asyncio.Protocol):
             self._schedule_flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.closed:  # we closed it ourselves and failed its checks already
+            return
         reason = f": {exc}" if exc else ""
-        self._close(RateLimiterUnavailable(f"connection to Redis lost{reason}"))
+        error = RateLimiterUnavailable(f"connection to Redis lost{reason}")
+        pending = self.pipeline.take_pending()
+        self._close(error)
+        # The server may or may not have run these. Replay each decision once on another
+        # connection, marked: the script answers "already counted" for a request its first
+        # attempt logged, so nothing is counted twice. Plain commands just fail.
+        replays = []
+        for future, request in pending:
+            if future.done():
+                continue
+            if request is not None and not self.pool.limiter._closed and request.mark_replay():
+                replays.append((future, request))
+            else:
+                future.set_exception(error)
+        if replays:
+            self.pool.replay(replays)
 
     # -- sending
     def submit(self, request: Any) -> asyncio.Future[Any]:
         if self.closed:
             raise RateLimiterUnavailable("connection to Redis lost")
         future = self.loop.create_future()
+        idle = self.pipeline.pending == 0
+        self.pipeline.push(future, request)
+        if idle and not self._flush_scheduled:
+            # Nothing in flight: send now (lowest latency). Checks issued while this one
+            # is out are batched below, one write per loop iteration.
+            self._flush()
+        else:
+            self._schedule_flush()
+        if self._timer is None:
+            self._timer = self.loop.call_later(self.timeout, self._on_timer)
+        return future
+
+    def resubmit(self, future: asyncio.Future[Any], request: Any) -> None:
+        """Sends a request again with the future its caller already awaits."""
+        if self.closed:
+            raise RateLimiterUnavailable("connection to Redis lost")
         self.pipeline.push(future, request)
         self._schedule_flush()
         if self._timer is None:
             self._timer = self.loop.call_later(self.timeout, self._on_timer)
-        return future
 
     def command(self, *words: str | bytes) -> asyncio.Future[Any]:
         if self.closed:
@@ -165,6 +197,7 @@ class _LoopPool:
         self.loop = loop
         self.connections: list[_Connection] = []
         self.opening: asyncio.Future[_Connection] | None = None
+        self.replaying: set[asyncio.Task[None]] = set()
 
     def pick(self) -> _Connection | None:
         """The least busy open connection, unless every one is deep enough that another
@@ -249,6 +282,23 @@ class _LoopPool:
                     raise _native.RateLimiterAuthError(f"Redis authentication failed: {exc}") from None
                 raise
 
+    def replay(self, pairs: list[tuple[asyncio.Future[Any], Any]]) -> None:
+        """Replays checks whose connection broke, on a fresh or another open connection."""
+        task = self.loop.create_task(self._replay(pairs))
+        self.replaying.add(task)  # the loop keeps only a weak reference to tasks
+        task.add_done_callback(self.replaying.discard)
+
+    async def _replay(self, pairs: list[tuple[asyncio.Future[Any], Any]]) -> None:
+        try:
+            conn = await self.get()
+            for future, request in pairs:
+                if not future.done():
+                    conn.resubmit(future, request)
+        except Exception as exc:  # no connection to be had: the callers hear why
+            for future, _ in pairs:
+                if not future.done():
+                    future.set_exception(exc)
+
     def discard(self, conn: _Connection) -> None:
         try:
             self.connections.remove(conn)
@@ -292,6 +342,9 @@ class AsyncRateLimiter:
         self.max_connections = max_connections
         self.key_prefix = key_prefix
         self._closed = False
+        # The loop of the last call and its pool: most programs have one loop.
+        self._last_loop: asyncio.AbstractEventLoop | None = None
+        self._last_pool: _LoopPool | None = None
         self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPool] = (
             weakref.WeakKeyDictionary())
 
@@ -310,9 +363,12 @@ class AsyncRateLimiter:
 
     def _pool(self) -> _LoopPool:
         loop = asyncio.get_running_loop()
+        if loop is self._last_loop:
+            return self._last_pool  # type: ignore[return-value]
         pool = self._pools.get(loop)
         if pool is None:
             pool = self._pools[loop] = _LoopPool(self, loop)
+        self._last_loop, self._last_pool = loop, pool
         return pool
 
     async def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]:
@@ -362,6 +418,7 @@ class AsyncRateLimiter:
                 except RuntimeError:  # the loop closed meanwhile
                     pass
         self._pools.clear()
+        self._last_loop = self._last_pool = None
 
     async def __aenter__(self) -> "AsyncRateLimiter":
         return self

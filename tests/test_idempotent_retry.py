@@ -11,13 +11,20 @@ limit 1 it would be rejected although the request was allowed and logged.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 
 import pytest
 import redis
 
-from genai_ratelimit import SCRIPT_SHA1, RateLimiter, RateLimiterUnavailable, _native
+from genai_ratelimit import (
+    SCRIPT_SHA1,
+    AsyncRateLimiter,
+    RateLimiter,
+    RateLimiterUnavailable,
+    _native,
+)
 
 
 class ReplyDroppingProxy:
@@ -82,13 +89,25 @@ def redis_port(redis_url: str) -> int:
     return port
 
 
+def _check_once(kind: str, url: str, user: str, limit: int) -> tuple[bool, int, int]:
+    if kind == "sync":
+        with RateLimiter(url) as limiter:
+            return limiter.check(user, limit, 60)
+
+    async def go() -> tuple[bool, int, int]:
+        async with AsyncRateLimiter(url) as limiter:
+            return await limiter.check(user, limit, 60)
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_lost_reply_is_replayed_and_counted_once(redis_client: redis.Redis, redis_port: int,
-                                                 user_id: str) -> None:
+                                                 user_id: str, kind: str) -> None:
     redis_client.script_load(_native.SCRIPT_SOURCE)
     proxy = ReplyDroppingProxy(redis_port, drop=1)
     try:
-        with RateLimiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
-            result = limiter.check(user_id, 1, 60)
+        result = _check_once(kind, f"redis://127.0.0.1:{proxy.port}/0", user_id, 1)
     finally:
         proxy.close()
     key = f"ratelimit:{user_id}:60"
@@ -116,15 +135,15 @@ def test_replay_marker_without_a_logged_member_decides_normally(redis_client: re
     assert redis_client.zcard(key) == 1
 
 
+@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_second_lost_reply_raises_unavailable(redis_client: redis.Redis, redis_port: int,
-                                              user_id: str) -> None:
+                                              user_id: str, kind: str) -> None:
     """Only one replay: when the replay's reply is lost too, the caller hears of it."""
     redis_client.script_load(_native.SCRIPT_SOURCE)
     proxy = ReplyDroppingProxy(redis_port, drop=2)
     try:
-        with RateLimiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
-            with pytest.raises(RateLimiterUnavailable):
-                limiter.check(user_id, 5, 60)
+        with pytest.raises(RateLimiterUnavailable):
+            _check_once(kind, f"redis://127.0.0.1:{proxy.port}/0", user_id, 5)
     finally:
         proxy.close()
     assert len(proxy.dropped_replies) == 2

@@ -14,6 +14,7 @@ test client that runs each request on a fresh loop) keeps one small set per loop
 from __future__ import annotations
 
 import asyncio
+import select
 import ssl
 import time
 import weakref
@@ -68,10 +69,29 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
+        self._idle_probe: select.poll | None = None
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and transport.get_extra_info("sslcontext") is None:
+            # To look at an idle connection before reusing it (see usable()). Not for TLS,
+            # where a readable socket may hold a session ticket the loop has yet to read.
+            self._idle_probe = select.poll()
+            self._idle_probe.register(sock.fileno(), select.POLLIN)
+
+    def usable(self) -> bool:
+        """False when the connection closed, or when bytes nobody asked for (a stray reply,
+        or the EOF of a server that went away) wait on it while nothing is pending: then it
+        is dropped, before a check could take those bytes for its answer. One poll(), only
+        for an idle connection."""
+        if self.closed:
+            return False
+        if self.pipeline.pending or self._idle_probe is None or not self._idle_probe.poll(0):
+            return True
+        self.abort(RateLimiterUnavailable("Redis sent bytes on an idle connection"))
+        return False
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -203,9 +223,10 @@ class _LoopPool:
         """The least busy open connection, unless every one is deep enough that another
         connection is worth opening. None means: call open()."""
         best: _Connection | None = None
-        for conn in self.connections:
+        for conn in list(self.connections):
             if best is None or conn.pipeline.pending < best.pipeline.pending:
-                best = conn
+                if conn.usable():  # may drop it from self.connections
+                    best = conn
         if best is None:
             return None
         if (best.pipeline.pending < _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION

@@ -1,0 +1,191 @@
+"""Lints the C source in csrc/ against the house rules (docs: style.md, practices 1, 2, 13):
+every file opens with a comment saying what it is for, no Python object lives in a static
+variable (module state instead), the built extension exports PyInit__native and nothing
+else, and every file compiles warning-free with -Wall -Wextra -Werror in the release and the
+debug configuration of setup.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC = REPO / "csrc"
+C_FILES = sorted(CSRC.glob("*.c"))
+ALL_FILES = sorted(CSRC.glob("*.[ch]"))
+
+
+def strip_comments_and_literals(source: str) -> str:
+    """The source with comments, string and char literals blanked (newlines kept)."""
+    pattern = re.compile(r'/\*.*?\*/|//[^\n]*|"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'', re.S)
+
+    def blank(match: re.Match[str]) -> str:
+        text = match.group(0)
+        if text.startswith("/"):
+            return re.sub(r"[^\n]", " ", text)
+        return text[0] + " " * (len(text) - 2) + text[-1]
+
+    return pattern.sub(blank, source)
+
+
+# A Python object type, as a pointer (PyObject *, PyTypeObject *) or a static type object.
+_PY_TYPE = r"(?:struct\s+)?(?:Py\w*Object)\b"
+
+
+def python_object_statics(source: str) -> list[str]:
+    """Declarations of variables with static storage that hold Python objects: file-scope
+    variables (static or not) and block-scope `static` ones. Function definitions and
+    prototypes returning PyObject * are not variables and are not reported."""
+    code = strip_comments_and_literals(source)
+    code = re.sub(r"^[ \t]*#.*$", "", code, flags=re.M)  # preprocessor lines
+    found: list[str] = []
+    # Block-scope and file-scope `static` variables: the declarator ends in = ; [ or ,
+    # (a function's name is followed by a parenthesis).
+    static_var = re.compile(
+        rf"\bstatic\s+(?:const\s+)?{_PY_TYPE}\s*(?:\*\s*(?:const\s+)?)*(\w+)\s*(?=[=;\[,])")
+    found += [m.group(0).split("\n")[0].strip() + " ..." for m in static_var.finditer(code)]
+    # File-scope declarations without `static` (exported globals).
+    depth = 0
+    statement = []
+    for ch in code:
+        if ch == "{":
+            if depth == 0:
+                statement = []
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            statement = []
+        elif depth == 0:
+            if ch == ";":
+                text = " ".join("".join(statement).split())
+                head = text.split("=", 1)[0]
+                if ("(" not in head and not head.startswith(("static ", "extern ", "typedef "))
+                        and re.search(rf"^(?:const\s+)?{_PY_TYPE}", head)):
+                    found.append(text)
+                statement = []
+            else:
+                statement.append(ch)
+    return found
+
+
+def installed_extension() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("genai_ratelimit._native")
+    assert spec is not None and spec.origin, "genai_ratelimit._native is not importable"
+    path = Path(spec.origin)
+    assert path.parent != REPO / "genai_ratelimit", (
+        f"the tests import the extension from the source tree ({path}), not the installed package")
+    return path
+
+
+def extension_config(**env: str) -> dict[str, object]:
+    """What setup.py would compile, and how, under the given environment switches. Runs
+    setup.py in a child with setuptools.setup replaced by a recorder, so nothing is built."""
+    code = (
+        "import json, runpy, setuptools\n"
+        "seen = {}\n"
+        "setuptools.setup = lambda **kw: seen.update(kw)\n"
+        "runpy.run_path('setup.py', run_name='__main__')\n"
+        "ext = seen['ext_modules'][0]\n"
+        "print(json.dumps({'sources': ext.sources, 'include_dirs': ext.include_dirs,\n"
+        "                  'define_macros': ext.define_macros,\n"
+        "                  'extra_compile_args': ext.extra_compile_args}))\n"
+    )
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("GENAI_RATELIMIT_")}
+    child_env.pop("LD_PRELOAD", None)
+    child_env.update(env)
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=child_env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ------------------------------------------------------------------------ the checker
+
+def test_the_static_checker_flags_python_objects_in_static_storage():
+    source = """
+    /* a comment: static PyObject *not_code; */
+    static PyObject *cache;
+    static PyTypeObject Foo_Type = { 0 };
+    PyObject *exported_global = NULL;
+    static PyObject *
+    a_function(PyObject *self)
+    {
+        static PyObject *interned = NULL;
+        PyObject *local = NULL;
+        return local;
+    }
+    static PyObject *prototype(void);
+    static const char *text = "static PyObject *in_a_string;";
+    """
+    found = python_object_statics(source)
+    assert len(found) == 4, found
+    assert any("cache" in f for f in found)
+    assert any("Foo_Type" in f for f in found)
+    assert any("exported_global" in f for f in found)
+    assert any("interned" in f for f in found)
+
+
+# ------------------------------------------------------------------------- the rules
+
+def test_csrc_has_c_files():
+    assert C_FILES, f"no C files under {CSRC}"
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=lambda p: p.name)
+def test_every_c_file_opens_with_a_comment(path):
+    text = path.read_text(encoding="utf-8").lstrip()
+    assert text.startswith(("/*", "//")), f"{path.name} must open with a comment saying what it is for"
+    if path.name != "script_source.h":  # generated: its comment says so
+        first = text[2:text.find("*/")] if text.startswith("/*") else text.splitlines()[0]
+        assert len(first.split()) >= 8, f"{path.name}'s opening comment says too little: {first!r}"
+
+
+@pytest.mark.parametrize("path", ALL_FILES, ids=lambda p: p.name)
+def test_no_python_object_lives_in_a_static_variable(path):
+    found = python_object_statics(path.read_text(encoding="utf-8"))
+    assert not found, (f"{path.name}: Python objects belong in the module state, not in static "
+                       f"storage: {found}")
+
+
+def test_the_extension_exports_only_its_init_function():
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils) is needed to list the extension's exported symbols"
+    so = installed_extension()
+    listing = subprocess.run([nm, "-D", "--defined-only", str(so)], capture_output=True,
+                             text=True, check=True).stdout
+    exported = sorted(line.split()[-1] for line in listing.splitlines() if line.strip())
+    assert exported == ["PyInit__native"], f"{so.name} exports {exported}"
+
+
+@pytest.mark.parametrize("switches", [{}, {"GENAI_RATELIMIT_DEBUG": "1"}],
+                         ids=["release", "debug"])
+def test_every_c_file_compiles_with_wall_wextra_werror(switches, tmp_path):
+    config = extension_config(**switches)
+    flags = list(config["extra_compile_args"])  # type: ignore[arg-type]
+    assert "-Wall" in flags and "-Wextra" in flags, f"setup.py dropped -Wall/-Wextra: {flags}"
+    compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    includes = [f"-I{d}" for d in [sysconfig.get_paths()["include"], *config["include_dirs"]]]  # type: ignore[misc]
+    macros = [f"-D{name}" if value is None else f"-D{name}={value}"
+              for name, value in config["define_macros"]]  # type: ignore[union-attr]
+    sources = config["sources"]
+    assert sorted(Path(REPO, s) for s in sources) == C_FILES  # type: ignore[union-attr]
+    failures = []
+    for source in sources:  # type: ignore[union-attr]
+        obj = tmp_path / (Path(source).stem + ".o")
+        result = subprocess.run([*compiler, "-fPIC", *flags, "-Werror", *includes, *macros,
+                                 "-c", source, "-o", str(obj)],
+                                cwd=REPO, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0 or result.stderr.strip():
+            failures.append(f"{source}:\n{result.stderr}")
+    assert not failures, "\n".join(failures)

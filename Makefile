@@ -1,5 +1,11 @@
 # genai-ratelimit: `make demo` shows the limiter working, `make test` runs the whole suite.
 # Both install what they need (Debian packages when missing, a venv in .venv).
+#
+# Memory and C safety (each in a venv of its own, so `make test` afterwards is unaffected):
+#   make test-asan      the suite, extension built with ASan + UBSan  (.venv-asan)
+#   make test-valgrind  the core tests under valgrind memcheck         (.venv-valgrind)
+#   make soak           1,000,000 sync + 1,000,000 async checks, RSS before/after
+#   make fuzz           atheris on the reply decoder and the argument validation
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,13 +14,47 @@ PIP     = $(PY) -m pip
 PYTEST_ARGS ?=
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
-.PHONY: help deps venv install build test test-fast test-asan test-valgrind demo serve bench dist clean
+ASAN_VENV  ?= .venv-asan
+DEBUG_VENV ?= .venv-valgrind
+ASAN_PY     = $(ASAN_VENV)/bin/python
+DEBUG_PY    = $(DEBUG_VENV)/bin/python
+
+# test-valgrind: memcheck makes Python ~50x slower, so it runs the files that drive every
+# C path of the blocking limiter (round trip, NOSCRIPT reload, validation, kill switch)
+# and the async one's codec and pipeline; the fault, concurrency and FastAPI files stay
+# with test-asan. Override with VALGRIND_TESTS=... (pytest arguments).
+VALGRIND_TESTS ?= tests/test_limiter_core.py tests/test_limiter_input.py tests/test_kill_switch.py
+
+# make soak: checks per limiter (sync, async) and the RSS growth that fails it.
+SOAK_CHECKS ?= 1000000
+SOAK_MAX_RSS_GROWTH_MIB ?= 8
+SOAK_MAX_SECONDS ?= 300
+
+# make fuzz: total seconds, shared by the targets in fuzz/.
+FUZZ_SECONDS ?= 60
+
+# The ASan runtime must be the first library in the process: Python itself is not
+# instrumented, so it is preloaded. CPython frees little at exit by design: leaks are
+# left to test-valgrind and tests/test_leaks.py. allocator_may_return_null makes a huge
+# allocation fail like malloc does (hiredis checks) instead of aborting the run.
+ASAN_OPTIONS_ = PYTHONMALLOC=malloc \
+  ASAN_OPTIONS=detect_leaks=0:allocator_may_return_null=1:halt_on_error=1:abort_on_error=0:print_summary=1:strict_string_checks=1:check_initialization_order=1 \
+  UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1:print_summary=1
+ASAN_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py asan-runtime)"
+# atheris is C++: libstdc++ must be loaded at start-up too, for ASan's __cxa_throw hook.
+FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py asan-runtime) \
+  $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
+
+.PHONY: help deps venv install build test test-fast test-asan test-valgrind soak fuzz \
+        install-asan install-debug demo serve bench dist clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
 	@echo "make test           build the C extension and run the whole test suite"
 	@echo "make test-asan      the suite with the extension built under AddressSanitizer + UBSan"
 	@echo "make test-valgrind  the core suite under valgrind memcheck"
+	@echo "make soak           1,000,000 sync + 1,000,000 async checks: RSS before/after, checks/s"
+	@echo "make fuzz           fuzz the reply decoder and argument validation (FUZZ_SECONDS=60)"
 	@echo "make serve          keep the example app running for your own curl"
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make dist           sdist + wheel into dist/"
@@ -40,19 +80,68 @@ test: install
 test-fast: install
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
-test-asan: venv
-	GENAI_RATELIMIT_SANITIZE=1 $(PIP) install -q --no-build-isolation --force-reinstall --no-deps .
-	$(PIP) install -q ".[test]"
-	ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
-	LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
-	$(VENV)/bin/pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+# ------------------------------------------------------------ memory and C safety
 
-test-valgrind: venv
-	GENAI_RATELIMIT_DEBUG=1 $(PIP) install -q --no-build-isolation --force-reinstall --no-deps .
-	$(PIP) install -q ".[test]"
-	PYTHONMALLOC=malloc valgrind --quiet --error-exitcode=99 --leak-check=no \
-	  --suppressions=scripts/valgrind-python.supp \
-	  $(PY) -m pytest -m "not slow" -p no:cacheprovider tests/test_limiter_core.py $(PYTEST_ARGS)
+# The venvs of the sanitized and debug builds. The '*' .gitignore keeps them out of git.
+$(ASAN_VENV)/.created $(DEBUG_VENV)/.created:
+	$(PYTHON) -m venv $(@D)
+	echo '*' > $(@D)/.gitignore
+	$(@D)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	@touch $@
+
+# Each special build has its own build directory (scripts/build-*.cfg): setuptools skips an
+# extension whose .so looks up to date, so sharing build/ could install the wrong one.
+# native_build.py then checks that the installed .so really is what was asked for.
+install-asan: deps $(ASAN_VENV)/.created
+	$(ASAN_PY) scripts/native_build.py requirements test > $(ASAN_VENV)/test-requirements.txt
+	$(ASAN_PY) -m pip install -q -r $(ASAN_VENV)/test-requirements.txt
+	GENAI_RATELIMIT_SANITIZE=1 GENAI_RATELIMIT_WERROR=1 \
+	DIST_EXTRA_CONFIG=$(CURDIR)/scripts/build-asan.cfg \
+	  $(ASAN_PY) -m pip install -q --no-build-isolation --force-reinstall --no-deps .
+	$(ASAN_PY) scripts/native_build.py check asan
+
+install-debug: deps $(DEBUG_VENV)/.created
+	$(DEBUG_PY) scripts/native_build.py requirements test > $(DEBUG_VENV)/test-requirements.txt
+	$(DEBUG_PY) -m pip install -q -r $(DEBUG_VENV)/test-requirements.txt
+	GENAI_RATELIMIT_DEBUG=1 GENAI_RATELIMIT_WERROR=1 \
+	DIST_EXTRA_CONFIG=$(CURDIR)/scripts/build-debug.cfg \
+	  $(DEBUG_PY) -m pip install -q --no-build-isolation --force-reinstall --no-deps .
+	$(DEBUG_PY) scripts/native_build.py check debug
+
+# The suite but the slow tests, under ASan + UBSan (both fatal). pytest runs from the
+# venv's script, so the source tree (no .so, or a stale one) is never imported.
+test-asan: install-asan
+	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+
+# VALGRIND_TESTS under memcheck with the -O0 -g build. Invalid reads/writes and uses of
+# uninitialised memory fail the run (--error-exitcode); definite leaks are listed and
+# fail it when a leaked block was allocated under our extension (valgrind_report.py).
+test-valgrind: install-debug
+	@command -v valgrind >/dev/null || bash scripts/ensure-debian-packages.sh valgrind
+	rm -rf build/valgrind && mkdir -p build/valgrind
+	PYTHONMALLOC=malloc valgrind --tool=memcheck --error-exitcode=99 \
+	  --leak-check=full --show-leak-kinds=definite --errors-for-leak-kinds=none \
+	  --num-callers=40 --suppressions=scripts/valgrind-python.supp \
+	  --log-file=build/valgrind/memcheck.%p.log \
+	  $(DEBUG_PY) $(DEBUG_VENV)/bin/pytest -p no:cacheprovider -m "not slow" -q \
+	  $(VALGRIND_TESTS) $(PYTEST_ARGS); \
+	status=$$?; $(DEBUG_PY) scripts/valgrind_report.py build/valgrind/memcheck.*.log || status=1; \
+	exit $$status
+
+soak: install
+	$(PY) scripts/soak.py --checks $(SOAK_CHECKS) --max-rss-growth-mib $(SOAK_MAX_RSS_GROWTH_MIB) \
+	  --max-seconds $(SOAK_MAX_SECONDS)
+
+# atheris comes as a wheel with its own libFuzzer. Two phases (fuzz/run.py says why):
+# coverage-guided exploration on the release build for FUZZ_SECONDS, then every kept input
+# replayed on the ASan + UBSan build.
+fuzz: install install-asan
+	$(PIP) install -q atheris
+	$(ASAN_PY) -m pip install -q atheris
+	$(PY) fuzz/run.py explore --seconds $(FUZZ_SECONDS)
+	$(FUZZ_ENV) $(ASAN_PY) fuzz/run.py replay
+
+# ------------------------------------------------------------------------------
 
 demo: install
 	$(PY) examples/demo.py
@@ -69,5 +158,5 @@ dist: venv
 	$(PY) -m build --no-isolation
 
 clean:
-	rm -rf build dist *.egg-info $(VENV) csrc/script_source.h benchmarks/bin
+	rm -rf build dist *.egg-info $(VENV) $(ASAN_VENV) $(DEBUG_VENV) csrc/script_source.h benchmarks/bin
 	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -369,22 +369,52 @@ async def async_timed_loop(fn: Callable[..., Any], arglist: Sequence[tuple], con
                   allowed=state["allowed"], rejected=calls - state["allowed"])
 
 
-def run_raw(target: RedisTarget, args: Sequence[str], duration: float, max_calls: int,
-            warmup: int) -> Sample:
-    """Runs benchmarks/bin/raw_hiredis once; its own JSON line becomes the Sample. In
-    pipelined mode the latency columns are per batch (the JSON also has them per call)."""
-    cmd = [str(RAW_BINARY), "--script", str(SCRIPT_PATH), *target.raw_args(),
-           "--duration", str(duration), "--calls", str(max_calls), "--warmup", str(warmup), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=target.raw_env(),
-                          timeout=duration + 60)
-    if proc.returncode != 0:
-        raise RuntimeError(f"raw_hiredis failed ({proc.returncode}): {proc.stderr.strip()}")
-    data = json.loads(proc.stdout)
-    return Sample(calls=data["calls"], elapsed_s=data["elapsed_s"], p50_us=data["p50_us"],
-                  p99_us=data["p99_us"], cpu_us_per_call=data["cpu_us_per_call"],
-                  allowed=data["allowed"], rejected=data["rejected"],
-                  extra={"depth": data["depth"], "p50_per_call_us": data["p50_per_call_us"],
-                         "p99_per_call_us": data["p99_per_call_us"]})
+class RawClient:
+    """benchmarks/bin/raw_hiredis kept running in --serve mode: one connection and one loaded
+    script for the whole benchmark, so its runs interleave with the other contenders' at no
+    start-up cost. Each run's JSON line becomes a Sample; in pipelined mode the latency columns
+    are per batch (extra holds them per call)."""
+
+    def __init__(self, target: RedisTarget, args: Sequence[str]) -> None:
+        cmd = [str(RAW_BINARY), "--script", str(SCRIPT_PATH), *target.raw_args(), "--serve", *args]
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._stderr, text=True, env=target.raw_env())
+
+    def run(self, duration: float, max_calls: int, warmup: int) -> Sample:
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        try:
+            self._proc.stdin.write(f"run {duration} {max_calls} {warmup}\n")
+            self._proc.stdin.flush()
+            line = self._proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self._proc.wait(10)
+            self._stderr.seek(0)
+            raise RuntimeError(f"raw_hiredis failed ({self._proc.returncode}): "
+                               f"{self._stderr.read().decode(errors='replace').strip()}")
+        data = json.loads(line)
+        return Sample(calls=data["calls"], elapsed_s=data["elapsed_s"], p50_us=data["p50_us"],
+                      p99_us=data["p99_us"], cpu_us_per_call=data["cpu_us_per_call"],
+                      allowed=data["allowed"], rejected=data["rejected"],
+                      extra={"depth": data["depth"], "p50_per_call_us": data["p50_per_call_us"],
+                             "p99_per_call_us": data["p99_per_call_us"]})
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.write("quit\n")
+                self._proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._stderr.close()
 
 
 def summarize(values: Sequence[float]) -> tuple[float, float, float]:

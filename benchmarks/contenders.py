@@ -23,9 +23,8 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from benchlib import (AsyncRedisPyLimiter, FourOpLimiter, RedisPyLimiter, RedisTarget, Sample,
-                      async_timed_loop, limits_storage_uri, parser_name, redis_py_client, run_raw,
-                      timed_loop)
+from benchlib import (AsyncRedisPyLimiter, FourOpLimiter, RawClient, RedisPyLimiter, RedisTarget, Sample,
+                      async_timed_loop, limits_storage_uri, parser_name, redis_py_client, timed_loop)
 
 BIG = 10**9  # "huge limit": allow-heavy
 
@@ -101,11 +100,9 @@ def _async_package_reason() -> str | None:
 
 def _raw(wl: Workload, mode: str, depth: int):
     def setup(ctx: Context, prefix: str):
-        args = ["--mode", mode, "--depth", str(depth), "--prefix", prefix, *wl.raw_args()]
-
-        def run(duration: float, max_calls: int, warmup: int) -> Sample:
-            return run_raw(ctx.target, args, duration, max_calls, warmup)
-        return run, lambda: None
+        client = RawClient(ctx.target, ["--mode", mode, "--depth", str(depth), "--prefix", prefix,
+                                        *wl.raw_args()])
+        return client.run, client.close
     return setup
 
 

@@ -12,7 +12,8 @@
  *   pipe   D commands written together, then D replies read: the throughput of one connection.
  *
  * It runs for --duration seconds or --calls calls, whichever ends first (after --warmup calls
- * that are not measured), and prints one JSON object on stdout: calls/s, p50/p99 latency (per
+ * that are not measured), and prints one JSON object on stdout (with --serve: one run per
+ * "run <duration_s> <max_calls> <warmup>" line read from stdin, on the same connection): calls/s, p50/p99 latency (per
  * call for seq, per batch for pipe, with the batch figures also divided by the depth), client
  * CPU (user+sys from getrusage over the measured loop) per call, and how many calls were
  * allowed / rejected. Every reply is checked: an error reply or a malformed one stops the run
@@ -61,6 +62,7 @@ struct options {
     long long warmup;            /* unmeasured calls first */
     int users;                   /* distinct user ids, cycled */
     int client_clock;            /* 1: send our own ms time, 0: "" (server TIME) */
+    int serve;                   /* 1: take "run ..." lines on stdin (see main) */
     int nwindows;                /* entries used in windows[] */
     struct window windows[MAX_WINDOWS];
 };
@@ -88,7 +90,7 @@ static void usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s --script lua/sliding_window.lua [--host H] [--port P] [--unix PATH] [--db N]\n"
             "          [--mode seq|pipe] [--depth D] [--duration S] [--calls N] [--warmup N]\n"
-            "          [--users U] [--prefix P] [--clock server|client]\n"
+            "          [--users U] [--prefix P] [--clock server|client] [--serve]\n"
             "          [--window SECONDS:LIMIT]...   (shortest first; default 60:1000000000)\n",
             argv0);
 }
@@ -106,6 +108,7 @@ static int parse_options(int argc, char **argv, struct options *o) {
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--serve")) { o->serve = 1; continue; }
         if (!v) { usage(argv[0]); return -1; }
         if (!strcmp(a, "--host")) o->host = v;
         else if (!strcmp(a, "--port")) o->port = atoi(v);
@@ -265,6 +268,79 @@ static double percentile(double *sorted, long long n, double p) {
     return sorted[i];
 }
 
+/* One measured run: `warmup` unmeasured calls, then calls until `duration` seconds or
+ * `max_calls`; prints one JSON line on stdout. Returns 0, or 2 after a failed or bad reply. */
+static int measure(redisContext *ctx, struct command *cmd, const struct options *o,
+                   double duration, long long max_calls, long long warmup, long long *seq) {
+    /* Warm-up: connection, server-side script cache, page faults; not measured. */
+    for (long long i = 0; i < warmup; i++) {
+        command_next(cmd, o, (*seq)++);
+        redisReply *r = redisCommandArgv(ctx, cmd->argc, cmd->argv, cmd->argvlen);
+        int verdict = check_reply(r);
+        if (r) freeReplyObject(r);
+        if (verdict < 0) {
+            if (!r) fprintf(stderr, "reply: %s\n", ctx->errstr);
+            return 2;
+        }
+    }
+
+    int per = o->pipelined ? o->depth : 1;
+    long long max_samples = max_calls / per + 1;
+    /* Cap the sample buffer by what the duration can plausibly hold (10M calls/s). */
+    long long cap = (long long)(duration * 1e7) / per + 16;
+    if (max_samples > cap) max_samples = cap;
+    double *lat = malloc((size_t)max_samples * sizeof *lat);
+    if (!lat) { fprintf(stderr, "out of memory\n"); return 2; }
+
+    long long calls = 0, samples = 0, allowed = 0, rejected = 0;
+    int status = 0;
+    double cpu0 = cpu_seconds();
+    double t0 = now_seconds();
+    double deadline = t0 + duration;
+    double t = t0;
+    while (status == 0 && calls + per <= max_calls && samples < max_samples && t < deadline) {
+        double start = t;
+        for (int k = 0; k < per && status == 0; k++) {
+            command_next(cmd, o, (*seq)++);
+            if (redisAppendCommandArgv(ctx, cmd->argc, cmd->argv, cmd->argvlen) != REDIS_OK) {
+                fprintf(stderr, "append: %s\n", ctx->errstr);
+                status = 2;
+            }
+        }
+        for (int k = 0; k < per && status == 0; k++) {
+            void *reply = NULL;
+            if (redisGetReply(ctx, &reply) != REDIS_OK) {
+                fprintf(stderr, "reply: %s\n", ctx->errstr);
+                status = 2;
+                break;
+            }
+            int verdict = check_reply(reply);
+            freeReplyObject(reply);
+            if (verdict < 0) { status = 2; break; }
+            if (verdict) allowed++; else rejected++;
+        }
+        t = now_seconds();
+        lat[samples++] = (t - start) * 1e6;
+        calls += per;
+    }
+    double elapsed = now_seconds() - t0;
+    double cpu = cpu_seconds() - cpu0;
+    if (status == 0) {
+        qsort(lat, (size_t)samples, sizeof *lat, cmp_double);
+        double p50 = percentile(lat, samples, 0.50), p99 = percentile(lat, samples, 0.99);
+        printf("{\"mode\": \"%s\", \"depth\": %d, \"calls\": %lld, \"elapsed_s\": %.6f, "
+               "\"calls_per_s\": %.1f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
+               "\"p50_per_call_us\": %.3f, \"p99_per_call_us\": %.3f, "
+               "\"cpu_us_per_call\": %.3f, \"allowed\": %lld, \"rejected\": %lld}\n",
+               o->pipelined ? "pipe" : "seq", per, calls, elapsed,
+               elapsed > 0 ? (double)calls / elapsed : 0.0, p50, p99, p50 / per, p99 / per,
+               calls ? cpu * 1e6 / (double)calls : 0.0, allowed, rejected);
+        fflush(stdout);
+    }
+    free(lat);
+    return status;
+}
+
 int main(int argc, char **argv) {
     struct options o;
     if (parse_options(argc, argv, &o) != 0) return 64;
@@ -314,66 +390,27 @@ int main(int argc, char **argv) {
     if (command_init(&cmd, &o, sha) != 0) { fprintf(stderr, "out of memory\n"); return 70; }
 
     long long seq = 0;
-    /* Warm-up: connection, server-side script cache, page faults; not measured. */
-    for (long long i = 0; i < o.warmup; i++, seq++) {
-        redisReply *r;
-        command_next(&cmd, &o, seq);
-        r = redisCommandArgv(ctx, cmd.argc, cmd.argv, cmd.argvlen);
-        if (check_reply(r) < 0) return 2;
-        freeReplyObject(r);
-    }
-
-    int per = o.pipelined ? o.depth : 1;
-    long long max_samples = o.max_calls / per + 1;
-    /* Cap the sample buffer by what the duration can plausibly hold (10M calls/s). */
-    long long cap = (long long)(o.duration * 1e7) / per + 16;
-    if (max_samples > cap) max_samples = cap;
-    double *lat = malloc((size_t)max_samples * sizeof *lat);
-    if (!lat) { fprintf(stderr, "out of memory\n"); return 70; }
-
-    long long calls = 0, samples = 0, allowed = 0, rejected = 0;
-    double cpu0 = cpu_seconds();
-    double t0 = now_seconds();
-    double deadline = t0 + o.duration;
-    double t = t0;
-    while (calls + per <= o.max_calls && samples < max_samples && t < deadline) {
-        double start = t;
-        for (int k = 0; k < per; k++) {
-            command_next(&cmd, &o, seq++);
-            if (redisAppendCommandArgv(ctx, cmd.argc, cmd.argv, cmd.argvlen) != REDIS_OK) {
-                fprintf(stderr, "append: %s\n", ctx->errstr);
-                return 2;
+    int status = 0;
+    if (!o.serve) {
+        status = measure(ctx, &cmd, &o, o.duration, o.max_calls, o.warmup, &seq);
+    } else {
+        /* One line per run on stdin, "run <duration_s> <max_calls> <warmup>", one JSON line
+         * back; "quit" or EOF ends. The connection and the loaded script stay up between runs,
+         * so a caller can interleave short runs with other contenders at no start-up cost. */
+        char line[256];
+        while (status == 0 && fgets(line, sizeof line, stdin)) {
+            double duration;
+            long long max_calls, warmup;
+            if (!strncmp(line, "quit", 4)) break;
+            if (sscanf(line, "run %lf %lld %lld", &duration, &max_calls, &warmup) != 3 ||
+                duration <= 0 || max_calls < 1 || warmup < 0) {
+                fprintf(stderr, "bad command: %s", line);
+                status = 64;
+                break;
             }
+            status = measure(ctx, &cmd, &o, duration, max_calls, warmup, &seq);
         }
-        for (int k = 0; k < per; k++) {
-            void *reply = NULL;
-            if (redisGetReply(ctx, &reply) != REDIS_OK) {
-                fprintf(stderr, "reply: %s\n", ctx->errstr);
-                return 2;
-            }
-            int verdict = check_reply(reply);
-            if (verdict < 0) return 2;
-            if (verdict) allowed++; else rejected++;
-            freeReplyObject(reply);
-        }
-        t = now_seconds();
-        lat[samples++] = (t - start) * 1e6;
-        calls += per;
     }
-    double elapsed = now_seconds() - t0;
-    double cpu = cpu_seconds() - cpu0;
-
-    qsort(lat, (size_t)samples, sizeof *lat, cmp_double);
-    double p50 = percentile(lat, samples, 0.50), p99 = percentile(lat, samples, 0.99);
-    printf("{\"mode\": \"%s\", \"depth\": %d, \"calls\": %lld, \"elapsed_s\": %.6f, "
-           "\"calls_per_s\": %.1f, \"p50_us\": %.2f, \"p99_us\": %.2f, "
-           "\"p50_per_call_us\": %.3f, \"p99_per_call_us\": %.3f, "
-           "\"cpu_us_per_call\": %.3f, \"allowed\": %lld, \"rejected\": %lld}\n",
-           o.pipelined ? "pipe" : "seq", per, calls, elapsed,
-           elapsed > 0 ? (double)calls / elapsed : 0.0, p50, p99, p50 / per, p99 / per,
-           calls ? cpu * 1e6 / (double)calls : 0.0, allowed, rejected);
-
-    free(lat);
     redisFree(ctx);
-    return 0;
+    return status;
 }

@@ -288,6 +288,11 @@ def main() -> int:
             log(f"benchmarks: {title}: {time.monotonic() - started:.1f} s")
         results["others_cpu"] = account.others()
     finally:
+        if not target.owned:  # leave somebody else's server as we found it
+            try:
+                clean_keys(admin, ["gbench:"], owned=False)
+            except Exception:  # noqa: BLE001
+                pass
         admin.close()
         target.close()
 

@@ -34,9 +34,6 @@ SCRIPT_LOAD_PREFIX = b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n"
 #   UTF-8 after "%.240s" truncation makes rl_exception() fail with UnicodeDecodeError:
 #   feed() raises that instead of RateLimiterUnavailable, and the popped future is never
 #   resolved (its coroutine would wait forever); the blocking check() raises it too.
-#   decision-range: rl_script_decode accepts an allow with retry_after_s > 0, a reject with
-#   remaining > 0, and an allow whose remaining is not below the window's limit
-#   (tests/test_faults_hostile.py has the same three cases).
 #   command-reply-type: a push_command reply that is an array holding an error reply makes
 #   reply_to_python() fail: feed() raises ValueError("unexpected reply type 6") and the
 #   command's future is dropped unresolved (the AUTH/SELECT handshake waits for
@@ -46,7 +43,7 @@ SCRIPT_LOAD_PREFIX = b"*3\r\n$6\r\nSCRIPT\r\n$4\r\nLOAD\r\n"
 #   later redisReaderFeed(), and Pipeline.feed() maps that refusal to MemoryError (it
 #   should raise RateLimiterUnavailable with the reader's error). aio.py aborts the
 #   connection after the first error, so only direct users of Pipeline see it.
-KNOWN_BUGS = {"non-utf8-message", "decision-range", "command-reply-type", "feed-after-error"}
+KNOWN_BUGS = {"non-utf8-message", "command-reply-type", "feed-after-error"}
 # What feed() may raise while a bug above is listed, besides RateLimiterError.
 TOLERATED = ((UnicodeDecodeError,) if "non-utf8-message" in KNOWN_BUGS else ()) + (
     (ValueError,) if "command-reply-type" in KNOWN_BUGS else ()) + (

@@ -596,6 +596,22 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
                               spread([x["p99_us"] for x in rows_]),
                               f"{non2xx / total:.0%}" if total else "–", ratio_str(ratios)])
             r.table(["route", "probe status", "requests/s", "p50 µs", "p99 µs", "non-2xx", "vs unlimited"], erows)
+            instructions = e2e.get("instructions")
+            if instructions:
+                if "error" in instructions:
+                    r.add(f"Server instructions per request (callgrind): n/a: {instructions['error']}")
+                    r.add()
+                else:
+                    per = instructions["per_request"]
+                    base = per.get(unlimited)
+                    r.add(f"The app's own CPU per request, free of the machine's noise: uvicorn under callgrind, "
+                          f"{instructions['requests']} sequential keep-alive requests per route; all threads "
+                          f"of the server process, user space only (kernel work such as the threadpool's "
+                          f"wake-ups is not counted, so this is a lower bound).")
+                    r.add()
+                    r.table(["route", "server instructions/request", "vs unlimited"],
+                            [[title, fmt(value, 0), f"{value / base:.2f}×" if base else "–"]
+                             for title, value in per.items()])
             limited = e2e["variants"][1]
             ratios = [a["rps"] / b["rps"] for a, b in zip(e2e["results"][limited], e2e["results"][unlimited]) if b["rps"]]
             targets.append(("limited FastAPI route ≥ 0.8× the unlimited route's requests/s",

@@ -350,8 +350,87 @@ def e2e_section(target: RedisTarget, admin, quick: bool, rounds: int, duration: 
                 proc.kill()
                 proc.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+    instructions = None
+    if not quick:
+        instructions = e2e_instructions(target, admin, [(title, path, key) for title, path, budget, key in variants
+                                                        if budget == "big"])
     return {"results": results, "statuses": statuses, "connections": connections,
-            "duration": duration, "rounds": rounds, "variants": [v[0] for v in variants]}
+            "duration": duration, "rounds": rounds, "variants": [v[0] for v in variants],
+            "instructions": instructions}
+
+
+def e2e_instructions(target: RedisTarget, admin, paths: list[tuple[str, str, str]],
+                     requests: int = 100) -> dict[str, Any]:
+    """The app's own CPU per request, free of the machine's noise: uvicorn runs under callgrind,
+    one keep-alive client here sends `requests` POSTs per route (after a warm-up), and the
+    counters are dumped around each route's requests (all threads of the server process: the
+    event loop and FastAPI's threadpool). Kernel time (syscalls, context switches, the
+    threadpool's wake-ups) is not counted, so this is a lower bound of what each route costs.
+    paths: (title, path, api key). Full run only (about a minute)."""
+    import http.client
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        return {"error": "valgrind not installed"}
+    tmp = Path(tempfile.mkdtemp(prefix="gbench-e2e-cg-"))
+    tiers = tmp / "tiers.json"
+    tiers.write_text(json.dumps({t: {"per_minute": BIG, "per_day": BIG}
+                                 for t in ("free", "pro", "enterprise")}))
+    port = free_port()
+    env = dict(os.environ, REDIS_URL=target.url, EXAMPLE_KEY_PREFIX="gbench:e2e:cg",
+               GENAI_RATELIMIT_TIERS=str(tiers))
+    env.pop("RATE_LIMIT_DISABLED", None)
+    log = open(tmp / "uvicorn.log", "wb")
+    proc = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.out", sys.executable, "-m",
+         "uvicorn", "e2e_app:app", "--app-dir", str(BENCH_DIR), "--host", "127.0.0.1", "--port",
+         str(port), "--log-level", "warning", "--no-access-log"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(BENCH_DIR))
+    body = json.dumps({"model": "demo-1", "messages": [{"role": "user", "content": "hello"}],
+                       "stream": False})
+    out: dict[str, Any] = {"requests": requests, "per_request": {}}
+    try:
+        if not _wait_http(f"http://127.0.0.1:{port}/healthz", proc, 180):
+            return {"error": "uvicorn under callgrind did not start: " + (tmp / "uvicorn.log").read_text()[-1000:]}
+        dumps = 0
+
+        def dump() -> None:
+            nonlocal dumps
+            subprocess.run(["callgrind_control", "--dump", str(proc.pid)], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+            dumps += 1
+
+        segments: dict[str, int] = {}
+        for title, path, key in paths:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
+
+            def send(n: int) -> None:
+                for _ in range(n):
+                    connection.request("POST", path, body=body, headers=headers)
+                    response = connection.getresponse()
+                    response.read()
+                    if response.status != 200:
+                        raise RuntimeError(f"{path} answered {response.status}")
+            send(20)
+            dump()
+            send(requests)
+            dump()
+            segments[title] = dumps
+            connection.close()
+        for title, index in segments.items():
+            out["per_request"][title] = _callgrind_total(tmp / f"cg.out.{index}") / requests
+        return out
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        clean_keys(admin, ["gbench:e2e:cg"], target.owned)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> bool:

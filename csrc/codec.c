@@ -480,8 +480,22 @@ static int
 resolve(rl_module_state *state, PyObject *future, PyObject *value, int is_exception)
 {
     PyObject *done, *res;
-    if (value == NULL)
-        return -1;
+    if (value == NULL) {
+        /* Making the value failed: the future gets that exception rather than waiting
+           forever. */
+        PyObject *type, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        if (type == NULL)
+            return -1;
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL)
+            PyException_SetTraceback(value, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        if (value == NULL)
+            return -1;
+        is_exception = 1;
+    }
     done = PyObject_CallMethodNoArgs(future, state->str_done);
     if (done == NULL) {
         Py_DECREF(value);
@@ -515,6 +529,8 @@ reply_to_python(const redisReply *r)
         return PyLong_FromLongLong(r->integer);
     case REDIS_REPLY_NIL:
         Py_RETURN_NONE;
+    case REDIS_REPLY_ERROR: /* inside an array: kept as its text */
+        return PyBytes_FromStringAndSize(r->str, (Py_ssize_t)r->len);
     case REDIS_REPLY_ARRAY: {
         PyObject *list = PyList_New((Py_ssize_t)r->elements);
         if (list == NULL)
@@ -621,6 +637,16 @@ Pipeline_feed(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
         PyErr_SetString(PyExc_TypeError, "feed(data) takes 1 positional argument");
         return NULL;
     }
+    if (self->reader == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the pipeline was not initialised");
+        return NULL;
+    }
+    if (self->reader->err) {
+        /* hiredis refuses input once it failed; the connection must be dropped. */
+        rl_error_set(&err, RL_ERR_PROTOCOL, 0, "the connection already failed: %s",
+                     rl_reader_error(self->reader));
+        return rl_raise(state, &err);
+    }
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
         return NULL;
     int fed = redisReaderFeed(self->reader, view.buf, (size_t)view.len);
@@ -681,19 +707,28 @@ Pipeline_fail_all(PipelineObject *self, PyTypeObject *defining_class, PyObject *
         return NULL;
     }
     PyObject *exc = args[0];
+    PyObject *first_type = NULL, *first_value = NULL, *first_tb = NULL;
     self->out_len = 0;
     self->unsent = 0;
     while (self->count > 0) {
         pl_entry e = self->ring[self->head];
         self->head = (self->head + 1) % self->capacity;
         self->count--;
-        if (e.future != NULL && !failed && resolve(state, e.future, Py_NewRef(exc), 1) < 0)
-            failed = 1; /* keep draining: every reference must be released */
+        if (e.future != NULL && resolve(state, e.future, Py_NewRef(exc), 1) < 0) {
+            /* Keep failing the others: report the first error at the end. */
+            if (!failed)
+                PyErr_Fetch(&first_type, &first_value, &first_tb);
+            else
+                PyErr_Clear();
+            failed = 1;
+        }
         Py_XDECREF(e.future);
         Py_XDECREF((PyObject *)e.request);
     }
-    if (failed)
+    if (failed) {
+        PyErr_Restore(first_type, first_value, first_tb);
         return NULL;
+    }
     Py_RETURN_NONE;
 }
 

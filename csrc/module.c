@@ -8,6 +8,7 @@
  */
 #include "native.h"
 
+#include <string.h>
 #include <unistd.h>
 
 extern PyType_Spec rl_limiter_spec;
@@ -43,7 +44,15 @@ rl_exception(rl_module_state *state, const rl_error *err)
         type = state->Unavailable;
         break;
     }
-    return PyObject_CallFunction(type, "s", err->message[0] ? err->message : "Redis is unavailable");
+    /* The message may quote a server's error text: not necessarily UTF-8, and %.Ns may
+       have cut a character in two. Decode leniently; an exception must always be made. */
+    const char *text = err->message[0] ? err->message : "Redis is unavailable";
+    PyObject *message = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
+    if (message == NULL)
+        return NULL;
+    PyObject *exc = PyObject_CallOneArg(type, message);
+    Py_DECREF(message);
+    return exc;
 }
 
 PyObject *

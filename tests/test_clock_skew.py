@@ -204,14 +204,18 @@ PHASES = [(0, 5), (1_000, 1), (2_500, 5), (5_000, 5)]   # (true ms since start, 
 EXPECTED_ADMITTED = [LIMIT, 0, LIMIT, LIMIT]           # both processes together, per phase
 
 
-def phase_worker(url: str, user: str, start_ms: int, results) -> None:
-    """One app server process: its own RateLimiter (default clock). At each phase's time by
-    the server's clock it makes its checks and reports (phase, allowed, retry_after_s)."""
+def phase_worker(url: str, user: str, starts, results) -> None:
+    """One app server process: its own RateLimiter (default clock). It reports ready once
+    imported and connected, is told the start (server ms), and at each phase's time by the
+    server's clock makes its checks and reports (phase, allowed, retry_after_s)."""
     from genai_ratelimit import RateLimiter
 
     client = redis.Redis.from_url(url)
     try:
         with RateLimiter(url) as limiter:
+            limiter.check(f"{user}-warm-up", LIMIT, WINDOW_S)  # connect and load the script
+            results.put(("ready", None, None))
+            start_ms = starts.get(timeout=60)
             for phase, (at_ms, checks) in enumerate(PHASES):
                 wait_until_server_ms(client, start_ms + at_ms, timeout=15)
                 for _ in range(checks):
@@ -229,13 +233,22 @@ def two_app_servers(redis_url: str, redis_client: redis.Redis, user_id: str) -> 
     """Runs phase_worker in two spawned processes; yields every (phase, allowed, retry)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    start_ms = server_ms(redis_client) + 1_500   # time for both processes to start
-    processes = [context.Process(target=phase_worker, args=(redis_url, user_id, start_ms, results))
+    starts = context.Queue()
+    processes = [context.Process(target=phase_worker, args=(redis_url, user_id, starts, results))
                  for _ in range(2)]
     for p in processes:
         p.start()
     collected: list = []
     try:
+        ready = 0
+        while ready < 2:  # however slow the start-up (ASan, valgrind), phases begin together
+            item = results.get(timeout=120)
+            if item[0] == "error":
+                raise AssertionError(f"an app server process failed: {item[1]}")
+            ready += item[0] == "ready"
+        start_ms = server_ms(redis_client) + 300
+        for _ in processes:
+            starts.put(start_ms)
         done = 0
         while done < 2:
             item = results.get(timeout=30)

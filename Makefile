@@ -150,6 +150,7 @@ serve: install
 	$(PY) examples/serve.py
 
 bench: install
+	@bash scripts/ensure-debian-packages.sh wrk valgrind   # end to end, instruction counts
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/run.py $(if $(QUICK),--quick,)
 

@@ -21,11 +21,10 @@ Returns {allowed, remaining, retry_after_s, i}:
 A rejection writes nothing, and no key after the rejecting window is touched.
 --]]
 
--- Redis before 7.0 must be told to replicate effects once the script read TIME.
-if redis.replicate_commands then redis.replicate_commands() end
-
 local now = tonumber(ARGV[2])
 if not now then
+  -- Redis before 7.0 must be told to replicate effects once the script read TIME.
+  if redis.replicate_commands then redis.replicate_commands() end
   local t = redis.call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end

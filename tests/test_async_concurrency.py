@@ -155,7 +155,7 @@ def test_the_loop_stays_responsive_under_a_burst_of_checks(
             async with LoopLagProbe() as probe:
                 for _ in range(10):
                     await asyncio.gather(*(limiter.check(user, 100_000, 60) for _ in range(200)))
-        assert probe.max_lag < MAX_LAG, f"the loop stalled for {probe.max_lag * 1000:.1f} ms"
+        assert probe.max_lag < MAX_LAG, probe.report()
 
     run_async(main(), loop_factory)
 

@@ -67,7 +67,7 @@ def test_closed_port_raises_unavailable_within_the_connect_timeout(loop_factory:
                 error, elapsed = await timed_failure(call)
                 assert isinstance(error, RateLimiterUnavailable) and str(error)
                 assert elapsed < 0.5 + MARGIN
-        assert probe.max_lag < MAX_LAG
+        assert probe.max_lag < MAX_LAG, probe.report()
 
     run_async(main(), loop_factory)
 
@@ -98,7 +98,7 @@ def test_unanswered_connect_raises_unavailable_within_the_connect_timeout_withou
         assert isinstance(error, RateLimiterUnavailable)
         assert "connect" in str(error)
         assert 0.2 <= elapsed < 0.3 + MARGIN
-        assert probe.max_lag < MAX_LAG and probe.wakeups > 10
+        assert probe.max_lag < MAX_LAG and probe.wakeups > 10, probe.report()
 
     run_async(main(), loop_factory)
 
@@ -121,7 +121,7 @@ def test_paused_server_raises_timeout_within_the_socket_timeout_and_the_loop_sta
         assert isinstance(error, RateLimiterTimeout)
         assert "socket_timeout" in str(error)
         assert 0.45 <= elapsed < 0.5 + MARGIN  # it waited for the reply, then gave up in time
-        assert probe.max_lag < MAX_LAG and probe.wakeups > 20
+        assert probe.max_lag < MAX_LAG and probe.wakeups > 20, probe.report()
 
     run_async(main(), loop_factory)
 
@@ -196,7 +196,7 @@ def test_a_check_waiting_on_a_busy_server_does_not_block_the_loop(
                 await asyncio.to_thread(sleeper.join, 10)
         assert result == (True, 8, 0)
         assert waited >= 0.3  # the check really waited on the busy server...
-        assert probe.max_lag < MAX_LAG and probe.wakeups > 50  # ...and the loop kept running
+        assert probe.max_lag < MAX_LAG and probe.wakeups > 50, probe.report()  # ...and the loop ran
 
     try:
         run_async(main(), loop_factory)
@@ -241,39 +241,11 @@ def test_restart_while_the_loop_runs_is_recovered_transparently(
     run_async(main(), loop_factory)
 
 
-def test_restart_while_the_loop_is_stopped_fails_at_most_one_check_then_recovers(
-        private_redis: RedisServer, loop_factory: LoopFactory) -> None:
-    # The loop does not run while Redis restarts (blocked, or between two run_until_complete
-    # calls): the idle connection's close is only read once the next check is under way.
-    # What the limiter guarantees: that check either answers or fails fast with
-    # RateLimiterUnavailable, and the one after it answers on a new connection.
-    from genai_ratelimit import RateLimiterUnavailable
-
-    with LoopRunner(loop_factory) as runner:
-        limiter = async_limiter(private_redis.url)
-        try:
-            assert runner.run(limiter.check("user-1", 10, 60)) == (True, 9, 0)
-            private_redis.restart()
-            started = time.monotonic()
-            try:
-                first = runner.run(limiter.check("user-1", 10, 60))
-            except RateLimiterUnavailable:
-                first = None
-                assert time.monotonic() - started < 0.5 + MARGIN
-            expected_next = (True, 8, 0) if first is not None else (True, 9, 0)
-            if first is not None:
-                assert first == (True, 9, 0)
-            assert runner.run(limiter.check("user-1", 10, 60)) == expected_next
-        finally:
-            runner.run(limiter.aclose())
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "aio.py reuses an idle connection without checking that the server is still there: a "
-    "restart while the loop is not running costs one failed check (the blocking limiter "
-    "polls an idle connection before reusing it and answers this one)"))
 def test_restart_while_the_loop_is_stopped_is_recovered_transparently(
         private_redis: RedisServer, loop_factory: LoopFactory) -> None:
+    # The loop does not run while Redis restarts (blocked, or between two run_until_complete
+    # calls), so the idle connection's close is still unread when the next check comes: the
+    # limiter must notice before it writes the check there, as the blocking limiter does.
     with LoopRunner(loop_factory) as runner:
         limiter = async_limiter(private_redis.url)
         try:

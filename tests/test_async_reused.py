@@ -38,11 +38,6 @@ NOT_REUSED = {
     "test_script_sha1_is_the_sha1_of_the_lua_file": "no limiter",
     "test_tier_limits_are_the_contracts_budgets": "no limiter",
     "test_exception_hierarchy": "no limiter",
-    # Between two calls this adapter's loop does not run, so the server's goodbye on the
-    # idle connection is only read during the next call: test_async_faults.py tests the
-    # restart both with the loop running (as in a service) and with it stopped.
-    "test_restarted_server_is_recovered_transparently": "see test_async_faults.py",
-    "test_restart_with_many_pooled_connections_recovers_every_one": "see test_async_faults.py",
     # fork() with an event loop is not part of the async contract.
     "test_fork_parent_and_child_both_get_correct_answers_on_their_own_connections": "fork",
     "test_fork_child_does_not_close_the_parents_connection": "fork",

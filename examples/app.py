@@ -26,7 +26,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
-from genai_ratelimit import RateLimiter
+from genai_ratelimit import AsyncRateLimiter
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware
 
 # Demo keys. A real service looks keys up in its database.
@@ -40,7 +40,7 @@ API_KEYS: dict[str, tuple[str, str]] = {
 # on every run; a service keeps the default "ratelimit". Tier budgets: TIER_LIMITS, or the
 # file named by $GENAI_RATELIMIT_TIERS (checked here, at start-up).
 rate_limit = RateLimit(
-    limiter=RateLimiter(key_prefix=os.environ.get("EXAMPLE_KEY_PREFIX", "ratelimit")),
+    limiter=AsyncRateLimiter(key_prefix=os.environ.get("EXAMPLE_KEY_PREFIX", "ratelimit")),
 )
 
 app = FastAPI(title="genai-ratelimit example")

@@ -18,6 +18,7 @@ import select
 import ssl
 import time
 import weakref
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from . import _native
@@ -218,6 +219,7 @@ class _LoopPool:
         self.connections: list[_Connection] = []
         self.opening: asyncio.Future[_Connection] | None = None
         self.replaying: set[asyncio.Task[None]] = set()
+        self._lifetime: AsyncGenerator[None, None] | None = None
 
     def pick(self) -> _Connection | None:
         """The least busy open connection, unless every one is deep enough that another
@@ -239,11 +241,27 @@ class _LoopPool:
         conn = self.pick()
         if conn is not None:
             return conn
+        if self._lifetime is None:
+            # Started here, on the pool's loop: asyncio.run(), asyncio.Runner and uvloop.run()
+            # close async generators before they close the loop, which runs its finally.
+            self._lifetime = self._watch_loop()
+            await self._lifetime.asend(None)
         if self.opening is None:
             self.opening = self.loop.create_task(self._open())
             self.opening.add_done_callback(self._opened)
         # shield: a cancelled caller must not cancel the connect that others wait for
         return await asyncio.shield(self.opening)
+
+    async def _watch_loop(self) -> AsyncGenerator[None, None]:
+        """Closes this loop's connections when the loop shuts down, so a limiter used from
+        many short-lived loops (asyncio.run per call, a test client) holds no socket of a
+        loop that is gone."""
+        try:
+            yield
+        finally:
+            self.close_all(RateLimiterError("the event loop of this connection shut down"))
+            self.limiter._forget(self)
+            await asyncio.sleep(0)  # let the transports finish closing on this loop
 
     def _opened(self, task: asyncio.Future[_Connection]) -> None:
         self.opening = None
@@ -285,6 +303,7 @@ class _LoopPool:
         if options.unix_path is not None:
             await self.loop.create_unix_connection(lambda: conn, options.unix_path)
         else:
+            assert options.host is not None  # a TCP URL always has one (_url.py)
             await self.loop.create_connection(
                 lambda: conn, options.host, options.port, ssl=self.limiter._ssl,
                 server_hostname=options.host if self.limiter._ssl is not None else None)
@@ -294,14 +313,16 @@ class _LoopPool:
             replies.append(conn.command(*words))
         if options.db:
             replies.append(conn.command("SELECT", str(options.db)))
-        for reply in replies:
+        for index, reply in enumerate(replies):
             try:
                 await reply
             except RateLimiterError as exc:
                 # The message is the server's text, which never contains the password.
-                if replies and reply is replies[0] and options.password is not None:
+                if index == 0 and options.password is not None:
                     raise _native.RateLimiterAuthError(f"Redis authentication failed: {exc}") from None
-                raise
+                if isinstance(exc, _native.RateLimiterAuthError):
+                    raise
+                raise RateLimiterUnavailable(f"Redis refused SELECT {options.db}: {exc}") from None
 
     def replay(self, pairs: list[tuple[asyncio.Future[Any], Any]]) -> None:
         """Replays checks whose connection broke, on a fresh or another open connection."""
@@ -381,6 +402,13 @@ class AsyncRateLimiter:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self._options.describe()!r}, "
                 f"key_prefix={self.key_prefix!r}, clock={self._clock!r})")
+
+    def _forget(self, pool: _LoopPool) -> None:
+        """Drops a pool whose loop shut down."""
+        if self._pools.get(pool.loop) is pool:
+            del self._pools[pool.loop]
+        if self._last_pool is pool:
+            self._last_loop = self._last_pool = None
 
     def _pool(self) -> _LoopPool:
         loop = asyncio.get_running_loop()

@@ -24,6 +24,7 @@ typedef struct {
     size_t key_prefix_len;
     int client_clock;            /* 1: the caller's clock; 0: the server's TIME */
     int configured;              /* __init__ ran to completion */
+    unsigned long fork_generation; /* rl_fork_generation() at the last call; 0 before */
 } LimiterObject;
 
 static rl_module_state *
@@ -159,12 +160,14 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         result = rl_result_tuple(&p->windows, &p->result, with_window);
         goto done;
     }
-    pid_t pid = getpid();
-    if (self->pool.pid != pid) {
-        /* First use in a fork child: never touch the parent's sockets. getpid() on every
-           call (a ~0.3 us syscall) also catches a fork() made from C, which runs none of
-           Python's at-fork hooks. */
-        rl_pool_after_fork(&self->pool, pid);
+    unsigned long generation = rl_fork_generation(state->random);
+    if (self->fork_generation != generation) {
+        /* First use in a fork child (or ever): never touch the parent's sockets. The
+           generation comes from a page the kernel wipes in a child, so a fork() made from
+           C, which runs none of Python's at-fork hooks, is seen as well. */
+        if (self->fork_generation != 0)
+            rl_pool_after_fork(&self->pool, getpid());
+        self->fork_generation = generation;
     }
     Py_BEGIN_ALLOW_THREADS
     st = rl_script_run(&self->pool, p->command, (size_t)p->command_len, &p->windows,

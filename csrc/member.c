@@ -9,11 +9,15 @@
  * child finds it zeroed and refills, so it never repeats its parent's ids. Where the
  * kernel lacks that flag, the page remembers its pid and a changed pid forces a refill.
  *
+ * The same wiped page tells the limiters that a fork happened (rl_fork_generation), so
+ * they drop their parent's sockets without a getpid() syscall on every call.
+ *
  * GIL contract: the page is module state, used only with the GIL held (args.c).
  */
 #include "native.h"
 
 #include <errno.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/random.h>
@@ -23,41 +27,80 @@
 
 #define RL_RANDOM_PAGE 4096
 
-struct rl_random {
+/* The page itself: zeroed by the kernel in a fork child when MADV_WIPEONFORK took. */
+typedef struct {
+    int alive;                   /* 1 in the process that set it; 0 in a fork child */
     int filled;                  /* 0 after a fork (wiped) or before the first fill */
-    int wipes_on_fork;           /* MADV_WIPEONFORK took effect */
-    pid_t pid;                   /* filler's pid, checked when wipes_on_fork is 0 */
+    pid_t pid;                   /* filler's pid, checked when the page is not wiped */
     unsigned int used;           /* bytes of `bytes` handed out */
     unsigned char bytes[RL_RANDOM_PAGE - 4 * sizeof(int)];
+} rl_random_page;
+
+struct rl_random {
+    rl_random_page *page;        /* mmap'd, MADV_WIPEONFORK when the kernel has it */
+    int wipes_on_fork;           /* the madvise took effect */
+    pid_t last_pid;              /* for the getpid() fallback when it did not */
+    unsigned long generation;    /* bumped once per fork seen; starts at 1 */
 };
 
 rl_random *
 rl_random_new(void)
 {
-    rl_random *page = mmap(NULL, RL_RANDOM_PAGE, PROT_READ | PROT_WRITE,
-                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (page == MAP_FAILED)
+    rl_random *r = malloc(sizeof(*r));
+    if (r == NULL)
         return NULL;
+    r->page = mmap(NULL, RL_RANDOM_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                   -1, 0);
+    if (r->page == MAP_FAILED) {
+        int saved = errno;
+        free(r);
+        errno = saved;
+        return NULL;
+    }
 #ifdef MADV_WIPEONFORK
-    page->wipes_on_fork = madvise(page, RL_RANDOM_PAGE, MADV_WIPEONFORK) == 0;
+    r->wipes_on_fork = madvise(r->page, RL_RANDOM_PAGE, MADV_WIPEONFORK) == 0;
 #else
-    page->wipes_on_fork = 0;
+    r->wipes_on_fork = 0;
 #endif
-    return page;
+    r->page->alive = 1;
+    r->last_pid = getpid();
+    r->generation = 1;
+    return r;
 }
 
 void
-rl_random_free(rl_random *page)
+rl_random_free(rl_random *r)
 {
-    if (page != NULL)
-        munmap(page, RL_RANDOM_PAGE);
+    if (r == NULL)
+        return;
+    munmap(r->page, RL_RANDOM_PAGE);
+    free(r);
+}
+
+unsigned long
+rl_fork_generation(rl_random *r)
+{
+    if (r->wipes_on_fork) {
+        /* A wiped page means: this process is a fork child that has not looked yet. No
+           syscall on the usual path, and a fork() made from C is seen too. */
+        if (!r->page->alive) {
+            r->page->alive = 1;
+            r->generation++;
+        }
+    } else {
+        pid_t pid = getpid();
+        if (pid != r->last_pid) {
+            r->last_pid = pid;
+            r->generation++;
+        }
+    }
+    return r->generation;
 }
 
 static int
-refill(rl_random *page)
+refill(rl_random_page *page)
 {
     size_t got = 0;
-    int wipes = page->wipes_on_fork;
     while (got < sizeof(page->bytes)) {
         ssize_t n = getrandom(page->bytes + got, sizeof(page->bytes) - got, 0);
         if (n < 0) {
@@ -67,7 +110,6 @@ refill(rl_random *page)
         }
         got += (size_t)n;
     }
-    page->wipes_on_fork = wipes; /* a wiped page lost it; it did wipe, so keep it */
     page->pid = getpid();
     page->used = 0;
     page->filled = 1;
@@ -75,11 +117,12 @@ refill(rl_random *page)
 }
 
 int
-rl_member_uuid4(rl_random *page, char out[RL_MEMBER_LEN + 1])
+rl_member_uuid4(rl_random *r, char out[RL_MEMBER_LEN + 1])
 {
+    rl_random_page *page = r->page;
     unsigned char id[16];
     if (!page->filled || page->used + 16 > sizeof(page->bytes) ||
-        (!page->wipes_on_fork && page->pid != getpid())) {
+        (!r->wipes_on_fork && page->pid != getpid())) {
         if (refill(page) < 0)
             return -1;
     }

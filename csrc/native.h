@@ -165,6 +165,8 @@ const char *rl_script_source_text(size_t *len);
 typedef struct rl_random rl_random;                  /* a page of kernel randomness */
 rl_random *rl_random_new(void);                      /* NULL with errno on failure */
 void rl_random_free(rl_random *page);
+/* Bumped once per fork this process descends from (starts at 1). GIL held. */
+unsigned long rl_fork_generation(rl_random *r);
 /* Canonical lowercase UUID4 text. 0, or -1 with errno when getrandom failed. GIL held. */
 int rl_member_uuid4(rl_random *page, char out[RL_MEMBER_LEN + 1]);
 long long rl_clock_ms(void);                         /* unix time in milliseconds */

@@ -291,6 +291,9 @@ class _LoopPool:
             conn.abort(RateLimiterUnavailable("connect failed"))
             raise RateLimiterUnavailable(
                 f"cannot connect to Redis at {where}: {exc.strerror or exc}") from None
+        except BaseException:  # cancelled (e.g. the loop shuts down mid-connect): no leak
+            conn.abort(RateLimiterUnavailable("connect cancelled"))
+            raise
         if limiter._closed:
             conn.close(RateLimiterError("the rate limiter is closed"))
             raise RateLimiterError("the rate limiter is closed")

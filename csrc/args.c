@@ -198,6 +198,8 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
 
     out->command = NULL;
     out->command_len = 0;
+    out->replay = NULL;
+    out->replay_len = 0;
     out->disabled = 0;
     user = rl_user_id_utf8(user_id, &user_len);
     if (user == NULL)
@@ -237,6 +239,22 @@ rl_prepared_clear(rl_prepared *p)
         redisFreeCommand(p->command);
         p->command = NULL;
     }
+    free(p->replay);
+    p->replay = NULL;
+}
+
+int
+rl_check_timeout(const char *name, double seconds)
+{
+    if (!(seconds > 0) || !(seconds <= RL_MAX_TIMEOUT_SECONDS)) {
+        /* NaN fails both comparisons; inf and huge values fail the second. */
+        char shown[64];
+        PyOS_snprintf(shown, sizeof(shown), "%g", seconds);
+        PyErr_Format(PyExc_ValueError, "%s must be a positive number of seconds, at most %d "
+                     "(one day), got %s", name, (int)RL_MAX_TIMEOUT_SECONDS, shown);
+        return -1;
+    }
+    return 0;
 }
 
 PyObject *

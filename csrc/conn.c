@@ -11,12 +11,18 @@
  * Lock contract: pool->mutex guards the pool's bookkeeping only; it is never held
  * across connect() or socket I/O, and it is taken only after the GIL was released.
  *
+ * This file is the blocking driver of the protocol engine (proto.c): it only moves bytes.
+ * What to send, how to judge a reply, NOSCRIPT and the replay rule live in the engine,
+ * shared with the asyncio path.
+ *
  * I/O: sockets are blocking with SO_SNDTIMEO/SO_RCVTIMEO, so one decision costs one
- * write() and (usually) one read(). A deadline bounds the whole call: after a partial
- * read the receive timeout is re-armed with what is left of it. hiredis is used for what
- * it is best at, RESP parsing (redisReader); we own the socket so that deadlines are
- * exact and the same code serves every hiredis version. Any error makes a connection
- * unusable: it is closed, never read again, and the next call opens a new one.
+ * write() and (usually) one read(). A deadline bounds the whole call: before every
+ * syscall the armed timeouts are lowered to what is left of it when they would overshoot
+ * it (no syscall in the usual case), and a timeout that fires early just loops. A signal
+ * (EINTR) ends the syscall with RL_ERR_INTERRUPTED: the caller runs Python's signal
+ * handlers with the GIL (PEP 475) and resumes the same call, or abandons it. Any other
+ * error makes a connection unusable: it is closed, never read again, and the next call
+ * opens a new one.
  */
 #include "native.h"
 
@@ -39,18 +45,23 @@
 #include <openssl/err.h>
 #include <openssl/x509v3.h>
 
-static rl_status arm_timeouts(rl_conn *conn, double seconds, rl_error *err);
 
 rl_status
-rl_error_set(rl_error *err, rl_status kind, int saved_errno, const char *fmt, ...)
+rl_error_set(rl_error *err, rl_status kind, const char *fmt, ...)
 {
     va_list ap;
     err->kind = kind;
-    err->saved_errno = saved_errno;
     va_start(ap, fmt);
     vsnprintf(err->message, sizeof(err->message), fmt, ap);
     va_end(ap);
     return kind;
+}
+
+void
+rl_wipe(void *buf, size_t len)
+{
+    if (buf != NULL && len > 0)
+        explicit_bzero(buf, len);
 }
 
 /* ------------------------------------------------------------------ config */
@@ -93,7 +104,7 @@ rl_config_clear(rl_config *cfg)
         SSL_CTX_free(cfg->ssl_ctx);
     if (cfg->password != NULL) {
         /* Do not leave the secret lying in freed memory. */
-        memset(cfg->password, 0, strlen(cfg->password));
+        rl_wipe(cfg->password, strlen(cfg->password));
         free(cfg->password);
     }
     memset(cfg, 0, sizeof(*cfg));
@@ -119,7 +130,7 @@ rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const char *cert_
     char detail[200];
     SSL_CTX *ctx = SSL_CTX_new(TLS_client_method());
     if (ctx == NULL)
-        return rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "cannot create a TLS context: %s",
+        return rl_error_set(err, RL_ERR_NOMEM, "cannot create a TLS context: %s",
                             ssl_error_text(detail, sizeof(detail)));
     SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
     /* Our sockets block with timeouts: let OpenSSL retry internal renegotiation reads. */
@@ -130,7 +141,7 @@ rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const char *cert_
                                      : SSL_CTX_set_default_verify_paths(ctx);
         if (loaded != 1) {
             SSL_CTX_free(ctx);
-            return rl_error_set(err, RL_ERR_CONNECT, 0, "cannot load CA certificates from %s: %s",
+            return rl_error_set(err, RL_ERR_CONNECT, "cannot load CA certificates from %s: %s",
                                 ca_file ? ca_file : "the system's default locations",
                                 ssl_error_text(detail, sizeof(detail)));
         }
@@ -140,7 +151,7 @@ rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const char *cert_
     if (cert_file != NULL &&
         SSL_CTX_use_certificate_chain_file(ctx, cert_file) != 1) {
         SSL_CTX_free(ctx);
-        return rl_error_set(err, RL_ERR_CONNECT, 0, "cannot load the client certificate %s: %s",
+        return rl_error_set(err, RL_ERR_CONNECT, "cannot load the client certificate %s: %s",
                             cert_file, ssl_error_text(detail, sizeof(detail)));
     }
     if (key_file != NULL || cert_file != NULL) {
@@ -148,7 +159,7 @@ rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const char *cert_
         if (SSL_CTX_use_PrivateKey_file(ctx, key, SSL_FILETYPE_PEM) != 1 ||
             SSL_CTX_check_private_key(ctx) != 1) {
             SSL_CTX_free(ctx);
-            return rl_error_set(err, RL_ERR_CONNECT, 0, "cannot load the client key %s: %s", key,
+            return rl_error_set(err, RL_ERR_CONNECT, "cannot load the client key %s: %s", key,
                                 ssl_error_text(detail, sizeof(detail)));
         }
     }
@@ -186,86 +197,6 @@ set_io_timeout(int fd, int option, double seconds)
     return setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
 }
 
-/* ----------------------------------------------------------------- reader */
-
-/* The reply functions of our readers: hiredis's defaults (reached through the reader's
-   privdata), except that an array longer than any reply we expect is refused at once.
-   Without this, a hostile "*1000000000" header makes hiredis 0.14 calloc and later walk
-   a billion element slots. The table is constant: no global mutable state. */
-#define RL_MAX_REPLY_ELEMENTS 64
-
-#if HIREDIS_MAJOR >= 1
-typedef size_t rl_elements_t;
-#else
-typedef int rl_elements_t;
-#endif
-
-static const redisReplyObjectFunctions *
-defaults_of(const redisReadTask *task)
-{
-    return (const redisReplyObjectFunctions *)task->privdata;
-}
-
-static void *
-bounded_string(const redisReadTask *task, char *str, size_t len)
-{
-    return defaults_of(task)->createString(task, str, len);
-}
-
-static void *
-bounded_array(const redisReadTask *task, rl_elements_t elements)
-{
-    if ((size_t)elements > RL_MAX_REPLY_ELEMENTS)
-        return NULL; /* the reader reports it as an error; the connection is dropped */
-    return defaults_of(task)->createArray(task, elements);
-}
-
-static void *
-bounded_integer(const redisReadTask *task, long long value)
-{
-    return defaults_of(task)->createInteger(task, value);
-}
-
-static void *
-bounded_nil(const redisReadTask *task)
-{
-    return defaults_of(task)->createNil(task);
-}
-
-static const redisReplyObjectFunctions bounded_functions = {
-    .createString = bounded_string,
-    .createArray = bounded_array,
-    .createInteger = bounded_integer,
-    .createNil = bounded_nil,
-    .freeObject = freeReplyObject,
-};
-
-redisReader *
-rl_reader_create(void)
-{
-    redisReader *reader = redisReaderCreate();
-    if (reader == NULL)
-        return NULL;
-    reader->privdata = (void *)reader->fn; /* hiredis's own (static) default functions */
-    reader->fn = (redisReplyObjectFunctions *)&bounded_functions;
-    return reader;
-}
-
-const char *
-rl_reader_error(const redisReader *reader)
-{
-    /* Our bounded_array makes the reader say "Out of memory": say what it means. */
-    if (reader->err == REDIS_ERR_OOM)
-        return "a reply far larger than a rate-limit decision";
-    return reader->errstr;
-}
-
-int
-rl_reader_idle(const redisReader *reader)
-{
-    return reader->pos >= reader->len;
-}
-
 /* ------------------------------------------------------------- connection */
 
 static void
@@ -277,35 +208,33 @@ conn_free(rl_conn *conn)
         SSL_free(conn->ssl); /* no close_notify: the socket may be broken or a parent's */
     if (conn->fd >= 0)
         close(conn->fd);
-    if (conn->reader != NULL)
-        redisReaderFree(conn->reader);
+    rl_proto_clear(&conn->proto);
     free(conn);
 }
 
-/* Connects fd (non-blocking) to addr within the deadline; leaves it blocking. */
 static rl_status
 connect_fd(int fd, const struct sockaddr *addr, socklen_t addrlen, double deadline,
            const char *where, rl_error *err)
 {
     int flags = fcntl(fd, F_GETFL);
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
-        return rl_error_set(err, RL_ERR_CONNECT, errno, "cannot configure a socket: %s",
+        return rl_error_set(err, RL_ERR_CONNECT, "cannot configure a socket: %s",
                             strerror(errno));
     if (connect(fd, addr, addrlen) < 0) {
         if (errno != EINPROGRESS)
-            return rl_error_set(err, RL_ERR_CONNECT, errno, "cannot connect to Redis at %s: %s",
+            return rl_error_set(err, RL_ERR_CONNECT, "cannot connect to Redis at %s: %s",
                                 where, strerror(errno));
         for (;;) {
             struct pollfd pfd = {.fd = fd, .events = POLLOUT};
             double left = deadline - rl_monotonic();
             if (left <= 0)
-                return rl_error_set(err, RL_ERR_TIMEOUT, ETIMEDOUT,
+                return rl_error_set(err, RL_ERR_TIMEOUT,
                                     "timed out connecting to Redis at %s", where);
             int rc = poll(&pfd, 1, (int)(left * 1000.0) + 1);
             if (rc < 0 && errno == EINTR)
                 continue;
             if (rc < 0)
-                return rl_error_set(err, RL_ERR_CONNECT, errno, "cannot connect to Redis at %s: %s",
+                return rl_error_set(err, RL_ERR_CONNECT, "cannot connect to Redis at %s: %s",
                                     where, strerror(errno));
             if (rc == 0)
                 continue; /* the deadline check above ends the loop */
@@ -314,13 +243,13 @@ connect_fd(int fd, const struct sockaddr *addr, socklen_t addrlen, double deadli
             if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) < 0)
                 soerr = errno;
             if (soerr != 0)
-                return rl_error_set(err, RL_ERR_CONNECT, soerr, "cannot connect to Redis at %s: %s",
+                return rl_error_set(err, RL_ERR_CONNECT, "cannot connect to Redis at %s: %s",
                                     where, strerror(soerr));
             break;
         }
     }
     if (fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0)
-        return rl_error_set(err, RL_ERR_CONNECT, errno, "cannot configure a socket: %s",
+        return rl_error_set(err, RL_ERR_CONNECT, "cannot configure a socket: %s",
                             strerror(errno));
     return RL_OK;
 }
@@ -334,7 +263,7 @@ open_socket(const rl_config *cfg, double deadline, int *out_fd, rl_error *err)
         struct sockaddr_un sa;
         snprintf(where, sizeof(where), "unix:%s", cfg->unix_path);
         if (strlen(cfg->unix_path) >= sizeof(sa.sun_path))
-            return rl_error_set(err, RL_ERR_CONNECT, ENAMETOOLONG,
+            return rl_error_set(err, RL_ERR_CONNECT,
                                 "the unix socket path is too long (%zu bytes, at most %zu)",
                                 strlen(cfg->unix_path), sizeof(sa.sun_path) - 1);
         memset(&sa, 0, sizeof(sa));
@@ -342,7 +271,7 @@ open_socket(const rl_config *cfg, double deadline, int *out_fd, rl_error *err)
         memcpy(sa.sun_path, cfg->unix_path, strlen(cfg->unix_path) + 1);
         int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0)
-            return rl_error_set(err, RL_ERR_CONNECT, errno, "cannot create a socket: %s",
+            return rl_error_set(err, RL_ERR_CONNECT, "cannot create a socket: %s",
                                 strerror(errno));
         rl_status st = connect_fd(fd, (struct sockaddr *)&sa, sizeof(sa), deadline, where, err);
         if (st != RL_OK) {
@@ -363,13 +292,13 @@ open_socket(const rl_config *cfg, double deadline, int *out_fd, rl_error *err)
     hints.ai_socktype = SOCK_STREAM;
     int gai = getaddrinfo(cfg->host, port, &hints, &list);
     if (gai != 0)
-        return rl_error_set(err, RL_ERR_CONNECT, gai == EAI_SYSTEM ? errno : 0,
+        return rl_error_set(err, RL_ERR_CONNECT,
                             "cannot resolve Redis host %s: %s", where, gai_strerror(gai));
-    rl_status st = rl_error_set(err, RL_ERR_CONNECT, 0, "no address for Redis host %s", where);
+    rl_status st = rl_error_set(err, RL_ERR_CONNECT, "no address for Redis host %s", where);
     for (struct addrinfo *ai = list; ai != NULL; ai = ai->ai_next) {
         int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
         if (fd < 0) {
-            st = rl_error_set(err, RL_ERR_CONNECT, errno, "cannot create a socket: %s",
+            st = rl_error_set(err, RL_ERR_CONNECT, "cannot create a socket: %s",
                               strerror(errno));
             continue;
         }
@@ -390,221 +319,42 @@ open_socket(const rl_config *cfg, double deadline, int *out_fd, rl_error *err)
     return st;
 }
 
-static int
-reply_is_error(const redisReply *r)
-{
-    return r != NULL && r->type == REDIS_REPLY_ERROR;
-}
-
-static int
-starts_with(const redisReply *r, const char *prefix)
-{
-    size_t n = strlen(prefix);
-    return r->str != NULL && r->len >= n && memcmp(r->str, prefix, n) == 0;
-}
-
-/* AUTH and SELECT, pipelined in one write. */
-static rl_status
-handshake(rl_conn *conn, const rl_config *cfg, double deadline, rl_error *err)
-{
-    const char *argv[3];
-    size_t argvlen[3];
-    char *commands[2] = {NULL, NULL};
-    long long lengths[2] = {0, 0};
-    int n = 0, is_auth[2] = {0, 0};
-    char dbtext[24];
-    rl_status st = RL_OK;
-    redisReply *replies[2] = {NULL, NULL};
-    char *buf = NULL;
-
-    if (cfg->password != NULL) {
-        int argc = 0;
-        argv[argc] = "AUTH"; argvlen[argc++] = 4;
-        if (cfg->username != NULL) {
-            argv[argc] = cfg->username; argvlen[argc++] = strlen(cfg->username);
-        }
-        argv[argc] = cfg->password; argvlen[argc++] = strlen(cfg->password);
-        lengths[n] = redisFormatCommandArgv(&commands[n], argc, argv, argvlen);
-        is_auth[n++] = 1;
-    }
-    if (cfg->db != 0) {
-        snprintf(dbtext, sizeof(dbtext), "%lld", cfg->db);
-        argv[0] = "SELECT"; argvlen[0] = 6;
-        argv[1] = dbtext; argvlen[1] = strlen(dbtext);
-        lengths[n] = redisFormatCommandArgv(&commands[n], 2, argv, argvlen);
-        n++;
-    }
-    if (n == 0 && cfg->tls) {
-        /* A TLS 1.3 server sends its session tickets after the handshake; one round trip
-           now reads them, so an idle pooled connection never looks readable (stale). */
-        argv[0] = "PING"; argvlen[0] = 4;
-        lengths[n++] = redisFormatCommandArgv(&commands[0], 1, argv, argvlen);
-    }
-    if (n == 0)
-        return RL_OK;
-    for (int i = 0; i < n; i++) {
-        if (lengths[i] < 0 || commands[i] == NULL) {
-            st = rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "out of memory formatting a command");
-            goto done;
-        }
-    }
-    size_t total = (size_t)lengths[0] + (n > 1 ? (size_t)lengths[1] : 0);
-    buf = malloc(total);
-    if (buf == NULL) {
-        st = rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "out of memory formatting a command");
-        goto done;
-    }
-    memcpy(buf, commands[0], (size_t)lengths[0]);
-    if (n > 1)
-        memcpy(buf + lengths[0], commands[1], (size_t)lengths[1]);
-
-    st = rl_conn_roundtrip(conn, buf, total, n, replies, deadline - rl_monotonic(), err);
-    if (st != RL_OK)
-        goto done;
-    for (int i = 0; i < n; i++) {
-        redisReply *r = replies[i];
-        if (!reply_is_error(r))
-            continue;
-        if (is_auth[i] || starts_with(r, "NOAUTH") || starts_with(r, "WRONGPASS")) {
-            /* The server's text names the user at most, never the password. */
-            st = rl_error_set(err, RL_ERR_AUTH, 0,
-                              "Redis authentication failed%s: %.200s",
-                              cfg->username ? " for the given user" : "", r->str);
-        } else {
-            st = rl_error_set(err, RL_ERR_SERVER, 0, "Redis refused SELECT %lld: %.200s",
-                              cfg->db, r->str);
-        }
-        goto done;
-    }
-
-done:
-    for (int i = 0; i < 2; i++) {
-        if (replies[i] != NULL)
-            freeReplyObject(replies[i]);
-        if (commands[i] != NULL)
-            redisFreeCommand(commands[i]);
-    }
-    if (buf != NULL) {
-        memset(buf, 0, total); /* it held the password */
-        free(buf);
-    }
-    return st;
-}
+/* Sockets time out a syscall after SO_SNDTIMEO/SO_RCVTIMEO. They stay armed from one call
+   to the next; they are re-armed only when what is armed and what is left of the deadline
+   differ by more than this (a slow or interrupted call, or the first call after one). */
+#define RL_TIMEOUT_SLACK 0.002
 
 static rl_status
-tls_handshake(rl_conn *conn, const rl_config *cfg, double deadline, rl_error *err)
-{
-    char detail[200];
-    unsigned char ip[sizeof(struct in6_addr)];
-    int is_ip = inet_pton(AF_INET, cfg->host, ip) == 1 || inet_pton(AF_INET6, cfg->host, ip) == 1;
-    rl_status st = arm_timeouts(conn, deadline - rl_monotonic(), err);
-    if (st != RL_OK)
-        return st;
-    ERR_clear_error();
-    conn->ssl = SSL_new(cfg->ssl_ctx);
-    if (conn->ssl == NULL || SSL_set_fd(conn->ssl, conn->fd) != 1)
-        return rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "cannot start TLS: %s",
-                            ssl_error_text(detail, sizeof(detail)));
-    if (!is_ip)
-        (void)SSL_set_tlsext_host_name(conn->ssl, cfg->host); /* SNI */
-    if (cfg->tls_verify) {
-        int named = is_ip ? X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(conn->ssl), cfg->host)
-                          : SSL_set1_host(conn->ssl, cfg->host);
-        if (named != 1)
-            return rl_error_set(err, RL_ERR_CONNECT, 0, "cannot set the TLS peer name %s: %s",
-                                cfg->host, ssl_error_text(detail, sizeof(detail)));
-    }
-    int rc = SSL_connect(conn->ssl);
-    if (rc == 1)
-        return RL_OK;
-    int saved = errno, code = SSL_get_error(conn->ssl, rc);
-    long verify = SSL_get_verify_result(conn->ssl);
-    if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE ||
-        (code == SSL_ERROR_SYSCALL && (saved == EAGAIN || saved == EWOULDBLOCK)))
-        return rl_error_set(err, RL_ERR_TIMEOUT, ETIMEDOUT,
-                            "timed out in the TLS handshake with Redis at %s:%d", cfg->host, cfg->port);
-    if (verify != X509_V_OK)
-        return rl_error_set(err, RL_ERR_CONNECT, 0,
-                            "TLS handshake with Redis at %s:%d failed: certificate verify failed "
-                            "(%s)", cfg->host, cfg->port, X509_verify_cert_error_string(verify));
-    if (code == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)
-        return rl_error_set(err, RL_ERR_CONNECT, saved,
-                            "TLS handshake with Redis at %s:%d failed: %s", cfg->host, cfg->port,
-                            saved ? strerror(saved) : "the server closed the connection "
-                            "(is it a TLS port?)");
-    return rl_error_set(err, RL_ERR_CONNECT, 0, "TLS handshake with Redis at %s:%d failed: %s",
-                        cfg->host, cfg->port, ssl_error_text(detail, sizeof(detail)));
-}
-
-static rl_status
-conn_open(const rl_config *cfg, rl_conn **out, rl_error *err)
-{
-    double deadline = rl_monotonic() + cfg->connect_timeout;
-    rl_status st;
-    rl_conn *conn = calloc(1, sizeof(*conn));
-    *out = NULL;
-    if (conn == NULL)
-        return rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "out of memory opening a connection");
-    conn->fd = -1;
-    conn->reader = rl_reader_create();
-    if (conn->reader == NULL) {
-        st = rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "out of memory opening a connection");
-        goto error;
-    }
-    st = open_socket(cfg, deadline, &conn->fd, err);
-    if (st != RL_OK)
-        goto error;
-    if (cfg->tls && (st = tls_handshake(conn, cfg, deadline, err)) != RL_OK)
-        goto error;
-    st = handshake(conn, cfg, deadline, err);
-    if (st != RL_OK)
-        goto error;
-    *out = conn;
-    return RL_OK;
-
-error:
-    conn_free(conn);
-    return st;
-}
-
-/* A pooled connection that the server closed (restart, idle timeout, kill), or on which
-   bytes arrived that nobody asked for, shows up as readable while idle. One poll() per
-   call (about a microsecond) keeps such bytes from ever being read as our reply. */
-static int
-conn_is_stale(const rl_conn *conn)
-{
-    struct pollfd pfd = {.fd = conn->fd, .events = POLLIN};
-    if (conn->ssl != NULL && SSL_pending(conn->ssl) > 0)
-        return 1; /* decrypted bytes nobody asked for */
-    int rc = poll(&pfd, 1, 0);
-    return rc != 0; /* readable, hung up, or poll failed: do not trust it */
-}
-
-static rl_status
-io_error(rl_status kind, int saved, const char *what, rl_error *err)
+io_error(int saved, const char *what, rl_error *err)
 {
     if (saved == EAGAIN || saved == EWOULDBLOCK || saved == ETIMEDOUT)
-        return rl_error_set(err, RL_ERR_TIMEOUT, saved, "timed out %s Redis", what);
-    return rl_error_set(err, kind, saved, "connection to Redis lost while %s it: %s", what,
+        return rl_error_set(err, RL_ERR_TIMEOUT, "timed out %s Redis", what);
+    return rl_error_set(err, RL_ERR_IO, "connection to Redis lost while %s it: %s", what,
                         strerror(saved));
 }
 
-/* Arms the socket's send and receive timeouts, skipping the syscalls when they already
-   hold this value (the usual case: every call of a pool uses the same socket_timeout). */
+/* Arms the socket's timeouts to what is left of the deadline, unless they already hold
+   about that. RL_ERR_TIMEOUT when the deadline has passed. */
 static rl_status
-arm_timeouts(rl_conn *conn, double seconds, rl_error *err)
+arm_for(rl_conn *conn, double deadline, const char *what, rl_error *err)
 {
-    if (conn->armed_timeout == seconds)
+    double left = deadline - rl_monotonic();
+    if (left <= 0)
+        return rl_error_set(err, RL_ERR_TIMEOUT, "timed out %s Redis", what);
+    if (conn->armed_timeout > 0 && conn->armed_timeout - left <= RL_TIMEOUT_SLACK &&
+        left - conn->armed_timeout <= RL_TIMEOUT_SLACK)
         return RL_OK;
-    if (set_io_timeout(conn->fd, SO_SNDTIMEO, seconds) < 0 ||
-        set_io_timeout(conn->fd, SO_RCVTIMEO, seconds) < 0)
-        return io_error(RL_ERR_IO, errno, "configuring the socket for", err);
-    conn->armed_timeout = seconds;
+    if (set_io_timeout(conn->fd, SO_SNDTIMEO, left) < 0 ||
+        set_io_timeout(conn->fd, SO_RCVTIMEO, left) < 0) {
+        conn->armed_timeout = 0;
+        return io_error(errno, "configuring the socket for", err);
+    }
+    conn->armed_timeout = left;
     return RL_OK;
 }
 
 /* After a failed SSL_read/SSL_write: 0 for a clean or abrupt EOF, else -1 with errno
-   (EAGAIN when the socket timeout expired, EPROTO for a TLS failure). */
+   (EAGAIN when the socket timeout expired, EINTR for a signal, EPROTO for a TLS failure). */
 static ssize_t
 ssl_failure(rl_conn *conn, int rc)
 {
@@ -649,85 +399,254 @@ conn_read(rl_conn *conn, char *buf, size_t len)
     return n > 0 ? n : ssl_failure(conn, n);
 }
 
-rl_status
-rl_conn_roundtrip(rl_conn *conn, const char *buf, size_t len, int nreplies,
-                  redisReply **replies, double timeout, rl_error *err)
+/* A failed send/recv: keep going (a socket timeout that fired before the deadline, after
+   a re-arm), RL_ERR_INTERRUPTED (a signal), or the error. Returns RL_OK to keep going. */
+static rl_status
+syscall_failed(rl_conn *conn, double deadline, const char *what, rl_error *err)
 {
-    double deadline = rl_monotonic() + timeout;
-    size_t fed = 0;
-    int got = 0, first_recv = 1;
+    int saved = errno;
+    if (saved == EINTR)
+        return rl_error_set(err, RL_ERR_INTERRUPTED, "interrupted %s Redis", what);
+    if ((saved == EAGAIN || saved == EWOULDBLOCK) && rl_monotonic() < deadline) {
+        conn->armed_timeout = 0; /* woke early: arm what is left */
+        return RL_OK;
+    }
+    return io_error(saved, what, err);
+}
+
+/* Moves bytes until the request `token` completes: writes what the engine queued, reads
+   and feeds what arrives, all before the deadline. RL_OK with *ev filled (the request's
+   own status is in ev); RL_ERR_INTERRUPTED when a signal interrupted a syscall (call
+   again to resume: nothing is lost); any other status leaves the connection out of step:
+   discard it. */
+static rl_status
+conn_exchange(rl_conn *conn, const void *token, double deadline, rl_event *ev, rl_error *err)
+{
     char chunk[16384];
     rl_status st;
-
-    if (timeout <= 0)
-        return rl_error_set(err, RL_ERR_TIMEOUT, ETIMEDOUT, "timed out before writing to Redis");
-    if ((st = arm_timeouts(conn, timeout, err)) != RL_OK)
-        return st;
-
-    while (len > 0) {
-        ssize_t n = conn_write(conn, buf, len);
-        if (n < 0) {
-            if (errno == EINTR)
-                continue;
-            return io_error(RL_ERR_IO, errno, "writing to", err);
-        }
-        buf += n;
-        len -= (size_t)n;
-        if (len > 0) {
-            /* A partial write (a big command, a full buffer): bound the rest by the deadline. */
-            double left = deadline - rl_monotonic();
-            if (left <= 0)
-                return rl_error_set(err, RL_ERR_TIMEOUT, ETIMEDOUT, "timed out writing to Redis");
-            if (set_io_timeout(conn->fd, SO_SNDTIMEO, left) < 0)
-                return io_error(RL_ERR_IO, errno, "configuring the socket for", err);
-            conn->armed_timeout = -1;
-        }
-    }
-
-    while (got < nreplies) {
-        void *reply = NULL;
-        if (redisReaderGetReply(conn->reader, &reply) != REDIS_OK)
-            return rl_error_set(err, RL_ERR_PROTOCOL, 0, "Redis sent a malformed reply: %s",
-                                rl_reader_error(conn->reader));
-        if (reply != NULL) {
-            replies[got++] = reply;
-            continue;
-        }
-        if (!first_recv) {
-            /* The reply came in pieces: what is left of the deadline bounds the next read. */
-            double left = deadline - rl_monotonic();
-            if (left <= 0)
-                return rl_error_set(err, RL_ERR_TIMEOUT, ETIMEDOUT, "timed out reading from Redis");
-            if (set_io_timeout(conn->fd, SO_RCVTIMEO, left) < 0)
-                return io_error(RL_ERR_IO, errno, "configuring the socket for", err);
-            conn->armed_timeout = -1;
-        }
-        first_recv = 0;
-        ssize_t n = conn_read(conn, chunk, sizeof(chunk));
-        if (n < 0) {
-            if (errno == EINTR) {
-                first_recv = 1; /* same read again; the deadline check above still holds */
+    for (;;) {
+        size_t len;
+        const char *out = rl_proto_output(&conn->proto, &len);
+        while (len > 0) {
+            if ((st = arm_for(conn, deadline, "writing to", err)) != RL_OK)
+                return st;
+            ssize_t n = conn_write(conn, out, len);
+            if (n < 0) {
+                if ((st = syscall_failed(conn, deadline, "writing to", err)) != RL_OK)
+                    return st;
                 continue;
             }
-            return io_error(RL_ERR_IO, errno, "reading from", err);
+            rl_proto_consume(&conn->proto, (size_t)n);
+            out = rl_proto_output(&conn->proto, &len);
+        }
+        int got = rl_proto_next(&conn->proto, ev, err);
+        if (got < 0)
+            return err->kind;
+        if (got > 0) {
+            if (ev->entry.token == token)
+                return RL_OK;
+            if (ev->fatal) {
+                /* A handshake step before the last failed: the connection is done. */
+                *err = ev->error;
+                return ev->status;
+            }
+            /* One request at a time per blocking connection: this cannot be ours. */
+            if (ev->reply != NULL)
+                freeReplyObject(ev->reply);
+            return rl_error_set(err, RL_ERR_PROTOCOL, "Redis answered a request of another call");
+        }
+        (void)rl_proto_output(&conn->proto, &len);
+        if (len > 0)
+            continue; /* the engine queued more (a NOSCRIPT reload): write it first */
+        if ((st = arm_for(conn, deadline, "reading from", err)) != RL_OK)
+            return st;
+        ssize_t n = conn_read(conn, chunk, sizeof(chunk));
+        if (n < 0) {
+            if ((st = syscall_failed(conn, deadline, "reading from", err)) != RL_OK)
+                return st;
+            continue;
         }
         if (n == 0)
-            return rl_error_set(err, RL_ERR_IO, 0, "Redis closed the connection before replying");
-        fed += (size_t)n;
-        if (fed > RL_MAX_REPLY_BYTES)
-            return rl_error_set(err, RL_ERR_PROTOCOL, 0,
-                                "Redis sent more than %d bytes for one call: not a reply "
-                                "this client expects", RL_MAX_REPLY_BYTES);
-        if (redisReaderFeed(conn->reader, chunk, (size_t)n) != REDIS_OK)
-            return rl_error_set(err, RL_ERR_NOMEM, ENOMEM, "out of memory reading a reply");
+            return rl_error_set(err, RL_ERR_IO, "Redis closed the connection before replying");
+        if ((st = rl_proto_feed(&conn->proto, chunk, (size_t)n, err)) != RL_OK)
+            return st;
     }
+}
+
+static rl_status
+tls_handshake(rl_conn *conn, const rl_config *cfg, double deadline, rl_error *err)
+{
+    char detail[200];
+    unsigned char ip[sizeof(struct in6_addr)];
+    int is_ip = inet_pton(AF_INET, cfg->host, ip) == 1 || inet_pton(AF_INET6, cfg->host, ip) == 1;
+    rl_status st = arm_for(conn, deadline, "in the TLS handshake with", err);
+    if (st != RL_OK)
+        return st;
+    ERR_clear_error();
+    conn->ssl = SSL_new(cfg->ssl_ctx);
+    if (conn->ssl == NULL || SSL_set_fd(conn->ssl, conn->fd) != 1)
+        return rl_error_set(err, RL_ERR_NOMEM, "cannot start TLS: %s",
+                            ssl_error_text(detail, sizeof(detail)));
+    if (!is_ip)
+        (void)SSL_set_tlsext_host_name(conn->ssl, cfg->host); /* SNI */
+    if (cfg->tls_verify) {
+        int named = is_ip ? X509_VERIFY_PARAM_set1_ip_asc(SSL_get0_param(conn->ssl), cfg->host)
+                          : SSL_set1_host(conn->ssl, cfg->host);
+        if (named != 1)
+            return rl_error_set(err, RL_ERR_CONNECT, "cannot set the TLS peer name %s: %s",
+                                cfg->host, ssl_error_text(detail, sizeof(detail)));
+    }
+    int rc = SSL_connect(conn->ssl);
+    if (rc == 1)
+        return RL_OK;
+    int saved = errno, code = SSL_get_error(conn->ssl, rc);
+    long verify = SSL_get_verify_result(conn->ssl);
+    if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE ||
+        (code == SSL_ERROR_SYSCALL && (saved == EAGAIN || saved == EWOULDBLOCK)))
+        return rl_error_set(err, RL_ERR_TIMEOUT,
+                            "timed out in the TLS handshake with Redis at %s:%d", cfg->host, cfg->port);
+    if (verify != X509_V_OK)
+        return rl_error_set(err, RL_ERR_CONNECT,
+                            "TLS handshake with Redis at %s:%d failed: certificate verify failed "
+                            "(%s)", cfg->host, cfg->port, X509_verify_cert_error_string(verify));
+    if (code == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)
+        return rl_error_set(err, RL_ERR_CONNECT,
+                            "TLS handshake with Redis at %s:%d failed: %s", cfg->host, cfg->port,
+                            saved ? strerror(saved) : "the server closed the connection "
+                            "(is it a TLS port?)");
+    return rl_error_set(err, RL_ERR_CONNECT, "TLS handshake with Redis at %s:%d failed: %s",
+                        cfg->host, cfg->port, ssl_error_text(detail, sizeof(detail)));
+}
+
+
+/* Opens a connection and runs the engine's handshake on it, within connect_timeout. */
+static rl_status
+conn_open(const rl_config *cfg, rl_conn **out, rl_error *err)
+{
+    double deadline = rl_monotonic() + cfg->connect_timeout;
+    rl_handshake h = {cfg->username, cfg->password, cfg->db, cfg->tls};
+    rl_event ev;
+    rl_status st;
+    rl_conn *conn = calloc(1, sizeof(*conn));
+    *out = NULL;
+    if (conn == NULL)
+        return rl_error_set(err, RL_ERR_NOMEM, "out of memory opening a connection");
+    conn->fd = -1;
+    if (rl_proto_init(&conn->proto) < 0) {
+        st = rl_error_set(err, RL_ERR_NOMEM, "out of memory opening a connection");
+        goto error;
+    }
+    st = open_socket(cfg, deadline, &conn->fd, err);
+    if (st != RL_OK)
+        goto error;
+    if (cfg->tls && (st = tls_handshake(conn, cfg, deadline, err)) != RL_OK)
+        goto error;
+    int steps = rl_proto_handshake(&conn->proto, &h, deadline, conn, err);
+    if (steps < 0) {
+        st = err->kind;
+        goto error;
+    }
+    if (steps > 0) {
+        /* A signal here just resumes: connect_timeout still bounds the handshake. */
+        do
+            st = conn_exchange(conn, conn, deadline, &ev, err);
+        while (st == RL_ERR_INTERRUPTED);
+        if (st == RL_OK && ev.status != RL_OK) {
+            *err = ev.error;
+            st = ev.status;
+        }
+        if (st != RL_OK)
+            goto error;
+    }
+    *out = conn;
     return RL_OK;
+
+error:
+    conn_free(conn);
+    return st;
+}
+
+/* A pooled connection that the server closed (restart, idle timeout, kill), or on which
+   bytes arrived that nobody asked for, shows up as readable while idle. One poll() per
+   call (about a microsecond) keeps such bytes from ever being read as our reply. */
+static int
+conn_is_stale(const rl_conn *conn)
+{
+    if (conn->ssl != NULL && SSL_pending(conn->ssl) > 0)
+        return 1; /* decrypted bytes nobody asked for */
+    return rl_proto_idle_is_stale(&conn->proto, conn->fd);
+}
+
+/* ------------------------------------------------------------------- calls */
+
+void
+rl_call_init(rl_call *call, rl_pool *pool, rl_prepared *decision)
+{
+    memset(call, 0, sizeof(*call));
+    call->pool = pool;
+    call->decision = decision;
+}
+
+rl_status
+rl_call_run(rl_call *call, rl_error *err)
+{
+    rl_pool *pool = call->pool;
+    for (;;) {
+        rl_event ev;
+        rl_status st;
+        if (call->conn == NULL) {
+            if ((st = rl_pool_acquire(pool, &call->conn, err)) != RL_OK)
+                return st;
+            call->deadline = rl_monotonic() + pool->config.socket_timeout;
+            st = rl_proto_push_decision(&call->conn->proto, call->decision, call->deadline, call,
+                                        NULL, err);
+            if (st != RL_OK) {
+                rl_pool_release(pool, call->conn, 1); /* nothing was queued on it */
+                call->conn = NULL;
+                return st;
+            }
+        }
+        st = conn_exchange(call->conn, call, call->deadline, &ev, err);
+        if (st == RL_ERR_INTERRUPTED)
+            return st; /* the connection stays with the call */
+        rl_conn *conn = call->conn;
+        call->conn = NULL;
+        if (st == RL_OK) {
+            /* Bytes after our reply were never asked for: the connection is out of step. */
+            rl_pool_release(pool, conn, !ev.fatal && !rl_proto_idle_is_stale(&conn->proto, -1));
+            if (ev.status != RL_OK) {
+                *err = ev.error;
+                return ev.status;
+            }
+            call->result = ev.result;
+            return RL_OK;
+        }
+        rl_pool_release(pool, conn, 0);
+        if (st == RL_ERR_IO)
+            rl_pool_drop_idle(pool); /* a server restart broke them all: reconnect afresh */
+        int replay = rl_proto_replay(st, call->decision);
+        if (replay < 0)
+            return rl_error_set(err, RL_ERR_NOMEM, "out of memory replaying a call");
+        if (replay == 0)
+            return st;
+        /* The connection broke mid-call: the script may or may not have run. Once more on
+           a fresh connection, marked, with the same member (proto.c, rl_proto_replay). */
+    }
+}
+
+void
+rl_call_abandon(rl_call *call)
+{
+    if (call->conn != NULL) {
+        rl_pool_release(call->pool, call->conn, 0); /* out of step: a reply may be on its way */
+        call->conn = NULL;
+    }
 }
 
 /* -------------------------------------------------------------------- pool */
 
 int
-rl_pool_init(rl_pool *pool, int max_open, pid_t pid)
+rl_pool_init(rl_pool *pool, int max_open)
 {
     pthread_condattr_t attr;
     int rc;
@@ -735,7 +654,6 @@ rl_pool_init(rl_pool *pool, int max_open, pid_t pid)
     pool->open = 0;
     pool->max_open = max_open;
     pool->closed = 0;
-    pool->pid = pid;
     if ((rc = pthread_mutex_init(&pool->mutex, NULL)) != 0)
         goto fail;
     if ((rc = pthread_condattr_init(&attr)) != 0) {
@@ -795,14 +713,13 @@ rl_pool_destroy(rl_pool *pool)
    parent's sockets are closed here (closing our copy of the fd does not disturb the
    parent). Connections that other parent threads had checked out are simply forgotten. */
 void
-rl_pool_after_fork(rl_pool *pool, pid_t pid)
+rl_pool_after_fork(rl_pool *pool)
 {
     if (!pool->initialized)
         return;
     free_idle(pool->idle);
     pool->idle = NULL;
     pool->open = 0;
-    pool->pid = pid;
     (void)pthread_mutex_init(&pool->mutex, NULL);
     pthread_condattr_t attr;
     if (pthread_condattr_init(&attr) == 0) {
@@ -821,7 +738,7 @@ rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err)
     for (;;) {
         if (pool->closed) {
             pthread_mutex_unlock(&pool->mutex);
-            return rl_error_set(err, RL_ERR_CLOSED, 0, "the rate limiter is closed");
+            return rl_error_set(err, RL_ERR_CLOSED, "the rate limiter is closed");
         }
         if (pool->idle != NULL) {
             rl_conn *conn = pool->idle;
@@ -854,7 +771,7 @@ rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err)
         if (left <= 0) {
             int max_open = pool->max_open;
             pthread_mutex_unlock(&pool->mutex);
-            return rl_error_set(err, RL_ERR_TIMEOUT, ETIMEDOUT,
+            return rl_error_set(err, RL_ERR_TIMEOUT,
                                 "timed out waiting for a free connection (all %d are busy; "
                                 "raise max_connections)", max_open);
         }
@@ -898,6 +815,16 @@ rl_pool_drop_idle(rl_pool *pool)
     pthread_cond_broadcast(&pool->available);
     pthread_mutex_unlock(&pool->mutex);
     free_idle(idle);
+}
+
+int
+rl_pool_is_closed(rl_pool *pool)
+{
+    int closed;
+    pthread_mutex_lock(&pool->mutex);
+    closed = pool->closed;
+    pthread_mutex_unlock(&pool->mutex);
+    return closed;
 }
 
 int

@@ -4,9 +4,14 @@
  * the GIL for the pool and the socket, then build the result tuple with the GIL again.
  *
  * GIL/lock contract: the pool's mutex is only ever taken with the GIL released
- * (Py_BEGIN_ALLOW_THREADS around every rl_pool_* call that locks). The fork check runs
- * with the GIL held, before the GIL is released, so only one thread of a fork child can
- * reset the pool.
+ * (Py_BEGIN_ALLOW_THREADS around every rl_pool_* call that locks). Every method that
+ * touches the pool first runs the fork check (own_pool) with the GIL held, so only one
+ * thread of a fork child resets the pool, before anything can lock a mutex copied from
+ * the parent in a locked state.
+ *
+ * Signals (PEP 475): when a signal interrupts the socket I/O, the call takes the GIL
+ * back, runs the Python signal handlers, and resumes within the same deadline; if a
+ * handler raises, the call raises that and its connection is discarded.
  *
  * The type holds no Python references (all its configuration is copied into C memory), so
  * it needs no GC support of its own; Python subclasses get theirs from CPython.
@@ -25,6 +30,7 @@ typedef struct {
     int client_clock;            /* 1: the caller's clock; 0: the server's TIME */
     int configured;              /* __init__ ran to completion */
     unsigned long fork_generation; /* rl_fork_generation() at the last call; 0 before */
+    rl_random *random;           /* the module's page of randomness (its fork generation) */
 } LimiterObject;
 
 static rl_module_state *
@@ -33,12 +39,33 @@ state_of(PyTypeObject *defining_class)
     return (rl_module_state *)PyType_GetModuleState(defining_class);
 }
 
+static void Limiter_dealloc(LimiterObject *self);
+
+/* The module state of the Limiter type under a Python subclass (RateLimiter): the first
+   type of the MRO that is ours. Borrowed; the module outlives the types it made. */
+static rl_module_state *
+state_of_type(PyTypeObject *type)
+{
+    PyObject *mro = type->tp_mro;
+    for (Py_ssize_t i = 0; mro != NULL && i < PyTuple_GET_SIZE(mro); i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
+        if (base->tp_dealloc == (destructor)Limiter_dealloc)
+            return (rl_module_state *)PyType_GetModuleState(base);
+    }
+    PyErr_SetString(PyExc_TypeError, "not a Limiter type");
+    return NULL;
+}
+
 static PyObject *
 Limiter_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(kwargs))
 {
+    rl_module_state *state = state_of_type(type);
+    if (state == NULL)
+        return NULL;
     LimiterObject *self = (LimiterObject *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
+    self->random = state->random;
     /* tp_alloc zeroed everything: pool.initialized == 0, configured == 0. */
     return (PyObject *)self;
 }
@@ -79,10 +106,9 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         PyErr_Format(PyExc_ValueError, "db must be >= 0, got %lld", db);
         return -1;
     }
-    if (!(connect_timeout > 0) || !(socket_timeout > 0)) {
-        PyErr_SetString(PyExc_ValueError, "timeouts must be positive numbers of seconds");
+    if (rl_check_timeout("connect_timeout", connect_timeout) < 0 ||
+        rl_check_timeout("socket_timeout", socket_timeout) < 0)
         return -1;
-    }
     if (max_connections < 1) {
         PyErr_SetString(PyExc_ValueError, "max_connections must be >= 1");
         return -1;
@@ -112,7 +138,7 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         return -1;
     }
     if (tls) {
-        rl_error err = {RL_OK, 0, ""};
+        rl_error err = {RL_OK, ""};
         if (rl_config_tls(&self->pool.config, ssl_verify, ca, certfile, keyfile, &err) != RL_OK) {
             /* A missing or unreadable certificate file is a configuration error. */
             if (err.kind == RL_ERR_NOMEM)
@@ -122,7 +148,7 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
             return -1;
         }
     }
-    if (rl_pool_init(&self->pool, max_connections, getpid()) < 0) {
+    if (rl_pool_init(&self->pool, max_connections) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
@@ -141,12 +167,26 @@ Limiter_dealloc(LimiterObject *self)
     Py_DECREF(tp);
 }
 
+/* The fork check, GIL held: in a fork child (seen through the page the kernel wipes, so a
+   fork() made from C, which runs none of Python's at-fork hooks, is seen as well) the
+   parent's pool is dropped and made anew before anything touches it. */
+static void
+own_pool(LimiterObject *self)
+{
+    unsigned long generation = rl_fork_generation(self->random);
+    if (self->fork_generation != generation) {
+        if (self->fork_generation != 0)
+            rl_pool_after_fork(&self->pool);
+        self->fork_generation = generation;
+    }
+}
+
 /* Runs one prepared decision. Returns a new reference to the result tuple, or NULL. */
 static PyObject *
 decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepared *p,
        int with_window)
 {
-    rl_error err = {RL_OK, 0, ""};
+    rl_error err = {RL_OK, ""};
     rl_status st;
     PyObject *result = NULL;
 
@@ -160,23 +200,29 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         result = rl_result_tuple(&p->windows, &p->result, with_window);
         goto done;
     }
-    unsigned long generation = rl_fork_generation(state->random);
-    if (self->fork_generation != generation) {
-        /* First use in a fork child (or ever): never touch the parent's sockets. The
-           generation comes from a page the kernel wipes in a child, so a fork() made from
-           C, which runs none of Python's at-fork hooks, is seen as well. */
-        if (self->fork_generation != 0)
-            rl_pool_after_fork(&self->pool, getpid());
-        self->fork_generation = generation;
-    }
+    own_pool(self);
+    rl_call call;
+    rl_call_init(&call, &self->pool, p);
     Py_BEGIN_ALLOW_THREADS
-    st = rl_script_run(&self->pool, p->command, (size_t)p->command_len, &p->windows,
-                       &p->result, &err);
+    st = rl_call_run(&call, &err);
     Py_END_ALLOW_THREADS
+    while (st == RL_ERR_INTERRUPTED) {
+        if (PyErr_CheckSignals() < 0) {
+            /* A handler raised (KeyboardInterrupt, say): that is the call's outcome. */
+            Py_BEGIN_ALLOW_THREADS
+            rl_call_abandon(&call);
+            Py_END_ALLOW_THREADS
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        st = rl_call_run(&call, &err);
+        Py_END_ALLOW_THREADS
+    }
     if (st != RL_OK) {
         rl_raise(state, &err);
         goto done;
     }
+    p->result = call.result;
     result = rl_result_tuple(&p->windows, &p->result, with_window);
 done:
     rl_prepared_clear(p);
@@ -184,7 +230,8 @@ done:
 }
 
 PyDoc_STRVAR(Limiter_check_doc,
-"check(user_id, limit, window_seconds) -> (allowed, remaining, retry_after_s)\n\n"
+"check($self, /, user_id, limit, window_seconds)\n--\n\n"
+"-> (allowed, remaining, retry_after_s)\n\n"
 "Decides one request of user_id against `limit` requests per `window_seconds`, in one\n"
 "script execution on Redis. On allow the request is logged; a rejection writes nothing.");
 
@@ -207,7 +254,8 @@ Limiter_check(LimiterObject *self, PyTypeObject *defining_class, PyObject *const
 }
 
 PyDoc_STRVAR(Limiter_check_windows_doc,
-"check_windows(user_id, windows) -> (allowed, remaining, retry_after_s, window_seconds)\n\n"
+"check_windows($self, /, user_id, windows)\n--\n\n"
+"-> (allowed, remaining, retry_after_s, window_seconds)\n\n"
 "Decides one request against every (limit, window_seconds) pair in one script execution,\n"
 "shortest window first. The first window that rejects stops the script: no later window\n"
 "is read or written and nothing is logged. On allow the request is logged in every\n"
@@ -232,13 +280,14 @@ Limiter_check_windows(LimiterObject *self, PyTypeObject *defining_class, PyObjec
 }
 
 PyDoc_STRVAR(Limiter_close_doc,
-"close()\n\nCloses every idle connection; connections in use close when their call ends.\n"
+"close($self, /)\n--\n\nCloses every idle connection; connections in use close when their call ends.\n"
 "Later checks raise RateLimiterError. Closing twice is harmless.");
 
 static PyObject *
 Limiter_close(LimiterObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (self->configured) {
+        own_pool(self);
         Py_BEGIN_ALLOW_THREADS
         rl_pool_close(&self->pool);
         Py_END_ALLOW_THREADS
@@ -265,6 +314,7 @@ Limiter_get_open_connections(LimiterObject *self, void *Py_UNUSED(closure))
 {
     int n = 0;
     if (self->configured) {
+        own_pool(self);
         Py_BEGIN_ALLOW_THREADS
         n = rl_pool_open_count(&self->pool);
         Py_END_ALLOW_THREADS
@@ -277,10 +327,9 @@ Limiter_get_closed(LimiterObject *self, void *Py_UNUSED(closure))
 {
     int closed = 0;
     if (self->configured) {
+        own_pool(self);
         Py_BEGIN_ALLOW_THREADS
-        pthread_mutex_lock(&self->pool.mutex);
-        closed = self->pool.closed;
-        pthread_mutex_unlock(&self->pool.mutex);
+        closed = rl_pool_is_closed(&self->pool);
         Py_END_ALLOW_THREADS
     }
     return PyBool_FromLong(closed);
@@ -308,7 +357,8 @@ static PyGetSetDef Limiter_getset[] = {
 PyDoc_STRVAR(Limiter_doc,
 "Limiter(*, host=None, port=6379, unix_path=None, db=0, username=None, password=None,\n"
 "        connect_timeout=1.0, socket_timeout=1.0, key_prefix='ratelimit',\n"
-"        client_clock=False, max_connections=32)\n\n"
+"        client_clock=False, max_connections=32, tls=False, ssl_verify=True,\n"
+"        ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None)\n--\n\n"
 "The C core of genai_ratelimit.RateLimiter; use that class, which takes a URL.");
 
 static PyType_Slot Limiter_slots[] = {

@@ -161,7 +161,8 @@ module_exec(PyObject *module)
     }
     if (PyModule_AddIntConstant(module, "MAX_WINDOWS", RL_MAX_WINDOWS) < 0 ||
         add_long_long(module, "MAX_LIMIT", RL_MAX_LIMIT) < 0 ||
-        add_long_long(module, "MAX_WINDOW_SECONDS", RL_MAX_WINDOW_SECONDS) < 0)
+        add_long_long(module, "MAX_WINDOW_SECONDS", RL_MAX_WINDOW_SECONDS) < 0 ||
+        add_long_long(module, "MAX_TIMEOUT_SECONDS", (long long)RL_MAX_TIMEOUT_SECONDS) < 0)
         goto done;
     rc = 0;
 done:

@@ -1,6 +1,11 @@
 /*
  * native.h - the one private header of genai_ratelimit._native.
  *
+ * Layers: args.c prepares a decision (GIL held); proto.c is the protocol engine of one
+ * connection, with no I/O in it (handshake steps, the request FIFO, NOSCRIPT reload, the
+ * replay rule, reply classification); conn.c drives it over blocking sockets for the
+ * Limiter (limiter.c), codec.c wraps it for the asyncio Protocol in aio.py.
+ *
  * Two error conventions that never mix:
  *   - code that runs without the GIL (conn.c, the I/O half of script.c) returns an
  *     rl_status and fills an rl_error; it never touches a Python object;
@@ -28,6 +33,7 @@
 #define RL_MAX_REPLY_BYTES 65536     /* a decision's reply is tiny: more is garbage */
 #define RL_MAX_LIMIT 9007199254740991LL       /* 2^53 - 1: exact in Lua's doubles */
 #define RL_MAX_WINDOW_SECONDS 3153600000LL    /* 100 years of 365 days */
+#define RL_MAX_TIMEOUT_SECONDS 86400.0        /* timeouts: one day at most (no overflow) */
 
 /* ------------------------------------------------------------------ errors */
 
@@ -41,17 +47,139 @@ typedef enum {
     RL_ERR_AUTH,         /* authentication failed, or the server wants a password */
     RL_ERR_CLOSED,       /* the limiter was closed */
     RL_ERR_NOMEM,        /* malloc failed */
+    RL_ERR_INTERRUPTED,  /* a signal interrupted blocking I/O: check signals, then resume */
 } rl_status;
 
 typedef struct {
     rl_status kind;      /* what went wrong (RL_OK when nothing did) */
-    int saved_errno;     /* errno right after the failing call, or 0 */
     char message[320];   /* for people; never contains a password */
 } rl_error;
 
 /* Fills err and returns kind. printf-style message. */
-rl_status rl_error_set(rl_error *err, rl_status kind, int saved_errno, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
+rl_status rl_error_set(rl_error *err, rl_status kind, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Wipes memory that held a secret, in a way the optimiser keeps (explicit_bzero). */
+void rl_wipe(void *buf, size_t len);
+
+/* ---------------------------------------------------------------- decisions */
+
+typedef struct {
+    int count;                              /* number of windows */
+    long long limit[RL_MAX_WINDOWS];        /* shortest window first */
+    long long seconds[RL_MAX_WINDOWS];
+} rl_windows;
+
+typedef struct {
+    int allowed;                 /* 1 allow, 0 reject */
+    long long remaining;
+    long long retry_after_s;
+    int window;                  /* 0-based index into rl_windows of the deciding window */
+} rl_result;
+
+/* One decision, prepared with the GIL held (args.c), then sent by either driver. */
+typedef struct {
+    rl_windows windows;          /* validated, shortest first */
+    int disabled;                /* the kill switch answered: result is final, no I/O */
+    rl_result result;            /* the kill switch's answer when disabled */
+    char *command;               /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
+    long long command_len;
+    char *replay;                /* the command with the replay marker (malloc), once replayed */
+    size_t replay_len;
+} rl_prepared;
+
+/* The bytes to send for a decision: its replay form once it was marked for replay. */
+const char *rl_prepared_bytes(const rl_prepared *p, size_t *len);
+
+/* ------------------------------------------------- protocol engine (proto.c) */
+
+/* What a queued request is. The handshake steps come first on a new connection. */
+typedef enum {
+    RL_STEP_AUTH,                /* AUTH [user] password */
+    RL_STEP_SELECT,              /* SELECT db */
+    RL_STEP_PING,                /* reads a TLS 1.3 server's session tickets */
+    RL_STEP_SCRIPT_LOAD,         /* queued by the engine after NOSCRIPT */
+    RL_STEP_DECISION,            /* a rate-limit decision (EVALSHA) */
+    RL_STEP_COMMAND,             /* any other command: the raw reply goes to the caller */
+} rl_step;
+
+typedef struct {
+    rl_step step;
+    int reloaded;                /* decisions: NOSCRIPT was answered once already */
+    int last;                    /* handshake: the step whose success completes it */
+    double deadline;             /* monotonic seconds by which the reply is due */
+    void *token;                 /* the driver's handle on the waiter; never dereferenced */
+    void *holder;                /* the driver's owner of `decision`; never dereferenced */
+    rl_prepared *decision;       /* decisions: borrowed, kept alive by the driver */
+} rl_entry;
+
+/* One completed request, handed to the driver by rl_proto_next. */
+typedef struct {
+    rl_entry entry;              /* the request (token, holder, decision) */
+    rl_status status;            /* RL_OK, or what went wrong for this request */
+    rl_error error;              /* when status != RL_OK */
+    rl_result result;            /* decisions answered RL_OK */
+    redisReply *reply;           /* commands answered RL_OK: owned by the receiver */
+    int fatal;                   /* the connection is out of step: drop it after this */
+} rl_event;
+
+typedef struct {
+    const char *username;        /* ACL user, or NULL */
+    const char *password;        /* AUTH password, or NULL */
+    long long db;                /* SELECT when not 0 */
+    int ping;                    /* PING when nothing else is sent (TLS) */
+} rl_handshake;
+
+typedef struct {
+    redisReader *reader;         /* RESP parser, refusing arrays longer than a decision's */
+    rl_entry *ring;              /* FIFO of replies due, in send order */
+    size_t capacity, head, count;
+    size_t unsent;               /* trailing entries whose bytes are still in `out` */
+    char *out;                   /* bytes queued for writing */
+    size_t out_len, out_capacity;
+    int sensitive;               /* out holds a password: wiped once written or dropped */
+    int failed;                  /* a fatal error was reported: the connection is done */
+    long long db;                /* the database the handshake selects, for messages */
+    int load_failed;             /* the last SCRIPT LOAD was refused: load_error says why */
+    rl_error load_error;
+} rl_proto;
+
+/* No GIL needed for any of these: they touch no Python object and do no I/O. */
+int rl_proto_init(rl_proto *p);                                  /* 0, or -1: no memory */
+void rl_proto_clear(rl_proto *p);   /* frees all; tokens and holders are the driver's */
+/* Queues the handshake steps (one write). Returns how many were queued (0: the
+   connection is ready at once), or -1 with err (no memory). The last step carries token:
+   its event completes the handshake. An earlier step that fails gives a fatal event
+   without a token (the driver then fails what is left, the last step too). */
+int rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *token,
+                       rl_error *err);
+/* Queues a decision, or a command (argv words). On failure nothing is queued. */
+rl_status rl_proto_push_decision(rl_proto *p, rl_prepared *d, double deadline, void *token,
+                                 void *holder, rl_error *err);
+rl_status rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
+                                double deadline, void *token, rl_error *err);
+/* The bytes to write now, and how many of them were written. */
+const char *rl_proto_output(const rl_proto *p, size_t *len);
+void rl_proto_consume(rl_proto *p, size_t written);
+/* Bytes read from the connection. RL_OK, or a fatal error. */
+rl_status rl_proto_feed(rl_proto *p, const char *data, size_t len, rl_error *err);
+/* The next completed request: 1 with *ev filled, 0 when more bytes are needed, -1 when the
+   connection is out of step (err filled; the requests still queued are left for
+   rl_proto_pop). */
+int rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err);
+/* Takes the oldest queued request (1), or 0 when none is left: for a broken connection. */
+int rl_proto_pop(rl_proto *p, rl_entry *out);
+size_t rl_proto_pending(const rl_proto *p);
+const rl_entry *rl_proto_entry(const rl_proto *p, size_t i);     /* 0 = oldest */
+double rl_proto_oldest_deadline(const rl_proto *p);              /* -1 when none pending */
+/* 1 when an idle connection must not be reused: bytes nobody asked for are buffered or
+   waiting on fd (a stray reply, a server's EOF). fd < 0 skips the poll. */
+int rl_proto_idle_is_stale(const rl_proto *p, int fd);
+/* The replay rule, the same for both drivers: after the connection broke (cause
+   RL_ERR_IO) a decision is sent once more, marked, on another connection; nothing else
+   is replayed. Returns 1 when d was switched to its replay form, 0 when it must fail,
+   -1 when out of memory. */
+int rl_proto_replay(rl_status cause, rl_prepared *d);
 
 /* ------------------------------------------------------------- connections */
 
@@ -72,8 +200,8 @@ typedef struct {
 typedef struct rl_conn {
     int fd;                      /* blocking socket with SO_RCVTIMEO/SO_SNDTIMEO set */
     SSL *ssl;                    /* TLS session on fd, or NULL for plain TCP/unix */
-    redisReader *reader;         /* hiredis RESP parser fed with what we read */
-    double armed_timeout;        /* SO_SNDTIMEO/SO_RCVTIMEO now set, -1 when mixed */
+    rl_proto proto;              /* the protocol state of this connection */
+    double armed_timeout;        /* SO_SNDTIMEO/SO_RCVTIMEO now set (seconds), 0 unknown */
     struct rl_conn *next;        /* next idle connection in the pool */
 } rl_conn;
 
@@ -84,7 +212,6 @@ typedef struct {
     int open;                    /* connections that exist (idle or in use) */
     int max_open;                /* bound on open */
     int closed;                  /* set by close(): no new connections */
-    pid_t pid;                   /* process that owns these sockets */
     int initialized;             /* mutex and cond are initialised */
     rl_config config;            /* immutable after init */
 } rl_pool;
@@ -93,47 +220,46 @@ int rl_config_init(rl_config *cfg, const char *host, int port, const char *unix_
                    long long db, const char *username, const char *password,
                    double connect_timeout, double socket_timeout);  /* 0 or -1 (ENOMEM) */
 void rl_config_clear(rl_config *cfg);
-/* Sets up TLS for the config: a client SSL_CTX with the CA file (or the system's CAs), an
-   optional client certificate and key, and verification unless verify is 0. Returns
-   RL_OK, or an error naming the file or the problem. */
+/* Sets up TLS for the config: a client SSL_CTX that trusts the CA file when one is given,
+   else the system's default CAs (the policy both limiters follow), an optional client
+   certificate and key, and verification unless verify is 0. Returns RL_OK, or an error
+   naming the file or the problem. */
 rl_status rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const char *cert_file,
                         const char *key_file, rl_error *err);
 
 /* Pool; all of these run without the GIL, except rl_pool_init/rl_pool_after_fork. */
-int rl_pool_init(rl_pool *pool, int max_open, pid_t pid);   /* 0, or -1 with errno */
+int rl_pool_init(rl_pool *pool, int max_open);              /* 0, or -1 with errno */
 void rl_pool_destroy(rl_pool *pool);
 void rl_pool_close(rl_pool *pool);
-void rl_pool_after_fork(rl_pool *pool, pid_t pid);
+void rl_pool_after_fork(rl_pool *pool);
 rl_status rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err);
 void rl_pool_release(rl_pool *pool, rl_conn *conn, int reusable);
 /* Closes every idle connection: after one broke, its siblings likely did too. */
 void rl_pool_drop_idle(rl_pool *pool);
 int rl_pool_open_count(rl_pool *pool);
+int rl_pool_is_closed(rl_pool *pool);
 
 /* A hiredis reader that refuses arrays longer than any reply we expect. NULL: no memory. */
 redisReader *rl_reader_create(void);
 const char *rl_reader_error(const redisReader *reader);   /* the reader's error, for people */
-int rl_reader_idle(const redisReader *reader);            /* no unread bytes buffered */
 
-/* Writes len bytes of commands and reads nreplies replies (each owned by the caller,
-   freeReplyObject) before the deadline. On error the connection is out of step: discard it. */
-rl_status rl_conn_roundtrip(rl_conn *conn, const char *buf, size_t len, int nreplies,
-                            redisReply **replies, double timeout, rl_error *err);
+/* One blocking decision on a pool, resumable after a signal: rl_call_run returns
+   RL_ERR_INTERRUPTED when a signal interrupted the I/O; the caller (GIL held) runs the
+   signal handlers and either calls rl_call_run again (the deadline still holds) or
+   rl_call_abandon. Any other status is final; the connection is back in the pool. */
+typedef struct {
+    rl_pool *pool;
+    rl_prepared *decision;
+    rl_conn *conn;               /* checked out while the call is under way, or NULL */
+    double deadline;             /* of the exchange on conn */
+    rl_result result;            /* the answer, when rl_call_run returned RL_OK */
+} rl_call;
+
+void rl_call_init(rl_call *call, rl_pool *pool, rl_prepared *decision);
+rl_status rl_call_run(rl_call *call, rl_error *err);
+void rl_call_abandon(rl_call *call);
 
 /* ------------------------------------------------------------------ script */
-
-typedef struct {
-    int count;                              /* number of windows */
-    long long limit[RL_MAX_WINDOWS];        /* shortest window first */
-    long long seconds[RL_MAX_WINDOWS];
-} rl_windows;
-
-typedef struct {
-    int allowed;                 /* 1 allow, 0 reject */
-    long long remaining;
-    long long retry_after_s;
-    int window;                  /* 0-based index into rl_windows of the deciding window */
-} rl_result;
 
 /* Formats EVALSHA for one decision; returns its length and sets *out (redisFreeCommand),
    or -1 when out of memory. now_ms < 0 lets the script read the server's clock. */
@@ -145,20 +271,20 @@ long long rl_script_format(const char *prefix, size_t prefix_len, const char *us
    or not a formatted command). A replay never counts a request its first attempt logged. */
 char *rl_script_replay_command(const char *command, size_t command_len, size_t *out_len);
 
-/* Runs one decision: EVALSHA, and on NOSCRIPT, SCRIPT LOAD + EVALSHA once more.
-   No GIL needed; command is a formatted EVALSHA. */
-rl_status rl_script_run(rl_pool *pool, const char *command, size_t command_len,
-                        const rl_windows *w, rl_result *out, rl_error *err);
-
 /* Decodes a script reply into a result, checked against the request's windows (an allow
    has 0 <= remaining < that window's limit and no retry; a reject has remaining 0 and a
-   retry >= 1); PROTOCOL/SERVER errors otherwise. No GIL needed. */
+   retry >= 1); PROTOCOL/SERVER/AUTH errors otherwise. No GIL needed. */
 rl_status rl_script_decode(const redisReply *reply, const rl_windows *w, rl_result *out,
                            rl_error *err);
+/* 1 when reply is an error reply whose text starts with prefix. */
+int rl_reply_is_error(const redisReply *reply, const char *prefix);
+const char *rl_reply_type_name(int type);             /* "an integer", ... for messages */
 
-/* The script's SHA1 hex and source, embedded from lua/sliding_window.lua at build time. */
+/* The script's SHA1 hex and source, embedded from lua/sliding_window.lua at build time,
+   and the pre-encoded SCRIPT LOAD command. */
 extern const char rl_script_sha1_hex[];
 const char *rl_script_source_text(size_t *len);
+const char *rl_script_load_text(size_t *len);
 
 /* ----------------------------------------------------------- member, clock */
 
@@ -195,15 +321,6 @@ PyObject *rl_raise(rl_module_state *state, const rl_error *err);
 /* The exception instance for err (a new reference), or NULL with an exception set. */
 PyObject *rl_exception(rl_module_state *state, const rl_error *err);
 
-/* One decision, prepared with the GIL held (args.c). */
-typedef struct {
-    rl_windows windows;          /* validated, shortest first */
-    int disabled;                /* the kill switch answered: result is final, no I/O */
-    rl_result result;            /* the kill switch's answer when disabled */
-    char *command;               /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
-    long long command_len;
-} rl_prepared;
-
 int rl_windows_from_pair(rl_windows *w, PyObject *limit, PyObject *seconds);   /* 0 / -1 */
 int rl_windows_from_sequence(rl_windows *w, PyObject *windows);               /* 0 / -1 */
 /* Borrowed UTF-8 of a non-empty str user id, or NULL with an exception. */
@@ -213,6 +330,9 @@ const char *rl_user_id_utf8(PyObject *user_id, Py_ssize_t *len);
 int rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int client_clock,
                PyObject *user_id, rl_prepared *out);
 void rl_prepared_clear(rl_prepared *p);
+/* 0 when seconds is a usable timeout (0 < seconds <= RL_MAX_TIMEOUT_SECONDS), else -1
+   with a ValueError naming the parameter. */
+int rl_check_timeout(const char *name, double seconds);
 /* (allowed, remaining, retry_after_s[, window_seconds]). Returns a new reference. */
 PyObject *rl_result_tuple(const rl_windows *w, const rl_result *r, int with_window);
 /* Vectorcall argument matching; out[] receives borrowed references. 0 / -1. */

@@ -29,6 +29,15 @@ class RedisOptions:
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
 
+    def tls_trust(self) -> str | None:
+        """The one TLS trust policy of both limiters (the blocking one applies it with
+        OpenSSL in C, the asyncio one with the ssl module): None when verification is off
+        (ssl_cert_reqs=none), the ssl_ca_certs path when given (that file alone is trusted,
+        not the system's store), else "system" (the system's default CAs)."""
+        if self.ssl_cert_reqs == "none":
+            return None
+        return self.ssl_ca_certs or "system"
+
     def describe(self) -> str:
         """Where this points, without credentials: safe for logs and messages."""
         if self.unix_path is not None:

@@ -1,11 +1,13 @@
 """AsyncRateLimiter: the asyncio limiter. Same arguments, results, errors, kill switch,
 script and keys as RateLimiter; only the I/O differs.
 
-The C extension validates each check and formats its EVALSHA (Codec), and parses replies
-and resolves their futures in order (Pipeline, on hiredis's reader). This module only moves
-bytes: an asyncio.Protocol per connection, driven by the running loop, so a check never
-blocks the loop and never needs a worker thread. Checks issued by many coroutines in the
-same loop iteration share a connection and go out in one write (auto-pipelining).
+The C extension validates each check and formats its EVALSHA (Codec), and runs each
+connection's protocol (Pipeline: the same engine as the blocking limiter's, csrc/proto.c:
+the handshake and how its replies are judged, NOSCRIPT reload, reply classification, the
+replay rule, the idle-connection check), resolving the futures in order. This module only
+moves bytes: an asyncio.Protocol per connection, driven by the running loop, so a check
+never blocks the loop and never needs a worker thread. Checks issued by many coroutines in
+the same loop iteration share a connection and go out in one write (auto-pipelining).
 
 Connections belong to the loop that opened them: a limiter used from several loops (e.g. a
 test client that runs each request on a fresh loop) keeps one small set per loop.
@@ -14,7 +16,6 @@ test client that runs each request on a fresh loop) keeps one small set per loop
 from __future__ import annotations
 
 import asyncio
-import select
 import ssl
 import time
 import weakref
@@ -34,18 +35,23 @@ _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
 
 
 def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
-    """The client TLS context of a rediss:// URL: certificates verified unless
-    ssl_cert_reqs=none. A missing or bad file is a ValueError naming it, at construction."""
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    """The client TLS context of a rediss:// URL, following the one trust policy both
+    limiters keep (RedisOptions.tls_trust): certificates and the host name verified unless
+    ssl_cert_reqs=none; trusted: the ssl_ca_certs file alone when given, else the system's
+    default CAs. A missing or bad file is a ValueError naming it, at construction."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    if options.ssl_cert_reqs == "none":
+    trust = options.tls_trust()
+    if trust is None:
         context.check_hostname = False
         context.verify_mode = ssl.CERT_NONE
-    elif options.ssl_ca_certs:
+    elif trust == "system":
+        context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    else:
         try:
-            context.load_verify_locations(cafile=options.ssl_ca_certs)
+            context.load_verify_locations(cafile=trust)
         except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"cannot load CA certificates from {options.ssl_ca_certs}: "
+            raise ValueError(f"cannot load CA certificates from {trust}: "
                              f"{exc.strerror or exc}") from None
     if options.ssl_certfile or options.ssl_keyfile:
         certfile = options.ssl_certfile or options.ssl_keyfile
@@ -70,26 +76,25 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
-        self._idle_probe: select.poll | None = None
+        self._fd = -1  # polled while idle (usable()); -1: not polled
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None and transport.get_extra_info("sslcontext") is None:
-            # To look at an idle connection before reusing it (see usable()). Not for TLS,
-            # where a readable socket may hold a session ticket the loop has yet to read.
-            self._idle_probe = select.poll()
-            self._idle_probe.register(sock.fileno(), select.POLLIN)
+            # Not for TLS, where a readable socket may hold a session ticket the loop has
+            # yet to read.
+            self._fd = sock.fileno()
 
     def usable(self) -> bool:
         """False when the connection closed, or when bytes nobody asked for (a stray reply,
         or the EOF of a server that went away) wait on it while nothing is pending: then it
-        is dropped, before a check could take those bytes for its answer. One poll(), only
-        for an idle connection."""
+        is dropped, before a check could take those bytes for its answer. The engine's
+        idle check (one poll(), only for an idle connection), as the blocking pool does."""
         if self.closed:
             return False
-        if self.pipeline.pending or self._idle_probe is None or not self._idle_probe.poll(0):
+        if self.pipeline.pending or not self.pipeline.idle_is_stale(self._fd):
             return True
         self.abort(RateLimiterUnavailable("Redis sent bytes on an idle connection"))
         return False
@@ -109,19 +114,12 @@ class _Connection(asyncio.Protocol):
             return
         reason = f": {exc}" if exc else ""
         error = RateLimiterUnavailable(f"connection to Redis lost{reason}")
-        pending = self.pipeline.take_pending()
+        # The server may or may not have run the pending decisions. The engine's replay rule
+        # (the blocking limiter's too) sends each once more, marked, on another connection:
+        # the script answers "already counted" for a request its first attempt logged.
+        # Everything else fails with `error`.
+        replays = [] if self.pool.limiter._closed else self.pipeline.take_replays(error)
         self._close(error)
-        # The server may or may not have run these. Replay each decision once on another
-        # connection, marked: the script answers "already counted" for a request its first
-        # attempt logged, so nothing is counted twice. Plain commands just fail.
-        replays = []
-        for future, request in pending:
-            if future.done():
-                continue
-            if request is not None and not self.pool.limiter._closed and request.mark_replay():
-                replays.append((future, request))
-            else:
-                future.set_exception(error)
         if replays:
             self.pool.replay(replays)
 
@@ -151,15 +149,15 @@ class _Connection(asyncio.Protocol):
         if self._timer is None:
             self._timer = self.loop.call_later(self.timeout, self._on_timer)
 
-    def command(self, *words: str | bytes) -> asyncio.Future[Any]:
-        if self.closed:
-            raise RateLimiterUnavailable("connection to Redis lost")
+    async def handshake(self, options: RedisOptions) -> None:
+        """AUTH / SELECT / PING as the engine queues and judges them (the blocking path
+        runs the same steps): a refused password is RateLimiterAuthError, a lost
+        connection RateLimiterUnavailable, and connect_timeout bounds it (in _open)."""
         future = self.loop.create_future()
-        self.pipeline.push_command(future, *words)
-        self._schedule_flush()
-        if self._timer is None:
-            self._timer = self.loop.call_later(self.timeout, self._on_timer)
-        return future
+        if self.pipeline.handshake(future, username=options.username, password=options.password,
+                                   db=options.db, ping=options.tls):
+            self._flush()
+            await future
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -310,22 +308,7 @@ class _LoopPool:
             await self.loop.create_connection(
                 lambda: conn, options.host, options.port, ssl=self.limiter._ssl,
                 server_hostname=options.host if self.limiter._ssl is not None else None)
-        replies = []
-        if options.password is not None:
-            words = ["AUTH"] + ([options.username] if options.username else []) + [options.password]
-            replies.append(conn.command(*words))
-        if options.db:
-            replies.append(conn.command("SELECT", str(options.db)))
-        for index, reply in enumerate(replies):
-            try:
-                await reply
-            except RateLimiterError as exc:
-                # The message is the server's text, which never contains the password.
-                if index == 0 and options.password is not None:
-                    raise _native.RateLimiterAuthError(f"Redis authentication failed: {exc}") from None
-                if isinstance(exc, _native.RateLimiterAuthError):
-                    raise
-                raise RateLimiterUnavailable(f"Redis refused SELECT {options.db}: {exc}") from None
+        await conn.handshake(options)
 
     def replay(self, pairs: list[tuple[asyncio.Future[Any], Any]]) -> None:
         """Replays checks whose connection broke, on a fresh or another open connection."""

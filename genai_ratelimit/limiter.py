@@ -18,10 +18,13 @@ Clock = Literal["server", "client"]
 
 
 def _positive_seconds(name: str, value: float) -> float:
+    """A timeout: a number of seconds in (0, MAX_TIMEOUT_SECONDS]. The C types check the
+    same bound (one day: larger values would overflow the millisecond arithmetic)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive, finite number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0 or value > _native.MAX_TIMEOUT_SECONDS:
+        raise ValueError(f"{name} must be a positive number of seconds, at most "
+                         f"{_native.MAX_TIMEOUT_SECONDS} (one day), got {value!r}")
     return float(value)
 
 
@@ -61,8 +64,8 @@ def limiter_options(
         client_clock=clock == "client",
         max_connections=max_connections,
         tls=options.tls,
-        ssl_verify=options.ssl_cert_reqs == "required",
-        ssl_ca_certs=options.ssl_ca_certs,
+        ssl_verify=options.tls_trust() is not None,
+        ssl_ca_certs=options.ssl_ca_certs if options.tls_trust() not in (None, "system") else None,
         ssl_certfile=options.ssl_certfile,
         ssl_keyfile=options.ssl_keyfile,
     )

@@ -9,8 +9,9 @@ ARGV[2]   the request time in unix ms, or "" to read the server's clock (TIME)
 ARGV[2i+1], ARGV[2i+2]
           window length in ms and limit of KEYS[i]
 ARGV[2n+3] optional: "1" marks a replay of a call whose reply was lost (n = #KEYS).
-          If the member is already logged in KEYS[1], the first attempt was allowed
-          and logged: answer allow again without logging twice.
+          If the member is already logged in KEYS[n] (the longest window, where it
+          stays longest), the first attempt was allowed and logged: answer allow
+          again without logging twice.
 
 Returns {allowed, remaining, retry_after_s, i}:
   allow  -> {1, fewest remaining over all windows after this request, 0,
@@ -31,7 +32,7 @@ end
 
 local fewest, fewest_index = nil, 1
 
-if ARGV[2 * #KEYS + 3] == '1' and redis.call('ZSCORE', KEYS[1], ARGV[1]) then
+if ARGV[2 * #KEYS + 3] == '1' and redis.call('ZSCORE', KEYS[#KEYS], ARGV[1]) then
   -- Already counted by the first attempt: report, write nothing.
   for i = 1, #KEYS do
     local window_ms = tonumber(ARGV[2 * i + 1])

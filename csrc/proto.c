@@ -1,0 +1,564 @@
+/*
+ * proto.c - the protocol engine of one Redis connection, with no I/O in it.
+ *
+ * Both limiters drive it: the blocking loop in conn.c (sockets, deadlines, the GIL
+ * released) and the asyncio Protocol in aio.py through codec.c's Pipeline. The engine
+ * owns what must behave the same on both paths, once:
+ *   - the handshake steps (AUTH [user] password, SELECT db, PING on TLS) and how their
+ *     replies are judged (a refused password is an auth error, anything else that is not
+ *     the expected status drops the connection);
+ *   - the FIFO of requests whose replies are due, and the bytes waiting to be written;
+ *   - the NOSCRIPT reload: SCRIPT LOAD, its reply checked against the script's SHA1, and
+ *     the same command once more;
+ *   - the classification of every reply into a result or one rl_error kind, and of what
+ *     makes the connection unusable (garbage, a reply nobody asked for, an oversized one);
+ *   - the replay rule after a broken connection (rl_proto_replay).
+ * Drivers only move bytes: they write rl_proto_output(), feed what they read, and take
+ * completed requests from rl_proto_next().
+ *
+ * GIL contract: nothing here touches a Python object; every function may run with the
+ * GIL released. An rl_proto belongs to one connection and is used by one thread at a time.
+ * Memory: malloc/free (the blocking driver runs without the GIL).
+ */
+#include "native.h"
+#include "script_source.h"
+
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ----------------------------------------------------------------- reader */
+
+/* The reply functions of our readers: hiredis's defaults (reached through the reader's
+   privdata), except that an array longer than any reply we expect is refused at once.
+   Without this, a hostile "*1000000000" header makes hiredis 0.14 calloc and later walk
+   a billion element slots. The table is constant: no global mutable state. */
+#define RL_MAX_REPLY_ELEMENTS 64
+
+#if HIREDIS_MAJOR >= 1
+typedef size_t rl_elements_t;
+#else
+typedef int rl_elements_t;
+#endif
+
+static const redisReplyObjectFunctions *
+defaults_of(const redisReadTask *task)
+{
+    return (const redisReplyObjectFunctions *)task->privdata;
+}
+
+static void *
+bounded_string(const redisReadTask *task, char *str, size_t len)
+{
+    return defaults_of(task)->createString(task, str, len);
+}
+
+static void *
+bounded_array(const redisReadTask *task, rl_elements_t elements)
+{
+    if ((size_t)elements > RL_MAX_REPLY_ELEMENTS)
+        return NULL; /* the reader reports it as an error; the connection is dropped */
+    return defaults_of(task)->createArray(task, elements);
+}
+
+static void *
+bounded_integer(const redisReadTask *task, long long value)
+{
+    return defaults_of(task)->createInteger(task, value);
+}
+
+static void *
+bounded_nil(const redisReadTask *task)
+{
+    return defaults_of(task)->createNil(task);
+}
+
+static const redisReplyObjectFunctions bounded_functions = {
+    .createString = bounded_string,
+    .createArray = bounded_array,
+    .createInteger = bounded_integer,
+    .createNil = bounded_nil,
+    .freeObject = freeReplyObject,
+};
+
+redisReader *
+rl_reader_create(void)
+{
+    redisReader *reader = redisReaderCreate();
+    if (reader == NULL)
+        return NULL;
+    reader->privdata = (void *)reader->fn; /* hiredis's own (static) default functions */
+    reader->fn = (redisReplyObjectFunctions *)&bounded_functions;
+    return reader;
+}
+
+const char *
+rl_reader_error(const redisReader *reader)
+{
+    /* Our bounded_array makes the reader say "Out of memory": say what it means. */
+    if (reader->err == REDIS_ERR_OOM)
+        return "a reply far larger than a rate-limit decision";
+    return reader->errstr;
+}
+
+/* ------------------------------------------------------------------ engine */
+
+int
+rl_proto_init(rl_proto *p)
+{
+    memset(p, 0, sizeof(*p));
+    p->reader = rl_reader_create();
+    return p->reader == NULL ? -1 : 0;
+}
+
+void
+rl_proto_clear(rl_proto *p)
+{
+    if (p->reader != NULL)
+        redisReaderFree(p->reader);
+    if (p->out != NULL) {
+        if (p->sensitive)
+            rl_wipe(p->out, p->out_len);
+        free(p->out);
+    }
+    free(p->ring);
+    memset(p, 0, sizeof(*p));
+}
+
+/* Makes room for n more entries. 0, or -1 when out of memory (nothing changed). */
+static int
+reserve_entries(rl_proto *p, size_t n)
+{
+    if (p->count + n <= p->capacity)
+        return 0;
+    size_t cap = p->capacity ? p->capacity * 2 : 16;
+    while (cap < p->count + n)
+        cap *= 2;
+    rl_entry *ring = malloc(cap * sizeof(rl_entry));
+    if (ring == NULL)
+        return -1;
+    for (size_t i = 0; i < p->count; i++)
+        ring[i] = p->ring[(p->head + i) % p->capacity];
+    free(p->ring);
+    p->ring = ring;
+    p->capacity = cap;
+    p->head = 0;
+    return 0;
+}
+
+/* Makes room for len more output bytes. 0, or -1 when out of memory (nothing changed). */
+static int
+reserve_output(rl_proto *p, size_t len)
+{
+    if (p->out_len + len <= p->out_capacity)
+        return 0;
+    size_t cap = p->out_capacity ? p->out_capacity : 1024;
+    while (cap < p->out_len + len)
+        cap *= 2;
+    char *grown = malloc(cap);
+    if (grown == NULL)
+        return -1;
+    if (p->out != NULL) {
+        memcpy(grown, p->out, p->out_len);
+        if (p->sensitive)
+            rl_wipe(p->out, p->out_len);
+        free(p->out);
+    }
+    p->out = grown;
+    p->out_capacity = cap;
+    return 0;
+}
+
+/* Queues bytes and their entry together, or nothing at all. */
+static rl_status
+queue(rl_proto *p, const char *bytes, size_t len, const rl_entry *e, rl_error *err)
+{
+    if (p->failed)
+        return rl_error_set(err, RL_ERR_IO, "the connection to Redis failed already");
+    if (reserve_entries(p, 1) < 0 || reserve_output(p, len) < 0)
+        return rl_error_set(err, RL_ERR_NOMEM, "out of memory queueing a command");
+    memcpy(p->out + p->out_len, bytes, len);
+    p->out_len += len;
+    p->ring[(p->head + p->count) % p->capacity] = *e;
+    p->count++;
+    p->unsent++;
+    return RL_OK;
+}
+
+/* Formats argv and queues it; the formatted copy is wiped (it may hold a password). */
+static rl_status
+queue_words(rl_proto *p, int argc, const char **argv, const size_t *argvlen, const rl_entry *e,
+            rl_error *err)
+{
+    char *command = NULL;
+    long long len = redisFormatCommandArgv(&command, argc, argv, argvlen);
+    if (len < 0 || command == NULL)
+        return rl_error_set(err, RL_ERR_NOMEM, "out of memory formatting a command");
+    rl_status st = queue(p, command, (size_t)len, e, err);
+    rl_wipe(command, (size_t)len);
+    redisFreeCommand(command);
+    return st;
+}
+
+int
+rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *token,
+                   rl_error *err)
+{
+    const char *argv[3];
+    size_t argvlen[3];
+    char dbtext[24];
+    int steps = 0;
+    rl_entry e = {.deadline = deadline};
+
+    /* Only the last step carries the token: it completes the handshake. A step before it
+       that fails reports a fatal event without a token; the driver then fails what is
+       left, the last step included. */
+    int steps_total = (h->password != NULL) + (h->db != 0) + (h->password == NULL && h->db == 0 && h->ping);
+    if (h->password != NULL) {
+        int argc = 0;
+        argv[argc] = "AUTH"; argvlen[argc++] = 4;
+        if (h->username != NULL) {
+            argv[argc] = h->username; argvlen[argc++] = strlen(h->username);
+        }
+        argv[argc] = h->password; argvlen[argc++] = strlen(h->password);
+        e.step = RL_STEP_AUTH;
+        e.last = steps + 1 == steps_total;
+        e.token = e.last ? token : NULL;
+        p->sensitive = 1;
+        if (queue_words(p, argc, argv, argvlen, &e, err) != RL_OK)
+            return -1;
+        steps++;
+    }
+    if (h->db != 0) {
+        p->db = h->db;
+        argvlen[1] = (size_t)snprintf(dbtext, sizeof(dbtext), "%lld", h->db);
+        argv[0] = "SELECT"; argvlen[0] = 6;
+        argv[1] = dbtext;
+        e.step = RL_STEP_SELECT;
+        e.last = 1;
+        e.token = token;
+        if (queue_words(p, 2, argv, argvlen, &e, err) != RL_OK)
+            return -1;
+        steps++;
+    }
+    if (steps == 0 && h->ping) {
+        /* A TLS 1.3 server sends its session tickets after the handshake; one round trip
+           now reads them, so an idle pooled connection never looks readable (stale). */
+        argv[0] = "PING"; argvlen[0] = 4;
+        e.step = RL_STEP_PING;
+        e.last = 1;
+        e.token = token;
+        if (queue_words(p, 1, argv, argvlen, &e, err) != RL_OK)
+            return -1;
+        steps++;
+    }
+    return steps;
+}
+
+rl_status
+rl_proto_push_decision(rl_proto *p, rl_prepared *d, double deadline, void *token, void *holder,
+                       rl_error *err)
+{
+    size_t len;
+    const char *bytes = rl_prepared_bytes(d, &len);
+    rl_entry e = {.step = RL_STEP_DECISION, .deadline = deadline, .token = token,
+                  .holder = holder, .decision = d};
+    if (bytes == NULL)
+        return rl_error_set(err, RL_ERR_CLOSED, "the decision has no command (kill switch)");
+    return queue(p, bytes, len, &e, err);
+}
+
+rl_status
+rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
+                      double deadline, void *token, rl_error *err)
+{
+    rl_entry e = {.step = RL_STEP_COMMAND, .deadline = deadline, .token = token};
+    return queue_words(p, argc, argv, argvlen, &e, err);
+}
+
+const char *
+rl_proto_output(const rl_proto *p, size_t *len)
+{
+    *len = p->out_len;
+    return p->out;
+}
+
+void
+rl_proto_consume(rl_proto *p, size_t written)
+{
+    if (written >= p->out_len) {
+        if (p->sensitive)
+            rl_wipe(p->out, p->out_len);
+        p->out_len = 0;
+        p->unsent = 0; /* every queued entry's bytes are on their way */
+        p->sensitive = 0;
+        if (p->out_capacity > 65536) {
+            /* A burst grew the buffer: give the memory back. */
+            free(p->out);
+            p->out = NULL;
+            p->out_capacity = 0;
+        }
+        return;
+    }
+    memmove(p->out, p->out + written, p->out_len - written);
+    if (p->sensitive)
+        rl_wipe(p->out + p->out_len - written, written);
+    p->out_len -= written;
+}
+
+rl_status
+rl_proto_feed(rl_proto *p, const char *data, size_t len, rl_error *err)
+{
+    if (p->failed || p->reader->err)
+        return rl_error_set(err, RL_ERR_PROTOCOL, "the connection already failed: %s",
+                            rl_reader_error(p->reader));
+    if (redisReaderFeed(p->reader, data, len) != REDIS_OK)
+        return rl_error_set(err, RL_ERR_NOMEM, "out of memory reading a reply");
+    return RL_OK;
+}
+
+static rl_entry
+pop_head(rl_proto *p)
+{
+    rl_entry e = p->ring[p->head];
+    p->head = (p->head + 1) % p->capacity;
+    p->count--;
+    if (p->unsent > p->count)
+        p->unsent = p->count;
+    return e;
+}
+
+int
+rl_proto_pop(rl_proto *p, rl_entry *out)
+{
+    if (p->count == 0)
+        return 0;
+    *out = pop_head(p);
+    if (p->count == 0) {
+        /* Nothing is waiting for the queued bytes any more. */
+        if (p->sensitive)
+            rl_wipe(p->out, p->out_len);
+        p->out_len = 0;
+        p->unsent = 0;
+    }
+    return 1;
+}
+
+size_t
+rl_proto_pending(const rl_proto *p)
+{
+    return p->count;
+}
+
+const rl_entry *
+rl_proto_entry(const rl_proto *p, size_t i)
+{
+    return i < p->count ? &p->ring[(p->head + i) % p->capacity] : NULL;
+}
+
+double
+rl_proto_oldest_deadline(const rl_proto *p)
+{
+    return p->count ? p->ring[p->head].deadline : -1.0;
+}
+
+int
+rl_proto_idle_is_stale(const rl_proto *p, int fd)
+{
+    if (p->count != 0)
+        return 0; /* not idle: bytes on the socket are replies someone waits for */
+    if (p->reader->pos < p->reader->len || p->failed)
+        return 1;
+    if (fd < 0)
+        return 0;
+    struct pollfd pfd = {.fd = fd, .events = POLLIN};
+    return poll(&pfd, 1, 0) != 0; /* readable, hung up, or poll failed: do not trust it */
+}
+
+int
+rl_proto_replay(rl_status cause, rl_prepared *d)
+{
+    if (cause != RL_ERR_IO || d == NULL || d->command == NULL || d->replay != NULL)
+        return 0; /* a timeout or garbage is not replayed; a replay is not replayed again */
+    d->replay = rl_script_replay_command(d->command, (size_t)d->command_len, &d->replay_len);
+    return d->replay == NULL ? -1 : 1;
+}
+
+/* ----------------------------------------------------------- classification */
+
+static int
+status_is(const redisReply *r, const char *text)
+{
+    size_t n = strlen(text);
+    return r->type == REDIS_REPLY_STATUS && r->len == n && memcmp(r->str, text, n) == 0;
+}
+
+static int
+is_auth_refusal(const redisReply *r)
+{
+    return rl_reply_is_error(r, "NOAUTH") || rl_reply_is_error(r, "WRONGPASS");
+}
+
+/* Judges a handshake step's reply. RL_OK, or the error (always fatal for the connection). */
+static rl_status
+judge_handshake(const rl_proto *p, const rl_entry *e, const redisReply *r, rl_error *err)
+{
+    const char *expected = e->step == RL_STEP_PING ? "PONG" : "OK";
+    const char *name = e->step == RL_STEP_AUTH ? "AUTH" : e->step == RL_STEP_SELECT ? "SELECT" : "PING";
+    if (status_is(r, expected))
+        return RL_OK;
+    if (r->type == REDIS_REPLY_ERROR) {
+        /* The server's text names the user at most, never the password. */
+        if (e->step == RL_STEP_AUTH || is_auth_refusal(r))
+            return rl_error_set(err, RL_ERR_AUTH, "Redis authentication failed: %.200s", r->str);
+        if (e->step == RL_STEP_SELECT)
+            return rl_error_set(err, RL_ERR_SERVER, "Redis refused SELECT %lld: %.200s", p->db,
+                                r->str);
+        return rl_error_set(err, RL_ERR_SERVER, "Redis refused %s: %.200s", name, r->str);
+    }
+    return rl_error_set(err, RL_ERR_PROTOCOL, "unexpected reply to %s: %s, expected +%s", name,
+                        rl_reply_type_name(r->type), expected);
+}
+
+/* Judges SCRIPT LOAD's reply: RL_OK, a refusal (kept for the decision that follows), or
+   PROTOCOL (fatal). */
+static rl_status
+judge_script_load(rl_proto *p, const redisReply *r, rl_error *err)
+{
+    size_t sha_len = sizeof(RL_SCRIPT_SHA1) - 1;
+    if (r->type == REDIS_REPLY_ERROR) {
+        p->load_failed = 1;
+        if (is_auth_refusal(r))
+            rl_error_set(&p->load_error, RL_ERR_AUTH, "the Redis server requires authentication: "
+                         "put the password in the URL (%.120s)", r->str);
+        else
+            rl_error_set(&p->load_error, RL_ERR_SERVER, "Redis refused to load the rate-limit "
+                         "script: %.240s", r->str);
+        return RL_OK;
+    }
+    if (r->type != REDIS_REPLY_STRING || r->len != sha_len || memcmp(r->str, RL_SCRIPT_SHA1, sha_len) != 0)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to SCRIPT LOAD: %s, expected the script's SHA1",
+                            rl_reply_type_name(r->type));
+    p->load_failed = 0;
+    return RL_OK;
+}
+
+/* After NOSCRIPT: SCRIPT LOAD and the same decision again, at the end of the FIFO.
+   Takes e (already popped). RL_OK, or NOMEM (nothing queued). */
+static rl_status
+reload_and_resend(rl_proto *p, rl_entry e, rl_error *err)
+{
+    size_t load_len, len;
+    const char *load = rl_script_load_text(&load_len);
+    const char *bytes = rl_prepared_bytes(e.decision, &len);
+    rl_entry load_entry = {.step = RL_STEP_SCRIPT_LOAD, .deadline = e.deadline};
+    /* Room for both first, so that either both are queued or neither is. */
+    if (reserve_entries(p, 2) < 0 || reserve_output(p, load_len + len) < 0)
+        return rl_error_set(err, RL_ERR_NOMEM, "out of memory loading the script");
+    if (queue(p, load, load_len, &load_entry, err) != RL_OK)
+        return err->kind;
+    e.reloaded = 1;
+    return queue(p, bytes, len, &e, err);
+}
+
+int
+rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
+{
+    for (;;) {
+        void *raw = NULL;
+        if (p->failed) {
+            rl_error_set(err, RL_ERR_PROTOCOL, "the connection already failed");
+            return -1;
+        }
+        if (redisReaderGetReply(p->reader, &raw) != REDIS_OK) {
+            p->failed = 1;
+            rl_error_set(err, RL_ERR_PROTOCOL, "Redis sent a malformed reply: %s",
+                         rl_reader_error(p->reader));
+            return -1;
+        }
+        if (raw == NULL) {
+            /* hiredis keeps a partial reply buffered: bound it. */
+            if (p->reader->len - p->reader->pos > RL_MAX_REPLY_BYTES) {
+                p->failed = 1;
+                rl_error_set(err, RL_ERR_PROTOCOL, "Redis sent more than %d bytes without "
+                             "completing a reply: not a reply this client expects",
+                             RL_MAX_REPLY_BYTES);
+                return -1;
+            }
+            return 0;
+        }
+        redisReply *reply = raw;
+        if (p->count == p->unsent) {
+            /* No request whose bytes went out is waiting: nobody asked for this reply. */
+            freeReplyObject(reply);
+            p->failed = 1;
+            rl_error_set(err, RL_ERR_PROTOCOL, "Redis sent a reply nobody asked for");
+            return -1;
+        }
+        rl_entry e = pop_head(p);
+        rl_status st;
+        memset(ev, 0, sizeof(*ev));
+        ev->entry = e;
+        switch (e.step) {
+        case RL_STEP_AUTH:
+        case RL_STEP_SELECT:
+        case RL_STEP_PING:
+            st = judge_handshake(p, &e, reply, &ev->error);
+            freeReplyObject(reply);
+            if (st == RL_OK && !e.last)
+                continue; /* the next step's reply completes the handshake */
+            ev->status = st;
+            ev->fatal = st != RL_OK;
+            break;
+        case RL_STEP_SCRIPT_LOAD:
+            st = judge_script_load(p, reply, err);
+            freeReplyObject(reply);
+            if (st != RL_OK) {
+                p->failed = 1;
+                return -1;
+            }
+            continue; /* the decision sent after it reports */
+        case RL_STEP_DECISION:
+            if (rl_reply_is_error(reply, "NOSCRIPT")) {
+                freeReplyObject(reply);
+                if (!e.reloaded) {
+                    /* The script cache is empty (SCRIPT FLUSH, restart, failover): nothing
+                       ran. Load it and send the same command once more. */
+                    st = reload_and_resend(p, e, &ev->error);
+                    if (st == RL_OK)
+                        continue;
+                } else if (p->load_failed) {
+                    ev->error = p->load_error;
+                    st = ev->error.kind;
+                } else {
+                    st = rl_error_set(&ev->error, RL_ERR_SERVER, "Redis answered NOSCRIPT "
+                                      "again right after loading the rate-limit script");
+                }
+                ev->status = st;
+                break;
+            }
+            st = rl_script_decode(reply, &e.decision->windows, &ev->result, &ev->error);
+            freeReplyObject(reply);
+            ev->status = st;
+            ev->fatal = st == RL_ERR_PROTOCOL; /* garbage: out of step; an error reply is not */
+            break;
+        case RL_STEP_COMMAND:
+        default:
+            if (reply->type == REDIS_REPLY_ERROR) {
+                st = rl_error_set(&ev->error, is_auth_refusal(reply) ? RL_ERR_AUTH : RL_ERR_SERVER,
+                                  "Redis answered an error: %.240s", reply->str);
+                freeReplyObject(reply);
+            } else {
+                st = RL_OK;
+                ev->reply = reply; /* the receiver frees it */
+            }
+            ev->status = st;
+            break;
+        }
+        if (ev->fatal)
+            p->failed = 1;
+        return 1;
+    }
+}

@@ -407,9 +407,9 @@ def check_in_child(kind: str, url: str, user: str, env: dict[str, str],
                    cwd: Path) -> dict[str, Any]:
     """Runs one check of `user` (limit 100 a minute) through the kind of limiter
     ("sync"/"async") in a fresh Python process with `env` added to a copy of this
-    environment; returns its JSON report."""
+    environment (LD_PRELOAD included: under make test-asan the child loads the same
+    sanitized build); returns its JSON report."""
     child_env = dict(os.environ)
-    child_env.pop("LD_PRELOAD", None)
     child_env.update(env)
     done = subprocess.run([sys.executable, "-c", _CHILD_CHECK, kind, url, user], cwd=cwd,
                           env=child_env, capture_output=True, text=True, timeout=60)

@@ -106,7 +106,7 @@ class RateLimiter(_native.Limiter):
         return (f"{type(self).__name__}({self.url!r}, "
                 f"key_prefix={self.key_prefix!r}, clock={getattr(self, '_clock', None)!r})")
 
-    def __enter__(self) -> "RateLimiter":
+    def __enter__(self) -> RateLimiter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

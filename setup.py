@@ -36,7 +36,9 @@ def fail(message: str) -> None:
     raise SystemExit(1)
 
 
-def find_library(pc_name: str, header: str, libraries: list[str], debian: str) -> tuple[list[str], list[str], list[str]]:
+def find_library(
+        pc_name: str, header: str, libraries: list[str], debian: str
+) -> tuple[list[str], list[str], list[str]]:
     """Returns (include_dirs, library_dirs, libraries) for one system library."""
     if shutil.which("pkg-config"):
         result = subprocess.run(

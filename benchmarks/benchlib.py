@@ -19,9 +19,10 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +88,7 @@ class RedisTarget:
     directory: Path | None = None
 
     @classmethod
-    def from_url(cls, url: str) -> "RedisTarget":
+    def from_url(cls, url: str) -> RedisTarget:
         parts = urlsplit(url)
         if parts.scheme == "unix":
             db = 0
@@ -103,7 +104,7 @@ class RedisTarget:
                    password=unquote(parts.password) if parts.password else None)
 
     @classmethod
-    def start_own(cls) -> "RedisTarget":
+    def start_own(cls) -> RedisTarget:
         binary = shutil.which("redis-server")
         if binary is None:
             raise SystemExit("benchmarks: redis-server is not installed (apt-get install redis-server)")
@@ -149,7 +150,10 @@ class RedisTarget:
                     username=self.username, password=self.password)
 
     def raw_args(self) -> list[str]:
-        args = ["--unix", self.unix_path] if self.unix_path else ["--host", self.host, "--port", str(self.port)]
+        if self.unix_path:
+            args = ["--unix", self.unix_path]
+        else:
+            args = ["--host", self.host, "--port", str(self.port)]
         return args + ["--db", str(self.db)]
 
     def raw_env(self) -> dict[str, str]:

@@ -20,11 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from benchlib import (AsyncRedisPyLimiter, FourOpLimiter, RawClient, RedisPyLimiter, RedisTarget, Sample,
-                      async_timed_loop, limits_storage_uri, parser_name, redis_py_client, timed_loop)
+from benchlib import (
+    AsyncRedisPyLimiter,
+    FourOpLimiter,
+    RawClient,
+    RedisPyLimiter,
+    RedisTarget,
+    Sample,
+    async_timed_loop,
+    limits_storage_uri,
+    parser_name,
+    redis_py_client,
+    timed_loop,
+)
 
 BIG = 10**9  # "huge limit": allow-heavy
 

@@ -23,10 +23,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from app import app, chat_completions  # noqa: E402
 from fastapi import Depends, Request, Response  # noqa: E402
 
 import genai_ratelimit  # noqa: E402
+from app import app, chat_completions  # noqa: E402
 from genai_ratelimit.fastapi import RateLimit  # noqa: E402
 
 UNLIMITED_PATH = "/bench/unlimited/v1/chat/completions"

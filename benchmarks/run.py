@@ -36,11 +36,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from benchlib import (BENCH_DIR, ROOT, RedisTarget, Sample, admin_client, clean_keys,  # noqa: E402
-                      script_stats)
-from contenders import (ASYNC_REDISPY, RAW, REDISPY, WORKLOADS, Contender, Context,  # noqa: E402
-                        all_contenders)
 import sections  # noqa: E402
+from benchlib import BENCH_DIR, ROOT, RedisTarget, Sample, admin_client, clean_keys, script_stats  # noqa: E402
+from contenders import ASYNC_REDISPY, RAW, REDISPY, WORKLOADS, Contender, Context, all_contenders  # noqa: E402
 
 # Issue 4 targets (ratios in the same run) and issue 5's async ones.
 TARGET_CHECK_THROUGHPUT = 0.9      # check calls/s >= 0.9x raw hiredis sequential
@@ -92,11 +90,13 @@ def environment(target: RedisTarget, admin) -> dict[str, str]:
         "commit": cmd("git", "rev-parse", "--short", "HEAD") + (" (+ uncommitted changes)" if dirty else ""),
         "python": f"{platform.python_implementation()} {platform.python_version()}",
         "hiredis (C, pkg-config)": cmd("pkg-config", "--modversion", "hiredis"),
-        "redis server": f"{info.get('redis_version')} ({'started by run.py' if target.owned else 'REDIS_URL'})",
+        "redis server": f"{info.get('redis_version')} "
+                        f"({'started by run.py' if target.owned else 'REDIS_URL'})",
         "cpu": f"{cpu} x {os.cpu_count()} vCPU",
         "kernel": platform.release(),
         "genai_ratelimit": package,
-        "redis-py / hiredis-py / limits": f"{versions['redis']} / {versions['hiredis']} / {versions['limits']}",
+        "redis-py / hiredis-py / limits":
+            f"{versions['redis']} / {versions['hiredis']} / {versions['limits']}",
         "fastapi / uvicorn / wrk": f"{versions['fastapi']} / {versions['uvicorn']} / "
                                    f"{cmd('sh', '-c', 'wrk -v 2>&1 | head -1').split(' [')[0] or '?'}",
     }
@@ -142,8 +142,9 @@ def run_contenders(contenders: list[Contender], target: RedisTarget, admin, roun
             if after[0] > before[0]:
                 sample.server_us_per_call = (after[1] - before[1]) / (after[0] - before[0])
             samples[contender.key].append(sample)
-        log(f"  round {round_index + 1}/{rounds}: {len(order)} contenders in {time.monotonic() - started:.1f} s")
-    for key, (_, close, prefix) in runners.items():
+        log(f"  round {round_index + 1}/{rounds}: {len(order)} contenders "
+            f"in {time.monotonic() - started:.1f} s")
+    for _, close, prefix in runners.values():
         try:
             close()
         except Exception:  # noqa: BLE001
@@ -183,12 +184,17 @@ def ratio_str(values: list[float]) -> str:
 def paired(a: list[Sample], b: list[Sample], fn) -> list[float]:
     """Per-round ratios fn(a_round, b_round), for rounds both completed."""
     out = []
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):  # a contender may have fewer rounds than the other
         try:
             out.append(fn(x, y))
         except ZeroDivisionError:
             pass
     return out
+
+
+def round_ratios(a: list[float], b: list[float]) -> list[float]:
+    """Per-round ratios a/b, for rounds both completed and where b is not 0."""
+    return [x / y for x, y in zip(a, b, strict=False) if y]
 
 
 def med(values: list[float]) -> float | None:
@@ -230,10 +236,12 @@ def find(contenders: list[Contender], workload: str, startswith: str) -> Contend
 # --------------------------------------------------------------------------- main
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     parser.add_argument("--rounds", type=int, help="rounds over all contenders (default 5 quick, 24 full)")
-    parser.add_argument("--duration", type=float, help="seconds per contender per round (default 0.1 quick, 0.3 full)")
+    parser.add_argument("--duration", type=float,
+                        help="seconds per contender per round (default 0.1 quick, 0.3 full)")
     parser.add_argument("--only", help="only contenders whose workload or name contains this text")
     parser.add_argument("--skip", default="", help="comma list of sections to skip: e2e,memory,server,cpu")
     parser.add_argument("--no-write", action="store_true", help="do not write benchmarks/RESULTS.md")
@@ -422,9 +430,9 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
             continue
         base = by_role(contenders, c.workload, ASYNC_REDISPY)
         row = _row(c, f"{c.concurrency} in flight", samples, skipped, None, base, with_p50_ratio=False)
-        row = row[:7] + [ratio_str(paired(sample_list(c), sample_list(pipe64),
-                                          lambda a, b: a.calls_per_s / b.calls_per_s)) if c.key not in skipped else "–",
-                         row[9]]
+        vs_pipe64 = ratio_str(paired(sample_list(c), sample_list(pipe64),
+                                     lambda a, b: a.calls_per_s / b.calls_per_s))
+        row = row[:7] + [vs_pipe64 if c.key not in skipped else "–", row[9]]
         async_rows.append(row)
     if async_rows:
         r.add("## Concurrent (issue 5): checks/s at N in-flight calls, 1,000 users, allow-heavy")
@@ -510,18 +518,19 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
         for title, per_script in server["results"].items():
             for name in server["names"]:
                 values = per_script[name]
-                vs_orig = [a / b for a, b in zip(values, per_script[sections.FOUR_OP]) if b]
-                vs_strict = [a / b for a, b in zip(values, per_script[sections.STRICT]) if b]
+                vs_orig = round_ratios(values, per_script[sections.FOUR_OP])
+                vs_strict = round_ratios(values, per_script[sections.STRICT])
                 allowed, rejected = server["verdicts"][title][name]
                 srows.append([title, name, spread(values, 2), ratio_str(vs_orig), ratio_str(vs_strict),
                               f"{allowed:,} / {rejected:,}"])
-            ours = [a / b for a, b in zip(per_script[sections.OURS], per_script[sections.FOUR_OP]) if b]
-            strict = [a / b for a, b in zip(per_script[sections.OURS], per_script[sections.STRICT]) if b]
-            client = [a / b for a, b in zip(per_script[sections.OURS_CLIENT], per_script[sections.FOUR_OP]) if b]
-            timed = [a / b for a, b in zip(per_script[sections.OURS], per_script[sections.FOUR_OP_TIME]) if b]
+            ours = round_ratios(per_script[sections.OURS], per_script[sections.FOUR_OP])
+            strict = round_ratios(per_script[sections.OURS], per_script[sections.STRICT])
+            client = round_ratios(per_script[sections.OURS_CLIENT], per_script[sections.FOUR_OP])
+            timed = round_ratios(per_script[sections.OURS], per_script[sections.FOUR_OP_TIME])
             if ours:
                 details.append(f"{title.split(' (')[0]}: {med(ours):.2f}× (client clock {med(client):.2f}×; "
-                               f"vs the original + TIME {med(timed):.2f}×; vs the stricter variant {med(strict):.2f}×)")
+                               f"vs the original + TIME {med(timed):.2f}×; "
+                               f"vs the stricter variant {med(strict):.2f}×)")
                 server_ok = server_ok and med(ours) <= TARGET_SERVER
         r.table(["data", "script", "server µs/call", "vs original four-op", "vs add-on-allow four-op",
                  "allowed / rejected"], srows)
@@ -559,11 +568,13 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
             r.add(f"n/a: {cpu['error']}")
             r.add()
         else:
-            r.add(f"Instructions in the client process per check: (I(2N) − I(N)) / N with N = {cpu['calls']:,}, "
-                  "1,000 users allow-heavy; start-up, imports and set-up cancel out.")
+            r.add(f"Instructions in the client process per check: (I(2N) − I(N)) / N with "
+                  f"N = {cpu['calls']:,}, 1,000 users allow-heavy; start-up, imports and set-up cancel out.")
             r.add()
-            names = {"raw": "raw hiredis C", "pkg": "genai_ratelimit check", "redispy": "redis-py register_script (hiredis parser)",
-                     "redispy-pure": "redis-py register_script (pure-Python parser)", "limits": "limits MovingWindowRateLimiter.hit"}
+            names = {"raw": "raw hiredis C", "pkg": "genai_ratelimit check",
+                     "redispy": "redis-py register_script (hiredis parser)",
+                     "redispy-pure": "redis-py register_script (pure-Python parser)",
+                     "limits": "limits MovingWindowRateLimiter.hit"}
             base = per_check.get("redispy")
             crows = [[names.get(k, k), fmt(v, 0), f"{v / base:.3f}×" if base else "–"]
                      for k, v in per_check.items()]
@@ -577,10 +588,12 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
         if "error" in e2e:
             r.add(e2e["error"])
             r.add()
-            targets.append(("limited FastAPI route ≥ 0.8× the unlimited route's requests/s", None, e2e["error"]))
+            targets.append(("limited FastAPI route ≥ 0.8× the unlimited route's requests/s", None,
+                            e2e["error"]))
         else:
             r.add(f"`POST /v1/chat/completions` (`\"stream\": false`), one uvicorn worker, wrk 1 thread × "
-                  f"{e2e['connections']} connections × {e2e['duration']:g} s, {e2e['rounds']} rounds alternated. "
+                  f"{e2e['connections']} connections × {e2e['duration']:g} s, "
+                  f"{e2e['rounds']} rounds alternated. "
                   "The unlimited route is the same handler behind the same middlewares without "
                   "`Depends(rate_limit)` (benchmarks/e2e_app.py).")
             r.add()
@@ -588,14 +601,16 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
             erows = []
             for title in e2e["variants"]:
                 rows_ = e2e["results"][title]
-                ratios = [a["rps"] / b["rps"] for a, b in zip(rows_, e2e["results"][unlimited]) if b["rps"]]
+                ratios = [a["rps"] / b["rps"]
+                          for a, b in zip(rows_, e2e["results"][unlimited], strict=False) if b["rps"]]
                 non2xx = sum(x["non2xx"] for x in rows_)
                 total = sum(x["requests"] for x in rows_)
                 erows.append([title, e2e["statuses"].get(title, "?"),
                               spread([x["rps"] for x in rows_]), spread([x["p50_us"] for x in rows_]),
                               spread([x["p99_us"] for x in rows_]),
                               f"{non2xx / total:.0%}" if total else "–", ratio_str(ratios)])
-            r.table(["route", "probe status", "requests/s", "p50 µs", "p99 µs", "non-2xx", "vs unlimited"], erows)
+            r.table(["route", "probe status", "requests/s", "p50 µs", "p99 µs", "non-2xx", "vs unlimited"],
+                    erows)
             instructions = e2e.get("instructions")
             if instructions:
                 if "error" in instructions:
@@ -604,16 +619,18 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
                 else:
                     per = instructions["per_request"]
                     base = per.get(unlimited)
-                    r.add(f"The app's own CPU per request, free of the machine's noise: uvicorn under callgrind, "
-                          f"{instructions['requests']} sequential keep-alive requests per route; all threads "
-                          f"of the server process, user space only (kernel work such as the threadpool's "
-                          f"wake-ups is not counted, so this is a lower bound).")
+                    r.add(f"The app's own CPU per request, free of the machine's noise: uvicorn under "
+                          f"callgrind, {instructions['requests']} sequential keep-alive requests per route; "
+                          f"all threads of the server process, user space only (kernel work such as "
+                          f"the threadpool's wake-ups is not counted, so this is a lower bound).")
                     r.add()
                     r.table(["route", "server instructions/request", "vs unlimited"],
                             [[title, fmt(value, 0), f"{value / base:.2f}×" if base else "–"]
                              for title, value in per.items()])
             limited = e2e["variants"][1]
-            ratios = [a["rps"] / b["rps"] for a, b in zip(e2e["results"][limited], e2e["results"][unlimited]) if b["rps"]]
+            ratios = [a["rps"] / b["rps"]
+                      for a, b in zip(e2e["results"][limited], e2e["results"][unlimited], strict=False)
+                      if b["rps"]]
             targets.append(("limited FastAPI route ≥ 0.8× the unlimited route's requests/s",
                             med(ratios) >= TARGET_E2E if ratios else None,
                             f"{med(ratios):.2f}× (allow-heavy)" if ratios else "no data"))
@@ -624,13 +641,17 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
     async_detail = []
     async_ok: bool | None = None
     for c in contenders:
-        if c.workload.startswith("async-") and c.concurrency >= 64 and c.name.startswith("genai_ratelimit AsyncRateLimiter"):
+        if (c.workload.startswith("async-") and c.concurrency >= 64
+                and c.name.startswith("genai_ratelimit AsyncRateLimiter")):
             base = by_role(contenders, c.workload, ASYNC_REDISPY)
-            vs_rp = med(paired(sample_list(c), sample_list(base), lambda a, b: a.calls_per_s / b.calls_per_s))
-            vs_pipe = med(paired(sample_list(c), sample_list(pipe64), lambda a, b: a.calls_per_s / b.calls_per_s))
+            vs_rp = med(paired(sample_list(c), sample_list(base),
+                               lambda a, b: a.calls_per_s / b.calls_per_s))
+            vs_pipe = med(paired(sample_list(c), sample_list(pipe64),
+                                 lambda a, b: a.calls_per_s / b.calls_per_s))
             if vs_rp is None:
                 continue
-            ok = vs_rp >= TARGET_ASYNC_VS_REDISPY and (vs_pipe is not None and vs_pipe >= TARGET_ASYNC_VS_PIPE64)
+            ok = vs_rp >= TARGET_ASYNC_VS_REDISPY and (vs_pipe is not None
+                                                       and vs_pipe >= TARGET_ASYNC_VS_PIPE64)
             async_ok = ok if async_ok is None else async_ok and ok
             async_detail.append(f"@{c.concurrency}: {vs_rp:.2f}× redis.asyncio, "
                                 + (f"{vs_pipe:.2f}× raw pipelined 64" if vs_pipe is not None
@@ -665,17 +686,22 @@ def _row(c: Contender, workload_title: str, samples: dict[str, list[Sample]], sk
         return [workload_title, c.name, f"n/a ({reason})", "", "", "", "", "", "", ""]
     depth = got[0].extra.get("depth", 1)
     if depth > 1:
-        p50 = f"{spread([s.p50_us for s in got])} / {fmt(statistics.median(s.p50_us / depth for s in got), 1)}"
-        p99 = f"{spread([s.p99_us for s in got])} / {fmt(statistics.median(s.p99_us / depth for s in got), 1)}"
+        p50 = (f"{spread([s.p50_us for s in got])} / "
+               f"{fmt(statistics.median(s.p50_us / depth for s in got), 1)}")
+        p99 = (f"{spread([s.p99_us for s in got])} / "
+               f"{fmt(statistics.median(s.p99_us / depth for s in got), 1)}")
     else:
         p50 = spread([s.p50_us for s in got])
         p99 = spread([s.p99_us for s in got])
     server = [s.server_us_per_call for s in got if s.server_us_per_call is not None]
     raw_s = samples.get(raw.key, []) if raw else []
     rp_s = samples.get(redispy.key, []) if redispy else []
-    vs_raw = ratio_str(paired(got, raw_s, lambda a, b: a.calls_per_s / b.calls_per_s)) if raw and raw is not c else ""
-    p50_raw = ratio_str(paired(got, raw_s, lambda a, b: a.p50_us / b.p50_us)) if raw and raw is not c and depth == 1 else ""
-    vs_rp = ratio_str(paired(got, rp_s, lambda a, b: a.calls_per_s / b.calls_per_s)) if redispy and redispy is not c else ""
+    vs_raw = (ratio_str(paired(got, raw_s, lambda a, b: a.calls_per_s / b.calls_per_s))
+              if raw and raw is not c else "")
+    p50_raw = (ratio_str(paired(got, raw_s, lambda a, b: a.p50_us / b.p50_us))
+               if raw and raw is not c and depth == 1 else "")
+    vs_rp = (ratio_str(paired(got, rp_s, lambda a, b: a.calls_per_s / b.calls_per_s))
+             if redispy and redispy is not c else "")
     name = c.name + (" **(baseline)**" if c.role else "")
     return [workload_title, name, spread([s.calls_per_s for s in got], 0), p50, p99,
             spread([s.cpu_us_per_call for s in got]), spread(server, 1), vs_raw,

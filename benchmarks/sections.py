@@ -20,9 +20,20 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchlib import (BENCH_DIR, FOUR_OP_ADD_ON_ALLOW_SCRIPT, ORIGINAL_FOUR_OP_SCRIPT, RAW_BINARY, ROOT,
-                      SCRIPT_PATH, SCRIPT_TEXT, RedisTarget, RespPipe, clean_keys, free_port,
-                      script_stats)
+from benchlib import (
+    BENCH_DIR,
+    FOUR_OP_ADD_ON_ALLOW_SCRIPT,
+    ORIGINAL_FOUR_OP_SCRIPT,
+    RAW_BINARY,
+    ROOT,
+    SCRIPT_PATH,
+    SCRIPT_TEXT,
+    RedisTarget,
+    RespPipe,
+    clean_keys,
+    free_port,
+    script_stats,
+)
 
 BIG = 10**9
 
@@ -31,16 +42,20 @@ BIG = 10**9
 
 SERVER_SCRIPTS = {
     # name: (script text, build ARGV from (member, now_ms, window_ms, limit))
-    "this package's script, server clock (default)": (SCRIPT_TEXT, lambda m, now, w, l: (m, "", w, l)),
-    "this package's script, client clock": (SCRIPT_TEXT, lambda m, now, w, l: (m, now, w, l)),
-    "original four-op script (the design: all four commands every call)": (ORIGINAL_FOUR_OP_SCRIPT, lambda m, now, w, l: (now, w, l, m)),
-    "four-op, ZADD+EXPIRE only on allow (stricter reference)": (FOUR_OP_ADD_ON_ALLOW_SCRIPT, lambda m, now, w, l: (now, w, l, m)),
+    "this package's script, server clock (default)": (
+        SCRIPT_TEXT, lambda m, now, w, limit: (m, "", w, limit)),
+    "this package's script, client clock": (SCRIPT_TEXT, lambda m, now, w, limit: (m, now, w, limit)),
+    "original four-op script (the design: all four commands every call)": (
+        ORIGINAL_FOUR_OP_SCRIPT, lambda m, now, w, limit: (now, w, limit, m)),
+    "four-op, ZADD+EXPIRE only on allow (stricter reference)": (
+        FOUR_OP_ADD_ON_ALLOW_SCRIPT, lambda m, now, w, limit: (now, w, limit, m)),
     # What reading the server's clock costs by itself: the original with TIME instead of ARGV time.
     "original four-op script + TIME (server clock; reference)": (
         ORIGINAL_FOUR_OP_SCRIPT.replace(
             "local now = tonumber(ARGV[1])",
-            "local t = redis.call('TIME')\nlocal now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"),
-        lambda m, now, w, l: (now, w, l, m)),
+            "local t = redis.call('TIME')\n"
+            "local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"),
+        lambda m, now, w, limit: (now, w, limit, m)),
 }
 OURS = "this package's script, server clock (default)"
 FOUR_OP = "original four-op script (the design: all four commands every call)"
@@ -199,14 +214,15 @@ class Callgrind:
         self.target = target
         self.quick = quick
         self.calls = 100 if quick else 1000
-        self.impls = (["pkg"] if package_ok else []) + ["redispy"] + ([] if quick else ["redispy-pure", "limits"])
+        self.impls = ((["pkg"] if package_ok else []) + ["redispy"]
+                      + ([] if quick else ["redispy-pure", "limits"]))
         self.error: str | None = None
         self.proc: subprocess.Popen | None = None
         self.tmp = tempfile.TemporaryDirectory(prefix="gbench-cg-")
         if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
             self.error = "valgrind not installed (apt-get install valgrind)"
 
-    def start(self) -> "Callgrind":
+    def start(self) -> Callgrind:
         if self.error:
             return self
         tmp = self.tmp.name
@@ -285,8 +301,9 @@ def e2e_section(target: RedisTarget, admin, quick: bool, rounds: int, duration: 
     if shutil.which("wrk") is None:
         return {"error": "n/a: wrk is not installed (apt-get install wrk)"}
     try:
-        import genai_ratelimit  # noqa: F401
         import uvicorn  # noqa: F401
+
+        import genai_ratelimit  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return {"error": f"n/a: {type(exc).__name__}: {exc}"}
     connections = 16
@@ -295,11 +312,13 @@ def e2e_section(target: RedisTarget, admin, quick: bool, rounds: int, duration: 
     tiers.write_text(json.dumps({t: {"per_minute": BIG, "per_day": BIG}
                                  for t in ("free", "pro", "enterprise")}))
     variants = [
-        ("unlimited route (same handler, no limiter)", "/bench/unlimited/v1/chat/completions", "big", "sk-demo-enterprise"),
+        ("unlimited route (same handler, no limiter)", "/bench/unlimited/v1/chat/completions", "big",
+         "sk-demo-enterprise"),
         ("limited route, allow-heavy (budgets 1e9)", "/v1/chat/completions", "big", "sk-demo-enterprise"),
     ]
     if not quick:
-        variants.append(("reference: same handler behind a no-op plain-`def` dependency (threadpool hop only)",
+        variants.append(("reference: same handler behind a no-op plain-`def` dependency "
+                         "(threadpool hop only)",
                          "/bench/noop-sync-dependency/v1/chat/completions", "big", "sk-demo-enterprise"))
     import genai_ratelimit
     if hasattr(genai_ratelimit, "AsyncRateLimiter"):
@@ -328,7 +347,8 @@ def e2e_section(target: RedisTarget, admin, quick: bool, rounds: int, duration: 
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=str(BENCH_DIR))
             servers[budget] = (proc, port)
             if not _wait_http(f"http://127.0.0.1:{port}/healthz", proc, 20):
-                return {"error": "uvicorn did not start: " + (tmp / f"uvicorn-{budget}.log").read_text()[-2000:]}
+                log_tail = (tmp / f"uvicorn-{budget}.log").read_text()[-2000:]
+                return {"error": "uvicorn did not start: " + log_tail}
         for title, path, budget, key in variants:
             _, port = servers[budget]
             statuses[title] = _probe_status(f"http://127.0.0.1:{port}{path}", key)
@@ -352,7 +372,8 @@ def e2e_section(target: RedisTarget, admin, quick: bool, rounds: int, duration: 
         shutil.rmtree(tmp, ignore_errors=True)
     instructions = None
     if not quick:
-        instructions = e2e_instructions(target, admin, [(title, path, key) for title, path, budget, key in variants
+        instructions = e2e_instructions(target, admin, [(title, path, key)
+                                                        for title, path, budget, key in variants
                                                         if budget == "big"])
     return {"results": results, "statuses": statuses, "connections": connections,
             "duration": duration, "rounds": rounds, "variants": [v[0] for v in variants],
@@ -389,7 +410,8 @@ def e2e_instructions(target: RedisTarget, admin, paths: list[tuple[str, str, str
     out: dict[str, Any] = {"requests": requests, "per_request": {}}
     try:
         if not _wait_http(f"http://127.0.0.1:{port}/healthz", proc, 180):
-            return {"error": "uvicorn under callgrind did not start: " + (tmp / "uvicorn.log").read_text()[-1000:]}
+            log_tail = (tmp / "uvicorn.log").read_text()[-1000:]
+            return {"error": "uvicorn under callgrind did not start: " + log_tail}
         dumps = 0
 
         def dump() -> None:
@@ -398,21 +420,21 @@ def e2e_instructions(target: RedisTarget, admin, paths: list[tuple[str, str, str
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
             dumps += 1
 
+        def send(connection: http.client.HTTPConnection, path: str, headers: dict[str, str], n: int) -> None:
+            for _ in range(n):
+                connection.request("POST", path, body=body, headers=headers)
+                response = connection.getresponse()
+                response.read()
+                if response.status != 200:
+                    raise RuntimeError(f"{path} answered {response.status}")
+
         segments: dict[str, int] = {}
         for title, path, key in paths:
             connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
             headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key}"}
-
-            def send(n: int) -> None:
-                for _ in range(n):
-                    connection.request("POST", path, body=body, headers=headers)
-                    response = connection.getresponse()
-                    response.read()
-                    if response.status != 200:
-                        raise RuntimeError(f"{path} answered {response.status}")
-            send(20)
+            send(connection, path, headers, 20)
             dump()
-            send(requests)
+            send(connection, path, headers, requests)
             dump()
             segments[title] = dumps
             connection.close()

@@ -63,7 +63,8 @@ class LocalRedis:
                 return
             self.stop()
         log = self.directory / "redis.log"
-        raise SystemExit("redis-server did not start: " + (log.read_text()[-2000:] if log.exists() else "no log"))
+        raise SystemExit("redis-server did not start: "
+                         + (log.read_text()[-2000:] if log.exists() else "no log"))
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -90,7 +91,7 @@ class LocalRedis:
                 self.process.wait(10)
         self.process = None
 
-    def __enter__(self) -> "LocalRedis":
+    def __enter__(self) -> LocalRedis:
         self.start()
         return self
 
@@ -156,7 +157,7 @@ class AppServer:
                 self.process.wait(10)
         self.process = None
 
-    def __enter__(self) -> "AppServer":
+    def __enter__(self) -> AppServer:
         self.start()
         return self
 

@@ -47,7 +47,7 @@ def fire(client: httpx.Client, api_key: str, count: int) -> list[tuple[str, ...]
 
 def print_table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(COLUMNS[i]), *(len(row[i]) for row in rows)) for i in range(len(COLUMNS))]
-    line = "  ".join("{:<%d}" % w for w in widths)
+    line = "  ".join(f"{{:<{w}}}" for w in widths)
     print(("  " + line.format(*COLUMNS)).rstrip())
     print("  " + "  ".join("-" * w for w in widths))
     for row in rows:

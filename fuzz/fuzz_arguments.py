@@ -247,7 +247,7 @@ def TestOneInput(data: bytes) -> None:
     kwargs: dict = {}
     argument_error = None
     if style == 1:  # all by keyword
-        args, kwargs = (), dict(zip(names, values))
+        args, kwargs = (), dict(zip(names, values, strict=True))
     elif style == 2:  # the last one by keyword
         args, kwargs = tuple(values[:-1]), {names[-1]: values[-1]}
     elif style == 3:

@@ -25,8 +25,17 @@ from __future__ import annotations
 
 import sys
 
-from common import (KNOWN_BUGS, SCRIPT_LOAD_PREFIX, TOLERATED, Future, HostileError, RateLimiterError,
-                    _native, atheris, classify)
+from common import (
+    KNOWN_BUGS,
+    SCRIPT_LOAD_PREFIX,
+    TOLERATED,
+    Future,
+    HostileError,
+    RateLimiterError,
+    _native,
+    atheris,
+    classify,
+)
 
 WINDOW_SECONDS = (1, 60, 3600, 86400)
 
@@ -43,10 +52,9 @@ def resp_item(fdp: atheris.FuzzedDataProvider, depth: int = 0) -> bytes:
         return b"*4\r\n" + b"".join(b":%d\r\n" % v for v in values)
     if kind == 1:
         return b"-NOSCRIPT No matching script. Please use EVAL.\r\n"
-    if kind == 2:
-        return b"-" + fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 40)).replace(b"\r", b"").replace(b"\n", b"") + b"\r\n"
-    if kind == 3:
-        return b"+" + fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 40)).replace(b"\r", b"").replace(b"\n", b"") + b"\r\n"
+    if kind in (2, 3):  # an error or a simple string, any text on one line
+        line = fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 40)).replace(b"\r", b"").replace(b"\n", b"")
+        return (b"-" if kind == 2 else b"+") + line + b"\r\n"
     if kind == 4:  # bulk string, its announced length right or wrong
         body = fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64))
         length = len(body) + fdp.ConsumeIntInRange(-2, 2)

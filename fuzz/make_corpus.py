@@ -22,7 +22,8 @@ def decision(allowed: int, remaining: int, retry: int, window: int) -> bytes:
 def head(decisions: int, commands: int = 0, structured: bool = False, windows: int = 1,
          chunk: int = 0, client_clock: bool = False, some_done: bool = False,
          hostile: bool = False) -> bytes:
-    b0 = decisions | (8 if structured else 0) | (commands << 4) | (64 if some_done else 0) | (128 if hostile else 0)
+    b0 = (decisions | (8 if structured else 0) | (commands << 4) | (64 if some_done else 0)
+          | (128 if hostile else 0))
     b1 = (windows - 1) | (4 if client_clock else 0) | (chunk << 3)
     return bytes([b0, b1])
 
@@ -33,13 +34,15 @@ NOSCRIPT = b"-NOSCRIPT No matching script. Please use EVAL.\r\n"
 PIPELINE = {
     "one-allow": head(1) + decision(1, 9, 0, 1),
     "one-reject": head(1) + decision(0, 0, 42, 1),
-    "three-allow-byte-by-byte": head(3, chunk=1) + decision(1, 4, 0, 1) + decision(1, 5, 0, 1) + decision(1, 6, 0, 1),
+    "three-allow-byte-by-byte": (head(3, chunk=1)
+                                 + decision(1, 4, 0, 1) + decision(1, 5, 0, 1) + decision(1, 6, 0, 1)),
     "two-windows": head(2, windows=2) + decision(1, 3, 0, 2) + decision(0, 0, 7, 1),
     "four-windows-chunked": head(2, windows=4, chunk=5) + decision(1, 3, 0, 4) + decision(0, 0, 3600, 3),
     "noscript-reload": head(1) + NOSCRIPT + SHA + decision(1, 9, 0, 1),
     "noscript-twice": head(1) + NOSCRIPT + SHA + NOSCRIPT,
     "handshake-then-decision": head(1, commands=1) + b"+OK\r\n" + decision(1, 9, 0, 1),
-    "auth-error": head(1, commands=1) + b"-WRONGPASS invalid username-password pair\r\n" + decision(1, 9, 0, 1),
+    "auth-error": (head(1, commands=1) + b"-WRONGPASS invalid username-password pair\r\n"
+                   + decision(1, 9, 0, 1)),
     "server-error": head(2) + b"-ERR Error running script: WRONGTYPE\r\n" + decision(1, 1, 0, 1),
     "out-of-range": head(1) + decision(1, -1, 0, 1),
     "wrong-window": head(1, windows=2) + decision(1, 1, 0, 3),
@@ -51,7 +54,8 @@ PIPELINE = {
     "truncated": head(1) + b"*4\r\n:1\r\n:9",
     "garbage": head(1) + b"HTTP/1.1 400 Bad Request\r\n\r\n",
     "bulk": head(1) + b"$5\r\nhello\r\n",
-    "cancelled-futures": head(3, some_done=True) + decision(1, 4, 0, 1) + decision(1, 5, 0, 1) + decision(1, 6, 0, 1),
+    "cancelled-futures": (head(3, some_done=True)
+                          + decision(1, 4, 0, 1) + decision(1, 5, 0, 1) + decision(1, 6, 0, 1)),
     "hostile-futures": head(6, commands=2, hostile=True) + b"+OK\r\n" + b"+OK\r\n" + decision(1, 4, 0, 1) * 6,
     "client-clock": head(1, client_clock=True) + decision(1, 9, 0, 1),
     # Regressions (see KNOWN_BUGS in fuzz_pipeline.py).
@@ -72,7 +76,7 @@ def main() -> None:
         data += bytes(rng.randrange(256) for _ in range(rng.randint(16, 96)))
         with open(os.path.join(HERE, "corpus", "pipeline", f"structured-{i}"), "wb") as f:
             f.write(data)
-    for i in range(16):
+    for _ in range(16):
         data = bytes(rng.randrange(256) for _ in range(rng.randint(4, 64)))
         name = hashlib.sha1(data).hexdigest()[:12]
         with open(os.path.join(HERE, "corpus", "arguments", f"random-{name}"), "wb") as f:

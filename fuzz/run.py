@@ -84,8 +84,9 @@ def main() -> int:
     for r in results:
         ok = r["status"] == 0
         failed |= not ok
+        verdict = "ok" if ok else f"CRASH (exit {r['status']})"
         print(f"  {r['name']:<10} {r['seconds']:>7.1f} {r['execs']:>10,} {r['per_second']:>8,.0f} "
-              f"{r['corpus']:>7}  {'ok' if ok else 'CRASH (exit %d)' % r['status']}")
+              f"{r['corpus']:>7}  {verdict}")
     for r in results:
         if r["status"] != 0:
             print(f"\n--- fuzz_{r['name']} ({args.phase}): {r['log']}")

@@ -13,6 +13,7 @@ from ._native import (
     RateLimiterTimeout,
     RateLimiterUnavailable,
 )
+from ._version import __version__
 from .aio import AsyncRateLimiter
 from .limiter import RateLimiter
 from .tiers import TIER_LIMITS
@@ -28,5 +29,3 @@ __all__ = [
     "SCRIPT_SHA1",
     "__version__",
 ]
-
-__version__ = "0.1.0"

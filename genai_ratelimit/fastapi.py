@@ -225,7 +225,8 @@ class RateLimit:
         if identify is not None and not callable(identify):
             raise TypeError(f"identify must be a callable taking the request, not {type(identify).__name__}")
         if limiter is not None and not callable(getattr(limiter, "check_windows", None)):
-            raise TypeError(f"limiter must be a RateLimiter or AsyncRateLimiter, not {type(limiter).__name__}")
+            raise TypeError(
+                f"limiter must be a RateLimiter or AsyncRateLimiter, not {type(limiter).__name__}")
         if tier_limits is None:
             tier_limits = tier_limits_from_env() or TIER_LIMITS
         self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)

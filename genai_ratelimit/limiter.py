@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Literal
+from typing import Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
@@ -15,6 +15,27 @@ from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
 __all__ = ["RateLimiter", "limiter_options"]
 
 Clock = Literal["server", "client"]
+
+
+class NativeOptions(TypedDict):
+    """The keyword arguments of the C limiter (`_native.Limiter`), as limiter_options makes them."""
+
+    host: str | None
+    port: int
+    unix_path: str | None
+    db: int
+    username: str | None
+    password: str | None
+    connect_timeout: float
+    socket_timeout: float
+    key_prefix: str
+    client_clock: bool
+    max_connections: int
+    tls: bool
+    ssl_verify: bool
+    ssl_ca_certs: str | None
+    ssl_certfile: str | None
+    ssl_keyfile: str | None
 
 
 def _positive_seconds(name: str, value: float) -> float:
@@ -35,7 +56,7 @@ def limiter_options(
     socket_timeout: float,
     clock: str,
     max_connections: int,
-) -> tuple[RedisOptions, dict[str, object]]:
+) -> tuple[RedisOptions, NativeOptions]:
     """Validates the constructor's arguments. Returns the parsed URL and the keyword
     arguments of the C limiter. Shared by the sync and async limiters."""
     if url is None:
@@ -51,7 +72,7 @@ def limiter_options(
         raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
     if not 1 <= max_connections <= 4096:
         raise ValueError(f"max_connections must be between 1 and 4096, got {max_connections}")
-    native = dict(
+    native = NativeOptions(
         host=options.host,
         port=options.port,
         unix_path=options.unix_path,
@@ -109,7 +130,7 @@ class RateLimiter(_native.Limiter):
         return (f"{type(self).__name__}({self.url!r}, "
                 f"key_prefix={self.key_prefix!r}, clock={getattr(self, '_clock', None)!r})")
 
-    def __enter__(self) -> "RateLimiter":
+    def __enter__(self) -> RateLimiter:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

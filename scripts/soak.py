@@ -117,7 +117,7 @@ def child(args: argparse.Namespace) -> None:
 class ThrowawayRedis:
     """A redis-server on a free loopback port, no persistence, removed afterwards."""
 
-    def __enter__(self) -> "ThrowawayRedis":
+    def __enter__(self) -> ThrowawayRedis:
         binary = shutil.which("redis-server")
         if binary is None:
             sys.exit("error: redis-server is not installed (make deps installs it)")

@@ -149,7 +149,7 @@ class Monitor:
     commands: list[MonitoredCommand] = field(default_factory=list)
     _token: str = field(default_factory=lambda: f"monitor-end-{uuid.uuid4().hex}")
 
-    def __enter__(self) -> "Monitor":
+    def __enter__(self) -> Monitor:
         # A raw socket, so what we read is exactly the server's MONITOR text.
         kwargs = self.client.connection_pool.connection_kwargs
         if kwargs.get("path"):
@@ -293,7 +293,7 @@ class FullBacklogListener:
             filler.close()
         self.server.close()
 
-    def __enter__(self) -> "FullBacklogListener":
+    def __enter__(self) -> FullBacklogListener:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -327,7 +327,7 @@ class GarbageServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self.server.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             self._connections.append(conn)
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
@@ -337,7 +337,7 @@ class GarbageServer:
         while not self._stop.is_set():
             try:
                 data = conn.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -362,7 +362,7 @@ class GarbageServer:
             conn.close()
         self.server.close()
 
-    def __enter__(self) -> "GarbageServer":
+    def __enter__(self) -> GarbageServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -406,7 +406,7 @@ class RendezvousServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self.server.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             self.accepted += 1
             self._connections.append(conn)
@@ -417,7 +417,7 @@ class RendezvousServer:
         while not self._stop.is_set():
             try:
                 data = conn.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -441,7 +441,7 @@ class RendezvousServer:
             conn.close()
         self.server.close()
 
-    def __enter__(self) -> "RendezvousServer":
+    def __enter__(self) -> RendezvousServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

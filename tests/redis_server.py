@@ -66,7 +66,8 @@ class RedisServer:
             if port is not None:
                 break
         log = (self.directory / "redis.log")
-        raise RuntimeError("redis-server did not start: " + (log.read_text()[-2000:] if log.exists() else "no log"))
+        raise RuntimeError("redis-server did not start: "
+                           + (log.read_text()[-2000:] if log.exists() else "no log"))
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -126,7 +127,7 @@ class RedisServer:
         self.stop()
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> "RedisServer":
+    def __enter__(self) -> RedisServer:
         self.start()
         return self
 

@@ -83,7 +83,7 @@ def test_one_coroutine_per_user_gets_each_users_answers_in_order(
         async with async_limiter(redis_url) as limiter:
             return await asyncio.gather(*(one_user(limiter, user) for user in users))
 
-    for user, results in zip(users, run_async(main(), loop_factory)):
+    for user, results in zip(users, run_async(main(), loop_factory), strict=True):
         assert results[:20] == [(True, 19 - n, 0) for n in range(20)]
         assert all(r[:2] == (False, 0) and r[2] >= 1 for r in results[20:])
         assert redis_client.zcard(f"ratelimit:{user}:60") == 20
@@ -91,7 +91,8 @@ def test_one_coroutine_per_user_gets_each_users_answers_in_order(
 
 # ------------------------------------------------------------ auto-pipelining
 
-def test_checks_issued_together_reach_the_server_together_on_one_connection(loop_factory: LoopFactory) -> None:
+def test_checks_issued_together_reach_the_server_together_on_one_connection(
+        loop_factory: LoopFactory) -> None:
     with BatchRecordingServer(DECISION, expected=100) as server:
         async def main() -> list[tuple[bool, int, int]]:
             async with async_limiter(server.url, max_connections=1) as limiter:
@@ -294,7 +295,8 @@ def test_checks_abandoned_by_wait_for_timeouts_leave_the_connection_in_step(
             connections = connections_received(redis_client)
             timed_out = [o for o in outcomes if isinstance(o, asyncio.TimeoutError)]
             answered = [o for o in outcomes if isinstance(o, tuple)]
-            assert len(timed_out) + len(answered) == 400, [o for o in outcomes if not isinstance(o, tuple)][:3]
+            others = [o for o in outcomes if not isinstance(o, tuple)]
+            assert len(timed_out) + len(answered) == 400, others[:3]
             assert timed_out, "no check was abandoned: the test proves nothing"
             assert all(r[0] for r in answered)
             counted = redis_client.zcard(f"ratelimit:{user}:60")

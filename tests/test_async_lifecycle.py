@@ -129,7 +129,8 @@ def test_check_after_aclose_on_a_limiter_never_used_raises_closed_and_dials_noth
     run_async(main(), loop_factory)
 
 
-def test_aclose_twice_is_harmless(redis_url: str, redis_client: redis.Redis, loop_factory: LoopFactory) -> None:
+def test_aclose_twice_is_harmless(
+        redis_url: str, redis_client: redis.Redis, loop_factory: LoopFactory) -> None:
     async def main() -> None:
         limiter = async_limiter(redis_url)
         await limiter.check(fresh_user(), 10, 60)

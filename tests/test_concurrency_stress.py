@@ -15,7 +15,6 @@ import os
 import uuid
 from collections import Counter
 
-import pytest
 import redis
 
 from helpers_core import connections_received

@@ -219,7 +219,8 @@ def test_day_window_trips_with_window_day_over_http(http: httpx.Client, redis_cl
 # --- identity ------------------------------------------------------------------------------
 
 
-def test_anonymous_requests_are_limited_by_client_address(http: httpx.Client, redis_client: redis.Redis) -> None:
+def test_anonymous_requests_are_limited_by_client_address(
+        http: httpx.Client, redis_client: redis.Redis) -> None:
     # --no-proxy-headers: a forged X-Forwarded-For does not buy a fresh budget.
     codes = [chat(http, None, headers={"X-Forwarded-For": f"203.0.113.{n}"}).status_code for n in range(6)]
     assert codes == [200] * 5 + [429]

@@ -28,7 +28,8 @@ def unreachable_limiter():
 
 
 @pytest.mark.parametrize("value", ON_SPELLINGS)
-def test_kill_switch_allows_with_the_full_budget_without_contacting_redis(monkeypatch, unreachable_limiter, value):
+def test_kill_switch_allows_with_the_full_budget_without_contacting_redis(
+        monkeypatch, unreachable_limiter, value):
     monkeypatch.setenv("RATE_LIMIT_DISABLED", value)
     for _ in range(3):
         assert unreachable_limiter.check("user-1", 7, 60) == (True, 7, 0)

@@ -60,7 +60,7 @@ def test_twenty_threads_with_their_own_limiters_get_exactly_ten_allowed(redis_ur
     try:
         for _ in range(20):
             user = fresh_user("own-limiters")
-            results = run_lined_up(CALLERS, lambda i: limiters[i].check(user, LIMIT, 60))
+            results = run_lined_up(CALLERS, lambda i, user=user: limiters[i].check(user, LIMIT, 60))
             assert_exactly_limit_allowed(results)
             assert redis_client.zcard(f"ratelimit:{user}:60") == LIMIT
     finally:
@@ -68,7 +68,8 @@ def test_twenty_threads_with_their_own_limiters_get_exactly_ten_allowed(redis_ur
             rl.close()
 
 
-def test_eight_threads_times_500_checks_on_a_shared_user_allow_exactly_the_limit(limiter, redis_client, user_id):
+def test_eight_threads_times_500_checks_on_a_shared_user_allow_exactly_the_limit(
+        limiter, redis_client, user_id):
     limit, per_thread = 1000, 500
 
     def hammer(_: int) -> list[tuple[bool, int, int]]:
@@ -87,7 +88,7 @@ def test_eight_threads_times_500_checks_on_their_own_users_are_each_exact(limite
     def hammer(i: int) -> list[tuple[bool, int, int]]:
         return [limiter.check(users[i], limit, 60) for _ in range(per_thread)]
 
-    for user, results in zip(users, run_lined_up(8, hammer, timeout=120)):
+    for user, results in zip(users, run_lined_up(8, hammer, timeout=120), strict=True):
         # One caller per user: the answers come in order.
         assert [r[:2] for r in results[:limit]] == [(True, limit - 1 - n) for n in range(limit)]
         assert [r[2] for r in results[:limit]] == [0] * limit
@@ -190,7 +191,8 @@ def run_processes(context_name: str, url: str, rounds: int) -> list[list[tuple[b
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_twenty_processes_on_one_user_get_exactly_ten_allowed_every_time(start_method, redis_url, redis_client):
+def test_twenty_processes_on_one_user_get_exactly_ten_allowed_every_time(
+        start_method, redis_url, redis_client):
     rounds = 25
     by_round = run_processes(start_method, redis_url, rounds)
     for results in by_round:

@@ -10,7 +10,6 @@ import math
 import uuid
 from pathlib import Path
 
-import pytest
 import redis
 
 from helpers_core import (
@@ -213,7 +212,8 @@ def test_retry_after_a_downgrade_points_at_the_entry_that_frees_a_slot(limiter, 
     assert not oldest_low <= retry_after_s <= oldest_high
 
 
-def test_a_downgrade_after_filling_through_the_limiter_rejects_without_writing(limiter, redis_client, user_id):
+def test_a_downgrade_after_filling_through_the_limiter_rejects_without_writing(
+        limiter, redis_client, user_id):
     key = f"ratelimit:{user_id}:60"
     for _ in range(60):
         assert limiter.check(user_id, 100, 60)[0] is True

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
 import tarfile
@@ -11,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
+import genai_ratelimit
+
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_installed_distribution_version_is_the_package_version() -> None:
+    assert importlib.metadata.version("genai-ratelimit") == genai_ratelimit.__version__
 
 
 def run(*args: str | Path, cwd: Path | None = None) -> str:
@@ -26,15 +33,15 @@ def test_sdist_and_wheel_build_and_the_sdist_installs_in_a_fresh_venv(
     dist = tmp_path / "dist"
     run(sys.executable, "-m", "build", "--sdist", "--wheel", "--no-isolation", "--outdir", dist,
         ROOT, cwd=tmp_path)
-    [sdist] = dist.glob("genai_ratelimit-*.tar.gz")
-    [wheel] = dist.glob("genai_ratelimit-*.whl")
+    [sdist] = dist.glob(f"genai_ratelimit-{genai_ratelimit.__version__}.tar.gz")
+    [wheel] = dist.glob(f"genai_ratelimit-{genai_ratelimit.__version__}-*.whl")
     assert "cp3" in wheel.name
 
     with tarfile.open(sdist) as archive:
         names = {Path(name).relative_to(Path(name).parts[0]).as_posix()
                  for name in archive.getnames() if len(Path(name).parts) > 1}
     for needed in ("lua/sliding_window.lua", "csrc/native.h", "csrc/script.c", "setup.py",
-                   "pyproject.toml", "genai_ratelimit/py.typed", "README.md"):
+                   "pyproject.toml", "genai_ratelimit/py.typed", "README.md", "LICENSE"):
         assert needed in names, f"{needed} is missing from the sdist"
     assert "csrc/script_source.h" not in names, "the generated header must be rebuilt from lua/"
 

@@ -3,6 +3,8 @@
 from collections.abc import Sequence
 from typing import Any, final
 
+from typing_extensions import disjoint_base
+
 SCRIPT_SHA1: str
 SCRIPT_SOURCE: str
 MAX_WINDOWS: int
@@ -15,6 +17,7 @@ class RateLimiterUnavailable(RateLimiterError): ...
 class RateLimiterTimeout(RateLimiterUnavailable, TimeoutError): ...
 class RateLimiterAuthError(RateLimiterUnavailable): ...
 
+@disjoint_base
 class Limiter:
     def __init__(
         self,
@@ -57,6 +60,7 @@ class Request:
     @property
     def replayed(self) -> bool: ...
 
+@final
 class Codec:
     def __init__(self, key_prefix: str, *, client_clock: bool = ...) -> None: ...
     def check(self, user_id: str, limit: int, window_seconds: int) -> Request | tuple[bool, int, int]: ...
@@ -64,6 +68,7 @@ class Codec:
         self, user_id: str, windows: Sequence[tuple[int, int]]
     ) -> Request | tuple[bool, int, int, int]: ...
 
+@final
 class Pipeline:
     def __init__(self, timeout: float) -> None: ...
     def handshake(

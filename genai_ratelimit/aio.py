@@ -67,7 +67,7 @@ class _Connection(asyncio.Protocol):
     """One Redis connection on one event loop: writes batched once per loop iteration,
     replies decoded by the C Pipeline, a timer for the oldest reply due."""
 
-    def __init__(self, pool: "_LoopPool", timeout: float) -> None:
+    def __init__(self, pool: _LoopPool, timeout: float) -> None:
         self.pool = pool
         self.loop = pool.loop
         self.timeout = timeout
@@ -211,7 +211,7 @@ class _Connection(asyncio.Protocol):
 class _LoopPool:
     """The connections of one limiter on one event loop."""
 
-    def __init__(self, limiter: "AsyncRateLimiter", loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, limiter: AsyncRateLimiter, loop: asyncio.AbstractEventLoop) -> None:
         self.limiter = limiter
         self.loop = loop
         self.connections: list[_Connection] = []
@@ -365,8 +365,8 @@ class AsyncRateLimiter:
         self._options = options
         self._clock = clock
         self._codec = _native.Codec(key_prefix, client_clock=clock == "client")
-        self._connect_timeout = float(native["connect_timeout"])  # type: ignore[arg-type]
-        self._socket_timeout = float(native["socket_timeout"])  # type: ignore[arg-type]
+        self._connect_timeout = float(native["connect_timeout"])
+        self._socket_timeout = float(native["socket_timeout"])
         self.max_connections = max_connections
         self.key_prefix = key_prefix
         self._closed = False
@@ -455,7 +455,7 @@ class AsyncRateLimiter:
         self._pools.clear()
         self._last_loop = self._last_pool = None
 
-    async def __aenter__(self) -> "AsyncRateLimiter":
+    async def __aenter__(self) -> AsyncRateLimiter:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -63,7 +63,7 @@ class HandshakeFault:
         while not self._stop.is_set():
             try:
                 conn, _ = self.server.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             conn.settimeout(0.05)
             with self._lock:
@@ -83,7 +83,7 @@ class HandshakeFault:
                     break
                 try:
                     data = conn.recv(65536)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if not data:
                     return
@@ -95,7 +95,7 @@ class HandshakeFault:
                 try:
                     if conn.recv(65536) == b"":
                         return
-                except socket.timeout:
+                except TimeoutError:
                     continue
         except (OSError, ValueError):
             return
@@ -110,7 +110,7 @@ class HandshakeFault:
                 conn.close()
         self.server.close()
 
-    def __enter__(self) -> "HandshakeFault":
+    def __enter__(self) -> HandshakeFault:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -154,7 +154,7 @@ class SlowReader:
             try:
                 conn, _ = self.server.accept()
                 break
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
         else:
             return
@@ -166,7 +166,7 @@ class SlowReader:
                 try:
                     first = conn.recv(1)
                     break
-                except socket.timeout:
+                except TimeoutError:
                     continue
             else:
                 return
@@ -180,7 +180,7 @@ class SlowReader:
             while not self._stop.is_set() and self.command_read_at is None:
                 try:
                     data = conn.recv(1 << 20)
-                except socket.timeout:
+                except TimeoutError:
                     continue
                 if not data:
                     return
@@ -192,7 +192,7 @@ class SlowReader:
                 try:
                     if conn.recv(1 << 20) == b"":
                         return
-                except socket.timeout:
+                except TimeoutError:
                     continue
         except OSError:
             return
@@ -204,7 +204,7 @@ class SlowReader:
             self._conn.close()
         self.server.close()
 
-    def __enter__(self) -> "SlowReader":
+    def __enter__(self) -> SlowReader:
         return self
 
     def __exit__(self, *exc: object) -> None:

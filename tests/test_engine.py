@@ -79,7 +79,7 @@ class ScriptedRedis:
                 if parsed is None:
                     try:
                         data = conn.recv(65536)
-                    except socket.timeout:
+                    except TimeoutError:
                         continue
                     except OSError:
                         return

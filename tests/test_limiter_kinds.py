@@ -26,7 +26,8 @@ TESTS = Path(__file__).resolve().parent
 # interface. A limiter one of their tests built itself, from RateLimiter or AsyncRateLimiter,
 # would be of the same kind in every case: they build them with make_limiter.
 CONTRACT_MODULES = ["test_limiter_core.py", "test_limiter_input.py", "test_limiter_faults.py",
-                    "test_kill_switch.py", "test_members.py"]
+                    "test_kill_switch.py", "test_hostile_input.py", "test_faults_hostile.py",
+                    "test_idempotent_retry.py", "test_tls.py", "test_members.py"]
 LIMITER_CLASSES = {"RateLimiter", "AsyncRateLimiter"}
 
 

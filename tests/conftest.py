@@ -90,13 +90,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker(KINDS_MARKER)
     if marker is not None:
         if not marker.kwargs.get("reason"):
-            pytest.fail(f"{metafunc.definition.nodeid}: {KINDS_MARKER}{marker.args} needs a "
-                        "reason=... saying why the other kinds do not apply", pytrace=False)
+            pytest.fail(f"{metafunc.definition.nodeid}: {KINDS_MARKER}({', '.join(marker.args)}) "
+                        "needs a reason=... saying why the other kinds do not apply", pytrace=False)
         kinds = tuple(marker.args)
     if "loop_factory" in metafunc.fixturenames and not set(kinds) <= set(ASYNC_KINDS):
         pytest.fail(f"{metafunc.definition.nodeid} takes loop_factory, which only the async "
-                    f"kinds have: mark it {KINDS_MARKER}{ASYNC_KINDS!r}, reason=...)",
-                    pytrace=False)
+                    f"kinds have: mark it {KINDS_MARKER}({', '.join(map(repr, ASYNC_KINDS))}, "
+                    "reason=...)", pytrace=False)
     metafunc.parametrize("limiter_kind", limiter_kind_params(kinds), indirect=True)
 
 

@@ -1,5 +1,17 @@
 """Shared fixtures: a real redis-server per test session (or the one REDIS_URL names),
-a clean database per test, and a fresh private server for tests that kill or restart it."""
+a clean database per test, a fresh private server for tests that kill or restart it, and the
+kinds of limiter every limiter test runs against.
+
+The kinds: "sync" (the blocking RateLimiter), "asyncio" and "uvloop" (AsyncRateLimiter on
+that event loop; uvloop comes with the test extra, see helpers_async.limiter_kind_params).
+A test that uses `limiter_kind`, directly or through `make_limiter`, `limiter`,
+`unreachable_limiter` or `loop_factory`, runs once per kind. A test that is inherently of
+some kinds only says so, with the reason:
+
+    @pytest.mark.limiter_kinds("sync", reason="fork(): ...")
+
+`pytest --limiter-kinds=sync,asyncio` deselects the other kinds' cases (e.g. under
+valgrind)."""
 
 from __future__ import annotations
 
@@ -11,6 +23,15 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from helpers_async import (
+    ASYNC_KINDS,
+    LIMITER_KINDS,
+    LimiterFactory,
+    LoopFactory,
+    limiter_kind_params,
+    loop_factory_of,
+)
+from helpers_core import closed_port_url
 from redis_server import RedisServer, env_redis_url
 
 # The kill switch must never leak in from the developer's shell.
@@ -43,16 +64,102 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
         client.close()
 
 
-@pytest.fixture
-def limiter(redis_url: str, redis_client: redis.Redis):
-    """A RateLimiter on the session's Redis, on a clean database."""
-    from genai_ratelimit import RateLimiter
+# ------------------------------------------------------------------ limiter kinds
 
-    rl = RateLimiter(redis_url)
+KINDS_MARKER = "limiter_kinds"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--limiter-kinds", default=",".join(LIMITER_KINDS), metavar="KINDS",
+        help=f"comma-separated limiter kinds to run ({', '.join(LIMITER_KINDS)}); the cases "
+             "of the others are deselected")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", f"{KINDS_MARKER}(*kinds, reason): the limiter kinds this test runs against "
+                   f"(default: all of {', '.join(LIMITER_KINDS)}), and why only those")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """One case per limiter kind for every test that depends on limiter_kind."""
+    if "limiter_kind" not in metafunc.fixturenames:
+        return
+    kinds: tuple[str, ...] = LIMITER_KINDS
+    marker = metafunc.definition.get_closest_marker(KINDS_MARKER)
+    if marker is not None:
+        if not marker.kwargs.get("reason"):
+            pytest.fail(f"{metafunc.definition.nodeid}: {KINDS_MARKER}({', '.join(marker.args)}) "
+                        "needs a reason=... saying why the other kinds do not apply", pytrace=False)
+        kinds = tuple(marker.args)
+    if "loop_factory" in metafunc.fixturenames and not set(kinds) <= set(ASYNC_KINDS):
+        pytest.fail(f"{metafunc.definition.nodeid} takes loop_factory, which only the async "
+                    f"kinds have: mark it {KINDS_MARKER}({', '.join(map(repr, ASYNC_KINDS))}, "
+                    "reason=...)", pytrace=False)
+    metafunc.parametrize("limiter_kind", limiter_kind_params(kinds), indirect=True)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    selected = {kind.strip() for kind in config.getoption("--limiter-kinds").split(",")}
+    unknown = selected - set(LIMITER_KINDS)
+    if unknown:
+        raise pytest.UsageError(f"--limiter-kinds: unknown kind(s) {', '.join(sorted(unknown))}")
+    kept, deselected = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        kind = callspec.params.get("limiter_kind") if callspec is not None else None
+        (deselected if kind is not None and kind not in selected else kept).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+
+
+@pytest.fixture
+def limiter_kind(request: pytest.FixtureRequest) -> str:
+    """The kind of limiter under test: "sync", "asyncio" or "uvloop" (parametrised by
+    pytest_generate_tests). Fails the uvloop case when GENAI_RATELIMIT_REQUIRE_UVLOOP=1
+    kept it although uvloop cannot be imported."""
+    kind: str = request.param
+    loop_factory_of(kind)
+    return kind
+
+
+@pytest.fixture
+def make_limiter(limiter_kind: str) -> Iterator[LimiterFactory]:
+    """make_limiter(url, **options): a limiter of the kind under test with the blocking
+    interface (RateLimiter, or the blocking adapter over an AsyncRateLimiter on a loop of the
+    kind); make_limiter.native(url, **options): the RateLimiter or AsyncRateLimiter itself.
+    Everything it made is closed after the test. See helpers_async.LimiterFactory."""
+    factory = LimiterFactory(limiter_kind)
     try:
-        yield rl
+        yield factory
     finally:
-        rl.close()
+        factory.close()
+
+
+@pytest.fixture
+def loop_factory(limiter_kind: str) -> LoopFactory:
+    """The event loop factory of an async kind, for tests that drive AsyncRateLimiter's
+    coroutines themselves (they are marked limiter_kinds("asyncio", "uvloop", ...))."""
+    factory = loop_factory_of(limiter_kind)
+    assert factory is not None, "pytest_generate_tests keeps the sync kind away from loop_factory"
+    return factory
+
+
+@pytest.fixture
+def limiter(make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis):
+    """A limiter of the kind under test on the session's Redis, on a clean database, with
+    the blocking interface."""
+    return make_limiter(redis_url)
+
+
+@pytest.fixture
+def unreachable_limiter(make_limiter: LimiterFactory):
+    """A limiter of the kind under test on a closed port: any Redis I/O would raise
+    RateLimiterUnavailable, so an input error raised instead proves the input was checked
+    first, and an answer proves nothing reached for Redis."""
+    return make_limiter(closed_port_url(), connect_timeout=0.5, socket_timeout=0.5)
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""A hostile fake Redis on loopback, and one way to drive the sync and the async limiter alike.
+"""A hostile fake Redis on loopback. (The limiter of each kind that meets it comes from the
+`make_limiter` fixture, tests/conftest.py.)
 
 FakeRedis listens on 127.0.0.1 (a free port) and speaks just enough RESP to read the
 commands a limiter sends. While it is "hostile" it answers every EVALSHA with a chosen
@@ -18,7 +19,6 @@ server, the bad ones go over a real socket.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import selectors
 import socket
@@ -26,7 +26,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 # ------------------------------------------------------------------- RESP requests
 
@@ -365,71 +364,6 @@ class FakeRedis:
             return
         finally:
             self._forget(upstream)
-
-
-# ------------------------------------------------------- driving both limiters alike
-
-class SyncDriver:
-    """A RateLimiter behind the driver interface."""
-
-    kind = "sync"
-
-    def __init__(self, url: str, timeout: float, **options: Any) -> None:
-        from genai_ratelimit import RateLimiter
-
-        self.limiter = RateLimiter(url, connect_timeout=timeout, socket_timeout=timeout, **options)
-
-    def check(self, user_id: Any, limit: Any, window_seconds: Any) -> tuple[bool, int, int]:
-        return self.limiter.check(user_id, limit, window_seconds)
-
-    def check_windows(self, user_id: Any, windows: Any) -> tuple[bool, int, int, int]:
-        return self.limiter.check_windows(user_id, windows)
-
-    def close(self) -> None:
-        self.limiter.close()
-
-
-class AsyncDriver:
-    """An AsyncRateLimiter on one private event loop that lives as long as the driver, so
-    consecutive calls share the limiter's connections exactly as in a running service."""
-
-    kind = "async"
-
-    def __init__(self, url: str, timeout: float, **options: Any) -> None:
-        from genai_ratelimit import AsyncRateLimiter
-
-        self.loop = asyncio.new_event_loop()
-        self.limiter = AsyncRateLimiter(url, connect_timeout=timeout, socket_timeout=timeout,
-                                        **options)
-
-    def _run(self, coro: Any) -> Any:
-        try:
-            return self.loop.run_until_complete(coro)
-        finally:
-            # Let transports that were aborted during the call finish closing their sockets.
-            self.loop.run_until_complete(asyncio.sleep(0))
-
-    def check(self, user_id: Any, limit: Any, window_seconds: Any) -> tuple[bool, int, int]:
-        return self._run(self.limiter.check(user_id, limit, window_seconds))  # type: ignore[no-any-return]
-
-    def check_windows(self, user_id: Any, windows: Any) -> tuple[bool, int, int, int]:
-        return self._run(self.limiter.check_windows(user_id, windows))  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        try:
-            self.loop.run_until_complete(self.limiter.aclose())
-            for _ in range(3):  # connection_lost callbacks, then the sockets' close
-                self.loop.run_until_complete(asyncio.sleep(0))
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-        finally:
-            self.loop.close()
-
-
-DRIVERS = {"sync": SyncDriver, "async": AsyncDriver}
-
-
-def make_driver(kind: str, url: str, timeout: float = 0.5, **options: Any) -> SyncDriver | AsyncDriver:
-    return DRIVERS[kind](url, timeout, **options)  # type: ignore[return-value]
 
 
 def open_fds() -> int:

@@ -1,6 +1,8 @@
-"""Helpers for the AsyncRateLimiter tests: running coroutines on a chosen event loop (the
-default asyncio loop, and uvloop when it is installed), a blocking adapter that lets the
-sync suite's tests run unchanged against an AsyncRateLimiter, and a loop-lag probe.
+"""Helpers for the limiter tests of every kind: the kinds themselves (the blocking
+RateLimiter, and AsyncRateLimiter on asyncio's loop and on uvloop), running coroutines on a
+chosen event loop, a blocking adapter that drives an AsyncRateLimiter through the blocking
+interface, the factory behind the `make_limiter` fixture (tests/conftest.py), and a
+loop-lag probe.
 
 pytest-asyncio is not used: each test drives its own loop with LoopRunner or run_async."""
 
@@ -12,7 +14,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 import pytest
@@ -21,6 +23,11 @@ T = TypeVar("T")
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
 REQUIRE_UVLOOP_VARIABLE = "GENAI_RATELIMIT_REQUIRE_UVLOOP"
+
+# The kinds of limiter a test can run against: the blocking RateLimiter, and AsyncRateLimiter
+# on asyncio's own loop and on uvloop's.
+LIMITER_KINDS = ("sync", "asyncio", "uvloop")
+ASYNC_KINDS = ("asyncio", "uvloop")
 
 
 def _uvloop_factory() -> LoopFactory | None:
@@ -31,32 +38,36 @@ def _uvloop_factory() -> LoopFactory | None:
     return uvloop.new_event_loop  # type: ignore[no-any-return]
 
 
-def loop_factory_params() -> list[Any]:
-    """The event loops every async test runs on: asyncio's own, and uvloop when it can be
-    imported. Without uvloop the uvloop case is left out, unless
-    GENAI_RATELIMIT_REQUIRE_UVLOOP=1 asks for it: then it is kept and fails, saying why."""
-    params = [pytest.param(asyncio.new_event_loop, id="asyncio")]
-    factory = _uvloop_factory()
-    if factory is not None:
-        params.append(pytest.param(factory, id="uvloop"))
-    elif os.environ.get(REQUIRE_UVLOOP_VARIABLE) == "1":
-        params.append(pytest.param(None, id="uvloop"))
+def limiter_kind_params(kinds: Iterable[str] = LIMITER_KINDS) -> list[Any]:
+    """pytest parameters for the given kinds. uvloop comes with the test extra; where it
+    cannot be imported the uvloop case is left out, unless GENAI_RATELIMIT_REQUIRE_UVLOOP=1
+    asks for it: then it is kept and fails, saying why (loop_factory_of)."""
+    params = []
+    for kind in kinds:
+        if kind not in LIMITER_KINDS:
+            raise ValueError(f"unknown limiter kind {kind!r}: one of {', '.join(LIMITER_KINDS)}")
+        if (kind == "uvloop" and _uvloop_factory() is None
+                and os.environ.get(REQUIRE_UVLOOP_VARIABLE) != "1"):
+            continue
+        params.append(pytest.param(kind, id=kind))
     return params
 
 
-def checked_loop_factory(factory: LoopFactory | None) -> LoopFactory:
-    """The factory of a loop_factory parameter; fails the test when it is the uvloop case
-    that GENAI_RATELIMIT_REQUIRE_UVLOOP=1 demanded but that cannot be imported."""
+def loop_factory_of(kind: str) -> LoopFactory | None:
+    """The event loop factory of a limiter kind; None for the blocking limiter. Fails the
+    test when it is the uvloop case that GENAI_RATELIMIT_REQUIRE_UVLOOP=1 demanded but that
+    cannot be imported."""
+    if kind == "sync":
+        return None
+    if kind == "asyncio":
+        return asyncio.new_event_loop
+    if kind != "uvloop":
+        raise ValueError(f"unknown limiter kind {kind!r}")
+    factory = _uvloop_factory()
     if factory is None:
         pytest.fail(f"{REQUIRE_UVLOOP_VARIABLE}=1 but uvloop cannot be imported: "
                     "pip install uvloop (or unset the variable to leave the uvloop cases out)")
     return factory
-
-
-@pytest.fixture(params=loop_factory_params())
-def loop_factory(request: pytest.FixtureRequest) -> LoopFactory:
-    """The event loop factory of this test case (import this fixture into a test module)."""
-    return checked_loop_factory(request.param)
 
 
 class LoopRunner:
@@ -105,39 +116,56 @@ def run_async(coroutine: Coroutine[Any, Any, T], loop_factory: LoopFactory | Non
 
 class BlockingAsyncLimiter:
     """An AsyncRateLimiter behind the blocking limiter's interface: check(), check_windows(),
-    close(), `with`. Each call runs the coroutine to completion on one loop this adapter
-    keeps open for its lifetime, so the connections are reused between calls exactly as in
-    a long-running service. It lets the sync suite's tests (which only call these methods)
-    prove the same behaviour of the async limiter without a copy of each test.
+    close(), `with`, url, key_prefix, closed, repr(). Each call runs the coroutine to
+    completion on one loop (made by `loop_factory`) that this adapter keeps for its lifetime,
+    so connections are reused between calls exactly as in a long-running service. After each
+    call the loop turns once more, so that a transport the call aborted finishes closing its
+    socket, as it would on a loop that keeps running. It lets the contract tests (which only
+    call these methods) prove the same behaviour of the async limiter without a copy of each
+    test.
 
-    The constructor takes RateLimiter's arguments, so a test module can put this class in
-    place of genai_ratelimit.RateLimiter for tests that build their own limiter."""
+    The arguments after the loop factory are RateLimiter's. Calls from several threads are
+    served one at a time: there is one loop."""
 
-    loop_factory: LoopFactory | None = None  # set per test by the modules that use it
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, loop_factory: LoopFactory, *args: Any, **kwargs: Any) -> None:
         from genai_ratelimit import AsyncRateLimiter
 
         self.inner = AsyncRateLimiter(*args, **kwargs)  # validation errors surface here
-        self._runner = LoopRunner(type(self).loop_factory)
+        self.loop_factory = loop_factory
+        self._runner = LoopRunner(loop_factory)
         self._lock = threading.Lock()  # one loop: one caller at a time
 
-    def _run(self, awaitable: Awaitable[T]) -> T:
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the calls run on (closed once the adapter is)."""
+        return self._runner.loop
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Runs a coroutine to completion on this adapter's loop; after close(), on a loop
+        of its own (where the closed limiter says so)."""
         with self._lock:
-            if self._runner.loop.is_closed():  # a call after close(): on a loop of its own
-                return run_async(awaitable, type(self).loop_factory)  # type: ignore[arg-type]
-            return self._runner.run(awaitable)
+            if self._runner.loop.is_closed():
+                return run_async(coroutine, self.loop_factory)
+            try:
+                return self._runner.run(coroutine)
+            finally:
+                self._runner.run(asyncio.sleep(0))  # aborted transports close their sockets
 
     def check(self, *args: Any, **kwargs: Any) -> tuple[bool, int, int]:
-        return self._run(self.inner.check(*args, **kwargs))
+        return self.run(self.inner.check(*args, **kwargs))
 
     def check_windows(self, *args: Any, **kwargs: Any) -> tuple[bool, int, int, int]:
-        return self._run(self.inner.check_windows(*args, **kwargs))
+        return self.run(self.inner.check_windows(*args, **kwargs))
 
     def close(self) -> None:
         with self._lock:
-            if not self._runner.loop.is_closed():
+            if self._runner.loop.is_closed():
+                return
+            try:
                 self._runner.run(self.inner.aclose())
+                for _ in range(3):  # connection_lost callbacks, then the sockets' close
+                    self._runner.run(asyncio.sleep(0))
+            finally:
                 self._runner.close()
 
     @property
@@ -148,6 +176,10 @@ class BlockingAsyncLimiter:
     def key_prefix(self) -> str:
         return self.inner.key_prefix
 
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
     def __repr__(self) -> str:
         return repr(self.inner)
 
@@ -156,6 +188,64 @@ class BlockingAsyncLimiter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class LimiterFactory:
+    """What the `make_limiter` fixture (tests/conftest.py) gives a test: limiters of one
+    kind, "sync", "asyncio" or "uvloop", made from RateLimiter's arguments.
+
+    make_limiter(url, **options) has the blocking interface: a RateLimiter, or a
+    BlockingAsyncLimiter over an AsyncRateLimiter on a loop of the kind. This is what the
+    contract tests use, so one test body proves a behaviour of every kind.
+
+    make_limiter.native(url, **options) is the object itself: a RateLimiter, or an
+    AsyncRateLimiter bound to no loop yet, for the tests that need the real async object
+    (FastAPI's async dependency, async-only behaviour); loop_factory makes loops of the kind
+    to use it on. track(limiter) adopts an AsyncRateLimiter made elsewhere (RateLimit()).
+
+    close() (the fixture's teardown) closes everything it made or adopted."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.loop_factory = loop_factory_of(kind)  # None for the blocking limiter
+        self.async_limiters: list[Any] = []  # native AsyncRateLimiters, made or adopted
+        self._blocking: list[Any] = []
+
+    @property
+    def is_async(self) -> bool:
+        return self.loop_factory is not None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.loop_factory is None:
+            from genai_ratelimit import RateLimiter
+
+            limiter: Any = RateLimiter(*args, **kwargs)
+        else:
+            limiter = BlockingAsyncLimiter(self.loop_factory, *args, **kwargs)
+        self._blocking.append(limiter)
+        return limiter
+
+    def native(self, *args: Any, **kwargs: Any) -> Any:
+        if self.loop_factory is None:
+            return self(*args, **kwargs)
+        from genai_ratelimit import AsyncRateLimiter
+
+        return self.track(AsyncRateLimiter(*args, **kwargs))
+
+    def track(self, limiter: Any) -> Any:
+        """Closes `limiter`, an AsyncRateLimiter made elsewhere, at the end of the test."""
+        self.async_limiters.append(limiter)
+        return limiter
+
+    def close(self) -> None:
+        for limiter in reversed(self._blocking):
+            limiter.close()
+        for limiter in self.async_limiters:
+            # Used on loops that are gone by now (a TestClient's): see close_and_collect.
+            close_and_collect(limiter, self.loop_factory)
+
+    def __repr__(self) -> str:
+        return f"<LimiterFactory {self.kind}>"
 
 
 class LoopLagProbe:

@@ -14,15 +14,20 @@ import uuid
 import pytest
 import redis
 
-from helpers_async import (  # noqa: F401  (loop_factory is a fixture)
+from helpers_async import (
     BatchRecordingServer,
     LoopFactory,
     LoopLagProbe,
-    loop_factory,
     run_async,
 )
 from helpers_core import connections_received
 from test_limiter_concurrency import assert_exactly_limit_allowed
+
+# The coroutine API on each event loop: loop_factory is the kind's (tests/conftest.py).
+pytestmark = pytest.mark.limiter_kinds(
+    "asyncio", "uvloop",
+    reason=("coroutines of one AsyncRateLimiter on one running loop; the blocking limiter's "
+            "threads are in test_limiter_concurrency.py"))
 
 LIMIT = 10
 MAX_LAG = 0.05

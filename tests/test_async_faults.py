@@ -3,7 +3,8 @@ unanswered connect within connect_timeout, a paused server within socket_timeout
 server (DEBUG SLEEP), SCRIPT FLUSH under pipelining, a restarted and a killed server. In
 every case the event loop stays responsive: a loop-lag probe runs beside the check.
 
-(The same faults through the blocking interface are in test_async_reused.py.)"""
+(The same faults through the blocking interface run for every limiter kind in
+test_limiter_faults.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from helpers_async import LoopFactory, LoopLagProbe, LoopRunner, loop_factory, run_async  # noqa: F401  (fixture)
+from helpers_async import LoopFactory, LoopLagProbe, LoopRunner, run_async
 from helpers_core import (
     FullBacklogListener,
     closed_port_url,
@@ -24,6 +25,12 @@ from helpers_core import (
     measured_commands,
 )
 from redis_server import RedisServer
+
+# The coroutine API on each event loop: loop_factory is the kind's (tests/conftest.py).
+pytestmark = pytest.mark.limiter_kinds(
+    "asyncio", "uvloop",
+    reason=("the event loop's responsiveness while a fault is met; the same faults through "
+            "the blocking interface run for every kind in test_limiter_faults.py"))
 
 MARGIN = 0.5     # seconds of slack on top of a configured timeout
 MAX_LAG = 0.05   # the loop may never stall longer than this while a check waits on Redis

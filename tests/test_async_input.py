@@ -1,14 +1,21 @@
 """AsyncRateLimiter input rules on a running loop: a bad argument raises TypeError or
-ValueError before any Redis I/O, not even a connect (the reused sync tests in
-test_async_reused.py prove the full matrix of bad values through the blocking adapter)."""
+ValueError before any Redis I/O, not even a connect (test_limiter_input.py proves the full
+matrix of bad values for every limiter kind, through the blocking adapter for the async
+ones)."""
 
 from __future__ import annotations
 
 import pytest
 import redis
 
-from helpers_async import LoopFactory, loop_factory, run_async  # noqa: F401  (fixture)
+from helpers_async import LoopFactory, run_async
 from helpers_core import connections_received
+
+# The coroutine API on each event loop: loop_factory is the kind's (tests/conftest.py).
+pytestmark = pytest.mark.limiter_kinds(
+    "asyncio", "uvloop",
+    reason=("argument errors raised on a running loop; the full matrix runs for every kind in "
+            "test_limiter_input.py"))
 
 BAD_CALLS = [
     pytest.param("check", ("", 10, 60), ValueError, id="empty-user"),

@@ -1,6 +1,6 @@
 """The kill switch RATE_LIMIT_DISABLED with AsyncRateLimiter: every check allows with the full
-budget without touching Redis (the reused sync tests in test_async_reused.py prove that
-through the blocking adapter), here on a running loop, and the warning goes out once per
+budget without touching Redis (test_kill_switch.py proves that for every limiter kind,
+through the blocking adapter for the async ones), here on a running loop, and the warning goes out once per
 process, however many limiters, async or blocking, see the switch on."""
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ import uuid
 import pytest
 import redis
 
-from helpers_async import LoopFactory, loop_factory, run_async  # noqa: F401  (fixture)
+from helpers_async import LoopFactory, run_async
 from helpers_core import closed_port_url, connections_received, measured_commands
+
+# The coroutine API on each event loop: loop_factory is the kind's (tests/conftest.py).
+pytestmark = pytest.mark.limiter_kinds(
+    "asyncio", "uvloop",
+    reason=("the kill switch on a running loop; the blocking interface's tests run for every "
+            "kind in test_kill_switch.py"))
 
 
 def test_kill_switch_answers_without_connecting_even_to_a_closed_port(

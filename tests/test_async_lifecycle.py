@@ -16,17 +16,21 @@ import uuid
 import pytest
 import redis
 
-from helpers_async import (  # noqa: F401  (loop_factory is a fixture)
+from helpers_async import (
     LoopFactory,
     LoopRunner,
     close_and_collect,
     connected_clients,
-    loop_factory,
     run_async,
     wait_for_connected_clients,
 )
 from helpers_core import connections_received, measured_commands
 from test_limiter_concurrency import assert_exactly_limit_allowed
+
+# The coroutine API on each event loop: loop_factory is the kind's (tests/conftest.py).
+pytestmark = pytest.mark.limiter_kinds(
+    "asyncio", "uvloop",
+    reason="aclose(), `async with` and use from several loops are AsyncRateLimiter's own API")
 
 
 def fresh_user(tag: str = "user") -> str:

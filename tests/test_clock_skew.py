@@ -11,7 +11,8 @@ package embeds (by its SHA1, loaded from genai_ratelimit._native.SCRIPT_SOURCE) 
 redis-py with exactly the arguments the limiter sends (KEYS/ARGV layout of
 lua/sliding_window.lua): a member, the time argument, window_ms and limit. App server A's
 clock is right, app server B's runs 5 s ahead. Two MONITOR tests tie the emulation to the
-real limiter: it sends "" by default and its own clock with clock="client".
+real limiter, of every kind (tests/conftest.py): it sends "" by default and its own clock
+with clock="client".
 
 The scenario (window 2 s, limit 5; times are true times since the start):
     t=0     A sends 5, then B sends 5      exact: A's 5 allowed, B's 5 rejected
@@ -34,7 +35,6 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from fake_redis import make_driver
 from helpers_core import Monitor, server_ms, wait_until_server_ms
 
 WINDOW_S = 2
@@ -170,30 +170,23 @@ def time_arguments(monitor: Monitor) -> list[str]:
     return [c.args[5] for c in monitor.from_others() if c.name == "EVALSHA"]
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
-def test_the_default_clock_sends_no_client_time_to_the_script(redis_url, redis_client, user_id, kind):
-    driver = make_driver(kind, redis_url, timeout=2.0)
-    try:
-        driver.check(f"{user_id}-warm-up", 10, 60)  # loads the script: one EVALSHA per call after
+def test_the_default_clock_sends_no_client_time_to_the_script(make_limiter, redis_url, redis_client,
+                                                              user_id):
+    with make_limiter(redis_url, connect_timeout=2.0, socket_timeout=2.0) as limiter:
+        limiter.check(f"{user_id}-warm-up", 10, 60)  # loads the script: one EVALSHA per call after
         with Monitor(redis_client) as monitor:
             for _ in range(3):
-                assert driver.check(user_id, 10, 60)[0] is True
-    finally:
-        driver.close()
+                assert limiter.check(user_id, 10, 60)[0] is True
     assert time_arguments(monitor) == ["", "", ""]
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
-def test_clock_client_sends_the_callers_unix_milliseconds(redis_url, redis_client, user_id, kind):
-    driver = make_driver(kind, redis_url, timeout=2.0, clock="client")
-    try:
-        driver.check(f"{user_id}-warm-up", 10, 60)  # loads the script: one EVALSHA per call after
+def test_clock_client_sends_the_callers_unix_milliseconds(make_limiter, redis_url, redis_client, user_id):
+    with make_limiter(redis_url, connect_timeout=2.0, socket_timeout=2.0, clock="client") as limiter:
+        limiter.check(f"{user_id}-warm-up", 10, 60)  # loads the script: one EVALSHA per call after
         with Monitor(redis_client) as monitor:
             before = math.floor(time.time() * 1000)
-            assert driver.check(user_id, 10, 60)[0] is True
+            assert limiter.check(user_id, 10, 60)[0] is True
             after = math.ceil(time.time() * 1000)
-    finally:
-        driver.close()
     [stamp] = time_arguments(monitor)
     assert before <= int(stamp) <= after
 

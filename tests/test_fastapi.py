@@ -2,9 +2,11 @@
 the 429 and allowed headers on every response type, the kill switch, Redis unavailable, the
 fail-open counter, and where the limiter runs (threadpool or event loop).
 
-Every test that uses a limiter runs twice: with a blocking RateLimiter (the dependency is a
-plain def, run in FastAPI's threadpool) and with an AsyncRateLimiter (an async def, awaited on
-the event loop, the default)."""
+Every test that uses a limiter runs once per limiter kind (tests/conftest.py): with a blocking
+RateLimiter (the dependency is a plain def, run in FastAPI's threadpool), and with an
+AsyncRateLimiter (an async def, awaited on the event loop, the default) on a TestClient whose
+loop is asyncio's or uvloop's. Here `limiter` and make_limiter.native() give the limiter
+itself, not the blocking adapter: the dependency must see the real AsyncRateLimiter."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ import fastapi.dependencies.utils as fastapi_dependency_utils
 import genai_ratelimit.fastapi as ratelimit_fastapi
 from genai_ratelimit import TIER_LIMITS, AsyncRateLimiter, RateLimiter
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, rate_limit, window_name
-from helpers_async import close_and_collect
+from helpers_async import ASYNC_KINDS, LimiterFactory, run_async
 from redis_server import RedisServer, free_port
 
 with warnings.catch_warnings():
@@ -104,55 +106,24 @@ def _built_in_tiers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 AnyLimiter = RateLimiter | AsyncRateLimiter
 
-
-class AsyncLimitersToClose(list[AsyncRateLimiter]):
-    """The AsyncRateLimiters a test used. Their connections belong to the loop of the
-    TestClient that used them, so client_for closes them on that loop while the client still
-    runs; whatever was used on loops already gone is closed at the very end."""
-
-    def close_on(self, client: TestClient) -> None:
-        for limiter in self:
-            if not limiter.closed:
-                client.portal.call(limiter.aclose)  # type: ignore[union-attr]
+ASYNC_ONLY = pytest.mark.limiter_kinds(
+    *ASYNC_KINDS, reason="the dependency's async path: an AsyncRateLimiter (or stand-in) awaited "
+                         "on the TestClient's loop, asyncio's or uvloop's")
 
 
 @pytest.fixture
-def async_limiters() -> Iterator[AsyncLimitersToClose]:
-    limiters = AsyncLimitersToClose()
-    yield limiters
-    for limiter in limiters:
-        close_and_collect(limiter)
+def limiter(make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> AnyLimiter:
+    """A limiter of the kind under test on the session's Redis, on a clean database: the
+    RateLimiter or AsyncRateLimiter itself, as a service hands it to RateLimit."""
+    return make_limiter.native(redis_url)  # type: ignore[no-any-return]
 
 
-class Limiters:
-    """make_limiter(url, **kwargs): limiters of the kind under test ("sync" or "async")."""
-
-    def __init__(self, kind: str, async_limiters: AsyncLimitersToClose) -> None:
-        self.kind = kind
-        self.async_limiters = async_limiters
-        self.sync_limiters: list[RateLimiter] = []
-
-    def __call__(self, url: str, **kwargs: Any) -> AnyLimiter:
-        if self.kind == "sync":
-            self.sync_limiters.append(RateLimiter(url, **kwargs))
-            return self.sync_limiters[-1]
-        self.async_limiters.append(AsyncRateLimiter(url, **kwargs))
-        return self.async_limiters[-1]
-
-
-@pytest.fixture(params=["sync", "async"])
-def make_limiter(request: pytest.FixtureRequest, async_limiters: AsyncLimitersToClose) -> Iterator[Limiters]:
-    """Each test that uses it runs twice: with RateLimiter, and with AsyncRateLimiter."""
-    limiters = Limiters(request.param, async_limiters)
-    yield limiters
-    for limiter in limiters.sync_limiters:
-        limiter.close()
-
-
-@pytest.fixture
-def limiter(make_limiter: Limiters, redis_url: str, redis_client: redis.Redis) -> AnyLimiter:
-    """A limiter of the kind under test on the session's Redis, on a clean database."""
-    return make_limiter(redis_url)
+def client_options(make_limiter: LimiterFactory) -> dict[str, Any]:
+    """TestClient arguments that run the app on a loop of the kind under test (the blocking
+    limiter's app runs on asyncio's default loop)."""
+    if make_limiter.loop_factory is None:
+        return {}
+    return {"backend_options": {"loop_factory": make_limiter.loop_factory}}
 
 
 @pytest.fixture
@@ -162,19 +133,32 @@ def sync_limiter(redis_url: str, redis_client: redis.Redis) -> Iterator[RateLimi
         yield rl
 
 
+async def running_loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
 @pytest.fixture
-def client_for(async_limiters: AsyncLimitersToClose) -> Iterator[Callable[..., TestClient]]:
+def client_for(make_limiter: LimiterFactory) -> Iterator[Callable[..., TestClient]]:
+    """client_for(dependency, **build_app_options): a started TestClient of build_app's app,
+    on a loop of the kind under test."""
     clients: list[TestClient] = []
 
     def make(dependency: Any, **kwargs: Any) -> TestClient:
-        client = TestClient(build_app(dependency, **kwargs))
+        client = TestClient(build_app(dependency, **kwargs), **client_options(make_limiter))
         client.__enter__()
         clients.append(client)
+        served_by = client.portal.call(running_loop_module)  # type: ignore[union-attr]
+        assert served_by == ("uvloop" if make_limiter.kind == "uvloop" else "asyncio"), served_by
         return client
 
     yield make
     if clients:
-        async_limiters.close_on(clients[0])  # the other clients' loops still run too
+        # The AsyncRateLimiters' connections belong to the loop of the client that used them:
+        # they are closed there while it still runs (the other clients' loops run too);
+        # make_limiter closes whatever was used on loops already gone.
+        for limiter in make_limiter.async_limiters:
+            if not limiter.closed:
+                clients[0].portal.call(limiter.aclose)  # type: ignore[union-attr]
     for client in clients:
         client.__exit__(None, None, None)
 
@@ -278,10 +262,10 @@ def test_without_the_middleware_returned_values_still_get_headers_and_a_warning_
 
 
 def test_a_429_keeps_its_own_headers_when_an_earlier_limit_allowed(
-        redis_url: str, redis_client: redis.Redis, make_limiter: Limiters,
+        redis_url: str, redis_client: redis.Redis, make_limiter: LimiterFactory,
         client_for: Callable[..., TestClient], user_id: str) -> None:
-    roomy = make_limiter(redis_url, key_prefix="roomy")
-    strict = make_limiter(redis_url, key_prefix="strict")
+    roomy = make_limiter.native(redis_url, key_prefix="roomy")
+    strict = make_limiter.native(redis_url, key_prefix="strict")
     client = client_for(RateLimit(limiter=roomy),
                         extra=[RateLimit(limiter=strict, tier_limits={"free": {"per_minute": 1, "per_day": 10}})])
     assert client.get("/stream", headers=as_user(user_id)).status_code == 200
@@ -292,10 +276,10 @@ def test_a_429_keeps_its_own_headers_when_an_earlier_limit_allowed(
 
 
 def test_two_limits_on_one_route_report_the_tighter_one(
-        redis_url: str, redis_client: redis.Redis, make_limiter: Limiters,
+        redis_url: str, redis_client: redis.Redis, make_limiter: LimiterFactory,
         client_for: Callable[..., TestClient], user_id: str) -> None:
-    roomy = make_limiter(redis_url, key_prefix="roomy")
-    tight = make_limiter(redis_url, key_prefix="tight")
+    roomy = make_limiter.native(redis_url, key_prefix="roomy")
+    tight = make_limiter.native(redis_url, key_prefix="tight")
     client = client_for(RateLimit(limiter=tight, tier_limits={"free": {"per_minute": 3, "per_day": 10}}),
                         extra=[RateLimit(limiter=roomy)])
     response = client.get("/json", headers=as_user(user_id))
@@ -498,15 +482,16 @@ def test_window_names() -> None:
     assert (window_name(60), window_name(86400), window_name(3600)) == ("minute", "day", "3600s")
 
 
+@ASYNC_ONLY
 def test_ready_dependency_uses_redis_url_on_first_request(
         redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch,
-        async_limiters: AsyncLimitersToClose, client_for: Callable[..., TestClient], user_id: str) -> None:
+        make_limiter: LimiterFactory, client_for: Callable[..., TestClient], user_id: str) -> None:
     assert isinstance(rate_limit, RateLimit)
     monkeypatch.setenv("REDIS_URL", redis_url)
     dependency = RateLimit()  # what `rate_limit` is: the default limiter, made on first use
     client = client_for(dependency)
     assert client.get("/dict", headers=as_user(user_id)).headers["X-RateLimit-Remaining"] == "4"
-    async_limiters.append(dependency.limiter)
+    make_limiter.track(dependency.limiter)
     assert redis_client.zcard(f"ratelimit:{user_id}:60") == 1
 
 
@@ -532,10 +517,10 @@ def test_an_explicit_limiter_decides_sync_or_async(sync_limiter: RateLimiter) ->
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", "On"])
 def test_kill_switch_lets_everything_through_without_touching_redis(
-        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        closed_port_url: str, make_limiter: LimiterFactory, client_for: Callable[..., TestClient],
         monkeypatch: pytest.MonkeyPatch, user_id: str, value: str) -> None:
     # The limiter points at a port where nothing listens: any Redis I/O would be a 503.
-    unreachable = make_limiter(closed_port_url)
+    unreachable = make_limiter.native(closed_port_url)
     monkeypatch.setenv("RATE_LIMIT_DISABLED", value)
     dependency = RateLimit(limiter=unreachable, on_unavailable="deny")
     client = client_for(dependency)
@@ -559,9 +544,9 @@ def test_kill_switch_sends_no_command_to_a_live_redis(
 # --- Redis unavailable -------------------------------------------------------------------------
 
 
-def test_redis_down_answers_503_with_retry_after_1(closed_port_url: str, make_limiter: Limiters,
+def test_redis_down_answers_503_with_retry_after_1(closed_port_url: str, make_limiter: LimiterFactory,
                                                    client_for: Callable[..., TestClient], user_id: str) -> None:
-    unreachable = make_limiter(closed_port_url)
+    unreachable = make_limiter.native(closed_port_url)
     client = client_for(RateLimit(limiter=unreachable))
     for route in ("/dict", "/stream"):
         response = client.get(route, headers=as_user(user_id))
@@ -572,9 +557,9 @@ def test_redis_down_answers_503_with_retry_after_1(closed_port_url: str, make_li
 
 
 def test_redis_paused_answers_503_within_the_socket_timeout(
-        private_redis: RedisServer, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        private_redis: RedisServer, make_limiter: LimiterFactory, client_for: Callable[..., TestClient],
         user_id: str) -> None:
-    limiter = make_limiter(private_redis.url, connect_timeout=0.5, socket_timeout=0.5)
+    limiter = make_limiter.native(private_redis.url, connect_timeout=0.5, socket_timeout=0.5)
     client = client_for(RateLimit(limiter=limiter))
     assert client.get("/dict", headers=as_user(user_id)).status_code == 200
     private_redis.pause()
@@ -590,9 +575,9 @@ def test_redis_paused_answers_503_within_the_socket_timeout(
 
 
 def test_redis_killed_while_serving_answers_503_then_recovers(
-        private_redis: RedisServer, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        private_redis: RedisServer, make_limiter: LimiterFactory, client_for: Callable[..., TestClient],
         user_id: str) -> None:
-    limiter = make_limiter(private_redis.url)
+    limiter = make_limiter.native(private_redis.url)
     client = client_for(RateLimit(limiter=limiter))
     assert client.get("/stream", headers=as_user(user_id)).status_code == 200
     private_redis.kill()
@@ -603,9 +588,9 @@ def test_redis_killed_while_serving_answers_503_then_recovers(
 
 
 def test_on_unavailable_allow_lets_requests_through_and_logs_a_warning(
-        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient], user_id: str,
+        closed_port_url: str, make_limiter: LimiterFactory, client_for: Callable[..., TestClient], user_id: str,
         caplog: pytest.LogCaptureFixture) -> None:
-    unreachable = make_limiter(closed_port_url)
+    unreachable = make_limiter.native(closed_port_url)
     client = client_for(RateLimit(limiter=unreachable, on_unavailable="allow"))
     with caplog.at_level(logging.WARNING, logger="genai_ratelimit"):
         response = client.get("/json", headers=as_user(user_id))
@@ -620,9 +605,9 @@ def test_on_unavailable_allow_lets_requests_through_and_logs_a_warning(
 
 
 def test_fail_open_count_counts_each_request_let_through_because_redis_was_unavailable(
-        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        closed_port_url: str, make_limiter: LimiterFactory, client_for: Callable[..., TestClient],
         user_id: str, caplog: pytest.LogCaptureFixture) -> None:
-    dependency = RateLimit(limiter=make_limiter(closed_port_url), on_unavailable="allow")
+    dependency = RateLimit(limiter=make_limiter.native(closed_port_url), on_unavailable="allow")
     assert dependency.fail_open_count == 0
     client = client_for(dependency)
     with caplog.at_level(logging.WARNING, logger="genai_ratelimit"):
@@ -642,17 +627,17 @@ def test_fail_open_count_stays_zero_when_redis_decides(
 
 
 def test_fail_open_count_stays_zero_when_unavailable_means_deny(
-        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient], user_id: str) -> None:
-    dependency = RateLimit(limiter=make_limiter(closed_port_url))
+        closed_port_url: str, make_limiter: LimiterFactory, client_for: Callable[..., TestClient], user_id: str) -> None:
+    dependency = RateLimit(limiter=make_limiter.native(closed_port_url))
     client = client_for(dependency)
     assert [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(3)] == [503] * 3
     assert dependency.fail_open_count == 0
 
 
 def test_fail_open_count_ignores_the_kill_switch(
-        closed_port_url: str, make_limiter: Limiters, client_for: Callable[..., TestClient],
+        closed_port_url: str, make_limiter: LimiterFactory, client_for: Callable[..., TestClient],
         monkeypatch: pytest.MonkeyPatch, user_id: str) -> None:
-    dependency = RateLimit(limiter=make_limiter(closed_port_url), on_unavailable="allow")
+    dependency = RateLimit(limiter=make_limiter.native(closed_port_url), on_unavailable="allow")
     client = client_for(dependency)
     monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
     assert client.get("/dict", headers=as_user(user_id)).status_code == 200
@@ -660,12 +645,12 @@ def test_fail_open_count_ignores_the_kill_switch(
 
 
 def test_fail_open_count_is_exact_under_concurrent_requests(
-        closed_port_url: str, make_limiter: Limiters, user_id: str) -> None:
+        closed_port_url: str, make_limiter: LimiterFactory, user_id: str) -> None:
     # 200 requests at once through the ASGI app: with a blocking limiter they fail open in
     # FastAPI's threadpool in parallel, with an async one on the loop.
     import httpx
 
-    dependency = RateLimit(limiter=make_limiter(closed_port_url), on_unavailable="allow")
+    dependency = RateLimit(limiter=make_limiter.native(closed_port_url), on_unavailable="allow")
     app = build_app(dependency)
 
     async def burst() -> list[int]:
@@ -675,7 +660,7 @@ def test_fail_open_count_is_exact_under_concurrent_requests(
                 *(client.get("/dict", headers=as_user(f"{user_id}-{i}")) for i in range(200)))
         return [r.status_code for r in responses]
 
-    assert asyncio.run(burst()) == [200] * 200
+    assert run_async(burst(), make_limiter.loop_factory) == [200] * 200
     assert dependency.fail_open_count == 200
 
 
@@ -733,9 +718,10 @@ def test_a_blocking_limiter_runs_in_the_threadpool_not_on_the_event_loop(
     assert dependency in threadpool_calls  # the probe below sees the threadpool when it is used
 
 
+@ASYNC_ONLY
 def test_the_default_dependency_checks_on_the_event_loop_and_never_uses_the_threadpool(
         redis_url: str, redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch, user_id: str,
-        threadpool_calls: list[Any], async_limiters: AsyncLimitersToClose,
+        threadpool_calls: list[Any], make_limiter: LimiterFactory,
         client_for: Callable[..., TestClient]) -> None:
     # The real AsyncRateLimiter that RateLimit() makes, with a record of where each of its
     # checks ran: the thread and the running loop.
@@ -743,7 +729,7 @@ def test_the_default_dependency_checks_on_the_event_loop_and_never_uses_the_thre
     dependency = RateLimit()
     limiter = dependency.limiter
     assert type(limiter) is AsyncRateLimiter
-    async_limiters.append(limiter)
+    make_limiter.track(limiter)
     checks: list[tuple[int, Any]] = []
     real_check_windows = limiter.check_windows
 
@@ -779,6 +765,7 @@ class AwaitableLimiter:
         return await loop.run_in_executor(None, self.inner.check_windows, user_id, list(windows))
 
 
+@ASYNC_ONLY
 def test_any_async_limiter_is_awaited_on_the_event_loop(sync_limiter: RateLimiter, user_id: str,
                                                         client_for: Callable[..., TestClient]) -> None:
     async_limiter = AwaitableLimiter(sync_limiter)
@@ -806,10 +793,10 @@ def test_is_async_attribute_decides_over_introspection(sync_limiter: RateLimiter
 
 
 def test_a_client_that_runs_each_request_on_a_fresh_loop_is_limited_exactly(
-        limiter: AnyLimiter, user_id: str, redis_client: redis.Redis) -> None:
+        limiter: AnyLimiter, make_limiter: LimiterFactory, user_id: str, redis_client: redis.Redis) -> None:
     # TestClient outside `with` starts a new event loop for every request: the async limiter
     # opens a connection on each (its connections belong to their loop) and keeps counting.
-    client = TestClient(build_app(RateLimit(limiter=limiter)))
+    client = TestClient(build_app(RateLimit(limiter=limiter)), **client_options(make_limiter))
     statuses = [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(7)]
     assert statuses == [200] * 5 + [429] * 2
     assert redis_client.zcard(f"ratelimit:{user_id}:60") == 5

@@ -2,9 +2,10 @@
 HTTP client (httpx): the 429 path, the headers of streamed and JSON responses as they arrive
 on the wire, tiers, identity, and start-up with a broken tiers file or Redis down.
 
-Every test runs twice: with the example's limiter forced to a blocking RateLimiter (the
-dependency runs in FastAPI's threadpool) and to an AsyncRateLimiter (awaited on uvicorn's
-loop, uvloop when it is installed). See SERVED_MODULE."""
+Every test runs once per limiter kind (tests/conftest.py): with the example's limiter forced
+to a blocking RateLimiter (the dependency runs in FastAPI's threadpool, uvicorn picks its
+loop), and to an AsyncRateLimiter awaited on uvicorn's loop, `--loop asyncio` or
+`--loop uvloop`. See SERVED_MODULE."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import pytest
 import redis
 
 from genai_ratelimit import TIER_LIMITS
+from helpers_async import loop_factory_of
 from redis_server import free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -30,12 +32,17 @@ KEYS = {"free": "sk-demo-free", "pro": "sk-demo-pro", "enterprise": "sk-demo-ent
 USERS = {"free": "user_free", "pro": "user_pro", "enterprise": "user_enterprise"}
 CHAT = "/v1/chat/completions"
 ALL_FOUR = ("Retry-After", "X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Window")
-LIMITER_CLASSES = {"sync": "RateLimiter", "async": "AsyncRateLimiter"}
+# Per limiter kind: the class the example's limiter is forced to, and uvicorn's --loop
+# (None: uvicorn's default, "auto").
+LIMITER_CLASSES = {"sync": "RateLimiter", "asyncio": "AsyncRateLimiter", "uvloop": "AsyncRateLimiter"}
+UVICORN_LOOPS = {"sync": None, "asyncio": "asyncio", "uvloop": "uvloop"}
 
 # What uvicorn serves: examples/app.py itself, imported after both limiter names of
 # genai_ratelimit were pointed at the class under test, so whichever one app.py builds is of
 # that class. It checks that the served dependency really holds one and says so in the log.
+# GET /served-loop (added here, not limited) names the module of the loop serving requests.
 SERVED_MODULE = """
+import asyncio
 import sys
 sys.path.insert(0, {examples!r})
 import genai_ratelimit
@@ -45,6 +52,11 @@ app = example.app
 kind = type(example.rate_limit.limiter).__name__
 if kind != {cls!r}:
     raise SystemExit(f"examples/app.py serves a {{kind}}, not the {cls} under test")
+
+@app.get("/served-loop")
+async def served_loop():
+    return {{"module": type(asyncio.get_running_loop()).__module__}}
+
 print(f"serving examples/app.py with a {{kind}}", flush=True)
 """
 
@@ -56,6 +68,7 @@ class UvicornApp:
     def __init__(self, env: dict[str, str], limiter_kind: str) -> None:
         self.env = {**os.environ, **env}
         self.limiter_class = LIMITER_CLASSES[limiter_kind]
+        self.loop = UVICORN_LOOPS[limiter_kind]
         self.directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-uvicorn-"))
         (self.directory / "served_app.py").write_text(
             SERVED_MODULE.format(examples=str(EXAMPLES), cls=self.limiter_class), encoding="utf-8")
@@ -73,7 +86,8 @@ class UvicornApp:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "uvicorn", "served_app:app", "--app-dir", str(self.directory),
                  "--host", "127.0.0.1", "--port", str(self.port), "--no-proxy-headers",
-                 "--no-access-log", "--log-level", "warning"],
+                 "--no-access-log", "--log-level", "warning",
+                 *(["--loop", self.loop] if self.loop else [])],
                 cwd=self.directory, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         return self.process
 
@@ -85,6 +99,9 @@ class UvicornApp:
                 try:
                     if httpx.get(self.base_url + "/healthz", timeout=1.0).status_code == 200:
                         assert f"serving examples/app.py with a {self.limiter_class}" in self.log()
+                        if self.loop is not None:
+                            served = httpx.get(self.base_url + "/served-loop", timeout=1.0).json()
+                            assert served["module"].split(".")[0] == self.loop, served
                         return
                 except httpx.TransportError:
                     pass
@@ -116,9 +133,13 @@ def clean_env(**env: str) -> dict[str, str]:
     return {**base, **env}
 
 
-@pytest.fixture(scope="module", params=sorted(LIMITER_CLASSES))
+@pytest.fixture(scope="module")
 def limiter_kind(request: pytest.FixtureRequest) -> str:
-    return request.param  # type: ignore[no-any-return]
+    """conftest's limiter_kind (the same parameters), scoped to the module: one served app
+    per kind serves all of its tests."""
+    kind: str = request.param
+    loop_factory_of(kind)  # fails the uvloop case that GENAI_RATELIMIT_REQUIRE_UVLOOP kept
+    return kind
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,9 @@ subclass RateLimiterTimeout) within socket_timeout plus a margin, without crashi
 process; and once the fake heals into a proxy to a real redis-server, the SAME limiter object
 must give that server's exact answer again.
 
-Every case runs for the blocking RateLimiter and for the AsyncRateLimiter (on one private
-event loop per test, so its connections live across calls as in a service). The existing
+Every case runs for every limiter kind (tests/conftest.py): the blocking RateLimiter, and
+the AsyncRateLimiter on asyncio's loop and on uvloop's (one loop per limiter, kept for the
+test, so its connections live across calls as in a service). The existing
 garbage tests in test_limiter_faults.py cover five replies for the sync limiter's first call;
 these add the async limiter, recovery of the same object, values out of range, the deadline
 of a trickle, the 64 KiB reply cap, the NOSCRIPT loop bound and file-descriptor hygiene."""
@@ -31,14 +32,12 @@ from fake_redis import (
     Stream,
     Trickle,
     decision,
-    make_driver,
     open_fds,
 )
 
 TIMEOUT = 0.5  # connect_timeout and socket_timeout of every limiter here
 MARGIN = 0.5   # slack for a loaded machine on top of the timeout
 LIMIT = 10     # every check asks for 10 per 60 s: a good answer for a fresh user is (True, 9, 0)
-KINDS = ["sync", "async"]
 
 
 @dataclass(frozen=True)
@@ -131,15 +130,15 @@ def assert_good_answer(driver, redis_client: redis.Redis) -> None:
 
 
 @pytest.fixture
-def run_case(upstream):
-    """run_case(kind, behaviour) -> (fake, driver): a fake with that misbehaviour and a
-    limiter of that kind on it. Both are closed after the test."""
+def run_case(upstream, make_limiter):
+    """run_case(behaviour) -> (fake, driver): a fake with that misbehaviour and a limiter
+    of the kind under test on it. Both are closed after the test, the limiter first."""
     opened: list = []
 
-    def run(kind: str, behaviour: Behaviour, timeout: float = TIMEOUT):
+    def run(behaviour: Behaviour, timeout: float = TIMEOUT):
         fake = FakeRedis(behaviour, upstream)
         opened.append(fake)
-        driver = make_driver(kind, fake.url, timeout)
+        driver = make_limiter(fake.url, connect_timeout=timeout, socket_timeout=timeout)
         opened.append(driver)
         return fake, driver
 
@@ -150,12 +149,11 @@ def run_case(upstream):
 
 # ---------------------------------------------------------------- each hostile reply
 
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", TIMED_CASES)
-def test_hostile_reply_raises_unavailable_within_the_socket_timeout(run_case, case, kind):
+def test_hostile_reply_raises_unavailable_within_the_socket_timeout(run_case, case):
     from genai_ratelimit import RateLimiterTimeout, RateLimiterUnavailable
 
-    fake, driver = run_case(kind, TIMED_CASES[case].make())
+    fake, driver = run_case(TIMED_CASES[case].make())
     error, elapsed = hostile_call(driver)
     assert 1 <= fake.decisions <= 2  # a reply lost to a broken connection is replayed once
     assert isinstance(error, RateLimiterUnavailable), f"got {error!r} instead of an error"
@@ -165,23 +163,21 @@ def test_hostile_reply_raises_unavailable_within_the_socket_timeout(run_case, ca
     assert elapsed < TIMEOUT + MARGIN, f"took {elapsed:.2f} s"
 
 
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", CASES)
 def test_after_a_hostile_reply_the_same_limiter_gets_the_good_servers_answer(
-        run_case, redis_client, case, kind):
-    fake, driver = run_case(kind, CASES[case].make())
+        run_case, redis_client, case):
+    fake, driver = run_case(CASES[case].make())
     hostile_call(driver)
     fake.heal()
     assert_good_answer(driver, redis_client)
 
 
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("case", [c for c in CASES if not CASES[c].error_reply])
 def test_a_connection_that_answered_anything_but_a_decision_is_never_used_again(
-        run_case, redis_client, case, kind):
+        run_case, redis_client, case):
     """Only a well-formed error reply leaves a connection in step. After anything else the
     limiter must throw the connection away: the good answer comes on a new connection."""
-    fake, driver = run_case(kind, CASES[case].make())
+    fake, driver = run_case(CASES[case].make())
     hostile_call(driver)
     accepted = fake.accepted
     fake.heal()
@@ -189,11 +185,10 @@ def test_a_connection_that_answered_anything_but_a_decision_is_never_used_again(
     assert fake.accepted == accepted + 1, "the good answer came on a connection used before"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_error_reply_keeps_the_connection_in_step(run_case, redis_client, kind):
+def test_error_reply_keeps_the_connection_in_step(run_case, redis_client):
     """-ERR boom is a complete reply: the connection may be kept, but the answer after it
     must be the one to the next request (proved by an exact count on the real server)."""
-    fake, driver = run_case(kind, Reply(b"-ERR boom\r\n"))
+    fake, driver = run_case(Reply(b"-ERR boom\r\n"))
     error, _ = hostile_call(driver)
     assert "boom" in str(error)
     fake.heal()
@@ -205,13 +200,12 @@ def test_error_reply_keeps_the_connection_in_step(run_case, redis_client, kind):
 
 # ------------------------------------------------------------------- specific bounds
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_noscript_forever_is_answered_by_one_reload_then_an_error(run_case, redis_client, kind):
+def test_noscript_forever_is_answered_by_one_reload_then_an_error(run_case, redis_client):
     """A server that answers NOSCRIPT even right after SCRIPT LOAD: one reload and one retry,
     then RateLimiterUnavailable naming NOSCRIPT, never a loop."""
     from genai_ratelimit import RateLimiterUnavailable
 
-    fake, driver = run_case(kind, Reply(b"-NOSCRIPT No matching script. Please use EVAL.\r\n"))
+    fake, driver = run_case(Reply(b"-NOSCRIPT No matching script. Please use EVAL.\r\n"))
     error, elapsed = hostile_call(driver)
     assert isinstance(error, RateLimiterUnavailable) and "NOSCRIPT" in str(error)
     assert elapsed < TIMEOUT + MARGIN
@@ -220,39 +214,36 @@ def test_noscript_forever_is_answered_by_one_reload_then_an_error(run_case, redi
     assert (fake.decisions, fake.script_loads) == (2, 1)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_huge_bulk_string_is_refused_after_64_kib_not_read_to_its_end(run_case, kind):
+def test_huge_bulk_string_is_refused_after_64_kib_not_read_to_its_end(run_case):
     """A bulk string announced as 1 GB and streamed fast: the limiter stops at its 64 KiB
     reply cap, long before its (here generous) 5 s timeout, instead of buffering it."""
     from genai_ratelimit import RateLimiterTimeout, RateLimiterUnavailable
 
     stream = Stream(b"$1000000000\r\n", b"x" * 16384, 0.0, 10**9)
-    fake, driver = run_case(kind, stream, timeout=5.0)
+    fake, driver = run_case(stream, timeout=5.0)
     error, elapsed = hostile_call(driver)
     assert isinstance(error, RateLimiterUnavailable) and not isinstance(error, RateLimiterTimeout)
     assert "65536" in str(error)
     assert elapsed < 1.0
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_slow_trickle_is_cut_by_the_deadline_of_the_whole_call_not_per_byte(run_case, kind):
+def test_slow_trickle_is_cut_by_the_deadline_of_the_whole_call_not_per_byte(run_case):
     """Each byte arrives well within the timeout, the reply as a whole does not: a client
     that re-armed a full timeout per read would wait 1.2 s and then accept the reply."""
     from genai_ratelimit import RateLimiterTimeout
 
-    fake, driver = run_case(kind, Trickle(decision(1, 9, 0), 0.05))
+    fake, driver = run_case(Trickle(decision(1, 9, 0), 0.05))
     error, elapsed = hostile_call(driver)
     assert isinstance(error, RateLimiterTimeout)
     assert TIMEOUT - 0.05 <= elapsed < TIMEOUT + MARGIN
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_huge_array_header_costs_no_more_than_the_timeout_including_its_cleanup(run_case, kind):
+def test_huge_array_header_costs_no_more_than_the_timeout_including_its_cleanup(run_case):
     """`*1000000000` announces a billion elements. Whatever the limiter does with it, the
     whole episode (the call, and freeing what the call left behind, which for the async
     limiter happens when the garbage collector runs) must fit in the timeout plus margin:
     time spent past it is a stall of the caller (sync) or of the event loop (async)."""
-    fake, driver = run_case(kind, HUGE_ARRAY.make())
+    fake, driver = run_case(HUGE_ARRAY.make())
     started = time.monotonic()
     error, _ = hostile_call(driver)
     del error
@@ -261,14 +252,13 @@ def test_huge_array_header_costs_no_more_than_the_timeout_including_its_cleanup(
     assert elapsed < TIMEOUT + MARGIN, f"the call and its cleanup took {elapsed:.2f} s"
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_reply_nobody_asked_for_never_answers_a_later_call(run_case, redis_client, kind):
+def test_a_reply_nobody_asked_for_never_answers_a_later_call(run_case, redis_client):
     """The fake answers the first check with a decision and, in the same packet, a second
     decision nobody asked for (a rejection with retry 42). The second check goes to the good
     server: it must get that server's answer (or an error), never the stray reply."""
     from genai_ratelimit import RateLimiterUnavailable
 
-    fake, driver = run_case(kind, Reply(decision(1, 9, 0) + decision(0, 0, 42)))
+    fake, driver = run_case(Reply(decision(1, 9, 0) + decision(0, 0, 42)))
     try:
         driver.check(fresh_user(), LIMIT, 60)
     except RateLimiterUnavailable:
@@ -283,9 +273,8 @@ def test_a_reply_nobody_asked_for_never_answers_a_later_call(run_case, redis_cli
     assert redis_client.zcard(f"ratelimit:{user}:60") == 1
 
 
-@pytest.mark.parametrize("kind", KINDS)
 def test_a_stray_reply_arriving_between_two_calls_never_answers_the_second(
-        run_case, redis_client, kind):
+        run_case, redis_client):
     """The fake answers the first check, then (once that call has returned) sends a second
     decision nobody asked for, a rejection with retry 42, on the idle connection. The next
     check goes to the good server: it must get that server's answer (or an error), never the
@@ -293,7 +282,7 @@ def test_a_stray_reply_arriving_between_two_calls_never_answers_the_second(
     from genai_ratelimit import RateLimiterUnavailable
 
     stray = ReplyThenStray(decision(1, 9, 0), decision(0, 0, 42))
-    fake, driver = run_case(kind, stray)
+    fake, driver = run_case(stray)
     assert driver.check(fresh_user(), LIMIT, 60) == (True, 9, 0)
     fake.heal()
     stray.release.set()
@@ -309,13 +298,12 @@ def test_a_stray_reply_arriving_between_two_calls_never_answers_the_second(
 
 # ------------------------------------------------------------------------- hygiene
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_two_hundred_hostile_calls_leak_no_file_descriptor(run_case, redis_client, kind):
+def test_two_hundred_hostile_calls_leak_no_file_descriptor(run_case, redis_client):
     """Open descriptors of this process (fake server included) are counted once the fake has
     closed every connection the limiter dropped, after a warm-up round of every fast case and
     again after 200 more hostile calls: the count must not grow."""
     fast = [name for name, case in CASES.items() if not case.timeout]
-    fake, driver = run_case(kind, Reply(b""))
+    fake, driver = run_case(Reply(b""))
 
     def hostile_round(calls: int) -> None:
         for i in range(calls):

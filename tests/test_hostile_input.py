@@ -1,6 +1,6 @@
-"""Hostile input, for the sync and the async limiter alike: user ids of 1 MiB, embedded NULs,
-lone surrogates, str subclasses with an odd __str__, objects that merely look like strings;
-limits around 2^31, 2^53 and 2^63; windows of a year, a century, and beyond. Each gives a
+"""Hostile input, for every limiter kind (tests/conftest.py) alike: user ids of 1 MiB,
+embedded NULs, lone surrogates, str subclasses with an odd __str__, objects that merely look
+like strings; limits around 2^31, 2^53 and 2^63; windows of a year, a century, and beyond. Each gives a
 correct answer on its own exact key or a clear TypeError/ValueError before any Redis I/O,
 never a crash and never a key shared with another user.
 
@@ -20,35 +20,31 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from fake_redis import FakeRedis, Silence, make_driver
+from fake_redis import FakeRedis, Silence
 
-KINDS = ["sync", "async"]
 MAX_LIMIT = 2**53 - 1
 YEAR = 365 * 24 * 3600
 CENTURY = 100 * YEAR
 
 
-@pytest.fixture(params=KINDS)
-def driver(request, redis_url: str, redis_client: redis.Redis) -> Iterator:
-    """A limiter of each kind on the session's Redis (clean database)."""
-    d = make_driver(request.param, redis_url, timeout=5.0)
-    try:
-        yield d
-    finally:
-        d.close()
+@pytest.fixture
+def driver(make_limiter, redis_url: str, redis_client: redis.Redis):
+    """A limiter of the kind under test on the session's Redis (clean database), with
+    timeouts long enough for ids of a mebibyte."""
+    return make_limiter(redis_url, connect_timeout=5.0, socket_timeout=5.0)
 
 
-@pytest.fixture(params=KINDS)
-def no_io(request) -> Iterator:
-    """A limiter of each kind on a fake server that never answers; after the test, the fake
-    must not have accepted a single connection."""
+@pytest.fixture
+def no_io(make_limiter) -> Iterator:
+    """A limiter of the kind under test on a fake server that never answers; after the test,
+    the fake must not have accepted a single connection."""
     fake = FakeRedis(Silence())
-    d = make_driver(request.param, fake.url, timeout=0.5)
+    limiter = make_limiter(fake.url, connect_timeout=0.5, socket_timeout=0.5)
     try:
-        yield d
+        yield limiter
         assert fake.accepted == 0, "the refused input reached the network"
     finally:
-        d.close()
+        limiter.close()
         fake.close()
 
 

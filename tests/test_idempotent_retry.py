@@ -7,24 +7,20 @@ request counted. The limiter replays once on a fresh connection with the script'
 marker and the same member, and the script answers "already counted". Without the marker
 the replay would be judged as a new request against a window that already holds it: with
 limit 1 it would be rejected although the request was allowed and logged.
+
+The limiter tests run for every limiter kind (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 
 import pytest
 import redis
 
-from genai_ratelimit import (
-    SCRIPT_SHA1,
-    AsyncRateLimiter,
-    RateLimiter,
-    RateLimiterUnavailable,
-    _native,
-)
+from genai_ratelimit import SCRIPT_SHA1, RateLimiterUnavailable, _native
+from helpers_async import LimiterFactory
 
 
 class ReplyDroppingProxy:
@@ -89,25 +85,18 @@ def redis_port(redis_url: str) -> int:
     return port
 
 
-def _check_once(kind: str, url: str, user: str, limit: int) -> tuple[bool, int, int]:
-    if kind == "sync":
-        with RateLimiter(url) as limiter:
-            return limiter.check(user, limit, 60)
-
-    async def go() -> tuple[bool, int, int]:
-        async with AsyncRateLimiter(url) as limiter:
-            return await limiter.check(user, limit, 60)
-
-    return asyncio.run(go())
+def _check_once(make_limiter: LimiterFactory, url: str, user: str, limit: int) -> tuple[bool, int, int]:
+    """One check by a fresh limiter of the kind under test, closed right after."""
+    with make_limiter(url) as limiter:
+        return limiter.check(user, limit, 60)  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
-def test_lost_reply_is_replayed_and_counted_once(redis_client: redis.Redis, redis_port: int,
-                                                 user_id: str, kind: str) -> None:
+def test_lost_reply_is_replayed_and_counted_once(make_limiter: LimiterFactory, redis_client: redis.Redis,
+                                                 redis_port: int, user_id: str) -> None:
     redis_client.script_load(_native.SCRIPT_SOURCE)
     proxy = ReplyDroppingProxy(redis_port, drop=1)
     try:
-        result = _check_once(kind, f"redis://127.0.0.1:{proxy.port}/0", user_id, 1)
+        result = _check_once(make_limiter, f"redis://127.0.0.1:{proxy.port}/0", user_id, 1)
     finally:
         proxy.close()
     key = f"ratelimit:{user_id}:60"
@@ -135,15 +124,14 @@ def test_replay_marker_without_a_logged_member_decides_normally(redis_client: re
     assert redis_client.zcard(key) == 1
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
-def test_second_lost_reply_raises_unavailable(redis_client: redis.Redis, redis_port: int,
-                                              user_id: str, kind: str) -> None:
+def test_second_lost_reply_raises_unavailable(make_limiter: LimiterFactory, redis_client: redis.Redis,
+                                              redis_port: int, user_id: str) -> None:
     """Only one replay: when the replay's reply is lost too, the caller hears of it."""
     redis_client.script_load(_native.SCRIPT_SOURCE)
     proxy = ReplyDroppingProxy(redis_port, drop=2)
     try:
         with pytest.raises(RateLimiterUnavailable):
-            _check_once(kind, f"redis://127.0.0.1:{proxy.port}/0", user_id, 5)
+            _check_once(make_limiter, f"redis://127.0.0.1:{proxy.port}/0", user_id, 5)
     finally:
         proxy.close()
     assert len(proxy.dropped_replies) == 2

@@ -1,6 +1,10 @@
 """The kill switch RATE_LIMIT_DISABLED: read on every call; when on, every check allows with
 the full budget and nothing reaches Redis; one warning per process on the genai_ratelimit
-logger so it cannot stay on unnoticed."""
+logger so it cannot stay on unnoticed.
+
+Every test with a limiter runs once per limiter kind (tests/conftest.py); the warning is
+probed here in a process running the blocking limiter, and in test_async_kill_switch.py in
+one running async and blocking limiters together."""
 
 from __future__ import annotations
 
@@ -16,15 +20,6 @@ from helpers_core import closed_port_url, measured_commands
 
 ON_SPELLINGS = ["true", "1", "yes", "on", "TRUE", "True", "tRuE", "YES", "Yes", "ON", "On", "oN"]
 OFF_SPELLINGS = ["", "0", "false", "False", "no", "off", "OFF", "disabled", "2", "y", "t", "enable"]
-
-
-@pytest.fixture
-def unreachable_limiter():
-    """A limiter on a closed port: a check that reached for Redis would raise."""
-    from genai_ratelimit import RateLimiter
-
-    with RateLimiter(closed_port_url(), connect_timeout=0.5, socket_timeout=0.5) as limiter:
-        yield limiter
 
 
 @pytest.mark.parametrize("value", ON_SPELLINGS)
@@ -81,6 +76,8 @@ def test_turning_the_kill_switch_on_at_runtime_stops_limiting(monkeypatch, limit
 
 
 # ------------------------------------------- the warning, in a process of its own
+# These probes run the blocking RateLimiter in a child process, whatever the kind: they take
+# no limiter fixture. test_async_kill_switch.py has the probe with async limiters.
 
 WARNING_PROBE = textwrap.dedent("""
     import json, logging, os, sys

@@ -3,8 +3,9 @@
 shows here: 200,000 checks x 32 bytes is 6 MiB, above the bound.
 
 Each test runs in a fresh interpreter so that nothing the test session allocated (pytest,
-other tests' objects) moves the numbers. The sync and async limiters run against the
-session's Redis; the error paths (closed port, invalid arguments, server error replies,
+other tests' objects) moves the numbers. The limiter of each kind (tests/conftest.py: the
+blocking one, the async one on asyncio's loop and on uvloop's) runs against the session's
+Redis; the error paths (closed port, invalid arguments, server error replies,
 garbage fed to the async pipeline) need no working Redis for most of their calls.
 
 Marked slow (each takes several seconds): `make test` runs them, `make test-fast` does not.
@@ -76,6 +77,18 @@ CHILD = textwrap.dedent('''
                 allowed, _, _ = limiter.check(user, 10**9, 1)
         limiter.close()
 
+    def run_on_a_new_loop(coroutine):
+        if mode == "uvloop":
+            import uvloop
+            loop = uvloop.new_event_loop()
+        else:
+            loop = asyncio.new_event_loop()
+        try:
+            return loop.run_until_complete(coroutine)
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
     def async_checks(n):
         async def main():
             limiter = AsyncRateLimiter(url)
@@ -93,7 +106,7 @@ CHILD = textwrap.dedent('''
 
             await asyncio.gather(*(worker(w) for w in range(IN_FLIGHT)))
             await limiter.aclose()
-        asyncio.run(main())
+        run_on_a_new_loop(main())
 
     IN_FLIGHT = int(os.environ.get("LEAK_IN_FLIGHT", "64"))
 
@@ -146,7 +159,7 @@ CHILD = textwrap.dedent('''
 
     if mode == "sync":
         measure(sync_checks, 20_000, count)
-    elif mode == "async":
+    elif mode in ("asyncio", "uvloop"):
         measure(async_checks, 20_000, count)
     elif mode == "errors":
         measure(error_paths, 10_000, count)
@@ -173,12 +186,10 @@ def assert_flat(report: dict[str, float]) -> None:
         f"({report['before'] / MIB:.1f} -> {report['after'] / MIB:.1f} MiB): a leak")
 
 
-def test_sync_checks_do_not_grow_memory(redis_url, redis_client, tmp_path):
-    assert_flat(run_child("sync", redis_url, CHECKS, tmp_path))
-
-
-def test_async_checks_with_64_in_flight_do_not_grow_memory(redis_url, redis_client, tmp_path):
-    assert_flat(run_child("async", redis_url, CHECKS, tmp_path, LEAK_IN_FLIGHT=str(IN_FLIGHT)))
+def test_checks_do_not_grow_memory(limiter_kind, redis_url, redis_client, tmp_path):
+    """CHECKS checks by a limiter of the kind (the child runs that kind itself: the mode is
+    the kind); the async kinds keep IN_FLIGHT checks in flight on one loop."""
+    assert_flat(run_child(limiter_kind, redis_url, CHECKS, tmp_path, LEAK_IN_FLIGHT=str(IN_FLIGHT)))
 
 
 def test_error_paths_do_not_grow_memory(redis_url, redis_client, tmp_path):

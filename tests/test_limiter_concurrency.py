@@ -22,6 +22,13 @@ from helpers_core import (
     wait_until_server_ms,
 )
 
+# Threads lined up on one blocking limiter, and processes: the blocking limiter's contract.
+# The async limiter's concurrency is coroutines on one loop: test_async_concurrency.py.
+pytestmark = pytest.mark.limiter_kinds(
+    "sync", reason=("callers in threads and processes of the blocking limiter; the async "
+                    "limiter's concurrency (coroutines on one loop) is in "
+                    "test_async_concurrency.py"))
+
 LIMIT = 10
 CALLERS = 20
 

@@ -1,7 +1,11 @@
-"""RateLimiter.check and check_windows against a real Redis: the round trip, the data the
-script leaves in Redis (keys, members, scores, TTLs), the honest retry time, rejections that
-write nothing, tiers, and the multi-window rules. Concurrency, faults, input validation and
-the kill switch have their own files."""
+"""check and check_windows against a real Redis: the round trip, the data the script leaves
+in Redis (keys, members, scores, TTLs), the honest retry time, rejections that write nothing,
+tiers, and the multi-window rules. Concurrency, faults, input validation and the kill switch
+have their own files.
+
+Every test with a limiter runs once per limiter kind (tests/conftest.py): the blocking
+RateLimiter, and AsyncRateLimiter on asyncio's loop and on uvloop's, driven through the
+blocking adapter; a limiter a test builds itself comes from `make_limiter`."""
 
 from __future__ import annotations
 
@@ -90,10 +94,8 @@ def test_key_is_prefix_user_and_window(limiter, redis_client):
     assert redis_client.type("ratelimit:user_8421:60") == b"zset"
 
 
-def test_key_prefix_option_replaces_the_prefix(redis_url, redis_client):
-    from genai_ratelimit import RateLimiter
-
-    with RateLimiter(redis_url, key_prefix="myapp") as limiter:
+def test_key_prefix_option_replaces_the_prefix(make_limiter, redis_url, redis_client):
+    with make_limiter(redis_url, key_prefix="myapp") as limiter:
         limiter.check("user_8421", 10, 60)
     assert redis_client.keys("*") == [b"myapp:user_8421:60"]
 
@@ -120,12 +122,11 @@ def test_scores_are_the_servers_time_in_unix_milliseconds(limiter, redis_client,
     assert raw == int(raw)  # whole milliseconds
 
 
-def test_client_clock_scores_are_the_callers_time_in_milliseconds(redis_url, redis_client, user_id):
+def test_client_clock_scores_are_the_callers_time_in_milliseconds(make_limiter, redis_url, redis_client,
+                                                                  user_id):
     import time
 
-    from genai_ratelimit import RateLimiter
-
-    with RateLimiter(redis_url, clock="client") as limiter:
+    with make_limiter(redis_url, clock="client") as limiter:
         before = math.floor(time.time() * 1000)
         assert limiter.check(user_id, 10, 60) == (True, 9, 0)
         after = math.ceil(time.time() * 1000)

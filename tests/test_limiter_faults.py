@@ -1,6 +1,9 @@
 """Real faults, real recoveries: a closed port, a listener that never answers a connect, a
 paused server, a server that answers garbage, a flushed script cache, a restarted and a
-killed server, a wrong password, a unix socket, fork(), a closed limiter."""
+killed server, a wrong password, a unix socket, fork(), a closed limiter.
+
+Every test with a limiter runs once per limiter kind (tests/conftest.py), and builds its
+limiters with `limiter_for` or `make_limiter`; fork() is the blocking limiter's alone."""
 
 from __future__ import annotations
 
@@ -25,10 +28,14 @@ from helpers_core import (
 MARGIN = 0.5  # seconds of slack on top of a configured timeout
 
 
-def limiter_for(url: str, timeout: float = 0.5):
-    from genai_ratelimit import RateLimiter
+@pytest.fixture
+def limiter_for(make_limiter):
+    """limiter_for(url, timeout=0.5): a limiter of the kind under test with that connect and
+    socket timeout (closed after the test, if the test did not close it)."""
+    def make(url: str, timeout: float = 0.5):
+        return make_limiter(url, connect_timeout=timeout, socket_timeout=timeout)
 
-    return RateLimiter(url, connect_timeout=timeout, socket_timeout=timeout)
+    return make
 
 
 def timed_failure(limiter, user: str = "user-1"):
@@ -50,7 +57,7 @@ def test_exception_hierarchy():
     assert issubclass(RateLimiterError, Exception)
 
 
-def test_closed_port_raises_unavailable_within_the_connect_timeout():
+def test_closed_port_raises_unavailable_within_the_connect_timeout(limiter_for):
     from genai_ratelimit import RateLimiterUnavailable
 
     with limiter_for(closed_port_url()) as limiter:
@@ -60,7 +67,7 @@ def test_closed_port_raises_unavailable_within_the_connect_timeout():
     assert str(error)
 
 
-def test_closed_port_keeps_failing_fast_on_every_call():
+def test_closed_port_keeps_failing_fast_on_every_call(limiter_for):
     from genai_ratelimit import RateLimiterUnavailable
 
     with limiter_for(closed_port_url()) as limiter:
@@ -69,7 +76,7 @@ def test_closed_port_keeps_failing_fast_on_every_call():
             assert isinstance(error, RateLimiterUnavailable) and elapsed < 0.5 + MARGIN
 
 
-def test_unanswered_connect_raises_unavailable_within_the_connect_timeout():
+def test_unanswered_connect_raises_unavailable_within_the_connect_timeout(limiter_for):
     from genai_ratelimit import RateLimiterUnavailable
 
     with FullBacklogListener() as listener, limiter_for(listener.url, timeout=0.3) as limiter:
@@ -78,7 +85,7 @@ def test_unanswered_connect_raises_unavailable_within_the_connect_timeout():
     assert 0.2 <= elapsed < 0.3 + MARGIN
 
 
-def test_paused_server_raises_unavailable_within_the_socket_timeout(private_redis):
+def test_paused_server_raises_unavailable_within_the_socket_timeout(limiter_for, private_redis):
     from genai_ratelimit import RateLimiterUnavailable
 
     with limiter_for(private_redis.url) as limiter:
@@ -92,12 +99,12 @@ def test_paused_server_raises_unavailable_within_the_socket_timeout(private_redi
     assert elapsed < 0.5 + MARGIN
 
 
-def test_paused_server_bounds_a_new_connections_handshake_by_the_connect_timeout():
-    from genai_ratelimit import RateLimiter, RateLimiterUnavailable
+def test_paused_server_bounds_a_new_connections_handshake_by_the_connect_timeout(make_limiter):
+    from genai_ratelimit import RateLimiterUnavailable
 
     with PasswordRedisServer("sekret") as server:
         url = f"redis://:sekret@127.0.0.1:{server.port}/2"  # AUTH and SELECT on connect
-        with RateLimiter(url, connect_timeout=0.3, socket_timeout=5) as limiter:
+        with make_limiter(url, connect_timeout=0.3, socket_timeout=5) as limiter:
             server.pause()
             try:
                 error, elapsed = timed_failure(limiter)
@@ -107,7 +114,7 @@ def test_paused_server_bounds_a_new_connections_handshake_by_the_connect_timeout
     assert elapsed < 0.3 + MARGIN
 
 
-def test_paused_server_works_again_once_resumed(private_redis):
+def test_paused_server_works_again_once_resumed(limiter_for, private_redis):
     from genai_ratelimit import RateLimiterUnavailable
 
     with limiter_for(private_redis.url) as limiter:
@@ -134,7 +141,7 @@ def test_paused_server_works_again_once_resumed(private_redis):
     b"*4\r\n:1\r\n:-5\r\n:0\r\n:1\r\n",                          # negative remaining
     b"*4\r\n:1\r\n:9\r\n:0\r\n:7\r\n",                           # a window it never asked about
 ], ids=["http", "status", "integer", "truncated", "strings", "huge", "negative", "bad-window"])
-def test_server_answering_garbage_raises_unavailable_within_the_timeout(garbage):
+def test_server_answering_garbage_raises_unavailable_within_the_timeout(limiter_for, garbage):
     from genai_ratelimit import RateLimiterUnavailable
 
     with GarbageServer(garbage) as server, limiter_for(server.url) as limiter:
@@ -144,7 +151,7 @@ def test_server_answering_garbage_raises_unavailable_within_the_timeout(garbage)
     assert elapsed < 2 * 0.5 + MARGIN
 
 
-def test_a_reply_that_trickles_in_is_bounded_by_the_socket_timeout():
+def test_a_reply_that_trickles_in_is_bounded_by_the_socket_timeout(limiter_for):
     from genai_ratelimit import RateLimiterUnavailable
 
     decision = b"*4\r\n:1\r\n:9\r\n:0\r\n:1\r\n"  # a valid answer, one byte every 0.1 s
@@ -154,7 +161,7 @@ def test_a_reply_that_trickles_in_is_bounded_by_the_socket_timeout():
     assert elapsed < 0.5 + MARGIN
 
 
-def test_close_while_threads_are_checking_neither_crashes_nor_hangs(redis_url, redis_client):
+def test_close_while_threads_are_checking_neither_crashes_nor_hangs(limiter_for, redis_url, redis_client):
     from genai_ratelimit import RateLimiterError
 
     clients_before = int(redis_client.info("clients")["connected_clients"])
@@ -203,7 +210,7 @@ def test_script_flush_is_recovered_transparently(limiter, redis_client, user_id)
     assert redis_client.zcard(f"ratelimit:{user_id}:60") == 2
 
 
-def test_restarted_server_is_recovered_transparently(private_redis):
+def test_restarted_server_is_recovered_transparently(limiter_for, private_redis):
     with limiter_for(private_redis.url) as limiter:
         assert limiter.check("user-1", 10, 60) == (True, 9, 0)
         private_redis.restart()  # same port, empty data, empty script cache
@@ -211,7 +218,7 @@ def test_restarted_server_is_recovered_transparently(private_redis):
         assert limiter.check("user-1", 10, 60) == (True, 8, 0)
 
 
-def test_killed_server_raises_unavailable_then_works_after_restart(private_redis):
+def test_killed_server_raises_unavailable_then_works_after_restart(limiter_for, private_redis):
     from genai_ratelimit import RateLimiterUnavailable
 
     with limiter_for(private_redis.url) as limiter:
@@ -232,7 +239,7 @@ def test_script_flush_under_concurrent_callers_is_recovered_by_every_one(limiter
     assert redis_client.zcard(f"ratelimit:{user_id}:60") == 10
 
 
-def test_restart_with_many_pooled_connections_recovers_every_one(private_redis):
+def test_restart_with_many_pooled_connections_recovers_every_one(limiter_for, private_redis):
     with limiter_for(private_redis.url, timeout=2) as limiter:
         run_lined_up(16, lambda i: limiter.check(f"warm-{i}", 10, 60))
         private_redis.restart()
@@ -259,7 +266,7 @@ def password_redis():
         yield server
 
 
-def test_wrong_password_raises_an_error_saying_authentication_failed(password_redis):
+def test_wrong_password_raises_an_error_saying_authentication_failed(limiter_for, password_redis):
     from genai_ratelimit import RateLimiterError
 
     url = f"redis://:wrong-password@127.0.0.1:{password_redis.port}/0"
@@ -269,7 +276,7 @@ def test_wrong_password_raises_an_error_saying_authentication_failed(password_re
     assert "wrong-password" not in str(info.value)
 
 
-def test_missing_password_raises_an_error_saying_authentication_is_required(password_redis):
+def test_missing_password_raises_an_error_saying_authentication_is_required(limiter_for, password_redis):
     from genai_ratelimit import RateLimiterError
 
     with limiter_for(password_redis.url) as limiter:
@@ -277,7 +284,7 @@ def test_missing_password_raises_an_error_saying_authentication_is_required(pass
             limiter.check("user-1", 10, 60)
 
 
-def test_right_password_in_the_url_works(password_redis):
+def test_right_password_in_the_url_works(limiter_for, password_redis):
     url = f"redis://:sekret@127.0.0.1:{password_redis.port}/0"
     with limiter_for(url) as limiter:
         assert limiter.check("user-1", 10, 60) == (True, 9, 0)
@@ -288,7 +295,7 @@ def test_right_password_in_the_url_works(password_redis):
         client.close()
 
 
-def test_acl_user_and_password_in_the_url_work(private_redis):
+def test_acl_user_and_password_in_the_url_work(limiter_for, private_redis):
     admin = redis.Redis(port=private_redis.port)
     try:
         admin.acl_setuser("alice", enabled=True, passwords=["+alice-pw"], keys=["*"],
@@ -299,7 +306,7 @@ def test_acl_user_and_password_in_the_url_work(private_redis):
         assert limiter.check("user-1", 10, 60) == (True, 9, 0)
 
 
-def test_acl_user_with_a_wrong_password_raises_an_error_saying_authentication_failed(private_redis):
+def test_acl_user_with_a_wrong_password_raises_an_error_saying_authentication_failed(limiter_for, private_redis):
     from genai_ratelimit import RateLimiterError
 
     admin = redis.Redis(port=private_redis.port)
@@ -314,7 +321,7 @@ def test_acl_user_with_a_wrong_password_raises_an_error_saying_authentication_fa
     assert "not-alices" not in str(info.value)
 
 
-def test_database_the_server_does_not_have_raises_an_error_naming_it(private_redis):
+def test_database_the_server_does_not_have_raises_an_error_naming_it(limiter_for, private_redis):
     from genai_ratelimit import RateLimiterError
 
     with limiter_for(f"redis://127.0.0.1:{private_redis.port}/99") as limiter:
@@ -323,7 +330,7 @@ def test_database_the_server_does_not_have_raises_an_error_naming_it(private_red
     assert "99" in str(info.value)
 
 
-def test_database_number_in_the_url_is_selected(private_redis):
+def test_database_number_in_the_url_is_selected(limiter_for, private_redis):
     with limiter_for(f"redis://127.0.0.1:{private_redis.port}/3") as limiter:
         assert limiter.check("user-1", 10, 60) == (True, 9, 0)
     db3, db0 = redis.Redis(port=private_redis.port, db=3), redis.Redis(port=private_redis.port, db=0)
@@ -335,7 +342,7 @@ def test_database_number_in_the_url_is_selected(private_redis):
         db0.close()
 
 
-def test_unix_socket_url_works(private_redis):
+def test_unix_socket_url_works(limiter_for, private_redis):
     with limiter_for(private_redis.unix_url) as limiter:
         assert limiter.check("user-1", 10, 60) == (True, 9, 0)
         assert limiter.check("user-1", 10, 60) == (True, 8, 0)
@@ -346,7 +353,7 @@ def test_unix_socket_url_works(private_redis):
         client.close()
 
 
-def test_unix_socket_url_selects_the_database_it_names(private_redis):
+def test_unix_socket_url_selects_the_database_it_names(limiter_for, private_redis):
     with limiter_for(f"unix://{private_redis.unix_path}?db=2") as limiter:
         assert limiter.check("user-1", 10, 60) == (True, 9, 0)
     client = redis.Redis(unix_socket_path=private_redis.unix_path, db=2)
@@ -358,6 +365,13 @@ def test_unix_socket_url_selects_the_database_it_names(private_redis):
 
 # ------------------------------------------------------------------------- fork
 
+FORK_ONLY_SYNC = pytest.mark.limiter_kinds(
+    "sync", reason="fork() of a process in the middle of using a limiter is the blocking "
+                   "limiter's contract (prefork servers); an event loop and its transports are "
+                   "not carried into a forked child")
+
+
+@FORK_ONLY_SYNC
 def test_fork_parent_and_child_both_get_correct_answers_on_their_own_connections(
         limiter, redis_client):
     calls = 300
@@ -388,6 +402,7 @@ def test_fork_parent_and_child_both_get_correct_answers_on_their_own_connections
     assert limiter.check(parent_user, 10_000, 60)[1] == 10_000 - calls - 2
 
 
+@FORK_ONLY_SYNC
 def test_fork_child_does_not_close_the_parents_connection(limiter, redis_client, user_id):
     assert limiter.check(user_id, 100, 60)[0] is True
     connections_before = connections_received(redis_client)
@@ -399,6 +414,7 @@ def test_fork_child_does_not_close_the_parents_connection(limiter, redis_client,
     assert connections_received(redis_client) == connections_before  # parent kept its socket
 
 
+@FORK_ONLY_SYNC
 def test_child_forked_below_python_never_reuses_the_parents_socket(limiter, redis_client, user_id):
     # fork() called straight from C, as an embedding server or a C extension may do: Python's
     # at-fork hooks do not run. The child must still notice it is a new process (its pid)
@@ -427,7 +443,7 @@ def test_child_forked_below_python_never_reuses_the_parents_socket(limiter, redi
 
 # --------------------------------------------------------------------- closing
 
-def test_check_after_close_raises_an_error_saying_closed(redis_url):
+def test_check_after_close_raises_an_error_saying_closed(limiter_for, redis_url):
     from genai_ratelimit import RateLimiterError
 
     limiter = limiter_for(redis_url)
@@ -437,13 +453,13 @@ def test_check_after_close_raises_an_error_saying_closed(redis_url):
         limiter.check("user-1", 10, 60)
 
 
-def test_close_twice_is_harmless(redis_url):
+def test_close_twice_is_harmless(limiter_for, redis_url):
     limiter = limiter_for(redis_url)
     limiter.close()
     limiter.close()
 
 
-def test_context_manager_closes_the_limiter(redis_url, redis_client):
+def test_context_manager_closes_the_limiter(limiter_for, redis_url, redis_client):
     from genai_ratelimit import RateLimiterError
 
     clients_before = int(redis_client.info("clients")["connected_clients"])

@@ -1,6 +1,10 @@
 """Input rules: bad arguments raise TypeError or ValueError before any Redis I/O; odd but
 valid user ids work and never share a key; bad URLs are refused with a message naming the
-problem; a password never shows in repr() or in an error message."""
+problem; a password never shows in repr() or in an error message.
+
+Every test with a limiter runs once per limiter kind (tests/conftest.py), and builds its
+limiters with `make_limiter`; `unreachable_limiter` (a limiter on a closed port) is
+conftest's too."""
 
 from __future__ import annotations
 
@@ -31,16 +35,6 @@ BAD_COUNTS = [  # for limit and for window_seconds
     pytest.param(None, (TypeError,), id="None"),
     pytest.param(10**30, (ValueError,), id="too-big-to-be-exact"),
 ]
-
-
-@pytest.fixture
-def unreachable_limiter():
-    """A limiter on a closed port: any Redis I/O would raise RateLimiterUnavailable, so an
-    input error that is raised instead proves the input was checked first."""
-    from genai_ratelimit import RateLimiter
-
-    with RateLimiter(closed_port_url(), connect_timeout=0.5, socket_timeout=0.5) as limiter:
-        yield limiter
 
 
 # ------------------------------------------------------------------ bad arguments
@@ -187,18 +181,14 @@ def test_user_whose_id_ends_like_a_window_does_not_share_the_key_of_another_wind
     pytest.param("redis://h?colour=blue", "colour", id="unknown-parameter"),
     pytest.param("unix://", "path", id="unix-without-path"),
 ])
-def test_bad_url_raises_value_error_naming_the_problem(url, named):
-    from genai_ratelimit import RateLimiter
-
+def test_bad_url_raises_value_error_naming_the_problem(make_limiter, url, named):
     with pytest.raises(ValueError, match=f"(?i){named}"):
-        RateLimiter(url)
+        make_limiter(url)
 
 
-def test_non_string_url_raises_type_error():
-    from genai_ratelimit import RateLimiter
-
+def test_non_string_url_raises_type_error(make_limiter):
     with pytest.raises(TypeError):
-        RateLimiter(b"redis://localhost")  # type: ignore[arg-type]
+        make_limiter(b"redis://localhost")
 
 
 @pytest.mark.parametrize("kwargs, error", [
@@ -212,18 +202,14 @@ def test_non_string_url_raises_type_error():
     pytest.param({"max_connections": 0}, ValueError, id="zero-connections"),
     pytest.param({"max_connections": 2.0}, TypeError, id="float-connections"),
 ])
-def test_bad_constructor_option_is_refused(redis_url, kwargs, error):
-    from genai_ratelimit import RateLimiter
-
+def test_bad_constructor_option_is_refused(make_limiter, redis_url, kwargs, error):
     with pytest.raises(error):
-        RateLimiter(redis_url, **kwargs)
+        make_limiter(redis_url, **kwargs)
 
 
-def test_url_defaults_to_the_redis_url_environment_variable(monkeypatch, private_redis):
-    from genai_ratelimit import RateLimiter
-
+def test_url_defaults_to_the_redis_url_environment_variable(make_limiter, monkeypatch, private_redis):
     monkeypatch.setenv("REDIS_URL", private_redis.url)
-    with RateLimiter(connect_timeout=0.5, socket_timeout=0.5) as limiter:
+    with make_limiter(connect_timeout=0.5, socket_timeout=0.5) as limiter:
         assert limiter.check("env-user", 10, 60) == (True, 9, 0)
     client = redis.Redis(port=private_redis.port)
     try:
@@ -232,11 +218,9 @@ def test_url_defaults_to_the_redis_url_environment_variable(monkeypatch, private
         client.close()
 
 
-def test_url_defaults_to_localhost_6379_db_0(monkeypatch):
-    from genai_ratelimit import RateLimiter
-
+def test_url_defaults_to_localhost_6379_db_0(make_limiter, monkeypatch):
     monkeypatch.delenv("REDIS_URL", raising=False)
-    with RateLimiter() as limiter:  # connecting is lazy: nothing is dialled here
+    with make_limiter() as limiter:  # connecting is lazy: nothing is dialled here
         assert limiter.url == "redis://localhost:6379/0"
 
 
@@ -251,10 +235,8 @@ SECRET = "sekret-Pa55word"
     f"rediss://:{SECRET}@127.0.0.1:6380/0?ssl_cert_reqs=none",
     f"unix:///tmp/redis.sock?db=1&password={SECRET}",
 ])
-def test_password_is_not_in_repr_or_url(url):
-    from genai_ratelimit import RateLimiter
-
-    with RateLimiter(url) as limiter:
+def test_password_is_not_in_repr_or_url(make_limiter, url):
+    with make_limiter(url) as limiter:
         assert SECRET not in repr(limiter)
         assert SECRET not in str(limiter)
         assert SECRET not in limiter.url
@@ -266,22 +248,20 @@ def test_password_is_not_in_repr_or_url(url):
     f"http://:{SECRET}@h",
     f"redis://:{SECRET}@h/notadb",
 ])
-def test_password_is_not_in_url_error_messages(url):
-    from genai_ratelimit import RateLimiter
-
+def test_password_is_not_in_url_error_messages(make_limiter, url):
     with pytest.raises(ValueError) as info:
-        RateLimiter(url)
+        make_limiter(url)
     assert SECRET not in str(info.value) and SECRET not in repr(info.value)
 
 
-def test_password_is_not_in_authentication_errors_or_logs(caplog):
-    from genai_ratelimit import RateLimiter, RateLimiterError
+def test_password_is_not_in_authentication_errors_or_logs(make_limiter, caplog):
+    from genai_ratelimit import RateLimiterError
 
     caplog.set_level(logging.DEBUG)
     with PasswordRedisServer("the-right-one") as server:
         for url in (f"redis://:{SECRET}@127.0.0.1:{server.port}/0",
                     f"redis://alice:{SECRET}@127.0.0.1:{server.port}/0"):
-            with RateLimiter(url, connect_timeout=0.5, socket_timeout=0.5) as limiter:
+            with make_limiter(url, connect_timeout=0.5, socket_timeout=0.5) as limiter:
                 with pytest.raises(RateLimiterError) as info:
                     limiter.check("user-1", 10, 60)
             chain = []
@@ -294,11 +274,11 @@ def test_password_is_not_in_authentication_errors_or_logs(caplog):
     assert SECRET not in caplog.text
 
 
-def test_password_is_not_in_unavailable_errors():
-    from genai_ratelimit import RateLimiter, RateLimiterUnavailable
+def test_password_is_not_in_unavailable_errors(make_limiter):
+    from genai_ratelimit import RateLimiterUnavailable
 
     url = closed_port_url().replace("redis://", f"redis://:{SECRET}@")
-    with RateLimiter(url, connect_timeout=0.5, socket_timeout=0.5) as limiter:
+    with make_limiter(url, connect_timeout=0.5, socket_timeout=0.5) as limiter:
         with pytest.raises(RateLimiterUnavailable) as info:
             limiter.check("user-1", 10, 60)
     assert SECRET not in str(info.value) and SECRET not in repr(info.value)

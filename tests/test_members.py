@@ -1,5 +1,7 @@
 """Members are fresh UUID4s: distinct across calls, threads and fork() (a child never
-replays its parent's randomness, since the page of random bytes is wiped in a child)."""
+replays its parent's randomness, since the page of random bytes is wiped in a child).
+Canonical and distinct members are proved for every limiter kind (tests/conftest.py); fork()
+and threads sharing one limiter are the blocking limiter's."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import os
 import threading
 import uuid
 
+import pytest
 import redis
 
 from genai_ratelimit import RateLimiter
@@ -16,8 +19,7 @@ def _members(client: redis.Redis, key: str) -> list[str]:
     return [m.decode() for m in client.zrange(key, 0, -1)]
 
 
-def test_members_are_canonical_uuid4_and_distinct(limiter: RateLimiter, redis_client: redis.Redis,
-                                                  user_id: str) -> None:
+def test_members_are_canonical_uuid4_and_distinct(limiter, redis_client: redis.Redis, user_id: str) -> None:
     for _ in range(600):  # more than one page of randomness (255 ids)
         assert limiter.check(user_id, 10_000, 60)[0]
     members = _members(redis_client, f"ratelimit:{user_id}:60")
@@ -28,6 +30,7 @@ def test_members_are_canonical_uuid4_and_distinct(limiter: RateLimiter, redis_cl
         assert str(parsed) == member
 
 
+@pytest.mark.limiter_kinds("sync", reason="fork(): a child of a process using the blocking limiter")
 def test_fork_child_never_repeats_the_parents_members(limiter: RateLimiter,
                                                       redis_client: redis.Redis,
                                                       user_id: str) -> None:
@@ -50,6 +53,9 @@ def test_fork_child_never_repeats_the_parents_members(limiter: RateLimiter,
     assert redis_client.zcard(f"ratelimit:{user_id}:60") == 101
 
 
+@pytest.mark.limiter_kinds("sync", reason="threads sharing one blocking limiter; the async "
+                                           "limiter's calls from several loops are in "
+                                           "test_async_lifecycle.py")
 def test_threads_get_distinct_members(limiter: RateLimiter, redis_client: redis.Redis,
                                       user_id: str) -> None:
     def work() -> None:

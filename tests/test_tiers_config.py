@@ -31,6 +31,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r".*httpx2")
     from fastapi.testclient import TestClient
 
+# The tiers file is read by the dependency, whatever limiter it drives: a blocking one here.
+# How the dependency drives each kind of limiter is test_fastapi.py's subject.
+pytestmark = pytest.mark.limiter_kinds(
+    "sync", reason="the tiers file is the dependency's, not the limiter's; every kind of "
+                   "limiter behind the dependency is in test_fastapi.py")
+
 GOOD = {
     "free": {"per_minute": 2, "per_day": 50},
     "pro": {"per_minute": 7, "per_day": 500},

@@ -1,10 +1,10 @@
 """rediss:// against a real redis-server with --tls-port and certificates made by this test
 (openssl CLI): verification on by default, a CA file, client certificates, ACL users, and
-the password kept out of every message. Both the blocking and the asyncio limiter."""
+the password kept out of every message. Every limiter kind (tests/conftest.py): the blocking
+limiter, and the async one on asyncio's loop and on uvloop's."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -14,12 +14,8 @@ from typing import Any
 import pytest
 import redis
 
-from genai_ratelimit import (
-    AsyncRateLimiter,
-    RateLimiter,
-    RateLimiterAuthError,
-    RateLimiterUnavailable,
-)
+from genai_ratelimit import RateLimiterAuthError, RateLimiterUnavailable
+from helpers_async import LimiterFactory
 from redis_server import RedisServer, free_port
 
 PASSWORD = "tls-s3cret-pw"
@@ -75,103 +71,87 @@ def tls_server(certificates: Path) -> Iterator[RedisServer]:
     server.close()
 
 
-def _run(kind: str, url: str, user: str, calls: int = 3) -> list[Any]:
-    """Makes `calls` checks with a limit of 2 per minute through the kind of limiter."""
-    if kind == "sync":
-        with RateLimiter(url, connect_timeout=2, socket_timeout=2) as limiter:
-            return [limiter.check(user, 2, 60) for _ in range(calls)]
-
-    async def go() -> list[Any]:
-        async with AsyncRateLimiter(url, connect_timeout=2, socket_timeout=2) as limiter:
-            return [await limiter.check(user, 2, 60) for _ in range(calls)]
-
-    return asyncio.run(go())
+def _run(make_limiter: LimiterFactory, url: str, user: str, calls: int = 3) -> list[Any]:
+    """Makes `calls` checks with a limit of 2 per minute through a fresh limiter of the kind
+    under test, closed right after."""
+    with make_limiter(url, connect_timeout=2, socket_timeout=2) as limiter:
+        return [limiter.check(user, 2, 60) for _ in range(calls)]
 
 
-KINDS = ["sync", "async"]
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_tls_with_ca_file_limits_exactly(tls_server: RedisServer, certificates: Path, kind: str,
-                                         user_id: str) -> None:
+def test_tls_with_ca_file_limits_exactly(make_limiter: LimiterFactory, tls_server: RedisServer,
+                                         certificates: Path, user_id: str) -> None:
     url = f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
-    assert _run(kind, url, user_id) == [(True, 1, 0), (True, 0, 0), (False, 0, 60)]
+    assert _run(make_limiter, url, user_id) == [(True, 1, 0), (True, 0, 0), (False, 0, 60)]
     assert redis.Redis(port=tls_server.port).zcard(f"ratelimit:{user_id}:60") == 2
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tls_verifies_by_default_and_refuses_an_unknown_ca(tls_server: RedisServer, kind: str,
-                                                          user_id: str) -> None:
+def test_tls_verifies_by_default_and_refuses_an_unknown_ca(
+        make_limiter: LimiterFactory, tls_server: RedisServer, user_id: str) -> None:
     url = f"rediss://127.0.0.1:{tls_server.tls_port}/0"
     with pytest.raises(RateLimiterUnavailable, match="(?i)certificate"):
-        _run(kind, url, user_id, calls=1)
+        _run(make_limiter, url, user_id, calls=1)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tls_refuses_a_certificate_for_another_name(certificates: Path, kind: str,
+def test_tls_refuses_a_certificate_for_another_name(make_limiter: LimiterFactory, certificates: Path,
                                                     user_id: str) -> None:
     server = _tls_server(certificates, cert="other")
     try:
         url = f"rediss://127.0.0.1:{server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
         with pytest.raises(RateLimiterUnavailable):
-            _run(kind, url, user_id, calls=1)
+            _run(make_limiter, url, user_id, calls=1)
     finally:
         server.close()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tls_without_verification_only_when_asked(tls_server: RedisServer, kind: str,
-                                                 user_id: str) -> None:
+def test_tls_without_verification_only_when_asked(make_limiter: LimiterFactory,
+                                                 tls_server: RedisServer, user_id: str) -> None:
     url = f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_cert_reqs=none"
-    assert _run(kind, url, user_id)[0] == (True, 1, 0)
+    assert _run(make_limiter, url, user_id)[0] == (True, 1, 0)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tls_client_certificate(certificates: Path, kind: str, user_id: str) -> None:
+def test_tls_client_certificate(make_limiter: LimiterFactory, certificates: Path, user_id: str) -> None:
     server = _tls_server(certificates, auth_clients="yes")
     try:
         base = f"rediss://127.0.0.1:{server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
         with pytest.raises(RateLimiterUnavailable):
-            _run(kind, base, user_id, calls=1)
+            _run(make_limiter, base, user_id, calls=1)
         with_cert = (f"{base}&ssl_certfile={certificates / 'client.crt'}"
                      f"&ssl_keyfile={certificates / 'client.key'}")
-        assert _run(kind, with_cert, user_id)[0] == (True, 1, 0)
+        assert _run(make_limiter, with_cert, user_id)[0] == (True, 1, 0)
     finally:
         server.close()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_tls_acl_user_and_password(tls_server: RedisServer, certificates: Path, kind: str,
-                                   user_id: str) -> None:
+def test_tls_acl_user_and_password(make_limiter: LimiterFactory, tls_server: RedisServer,
+                                   certificates: Path, user_id: str) -> None:
     ca = certificates / "ca.crt"
     good = f"rediss://app:{PASSWORD}@127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={ca}"
-    assert _run(kind, good, user_id)[0] == (True, 1, 0)
+    assert _run(make_limiter, good, user_id)[0] == (True, 1, 0)
     bad = f"rediss://app:wrong-{PASSWORD}@127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={ca}"
     with pytest.raises(RateLimiterAuthError) as info:
-        _run(kind, bad, user_id, calls=1)
+        _run(make_limiter, bad, user_id, calls=1)
     assert PASSWORD not in str(info.value)
     assert "authentication" in str(info.value).lower()
 
 
-@pytest.mark.parametrize("cls", [RateLimiter, AsyncRateLimiter])
-def test_tls_password_never_in_repr(tls_server: RedisServer, cls: type) -> None:
-    limiter = cls(f"rediss://app:{PASSWORD}@127.0.0.1:{tls_server.tls_port}/0?ssl_cert_reqs=none")
+def test_tls_password_never_in_repr(make_limiter: LimiterFactory, tls_server: RedisServer) -> None:
+    limiter = make_limiter(
+        f"rediss://app:{PASSWORD}@127.0.0.1:{tls_server.tls_port}/0?ssl_cert_reqs=none")
     assert PASSWORD not in repr(limiter)
     assert PASSWORD not in limiter.url
 
 
-@pytest.mark.parametrize("cls", [RateLimiter, AsyncRateLimiter])
-def test_tls_missing_ca_file_fails_at_construction(cls: type, tmp_path: Path) -> None:
+def test_tls_missing_ca_file_fails_at_construction(make_limiter: LimiterFactory, tmp_path: Path) -> None:
     missing = tmp_path / "no-such-ca.pem"
     with pytest.raises(ValueError, match="no-such-ca.pem"):
-        cls(f"rediss://127.0.0.1:6379/0?ssl_ca_certs={missing}")
+        make_limiter(f"rediss://127.0.0.1:6379/0?ssl_ca_certs={missing}")
 
 
-def test_tls_url_with_unknown_cert_reqs_is_refused() -> None:
+def test_tls_url_with_unknown_cert_reqs_is_refused(make_limiter: LimiterFactory) -> None:
     with pytest.raises(ValueError, match="ssl_cert_reqs"):
-        RateLimiter("rediss://127.0.0.1:6379/0?ssl_cert_reqs=sometimes")
+        make_limiter("rediss://127.0.0.1:6379/0?ssl_cert_reqs=sometimes")
 
 
-def test_ssl_parameters_need_rediss() -> None:
+def test_ssl_parameters_need_rediss(make_limiter: LimiterFactory) -> None:
     with pytest.raises(ValueError, match="rediss"):
-        RateLimiter("redis://127.0.0.1:6379/0?ssl_cert_reqs=none")
+        make_limiter("redis://127.0.0.1:6379/0?ssl_cert_reqs=none")

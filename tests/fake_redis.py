@@ -121,7 +121,7 @@ class Silence(Behaviour):
             try:
                 if conn.recv(65536) == b"":
                     return False
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return False
@@ -222,7 +222,7 @@ class FakeRedis:
             raise RuntimeError("this FakeRedis has no upstream to heal to")
         self.set_behaviour(None)
 
-    def wait_until(self, condition: Callable[["FakeRedis"], bool], timeout: float = 10.0) -> None:
+    def wait_until(self, condition: Callable[[FakeRedis], bool], timeout: float = 10.0) -> None:
         """Blocks until condition(self) holds (checked on every change of the counters);
         fails the test when `timeout` seconds pass first."""
         deadline = time.monotonic() + timeout
@@ -250,7 +250,7 @@ class FakeRedis:
             t.join(5)
         self.server.close()
 
-    def __enter__(self) -> "FakeRedis":
+    def __enter__(self) -> FakeRedis:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -279,7 +279,7 @@ class FakeRedis:
                 break
             try:
                 conn, _ = self.server.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             if self.active >= self.max_connections:
                 conn.close()
@@ -303,7 +303,7 @@ class FakeRedis:
                 if parsed is None:
                     try:
                         data = conn.recv(65536)
-                    except socket.timeout:
+                    except TimeoutError:
                         continue
                     except OSError:
                         return
@@ -355,7 +355,7 @@ class FakeRedis:
                         source: socket.socket = key.fileobj  # type: ignore[assignment]
                         try:
                             data = source.recv(65536)
-                        except (socket.timeout, BlockingIOError):
+                        except (TimeoutError, BlockingIOError):
                             continue
                         if not data:
                             return

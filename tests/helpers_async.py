@@ -101,7 +101,7 @@ class LoopRunner:
                 warnings.simplefilter("ignore", ResourceWarning)
                 loop.close()
 
-    def __enter__(self) -> "LoopRunner":
+    def __enter__(self) -> LoopRunner:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -183,7 +183,7 @@ class BlockingAsyncLimiter:
     def __repr__(self) -> str:
         return repr(self.inner)
 
-    def __enter__(self) -> "BlockingAsyncLimiter":
+    def __enter__(self) -> BlockingAsyncLimiter:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -288,7 +288,7 @@ class LoopLagProbe:
             self.max_lag = max(self.max_lag, lag)
             self.wakeups += 1
 
-    async def __aenter__(self) -> "LoopLagProbe":
+    async def __aenter__(self) -> LoopLagProbe:
         gc.collect()
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
@@ -367,12 +367,11 @@ class BatchRecordingServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def _serve(self) -> None:
-        import socket
 
         while not self._stop.is_set():
             try:
                 conn, _ = self.server.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             with self._lock:
                 self.connections += 1
@@ -380,14 +379,13 @@ class BatchRecordingServer:
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: Any) -> None:
-        import socket
 
         conn.settimeout(0.1)
         pending = 0
         while not self._stop.is_set():
             try:
                 data = conn.recv(1 << 20)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return
@@ -413,7 +411,7 @@ class BatchRecordingServer:
             conn.close()
         self.server.close()
 
-    def __enter__(self) -> "BatchRecordingServer":
+    def __enter__(self) -> BatchRecordingServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -393,8 +393,21 @@ async def async_check():
     async with AsyncRateLimiter(url, connect_timeout=3, socket_timeout=3) as limiter:
         return await limiter.check(user, 100, 60)
 
+def on_loop(new_loop):
+    loop = new_loop()
+    try:
+        return loop.run_until_complete(async_check())
+    finally:
+        loop.close()
+
 try:
-    result = sync_check() if kind == "sync" else asyncio.run(async_check())
+    if kind == "sync":
+        result = sync_check()
+    elif kind == "uvloop":
+        import uvloop
+        result = on_loop(uvloop.new_event_loop)
+    else:
+        result = on_loop(asyncio.new_event_loop)
     print(json.dumps({"result": list(result)}))
 except Exception as exc:
     print(json.dumps({"error": type(exc).__name__,
@@ -406,7 +419,7 @@ except Exception as exc:
 def check_in_child(kind: str, url: str, user: str, env: dict[str, str],
                    cwd: Path) -> dict[str, Any]:
     """Runs one check of `user` (limit 100 a minute) through the kind of limiter
-    ("sync"/"async") in a fresh Python process with `env` added to a copy of this
+    ("sync", "asyncio", "uvloop") in a fresh Python process with `env` added to a copy of this
     environment (LD_PRELOAD included: under make test-asan the child loads the same
     sanitized build); returns its JSON report."""
     child_env = dict(os.environ)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fake_redis import decision, make_driver, parse_command
+from fake_redis import decision, parse_command
 from genai_ratelimit import (
     SCRIPT_SHA1,
     AsyncRateLimiter,
@@ -26,8 +26,8 @@ from genai_ratelimit import (
     RateLimiterUnavailable,
     _native,
 )
+from helpers_async import LimiterFactory
 
-KINDS = ["sync", "async"]
 NOSCRIPT = b"-NOSCRIPT No matching script. Please use EVAL.\r\n"
 SHA_REPLY = b"$40\r\n" + SCRIPT_SHA1.encode() + b"\r\n"
 
@@ -124,79 +124,70 @@ def serve(servers: list[ScriptedRedis], script: dict[bytes, list[bytes]],
     return server
 
 
-def outcome(kind: str, url: str) -> object:
-    """The check's result, or the exception it raised."""
-    driver = make_driver(kind, url, timeout=2.0)
+def outcome(make_limiter: LimiterFactory, url: str) -> object:
+    """The check's result through a limiter of the kind under test, or what it raised."""
+    limiter = make_limiter(url, connect_timeout=2.0, socket_timeout=2.0)
     try:
-        return driver.check("engine-user", 5, 60)
+        return limiter.check("engine-user", 5, 60)
     except Exception as exc:  # noqa: BLE001 - the test judges what was raised
         return exc
-    finally:
-        driver.close()
 
 
 # ------------------------------------------------------------------ NOSCRIPT reload
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_reload_after_noscript_then_the_decision_on_both_paths(scripted, kind):
+def test_reload_after_noscript_then_the_decision_on_both_paths(scripted, make_limiter):
     server = serve(scripted, {b"EVALSHA": [NOSCRIPT, decision(1, 4, 0)], b"SCRIPT": [SHA_REPLY]})
-    assert outcome(kind, server.url()) == (True, 4, 0)
+    assert outcome(make_limiter, server.url()) == (True, 4, 0)
     assert server.names() == [b"EVALSHA", b"SCRIPT", b"EVALSHA"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_script_load_answering_something_else_than_the_sha_drops_the_connection(scripted, kind):
+def test_script_load_answering_something_else_than_the_sha_drops_the_connection(scripted, make_limiter):
     """SCRIPT LOAD's reply is checked on both paths (the asyncio path used to ignore it and
     take the retried EVALSHA's answer as if the load had worked)."""
     server = serve(scripted, {b"EVALSHA": [NOSCRIPT, decision(1, 4, 0)], b"SCRIPT": [b":1\r\n"]})
-    result = outcome(kind, server.url())
+    result = outcome(make_limiter, server.url())
     assert isinstance(result, RateLimiterUnavailable), result
     assert "SCRIPT LOAD" in str(result)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_refused_script_load_is_what_the_caller_hears(scripted, kind):
+def test_a_refused_script_load_is_what_the_caller_hears(scripted, make_limiter):
     server = serve(scripted, {b"EVALSHA": [NOSCRIPT, NOSCRIPT],
                               b"SCRIPT": [b"-ERR scripting is disabled on this server\r\n"]})
-    result = outcome(kind, server.url())
+    result = outcome(make_limiter, server.url())
     assert isinstance(result, RateLimiterUnavailable), result
     assert "refused to load" in str(result) and "scripting is disabled" in str(result)
 
 
 # ------------------------------------------------------------------------ handshake
 
-@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("command", [b"AUTH", b"SELECT"])
-def test_a_handshake_reply_that_is_not_ok_drops_the_connection(scripted, kind, command):
+def test_a_handshake_reply_that_is_not_ok_drops_the_connection(scripted, make_limiter, command):
     """+OK is the only good answer to AUTH and SELECT; an integer is garbage, not consent."""
     server = serve(scripted, {command: [b":1\r\n"]},
                    default={b"EVALSHA": decision(1, 4, 0)})
-    result = outcome(kind, server.url("/3", "user:pw@"))
+    result = outcome(make_limiter, server.url("/3", "user:pw@"))
     assert isinstance(result, RateLimiterUnavailable), result
     assert not isinstance(result, RateLimiterAuthError)
     assert f"unexpected reply to {command.decode()}" in str(result)
     assert b"EVALSHA" not in server.names()
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_auth_and_select_go_out_together_and_are_judged_in_order(scripted, kind):
+def test_auth_and_select_go_out_together_and_are_judged_in_order(scripted, make_limiter):
     server = serve(scripted, {}, default={b"EVALSHA": decision(1, 4, 0)})
-    assert outcome(kind, server.url("/3", "app:pw@")) == (True, 4, 0)
+    assert outcome(make_limiter, server.url("/3", "app:pw@")) == (True, 4, 0)
     assert server.commands[:2] == [[b"AUTH", b"app", b"pw"], [b"SELECT", b"3"]]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_refused_select_after_a_good_auth_names_the_database(scripted, kind):
+def test_a_refused_select_after_a_good_auth_names_the_database(scripted, make_limiter):
     server = serve(scripted, {b"SELECT": [b"-ERR DB index is out of range\r\n"]})
-    result = outcome(kind, server.url("/99", ":pw@"))
+    result = outcome(make_limiter, server.url("/99", ":pw@"))
     assert isinstance(result, RateLimiterUnavailable) and not isinstance(result, RateLimiterAuthError)
     assert "SELECT 99" in str(result) and "out of range" in str(result)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_refused_password_is_an_auth_error_even_when_select_follows(scripted, kind):
+def test_a_refused_password_is_an_auth_error_even_when_select_follows(scripted, make_limiter):
     server = serve(scripted, {b"AUTH": [b"-WRONGPASS invalid username-password pair\r\n"]})
-    result = outcome(kind, server.url("/2", ":nope@"))
+    result = outcome(make_limiter, server.url("/2", ":nope@"))
     assert isinstance(result, RateLimiterAuthError), result
     assert "nope" not in str(result)
 

@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import fastapi.dependencies.utils as fastapi_dependency_utils
 import pytest
 import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import fastapi.dependencies.utils as fastapi_dependency_utils
 import genai_ratelimit.fastapi as ratelimit_fastapi
 from genai_ratelimit import TIER_LIMITS, AsyncRateLimiter, RateLimiter
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, rate_limit, window_name
@@ -192,7 +192,8 @@ def closed_port_url() -> str:
 # --- 429 and the allowed headers ------------------------------------------------------------
 
 
-def test_sixth_free_request_in_a_minute_is_429_with_all_four_headers(client: TestClient, user_id: str) -> None:
+def test_sixth_free_request_in_a_minute_is_429_with_all_four_headers(
+        client: TestClient, user_id: str) -> None:
     for _ in range(5):
         assert client.get("/dict", headers=as_user(user_id, "free")).status_code == 200
     response = client.get("/dict", headers=as_user(user_id, "free"))
@@ -267,7 +268,8 @@ def test_a_429_keeps_its_own_headers_when_an_earlier_limit_allowed(
     roomy = make_limiter.native(redis_url, key_prefix="roomy")
     strict = make_limiter.native(redis_url, key_prefix="strict")
     client = client_for(RateLimit(limiter=roomy),
-                        extra=[RateLimit(limiter=strict, tier_limits={"free": {"per_minute": 1, "per_day": 10}})])
+                        extra=[RateLimit(limiter=strict,
+                                         tier_limits={"free": {"per_minute": 1, "per_day": 10}})])
     assert client.get("/stream", headers=as_user(user_id)).status_code == 200
     response = client.get("/stream", headers=as_user(user_id))
     assert response.status_code == 429
@@ -315,7 +317,8 @@ def test_tier_in_query_or_client_headers_does_not_raise_the_budget(client: TestC
     assert client.get("/dict", params={"tier": "enterprise"}, headers=forged).status_code == 429
 
 
-def test_forged_user_id_in_query_or_headers_does_not_change_identity(client: TestClient, user_id: str) -> None:
+def test_forged_user_id_in_query_or_headers_does_not_change_identity(
+        client: TestClient, user_id: str) -> None:
     for n in range(5):
         response = client.get("/dict", params={"user_id": f"other-{n}"},
                               headers={**as_user(user_id), "X-User-Id": f"other-{n}"})
@@ -324,7 +327,8 @@ def test_forged_user_id_in_query_or_headers_does_not_change_identity(client: Tes
 
 
 @pytest.mark.parametrize("tier", [None, "platinum", ""])
-def test_missing_or_unknown_tier_gets_the_free_budget(client: TestClient, user_id: str, tier: str | None) -> None:
+def test_missing_or_unknown_tier_gets_the_free_budget(
+        client: TestClient, user_id: str, tier: str | None) -> None:
     headers = {"X-Test-Auth": f"{user_id}/{tier}"} if tier else as_user(user_id)
     response = client.get("/dict", headers=headers)
     assert response.headers["X-RateLimit-Limit"] == "5"
@@ -389,7 +393,8 @@ def test_allowed_headers_describe_the_window_with_fewest_remaining(client: TestC
 # --- identity --------------------------------------------------------------------------------
 
 
-def test_missing_user_id_falls_back_to_the_client_address(client: TestClient, redis_client: redis.Redis) -> None:
+def test_missing_user_id_falls_back_to_the_client_address(
+        client: TestClient, redis_client: redis.Redis) -> None:
     for _ in range(5):
         assert client.get("/dict").status_code == 200
     assert client.get("/dict").status_code == 429
@@ -460,7 +465,8 @@ def test_tier_limits_argument_sets_the_budget(limiter: AnyLimiter, client_for: C
     assert [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(3)] == [200, 200, 429]
 
 
-def test_core_package_imports_without_fastapi_and_the_integration_says_what_to_install(tmp_path: Path) -> None:
+def test_core_package_imports_without_fastapi_and_the_integration_says_what_to_install(
+        tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "sys.modules['fastapi'] = None  # as if FastAPI were not installed\n"
@@ -545,7 +551,7 @@ def test_kill_switch_sends_no_command_to_a_live_redis(
 
 
 def test_redis_down_answers_503_with_retry_after_1(closed_port_url: str, make_limiter: LimiterFactory,
-                                                   client_for: Callable[..., TestClient], user_id: str) -> None:
+        client_for: Callable[..., TestClient], user_id: str) -> None:
     unreachable = make_limiter.native(closed_port_url)
     client = client_for(RateLimit(limiter=unreachable))
     for route in ("/dict", "/stream"):
@@ -588,7 +594,8 @@ def test_redis_killed_while_serving_answers_503_then_recovers(
 
 
 def test_on_unavailable_allow_lets_requests_through_and_logs_a_warning(
-        closed_port_url: str, make_limiter: LimiterFactory, client_for: Callable[..., TestClient], user_id: str,
+        closed_port_url: str, make_limiter: LimiterFactory,
+        client_for: Callable[..., TestClient], user_id: str,
         caplog: pytest.LogCaptureFixture) -> None:
     unreachable = make_limiter.native(closed_port_url)
     client = client_for(RateLimit(limiter=unreachable, on_unavailable="allow"))
@@ -627,7 +634,8 @@ def test_fail_open_count_stays_zero_when_redis_decides(
 
 
 def test_fail_open_count_stays_zero_when_unavailable_means_deny(
-        closed_port_url: str, make_limiter: LimiterFactory, client_for: Callable[..., TestClient], user_id: str) -> None:
+        closed_port_url: str, make_limiter: LimiterFactory,
+        client_for: Callable[..., TestClient], user_id: str) -> None:
     dependency = RateLimit(limiter=make_limiter.native(closed_port_url))
     client = client_for(dependency)
     assert [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(3)] == [503] * 3
@@ -759,7 +767,8 @@ class AwaitableLimiter:
         self.inner = inner
         self.awaited_on: list[asyncio.AbstractEventLoop] = []
 
-    async def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> tuple[bool, int, int, int]:
+    async def check_windows(
+            self, user_id: str, windows: Sequence[tuple[int, int]]) -> tuple[bool, int, int, int]:
         loop = asyncio.get_running_loop()
         self.awaited_on.append(loop)
         return await loop.run_in_executor(None, self.inner.check_windows, user_id, list(windows))

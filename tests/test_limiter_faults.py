@@ -306,7 +306,8 @@ def test_acl_user_and_password_in_the_url_work(limiter_for, private_redis):
         assert limiter.check("user-1", 10, 60) == (True, 9, 0)
 
 
-def test_acl_user_with_a_wrong_password_raises_an_error_saying_authentication_failed(limiter_for, private_redis):
+def test_acl_user_with_a_wrong_password_raises_an_error_saying_authentication_failed(
+        limiter_for, private_redis):
     from genai_ratelimit import RateLimiterError
 
     admin = redis.Redis(port=private_redis.port)

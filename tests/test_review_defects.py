@@ -35,14 +35,13 @@ import pytest
 import redis
 
 from genai_ratelimit import (
-    AsyncRateLimiter,
     RateLimiter,
     RateLimiterAuthError,
     RateLimiterError,
     RateLimiterTimeout,
     RateLimiterUnavailable,
 )
-from helpers_async import checked_loop_factory, loop_factory_params, run_async
+from helpers_async import LimiterFactory
 from helpers_core import PasswordRedisServer, connections_received, run_lined_up
 from helpers_defects import (
     HandshakeFault,
@@ -62,28 +61,11 @@ from redis_server import RedisServer, free_port
 REPO = Path(__file__).resolve().parent.parent
 CSRC = REPO / "csrc"
 
-# The blocking limiter, and the asyncio one on each event loop the async suite runs on.
-LIMITER_KINDS = [pytest.param(("sync", None), id="sync")] + [
-    pytest.param(("async", param.values[0]), id=f"async-{param.id}")
-    for param in loop_factory_params()
-]
-
-
-def check_once(kind: tuple[str, Any], url: str, *, connect_timeout: float,
+def check_once(make_limiter: LimiterFactory, url: str, *, connect_timeout: float,
                socket_timeout: float, user: str = "handshake-user") -> tuple[bool, int, int]:
-    """One check through a new limiter of the given kind, closed afterwards."""
-    name, factory = kind
-    if name == "sync":
-        with RateLimiter(url, connect_timeout=connect_timeout,
-                         socket_timeout=socket_timeout) as limiter:
-            return limiter.check(user, 10, 60)
-
-    async def go() -> tuple[bool, int, int]:
-        async with AsyncRateLimiter(url, connect_timeout=connect_timeout,
-                                    socket_timeout=socket_timeout) as limiter:
-            return await limiter.check(user, 10, 60)
-
-    return run_async(go(), checked_loop_factory(factory))
+    """One check through a new limiter of the kind under test (closed after the test)."""
+    limiter = make_limiter(url, connect_timeout=connect_timeout, socket_timeout=socket_timeout)
+    return limiter.check(user, 10, 60)  # type: ignore[no-any-return]
 
 
 def failure(call: Callable[[], Any]) -> RateLimiterError:
@@ -99,10 +81,9 @@ TIMEOUT_ORDERS = [pytest.param((0.6, 0.3), id="socket-timeout-first"),
                   pytest.param((0.3, 0.6), id="connect-timeout-first")]
 
 
-@pytest.mark.parametrize("kind", LIMITER_KINDS)
-def test_connection_lost_during_auth_is_unavailable_not_an_auth_error(kind: Any) -> None:
+def test_connection_lost_during_auth_is_unavailable_not_an_auth_error(make_limiter: LimiterFactory) -> None:
     with HandshakeFault("close") as server:
-        error = failure(lambda: check_once(kind, server.url(password="pw"),
+        error = failure(lambda: check_once(make_limiter, server.url(password="pw"),
                                            connect_timeout=0.5, socket_timeout=0.5))
         assert server.first_commands[:1] == ["AUTH"], server.first_commands
     assert type(error) is RateLimiterUnavailable, (
@@ -110,11 +91,11 @@ def test_connection_lost_during_auth_is_unavailable_not_an_auth_error(kind: Any)
 
 
 @pytest.mark.parametrize("timeouts", TIMEOUT_ORDERS)
-@pytest.mark.parametrize("kind", LIMITER_KINDS)
-def test_server_silent_after_auth_is_a_timeout(kind: Any, timeouts: tuple[float, float]) -> None:
+def test_server_silent_after_auth_is_a_timeout(
+        make_limiter: LimiterFactory, timeouts: tuple[float, float]) -> None:
     connect_timeout, socket_timeout = timeouts
     with HandshakeFault("silent") as server:
-        error = failure(lambda: check_once(kind, server.url(password="pw"),
+        error = failure(lambda: check_once(make_limiter, server.url(password="pw"),
                                            connect_timeout=connect_timeout,
                                            socket_timeout=socket_timeout))
         assert server.first_commands[:1] == ["AUTH"], server.first_commands
@@ -122,10 +103,9 @@ def test_server_silent_after_auth_is_a_timeout(kind: Any, timeouts: tuple[float,
         f"a server silent after AUTH raised {type(error).__name__}: {error}")
 
 
-@pytest.mark.parametrize("kind", LIMITER_KINDS)
-def test_connection_lost_during_select_is_unavailable_not_an_auth_error(kind: Any) -> None:
+def test_connection_lost_during_select_is_unavailable_not_an_auth_error(make_limiter: LimiterFactory) -> None:
     with HandshakeFault("close") as server:
-        error = failure(lambda: check_once(kind, server.url(db=2),
+        error = failure(lambda: check_once(make_limiter, server.url(db=2),
                                            connect_timeout=0.5, socket_timeout=0.5))
         assert server.first_commands[:1] == ["SELECT"], server.first_commands
     assert type(error) is RateLimiterUnavailable, (
@@ -133,11 +113,11 @@ def test_connection_lost_during_select_is_unavailable_not_an_auth_error(kind: An
 
 
 @pytest.mark.parametrize("timeouts", TIMEOUT_ORDERS)
-@pytest.mark.parametrize("kind", LIMITER_KINDS)
-def test_server_silent_after_select_is_a_timeout(kind: Any, timeouts: tuple[float, float]) -> None:
+def test_server_silent_after_select_is_a_timeout(
+        make_limiter: LimiterFactory, timeouts: tuple[float, float]) -> None:
     connect_timeout, socket_timeout = timeouts
     with HandshakeFault("silent") as server:
-        error = failure(lambda: check_once(kind, server.url(db=2),
+        error = failure(lambda: check_once(make_limiter, server.url(db=2),
                                            connect_timeout=connect_timeout,
                                            socket_timeout=socket_timeout))
         assert server.first_commands[:1] == ["SELECT"], server.first_commands
@@ -145,11 +125,10 @@ def test_server_silent_after_select_is_a_timeout(kind: Any, timeouts: tuple[floa
         f"a server silent after SELECT raised {type(error).__name__}: {error}")
 
 
-@pytest.mark.parametrize("kind", LIMITER_KINDS)
-def test_wrong_password_is_an_auth_error(kind: Any) -> None:
+def test_wrong_password_is_an_auth_error(make_limiter: LimiterFactory) -> None:
     with PasswordRedisServer("right-password") as server:
         url = f"redis://:wrong-password@127.0.0.1:{server.port}/0"
-        error = failure(lambda: check_once(kind, url, connect_timeout=2, socket_timeout=2))
+        error = failure(lambda: check_once(make_limiter, url, connect_timeout=2, socket_timeout=2))
     assert isinstance(error, RateLimiterAuthError), f"{type(error).__name__}: {error}"
     assert "wrong-password" not in str(error)
 
@@ -191,27 +170,24 @@ def tls_check_in_child(trust: dict[str, Any], kind: str, system_ca: Path,
     return check_in_child(kind, url, f"tls-{uuid.uuid4().hex}", env, cwd=trust["directory"])
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_tls_ca_file_is_the_only_trust_and_the_system_store_is_not_added(
-        trust: dict[str, Any], kind: str) -> None:
-    report = tls_check_in_child(trust, kind, system_ca=trust["server_ca"],
+        trust: dict[str, Any], limiter_kind: str) -> None:
+    report = tls_check_in_child(trust, limiter_kind, system_ca=trust["server_ca"],
                                 ssl_ca_certs=trust["other_ca"])
     assert "error" in report, (
-        f"the {kind} limiter trusted the system store on top of ssl_ca_certs: {report}")
+        f"the {limiter_kind} limiter trusted the system store on top of ssl_ca_certs: {report}")
     assert "RateLimiterUnavailable" in report["classes"], report
     assert re.search(r"(?i)certificate[ _]verify", report["message"]), report
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
-def test_tls_without_a_ca_file_trusts_the_system_store(trust: dict[str, Any], kind: str) -> None:
-    report = tls_check_in_child(trust, kind, system_ca=trust["server_ca"], ssl_ca_certs=None)
+def test_tls_without_a_ca_file_trusts_the_system_store(trust: dict[str, Any], limiter_kind: str) -> None:
+    report = tls_check_in_child(trust, limiter_kind, system_ca=trust["server_ca"], ssl_ca_certs=None)
     assert report.get("result") == [True, 99, 0], report
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
 def test_tls_ca_file_is_trusted_whatever_the_system_store_holds(
-        trust: dict[str, Any], kind: str) -> None:
-    report = tls_check_in_child(trust, kind, system_ca=trust["other_ca"],
+        trust: dict[str, Any], limiter_kind: str) -> None:
+    report = tls_check_in_child(trust, limiter_kind, system_ca=trust["other_ca"],
                                 ssl_ca_certs=trust["server_ca"])
     assert report.get("result") == [True, 99, 0], report
 
@@ -224,20 +200,16 @@ OVER_ONE_DAY = [1e12, 1e300, 86400.5]
 
 @pytest.mark.parametrize("value", OVER_ONE_DAY)
 @pytest.mark.parametrize("name", TIMEOUT_NAMES)
-@pytest.mark.parametrize("cls", [RateLimiter, AsyncRateLimiter])
 def test_timeout_over_one_day_is_refused_naming_the_parameter_and_the_bound(
-        cls: type, name: str, value: float) -> None:
+        make_limiter: LimiterFactory, name: str, value: float) -> None:
     with pytest.raises(ValueError) as info:
-        cls("redis://127.0.0.1:6379/0", **{name: value})
+        make_limiter.native("redis://127.0.0.1:6379/0", **{name: value})
     assert name in str(info.value) and "86400" in str(info.value), str(info.value)
 
 
 @pytest.mark.parametrize("name", TIMEOUT_NAMES)
-@pytest.mark.parametrize("cls", [RateLimiter, AsyncRateLimiter])
-def test_timeout_of_exactly_one_day_is_accepted(cls: type, name: str) -> None:
-    limiter = cls("redis://127.0.0.1:6379/0", **{name: 86400})
-    if isinstance(limiter, RateLimiter):
-        limiter.close()
+def test_timeout_of_exactly_one_day_is_accepted(make_limiter: LimiterFactory, name: str) -> None:
+    make_limiter.native("redis://127.0.0.1:6379/0", **{name: 86400})  # nothing is sent
 
 
 @pytest.mark.parametrize("value", OVER_ONE_DAY)

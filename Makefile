@@ -8,7 +8,7 @@
 #   make fuzz           atheris on the reply decoder and the argument validation
 #
 # Against hiredis 1.x (the system's is Debian's 0.14; 1.x is built from source into build/):
-#   make test-hiredis1  the suite but the slow tests, extension linked to hiredis 1.x (.venv-hiredis1)
+#   make test-hiredis1  the suite but the slow tests, linked to hiredis 1.x  (.venv-hiredis1)
 
 PYTHON ?= python3
 VENV   ?= .venv

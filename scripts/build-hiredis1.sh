@@ -14,9 +14,10 @@
 # Nothing of it is committed: it lives under build/ (git-ignored), and `make clean` drops it.
 #
 # Idempotent: a stamp in the prefix records what was installed; a second run with the same
-# pins does nothing.
+# pins (and the same script) does nothing.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+SELF="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
+cd "$(dirname "$SELF")/.."
 
 # The newest sdist whose vendored hiredis is 1.x (hiredis-py 3.5.0 vendors hiredis 1.5.0).
 SDIST_VERSION=3.5.0
@@ -40,7 +41,9 @@ build() {
   local prefix=$1
   local work; work=$(dirname "$prefix")
   local stamp="$prefix/.installed"
-  local want="hiredis-py $SDIST_VERSION (sha256 $SDIST_SHA256) -> hiredis $EXPECTED_HIREDIS"
+  # The pins and this script's own text: a change to either rebuilds.
+  local want
+  want="hiredis-py $SDIST_VERSION (sha256 $SDIST_SHA256) -> hiredis $EXPECTED_HIREDIS, $(sha256sum < "$SELF")"
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] &&
      [ -f "$prefix/lib/pkgconfig/hiredis.pc" ] && [ -f "$prefix/include/hiredis/hiredis.h" ]; then
     echo "hiredis $EXPECTED_HIREDIS already installed in $prefix"
@@ -96,7 +99,7 @@ includedir=\${prefix}/include
 pkgincludedir=\${includedir}/hiredis
 
 Name: hiredis
-Description: hiredis $version built from the hiredis-py $SDIST_VERSION sdist (scripts/build-hiredis1.sh)
+Description: hiredis $version from the hiredis-py $SDIST_VERSION sdist (build-hiredis1.sh)
 Version: $version
 Libs: -L\${libdir} -lhiredis
 Cflags: -I\${pkgincludedir} -I\${includedir} -D_FILE_OFFSET_BITS=64
@@ -116,10 +119,11 @@ check() {
     *) fail "$so loads $lib, not the hiredis in $prefix/lib" ;;
   esac
   readelf -d "$so" | grep -E '\((RUNPATH|RPATH)\)' | grep -qF "$prefix/lib" ||
-    fail "$so has no RUNPATH to $prefix/lib: $(readelf -d "$so" | grep -E 'RUNPATH|RPATH' || echo none)"
+    fail "$so has no RUNPATH to $prefix/lib: $(readelf -d "$so" | grep -E 'R(UN)?PATH' || echo none)"
   local want; want=$(header_version "$prefix/include/hiredis/hiredis.h")
   # Imported from / so that the source tree's genai_ratelimit (no .so) is not the one found.
-  local got; got=$(cd / && "$python" -c 'from genai_ratelimit import _native; print(_native.HIREDIS_VERSION)')
+  local got
+  got=$(cd / && "$python" -c 'from genai_ratelimit import _native; print(_native.HIREDIS_VERSION)')
   [ "$got" = "$want" ] || fail "_native.HIREDIS_VERSION is $got, expected $want"
   case "$got" in 1.*) ;; *) fail "_native.HIREDIS_VERSION is $got, not a 1.x" ;; esac
   echo "$so: hiredis $got from $(realpath "$lib")"

@@ -8,6 +8,8 @@
 #   make fuzz           atheris on the reply decoder and the argument validation
 #
 # Style and types: `make lint` (ruff, clang-format, mypy --strict, stubtest on the extension).
+# Against hiredis 1.x (the system's is Debian's 0.14; 1.x is built from source into build/):
+#   make test-hiredis1  the suite but the slow tests, linked to hiredis 1.x  (.venv-hiredis1)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -20,6 +22,9 @@ ASAN_VENV  ?= .venv-asan
 DEBUG_VENV ?= .venv-valgrind
 ASAN_PY     = $(ASAN_VENV)/bin/python
 DEBUG_PY    = $(DEBUG_VENV)/bin/python
+HIREDIS1_VENV ?= .venv-hiredis1
+HIREDIS1_PY    = $(HIREDIS1_VENV)/bin/python
+HIREDIS1_PREFIX = $(CURDIR)/build/hiredis1/prefix
 
 # test-valgrind: memcheck makes Python ~50x slower, so it runs the files that drive every
 # C path of the blocking limiter (round trip, NOSCRIPT reload, validation, kill switch)
@@ -57,6 +62,7 @@ help:
 	@echo "make test           build the C extension and run the whole test suite"
 	@echo "make test-asan      the suite with the extension built under AddressSanitizer + UBSan"
 	@echo "make test-valgrind  the core suite under valgrind memcheck"
+	@echo "make test-hiredis1  the suite (not the slow tests) built against hiredis 1.x from source"
 	@echo "make soak           1,000,000 sync + 1,000,000 async checks: RSS before/after, checks/s"
 	@echo "make fuzz           fuzz the reply decoder and argument validation (FUZZ_SECONDS=60)"
 	@echo "make serve          keep the example app running for your own curl"
@@ -88,7 +94,7 @@ test-fast: install
 # ------------------------------------------------------------ memory and C safety
 
 # The venvs of the sanitized and debug builds. The '*' .gitignore keeps them out of git.
-$(ASAN_VENV)/.created $(DEBUG_VENV)/.created:
+$(ASAN_VENV)/.created $(DEBUG_VENV)/.created $(HIREDIS1_VENV)/.created:
 	$(PYTHON) -m venv $(@D)
 	echo '*' > $(@D)/.gitignore
 	$(@D)/bin/python -m pip install -q --upgrade pip setuptools wheel
@@ -132,6 +138,29 @@ test-valgrind: install-debug
 	  $(VALGRIND_TESTS) $(PYTEST_ARGS); \
 	status=$$?; $(DEBUG_PY) scripts/valgrind_report.py build/valgrind/memcheck.*.log || status=1; \
 	exit $$status
+
+# ------------------------------------------------------------------ hiredis 1.x
+
+.PHONY: install-hiredis1 test-hiredis1
+
+# scripts/build-hiredis1.sh builds hiredis 1.x from the pinned hiredis-py sdist into
+# HIREDIS1_PREFIX (once). The extension is built against it through PKG_CONFIG_PATH (setup.py
+# then makes that lib directory its rpath), in a build directory of its own; the check fails
+# unless the installed .so loads that libhiredis and _native.HIREDIS_VERSION is its 1.x.
+install-hiredis1: deps $(HIREDIS1_VENV)/.created
+	PYTHON=$(PYTHON) bash scripts/build-hiredis1.sh $(HIREDIS1_PREFIX)
+	$(HIREDIS1_PY) scripts/native_build.py requirements test > $(HIREDIS1_VENV)/test-requirements.txt
+	$(HIREDIS1_PY) -m pip install -q -r $(HIREDIS1_VENV)/test-requirements.txt
+	PKG_CONFIG_PATH=$(HIREDIS1_PREFIX)/lib/pkgconfig GENAI_RATELIMIT_WERROR=1 \
+	DIST_EXTRA_CONFIG=$(CURDIR)/scripts/build-hiredis1.cfg \
+	  $(HIREDIS1_PY) -m pip install -q --no-build-isolation --force-reinstall --no-deps .
+	bash scripts/build-hiredis1.sh check $(HIREDIS1_PY) $(HIREDIS1_PREFIX)
+
+# The suite but the slow tests, on the extension linked to hiredis 1.x.
+test-hiredis1: install-hiredis1
+	$(HIREDIS1_VENV)/bin/pytest -m "not slow" -p no:cacheprovider $(PYTEST_ARGS)
+
+# ------------------------------------------------------------------------------
 
 soak: install
 	$(PY) scripts/soak.py --checks $(SOAK_CHECKS) --max-rss-growth-mib $(SOAK_MAX_RSS_GROWTH_MIB) \
@@ -186,5 +215,5 @@ lint: install
 	exit $$status
 
 clean:
-	rm -rf build dist *.egg-info $(VENV) $(ASAN_VENV) $(DEBUG_VENV) csrc/script_source.h benchmarks/bin
+	rm -rf build dist *.egg-info $(VENV) $(ASAN_VENV) $(DEBUG_VENV) $(HIREDIS1_VENV) csrc/script_source.h benchmarks/bin
 	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -2,6 +2,10 @@
 
 Metadata lives in pyproject.toml; this file only knows how to compile.
 
+A library that pkg-config finds outside the system's directories (PKG_CONFIG_PATH pointing at
+a prefix of its own, as `make test-hiredis1` does for hiredis 1.x) is also the extension's
+rpath, so that library is the one loaded at run time.
+
 Environment switches:
   GENAI_RATELIMIT_SANITIZE=1  build with AddressSanitizer + UndefinedBehaviorSanitizer
   GENAI_RATELIMIT_DEBUG=1     build with -O0 -g3 (for gdb and valgrind)
@@ -39,7 +43,12 @@ def fail(message: str) -> None:
 def find_library(
         pc_name: str, header: str, libraries: list[str], debian: str
 ) -> tuple[list[str], list[str], list[str]]:
-    """Returns (include_dirs, library_dirs, libraries) for one system library."""
+    """Returns (include_dirs, library_dirs, libraries) for one system library.
+
+    library_dirs is what pkg-config names with -L: for a system package nothing (pkg-config
+    leaves out its system directories), for a library installed into a prefix of its own
+    that prefix's lib, e.g. hiredis 1.x from scripts/build-hiredis1.sh with PKG_CONFIG_PATH
+    pointing at it."""
     if shutil.which("pkg-config"):
         result = subprocess.run(
             ["pkg-config", "--cflags-only-I", "--libs", pc_name],
@@ -62,6 +71,21 @@ def find_library(
         f"no {header}). On Debian or Ubuntu install them with: apt-get install {debian}"
     )
     raise AssertionError("unreachable")
+
+
+def system_library_dirs() -> set[str]:
+    """The directories the system's libraries live in (pkg-config's own list, which it
+    leaves out of -L unless PKG_CONFIG_ALLOW_SYSTEM_LIBS is set)."""
+    dirs = {"/lib", "/lib64", "/usr/lib", "/usr/lib64"}
+    if shutil.which("pkg-config"):
+        result = subprocess.run(
+            ["pkg-config", "--variable=pc_system_libdirs", "pkg-config"],
+            capture_output=True,
+            text=True,
+        )
+        if result.returncode == 0:
+            dirs.update(d for d in result.stdout.strip().split(":") if d)
+    return {os.path.realpath(d) for d in dirs}
 
 
 def c_string_literal(text: str) -> str:
@@ -109,6 +133,8 @@ def build_extension() -> Extension:
         library_dirs += [d for d in libdirs if d not in library_dirs]
         libraries += [lib for lib in libs if lib not in libraries]
     libraries.append("pthread")
+    system_dirs = system_library_dirs()
+    rpath = [d for d in library_dirs if os.path.realpath(d) not in system_dirs]
 
     compile_args = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden", "-D_GNU_SOURCE"]
     link_args: list[str] = []
@@ -131,6 +157,11 @@ def build_extension() -> Extension:
         include_dirs=include_dirs,
         library_dirs=library_dirs,
         libraries=libraries,
+        # A library found outside the system's directories (see find_library) must also be
+        # the one loaded at run time, not a system copy of the same name: without an rpath
+        # the dynamic loader would pick the system's libhiredis (0.14) for a build against
+        # 1.x. Empty, so no rpath at all, for the normal build against system libraries.
+        runtime_library_dirs=rpath,
         extra_compile_args=compile_args,
         extra_link_args=link_args,
     )

@@ -11,6 +11,14 @@
 #include <string.h>
 #include <unistd.h>
 
+/* The hiredis whose headers we were compiled against, "major.minor.patch": the module
+   constant HIREDIS_VERSION, so a build against hiredis 1.x can be told from one against
+   0.14 (make test-hiredis1 checks it). */
+#define RL_STRINGIFY_(x) #x
+#define RL_STRINGIFY(x) RL_STRINGIFY_(x)
+#define RL_HIREDIS_VERSION \
+    RL_STRINGIFY(HIREDIS_MAJOR) "." RL_STRINGIFY(HIREDIS_MINOR) "." RL_STRINGIFY(HIREDIS_PATCH)
+
 extern PyType_Spec rl_limiter_spec;
 extern PyType_Spec rl_codec_spec;
 extern PyType_Spec rl_request_spec;
@@ -148,7 +156,8 @@ module_exec(PyObject *module)
         add_type(module, &state->PipelineType, &rl_pipeline_spec, "Pipeline") < 0)
         goto done;
 
-    if (PyModule_AddStringConstant(module, "SCRIPT_SHA1", rl_script_sha1_hex) < 0)
+    if (PyModule_AddStringConstant(module, "SCRIPT_SHA1", rl_script_sha1_hex) < 0 ||
+        PyModule_AddStringConstant(module, "HIREDIS_VERSION", RL_HIREDIS_VERSION) < 0)
         goto done;
     {
         PyObject *source = PyUnicode_DecodeUTF8(script, (Py_ssize_t)script_len, "strict");

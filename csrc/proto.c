@@ -31,16 +31,32 @@
 /* ----------------------------------------------------------------- reader */
 
 /* The reply functions of our readers: hiredis's defaults (reached through the reader's
-   privdata), except that an array longer than any reply we expect is refused at once.
-   Without this, a hostile "*1000000000" header makes hiredis 0.14 calloc and later walk
-   a billion element slots. The table is constant: no global mutable state. */
+   privdata), except for two kinds of reply that they refuse (return NULL: the reader
+   fails, and the connection is dropped):
+   - an array longer than any reply we expect. Without this, a hostile "*1000000000"
+     header makes hiredis 0.14 calloc and later walk a billion element slots.
+   - any RESP3 type (double, boolean, null, map, set, attribute, push, big number,
+     verbatim string). We never send HELLO 3, so a Redis server speaks RESP2 to us: a
+     RESP3 reply comes from something else. hiredis 0.14 calls RESP3's type bytes a
+     protocol error; hiredis 1.x parses them. Refused here, the same bytes meet the same
+     fate on every hiredis version, and no code outside this section ever sees a RESP3
+     reply: the decision, handshake and script code know the RESP2 types only (and
+     hiredis 1.0's own functions abort on a nil, double or boolean inside a push).
+   Every function of hiredis's table is ours: for a missing one, hiredis 1.x hands out
+   the reply's type number cast to a pointer (a double becomes the "reply" 0x7), and the
+   first read of it kills the process. The table is constant: no global mutable state. */
 #define RL_MAX_REPLY_ELEMENTS 64
 
 #if HIREDIS_MAJOR >= 1
 typedef size_t rl_elements_t;
+#define RL_REPLY_FUNCTIONS 7 /* + createDouble, createBool */
 #else
 typedef int rl_elements_t;
+#define RL_REPLY_FUNCTIONS 5 /* createString, createArray, createInteger, createNil, freeObject */
 #endif
+/* A hiredis with more reply functions than we fill must not compile (see above). */
+_Static_assert(sizeof(redisReplyObjectFunctions) == RL_REPLY_FUNCTIONS * sizeof(void (*)(void)),
+               "this hiredis has reply functions that bounded_functions does not fill");
 
 static const redisReplyObjectFunctions *
 defaults_of(const redisReadTask *task)
@@ -48,17 +64,24 @@ defaults_of(const redisReadTask *task)
     return (const redisReplyObjectFunctions *)task->privdata;
 }
 
+/* The task's type is the type byte's: a RESP2 bulk string, status or error is delegated;
+   a verbatim string ('=') or big number ('(') is RESP3. */
 static void *
 bounded_string(const redisReadTask *task, char *str, size_t len)
 {
+    if (task->type != REDIS_REPLY_STRING && task->type != REDIS_REPLY_STATUS &&
+        task->type != REDIS_REPLY_ERROR)
+        return NULL;
     return defaults_of(task)->createString(task, str, len);
 }
 
+/* Only a RESP2 array ('*'): a map ('%', whose elements hiredis counts twice), set ('~'),
+   push ('>') or attribute ('|') is RESP3. */
 static void *
 bounded_array(const redisReadTask *task, rl_elements_t elements)
 {
-    if ((size_t)elements > RL_MAX_REPLY_ELEMENTS)
-        return NULL; /* the reader reports it as an error; the connection is dropped */
+    if (task->type != REDIS_REPLY_ARRAY || (size_t)elements > RL_MAX_REPLY_ELEMENTS)
+        return NULL;
     return defaults_of(task)->createArray(task, elements);
 }
 
@@ -68,16 +91,41 @@ bounded_integer(const redisReadTask *task, long long value)
     return defaults_of(task)->createInteger(task, value);
 }
 
+/* RESP2's nils are a bulk string or array of length -1 ("$-1", "*-1"): the task has that
+   type. RESP3's null ('_') has the type NIL, and "%-1", "~-1", ">-1" the aggregate's. */
 static void *
 bounded_nil(const redisReadTask *task)
 {
+    if (task->type != REDIS_REPLY_STRING && task->type != REDIS_REPLY_ARRAY)
+        return NULL;
     return defaults_of(task)->createNil(task);
 }
+
+#if HIREDIS_MAJOR >= 1
+/* RESP3 only (',' and '#'): always refused. */
+static void *
+bounded_double(const redisReadTask *task, double value, char *str, size_t len)
+{
+    (void)task, (void)value, (void)str, (void)len;
+    return NULL;
+}
+
+static void *
+bounded_bool(const redisReadTask *task, int value)
+{
+    (void)task, (void)value;
+    return NULL;
+}
+#endif
 
 static const redisReplyObjectFunctions bounded_functions = {
     .createString = bounded_string,
     .createArray = bounded_array,
     .createInteger = bounded_integer,
+#if HIREDIS_MAJOR >= 1
+    .createDouble = bounded_double,
+    .createBool = bounded_bool,
+#endif
     .createNil = bounded_nil,
     .freeObject = freeReplyObject,
 };
@@ -96,9 +144,11 @@ rl_reader_create(void)
 const char *
 rl_reader_error(const redisReader *reader)
 {
-    /* Our bounded_array makes the reader say "Out of memory": say what it means. */
+    /* A refusal by our reply functions makes the reader say "Out of memory", and the
+       reader keeps nothing that tells which refusal it was: name both. */
     if (reader->err == REDIS_ERR_OOM)
-        return "a reply far larger than a rate-limit decision";
+        return "an array of over 64 elements or a RESP3 type (this client speaks RESP2), "
+               "or memory ran out";
     return reader->errstr;
 }
 

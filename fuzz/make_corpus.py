@@ -2,8 +2,9 @@
 
 pipeline/: raw-mode inputs (see fuzz_pipeline.py for the two header bytes) holding what a
 server really answers: decisions, NOSCRIPT then the SHA then a decision, error replies,
-statuses for handshake commands, and a few broken ones. Structured-mode and arguments/
-seeds are short random-looking byte strings: their bytes are choices, not text.
+statuses for handshake commands, a few broken ones, and RESP3 values in those places.
+Structured-mode and arguments/ seeds are short random-looking byte strings: their bytes are
+choices, not text.
 """
 
 from __future__ import annotations
@@ -64,6 +65,28 @@ PIPELINE = {
     "feed-after-protocol-error": head(2, chunk=1) + b"!x\r\n" + decision(1, 1, 0, 1),
     "utf8-error-reply-cut-mid-character": head(1) + b"-ERR " + b"x" * 235 + "\u00e9".encode() + b"\r\n",
 }
+
+# RESP3 values, which hiredis 1.x parses (0.14 calls their type bytes a protocol error) and
+# our reader refuses on every version: as the decision, inside it, as the reply to a
+# handshake command, and as SCRIPT LOAD's reply after a NOSCRIPT.
+RESP3 = {
+    "double": b",1.5\r\n",
+    "bool": b"#t\r\n",
+    "null": b"_\r\n",
+    "map": b"%2\r\n:1\r\n:9\r\n:0\r\n:1\r\n",
+    "set": b"~4\r\n:1\r\n:9\r\n:0\r\n:1\r\n",
+    "attribute": b"|1\r\n+ttl\r\n:3\r\n",
+    "push": b">2\r\n$10\r\ninvalidate\r\n_\r\n",
+    "big-number": b"(3492890328409238509324850943850943825024385\r\n",
+    "verbatim": b"=15\r\ntxt:Some string\r\n",
+}
+for _name, _value in RESP3.items():
+    PIPELINE[f"resp3-{_name}-as-decision"] = head(1) + _value + decision(1, 9, 0, 1)
+    PIPELINE[f"resp3-{_name}-in-decision"] = head(1) + b"*4\r\n:1\r\n" + _value + b":0\r\n:1\r\n"
+    PIPELINE[f"resp3-{_name}-to-handshake"] = (head(1, commands=1) + _value + b"+OK\r\n"
+                                               + decision(1, 9, 0, 1))
+    PIPELINE[f"resp3-{_name}-to-script-load"] = (head(1) + NOSCRIPT + _value + SHA
+                                                 + decision(1, 9, 0, 1))
 
 
 def main() -> None:

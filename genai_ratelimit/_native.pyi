@@ -7,6 +7,7 @@ from typing_extensions import disjoint_base
 
 SCRIPT_SHA1: str
 SCRIPT_SOURCE: str
+HIREDIS_VERSION: str  # "major.minor.patch" of the hiredis headers compiled against
 MAX_WINDOWS: int
 MAX_LIMIT: int
 MAX_WINDOW_SECONDS: int

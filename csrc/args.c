@@ -100,7 +100,8 @@ rl_windows_from_sequence(rl_windows *w, PyObject *windows)
         return -1;
     n = PySequence_Fast_GET_SIZE(seq);
     if (n == 0) {
-        PyErr_SetString(PyExc_ValueError, "windows must hold at least one (limit, window_seconds) pair");
+        PyErr_SetString(PyExc_ValueError,
+                        "windows must hold at least one (limit, window_seconds) pair");
         goto done;
     }
     if (n > RL_MAX_WINDOWS) {
@@ -130,7 +131,8 @@ rl_user_id_utf8(PyObject *user_id, Py_ssize_t *len)
 {
     const char *text;
     if (!PyUnicode_Check(user_id)) {
-        PyErr_Format(PyExc_TypeError, "user_id must be a str, not %.100s", Py_TYPE(user_id)->tp_name);
+        PyErr_Format(PyExc_TypeError, "user_id must be a str, not %.100s",
+                     Py_TYPE(user_id)->tp_name);
         return NULL;
     }
     if (PyUnicode_GET_LENGTH(user_id) == 0) {
@@ -250,8 +252,10 @@ rl_check_timeout(const char *name, double seconds)
         /* NaN fails both comparisons; inf and huge values fail the second. */
         char shown[64];
         PyOS_snprintf(shown, sizeof(shown), "%g", seconds);
-        PyErr_Format(PyExc_ValueError, "%s must be a positive number of seconds, at most %d "
-                     "(one day), got %s", name, (int)RL_MAX_TIMEOUT_SECONDS, shown);
+        PyErr_Format(PyExc_ValueError,
+                     "%s must be a positive number of seconds, at most %d "
+                     "(one day), got %s",
+                     name, (int)RL_MAX_TIMEOUT_SECONDS, shown);
         return -1;
     }
     return 0;
@@ -307,13 +311,13 @@ rl_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObje
                 }
             }
             if (found < 0) {
-                PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%S'",
-                             fname, key);
+                PyErr_Format(PyExc_TypeError, "%s() got an unexpected keyword argument '%S'", fname,
+                             key);
                 return -1;
             }
             if (out[found] != NULL) {
-                PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'",
-                             fname, names[found]);
+                PyErr_Format(PyExc_TypeError, "%s() got multiple values for argument '%s'", fname,
+                             names[found]);
                 return -1;
             }
             out[found] = args[nargs + k];

@@ -23,8 +23,8 @@
 
 typedef struct {
     PyObject_HEAD
-    rl_prepared prepared;        /* windows + formatted command + replay form (owned) */
-    int with_window;             /* result has 4 items (check_windows) or 3 (check) */
+    rl_prepared prepared; /* windows + formatted command + replay form (owned) */
+    int with_window;      /* result has 4 items (check_windows) or 3 (check) */
 } RequestObject;
 
 static void
@@ -41,7 +41,8 @@ Request_get_command(RequestObject *self, void *Py_UNUSED(closure))
 {
     if (self->prepared.command == NULL)
         Py_RETURN_NONE;
-    return PyBytes_FromStringAndSize(self->prepared.command, (Py_ssize_t)self->prepared.command_len);
+    return PyBytes_FromStringAndSize(self->prepared.command,
+                                     (Py_ssize_t)self->prepared.command_len);
 }
 
 static PyObject *
@@ -53,8 +54,7 @@ Request_get_replayed(RequestObject *self, void *Py_UNUSED(closure))
 static PyGetSetDef Request_getset[] = {
     {"command", (getter)Request_get_command, NULL, "The RESP-encoded EVALSHA.", NULL},
     {"replayed", (getter)Request_get_replayed, NULL,
-     "True once the request was switched to its replay form (after a broken connection).",
-     NULL},
+     "True once the request was switched to its replay form (after a broken connection).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -76,7 +76,7 @@ PyType_Spec rl_request_spec = {
 
 typedef struct {
     PyObject_HEAD
-    char *key_prefix;            /* UTF-8, owned */
+    char *key_prefix; /* UTF-8, owned */
     size_t key_prefix_len;
     int client_clock;
 } CodecObject;
@@ -130,7 +130,8 @@ encode(CodecObject *self, PyTypeObject *defining_class, PyObject *user_id, rl_wi
         return NULL;
     }
     p.windows = *windows;
-    if (rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, &p) < 0)
+    if (rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, &p) <
+        0)
         return NULL;
     if (p.disabled)
         return rl_result_tuple(&p.windows, &p.result, with_window);
@@ -213,8 +214,8 @@ PyType_Spec rl_codec_spec = {
    holder a strong reference to the Request whose prepared decision they point into. */
 typedef struct {
     PyObject_HEAD
-    rl_proto proto;              /* the engine; proto.reader == NULL before __init__ */
-    double timeout;              /* seconds a reply may take */
+    rl_proto proto; /* the engine; proto.reader == NULL before __init__ */
+    double timeout; /* seconds a reply may take */
 } PipelineObject;
 
 static int
@@ -733,13 +734,13 @@ Pipeline_get_pending(PipelineObject *self, void *Py_UNUSED(closure))
 static PyMethodDef Pipeline_methods[] = {
     {"handshake", (PyCFunction)(void (*)(void))Pipeline_handshake, METH_VARARGS | METH_KEYWORDS,
      Pipeline_handshake_doc},
-    {"push", (PyCFunction)(void (*)(void))Pipeline_push, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     Pipeline_push_doc},
+    {"push", (PyCFunction)(void (*)(void))Pipeline_push,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_push_doc},
     {"push_command", (PyCFunction)(void (*)(void))Pipeline_push_command,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_push_command_doc},
     {"take", (PyCFunction)Pipeline_take, METH_NOARGS, Pipeline_take_doc},
-    {"feed", (PyCFunction)(void (*)(void))Pipeline_feed, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     Pipeline_feed_doc},
+    {"feed", (PyCFunction)(void (*)(void))Pipeline_feed,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_feed_doc},
     {"fail_all", (PyCFunction)(void (*)(void))Pipeline_fail_all,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_fail_all_doc},
     {"take_replays", (PyCFunction)(void (*)(void))Pipeline_take_replays,

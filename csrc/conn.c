@@ -45,7 +45,6 @@
 #include <openssl/err.h>
 #include <openssl/x509v3.h>
 
-
 rl_status
 rl_error_set(rl_error *err, rl_status kind, const char *fmt, ...)
 {
@@ -77,9 +76,9 @@ dup_or_null(char **dst, const char *src)
 }
 
 int
-rl_config_init(rl_config *cfg, const char *host, int port, const char *unix_path,
-               long long db, const char *username, const char *password,
-               double connect_timeout, double socket_timeout)
+rl_config_init(rl_config *cfg, const char *host, int port, const char *unix_path, long long db,
+               const char *username, const char *password, double connect_timeout,
+               double socket_timeout)
 {
     memset(cfg, 0, sizeof(*cfg));
     cfg->port = port;
@@ -148,8 +147,7 @@ rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const char *cert_
     } else {
         SSL_CTX_set_verify(ctx, SSL_VERIFY_NONE, NULL);
     }
-    if (cert_file != NULL &&
-        SSL_CTX_use_certificate_chain_file(ctx, cert_file) != 1) {
+    if (cert_file != NULL && SSL_CTX_use_certificate_chain_file(ctx, cert_file) != 1) {
         SSL_CTX_free(ctx);
         return rl_error_set(err, RL_ERR_CONNECT, "cannot load the client certificate %s: %s",
                             cert_file, ssl_error_text(detail, sizeof(detail)));
@@ -218,24 +216,23 @@ connect_fd(int fd, const struct sockaddr *addr, socklen_t addrlen, double deadli
 {
     int flags = fcntl(fd, F_GETFL);
     if (flags < 0 || fcntl(fd, F_SETFL, flags | O_NONBLOCK) < 0)
-        return rl_error_set(err, RL_ERR_CONNECT, "cannot configure a socket: %s",
-                            strerror(errno));
+        return rl_error_set(err, RL_ERR_CONNECT, "cannot configure a socket: %s", strerror(errno));
     if (connect(fd, addr, addrlen) < 0) {
         if (errno != EINPROGRESS)
-            return rl_error_set(err, RL_ERR_CONNECT, "cannot connect to Redis at %s: %s",
-                                where, strerror(errno));
+            return rl_error_set(err, RL_ERR_CONNECT, "cannot connect to Redis at %s: %s", where,
+                                strerror(errno));
         for (;;) {
             struct pollfd pfd = {.fd = fd, .events = POLLOUT};
             double left = deadline - rl_monotonic();
             if (left <= 0)
-                return rl_error_set(err, RL_ERR_TIMEOUT,
-                                    "timed out connecting to Redis at %s", where);
+                return rl_error_set(err, RL_ERR_TIMEOUT, "timed out connecting to Redis at %s",
+                                    where);
             int rc = poll(&pfd, 1, (int)(left * 1000.0) + 1);
             if (rc < 0 && errno == EINTR)
                 continue;
             if (rc < 0)
-                return rl_error_set(err, RL_ERR_CONNECT, "cannot connect to Redis at %s: %s",
-                                    where, strerror(errno));
+                return rl_error_set(err, RL_ERR_CONNECT, "cannot connect to Redis at %s: %s", where,
+                                    strerror(errno));
             if (rc == 0)
                 continue; /* the deadline check above ends the loop */
             int soerr = 0;
@@ -243,14 +240,13 @@ connect_fd(int fd, const struct sockaddr *addr, socklen_t addrlen, double deadli
             if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len) < 0)
                 soerr = errno;
             if (soerr != 0)
-                return rl_error_set(err, RL_ERR_CONNECT, "cannot connect to Redis at %s: %s",
-                                    where, strerror(soerr));
+                return rl_error_set(err, RL_ERR_CONNECT, "cannot connect to Redis at %s: %s", where,
+                                    strerror(soerr));
             break;
         }
     }
     if (fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) < 0)
-        return rl_error_set(err, RL_ERR_CONNECT, "cannot configure a socket: %s",
-                            strerror(errno));
+        return rl_error_set(err, RL_ERR_CONNECT, "cannot configure a socket: %s", strerror(errno));
     return RL_OK;
 }
 
@@ -271,8 +267,7 @@ open_socket(const rl_config *cfg, double deadline, int *out_fd, rl_error *err)
         memcpy(sa.sun_path, cfg->unix_path, strlen(cfg->unix_path) + 1);
         int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0)
-            return rl_error_set(err, RL_ERR_CONNECT, "cannot create a socket: %s",
-                                strerror(errno));
+            return rl_error_set(err, RL_ERR_CONNECT, "cannot create a socket: %s", strerror(errno));
         rl_status st = connect_fd(fd, (struct sockaddr *)&sa, sizeof(sa), deadline, where, err);
         if (st != RL_OK) {
             close(fd);
@@ -292,14 +287,13 @@ open_socket(const rl_config *cfg, double deadline, int *out_fd, rl_error *err)
     hints.ai_socktype = SOCK_STREAM;
     int gai = getaddrinfo(cfg->host, port, &hints, &list);
     if (gai != 0)
-        return rl_error_set(err, RL_ERR_CONNECT,
-                            "cannot resolve Redis host %s: %s", where, gai_strerror(gai));
+        return rl_error_set(err, RL_ERR_CONNECT, "cannot resolve Redis host %s: %s", where,
+                            gai_strerror(gai));
     rl_status st = rl_error_set(err, RL_ERR_CONNECT, "no address for Redis host %s", where);
     for (struct addrinfo *ai = list; ai != NULL; ai = ai->ai_next) {
         int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
         if (fd < 0) {
-            st = rl_error_set(err, RL_ERR_CONNECT, "cannot create a socket: %s",
-                              strerror(errno));
+            st = rl_error_set(err, RL_ERR_CONNECT, "cannot create a socket: %s", strerror(errno));
             continue;
         }
         st = connect_fd(fd, ai->ai_addr, ai->ai_addrlen, deadline, where, err);
@@ -504,20 +498,22 @@ tls_handshake(rl_conn *conn, const rl_config *cfg, double deadline, rl_error *er
     if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE ||
         (code == SSL_ERROR_SYSCALL && (saved == EAGAIN || saved == EWOULDBLOCK)))
         return rl_error_set(err, RL_ERR_TIMEOUT,
-                            "timed out in the TLS handshake with Redis at %s:%d", cfg->host, cfg->port);
+                            "timed out in the TLS handshake with Redis at %s:%d", cfg->host,
+                            cfg->port);
     if (verify != X509_V_OK)
         return rl_error_set(err, RL_ERR_CONNECT,
                             "TLS handshake with Redis at %s:%d failed: certificate verify failed "
-                            "(%s)", cfg->host, cfg->port, X509_verify_cert_error_string(verify));
+                            "(%s)",
+                            cfg->host, cfg->port, X509_verify_cert_error_string(verify));
     if (code == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)
-        return rl_error_set(err, RL_ERR_CONNECT,
-                            "TLS handshake with Redis at %s:%d failed: %s", cfg->host, cfg->port,
-                            saved ? strerror(saved) : "the server closed the connection "
-                            "(is it a TLS port?)");
+        return rl_error_set(err, RL_ERR_CONNECT, "TLS handshake with Redis at %s:%d failed: %s",
+                            cfg->host, cfg->port,
+                            saved ? strerror(saved)
+                                  : "the server closed the connection "
+                                    "(is it a TLS port?)");
     return rl_error_set(err, RL_ERR_CONNECT, "TLS handshake with Redis at %s:%d failed: %s",
                         cfg->host, cfg->port, ssl_error_text(detail, sizeof(detail)));
 }
-
 
 /* Opens a connection and runs the engine's handshake on it, within connect_timeout. */
 static rl_status
@@ -773,7 +769,8 @@ rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err)
             pthread_mutex_unlock(&pool->mutex);
             return rl_error_set(err, RL_ERR_TIMEOUT,
                                 "timed out waiting for a free connection (all %d are busy; "
-                                "raise max_connections)", max_open);
+                                "raise max_connections)",
+                                max_open);
         }
         struct timespec until;
         clock_gettime(CLOCK_MONOTONIC, &until);

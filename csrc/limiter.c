@@ -24,13 +24,13 @@
 
 typedef struct {
     PyObject_HEAD
-    rl_pool pool;                /* connections, shared by every thread */
-    char *key_prefix;            /* UTF-8, owned */
+    rl_pool pool;     /* connections, shared by every thread */
+    char *key_prefix; /* UTF-8, owned */
     size_t key_prefix_len;
-    int client_clock;            /* 1: the caller's clock; 0: the server's TIME */
-    int configured;              /* __init__ ran to completion */
+    int client_clock;              /* 1: the caller's clock; 0: the server's TIME */
+    int configured;                /* __init__ ran to completion */
     unsigned long fork_generation; /* rl_fork_generation() at the last call; 0 before */
-    rl_random *random;           /* the module's page of randomness (its fork generation) */
+    rl_random *random;             /* the module's page of randomness (its fork generation) */
 } LimiterObject;
 
 static rl_module_state *
@@ -73,10 +73,11 @@ Limiter_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(k
 static int
 Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"host", "port", "unix_path", "db", "username", "password",
-                               "connect_timeout", "socket_timeout", "key_prefix",
-                               "client_clock", "max_connections", "tls", "ssl_verify",
-                               "ssl_ca_certs", "ssl_certfile", "ssl_keyfile", NULL};
+    static char *keywords[] = {"host",       "port",         "unix_path",       "db",
+                               "username",   "password",     "connect_timeout", "socket_timeout",
+                               "key_prefix", "client_clock", "max_connections", "tls",
+                               "ssl_verify", "ssl_ca_certs", "ssl_certfile",    "ssl_keyfile",
+                               NULL};
     const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
     const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
     Py_ssize_t prefix_len = 9;
@@ -88,11 +89,10 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_RuntimeError, "a limiter is configured once, by its constructor");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzz", keywords, &host,
-                                     &port, &unix_path, &db, &username, &password,
-                                     &connect_timeout, &socket_timeout, &prefix, &prefix_len,
-                                     &client_clock, &max_connections, &tls, &ssl_verify, &ca,
-                                     &certfile, &keyfile))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzz", keywords, &host, &port,
+                                     &unix_path, &db, &username, &password, &connect_timeout,
+                                     &socket_timeout, &prefix, &prefix_len, &client_clock,
+                                     &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile))
         return -1;
     if (host == NULL && unix_path == NULL) {
         PyErr_SetString(PyExc_ValueError, "a host or a unix socket path is needed");
@@ -194,7 +194,8 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         PyErr_SetString(PyExc_RuntimeError, "the limiter was not initialised (call __init__)");
         return NULL;
     }
-    if (rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, p) < 0)
+    if (rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, p) <
+        0)
         goto done;
     if (p->disabled) {
         result = rl_result_tuple(&p->windows, &p->result, with_window);

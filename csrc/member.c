@@ -29,18 +29,18 @@
 
 /* The page itself: zeroed by the kernel in a fork child when MADV_WIPEONFORK took. */
 typedef struct {
-    int alive;                   /* 1 in the process that set it; 0 in a fork child */
-    int filled;                  /* 0 after a fork (wiped) or before the first fill */
-    pid_t pid;                   /* filler's pid, checked when the page is not wiped */
-    unsigned int used;           /* bytes of `bytes` handed out */
+    int alive;         /* 1 in the process that set it; 0 in a fork child */
+    int filled;        /* 0 after a fork (wiped) or before the first fill */
+    pid_t pid;         /* filler's pid, checked when the page is not wiped */
+    unsigned int used; /* bytes of `bytes` handed out */
     unsigned char bytes[RL_RANDOM_PAGE - 4 * sizeof(int)];
 } rl_random_page;
 
 struct rl_random {
-    rl_random_page *page;        /* mmap'd, MADV_WIPEONFORK when the kernel has it */
-    int wipes_on_fork;           /* the madvise took effect */
-    pid_t last_pid;              /* for the getpid() fallback when it did not */
-    unsigned long generation;    /* bumped once per fork seen; starts at 1 */
+    rl_random_page *page;     /* mmap'd, MADV_WIPEONFORK when the kernel has it */
+    int wipes_on_fork;        /* the madvise took effect */
+    pid_t last_pid;           /* for the getpid() fallback when it did not */
+    unsigned long generation; /* bumped once per fork seen; starts at 1 */
 };
 
 rl_random *
@@ -49,8 +49,8 @@ rl_random_new(void)
     rl_random *r = malloc(sizeof(*r));
     if (r == NULL)
         return NULL;
-    r->page = mmap(NULL, RL_RANDOM_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
+    r->page =
+        mmap(NULL, RL_RANDOM_PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (r->page == MAP_FAILED) {
         int saved = errno;
         free(r);

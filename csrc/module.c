@@ -16,7 +16,7 @@
    0.14 (make test-hiredis1 checks it). */
 #define RL_STRINGIFY_(x) #x
 #define RL_STRINGIFY(x) RL_STRINGIFY_(x)
-#define RL_HIREDIS_VERSION \
+#define RL_HIREDIS_VERSION                                                                         \
     RL_STRINGIFY(HIREDIS_MAJOR) "." RL_STRINGIFY(HIREDIS_MINOR) "." RL_STRINGIFY(HIREDIS_PATCH)
 
 extern PyType_Spec rl_limiter_spec;
@@ -47,7 +47,8 @@ rl_exception(rl_module_state *state, const rl_error *err)
         type = state->Error;
         break;
     case RL_OK: /* a bug: report it rather than fail without an exception */
-        return PyObject_CallFunction(PyExc_SystemError, "s", "rate limiter failed without an error");
+        return PyObject_CallFunction(PyExc_SystemError, "s",
+                                     "rate limiter failed without an error");
     default:
         type = state->Unavailable;
         break;
@@ -233,14 +234,10 @@ PyDoc_STRVAR(module_doc,
 "decoding (hiredis), the socket round trip with the GIL released, connection pooling.");
 
 static struct PyModuleDef native_module = {
-    PyModuleDef_HEAD_INIT,
-    .m_name = "genai_ratelimit._native",
-    .m_doc = module_doc,
-    .m_size = sizeof(rl_module_state),
-    .m_methods = module_methods,
-    .m_slots = module_slots,
-    .m_traverse = module_traverse,
-    .m_clear = module_clear,
+    PyModuleDef_HEAD_INIT,         .m_name = "genai_ratelimit._native",
+    .m_doc = module_doc,           .m_size = sizeof(rl_module_state),
+    .m_methods = module_methods,   .m_slots = module_slots,
+    .m_traverse = module_traverse, .m_clear = module_clear,
     .m_free = module_free,
 };
 

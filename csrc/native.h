@@ -28,31 +28,31 @@
 #include <hiredis.h>
 #include <openssl/ssl.h>
 
-#define RL_MAX_WINDOWS 32            /* windows decided by one check */
-#define RL_MEMBER_LEN 36             /* canonical UUID text, without the NUL */
-#define RL_MAX_REPLY_BYTES 65536     /* a decision's reply is tiny: more is garbage */
-#define RL_MAX_LIMIT 9007199254740991LL       /* 2^53 - 1: exact in Lua's doubles */
-#define RL_MAX_WINDOW_SECONDS 3153600000LL    /* 100 years of 365 days */
-#define RL_MAX_TIMEOUT_SECONDS 86400.0        /* timeouts: one day at most (no overflow) */
+#define RL_MAX_WINDOWS 32                  /* windows decided by one check */
+#define RL_MEMBER_LEN 36                   /* canonical UUID text, without the NUL */
+#define RL_MAX_REPLY_BYTES 65536           /* a decision's reply is tiny: more is garbage */
+#define RL_MAX_LIMIT 9007199254740991LL    /* 2^53 - 1: exact in Lua's doubles */
+#define RL_MAX_WINDOW_SECONDS 3153600000LL /* 100 years of 365 days */
+#define RL_MAX_TIMEOUT_SECONDS 86400.0     /* timeouts: one day at most (no overflow) */
 
 /* ------------------------------------------------------------------ errors */
 
 typedef enum {
     RL_OK = 0,
-    RL_ERR_CONNECT,      /* no connection could be opened */
-    RL_ERR_TIMEOUT,      /* a deadline passed before the server answered */
-    RL_ERR_IO,           /* the connection broke in the middle of a call */
-    RL_ERR_PROTOCOL,     /* the server sent something that is not a decision */
-    RL_ERR_SERVER,       /* the server answered with an error reply */
-    RL_ERR_AUTH,         /* authentication failed, or the server wants a password */
-    RL_ERR_CLOSED,       /* the limiter was closed */
-    RL_ERR_NOMEM,        /* malloc failed */
-    RL_ERR_INTERRUPTED,  /* a signal interrupted blocking I/O: check signals, then resume */
+    RL_ERR_CONNECT,     /* no connection could be opened */
+    RL_ERR_TIMEOUT,     /* a deadline passed before the server answered */
+    RL_ERR_IO,          /* the connection broke in the middle of a call */
+    RL_ERR_PROTOCOL,    /* the server sent something that is not a decision */
+    RL_ERR_SERVER,      /* the server answered with an error reply */
+    RL_ERR_AUTH,        /* authentication failed, or the server wants a password */
+    RL_ERR_CLOSED,      /* the limiter was closed */
+    RL_ERR_NOMEM,       /* malloc failed */
+    RL_ERR_INTERRUPTED, /* a signal interrupted blocking I/O: check signals, then resume */
 } rl_status;
 
 typedef struct {
-    rl_status kind;      /* what went wrong (RL_OK when nothing did) */
-    char message[320];   /* for people; never contains a password */
+    rl_status kind;    /* what went wrong (RL_OK when nothing did) */
+    char message[320]; /* for people; never contains a password */
 } rl_error;
 
 /* Fills err and returns kind. printf-style message. */
@@ -65,26 +65,26 @@ void rl_wipe(void *buf, size_t len);
 /* ---------------------------------------------------------------- decisions */
 
 typedef struct {
-    int count;                              /* number of windows */
-    long long limit[RL_MAX_WINDOWS];        /* shortest window first */
+    int count;                       /* number of windows */
+    long long limit[RL_MAX_WINDOWS]; /* shortest window first */
     long long seconds[RL_MAX_WINDOWS];
 } rl_windows;
 
 typedef struct {
-    int allowed;                 /* 1 allow, 0 reject */
+    int allowed; /* 1 allow, 0 reject */
     long long remaining;
     long long retry_after_s;
-    int window;                  /* 0-based index into rl_windows of the deciding window */
+    int window; /* 0-based index into rl_windows of the deciding window */
 } rl_result;
 
 /* One decision, prepared with the GIL held (args.c), then sent by either driver. */
 typedef struct {
-    rl_windows windows;          /* validated, shortest first */
-    int disabled;                /* the kill switch answered: result is final, no I/O */
-    rl_result result;            /* the kill switch's answer when disabled */
-    char *command;               /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
+    rl_windows windows; /* validated, shortest first */
+    int disabled;       /* the kill switch answered: result is final, no I/O */
+    rl_result result;   /* the kill switch's answer when disabled */
+    char *command;      /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
     long long command_len;
-    char *replay;                /* the command with the replay marker (malloc), once replayed */
+    char *replay; /* the command with the replay marker (malloc), once replayed */
     size_t replay_len;
 } rl_prepared;
 
@@ -95,58 +95,58 @@ const char *rl_prepared_bytes(const rl_prepared *p, size_t *len);
 
 /* What a queued request is. The handshake steps come first on a new connection. */
 typedef enum {
-    RL_STEP_AUTH,                /* AUTH [user] password */
-    RL_STEP_SELECT,              /* SELECT db */
-    RL_STEP_PING,                /* reads a TLS 1.3 server's session tickets */
-    RL_STEP_SCRIPT_LOAD,         /* queued by the engine after NOSCRIPT */
-    RL_STEP_DECISION,            /* a rate-limit decision (EVALSHA) */
-    RL_STEP_COMMAND,             /* any other command: the raw reply goes to the caller */
+    RL_STEP_AUTH,        /* AUTH [user] password */
+    RL_STEP_SELECT,      /* SELECT db */
+    RL_STEP_PING,        /* reads a TLS 1.3 server's session tickets */
+    RL_STEP_SCRIPT_LOAD, /* queued by the engine after NOSCRIPT */
+    RL_STEP_DECISION,    /* a rate-limit decision (EVALSHA) */
+    RL_STEP_COMMAND,     /* any other command: the raw reply goes to the caller */
 } rl_step;
 
 typedef struct {
     rl_step step;
-    int reloaded;                /* decisions: NOSCRIPT was answered once already */
-    int last;                    /* handshake: the step whose success completes it */
-    double deadline;             /* monotonic seconds by which the reply is due */
-    void *token;                 /* the driver's handle on the waiter; never dereferenced */
-    void *holder;                /* the driver's owner of `decision`; never dereferenced */
-    rl_prepared *decision;       /* decisions: borrowed, kept alive by the driver */
+    int reloaded;          /* decisions: NOSCRIPT was answered once already */
+    int last;              /* handshake: the step whose success completes it */
+    double deadline;       /* monotonic seconds by which the reply is due */
+    void *token;           /* the driver's handle on the waiter; never dereferenced */
+    void *holder;          /* the driver's owner of `decision`; never dereferenced */
+    rl_prepared *decision; /* decisions: borrowed, kept alive by the driver */
 } rl_entry;
 
 /* One completed request, handed to the driver by rl_proto_next. */
 typedef struct {
-    rl_entry entry;              /* the request (token, holder, decision) */
-    rl_status status;            /* RL_OK, or what went wrong for this request */
-    rl_error error;              /* when status != RL_OK */
-    rl_result result;            /* decisions answered RL_OK */
-    redisReply *reply;           /* commands answered RL_OK: owned by the receiver */
-    int fatal;                   /* the connection is out of step: drop it after this */
+    rl_entry entry;    /* the request (token, holder, decision) */
+    rl_status status;  /* RL_OK, or what went wrong for this request */
+    rl_error error;    /* when status != RL_OK */
+    rl_result result;  /* decisions answered RL_OK */
+    redisReply *reply; /* commands answered RL_OK: owned by the receiver */
+    int fatal;         /* the connection is out of step: drop it after this */
 } rl_event;
 
 typedef struct {
-    const char *username;        /* ACL user, or NULL */
-    const char *password;        /* AUTH password, or NULL */
-    long long db;                /* SELECT when not 0 */
-    int ping;                    /* PING when nothing else is sent (TLS) */
+    const char *username; /* ACL user, or NULL */
+    const char *password; /* AUTH password, or NULL */
+    long long db;         /* SELECT when not 0 */
+    int ping;             /* PING when nothing else is sent (TLS) */
 } rl_handshake;
 
 typedef struct {
-    redisReader *reader;         /* RESP parser, refusing arrays longer than a decision's */
-    rl_entry *ring;              /* FIFO of replies due, in send order */
+    redisReader *reader; /* RESP parser, refusing arrays longer than a decision's */
+    rl_entry *ring;      /* FIFO of replies due, in send order */
     size_t capacity, head, count;
-    size_t unsent;               /* trailing entries whose bytes are still in `out` */
-    char *out;                   /* bytes queued for writing */
+    size_t unsent; /* trailing entries whose bytes are still in `out` */
+    char *out;     /* bytes queued for writing */
     size_t out_len, out_capacity;
-    int sensitive;               /* out holds a password: wiped once written or dropped */
-    int failed;                  /* a fatal error was reported: the connection is done */
-    long long db;                /* the database the handshake selects, for messages */
-    int load_failed;             /* the last SCRIPT LOAD was refused: load_error says why */
+    int sensitive;   /* out holds a password: wiped once written or dropped */
+    int failed;      /* a fatal error was reported: the connection is done */
+    long long db;    /* the database the handshake selects, for messages */
+    int load_failed; /* the last SCRIPT LOAD was refused: load_error says why */
     rl_error load_error;
 } rl_proto;
 
 /* No GIL needed for any of these: they touch no Python object and do no I/O. */
-int rl_proto_init(rl_proto *p);                                  /* 0, or -1: no memory */
-void rl_proto_clear(rl_proto *p);   /* frees all; tokens and holders are the driver's */
+int rl_proto_init(rl_proto *p);   /* 0, or -1: no memory */
+void rl_proto_clear(rl_proto *p); /* frees all; tokens and holders are the driver's */
 /* Queues the handshake steps (one write). Returns how many were queued (0: the
    connection is ready at once), or -1 with err (no memory). The last step carries token:
    its event completes the handshake. An earlier step that fails gives a fatal event
@@ -170,8 +170,8 @@ int rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err);
 /* Takes the oldest queued request (1), or 0 when none is left: for a broken connection. */
 int rl_proto_pop(rl_proto *p, rl_entry *out);
 size_t rl_proto_pending(const rl_proto *p);
-const rl_entry *rl_proto_entry(const rl_proto *p, size_t i);     /* 0 = oldest */
-double rl_proto_oldest_deadline(const rl_proto *p);              /* -1 when none pending */
+const rl_entry *rl_proto_entry(const rl_proto *p, size_t i); /* 0 = oldest */
+double rl_proto_oldest_deadline(const rl_proto *p);          /* -1 when none pending */
 /* 1 when an idle connection must not be reused: bytes nobody asked for are buffered or
    waiting on fd (a stray reply, a server's EOF). fd < 0 skips the poll. */
 int rl_proto_idle_is_stale(const rl_proto *p, int fd);
@@ -184,41 +184,41 @@ int rl_proto_replay(rl_status cause, rl_prepared *d);
 /* ------------------------------------------------------------- connections */
 
 typedef struct {
-    char *host;                  /* TCP host, or NULL for a unix socket */
-    int port;                    /* TCP port */
-    char *unix_path;             /* unix socket path, or NULL */
-    long long db;                /* SELECT db when not 0 */
-    char *username;              /* ACL user, or NULL */
-    char *password;              /* AUTH password, or NULL; never printed */
-    double connect_timeout;      /* seconds, for connect + AUTH + SELECT */
-    double socket_timeout;       /* seconds, for one decision's round trip */
-    int tls;                     /* rediss://: TLS on the TCP connection */
-    int tls_verify;              /* verify the server's certificate and name */
-    SSL_CTX *ssl_ctx;            /* shared by every connection of the pool, or NULL */
+    char *host;             /* TCP host, or NULL for a unix socket */
+    int port;               /* TCP port */
+    char *unix_path;        /* unix socket path, or NULL */
+    long long db;           /* SELECT db when not 0 */
+    char *username;         /* ACL user, or NULL */
+    char *password;         /* AUTH password, or NULL; never printed */
+    double connect_timeout; /* seconds, for connect + AUTH + SELECT */
+    double socket_timeout;  /* seconds, for one decision's round trip */
+    int tls;                /* rediss://: TLS on the TCP connection */
+    int tls_verify;         /* verify the server's certificate and name */
+    SSL_CTX *ssl_ctx;       /* shared by every connection of the pool, or NULL */
 } rl_config;
 
 typedef struct rl_conn {
-    int fd;                      /* blocking socket with SO_RCVTIMEO/SO_SNDTIMEO set */
-    SSL *ssl;                    /* TLS session on fd, or NULL for plain TCP/unix */
-    rl_proto proto;              /* the protocol state of this connection */
-    double armed_timeout;        /* SO_SNDTIMEO/SO_RCVTIMEO now set (seconds), 0 unknown */
-    struct rl_conn *next;        /* next idle connection in the pool */
+    int fd;               /* blocking socket with SO_RCVTIMEO/SO_SNDTIMEO set */
+    SSL *ssl;             /* TLS session on fd, or NULL for plain TCP/unix */
+    rl_proto proto;       /* the protocol state of this connection */
+    double armed_timeout; /* SO_SNDTIMEO/SO_RCVTIMEO now set (seconds), 0 unknown */
+    struct rl_conn *next; /* next idle connection in the pool */
 } rl_conn;
 
 typedef struct {
-    pthread_mutex_t mutex;       /* guards every field below but config */
-    pthread_cond_t available;    /* signalled when a connection is returned */
-    rl_conn *idle;               /* stack of idle connections */
-    int open;                    /* connections that exist (idle or in use) */
-    int max_open;                /* bound on open */
-    int closed;                  /* set by close(): no new connections */
-    int initialized;             /* mutex and cond are initialised */
-    rl_config config;            /* immutable after init */
+    pthread_mutex_t mutex;    /* guards every field below but config */
+    pthread_cond_t available; /* signalled when a connection is returned */
+    rl_conn *idle;            /* stack of idle connections */
+    int open;                 /* connections that exist (idle or in use) */
+    int max_open;             /* bound on open */
+    int closed;               /* set by close(): no new connections */
+    int initialized;          /* mutex and cond are initialised */
+    rl_config config;         /* immutable after init */
 } rl_pool;
 
-int rl_config_init(rl_config *cfg, const char *host, int port, const char *unix_path,
-                   long long db, const char *username, const char *password,
-                   double connect_timeout, double socket_timeout);  /* 0 or -1 (ENOMEM) */
+int rl_config_init(rl_config *cfg, const char *host, int port, const char *unix_path, long long db,
+                   const char *username, const char *password, double connect_timeout,
+                   double socket_timeout); /* 0 or -1 (ENOMEM) */
 void rl_config_clear(rl_config *cfg);
 /* Sets up TLS for the config: a client SSL_CTX that trusts the CA file when one is given,
    else the system's default CAs (the policy both limiters follow), an optional client
@@ -228,7 +228,7 @@ rl_status rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const c
                         const char *key_file, rl_error *err);
 
 /* Pool; all of these run without the GIL, except rl_pool_init/rl_pool_after_fork. */
-int rl_pool_init(rl_pool *pool, int max_open);              /* 0, or -1 with errno */
+int rl_pool_init(rl_pool *pool, int max_open); /* 0, or -1 with errno */
 void rl_pool_destroy(rl_pool *pool);
 void rl_pool_close(rl_pool *pool);
 void rl_pool_after_fork(rl_pool *pool);
@@ -241,7 +241,7 @@ int rl_pool_is_closed(rl_pool *pool);
 
 /* A hiredis reader that refuses arrays longer than any reply we expect. NULL: no memory. */
 redisReader *rl_reader_create(void);
-const char *rl_reader_error(const redisReader *reader);   /* the reader's error, for people */
+const char *rl_reader_error(const redisReader *reader); /* the reader's error, for people */
 
 /* One blocking decision on a pool, resumable after a signal: rl_call_run returns
    RL_ERR_INTERRUPTED when a signal interrupted the I/O; the caller (GIL held) runs the
@@ -250,9 +250,9 @@ const char *rl_reader_error(const redisReader *reader);   /* the reader's error,
 typedef struct {
     rl_pool *pool;
     rl_prepared *decision;
-    rl_conn *conn;               /* checked out while the call is under way, or NULL */
-    double deadline;             /* of the exchange on conn */
-    rl_result result;            /* the answer, when rl_call_run returned RL_OK */
+    rl_conn *conn;    /* checked out while the call is under way, or NULL */
+    double deadline;  /* of the exchange on conn */
+    rl_result result; /* the answer, when rl_call_run returned RL_OK */
 } rl_call;
 
 void rl_call_init(rl_call *call, rl_pool *pool, rl_prepared *decision);
@@ -263,9 +263,8 @@ void rl_call_abandon(rl_call *call);
 
 /* Formats EVALSHA for one decision; returns its length and sets *out (redisFreeCommand),
    or -1 when out of memory. now_ms < 0 lets the script read the server's clock. */
-long long rl_script_format(const char *prefix, size_t prefix_len, const char *user,
-                           size_t user_len, const rl_windows *w, const char *member,
-                           long long now_ms, char **out);
+long long rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+                           const rl_windows *w, const char *member, long long now_ms, char **out);
 
 /* The command with the script's replay marker appended (malloc'd; NULL when out of memory
    or not a formatted command). A replay never counts a request its first attempt logged. */
@@ -278,7 +277,7 @@ rl_status rl_script_decode(const redisReply *reply, const rl_windows *w, rl_resu
                            rl_error *err);
 /* 1 when reply is an error reply whose text starts with prefix. */
 int rl_reply_is_error(const redisReply *reply, const char *prefix);
-const char *rl_reply_type_name(int type);             /* "an integer", ... for messages */
+const char *rl_reply_type_name(int type); /* "an integer", ... for messages */
 
 /* The script's SHA1 hex and source, embedded from lua/sliding_window.lua at build time,
    and the pre-encoded SCRIPT LOAD command. */
@@ -288,15 +287,15 @@ const char *rl_script_load_text(size_t *len);
 
 /* ----------------------------------------------------------- member, clock */
 
-typedef struct rl_random rl_random;                  /* a page of kernel randomness */
-rl_random *rl_random_new(void);                      /* NULL with errno on failure */
+typedef struct rl_random rl_random; /* a page of kernel randomness */
+rl_random *rl_random_new(void);     /* NULL with errno on failure */
 void rl_random_free(rl_random *page);
 /* Bumped once per fork this process descends from (starts at 1). GIL held. */
 unsigned long rl_fork_generation(rl_random *r);
 /* Canonical lowercase UUID4 text. 0, or -1 with errno when getrandom failed. GIL held. */
 int rl_member_uuid4(rl_random *page, char out[RL_MEMBER_LEN + 1]);
-long long rl_clock_ms(void);                         /* unix time in milliseconds */
-double rl_monotonic(void);                           /* seconds, for deadlines */
+long long rl_clock_ms(void); /* unix time in milliseconds */
+double rl_monotonic(void);   /* seconds, for deadlines */
 
 /* -------------------------------------------------------- module (GIL held) */
 
@@ -305,13 +304,13 @@ typedef struct {
     PyTypeObject *CodecType;
     PyTypeObject *RequestType;
     PyTypeObject *PipelineType;
-    PyObject *Error;             /* RateLimiterError */
-    PyObject *Unavailable;       /* RateLimiterUnavailable */
-    PyObject *Timeout;           /* RateLimiterTimeout */
-    PyObject *AuthError;         /* RateLimiterAuthError */
-    int kill_switch_warned;      /* the kill-switch warning was logged */
-    rl_random *random;           /* UUID4 randomness, wiped in a fork child */
-    PyObject *str_done;          /* interned method names for resolving futures */
+    PyObject *Error;        /* RateLimiterError */
+    PyObject *Unavailable;  /* RateLimiterUnavailable */
+    PyObject *Timeout;      /* RateLimiterTimeout */
+    PyObject *AuthError;    /* RateLimiterAuthError */
+    int kill_switch_warned; /* the kill-switch warning was logged */
+    rl_random *random;      /* UUID4 randomness, wiped in a fork child */
+    PyObject *str_done;     /* interned method names for resolving futures */
     PyObject *str_set_result;
     PyObject *str_set_exception;
 } rl_module_state;
@@ -321,8 +320,8 @@ PyObject *rl_raise(rl_module_state *state, const rl_error *err);
 /* The exception instance for err (a new reference), or NULL with an exception set. */
 PyObject *rl_exception(rl_module_state *state, const rl_error *err);
 
-int rl_windows_from_pair(rl_windows *w, PyObject *limit, PyObject *seconds);   /* 0 / -1 */
-int rl_windows_from_sequence(rl_windows *w, PyObject *windows);               /* 0 / -1 */
+int rl_windows_from_pair(rl_windows *w, PyObject *limit, PyObject *seconds); /* 0 / -1 */
+int rl_windows_from_sequence(rl_windows *w, PyObject *windows);              /* 0 / -1 */
 /* Borrowed UTF-8 of a non-empty str user id, or NULL with an exception. */
 const char *rl_user_id_utf8(PyObject *user_id, Py_ssize_t *len);
 /* Validates user_id, applies the kill switch, makes the member, formats the command.

@@ -252,8 +252,7 @@ queue_words(rl_proto *p, int argc, const char **argv, const size_t *argvlen, con
 }
 
 int
-rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *token,
-                   rl_error *err)
+rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *token, rl_error *err)
 {
     const char *argv[3];
     size_t argvlen[3];
@@ -264,14 +263,18 @@ rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *to
     /* Only the last step carries the token: it completes the handshake. A step before it
        that fails reports a fatal event without a token; the driver then fails what is
        left, the last step included. */
-    int steps_total = (h->password != NULL) + (h->db != 0) + (h->password == NULL && h->db == 0 && h->ping);
+    int steps_total =
+        (h->password != NULL) + (h->db != 0) + (h->password == NULL && h->db == 0 && h->ping);
     if (h->password != NULL) {
         int argc = 0;
-        argv[argc] = "AUTH"; argvlen[argc++] = 4;
+        argv[argc] = "AUTH";
+        argvlen[argc++] = 4;
         if (h->username != NULL) {
-            argv[argc] = h->username; argvlen[argc++] = strlen(h->username);
+            argv[argc] = h->username;
+            argvlen[argc++] = strlen(h->username);
         }
-        argv[argc] = h->password; argvlen[argc++] = strlen(h->password);
+        argv[argc] = h->password;
+        argvlen[argc++] = strlen(h->password);
         e.step = RL_STEP_AUTH;
         e.last = steps + 1 == steps_total;
         e.token = e.last ? token : NULL;
@@ -283,7 +286,8 @@ rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *to
     if (h->db != 0) {
         p->db = h->db;
         argvlen[1] = (size_t)snprintf(dbtext, sizeof(dbtext), "%lld", h->db);
-        argv[0] = "SELECT"; argvlen[0] = 6;
+        argv[0] = "SELECT";
+        argvlen[0] = 6;
         argv[1] = dbtext;
         e.step = RL_STEP_SELECT;
         e.last = 1;
@@ -295,7 +299,8 @@ rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *to
     if (steps == 0 && h->ping) {
         /* A TLS 1.3 server sends its session tickets after the handshake; one round trip
            now reads them, so an idle pooled connection never looks readable (stale). */
-        argv[0] = "PING"; argvlen[0] = 4;
+        argv[0] = "PING";
+        argvlen[0] = 4;
         e.step = RL_STEP_PING;
         e.last = 1;
         e.token = token;
@@ -312,8 +317,11 @@ rl_proto_push_decision(rl_proto *p, rl_prepared *d, double deadline, void *token
 {
     size_t len;
     const char *bytes = rl_prepared_bytes(d, &len);
-    rl_entry e = {.step = RL_STEP_DECISION, .deadline = deadline, .token = token,
-                  .holder = holder, .decision = d};
+    rl_entry e = {.step = RL_STEP_DECISION,
+                  .deadline = deadline,
+                  .token = token,
+                  .holder = holder,
+                  .decision = d};
     if (bytes == NULL)
         return rl_error_set(err, RL_ERR_CLOSED, "the decision has no command (kill switch)");
     return queue(p, bytes, len, &e, err);
@@ -455,7 +463,9 @@ static rl_status
 judge_handshake(const rl_proto *p, const rl_entry *e, const redisReply *r, rl_error *err)
 {
     const char *expected = e->step == RL_STEP_PING ? "PONG" : "OK";
-    const char *name = e->step == RL_STEP_AUTH ? "AUTH" : e->step == RL_STEP_SELECT ? "SELECT" : "PING";
+    const char *name = e->step == RL_STEP_AUTH     ? "AUTH"
+                       : e->step == RL_STEP_SELECT ? "SELECT"
+                                                   : "PING";
     if (status_is(r, expected))
         return RL_OK;
     if (r->type == REDIS_REPLY_ERROR) {
@@ -480,14 +490,19 @@ judge_script_load(rl_proto *p, const redisReply *r, rl_error *err)
     if (r->type == REDIS_REPLY_ERROR) {
         p->load_failed = 1;
         if (is_auth_refusal(r))
-            rl_error_set(&p->load_error, RL_ERR_AUTH, "the Redis server requires authentication: "
-                         "put the password in the URL (%.120s)", r->str);
+            rl_error_set(&p->load_error, RL_ERR_AUTH,
+                         "the Redis server requires authentication: "
+                         "put the password in the URL (%.120s)",
+                         r->str);
         else
-            rl_error_set(&p->load_error, RL_ERR_SERVER, "Redis refused to load the rate-limit "
-                         "script: %.240s", r->str);
+            rl_error_set(&p->load_error, RL_ERR_SERVER,
+                         "Redis refused to load the rate-limit "
+                         "script: %.240s",
+                         r->str);
         return RL_OK;
     }
-    if (r->type != REDIS_REPLY_STRING || r->len != sha_len || memcmp(r->str, RL_SCRIPT_SHA1, sha_len) != 0)
+    if (r->type != REDIS_REPLY_STRING || r->len != sha_len ||
+        memcmp(r->str, RL_SCRIPT_SHA1, sha_len) != 0)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to SCRIPT LOAD: %s, expected the script's SHA1",
                             rl_reply_type_name(r->type));
@@ -532,7 +547,8 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
             /* hiredis keeps a partial reply buffered: bound it. */
             if (p->reader->len - p->reader->pos > RL_MAX_REPLY_BYTES) {
                 p->failed = 1;
-                rl_error_set(err, RL_ERR_PROTOCOL, "Redis sent more than %d bytes without "
+                rl_error_set(err, RL_ERR_PROTOCOL,
+                             "Redis sent more than %d bytes without "
                              "completing a reply: not a reply this client expects",
                              RL_MAX_REPLY_BYTES);
                 return -1;
@@ -583,7 +599,8 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
                     ev->error = p->load_error;
                     st = ev->error.kind;
                 } else {
-                    st = rl_error_set(&ev->error, RL_ERR_SERVER, "Redis answered NOSCRIPT "
+                    st = rl_error_set(&ev->error, RL_ERR_SERVER,
+                                      "Redis answered NOSCRIPT "
                                       "again right after loading the rate-limit script");
                 }
                 ev->status = st;

@@ -73,8 +73,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     }
     cursor = arena;
 
-    argv[argc] = "EVALSHA"; argvlen[argc++] = 7;
-    argv[argc] = rl_script_sha1_hex; argvlen[argc++] = sizeof(rl_script_sha1_hex) - 1;
+    argv[argc] = "EVALSHA";
+    argvlen[argc++] = 7;
+    argv[argc] = rl_script_sha1_hex;
+    argvlen[argc++] = sizeof(rl_script_sha1_hex) - 1;
     argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d", w->count);
     argv[argc++] = numkeys;
     for (int i = 0; i < w->count; i++) {
@@ -90,12 +92,14 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         argv[argc] = key;
         argvlen[argc++] = (size_t)(cursor - key);
     }
-    argv[argc] = member; argvlen[argc++] = RL_MEMBER_LEN;
+    argv[argc] = member;
+    argvlen[argc++] = RL_MEMBER_LEN;
     if (now_ms >= 0) {
         argvlen[argc] = (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms);
         argv[argc++] = now_text;
     } else {
-        argv[argc] = ""; argvlen[argc++] = 0;
+        argv[argc] = "";
+        argvlen[argc++] = 0;
     }
     for (int i = 0; i < w->count; i++) {
         char *text = cursor;
@@ -129,37 +133,52 @@ const char *
 rl_reply_type_name(int type)
 {
     switch (type) {
-    case REDIS_REPLY_STRING: return "a bulk string";
-    case REDIS_REPLY_ARRAY: return "an array";
-    case REDIS_REPLY_INTEGER: return "an integer";
-    case REDIS_REPLY_NIL: return "nil";
-    case REDIS_REPLY_STATUS: return "a status";
-    case REDIS_REPLY_ERROR: return "an error";
+    case REDIS_REPLY_STRING:
+        return "a bulk string";
+    case REDIS_REPLY_ARRAY:
+        return "an array";
+    case REDIS_REPLY_INTEGER:
+        return "an integer";
+    case REDIS_REPLY_NIL:
+        return "nil";
+    case REDIS_REPLY_STATUS:
+        return "a status";
+    case REDIS_REPLY_ERROR:
+        return "an error";
 #ifdef REDIS_REPLY_DOUBLE
-    case REDIS_REPLY_DOUBLE: return "a double";
+    case REDIS_REPLY_DOUBLE:
+        return "a double";
 #endif
 #ifdef REDIS_REPLY_BOOL
-    case REDIS_REPLY_BOOL: return "a boolean";
+    case REDIS_REPLY_BOOL:
+        return "a boolean";
 #endif
 #ifdef REDIS_REPLY_MAP
-    case REDIS_REPLY_MAP: return "a map";
+    case REDIS_REPLY_MAP:
+        return "a map";
 #endif
 #ifdef REDIS_REPLY_SET
-    case REDIS_REPLY_SET: return "a set";
+    case REDIS_REPLY_SET:
+        return "a set";
 #endif
 #ifdef REDIS_REPLY_ATTR
-    case REDIS_REPLY_ATTR: return "an attribute";
+    case REDIS_REPLY_ATTR:
+        return "an attribute";
 #endif
 #ifdef REDIS_REPLY_PUSH
-    case REDIS_REPLY_PUSH: return "a push";
+    case REDIS_REPLY_PUSH:
+        return "a push";
 #endif
 #ifdef REDIS_REPLY_BIGNUM
-    case REDIS_REPLY_BIGNUM: return "a big number";
+    case REDIS_REPLY_BIGNUM:
+        return "a big number";
 #endif
 #ifdef REDIS_REPLY_VERB
-    case REDIS_REPLY_VERB: return "a verbatim string";
+    case REDIS_REPLY_VERB:
+        return "a verbatim string";
 #endif
-    default: return "an unknown type";
+    default:
+        return "an unknown type";
     }
 }
 
@@ -171,33 +190,38 @@ rl_script_decode(const redisReply *reply, const rl_windows *w, rl_result *out, r
         if (rl_reply_is_error(reply, "NOAUTH") || rl_reply_is_error(reply, "WRONGPASS"))
             return rl_error_set(err, RL_ERR_AUTH,
                                 "the Redis server requires authentication: put the password "
-                                "in the URL (%.120s)", reply->str);
-        return rl_error_set(err, RL_ERR_SERVER, "Redis answered the rate-limit script with an "
-                            "error: %.240s", reply->str ? reply->str : "");
+                                "in the URL (%.120s)",
+                                reply->str);
+        return rl_error_set(err, RL_ERR_SERVER,
+                            "Redis answered the rate-limit script with an "
+                            "error: %.240s",
+                            reply->str ? reply->str : "");
     }
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 4)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the rate-limit script: %s%s, expected an array "
-                            "of 4 integers", rl_reply_type_name(reply->type),
+                            "of 4 integers",
+                            rl_reply_type_name(reply->type),
                             reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
     for (size_t i = 0; i < 4; i++) {
         if (reply->element[i] == NULL || reply->element[i]->type != REDIS_REPLY_INTEGER)
-            return rl_error_set(err, RL_ERR_PROTOCOL,
-                                "unexpected reply to the rate-limit script: element %zu is %s, "
-                                "expected an integer", i + 1,
-                                reply->element[i] ? rl_reply_type_name(reply->element[i]->type) : "missing");
+            return rl_error_set(
+                err, RL_ERR_PROTOCOL,
+                "unexpected reply to the rate-limit script: element %zu is %s, "
+                "expected an integer",
+                i + 1, reply->element[i] ? rl_reply_type_name(reply->element[i]->type) : "missing");
     }
     long long allowed = reply->element[0]->integer;
     long long remaining = reply->element[1]->integer;
     long long retry = reply->element[2]->integer;
     long long window = reply->element[3]->integer;
     if ((allowed != 0 && allowed != 1) || remaining < 0 || retry < 0 || window < 1 ||
-        window > nwindows ||
-        (allowed == 1 && (retry != 0 || remaining >= w->limit[window - 1])) ||
+        window > nwindows || (allowed == 1 && (retry != 0 || remaining >= w->limit[window - 1])) ||
         (allowed == 0 && (retry < 1 || remaining != 0)))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "the rate-limit script answered values out of range "
-                            "(%lld, %lld, %lld, %lld)", allowed, remaining, retry, window);
+                            "(%lld, %lld, %lld, %lld)",
+                            allowed, remaining, retry, window);
     out->allowed = (int)allowed;
     out->remaining = remaining;
     out->retry_after_s = retry;

@@ -366,6 +366,124 @@ class FakeRedis:
             self._forget(upstream)
 
 
+# ------------------------------------------------------- a scripted fake Redis
+
+class ScriptedRedis:
+    """A loopback server that answers each command with answer(args) (bytes to send; see
+    answers() and in_order()), and records every command it was sent (`requests`, the
+    arguments) and its name (`commands`, "SCRIPT LOAD" for that one). Daemon threads only;
+    stops on close() or, if a test forgot, after `lifetime` seconds."""
+
+    def __init__(self, answer: Callable[[list[bytes]], bytes], lifetime: float = 60.0) -> None:
+        self.answer = answer
+        self.commands: list[str] = []
+        self.requests: list[list[bytes]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._deadline = time.monotonic() + lifetime
+        self._connections: list[socket.socket] = []
+        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(16)
+        self.server.settimeout(0.05)
+        self.port = self.server.getsockname()[1]
+        self._threads = [threading.Thread(target=self._serve, daemon=True)]
+        self._threads[0].start()
+
+    def url(self, password: str | None = None, db: int = 0, username: str = "") -> str:
+        auth = f"{username}:{password}@" if password is not None else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/{db}"
+
+    def saw(self, name: str) -> bool:
+        with self._lock:
+            return name in self.commands
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(5)
+        self.server.close()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set() and time.monotonic() < self._deadline:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                continue
+            conn.settimeout(0.05)
+            thread = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        buf = bytearray()
+        with conn:
+            while not self._stop.is_set() and time.monotonic() < self._deadline:
+                try:
+                    parsed = parse_command(buf)
+                except ValueError:
+                    return
+                if parsed is None:
+                    try:
+                        data = conn.recv(65536)
+                    except TimeoutError:
+                        continue
+                    except OSError:
+                        return
+                    if not data:
+                        return
+                    buf += data
+                    continue
+                args, used = parsed
+                del buf[:used]
+                name = b" ".join(args[:2] if args[0].upper() == b"SCRIPT" else args[:1])
+                with self._lock:
+                    self.commands.append(name.decode("ascii", "replace").upper())
+                    self.requests.append(args)
+                try:
+                    conn.sendall(self.answer(args))
+                except OSError:
+                    return
+
+
+def answers(**replies: bytes) -> Callable[[list[bytes]], bytes]:
+    """answer(args) for ScriptedRedis: replies by command name (SCRIPT_LOAD for SCRIPT LOAD);
+    SCRIPT LOAD defaults to the script's SHA1, PING to PONG, anything else to an error."""
+
+    def answer(args: list[bytes]) -> bytes:
+        name = args[0].upper().decode()
+        if name == "SCRIPT" and len(args) == 3 and args[1].upper() == b"LOAD":
+            sha = hashlib.sha1(args[2]).hexdigest().encode()
+            return replies.get("SCRIPT_LOAD", b"$40\r\n" + sha + b"\r\n")
+        if name in replies:
+            return replies[name]
+        if name == "PING":
+            return b"+PONG\r\n"
+        return b"-ERR the fake Redis does not know '%s'\r\n" % args[0]
+
+    return answer
+
+
+def in_order(script: dict[str, list[bytes]], **defaults: bytes) -> Callable[[list[bytes]], bytes]:
+    """answer(args) for ScriptedRedis: the next reply scripted for the command's name
+    (SCRIPT_LOAD for SCRIPT LOAD), then answers(**defaults) once those run out."""
+    queues = {name: list(replies) for name, replies in script.items()}
+    fallback = answers(**defaults)
+    lock = threading.Lock()
+
+    def answer(args: list[bytes]) -> bytes:
+        name = args[0].upper().decode()
+        if name == "SCRIPT" and len(args) >= 2:
+            name = "SCRIPT_" + args[1].upper().decode()
+        with lock:
+            queue = queues.get(name)
+            if queue:
+                return queue.pop(0)
+        return fallback(args)
+
+    return answer
+
+
 def open_fds() -> int:
     """How many file descriptors this process holds now."""
     import os

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import socket
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from fake_redis import decision, parse_command
+from fake_redis import ScriptedRedis, decision, in_order, parse_command
 from genai_ratelimit import (
     SCRIPT_SHA1,
     AsyncRateLimiter,
@@ -32,96 +30,22 @@ NOSCRIPT = b"-NOSCRIPT No matching script. Please use EVAL.\r\n"
 SHA_REPLY = b"$40\r\n" + SCRIPT_SHA1.encode() + b"\r\n"
 
 
-class ScriptedRedis:
-    """Answers each command with the next reply scripted for its name (AUTH, SELECT,
-    EVALSHA, SCRIPT, PING), falling back to `default[name]`; logs every command it read.
-    Bounded: daemon threads, a stop flag polled every 50 ms, closed by the test."""
-
-    def __init__(self, script: dict[bytes, list[bytes]], default: dict[bytes, bytes] | None = None) -> None:
-        self.script = {name: list(replies) for name, replies in script.items()}
-        self.default = {b"PING": b"+PONG\r\n", b"AUTH": b"+OK\r\n", b"SELECT": b"+OK\r\n",
-                        **(default or {})}
-        self.commands: list[list[bytes]] = []
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self.listener = socket.socket()
-        self.listener.bind(("127.0.0.1", 0))
-        self.listener.listen(16)
-        self.listener.settimeout(0.05)
-        self.port = self.listener.getsockname()[1]
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def url(self, path: str = "/0", auth: str = "") -> str:
-        return f"redis://{auth}127.0.0.1:{self.port}{path}"
-
-    def _next_reply(self, name: bytes) -> bytes | None:
-        with self._lock:
-            replies = self.script.get(name)
-            if replies:
-                return replies.pop(0)
-            return self.default.get(name)
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                continue
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
-
-    def _handle(self, conn: socket.socket) -> None:
-        conn.settimeout(0.05)
-        buf = bytearray()
-        with conn:
-            while not self._stop.is_set():
-                parsed = parse_command(buf)
-                if parsed is None:
-                    try:
-                        data = conn.recv(65536)
-                    except TimeoutError:
-                        continue
-                    except OSError:
-                        return
-                    if not data:
-                        return
-                    buf += data
-                    continue
-                args, used = parsed
-                del buf[:used]
-                with self._lock:
-                    self.commands.append(args)
-                reply = self._next_reply(args[0].upper())
-                if reply is None:
-                    reply = b"-ERR the scripted fake has no reply for '%s'\r\n" % args[0]
-                try:
-                    conn.sendall(reply)
-                except OSError:
-                    return
-
-    def names(self) -> list[bytes]:
-        with self._lock:
-            return [c[0].upper() for c in self.commands]
-
-    def close(self) -> None:
-        self._stop.set()
-        self.listener.close()
-        self._thread.join(timeout=5)
+OK = {"AUTH": b"+OK\r\n", "SELECT": b"+OK\r\n"}
 
 
 @pytest.fixture
-def scripted() -> Iterator[list[ScriptedRedis]]:
+def scripted() -> Iterator[Callable[..., ScriptedRedis]]:
+    """scripted(script, **defaults): a fake Redis answering each command with the next reply
+    scripted for its name (fake_redis.in_order), +OK to AUTH and SELECT unless scripted."""
     servers: list[ScriptedRedis] = []
-    yield servers
+
+    def start(script: dict[str, list[bytes]], **defaults: bytes) -> ScriptedRedis:
+        servers.append(ScriptedRedis(in_order(script, **{**OK, **defaults})))
+        return servers[-1]
+
+    yield start
     for server in servers:
         server.close()
-
-
-def serve(servers: list[ScriptedRedis], script: dict[bytes, list[bytes]],
-          default: dict[bytes, bytes] | None = None) -> ScriptedRedis:
-    server = ScriptedRedis(script, default)
-    servers.append(server)
-    return server
 
 
 def outcome(make_limiter: LimiterFactory, url: str) -> object:
@@ -136,23 +60,23 @@ def outcome(make_limiter: LimiterFactory, url: str) -> object:
 # ------------------------------------------------------------------ NOSCRIPT reload
 
 def test_reload_after_noscript_then_the_decision_on_both_paths(scripted, make_limiter):
-    server = serve(scripted, {b"EVALSHA": [NOSCRIPT, decision(1, 4, 0)], b"SCRIPT": [SHA_REPLY]})
+    server = scripted({"EVALSHA": [NOSCRIPT, decision(1, 4, 0)], "SCRIPT_LOAD": [SHA_REPLY]})
     assert outcome(make_limiter, server.url()) == (True, 4, 0)
-    assert server.names() == [b"EVALSHA", b"SCRIPT", b"EVALSHA"]
+    assert server.commands == ["EVALSHA", "SCRIPT LOAD", "EVALSHA"]
 
 
 def test_script_load_answering_something_else_than_the_sha_drops_the_connection(scripted, make_limiter):
     """SCRIPT LOAD's reply is checked on both paths (the asyncio path used to ignore it and
     take the retried EVALSHA's answer as if the load had worked)."""
-    server = serve(scripted, {b"EVALSHA": [NOSCRIPT, decision(1, 4, 0)], b"SCRIPT": [b":1\r\n"]})
+    server = scripted({"EVALSHA": [NOSCRIPT, decision(1, 4, 0)], "SCRIPT_LOAD": [b":1\r\n"]})
     result = outcome(make_limiter, server.url())
     assert isinstance(result, RateLimiterUnavailable), result
     assert "SCRIPT LOAD" in str(result)
 
 
 def test_a_refused_script_load_is_what_the_caller_hears(scripted, make_limiter):
-    server = serve(scripted, {b"EVALSHA": [NOSCRIPT, NOSCRIPT],
-                              b"SCRIPT": [b"-ERR scripting is disabled on this server\r\n"]})
+    server = scripted({"EVALSHA": [NOSCRIPT, NOSCRIPT],
+                       "SCRIPT_LOAD": [b"-ERR scripting is disabled on this server\r\n"]})
     result = outcome(make_limiter, server.url())
     assert isinstance(result, RateLimiterUnavailable), result
     assert "refused to load" in str(result) and "scripting is disabled" in str(result)
@@ -160,34 +84,33 @@ def test_a_refused_script_load_is_what_the_caller_hears(scripted, make_limiter):
 
 # ------------------------------------------------------------------------ handshake
 
-@pytest.mark.parametrize("command", [b"AUTH", b"SELECT"])
+@pytest.mark.parametrize("command", ["AUTH", "SELECT"])
 def test_a_handshake_reply_that_is_not_ok_drops_the_connection(scripted, make_limiter, command):
     """+OK is the only good answer to AUTH and SELECT; an integer is garbage, not consent."""
-    server = serve(scripted, {command: [b":1\r\n"]},
-                   default={b"EVALSHA": decision(1, 4, 0)})
-    result = outcome(make_limiter, server.url("/3", "user:pw@"))
+    server = scripted({command: [b":1\r\n"]}, EVALSHA=decision(1, 4, 0))
+    result = outcome(make_limiter, server.url(password="pw", db=3, username="user"))
     assert isinstance(result, RateLimiterUnavailable), result
     assert not isinstance(result, RateLimiterAuthError)
-    assert f"unexpected reply to {command.decode()}" in str(result)
-    assert b"EVALSHA" not in server.names()
+    assert f"unexpected reply to {command}" in str(result)
+    assert not server.saw("EVALSHA")
 
 
 def test_auth_and_select_go_out_together_and_are_judged_in_order(scripted, make_limiter):
-    server = serve(scripted, {}, default={b"EVALSHA": decision(1, 4, 0)})
-    assert outcome(make_limiter, server.url("/3", "app:pw@")) == (True, 4, 0)
-    assert server.commands[:2] == [[b"AUTH", b"app", b"pw"], [b"SELECT", b"3"]]
+    server = scripted({}, EVALSHA=decision(1, 4, 0))
+    assert outcome(make_limiter, server.url(password="pw", db=3, username="app")) == (True, 4, 0)
+    assert server.requests[:2] == [[b"AUTH", b"app", b"pw"], [b"SELECT", b"3"]]
 
 
 def test_a_refused_select_after_a_good_auth_names_the_database(scripted, make_limiter):
-    server = serve(scripted, {b"SELECT": [b"-ERR DB index is out of range\r\n"]})
-    result = outcome(make_limiter, server.url("/99", ":pw@"))
+    server = scripted({"SELECT": [b"-ERR DB index is out of range\r\n"]})
+    result = outcome(make_limiter, server.url(password="pw", db=99))
     assert isinstance(result, RateLimiterUnavailable) and not isinstance(result, RateLimiterAuthError)
     assert "SELECT 99" in str(result) and "out of range" in str(result)
 
 
 def test_a_refused_password_is_an_auth_error_even_when_select_follows(scripted, make_limiter):
-    server = serve(scripted, {b"AUTH": [b"-WRONGPASS invalid username-password pair\r\n"]})
-    result = outcome(make_limiter, server.url("/2", ":nope@"))
+    server = scripted({"AUTH": [b"-WRONGPASS invalid username-password pair\r\n"]})
+    result = outcome(make_limiter, server.url(password="nope", db=2))
     assert isinstance(result, RateLimiterAuthError), result
     assert "nope" not in str(result)
 

@@ -12,26 +12,22 @@ So each case runs the limiter in a child process (the fake server stays here, an
 what it was asked): a crash fails that one test and names the signal, instead of taking
 pytest down. make test-hiredis1 runs these against hiredis 1.x, make test against 0.14.
 
-Both limiters, sync RateLimiter and AsyncRateLimiter, are driven through the drivers of
-fake_redis.py, in the child."""
+Every kind of limiter (the limiter_kind fixture: sync, asyncio, uvloop) is built in the
+child; the fake is fake_redis.ScriptedRedis."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
 
-from fake_redis import decision, parse_command
+from fake_redis import ScriptedRedis, answers, decision
 
 TIMEOUT = 0.5       # connect_timeout and socket_timeout of the limiter in the child
 CHILD_SECONDS = 10  # watchdog on the child's whole life (start-up, one check, close)
@@ -73,101 +69,6 @@ RESP3: dict[str, Resp3] = {
     "big-number": Resp3(b"(3492890328409238509324850943850943825024385\r\n"),
     "verbatim": Resp3(b"=15\r\ntxt:Some string\r\n"),
 }
-
-
-# ------------------------------------------------------------------ the fake server
-
-class ScriptedRedis:
-    """A loopback server that answers each command with answer(args) (bytes to send),
-    and records the name of every command it was sent. Daemon threads only; stops on
-    close() or, if a test forgot, after `lifetime` seconds."""
-
-    def __init__(self, answer: Callable[[list[bytes]], bytes], lifetime: float = 60.0) -> None:
-        self.answer = answer
-        self.commands: list[str] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._deadline = time.monotonic() + lifetime
-        self._connections: list[socket.socket] = []
-        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen(16)
-        self.server.settimeout(0.05)
-        self.port = self.server.getsockname()[1]
-        self._threads = [threading.Thread(target=self._serve, daemon=True)]
-        self._threads[0].start()
-
-    def url(self, password: str | None = None, db: int = 0) -> str:
-        auth = f":{password}@" if password is not None else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/{db}"
-
-    def saw(self, name: str) -> bool:
-        with self._lock:
-            return name in self.commands
-
-    def close(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(5)
-        self.server.close()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set() and time.monotonic() < self._deadline:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                continue
-            conn.settimeout(0.05)
-            thread = threading.Thread(target=self._handle, args=(conn,), daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    def _handle(self, conn: socket.socket) -> None:
-        buf = bytearray()
-        with conn:
-            while not self._stop.is_set() and time.monotonic() < self._deadline:
-                try:
-                    parsed = parse_command(buf)
-                except ValueError:
-                    return
-                if parsed is None:
-                    try:
-                        data = conn.recv(65536)
-                    except TimeoutError:
-                        continue
-                    except OSError:
-                        return
-                    if not data:
-                        return
-                    buf += data
-                    continue
-                args, used = parsed
-                del buf[:used]
-                name = b" ".join(args[:2] if args[0].upper() == b"SCRIPT" else args[:1])
-                with self._lock:
-                    self.commands.append(name.decode("ascii", "replace").upper())
-                try:
-                    conn.sendall(self.answer(args))
-                except OSError:
-                    return
-
-
-def answers(**replies: bytes) -> Callable[[list[bytes]], bytes]:
-    """answer(args) for ScriptedRedis: replies by command name (SCRIPT_LOAD for SCRIPT LOAD);
-    SCRIPT LOAD defaults to the script's SHA1, PING to PONG, anything else to an error."""
-
-    def answer(args: list[bytes]) -> bytes:
-        name = args[0].upper().decode()
-        if name == "SCRIPT" and len(args) == 3 and args[1].upper() == b"LOAD":
-            sha = hashlib.sha1(args[2]).hexdigest().encode()
-            return replies.get("SCRIPT_LOAD", b"$40\r\n" + sha + b"\r\n")
-        if name in replies:
-            return replies[name]
-        if name == "PING":
-            return b"+PONG\r\n"
-        return b"-ERR the fake Redis does not know '%s'\r\n" % args[0]
-
-    return answer
 
 
 @pytest.fixture

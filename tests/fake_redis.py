@@ -369,12 +369,13 @@ class FakeRedis:
 # ------------------------------------------------------- a scripted fake Redis
 
 class ScriptedRedis:
-    """A loopback server that answers each command with answer(args) (bytes to send; see
-    answers() and in_order()), and records every command it was sent (`requests`, the
-    arguments) and its name (`commands`, "SCRIPT LOAD" for that one). Daemon threads only;
-    stops on close() or, if a test forgot, after `lifetime` seconds."""
+    """A loopback server that answers each command with answer(args): bytes to send (see
+    answers() and in_order()), b"" to stay silent, or None to hang up. It records every
+    command it was sent (`requests`, the arguments) and its name (`commands`, "SCRIPT LOAD"
+    for that one). Daemon threads only; stops on close() or, if a test forgot, after
+    `lifetime` seconds."""
 
-    def __init__(self, answer: Callable[[list[bytes]], bytes], lifetime: float = 60.0) -> None:
+    def __init__(self, answer: Callable[[list[bytes]], bytes | None], lifetime: float = 60.0) -> None:
         self.answer = answer
         self.commands: list[str] = []
         self.requests: list[list[bytes]] = []
@@ -403,6 +404,12 @@ class ScriptedRedis:
         for thread in self._threads:
             thread.join(5)
         self.server.close()
+
+    def __enter__(self) -> ScriptedRedis:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _serve(self) -> None:
         while not self._stop.is_set() and time.monotonic() < self._deadline:
@@ -440,8 +447,11 @@ class ScriptedRedis:
                 with self._lock:
                     self.commands.append(name.decode("ascii", "replace").upper())
                     self.requests.append(args)
+                reply = self.answer(args)
+                if reply is None:
+                    return  # hang up (the with block closes the connection)
                 try:
-                    conn.sendall(self.answer(args))
+                    conn.sendall(reply)
                 except OSError:
                     return
 

@@ -34,6 +34,7 @@ from typing import Any
 import pytest
 import redis
 
+from fake_redis import ScriptedRedis
 from genai_ratelimit import (
     RateLimiter,
     RateLimiterAuthError,
@@ -44,7 +45,6 @@ from genai_ratelimit import (
 from helpers_async import LimiterFactory
 from helpers_core import PasswordRedisServer, connections_received, run_lined_up
 from helpers_defects import (
-    HandshakeFault,
     SignalDriver,
     SlowReader,
     blank_comments_and_literals,
@@ -82,10 +82,10 @@ TIMEOUT_ORDERS = [pytest.param((0.6, 0.3), id="socket-timeout-first"),
 
 
 def test_connection_lost_during_auth_is_unavailable_not_an_auth_error(make_limiter: LimiterFactory) -> None:
-    with HandshakeFault("close") as server:
+    with ScriptedRedis(lambda args: None) as server:  # reads a command, hangs up
         error = failure(lambda: check_once(make_limiter, server.url(password="pw"),
                                            connect_timeout=0.5, socket_timeout=0.5))
-        assert server.first_commands[:1] == ["AUTH"], server.first_commands
+        assert server.commands[:1] == ["AUTH"], server.commands
     assert type(error) is RateLimiterUnavailable, (
         f"a connection lost during AUTH raised {type(error).__name__}: {error}")
 
@@ -94,20 +94,20 @@ def test_connection_lost_during_auth_is_unavailable_not_an_auth_error(make_limit
 def test_server_silent_after_auth_is_a_timeout(
         make_limiter: LimiterFactory, timeouts: tuple[float, float]) -> None:
     connect_timeout, socket_timeout = timeouts
-    with HandshakeFault("silent") as server:
+    with ScriptedRedis(lambda args: b"") as server:  # reads, never answers
         error = failure(lambda: check_once(make_limiter, server.url(password="pw"),
                                            connect_timeout=connect_timeout,
                                            socket_timeout=socket_timeout))
-        assert server.first_commands[:1] == ["AUTH"], server.first_commands
+        assert server.commands[:1] == ["AUTH"], server.commands
     assert type(error) is RateLimiterTimeout, (
         f"a server silent after AUTH raised {type(error).__name__}: {error}")
 
 
 def test_connection_lost_during_select_is_unavailable_not_an_auth_error(make_limiter: LimiterFactory) -> None:
-    with HandshakeFault("close") as server:
+    with ScriptedRedis(lambda args: None) as server:  # reads a command, hangs up
         error = failure(lambda: check_once(make_limiter, server.url(db=2),
                                            connect_timeout=0.5, socket_timeout=0.5))
-        assert server.first_commands[:1] == ["SELECT"], server.first_commands
+        assert server.commands[:1] == ["SELECT"], server.commands
     assert type(error) is RateLimiterUnavailable, (
         f"a connection lost during SELECT raised {type(error).__name__}: {error}")
 
@@ -116,11 +116,11 @@ def test_connection_lost_during_select_is_unavailable_not_an_auth_error(make_lim
 def test_server_silent_after_select_is_a_timeout(
         make_limiter: LimiterFactory, timeouts: tuple[float, float]) -> None:
     connect_timeout, socket_timeout = timeouts
-    with HandshakeFault("silent") as server:
+    with ScriptedRedis(lambda args: b"") as server:  # reads, never answers
         error = failure(lambda: check_once(make_limiter, server.url(db=2),
                                            connect_timeout=connect_timeout,
                                            socket_timeout=socket_timeout))
-        assert server.first_commands[:1] == ["SELECT"], server.first_commands
+        assert server.commands[:1] == ["SELECT"], server.commands
     assert type(error) is RateLimiterTimeout, (
         f"a server silent after SELECT raised {type(error).__name__}: {error}")
 

@@ -24,7 +24,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 # ------------------------------------------------------------------- RESP requests
@@ -56,6 +56,34 @@ def parse_command(buf: bytes | bytearray) -> tuple[list[bytes], int] | None:
         args.append(bytes(buf[start:start + length]))
         pos = start + length + 2
     return args, pos
+
+
+def read_commands(conn: socket.socket, stopped: Callable[[], bool]
+                  ) -> Iterator[tuple[list[bytes], bytes, bytearray]]:
+    """The requests a client sends on conn (a socket with a short timeout), one at a time:
+    (arguments, the request's raw bytes, the bytes read after it so far). Ends at EOF, on
+    a socket error, on bytes that are not a client's request, or once stopped() is true."""
+    buf = bytearray()
+    while not stopped():
+        try:
+            parsed = parse_command(buf)
+        except ValueError:
+            return  # not a client's request: hang up
+        if parsed is None:
+            try:
+                data = conn.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            buf += data
+            continue
+        args, used = parsed
+        raw = bytes(buf[:used])
+        del buf[:used]
+        yield args, raw, buf
 
 
 def decision(allowed: int, remaining: int, retry_after_s: int, window_index: int = 1) -> bytes:
@@ -293,31 +321,12 @@ class FakeRedis:
             thread.start()
 
     def _handle(self, conn: socket.socket) -> None:
-        buf = bytearray()
         try:
-            while not self._stop.is_set():
-                try:
-                    parsed = parse_command(buf)
-                except ValueError:
-                    return  # not a client's request: hang up
-                if parsed is None:
-                    try:
-                        data = conn.recv(65536)
-                    except TimeoutError:
-                        continue
-                    except OSError:
-                        return
-                    if not data:
-                        return
-                    buf += data
-                    continue
-                args, used = parsed
-                raw = bytes(buf[:used])
-                del buf[:used]
+            for args, raw, rest in read_commands(conn, self._stop.is_set):
                 with self._changed:
                     behaviour = self._behaviour
                 if behaviour is None:
-                    self._proxy(conn, raw + bytes(buf))
+                    self._proxy(conn, raw + bytes(rest))
                     return
                 name = args[0].upper()
                 if name == b"EVALSHA":
@@ -423,26 +432,11 @@ class ScriptedRedis:
             thread.start()
 
     def _handle(self, conn: socket.socket) -> None:
-        buf = bytearray()
+        def stopped() -> bool:
+            return self._stop.is_set() or time.monotonic() >= self._deadline
+
         with conn:
-            while not self._stop.is_set() and time.monotonic() < self._deadline:
-                try:
-                    parsed = parse_command(buf)
-                except ValueError:
-                    return
-                if parsed is None:
-                    try:
-                        data = conn.recv(65536)
-                    except TimeoutError:
-                        continue
-                    except OSError:
-                        return
-                    if not data:
-                        return
-                    buf += data
-                    continue
-                args, used = parsed
-                del buf[:used]
+            for args, _, _ in read_commands(conn, stopped):
                 name = b" ".join(args[:2] if args[0].upper() == b"SCRIPT" else args[:1])
                 with self._lock:
                     self.commands.append(name.decode("ascii", "replace").upper())

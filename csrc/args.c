@@ -169,10 +169,17 @@ kill_switch_on(void)
 static int
 warn_kill_switch(rl_module_state *state)
 {
-    PyObject *logging, *logger, *res;
     if (state->kill_switch_warned)
         return 0;
     state->kill_switch_warned = 1;
+    return rl_log_warning("RATE_LIMIT_DISABLED is on: every rate-limit check is allowed "
+                          "and nothing is sent to Redis");
+}
+
+int
+rl_log_warning(const char *message)
+{
+    PyObject *logging, *logger, *res;
     logging = PyImport_ImportModule("logging");
     if (logging == NULL)
         return -1;
@@ -180,9 +187,8 @@ warn_kill_switch(rl_module_state *state)
     Py_DECREF(logging);
     if (logger == NULL)
         return -1;
-    res = PyObject_CallMethod(logger, "warning", "s",
-                              "RATE_LIMIT_DISABLED is on: every rate-limit check is allowed "
-                              "and nothing is sent to Redis");
+    /* "%s": the message is data, never a format string. */
+    res = PyObject_CallMethod(logger, "warning", "ss", "%s", message);
     Py_DECREF(logger);
     if (res == NULL)
         return -1;
@@ -202,6 +208,7 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
     out->command_len = 0;
     out->replay = NULL;
     out->replay_len = 0;
+    out->deadline = 0;
     out->disabled = 0;
     user = rl_user_id_utf8(user_id, &user_len);
     if (user == NULL)

@@ -438,8 +438,10 @@ Pipeline_handshake(PipelineObject *self, PyObject *args, PyObject *kwargs)
 }
 
 PyDoc_STRVAR(Pipeline_push_doc,
-"push($self, future, request, /)\n--\n\n"
-"Queues the request's command for the next write and its reply's future in the FIFO.");
+"push($self, future, request, extend=0.0, /)\n--\n\n"
+"Queues the request's command for the next write and its reply's future in the FIFO. The\n"
+"request's deadline is fixed when it is first pushed (now + timeout); a replay keeps it,\n"
+"extended by `extend` seconds (the time spent opening the connection it is replayed on).");
 
 static PyObject *
 Pipeline_push(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
@@ -447,8 +449,10 @@ Pipeline_push(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
 {
     rl_module_state *state = PyType_GetModuleState(defining_class);
     rl_error err = {RL_OK, ""};
-    if (nargs != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "push(future, request) takes 2 positional arguments");
+    double extend = 0;
+    if (nargs < 2 || nargs > 3 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "push(future, request, extend=0.0) takes 2 or 3 "
+                                         "positional arguments");
         return NULL;
     }
     if (!ready(self))
@@ -457,10 +461,21 @@ Pipeline_push(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
         PyErr_SetString(PyExc_TypeError, "push() needs a Request made by Codec");
         return NULL;
     }
+    if (nargs == 3) {
+        extend = PyFloat_AsDouble(args[2]);
+        if (extend == -1 && PyErr_Occurred())
+            return NULL;
+        if (!(extend >= 0 && extend <= RL_MAX_TIMEOUT_SECONDS)) {
+            PyErr_SetString(PyExc_ValueError, "extend must be between 0 and one day");
+            return NULL;
+        }
+    }
     RequestObject *req = (RequestObject *)args[1];
-    if (rl_proto_push_decision(&self->proto, &req->prepared, rl_monotonic() + self->timeout,
-                               args[0], req, &err) != RL_OK)
+    double deadline =
+        req->prepared.deadline ? req->prepared.deadline + extend : rl_monotonic() + self->timeout;
+    if (rl_proto_push_decision(&self->proto, &req->prepared, deadline, args[0], req, &err) != RL_OK)
         return rl_raise(state, &err); /* nothing was queued */
+    req->prepared.deadline = deadline;
     Py_INCREF(args[0]);
     Py_INCREF(args[1]);
     Py_RETURN_NONE;
@@ -726,6 +741,16 @@ Pipeline_idle_is_stale(PipelineObject *self, PyObject *arg)
 }
 
 static PyObject *
+Pipeline_get_eviction_warning(PipelineObject *self, void *Py_UNUSED(closure))
+{
+    char warning[RL_WARNING_LEN];
+    if (self->proto.reader == NULL || !self->proto.info_answered)
+        Py_RETURN_NONE;
+    rl_proto_eviction_warning(&self->proto, warning, sizeof(warning));
+    return PyUnicode_FromString(warning);
+}
+
+static PyObject *
 Pipeline_get_pending(PipelineObject *self, void *Py_UNUSED(closure))
 {
     return PyLong_FromSize_t(self->proto.reader != NULL ? rl_proto_pending(&self->proto) : 0);
@@ -753,6 +778,10 @@ static PyMethodDef Pipeline_methods[] = {
 
 static PyGetSetDef Pipeline_getset[] = {
     {"pending", (getter)Pipeline_get_pending, NULL, "Replies still due.", NULL},
+    {"eviction_warning", (getter)Pipeline_get_eviction_warning, NULL,
+     "None until INFO memory was answered; then the warning to log once when Redis may "
+     "evict the limiter's keys, or \"\".",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -195,6 +195,129 @@ set_io_timeout(int fd, int option, double seconds)
     return setsockopt(fd, SOL_SOCKET, option, &tv, sizeof(tv));
 }
 
+/* ---------------------------------------------------------------- resolver */
+
+/* getaddrinfo() has no timeout: a resolver that does not answer would hold a call for
+   (timeout x attempts) of resolv.conf, far past connect_timeout. A name that is not a
+   numeric address is resolved on a short-lived thread of its own while the caller waits
+   no longer than the deadline; a lookup that outlives it finishes on its thread, which
+   frees what it found (the last of the two to let go frees the lookup). */
+typedef struct {
+    pthread_mutex_t mutex;
+    pthread_cond_t done_cond;
+    int refs;              /* 2 while both the caller and the thread hold it */
+    int done;              /* the lookup finished: rc, list */
+    int rc;                /* getaddrinfo's result */
+    int saved_errno;       /* errno after it, for EAI_SYSTEM */
+    struct addrinfo *list; /* its addresses, until the caller takes them */
+    char port[16];
+    char host[]; /* NUL-terminated */
+} rl_lookup;
+
+static const struct addrinfo rl_hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+
+static void
+lookup_release(rl_lookup *lookup)
+{
+    pthread_mutex_lock(&lookup->mutex);
+    int last = --lookup->refs == 0;
+    pthread_mutex_unlock(&lookup->mutex);
+    if (!last)
+        return;
+    if (lookup->list != NULL)
+        freeaddrinfo(lookup->list);
+    pthread_cond_destroy(&lookup->done_cond);
+    pthread_mutex_destroy(&lookup->mutex);
+    free(lookup);
+}
+
+static void *
+lookup_main(void *arg)
+{
+    rl_lookup *lookup = arg;
+    struct addrinfo *list = NULL;
+    int rc = getaddrinfo(lookup->host, lookup->port, &rl_hints, &list);
+    int saved = errno;
+    pthread_mutex_lock(&lookup->mutex);
+    lookup->rc = rc;
+    lookup->saved_errno = saved;
+    lookup->list = list;
+    lookup->done = 1;
+    pthread_cond_signal(&lookup->done_cond);
+    pthread_mutex_unlock(&lookup->mutex);
+    lookup_release(lookup);
+    return NULL;
+}
+
+static rl_status
+resolve(const char *host, int port, double deadline, struct addrinfo **out, const char *where,
+        rl_error *err)
+{
+    struct addrinfo numeric = rl_hints;
+    char port_text[16];
+    int rc;
+    *out = NULL;
+    snprintf(port_text, sizeof(port_text), "%d", port);
+    numeric.ai_flags = AI_NUMERICHOST;
+    rc = getaddrinfo(host, port_text, &numeric, out); /* an address: no lookup at all */
+    if (rc == 0)
+        return RL_OK;
+
+    size_t host_len = strlen(host);
+    rl_lookup *lookup = calloc(1, sizeof(*lookup) + host_len + 1);
+    pthread_condattr_t attr;
+    pthread_attr_t thread_attr;
+    pthread_t thread;
+    if (lookup == NULL)
+        return rl_error_set(err, RL_ERR_NOMEM, "out of memory resolving %s", where);
+    memcpy(lookup->host, host, host_len + 1);
+    memcpy(lookup->port, port_text, sizeof(port_text));
+    lookup->refs = 2;
+    pthread_mutex_init(&lookup->mutex, NULL);
+    pthread_condattr_init(&attr);
+    (void)pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    pthread_cond_init(&lookup->done_cond, &attr);
+    pthread_condattr_destroy(&attr);
+    pthread_attr_init(&thread_attr);
+    pthread_attr_setdetachstate(&thread_attr, PTHREAD_CREATE_DETACHED);
+    rc = pthread_create(&thread, &thread_attr, lookup_main, lookup);
+    pthread_attr_destroy(&thread_attr);
+    if (rc != 0) {
+        lookup->refs = 1;
+        lookup_release(lookup);
+        return rl_error_set(err, RL_ERR_CONNECT, "cannot start resolving %s: %s", where,
+                            strerror(rc));
+    }
+
+    pthread_mutex_lock(&lookup->mutex);
+    while (!lookup->done) {
+        double left = deadline - rl_monotonic();
+        if (left <= 0)
+            break;
+        struct timespec until;
+        clock_gettime(CLOCK_MONOTONIC, &until);
+        long long ns = (long long)until.tv_nsec + (long long)(left * 1e9);
+        until.tv_sec += (time_t)(ns / 1000000000LL);
+        until.tv_nsec = (long)(ns % 1000000000LL);
+        (void)pthread_cond_timedwait(&lookup->done_cond, &lookup->mutex, &until);
+    }
+    int done = lookup->done;
+    rc = lookup->rc;
+    int saved = lookup->saved_errno;
+    if (done) {
+        *out = lookup->list; /* ours now */
+        lookup->list = NULL;
+    }
+    pthread_mutex_unlock(&lookup->mutex);
+    lookup_release(lookup);
+    if (!done)
+        return rl_error_set(err, RL_ERR_TIMEOUT, "timed out resolving the Redis host %s", where);
+    if (rc != 0)
+        return rl_error_set(err, RL_ERR_CONNECT, "cannot resolve Redis host %s: %s", where,
+                            rc == EAI_SYSTEM ? strerror(saved) : gai_strerror(rc));
+    return RL_OK;
+}
+
 /* ------------------------------------------------------------- connection */
 
 static void
@@ -277,19 +400,13 @@ open_socket(const rl_config *cfg, double deadline, int *out_fd, rl_error *err)
         return RL_OK;
     }
 
-    char port[16];
-    struct addrinfo hints, *list = NULL;
+    struct addrinfo *list = NULL;
     snprintf(where, sizeof(where), strchr(cfg->host, ':') ? "[%s]:%d" : "%s:%d", cfg->host,
              cfg->port);
-    snprintf(port, sizeof(port), "%d", cfg->port);
-    memset(&hints, 0, sizeof(hints));
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    int gai = getaddrinfo(cfg->host, port, &hints, &list);
-    if (gai != 0)
-        return rl_error_set(err, RL_ERR_CONNECT, "cannot resolve Redis host %s: %s", where,
-                            gai_strerror(gai));
-    rl_status st = rl_error_set(err, RL_ERR_CONNECT, "no address for Redis host %s", where);
+    rl_status st = resolve(cfg->host, cfg->port, deadline, &list, where, err);
+    if (st != RL_OK)
+        return st;
+    st = rl_error_set(err, RL_ERR_CONNECT, "no address for Redis host %s", where);
     for (struct addrinfo *ai = list; ai != NULL; ai = ai->ai_next) {
         int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
         if (fd < 0) {
@@ -581,6 +698,10 @@ rl_call_init(rl_call *call, rl_pool *pool, rl_prepared *decision)
     memset(call, 0, sizeof(*call));
     call->pool = pool;
     call->decision = decision;
+    /* One deadline for the whole call: the wait for a pooled connection, the round trip,
+       a NOSCRIPT reload, a replay and any signal all draw on it. Opening a connection has
+       a budget of its own (connect_timeout), added to it when one had to be opened. */
+    call->deadline = rl_monotonic() + pool->config.socket_timeout;
 }
 
 rl_status
@@ -591,9 +712,11 @@ rl_call_run(rl_call *call, rl_error *err)
         rl_event ev;
         rl_status st;
         if (call->conn == NULL) {
-            if ((st = rl_pool_acquire(pool, &call->conn, err)) != RL_OK)
+            double connecting;
+            st = rl_pool_acquire(pool, &call->conn, call->deadline, &connecting, err);
+            call->deadline += connecting;
+            if (st != RL_OK)
                 return st;
-            call->deadline = rl_monotonic() + pool->config.socket_timeout;
             st = rl_proto_push_decision(&call->conn->proto, call->decision, call->deadline, call,
                                         NULL, err);
             if (st != RL_OK) {
@@ -646,6 +769,8 @@ rl_pool_init(rl_pool *pool, int max_open)
 {
     pthread_condattr_t attr;
     int rc;
+    pool->warning_state = 0;
+    pool->warning[0] = '\0';
     pool->idle = NULL;
     pool->open = 0;
     pool->max_open = max_open;
@@ -726,10 +851,10 @@ rl_pool_after_fork(rl_pool *pool)
 }
 
 rl_status
-rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err)
+rl_pool_acquire(rl_pool *pool, rl_conn **out, double deadline, double *connecting, rl_error *err)
 {
-    double deadline = 0;
     *out = NULL;
+    *connecting = 0;
     pthread_mutex_lock(&pool->mutex);
     for (;;) {
         if (pool->closed) {
@@ -747,7 +872,9 @@ rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err)
             }
             /* Replace it in its slot: nothing was sent on it, so nothing is replayed. */
             conn_free(conn);
+            double started = rl_monotonic();
             rl_status st = conn_open(&pool->config, out, err);
+            *connecting = rl_monotonic() - started;
             if (st != RL_OK)
                 rl_pool_release(pool, NULL, 0);
             return st;
@@ -755,14 +882,14 @@ rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err)
         if (pool->open < pool->max_open) {
             pool->open++;
             pthread_mutex_unlock(&pool->mutex);
+            double started = rl_monotonic();
             rl_status st = conn_open(&pool->config, out, err);
+            *connecting = rl_monotonic() - started;
             if (st != RL_OK)
                 rl_pool_release(pool, NULL, 0);
             return st;
         }
-        /* Every connection is busy: wait for one, but never past the socket timeout. */
-        if (deadline == 0)
-            deadline = rl_monotonic() + pool->config.socket_timeout;
+        /* Every connection is busy: wait for one, but never past the call's deadline. */
         double left = deadline - rl_monotonic();
         if (left <= 0) {
             int max_open = pool->max_open;
@@ -787,7 +914,15 @@ void
 rl_pool_release(rl_pool *pool, rl_conn *conn, int reusable)
 {
     rl_conn *discard = NULL;
+    char warning[RL_WARNING_LEN] = "";
+    if (conn != NULL && conn->proto.eviction_policy[0] != '\0' &&
+        __atomic_load_n(&pool->warning_state, __ATOMIC_RELAXED) == 0)
+        rl_proto_eviction_warning(&conn->proto, warning, sizeof(warning));
     pthread_mutex_lock(&pool->mutex);
+    if (warning[0] != '\0' && pool->warning_state == 0) {
+        memcpy(pool->warning, warning, sizeof(warning));
+        __atomic_store_n(&pool->warning_state, 1, __ATOMIC_RELEASE);
+    }
     if (conn != NULL && reusable && !pool->closed) {
         conn->next = pool->idle;
         pool->idle = conn;
@@ -812,6 +947,22 @@ rl_pool_drop_idle(rl_pool *pool)
     pthread_cond_broadcast(&pool->available);
     pthread_mutex_unlock(&pool->mutex);
     free_idle(idle);
+}
+
+int
+rl_pool_take_warning(rl_pool *pool, char *buf)
+{
+    int taken = 0;
+    if (__atomic_load_n(&pool->warning_state, __ATOMIC_ACQUIRE) != 1)
+        return 0;
+    pthread_mutex_lock(&pool->mutex);
+    if (pool->warning_state == 1) {
+        memcpy(buf, pool->warning, RL_WARNING_LEN);
+        pool->warning_state = 2;
+        taken = 1;
+    }
+    pthread_mutex_unlock(&pool->mutex);
+    return taken;
 }
 
 int

@@ -203,6 +203,8 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
     }
     own_pool(self);
     rl_call call;
+    char warning[RL_WARNING_LEN];
+    int warn = 0;
     rl_call_init(&call, &self->pool, p);
     Py_BEGIN_ALLOW_THREADS
     st = rl_call_run(&call, &err);
@@ -219,6 +221,13 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         st = rl_call_run(&call, &err);
         Py_END_ALLOW_THREADS
     }
+    if (__atomic_load_n(&self->pool.warning_state, __ATOMIC_RELAXED) == 1) { /* once at most */
+        Py_BEGIN_ALLOW_THREADS
+        warn = rl_pool_take_warning(&self->pool, warning);
+        Py_END_ALLOW_THREADS
+    }
+    if (warn && rl_log_warning(warning) < 0)
+        goto done;
     if (st != RL_OK) {
         rl_raise(state, &err);
         goto done;

@@ -86,6 +86,7 @@ typedef struct {
     long long command_len;
     char *replay; /* the command with the replay marker (malloc), once replayed */
     size_t replay_len;
+    double deadline; /* monotonic, fixed when first sent (0 before); replays keep it */
 } rl_prepared;
 
 /* The bytes to send for a decision: its replay form once it was marked for replay. */
@@ -98,6 +99,7 @@ typedef enum {
     RL_STEP_AUTH,        /* AUTH [user] password */
     RL_STEP_SELECT,      /* SELECT db */
     RL_STEP_PING,        /* reads a TLS 1.3 server's session tickets */
+    RL_STEP_INFO,        /* INFO memory: may Redis evict our keys? Not waited for */
     RL_STEP_SCRIPT_LOAD, /* queued by the engine after NOSCRIPT */
     RL_STEP_DECISION,    /* a rate-limit decision (EVALSHA) */
     RL_STEP_COMMAND,     /* any other command: the raw reply goes to the caller */
@@ -142,13 +144,18 @@ typedef struct {
     long long db;    /* the database the handshake selects, for messages */
     int load_failed; /* the last SCRIPT LOAD was refused: load_error says why */
     rl_error load_error;
+    int info_answered;        /* INFO memory was answered (or refused) */
+    char eviction_policy[40]; /* the maxmemory-policy that may evict our keys, or "" */
+    long long maxmemory;      /* bytes, from INFO memory */
 } rl_proto;
 
 /* No GIL needed for any of these: they touch no Python object and do no I/O. */
 int rl_proto_init(rl_proto *p);   /* 0, or -1: no memory */
 void rl_proto_clear(rl_proto *p); /* frees all; tokens and holders are the driver's */
-/* Queues the handshake steps (one write). Returns how many were queued (0: the
-   connection is ready at once), or -1 with err (no memory). The last step carries token:
+/* Queues the handshake steps (one write). Returns how many must be answered before the
+   connection is used (0: it is ready at once), or -1 with err (no memory). INFO memory is
+   queued too but never waited for: its reply, read before the first decision's, tells
+   whether Redis may evict the limiter's keys (eviction_policy). The last step carries token:
    its event completes the handshake. An earlier step that fails gives a fatal event
    without a token (the driver then fails what is left, the last step too). */
 int rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *token,
@@ -175,6 +182,9 @@ double rl_proto_oldest_deadline(const rl_proto *p);          /* -1 when none pen
 /* 1 when an idle connection must not be reused: bytes nobody asked for are buffered or
    waiting on fd (a stray reply, a server's EOF). fd < 0 skips the poll. */
 int rl_proto_idle_is_stale(const rl_proto *p, int fd);
+/* The warning to log once when INFO said that Redis may evict our keys, else "". */
+void rl_proto_eviction_warning(const rl_proto *p, char *buf, size_t size);
+#define RL_WARNING_LEN 360
 /* The replay rule, the same for both drivers: after the connection broke (cause
    RL_ERR_IO) a decision is sent once more, marked, on another connection; nothing else
    is replayed. Returns 1 when d was switched to its replay form, 0 when it must fail,
@@ -206,14 +216,16 @@ typedef struct rl_conn {
 } rl_conn;
 
 typedef struct {
-    pthread_mutex_t mutex;    /* guards every field below but config */
-    pthread_cond_t available; /* signalled when a connection is returned */
-    rl_conn *idle;            /* stack of idle connections */
-    int open;                 /* connections that exist (idle or in use) */
-    int max_open;             /* bound on open */
-    int closed;               /* set by close(): no new connections */
-    int initialized;          /* mutex and cond are initialised */
-    rl_config config;         /* immutable after init */
+    pthread_mutex_t mutex;        /* guards every field below but config */
+    pthread_cond_t available;     /* signalled when a connection is returned */
+    rl_conn *idle;                /* stack of idle connections */
+    int open;                     /* connections that exist (idle or in use) */
+    int max_open;                 /* bound on open */
+    int closed;                   /* set by close(): no new connections */
+    int initialized;              /* mutex and cond are initialised */
+    int warning_state;            /* eviction warning: 0 none yet, 1 to log, 2 logged */
+    char warning[RL_WARNING_LEN]; /* its text, once warning_state is 1 */
+    rl_config config;             /* immutable after init */
 } rl_pool;
 
 int rl_config_init(rl_config *cfg, const char *host, int port, const char *unix_path, long long db,
@@ -232,12 +244,18 @@ int rl_pool_init(rl_pool *pool, int max_open); /* 0, or -1 with errno */
 void rl_pool_destroy(rl_pool *pool);
 void rl_pool_close(rl_pool *pool);
 void rl_pool_after_fork(rl_pool *pool);
-rl_status rl_pool_acquire(rl_pool *pool, rl_conn **out, rl_error *err);
+/* A connection, waiting for a busy pool no longer than deadline. *connecting: the seconds
+   spent opening a new one (bounded by connect_timeout), 0 when none was opened. */
+rl_status rl_pool_acquire(rl_pool *pool, rl_conn **out, double deadline, double *connecting,
+                          rl_error *err);
 void rl_pool_release(rl_pool *pool, rl_conn *conn, int reusable);
 /* Closes every idle connection: after one broke, its siblings likely did too. */
 void rl_pool_drop_idle(rl_pool *pool);
 int rl_pool_open_count(rl_pool *pool);
 int rl_pool_is_closed(rl_pool *pool);
+/* Copies the eviction warning into buf (RL_WARNING_LEN) the first time one is due: 1, else
+   0. Cheap when none is due (one atomic load). */
+int rl_pool_take_warning(rl_pool *pool, char *buf);
 
 /* A hiredis reader that refuses arrays longer than any reply we expect. NULL: no memory. */
 redisReader *rl_reader_create(void);
@@ -324,6 +342,8 @@ int rl_windows_from_pair(rl_windows *w, PyObject *limit, PyObject *seconds); /* 
 int rl_windows_from_sequence(rl_windows *w, PyObject *windows);              /* 0 / -1 */
 /* Borrowed UTF-8 of a non-empty str user id, or NULL with an exception. */
 const char *rl_user_id_utf8(PyObject *user_id, Py_ssize_t *len);
+/* Logs message as a warning on the genai_ratelimit logger. 0, or -1 with an exception. */
+int rl_log_warning(const char *message);
 /* Validates user_id, applies the kill switch, makes the member, formats the command.
    out->windows must be filled first. Returns 0, or -1 with an exception set. */
 int rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int client_clock,

@@ -296,6 +296,15 @@ rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *to
             return -1;
         steps++;
     }
+    /* Not a step anyone waits for: no round trip is added. A server that refuses INFO (an
+       ACL without +info) only goes without the eviction warning. */
+    argv[0] = "INFO";
+    argvlen[0] = 4;
+    argv[1] = "memory";
+    argvlen[1] = 6;
+    rl_entry info = {.step = RL_STEP_INFO, .deadline = deadline};
+    if (queue_words(p, 2, argv, argvlen, &info, err) != RL_OK)
+        return -1;
     if (steps == 0 && h->ping) {
         /* A TLS 1.3 server sends its session tickets after the handshake; one round trip
            now reads them, so an idle pooled connection never looks readable (stale). */
@@ -481,6 +490,58 @@ judge_handshake(const rl_proto *p, const rl_entry *e, const redisReply *r, rl_er
                         rl_reply_type_name(r->type), expected);
 }
 
+/* The value of "name:" in an INFO reply, copied into out (at most size - 1 bytes), or "". */
+static void
+info_field(const redisReply *r, const char *name, char *out, size_t size)
+{
+    size_t n = strlen(name);
+    out[0] = '\0';
+    for (size_t i = 0; i + n < r->len; i++) {
+        if ((i == 0 || r->str[i - 1] == '\n') && memcmp(r->str + i, name, n) == 0 &&
+            r->str[i + n] == ':') {
+            size_t start = i + n + 1, end = start;
+            while (end < r->len && r->str[end] != '\r' && r->str[end] != '\n')
+                end++;
+            size_t len = end - start < size - 1 ? end - start : size - 1;
+            memcpy(out, r->str + start, len);
+            out[len] = '\0';
+            return;
+        }
+    }
+}
+
+/* Reads maxmemory and maxmemory_policy from INFO memory's reply. Our keys all carry a TTL:
+   every policy but noeviction may evict them once maxmemory is reached (volatile-* ones
+   evict only keys with a TTL: ours first of all). An error reply (an ACL without +info) or
+   anything else leaves eviction_policy empty. */
+static void
+note_memory_info(rl_proto *p, const redisReply *r)
+{
+    char maxmemory[32], policy[sizeof(p->eviction_policy)];
+    p->info_answered = 1;
+    if (r->type != REDIS_REPLY_STRING && r->type != REDIS_REPLY_STATUS)
+        return;
+    info_field(r, "maxmemory", maxmemory, sizeof(maxmemory));
+    info_field(r, "maxmemory_policy", policy, sizeof(policy));
+    p->maxmemory = strtoll(maxmemory, NULL, 10);
+    if (p->maxmemory > 0 && policy[0] != '\0' && strcmp(policy, "noeviction") != 0)
+        memcpy(p->eviction_policy, policy, sizeof(policy));
+}
+
+void
+rl_proto_eviction_warning(const rl_proto *p, char *buf, size_t size)
+{
+    buf[0] = '\0';
+    if (p->eviction_policy[0] == '\0')
+        return;
+    snprintf(buf, size,
+             "Redis may evict the rate limiter's keys (maxmemory %lld bytes, maxmemory-policy "
+             "%s): an evicted key forgets its user's requests, which silently lifts the limit for "
+             "that user. Use maxmemory-policy noeviction on the limiter's Redis (README: Running "
+             "it in production)",
+             p->maxmemory, p->eviction_policy);
+}
+
 /* Judges SCRIPT LOAD's reply: RL_OK, a refusal (kept for the decision that follows), or
    PROTOCOL (fatal). */
 static rl_status
@@ -489,7 +550,12 @@ judge_script_load(rl_proto *p, const redisReply *r, rl_error *err)
     size_t sha_len = sizeof(RL_SCRIPT_SHA1) - 1;
     if (r->type == REDIS_REPLY_ERROR) {
         p->load_failed = 1;
-        if (is_auth_refusal(r))
+        if (rl_reply_is_error(r, "OOM"))
+            rl_error_set(&p->load_error, RL_ERR_SERVER,
+                         "Redis is out of memory (used memory > maxmemory, noeviction): it "
+                         "refused to load the rate-limit script (%.160s)",
+                         r->str);
+        else if (is_auth_refusal(r))
             rl_error_set(&p->load_error, RL_ERR_AUTH,
                          "the Redis server requires authentication: "
                          "put the password in the URL (%.120s)",
@@ -578,6 +644,10 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
             ev->status = st;
             ev->fatal = st != RL_OK;
             break;
+        case RL_STEP_INFO:
+            note_memory_info(p, reply);
+            freeReplyObject(reply);
+            continue; /* informational: never an event, never fatal */
         case RL_STEP_SCRIPT_LOAD:
             st = judge_script_load(p, reply, err);
             freeReplyObject(reply);

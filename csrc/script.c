@@ -192,6 +192,11 @@ rl_script_decode(const redisReply *reply, const rl_windows *w, rl_result *out, r
                                 "the Redis server requires authentication: put the password "
                                 "in the URL (%.120s)",
                                 reply->str);
+        if (rl_reply_is_error(reply, "OOM"))
+            return rl_error_set(err, RL_ERR_SERVER,
+                                "Redis is out of memory (used memory > maxmemory, noeviction): "
+                                "it refused the request and nothing was written (%.200s)",
+                                reply->str);
         return rl_error_set(err, RL_ERR_SERVER,
                             "Redis answered the rate-limit script with an "
                             "error: %.240s",

@@ -16,6 +16,7 @@ test client that runs each request on a fresh loop) keeps one small set per loop
 from __future__ import annotations
 
 import asyncio
+import logging
 import ssl
 import time
 import weakref
@@ -28,6 +29,8 @@ from ._url import RedisOptions
 from .limiter import Clock, limiter_options
 
 __all__ = ["AsyncRateLimiter"]
+
+logger = logging.getLogger("genai_ratelimit")
 
 # A connection takes new checks until this many replies are due on every open connection;
 # only then is another one opened (up to max_connections).
@@ -77,6 +80,7 @@ class _Connection(asyncio.Protocol):
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
         self._fd = -1  # polled while idle (usable()); -1: not polled
+        self._info_due = True  # until INFO memory's answer was looked at
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -108,6 +112,9 @@ class _Connection(asyncio.Protocol):
             return
         if wrote:
             self._schedule_flush()
+        if self._info_due and (warning := self.pipeline.eviction_warning) is not None:
+            self._info_due = False
+            self.pool.limiter._warn_once(warning)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.closed:  # we closed it ourselves and failed its checks already
@@ -140,11 +147,12 @@ class _Connection(asyncio.Protocol):
             self._timer = self.loop.call_later(self.timeout, self._on_timer)
         return future
 
-    def resubmit(self, future: asyncio.Future[Any], request: Any) -> None:
-        """Sends a request again with the future its caller already awaits."""
+    def resubmit(self, future: asyncio.Future[Any], request: Any, extend: float) -> None:
+        """Sends a request again with the future its caller already awaits, within its first
+        deadline extended by `extend` (the seconds spent opening this connection)."""
         if self.closed:
             raise RateLimiterUnavailable("connection to Redis lost")
-        self.pipeline.push(future, request)
+        self.pipeline.push(future, request, extend)
         self._schedule_flush()
         if self._timer is None:
             self._timer = self.loop.call_later(self.timeout, self._on_timer)
@@ -154,9 +162,10 @@ class _Connection(asyncio.Protocol):
         runs the same steps): a refused password is RateLimiterAuthError, a lost
         connection RateLimiterUnavailable, and connect_timeout bounds it (in _open)."""
         future = self.loop.create_future()
-        if self.pipeline.handshake(future, username=options.username, password=options.password,
-                                   db=options.db, ping=options.tls):
-            self._flush()
+        wait = self.pipeline.handshake(future, username=options.username,
+                                       password=options.password, db=options.db, ping=options.tls)
+        self._flush()  # INFO memory goes out too, never waited for
+        if wait:
             await future
 
     def _schedule_flush(self) -> None:
@@ -317,11 +326,15 @@ class _LoopPool:
         task.add_done_callback(self.replaying.discard)
 
     async def _replay(self, pairs: list[tuple[asyncio.Future[Any], Any]]) -> None:
+        # On a connection of its own, as the blocking limiter does: an open sibling may have
+        # broken in the same event (a restart), with replies still due on it.
+        started = self.loop.time()
         try:
-            conn = await self.get()
+            conn = await self._open()
+            extend = self.loop.time() - started
             for future, request in pairs:
                 if not future.done():
-                    conn.resubmit(future, request)
+                    conn.resubmit(future, request, extend)
         except Exception as exc:  # no connection to be had: the callers hear why
             for future, _ in pairs:
                 if not future.done():
@@ -370,6 +383,7 @@ class AsyncRateLimiter:
         self.max_connections = max_connections
         self.key_prefix = key_prefix
         self._closed = False
+        self._eviction_warned = False
         # The loop of the last call and its pool: most programs have one loop.
         self._last_loop: asyncio.AbstractEventLoop | None = None
         self._last_pool: _LoopPool | None = None
@@ -388,6 +402,12 @@ class AsyncRateLimiter:
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self._options.describe()!r}, "
                 f"key_prefix={self.key_prefix!r}, clock={self._clock!r})")
+
+    def _warn_once(self, warning: str) -> None:
+        """Logs the engine's eviction warning, once per limiter ("" means no hazard)."""
+        if warning and not self._eviction_warned:
+            self._eviction_warned = True
+            logger.warning("%s", warning)
 
     def _forget(self, pool: _LoopPool) -> None:
         """Drops a pool whose loop shut down."""

@@ -20,7 +20,17 @@ Returns {allowed, remaining, retry_after_s, i}:
              the rejecting window}, where score_k is the score of the entry
              whose expiry first brings the count below the limit.
 A rejection writes nothing, and no key after the rejecting window is touched.
+
+A Redis over its maxmemory refuses the script with an OOM error before it writes
+anything (see the probe below), rather than admitting requests it cannot log.
 --]]
+
+-- Redis refuses a command that may grow memory (ZADD) under OOM only while the
+-- script has written nothing yet: a trim that removed an entry would let every
+-- later ZADD through. So one such command goes first, one that changes nothing
+-- (XX: only existing members; "" is never a member): over maxmemory it fails
+-- the whole script with -OOM, and nothing was written.
+redis.call('ZADD', KEYS[1], 'XX', 0, '')
 
 local now = tonumber(ARGV[2])
 if not now then

@@ -19,6 +19,8 @@ from typing import Any, TypeVar
 
 import pytest
 
+from helpers_core import INFO_REFUSED, INFO_REQUEST
+
 T = TypeVar("T")
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
 
@@ -381,7 +383,7 @@ class BatchRecordingServer:
     def _answer(self, conn: Any) -> None:
 
         conn.settimeout(0.1)
-        pending = 0
+        pending = infos = 0
         while not self._stop.is_set():
             try:
                 data = conn.recv(1 << 20)
@@ -394,15 +396,16 @@ class BatchRecordingServer:
             with self._lock:
                 self.reads += 1
                 commands = data.count(b"EVALSHA")
+                infos += data.count(INFO_REQUEST)  # sent once, at connect, before any check
                 self.received += commands
                 pending += commands
                 done = self.received >= self.expected
             if done:  # everything is in: answer what this connection was sent
                 try:
-                    conn.sendall(self.reply * pending)
+                    conn.sendall(INFO_REFUSED * infos + self.reply * pending)
                 except OSError:
                     return
-                pending = 0
+                pending = infos = 0
 
     def close(self) -> None:
         self._stop.set()

@@ -377,6 +377,12 @@ class PasswordRedisServer(RedisServer):
         self.password = password
 
 
+# The limiter reads INFO memory once per connection, at connect (is eviction on?); fakes that
+# answer per read rather than per command refuse it, as an ACL without +info would.
+INFO_REQUEST = b"*2\r\n$4\r\nINFO\r\n$6\r\nmemory\r\n"
+INFO_REFUSED = b"-NOPERM this fake does not answer INFO\r\n"
+
+
 class RendezvousServer:
     """A loopback server that holds every request until `parallel` requests are waiting at
     once (each on its own connection), then answers each with `reply`. When they never
@@ -423,13 +429,16 @@ class RendezvousServer:
                 return
             if not data:
                 return
+            if data == INFO_REQUEST:
+                conn.sendall(INFO_REFUSED)  # the connection's INFO memory, on its own
+                continue
             try:
                 self._barrier.wait()
                 self.met = True
             except threading.BrokenBarrierError:
                 pass
             try:
-                conn.sendall(self.reply)
+                conn.sendall(INFO_REFUSED * data.count(INFO_REQUEST) + self.reply)
             except OSError:
                 return
 

@@ -62,7 +62,7 @@ def outcome(make_limiter: LimiterFactory, url: str) -> object:
 def test_reload_after_noscript_then_the_decision_on_both_paths(scripted, make_limiter):
     server = scripted({"EVALSHA": [NOSCRIPT, decision(1, 4, 0)], "SCRIPT_LOAD": [SHA_REPLY]})
     assert outcome(make_limiter, server.url()) == (True, 4, 0)
-    assert server.commands == ["EVALSHA", "SCRIPT LOAD", "EVALSHA"]
+    assert server.commands == ["INFO", "EVALSHA", "SCRIPT LOAD", "EVALSHA"]
 
 
 def test_script_load_answering_something_else_than_the_sha_drops_the_connection(scripted, make_limiter):
@@ -123,7 +123,13 @@ def test_pipeline_handshake_with_nothing_to_send_is_ready_at_once():
         pipeline = _native.Pipeline(1.0)
         future = loop.create_future()
         assert pipeline.handshake(future) is False
-        assert pipeline.take() is None and pipeline.pending == 0 and not future.done()
+        # Only INFO memory is queued, and nobody waits for it.
+        sent = pipeline.take()
+        assert sent is not None and parse_command(sent)[0] == [b"INFO", b"memory"]
+        assert pipeline.pending == 1 and not future.done()
+        assert pipeline.eviction_warning is None
+        pipeline.feed(b"$52\r\n# Memory\r\nmaxmemory:0\r\nmaxmemory_policy:noeviction\r\n\r\n")
+        assert pipeline.pending == 0 and pipeline.eviction_warning == "" and not future.done()
     finally:
         loop.close()
 
@@ -136,11 +142,13 @@ def test_pipeline_handshake_resolves_its_future_when_the_last_step_answers():
         assert pipeline.handshake(future, password="pw", db=4) is True
         sent = pipeline.take()
         assert sent is not None and parse_command(sent)[0] == [b"AUTH", b"pw"]
-        assert pipeline.pending == 2
+        assert pipeline.pending == 3  # AUTH, SELECT, INFO memory
         pipeline.feed(b"+OK\r\n")
         assert not future.done()  # SELECT is still due
         pipeline.feed(b"+OK\r\n")
-        assert future.done() and future.result() is None and pipeline.pending == 0
+        assert future.done() and future.result() is None and pipeline.pending == 1
+        pipeline.feed(b"-NOPERM no INFO for this user\r\n")  # refused: not an error
+        assert pipeline.pending == 0 and pipeline.eviction_warning == ""
     finally:
         loop.close()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -351,6 +352,21 @@ def test_a_named_namespace_keeps_the_budget_of_any_instance_that_names_it(
                         extra=[RateLimit(limiter=limiter, namespace="images")])
     statuses = [client.get("/json", headers=as_user(user_id)).status_code for _ in range(6)]
     assert statuses == [200] * 5 + [429]
+
+
+def test_the_namespace_of_a_budget_is_the_same_in_every_process(tmp_path: Path, closed_port_url: str) -> None:
+    # Workers of one service must count in the same keys: the name is no hash() of the process.
+    budget = {"free": {"per_minute": 3, "per_day": 10}}
+    code = ("from genai_ratelimit import RateLimiter; from genai_ratelimit.fastapi import RateLimit; "
+            f"print(RateLimit(limiter=RateLimiter({closed_port_url!r}), tier_limits={budget!r}).namespace)")
+    names = {subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                            cwd=tmp_path, env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
+             for seed in (1, 2)}
+    with RateLimiter(closed_port_url) as limiter:
+        assert names == {RateLimit(limiter=limiter, tier_limits=budget).namespace}
+        other = {"free": {"per_minute": 3, "per_day": 11}}
+        assert RateLimit(limiter=limiter, tier_limits=other).namespace not in names | {None}
+        assert RateLimit(limiter=limiter, tier_limits=TIER_LIMITS).namespace is None  # the default budget
 
 
 @pytest.mark.parametrize("namespace", ["", "a:b", "has space", "x" * 65, 7])

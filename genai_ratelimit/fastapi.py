@@ -25,6 +25,22 @@ coroutine function, or that says `is_async = True`) gives the same. A blocking `
 passed explicitly gives a plain `def`, which FastAPI runs in its threadpool, so the event
 loop never waits on Redis either way.
 
+Identities and namespaces, so that no two budgets ever share a Redis key:
+
+- anonymous: the client address, "ip:<host>" (key ratelimit:ip:203.0.113.7:60);
+- a user id (request.state.user_id, or what `identify` returns) is its own key
+  (ratelimit:user_8421:60), unless it begins with one of the reserved prefixes "ip:", "user:"
+  or "ns:": then it is stored as "user:<id>" (ratelimit:user:ip:203.0.113.7:60), so no user id
+  can land in an anonymous bucket or in a namespace. An `identify` that wants the anonymous
+  bucket returns `Anonymous(host)` (or what `default_identify` returns for an anonymous request);
+- a namespace puts a budget's keys apart: "ns:<namespace>:<identity>"
+  (ratelimit:ns:images:user_8421:60). The default budget (TIER_LIMITS, or the file named by
+  $GENAI_RATELIMIT_TIERS) has none, so its keys are the contract's. A RateLimit with a budget
+  of its own gets its own namespace, "budget-<digest of the budget>", unless `namespace=` names
+  one; dependencies that name the same namespace share one budget, on any route.
+- On one route, dependencies that decide the same identity in the same namespace with the same
+  budget (and the same Redis and key prefix) count the request once and share the decision.
+
 Failing open: with on_unavailable="allow", `RateLimit.fail_open_count` counts the requests let
 through because Redis could not decide; export it to your metrics and alert when it grows.
 
@@ -33,8 +49,11 @@ Requires the `fastapi` extra: pip install genai-ratelimit[fastapi].
 
 from __future__ import annotations
 
+import hashlib
 import inspect
+import json
 import logging
+import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
@@ -47,16 +66,18 @@ except ImportError as exc:  # the core package works without FastAPI; this modul
                       f" ({exc})") from exc
 
 from . import RateLimiterError
-from ._tiers_config import TIER_BUDGET_KEYS, tier_limits_from_env, validate_tier_limits
+from ._tiers_config import TIER_BUDGET_KEYS, TierConfigError, tier_limits_from_env, validate_tier_limits
 from .aio import AsyncRateLimiter
 from .tiers import DEFAULT_TIER, TIER_LIMITS
 
 __all__ = [
+    "Anonymous",
     "RateLimit",
     "RateLimitHeadersMiddleware",
     "rate_limit",
     "Identify",
     "default_identify",
+    "key_identity",
     "window_name",
 ]
 
@@ -84,21 +105,73 @@ def window_name(window_seconds: int) -> str:
     return _WINDOW_NAMES.get(window_seconds, f"{window_seconds}s")
 
 
+class Anonymous(str):
+    """The identity of an anonymous client: `Anonymous("203.0.113.7") == "ip:203.0.113.7"`.
+    Only an Anonymous identity reaches the anonymous key space; a plain str that reads
+    "ip:..." is a user id and is kept apart from it (see key_identity)."""
+
+    __slots__ = ()
+
+    def __new__(cls, host: str) -> Anonymous:
+        return super().__new__(cls, f"ip:{host}")
+
+
+# A user id beginning with one of these is stored as "user:<id>": they mark the anonymous
+# key space ("ip:"), escaped user ids ("user:") and namespaces ("ns:").
+_RESERVED_PREFIXES = ("ip:", "user:", "ns:")
+_NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def key_identity(user_id: str, namespace: str | None = None) -> str:
+    """What goes between the key prefix and the window in a Redis key:
+    "ip:<host>" for an Anonymous identity; the user id itself, or "user:<id>" when it begins
+    with "ip:", "user:" or "ns:"; and "ns:<namespace>:" in front of either when a namespace
+    applies. Distinct (identity, namespace) pairs never give the same string."""
+    if isinstance(user_id, Anonymous):
+        identity = str(user_id)
+    elif user_id.startswith(_RESERVED_PREFIXES):
+        identity = f"user:{user_id}"
+    else:
+        identity = user_id
+    return identity if namespace is None else f"ns:{namespace}:{identity}"
+
+
 def default_identify(request: Request) -> tuple[str, str | None]:
     """The contract's identity rule: request.state.user_id (set by the app's auth), else the
-    client address as "ip:<host>"; tier from request.state.tier. Never query parameters or
-    client headers. (Behind a reverse proxy, request.client is what the ASGI server reports:
-    configure its trusted proxies, e.g. uvicorn --forwarded-allow-ips.)"""
+    client address, Anonymous(host) == "ip:<host>"; tier from request.state.tier. Never query
+    parameters or client headers. (Behind a reverse proxy, request.client is what the ASGI
+    server reports: configure its trusted proxies, e.g. uvicorn --forwarded-allow-ips.)"""
     user_id = getattr(request.state, "user_id", None)
     if user_id is None or user_id == "":
         client = request.client
-        user_id = f"ip:{client.host}" if client is not None and client.host else "ip:unknown"
+        user_id = Anonymous(client.host if client is not None and client.host else "unknown")
     return user_id, getattr(request.state, "tier", None)
+
+
+def _budget_namespace(tier_limits: Mapping[str, Mapping[str, int]]) -> str:
+    """The default namespace of a budget other than the default one: stable across processes
+    and restarts (the same budget gives the same name), different for different budgets."""
+    canonical = json.dumps(tier_limits, sort_keys=True, separators=(",", ":"))
+    return "budget-" + hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def _is_default_budget(tier_limits: Mapping[str, Mapping[str, int]]) -> bool:
+    """Whether these are the budgets `rate_limit` uses: TIER_LIMITS, or the tiers file."""
+    if tier_limits == validate_tier_limits(TIER_LIMITS):
+        return True
+    try:
+        from_env = tier_limits_from_env()
+    except TierConfigError:
+        return False
+    return from_env is not None and tier_limits == validate_tier_limits(from_env)
 
 
 # --- getting the headers onto every response ----------------------------------------------
 
 _SCOPE_KEY = "genai_ratelimit.decision"
+# The allowed decisions already taken for this request, by (key space, key identity, windows):
+# a second dependency that would count the same request in the same keys reuses the decision.
+_COUNTED_KEY = "genai_ratelimit.counted"
 
 
 class _AllowedDecision:
@@ -201,6 +274,10 @@ class RateLimit:
     identify       identify(request) -> (user_id, tier), replacing default_identify.
     on_unavailable "deny": HTTP 503 + Retry-After: 1 when Redis cannot decide; "allow": let the
                    request through, log a warning and count it in fail_open_count.
+    namespace      the name of the budget's key space (1-64 of A-Z a-z 0-9 _ . -): keys become
+                   {prefix}:ns:{namespace}:{identity}:{window}, and every RateLimit naming it
+                   draws on one budget. None: no namespace for the default budget (TIER_LIMITS
+                   or the tiers file: the contract's keys), "budget-<digest>" for any other.
 
     An async limiter (the default) gives an instance of a subclass whose __call__ is async,
     awaited on the event loop; a blocking limiter gives an instance whose __call__ is a plain
@@ -219,7 +296,14 @@ class RateLimit:
         tier_limits: Mapping[str, Mapping[str, int]] | None = None,
         identify: Identify | None = None,
         on_unavailable: OnUnavailable = "deny",
+        namespace: str | None = None,
     ) -> None:
+        if namespace is not None:
+            if not isinstance(namespace, str):
+                raise TypeError(f"namespace must be a str or None, not {type(namespace).__name__}")
+            if not _NAMESPACE_PATTERN.fullmatch(namespace):
+                raise ValueError("namespace must be 1 to 64 of the characters A-Z a-z 0-9 _ . -, "
+                                 f"got {namespace!r}")
         if on_unavailable not in ("deny", "allow"):
             raise ValueError(f"on_unavailable must be 'deny' or 'allow', got {on_unavailable!r}")
         if identify is not None and not callable(identify):
@@ -235,6 +319,9 @@ class RateLimit:
             tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items())
             for tier, budget in self.tier_limits.items()
         }
+        if namespace is None and not _is_default_budget(self.tier_limits):
+            namespace = _budget_namespace(self.tier_limits)
+        self.namespace: str | None = namespace
         self.identify: Identify = identify or default_identify
         self.on_unavailable: OnUnavailable = on_unavailable
         self._limiter = limiter
@@ -260,17 +347,33 @@ class RateLimit:
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
-                f"on_unavailable={self.on_unavailable!r})")
+                f"on_unavailable={self.on_unavailable!r}, namespace={self.namespace!r})")
 
     def _subject(self, request: Request) -> tuple[str, Windows]:
-        """Who is asking and under which budget: (user_id, windows)."""
+        """Who is asking and under which budget: (key identity, windows); see key_identity."""
         user_id, tier = self.identify(request)
         if isinstance(user_id, int) and not isinstance(user_id, bool):
             user_id = str(user_id)
         if not isinstance(user_id, str) or not user_id:
             raise TypeError(f"the rate-limit identity must be a non-empty str, got {user_id!r}")
         windows = self._windows.get(tier) if isinstance(tier, str) else None
-        return user_id, windows or self._windows[DEFAULT_TIER]
+        return key_identity(user_id, self.namespace), windows or self._windows[DEFAULT_TIER]
+
+    def _counted_key(self, identity: str, windows: Windows) -> tuple[object, ...]:
+        """Which keys a check of `identity` would count in: the limiter's Redis and key prefix
+        (the limiter object itself when it does not say), the identity and the budget."""
+        limiter = self.limiter
+        url, prefix = getattr(limiter, "url", None), getattr(limiter, "key_prefix", None)
+        space: tuple[object, ...] = (url, prefix) if isinstance(url, str) and isinstance(prefix, str) \
+            else (id(limiter),)
+        return (*space, identity, windows)
+
+    def _already_counted(self, request: Request, identity: str, windows: Windows) -> Decision | None:
+        counted = request.scope.get(_COUNTED_KEY)
+        return counted.get(self._counted_key(identity, windows)) if isinstance(counted, dict) else None
+
+    def _remember(self, request: Request, identity: str, windows: Windows, decision: Decision) -> None:
+        request.scope.setdefault(_COUNTED_KEY, {})[self._counted_key(identity, windows)] = decision
 
     def _apply(self, request: Request, response: Response, windows: Windows, decision: Decision) -> None:
         """Raises the 429, or records the allowed decision's headers."""
@@ -305,11 +408,14 @@ class RateLimit:
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
         user_id, windows = self._subject(request)
-        try:
-            decision = self.limiter.check_windows(user_id, windows)
-        except RateLimiterError as exc:
-            self._unavailable(user_id, exc)
-            return
+        decision = self._already_counted(request, user_id, windows)
+        if decision is None:
+            try:
+                decision = self.limiter.check_windows(user_id, windows)
+            except RateLimiterError as exc:
+                self._unavailable(user_id, exc)
+                return
+            self._remember(request, user_id, windows, decision)
         self._apply(request, response, windows, decision)
 
 
@@ -318,11 +424,14 @@ class _AsyncRateLimit(RateLimit):
 
     async def __call__(self, request: Request, response: Response) -> None:
         user_id, windows = self._subject(request)
-        try:
-            decision = await self.limiter.check_windows(user_id, windows)
-        except RateLimiterError as exc:
-            self._unavailable(user_id, exc)
-            return
+        decision = self._already_counted(request, user_id, windows)
+        if decision is None:
+            try:
+                decision = await self.limiter.check_windows(user_id, windows)
+            except RateLimiterError as exc:
+                self._unavailable(user_id, exc)
+                return
+            self._remember(request, user_id, windows, decision)
         self._apply(request, response, windows, decision)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -31,7 +32,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import genai_ratelimit.fastapi as ratelimit_fastapi
 from genai_ratelimit import TIER_LIMITS, AsyncRateLimiter, RateLimiter
-from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, rate_limit, window_name
+from genai_ratelimit.fastapi import (
+    RateLimit,
+    RateLimitHeadersMiddleware,
+    default_identify,
+    rate_limit,
+    window_name,
+)
 from helpers_async import ASYNC_KINDS, LimiterFactory, run_async
 from redis_server import RedisServer, free_port
 
@@ -290,6 +297,84 @@ def test_two_limits_on_one_route_report_the_tighter_one(
     assert response.headers["X-RateLimit-Remaining"] == "2"
 
 
+def test_two_dependencies_with_one_budget_on_one_route_count_each_request_once(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
+        redis_client: redis.Redis) -> None:
+    client = client_for(RateLimit(limiter=limiter), extra=[RateLimit(limiter=limiter)])
+    statuses = [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(6)]
+    assert statuses == [200] * 5 + [429]
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 5
+
+
+def test_a_second_dependency_with_its_own_budget_counts_in_its_own_namespace(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
+        redis_client: redis.Redis) -> None:
+    strict = RateLimit(limiter=limiter, tier_limits={"free": {"per_minute": 3, "per_day": 10}})
+    client = client_for(RateLimit(limiter=limiter), extra=[strict])
+    responses = [client.get("/dict", headers=as_user(user_id)) for _ in range(4)]
+    assert [r.status_code for r in responses] == [200] * 3 + [429]
+    assert responses[-1].headers["X-RateLimit-Limit"] == "3"
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 4  # the default budget saw 4 requests
+    assert redis_client.zcard(f"ratelimit:ns:{strict.namespace}:{user_id}:60") == 3
+
+
+def test_dependencies_that_name_one_namespace_share_its_budget(
+        limiter: AnyLimiter, make_limiter: LimiterFactory, user_id: str,
+        redis_client: redis.Redis) -> None:
+    # Two routes, two RateLimit instances (one fails open), one budget they both draw on.
+    chat = RateLimit(limiter=limiter, namespace="chat")
+    embeddings = RateLimit(limiter=limiter, namespace="chat", on_unavailable="allow")
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+    app.add_middleware(FakeAuth)
+
+    @app.get("/chat", dependencies=[Depends(chat)])
+    async def chat_route() -> dict[str, str]:
+        return {}
+
+    @app.get("/embeddings", dependencies=[Depends(embeddings)])
+    async def embeddings_route() -> dict[str, str]:
+        return {}
+
+    with TestClient(app, **client_options(make_limiter)) as client:
+        statuses = [client.get(route, headers=as_user(user_id)).status_code
+                    for route in ["/chat", "/embeddings"] * 3]
+        for async_limiter in make_limiter.async_limiters:
+            client.portal.call(async_limiter.aclose)
+    assert statuses == [200] * 5 + [429]
+    assert redis_client.zcard(f"ratelimit:ns:chat:{user_id}:60") == 5
+    assert redis_client.keys(f"ratelimit:{user_id}:*") == []
+
+
+def test_a_named_namespace_keeps_the_budget_of_any_instance_that_names_it(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str) -> None:
+    client = client_for(RateLimit(limiter=limiter, namespace="images"),
+                        extra=[RateLimit(limiter=limiter, namespace="images")])
+    statuses = [client.get("/json", headers=as_user(user_id)).status_code for _ in range(6)]
+    assert statuses == [200] * 5 + [429]
+
+
+def test_the_namespace_of_a_budget_is_the_same_in_every_process(tmp_path: Path, closed_port_url: str) -> None:
+    # Workers of one service must count in the same keys: the name is no hash() of the process.
+    budget = {"free": {"per_minute": 3, "per_day": 10}}
+    code = ("from genai_ratelimit import RateLimiter; from genai_ratelimit.fastapi import RateLimit; "
+            f"print(RateLimit(limiter=RateLimiter({closed_port_url!r}), tier_limits={budget!r}).namespace)")
+    names = {subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                            cwd=tmp_path, env={**os.environ, "PYTHONHASHSEED": str(seed)}).stdout.strip()
+             for seed in (1, 2)}
+    with RateLimiter(closed_port_url) as limiter:
+        assert names == {RateLimit(limiter=limiter, tier_limits=budget).namespace}
+        other = {"free": {"per_minute": 3, "per_day": 11}}
+        assert RateLimit(limiter=limiter, tier_limits=other).namespace not in names | {None}
+        assert RateLimit(limiter=limiter, tier_limits=TIER_LIMITS).namespace is None  # the default budget
+
+
+@pytest.mark.parametrize("namespace", ["", "a:b", "has space", "x" * 65, 7])
+def test_a_namespace_that_is_not_a_short_plain_name_is_refused(limiter: AnyLimiter, namespace: Any) -> None:
+    with pytest.raises((ValueError, TypeError), match="namespace"):
+        RateLimit(limiter=limiter, namespace=namespace)
+
+
 # --- tiers -----------------------------------------------------------------------------------
 
 
@@ -431,6 +516,49 @@ def test_identity_that_is_not_a_string_is_a_programming_error(
     # TestClient re-raises server exceptions by default (raise_server_exceptions=True).
     with pytest.raises(TypeError, match="non-empty str"):
         client.get("/dict")
+
+
+def test_a_user_id_that_looks_like_an_address_does_not_share_the_anonymous_budget(
+        client: TestClient, redis_client: redis.Redis) -> None:
+    # The anonymous client at "testclient" spends its budget; a signed-in user whose id
+    # happens to read "ip:testclient" still has all of theirs.
+    assert [client.get("/dict").status_code for _ in range(6)] == [200] * 5 + [429]
+    response = client.get("/dict", headers=as_user("ip:testclient"))
+    assert response.status_code == 200
+    assert response.headers["X-RateLimit-Remaining"] == "4"
+    assert redis_client.zcard("ratelimit:ip:testclient:60") == 5
+
+
+def test_an_identify_result_that_looks_like_an_address_does_not_share_the_anonymous_budget(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient]) -> None:
+    anonymous = client_for(RateLimit(limiter=limiter))
+    assert [anonymous.get("/dict").status_code for _ in range(6)] == [200] * 5 + [429]
+    custom = client_for(RateLimit(limiter=limiter, identify=lambda request: ("ip:testclient", None)))
+    assert custom.get("/dict").status_code == 200
+
+
+def test_an_identify_that_delegates_to_the_default_rule_keeps_the_anonymous_budget(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], redis_client: redis.Redis) -> None:
+    def identify(request: Request) -> tuple[str, str | None]:
+        user_id, _ = default_identify(request)
+        return user_id, "pro"
+
+    client = client_for(RateLimit(limiter=limiter, identify=identify))
+    response = client.get("/dict")
+    assert response.headers["X-RateLimit-Limit"] == "60"
+    assert redis_client.zcard("ratelimit:ip:testclient:60") == 1
+
+
+@pytest.mark.parametrize(("user_id", "key"), [
+    ("user_8421", "ratelimit:user_8421:60"),              # an ordinary id is its own key
+    ("org:acme", "ratelimit:org:acme:60"),
+    ("ip:testclient", "ratelimit:user:ip:testclient:60"),  # the reserved prefixes are escaped
+    ("user:7", "ratelimit:user:user:7:60"),
+    ("ns:chat:7", "ratelimit:user:ns:chat:7:60"),
+])
+def test_the_key_of_a_user_id(client: TestClient, redis_client: redis.Redis, user_id: str, key: str) -> None:
+    assert client.get("/dict", headers=as_user(user_id)).status_code == 200
+    assert sorted(redis_client.keys("*:60")) == [key.encode()]
 
 
 # --- configuration checked when the dependency is built ---------------------------------------

@@ -57,6 +57,24 @@ if kind != {cls!r}:
 async def served_loop():
     return {{"module": type(asyncio.get_running_loop()).__module__}}
 
+# For the identity tests: a user whose id reads like the anonymous key of 127.0.0.1, and
+# routes behind two RateLimit dependencies on the example's limiter: one with the same
+# budget as the example's, one with a stricter budget of its own.
+from fastapi import Depends
+from genai_ratelimit.fastapi import RateLimit
+example.API_KEYS["sk-test-address-like"] = ("ip:127.0.0.1", "free")
+STRICT = {{"free": {{"per_minute": 3, "per_day": 10}}}}
+
+@app.post("/v1/twice-limited", dependencies=[Depends(example.rate_limit),
+                                             Depends(RateLimit(limiter=example.rate_limit.limiter))])
+async def twice_limited():
+    return {{}}
+
+@app.post("/v1/strictly-limited", dependencies=[
+    Depends(example.rate_limit), Depends(RateLimit(limiter=example.rate_limit.limiter, tier_limits=STRICT))])
+async def strictly_limited():
+    return {{}}
+
 print(f"serving examples/app.py with a {{kind}}", flush=True)
 """
 
@@ -246,6 +264,35 @@ def test_anonymous_requests_are_limited_by_client_address(
     codes = [chat(http, None, headers={"X-Forwarded-For": f"203.0.113.{n}"}).status_code for n in range(6)]
     assert codes == [200] * 5 + [429]
     assert redis_client.zcard("ratelimit:ip:127.0.0.1:60") == 5
+
+
+def test_a_user_whose_id_reads_like_an_address_has_a_budget_of_their_own_over_http(
+        http: httpx.Client, redis_client: redis.Redis) -> None:
+    assert [chat(http, None).status_code for _ in range(6)] == [200] * 5 + [429]
+    response = chat(http, None, headers={"Authorization": "Bearer sk-test-address-like"})
+    assert response.status_code == 200
+    assert response.headers["X-RateLimit-Remaining"] == "4"
+    assert redis_client.zcard("ratelimit:ip:127.0.0.1:60") == 5
+    assert redis_client.zcard("ratelimit:user:ip:127.0.0.1:60") == 1
+
+
+def test_two_dependencies_with_one_budget_count_each_request_once_over_http(
+        http: httpx.Client, redis_client: redis.Redis) -> None:
+    headers = {"Authorization": f"Bearer {KEYS['free']}"}
+    codes = [http.post("/v1/twice-limited", headers=headers).status_code for _ in range(6)]
+    assert codes == [200] * 5 + [429]
+    assert redis_client.zcard("ratelimit:user_free:60") == 5
+
+
+def test_a_stricter_second_dependency_counts_in_its_own_namespace_over_http(
+        http: httpx.Client, redis_client: redis.Redis) -> None:
+    headers = {"Authorization": f"Bearer {KEYS['free']}"}
+    responses = [http.post("/v1/strictly-limited", headers=headers) for _ in range(4)]
+    assert [r.status_code for r in responses] == [200] * 3 + [429]
+    assert responses[-1].headers["X-RateLimit-Limit"] == "3"
+    assert redis_client.zcard("ratelimit:user_free:60") == 4
+    (strict_key,) = redis_client.keys("ratelimit:ns:*:user_free:60")
+    assert redis_client.zcard(strict_key) == 3
 
 
 def test_invalid_api_key_is_401_and_not_counted(http: httpx.Client, redis_client: redis.Redis) -> None:

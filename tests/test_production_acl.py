@@ -1,0 +1,101 @@
+"""The least-privilege ACL user of README.md ("Running it in production"), created from the
+README's own line on a private redis-server, drives every kind of limiter: checks until a
+rejection, check_windows, and the script reload after SCRIPT FLUSH. The same line without one
+of its commands, or a key prefix outside its pattern, fails: the line is what the limiter
+needs, and the tests can tell."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from genai_ratelimit import SCRIPT_SHA1, RateLimiterError
+from helpers_async import LimiterFactory
+from redis_server import RedisServer
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+ACL_COMMAND = "ACL SETUSER ratelimiter "
+# How Redis words an ACL refusal: of a command sent (NOPERM), or of one inside a script.
+NOT_PERMITTED = r"(?i)NOPERM|no permissions|can't run this command"
+
+
+def documented_acl_line() -> str:
+    """The one line of README.md that creates the limiter's ACL user."""
+    lines = [line for line in README.read_text(encoding="utf-8").splitlines()
+             if line.startswith(ACL_COMMAND)]
+    assert len(lines) == 1, f"README.md must hold exactly one {ACL_COMMAND!r} line, found {len(lines)}"
+    return lines[0]
+
+
+@pytest.fixture
+def admin(private_redis: RedisServer) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(private_redis.url)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def acl_url(private_redis: RedisServer, admin: redis.Redis) -> Callable[..., str]:
+    """acl_url(without=()): creates the README's user (minus the rules in `without`) with a
+    fresh password and returns its URL, on database 1 so that SELECT is sent too."""
+
+    def create(without: tuple[str, ...] = ()) -> str:
+        password = secrets.token_hex(16)
+        words = [word for word in documented_acl_line().split() if word not in without]
+        admin.execute_command(  # type: ignore[no-untyped-call]
+            *[">" + password if word == ">CHANGE-ME" else word for word in words])
+        return f"redis://ratelimiter:{password}@127.0.0.1:{private_redis.port}/1"
+
+    return create
+
+
+def test_the_documented_acl_user_checks_until_it_is_rejected(
+        acl_url: Callable[..., str], make_limiter: LimiterFactory, user_id: str) -> None:
+    limiter = make_limiter(acl_url())
+    assert [limiter.check(user_id, 3, 60) for _ in range(3)] == [(True, 2, 0), (True, 1, 0), (True, 0, 0)]
+    allowed, remaining, retry_after_s = limiter.check(user_id, 3, 60)
+    assert (allowed, remaining) == (False, 0)
+    assert 1 <= retry_after_s <= 60
+
+
+def test_the_documented_acl_user_checks_windows(
+        acl_url: Callable[..., str], make_limiter: LimiterFactory, admin: redis.Redis, user_id: str) -> None:
+    limiter = make_limiter(acl_url())
+    assert limiter.check_windows(user_id, [(5, 60), (100, 86_400)]) == (True, 4, 0, 60)
+    allowed, remaining, retry_after_s, window_seconds = limiter.check_windows(
+        user_id, [(1, 60), (100, 86_400)])
+    assert (allowed, remaining, window_seconds) == (False, 0, 60)
+    assert 1 <= retry_after_s <= 60
+    admin.select(1)
+    assert admin.zcard(f"ratelimit:{user_id}:86400") == 1
+
+
+def test_the_documented_acl_user_reloads_the_script_after_script_flush(
+        acl_url: Callable[..., str], make_limiter: LimiterFactory, admin: redis.Redis, user_id: str) -> None:
+    limiter = make_limiter(acl_url())
+    assert limiter.check(user_id, 5, 60) == (True, 4, 0)
+    admin.script_flush()
+    assert admin.script_exists(SCRIPT_SHA1) == [False]
+    assert limiter.check(user_id, 5, 60) == (True, 3, 0)  # NOSCRIPT, SCRIPT LOAD, EVALSHA again
+    assert admin.script_exists(SCRIPT_SHA1) == [True]
+
+
+@pytest.mark.parametrize("rule", ["+zadd", "+evalsha", "+time"])
+def test_the_documented_line_without_one_of_its_commands_is_not_enough(
+        acl_url: Callable[..., str], make_limiter: LimiterFactory, user_id: str, rule: str) -> None:
+    limiter = make_limiter(acl_url(without=(rule,)), connect_timeout=2.0, socket_timeout=2.0)
+    with pytest.raises(RateLimiterError, match=NOT_PERMITTED):
+        limiter.check(user_id, 5, 60)
+
+
+def test_the_documented_acl_user_cannot_touch_keys_outside_its_prefix(
+        acl_url: Callable[..., str], make_limiter: LimiterFactory, user_id: str) -> None:
+    limiter = make_limiter(acl_url(), key_prefix="other", connect_timeout=2.0, socket_timeout=2.0)
+    with pytest.raises(RateLimiterError, match=NOT_PERMITTED):
+        limiter.check(user_id, 5, 60)

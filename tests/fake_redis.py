@@ -117,6 +117,22 @@ class Reply(Behaviour):
         return not self.close
 
 
+def wait_until_delivered(conn: socket.socket, timeout: float = 5.0) -> None:
+    """Waits (bounded) until the peer's kernel holds everything sent on conn: nothing left in
+    the send queue (SIOCOUTQ: unsent or unacknowledged bytes). sendall() returning does not
+    mean that yet, even on loopback: a poll() on the other end may still see nothing."""
+    import fcntl
+    import struct
+    import termios
+
+    deadline = time.monotonic() + timeout
+    while True:
+        left = struct.unpack("i", fcntl.ioctl(conn.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        if left == 0 or time.monotonic() > deadline:
+            return
+        time.sleep(0.001)
+
+
 @dataclass
 class ReplyThenStray(Behaviour):
     """Sends `data` at once; then, when the test sets `release`, a `stray` reply nobody
@@ -134,6 +150,7 @@ class ReplyThenStray(Behaviour):
                 if stop.is_set():
                     return False
             conn.sendall(self.stray)
+            wait_until_delivered(conn)
         except OSError:
             return False
         self.sent.set()

@@ -41,7 +41,7 @@ positive_int(PyObject *value, const char *name, long long max, long long *out)
 }
 
 static int
-add_window(rl_windows *w, PyObject *limit, PyObject *seconds)
+add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
 {
     long long l, s;
     if (w->count >= RL_MAX_WINDOWS) {
@@ -51,47 +51,44 @@ add_window(rl_windows *w, PyObject *limit, PyObject *seconds)
     if (positive_int(limit, "limit", RL_MAX_LIMIT, &l) < 0 ||
         positive_int(seconds, "window_seconds", RL_MAX_WINDOW_SECONDS, &s) < 0)
         return -1;
-    /* Insert keeping the windows sorted, shortest first (stable for equal lengths). */
+    for (int j = 0; j < w->count; j++) {
+        if (w->seconds[j] == s && w->tokens[j] == tokens) {
+            PyErr_Format(PyExc_ValueError,
+                         "%swindow_seconds %lld appears twice: each window needs its own length",
+                         tokens ? "token " : "", s);
+            return -1;
+        }
+    }
+    /* Insert keeping the windows sorted, shortest first, requests before tokens for one
+       length (stable otherwise). */
     int i = w->count;
-    while (i > 0 && w->seconds[i - 1] > s) {
+    while (i > 0 && (w->seconds[i - 1] > s || (w->seconds[i - 1] == s && w->tokens[i - 1] > tokens))) {
         w->seconds[i] = w->seconds[i - 1];
         w->limit[i] = w->limit[i - 1];
+        w->cost[i] = w->cost[i - 1];
+        w->tokens[i] = w->tokens[i - 1];
         i--;
-    }
-    if (i > 0 && w->seconds[i - 1] == s) {
-        PyErr_Format(PyExc_ValueError,
-                     "window_seconds %lld appears twice: each window needs its own length", s);
-        /* Undo the shift so the struct stays consistent for the caller. */
-        for (int j = i; j < w->count; j++) {
-            w->seconds[j] = w->seconds[j + 1];
-            w->limit[j] = w->limit[j + 1];
-        }
-        return -1;
     }
     w->seconds[i] = s;
     w->limit[i] = l;
+    w->cost[i] = 1;
+    w->tokens[i] = (unsigned char)tokens;
     w->count++;
     return 0;
 }
 
-int
-rl_windows_from_pair(rl_windows *w, PyObject *limit, PyObject *seconds)
-{
-    w->count = 0;
-    return add_window(w, limit, seconds);
-}
-
-int
-rl_windows_from_sequence(rl_windows *w, PyObject *windows)
+/* Adds every (limit, window_seconds) pair of `windows` (named `name` in errors) to w.
+   An empty sequence is refused unless allow_empty. */
+static int
+add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int allow_empty)
 {
     PyObject *seq;
     Py_ssize_t n;
     int rc = -1;
-    w->count = 0;
     if (PyUnicode_Check(windows) || PyBytes_Check(windows) || PyByteArray_Check(windows) ||
         !PySequence_Check(windows)) {
         PyErr_Format(PyExc_TypeError,
-                     "windows must be a sequence of (limit, window_seconds) pairs, not %.100s",
+                     "%s must be a sequence of (limit, window_seconds) pairs, not %.100s", name,
                      Py_TYPE(windows)->tp_name);
         return -1;
     }
@@ -99,31 +96,163 @@ rl_windows_from_sequence(rl_windows *w, PyObject *windows)
     if (seq == NULL)
         return -1;
     n = PySequence_Fast_GET_SIZE(seq);
-    if (n == 0) {
-        PyErr_SetString(PyExc_ValueError,
-                        "windows must hold at least one (limit, window_seconds) pair");
+    if (n == 0 && !allow_empty) {
+        PyErr_Format(PyExc_ValueError, "%s must hold at least one (limit, window_seconds) pair",
+                     name);
         goto done;
     }
-    if (n > RL_MAX_WINDOWS) {
+    if (n > RL_MAX_WINDOWS - w->count) {
         PyErr_Format(PyExc_ValueError, "at most %d windows can be checked at once, got %zd",
-                     RL_MAX_WINDOWS, n);
+                     RL_MAX_WINDOWS, n + w->count);
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *pair = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
         if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
-            PyErr_Format(PyExc_TypeError,
-                         "windows[%zd] must be a (limit, window_seconds) pair, got %.100s", i,
-                         Py_TYPE(pair)->tp_name);
+            PyErr_Format(PyExc_TypeError, "%s[%zd] must be a (limit, window_seconds) pair, got %.100s",
+                         name, i, Py_TYPE(pair)->tp_name);
             goto done;
         }
-        if (add_window(w, PySequence_Fast_GET_ITEM(pair, 0), PySequence_Fast_GET_ITEM(pair, 1)) < 0)
+        if (add_window(w, PySequence_Fast_GET_ITEM(pair, 0), PySequence_Fast_GET_ITEM(pair, 1),
+                       tokens) < 0)
             goto done;
     }
     rc = 0;
 done:
     Py_DECREF(seq);
     return rc;
+}
+
+/* Sets the cost of every window of one resource; a cost no window of it could ever allow
+   is refused before any I/O (the caller knows both numbers). */
+static int
+set_cost(rl_windows *w, PyObject *value, const char *name, int tokens)
+{
+    long long cost = 1;
+    if (value != NULL && positive_int(value, name, RL_MAX_LIMIT, &cost) < 0)
+        return -1;
+    for (int i = 0; i < w->count; i++) {
+        if (w->tokens[i] != tokens)
+            continue;
+        if (cost > w->limit[i]) {
+            PyErr_Format(PyExc_ValueError,
+                         "%s %lld can never be allowed: the %swindow of %lld s allows at most %lld",
+                         name, cost, tokens ? "token " : "", w->seconds[i], w->limit[i]);
+            return -1;
+        }
+        w->cost[i] = cost;
+    }
+    return 0;
+}
+
+static int
+parse_member(PyObject *value, char out[RL_MEMBER_LEN + 1])
+{
+    Py_ssize_t len;
+    const char *text;
+    if (!PyUnicode_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "member must be a str, not %.100s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    text = PyUnicode_AsUTF8AndSize(value, &len);
+    if (text == NULL)
+        return -1;
+    if (len != RL_MEMBER_LEN) {
+        PyErr_Format(PyExc_ValueError, "member must be a reservation's 36-character UUID, got %R",
+                     value);
+        return -1;
+    }
+    memcpy(out, text, RL_MEMBER_LEN + 1);
+    return 0;
+}
+
+/* An int in [0, max]; bool is not an int here. */
+static int
+non_negative_int(PyObject *value, const char *name, long long max, long long *out)
+{
+    if (PyLong_Check(value) && !PyBool_Check(value)) {
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+        if (v == -1 && PyErr_Occurred())
+            return -1;
+        if (overflow == 0 && v == 0) {
+            *out = 0;
+            return 0;
+        }
+    }
+    return positive_int(value, name, max, out);
+}
+
+int
+rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                 rl_prepared *d, PyObject **user_id)
+{
+    static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
+    static const char *const windows_names[] = {"user_id", "windows", "cost"};
+    static const char *const reserve_names[] = {"user_id", "windows", "cost", "token_windows",
+                                                "tokens"};
+    static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
+                                                  "cost",    "tokens"};
+    PyObject *v[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    Py_ssize_t unused;
+
+    d->shape = shape;
+    d->script = shape == RL_SHAPE_RECONCILE ? RL_SCRIPT_RECONCILE : RL_SCRIPT_WINDOW;
+    d->windows.count = 0;
+    d->member[0] = '\0';
+    d->score_ms = 0;
+    d->new_cost = 0;
+    switch (shape) {
+    case RL_SHAPE_CHECK:
+        if (rl_parse_args("check", args, nargs, kwnames, check_names, 4, 3, 3, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || add_window(&d->windows, v[1], v[2], 0) < 0 ||
+            set_cost(&d->windows, v[3], "cost", 0) < 0)
+            return -1;
+        break;
+    case RL_SHAPE_WINDOWS:
+        if (rl_parse_args("check_windows", args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL ||
+            add_windows(&d->windows, v[1], "windows", 0, 0) < 0 ||
+            set_cost(&d->windows, v[2], "cost", 0) < 0)
+            return -1;
+        break;
+    case RL_SHAPE_RESERVE:
+        if (rl_parse_args("reserve", args, nargs, kwnames, reserve_names, 5, 2, 2, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL ||
+            add_windows(&d->windows, v[1], "windows", 0, 1) < 0 ||
+            (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1) < 0) ||
+            set_cost(&d->windows, v[2], "cost", 0) < 0)
+            return -1;
+        if (d->windows.count == 0) {
+            PyErr_SetString(PyExc_ValueError,
+                            "reserve needs at least one window or token window");
+            return -1;
+        }
+        if ((v[3] == NULL || PyObject_Length(v[3]) == 0) != (v[4] == NULL)) {
+            if (PyErr_Occurred())
+                return -1;
+            PyErr_SetString(PyExc_ValueError,
+                            v[4] == NULL ? "token_windows need tokens= (the estimated tokens)"
+                                         : "tokens= needs token_windows to count them in");
+            return -1;
+        }
+        if (set_cost(&d->windows, v[4], "tokens", 1) < 0)
+            return -1;
+        break;
+    case RL_SHAPE_RECONCILE:
+        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 6, 5, 5, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL)
+            return -1;
+        int tokens = v[5] != NULL ? PyObject_IsTrue(v[5]) : 0;
+        if (tokens < 0 || add_windows(&d->windows, v[1], "windows", tokens, 0) < 0 ||
+            parse_member(v[2], d->member) < 0 ||
+            positive_int(v[3], "timestamp_ms", RL_MAX_LIMIT, &d->score_ms) < 0 ||
+            non_negative_int(v[4], "cost", RL_MAX_LIMIT, &d->new_cost) < 0)
+            return -1;
+        break;
+    }
+    *user_id = v[0];
+    return 0;
 }
 
 const char *
@@ -202,7 +331,6 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
 {
     Py_ssize_t user_len;
     const char *user;
-    char member[RL_MEMBER_LEN + 1];
 
     out->command = NULL;
     out->command_len = 0;
@@ -214,25 +342,33 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
     if (user == NULL)
         return -1;
     if (kill_switch_on()) {
-        /* The tightest window is the one with the smallest limit (ties: the shorter). */
+        /* The tightest window is the one with the smallest limit (ties: the shorter). Nothing
+           is logged, so a reservation has no member and its reconcile sends nothing. */
+        rl_result *r = &out->result;
         int best = 0;
-        for (int i = 1; i < out->windows.count; i++) {
+        for (int i = 0; i < out->windows.count; i++) {
+            r->remaining_of[i] = out->windows.limit[i];
             if (out->windows.limit[i] < out->windows.limit[best])
                 best = i;
         }
         out->disabled = 1;
-        out->result.allowed = 1;
-        out->result.remaining = out->windows.limit[best];
-        out->result.retry_after_s = 0;
-        out->result.window = best;
+        if (out->script == RL_SCRIPT_WINDOW)
+            out->member[0] = '\0';
+        r->allowed = 1;
+        r->remaining = out->windows.limit[best];
+        r->retry_after_s = 0;
+        r->window = best;
+        r->now_ms = rl_clock_ms();
+        r->evaluated = out->windows.count;
+        r->found = 0;
         return warn_kill_switch(state);
     }
-    if (rl_member_uuid4(state->random, member) < 0) {
+    if (out->script == RL_SCRIPT_WINDOW && rl_member_uuid4(state->random, out->member) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    out->command_len = rl_script_format(prefix, prefix_len, user, (size_t)user_len, &out->windows,
-                                        member, client_clock ? rl_clock_ms() : -1, &out->command);
+    out->command_len = rl_script_format(prefix, prefix_len, user, (size_t)user_len, out,
+                                        client_clock ? rl_clock_ms() : -1, &out->command);
     if (out->command_len < 0) {
         out->command = NULL;
         PyErr_NoMemory();
@@ -268,11 +404,40 @@ rl_check_timeout(const char *name, double seconds)
     return 0;
 }
 
-PyObject *
-rl_result_tuple(const rl_windows *w, const rl_result *r, int with_window)
+/* (limit, window_seconds, is_token_window, remaining or None) of each window. */
+static PyObject *
+windows_report(const rl_windows *w, const rl_result *r)
 {
-    PyObject *t = PyTuple_New(with_window ? 4 : 3);
-    PyObject *item;
+    PyObject *all = PyTuple_New(w->count);
+    if (all == NULL)
+        return NULL;
+    for (int i = 0; i < w->count; i++) {
+        PyObject *item;
+        if (i < r->evaluated)
+            item = Py_BuildValue("(LLNL)", w->limit[i], w->seconds[i],
+                                 PyBool_FromLong(w->tokens[i]), r->remaining_of[i]);
+        else
+            item = Py_BuildValue("(LLNO)", w->limit[i], w->seconds[i],
+                                 PyBool_FromLong(w->tokens[i]), Py_None);
+        if (item == NULL) {
+            Py_DECREF(all);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(all, i, item);
+    }
+    return all;
+}
+
+PyObject *
+rl_result_object(const rl_prepared *d, const rl_result *r)
+{
+    const rl_windows *w = &d->windows;
+    PyObject *t, *item;
+    Py_ssize_t size;
+    if (d->shape == RL_SHAPE_RECONCILE)
+        return PyLong_FromLongLong(r->found);
+    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 8;
+    t = PyTuple_New(size);
     if (t == NULL)
         return NULL;
     PyTuple_SET_ITEM(t, 0, Py_NewRef(r->allowed ? Py_True : Py_False));
@@ -282,11 +447,25 @@ rl_result_tuple(const rl_windows *w, const rl_result *r, int with_window)
     if ((item = PyLong_FromLongLong(r->retry_after_s)) == NULL)
         goto error;
     PyTuple_SET_ITEM(t, 2, item);
-    if (with_window) {
-        if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL)
-            goto error;
-        PyTuple_SET_ITEM(t, 3, item);
-    }
+    if (size == 3)
+        return t;
+    if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(t, 3, item);
+    if (size == 4)
+        return t;
+    /* reserve: is the deciding window a token window, the member ("" when nothing was
+       logged), the decision's time, and every window's report. */
+    PyTuple_SET_ITEM(t, 4, PyBool_FromLong(w->tokens[r->window]));
+    if ((item = PyUnicode_FromString(r->allowed ? d->member : "")) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(t, 5, item);
+    if ((item = PyLong_FromLongLong(r->now_ms)) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(t, 6, item);
+    if ((item = windows_report(w, r)) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(t, 7, item);
     return t;
 error:
     Py_DECREF(t);
@@ -296,12 +475,13 @@ error:
 /* Matches vectorcall arguments to names. Fills out[] with borrowed references. */
 int
 rl_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-              const char *const *names, int n, PyObject **out)
+              const char *const *names, int n, int positional, int required, PyObject **out)
 {
     for (int i = 0; i < n; i++)
         out[i] = NULL;
-    if (nargs > n) {
-        PyErr_Format(PyExc_TypeError, "%s() takes %d arguments (%zd given)", fname, n, nargs);
+    if (nargs > positional) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %d positional arguments (%zd given)", fname,
+                     positional, nargs);
         return -1;
     }
     for (Py_ssize_t i = 0; i < nargs; i++)
@@ -330,7 +510,7 @@ rl_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObje
             out[found] = args[nargs + k];
         }
     }
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < required; i++) {
         if (out[i] == NULL) {
             PyErr_Format(PyExc_TypeError, "%s() missing required argument '%s'", fname, names[i]);
             return -1;

@@ -24,7 +24,6 @@
 typedef struct {
     PyObject_HEAD
     rl_prepared prepared; /* windows + formatted command + replay form (owned) */
-    int with_window;      /* result has 4 items (check_windows) or 3 (check) */
 } RequestObject;
 
 static void
@@ -117,76 +116,61 @@ Codec_dealloc(CodecObject *self)
     Py_DECREF(tp);
 }
 
-/* Returns the kill switch's result tuple, or a new Request. */
+/* Parses one method's arguments: the kill switch's final result, or a new Request. */
 static PyObject *
-encode(CodecObject *self, PyTypeObject *defining_class, PyObject *user_id, rl_windows *windows,
-       int with_window)
+encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject *const *args,
+       Py_ssize_t nargs, PyObject *kwnames)
 {
     rl_module_state *state = PyType_GetModuleState(defining_class);
     RequestObject *req;
     rl_prepared p;
+    PyObject *user_id;
     if (self->key_prefix == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the codec was not initialised");
         return NULL;
     }
-    p.windows = *windows;
-    if (rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, &p) <
-        0)
+    if (rl_parse_request(shape, args, nargs, kwnames, &p, &user_id) < 0 ||
+        rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, &p) <
+            0)
         return NULL;
     if (p.disabled)
-        return rl_result_tuple(&p.windows, &p.result, with_window);
+        return rl_result_object(&p, &p.result);
     req = PyObject_New(RequestObject, state->RequestType);
     if (req == NULL) {
         rl_prepared_clear(&p);
         return NULL;
     }
     req->prepared = p; /* takes ownership of the command */
-    req->with_window = with_window;
     return (PyObject *)req;
 }
 
-static PyObject *
-Codec_check(CodecObject *self, PyTypeObject *defining_class, PyObject *const *args,
-            Py_ssize_t nargs, PyObject *kwnames)
-{
-    static const char *const names[] = {"user_id", "limit", "window_seconds"};
-    PyObject *values[3];
-    rl_windows w;
-    Py_ssize_t unused;
-    if (rl_parse_args("check", args, nargs, kwnames, names, 3, values) < 0)
-        return NULL;
-    if (rl_user_id_utf8(values[0], &unused) == NULL)
-        return NULL;
-    if (rl_windows_from_pair(&w, values[1], values[2]) < 0)
-        return NULL;
-    return encode(self, defining_class, values[0], &w, 0);
-}
-
-static PyObject *
-Codec_check_windows(CodecObject *self, PyTypeObject *defining_class, PyObject *const *args,
-                    Py_ssize_t nargs, PyObject *kwnames)
-{
-    static const char *const names[] = {"user_id", "windows"};
-    PyObject *values[2];
-    rl_windows w;
-    Py_ssize_t unused;
-    if (rl_parse_args("check_windows", args, nargs, kwnames, names, 2, values) < 0)
-        return NULL;
-    if (rl_user_id_utf8(values[0], &unused) == NULL)
-        return NULL;
-    if (rl_windows_from_sequence(&w, values[1]) < 0)
-        return NULL;
-    return encode(self, defining_class, values[0], &w, 1);
-}
+#define CODEC_METHOD(name, shape)                                                                 \
+    static PyObject *Codec_##name(CodecObject *self, PyTypeObject *defining_class,                \
+                                  PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)     \
+    {                                                                                             \
+        return encode(self, defining_class, shape, args, nargs, kwnames);                         \
+    }
+CODEC_METHOD(check, RL_SHAPE_CHECK)
+CODEC_METHOD(check_windows, RL_SHAPE_WINDOWS)
+CODEC_METHOD(reserve, RL_SHAPE_RESERVE)
+CODEC_METHOD(reconcile, RL_SHAPE_RECONCILE)
 
 static PyMethodDef Codec_methods[] = {
     {"check", (PyCFunction)(void (*)(void))Codec_check, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "check($self, /, user_id, limit, window_seconds)\n--\n\n"
+     "check($self, /, user_id, limit, window_seconds, *, cost=1)\n--\n\n"
      "A Request, or the kill switch's final tuple."},
     {"check_windows", (PyCFunction)(void (*)(void))Codec_check_windows,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "check_windows($self, /, user_id, windows)\n--\n\n"
+     "check_windows($self, /, user_id, windows, *, cost=1)\n--\n\n"
      "A Request, or the kill switch's final tuple."},
+    {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._reserve's shape)."},
+    {"reconcile", (PyCFunction)(void (*)(void))Codec_reconcile,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False)\n--\n\n"
+     "A Request, or the kill switch's final answer 0."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -384,7 +368,7 @@ deliver(rl_module_state *state, rl_event *ev)
     } else {
         switch (ev->entry.step) {
         case RL_STEP_DECISION:
-            value = rl_result_tuple(&req->prepared.windows, &ev->result, req->with_window);
+            value = rl_result_object(&req->prepared, &ev->result);
             break;
         case RL_STEP_COMMAND:
             value = reply_to_python(ev->reply);

@@ -183,8 +183,7 @@ own_pool(LimiterObject *self)
 
 /* Runs one prepared decision. Returns a new reference to the result tuple, or NULL. */
 static PyObject *
-decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepared *p,
-       int with_window)
+decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepared *p)
 {
     rl_error err = {RL_OK, ""};
     rl_status st;
@@ -198,7 +197,7 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         0)
         goto done;
     if (p->disabled) {
-        result = rl_result_tuple(&p->windows, &p->result, with_window);
+        result = rl_result_object(p, &p->result);
         goto done;
     }
     own_pool(self);
@@ -233,38 +232,40 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         goto done;
     }
     p->result = call.result;
-    result = rl_result_tuple(&p->windows, &p->result, with_window);
+    result = rl_result_object(p, &p->result);
 done:
     rl_prepared_clear(p);
     return result;
 }
 
+/* Parses one method's arguments and runs the decision. */
+static PyObject *
+run(LimiterObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject *const *args,
+    Py_ssize_t nargs, PyObject *kwnames)
+{
+    rl_prepared p;
+    PyObject *user_id;
+    if (rl_parse_request(shape, args, nargs, kwnames, &p, &user_id) < 0)
+        return NULL;
+    return decide(self, state_of(defining_class), user_id, &p);
+}
+
 PyDoc_STRVAR(Limiter_check_doc,
-"check($self, /, user_id, limit, window_seconds)\n--\n\n"
+"check($self, /, user_id, limit, window_seconds, *, cost=1)\n--\n\n"
 "-> (allowed, remaining, retry_after_s)\n\n"
-"Decides one request of user_id against `limit` requests per `window_seconds`, in one\n"
-"script execution on Redis. On allow the request is logged; a rejection writes nothing.");
+"Decides one request of user_id against `limit` per `window_seconds`, in one script\n"
+"execution on Redis. The request costs `cost` units of the limit (1: one request). On\n"
+"allow the request is logged; a rejection writes nothing.");
 
 static PyObject *
 Limiter_check(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
               Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const names[] = {"user_id", "limit", "window_seconds"};
-    PyObject *values[3];
-    rl_prepared p;
-    if (rl_parse_args("check", args, nargs, kwnames, names, 3, values) < 0)
-        return NULL;
-    /* Validate the user id first so errors name arguments in signature order. */
-    Py_ssize_t unused;
-    if (rl_user_id_utf8(values[0], &unused) == NULL)
-        return NULL;
-    if (rl_windows_from_pair(&p.windows, values[1], values[2]) < 0)
-        return NULL;
-    return decide(self, state_of(defining_class), values[0], &p, 0);
+    return run(self, defining_class, RL_SHAPE_CHECK, args, nargs, kwnames);
 }
 
 PyDoc_STRVAR(Limiter_check_windows_doc,
-"check_windows($self, /, user_id, windows)\n--\n\n"
+"check_windows($self, /, user_id, windows, *, cost=1)\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds)\n\n"
 "Decides one request against every (limit, window_seconds) pair in one script execution,\n"
 "shortest window first. The first window that rejects stops the script: no later window\n"
@@ -276,17 +277,34 @@ static PyObject *
 Limiter_check_windows(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
                       Py_ssize_t nargs, PyObject *kwnames)
 {
-    static const char *const names[] = {"user_id", "windows"};
-    PyObject *values[2];
-    rl_prepared p;
-    Py_ssize_t unused;
-    if (rl_parse_args("check_windows", args, nargs, kwnames, names, 2, values) < 0)
-        return NULL;
-    if (rl_user_id_utf8(values[0], &unused) == NULL)
-        return NULL;
-    if (rl_windows_from_sequence(&p.windows, values[1]) < 0)
-        return NULL;
-    return decide(self, state_of(defining_class), values[0], &p, 1);
+    return run(self, defining_class, RL_SHAPE_WINDOWS, args, nargs, kwnames);
+}
+
+PyDoc_STRVAR(Limiter_reserve_doc,
+"_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+"-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, member,\n"
+"    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None), ...))\n\n"
+"One decision over request windows (charged `cost`) and token windows (charged `tokens`),\n"
+"all or nothing. RateLimiter.reserve wraps it in a Reservation.");
+
+static PyObject *
+Limiter_reserve(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
+                Py_ssize_t nargs, PyObject *kwnames)
+{
+    return run(self, defining_class, RL_SHAPE_RESERVE, args, nargs, kwnames);
+}
+
+PyDoc_STRVAR(Limiter_reconcile_doc,
+"_reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False)\n--\n\n"
+"-> the number of windows whose entry was found\n\n"
+"Sets the cost of a reserved entry in every window where it is still present.\n"
+"RateLimiter.reconcile calls it with a Reservation's fields.");
+
+static PyObject *
+Limiter_reconcile(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
+                  Py_ssize_t nargs, PyObject *kwnames)
+{
+    return run(self, defining_class, RL_SHAPE_RECONCILE, args, nargs, kwnames);
 }
 
 PyDoc_STRVAR(Limiter_close_doc,
@@ -350,6 +368,10 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_doc},
     {"check_windows", (PyCFunction)(void (*)(void))Limiter_check_windows,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_windows_doc},
+    {"_reserve", (PyCFunction)(void (*)(void))Limiter_reserve,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reserve_doc},
+    {"_reconcile", (PyCFunction)(void (*)(void))Limiter_reconcile,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reconcile_doc},
     {"close", (PyCFunction)Limiter_close, METH_NOARGS, Limiter_close_doc},
     {NULL, NULL, 0, NULL},
 };

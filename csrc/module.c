@@ -119,8 +119,11 @@ module_exec(PyObject *module)
 {
     rl_module_state *state = get_state(module);
     PyObject *bases = NULL;
-    size_t script_len;
-    const char *script = rl_script_source_text(&script_len);
+    static const struct {
+        rl_script_id id;
+        const char *sha_name, *source_name;
+    } exported[] = {{RL_SCRIPT_WINDOW, "SCRIPT_SHA1", "SCRIPT_SOURCE"},
+                    {RL_SCRIPT_RECONCILE, "RECONCILE_SHA1", "RECONCILE_SOURCE"}};
     int rc = -1;
 
     state->kill_switch_warned = 0;
@@ -157,16 +160,18 @@ module_exec(PyObject *module)
         add_type(module, &state->PipelineType, &rl_pipeline_spec, "Pipeline") < 0)
         goto done;
 
-    if (PyModule_AddStringConstant(module, "SCRIPT_SHA1", rl_script_sha1_hex) < 0 ||
-        PyModule_AddStringConstant(module, "HIREDIS_VERSION", RL_HIREDIS_VERSION) < 0)
+    if (PyModule_AddStringConstant(module, "HIREDIS_VERSION", RL_HIREDIS_VERSION) < 0)
         goto done;
-    {
-        PyObject *source = PyUnicode_DecodeUTF8(script, (Py_ssize_t)script_len, "strict");
+    for (size_t i = 0; i < sizeof(exported) / sizeof(exported[0]); i++) {
+        size_t len;
+        const char *text = rl_script_source_text(exported[i].id, &len);
+        PyObject *source = PyUnicode_DecodeUTF8(text, (Py_ssize_t)len, "strict");
         if (source == NULL)
             goto done;
-        int added = PyModule_AddObjectRef(module, "SCRIPT_SOURCE", source);
+        int added = PyModule_AddObjectRef(module, exported[i].source_name, source);
         Py_DECREF(source);
-        if (added < 0)
+        if (added < 0 || PyModule_AddStringConstant(module, exported[i].sha_name,
+                                                    rl_script_sha1(exported[i].id)) < 0)
             goto done;
     }
     if (PyModule_AddIntConstant(module, "MAX_WINDOWS", RL_MAX_WINDOWS) < 0 ||

@@ -66,20 +66,46 @@ void rl_wipe(void *buf, size_t len);
 
 typedef struct {
     int count;                       /* number of windows */
-    long long limit[RL_MAX_WINDOWS]; /* shortest window first */
+    long long limit[RL_MAX_WINDOWS]; /* shortest window first (requests before tokens) */
     long long seconds[RL_MAX_WINDOWS];
+    long long cost[RL_MAX_WINDOWS];    /* what this decision costs in the window (>= 1) */
+    unsigned char tokens[RL_MAX_WINDOWS]; /* 1: a token window (key suffix ":tokens") */
 } rl_windows;
 
 typedef struct {
     int allowed; /* 1 allow, 0 reject */
     long long remaining;
     long long retry_after_s;
-    int window; /* 0-based index into rl_windows of the deciding window */
+    int window;       /* 0-based index into rl_windows of the deciding window */
+    long long now_ms; /* the time the script decided at (the entry's score) */
+    int evaluated;    /* windows the script reached: all on allow, up to `window` on reject */
+    long long remaining_of[RL_MAX_WINDOWS]; /* per window, the first `evaluated` */
+    long long found;  /* reconcile: the windows whose entry was found */
 } rl_result;
+
+/* What a decision is, and how its result becomes Python (rl_result_object). */
+typedef enum {
+    RL_SHAPE_CHECK,     /* check(): (allowed, remaining, retry_after_s) */
+    RL_SHAPE_WINDOWS,   /* check_windows(): the same and window_seconds */
+    RL_SHAPE_RESERVE,   /* reserve(): the same, the member, the time, every window's remaining */
+    RL_SHAPE_RECONCILE, /* reconcile(): the number of windows whose entry was found */
+} rl_shape;
+
+/* The scripts of lua/, embedded at build time. */
+typedef enum {
+    RL_SCRIPT_WINDOW,    /* lua/sliding_window.lua: check, check_windows, reserve */
+    RL_SCRIPT_RECONCILE, /* lua/reconcile.lua */
+    RL_SCRIPT_COUNT,
+} rl_script_id;
 
 /* One decision, prepared with the GIL held (args.c), then sent by either driver. */
 typedef struct {
+    rl_shape shape;
+    rl_script_id script;
     rl_windows windows; /* validated, shortest first */
+    char member[RL_MEMBER_LEN + 1]; /* the entry: made here, or reconcile's argument */
+    long long score_ms;             /* reconcile: the entry's time */
+    long long new_cost;             /* reconcile: the entry's cost from now on (>= 0) */
     int disabled;       /* the kill switch answered: result is final, no I/O */
     rl_result result;   /* the kill switch's answer when disabled */
     char *command;      /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
@@ -108,6 +134,7 @@ typedef enum {
 typedef struct {
     rl_step step;
     int reloaded;          /* decisions: NOSCRIPT was answered once already */
+    rl_script_id script;   /* SCRIPT LOAD: the script being loaded */
     int last;              /* handshake: the step whose success completes it */
     double deadline;       /* monotonic seconds by which the reply is due */
     void *token;           /* the driver's handle on the waiter; never dereferenced */
@@ -279,10 +306,11 @@ void rl_call_abandon(rl_call *call);
 
 /* ------------------------------------------------------------------ script */
 
-/* Formats EVALSHA for one decision; returns its length and sets *out (redisFreeCommand),
-   or -1 when out of memory. now_ms < 0 lets the script read the server's clock. */
+/* Formats the EVALSHA of a prepared decision (its script, windows, member and, for
+   reconcile, score and cost); returns its length and sets *out (redisFreeCommand), or -1
+   when out of memory. now_ms < 0 lets the script read the server's clock. */
 long long rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
-                           const rl_windows *w, const char *member, long long now_ms, char **out);
+                           const rl_prepared *d, long long now_ms, char **out);
 
 /* The command with the script's replay marker appended (malloc'd; NULL when out of memory
    or not a formatted command). A replay never counts a request its first attempt logged. */
@@ -291,17 +319,17 @@ char *rl_script_replay_command(const char *command, size_t command_len, size_t *
 /* Decodes a script reply into a result, checked against the request's windows (an allow
    has 0 <= remaining < that window's limit and no retry; a reject has remaining 0 and a
    retry >= 1); PROTOCOL/SERVER/AUTH errors otherwise. No GIL needed. */
-rl_status rl_script_decode(const redisReply *reply, const rl_windows *w, rl_result *out,
+rl_status rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out,
                            rl_error *err);
 /* 1 when reply is an error reply whose text starts with prefix. */
 int rl_reply_is_error(const redisReply *reply, const char *prefix);
 const char *rl_reply_type_name(int type); /* "an integer", ... for messages */
 
-/* The script's SHA1 hex and source, embedded from lua/sliding_window.lua at build time,
-   and the pre-encoded SCRIPT LOAD command. */
-extern const char rl_script_sha1_hex[];
-const char *rl_script_source_text(size_t *len);
-const char *rl_script_load_text(size_t *len);
+/* A script's SHA1 hex and source, embedded from lua/ at build time, and the pre-encoded
+   SCRIPT LOAD command. */
+const char *rl_script_sha1(rl_script_id id);
+const char *rl_script_source_text(rl_script_id id, size_t *len);
+const char *rl_script_load_text(rl_script_id id, size_t *len);
 
 /* ----------------------------------------------------------- member, clock */
 
@@ -338,8 +366,10 @@ PyObject *rl_raise(rl_module_state *state, const rl_error *err);
 /* The exception instance for err (a new reference), or NULL with an exception set. */
 PyObject *rl_exception(rl_module_state *state, const rl_error *err);
 
-int rl_windows_from_pair(rl_windows *w, PyObject *limit, PyObject *seconds); /* 0 / -1 */
-int rl_windows_from_sequence(rl_windows *w, PyObject *windows);              /* 0 / -1 */
+/* Parses a method's arguments into d (shape, script, windows with their costs, reconcile's
+   entry) and *user_id (borrowed), validating all of it. 0, or -1 with an exception. */
+int rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+                     rl_prepared *d, PyObject **user_id);
 /* Borrowed UTF-8 of a non-empty str user id, or NULL with an exception. */
 const char *rl_user_id_utf8(PyObject *user_id, Py_ssize_t *len);
 /* Logs message as a warning on the genai_ratelimit logger. 0, or -1 with an exception. */
@@ -352,10 +382,12 @@ void rl_prepared_clear(rl_prepared *p);
 /* 0 when seconds is a usable timeout (0 < seconds <= RL_MAX_TIMEOUT_SECONDS), else -1
    with a ValueError naming the parameter. */
 int rl_check_timeout(const char *name, double seconds);
-/* (allowed, remaining, retry_after_s[, window_seconds]). Returns a new reference. */
-PyObject *rl_result_tuple(const rl_windows *w, const rl_result *r, int with_window);
-/* Vectorcall argument matching; out[] receives borrowed references. 0 / -1. */
+/* The Python result of a decision of d's shape (see rl_shape). Returns a new reference. */
+PyObject *rl_result_object(const rl_prepared *d, const rl_result *r);
+/* Vectorcall argument matching: the first `positional` names may be given by position,
+   the first `required` must be given; out[] receives borrowed references (NULL for an
+   optional one not given). 0 / -1. */
 int rl_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-                  const char *const *names, int n, PyObject **out);
+                  const char *const *names, int n, int positional, int required, PyObject **out);
 
 #endif

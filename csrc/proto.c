@@ -21,7 +21,6 @@
  * Memory: malloc/free (the blocking driver runs without the GIL).
  */
 #include "native.h"
-#include "script_source.h"
 
 #include <poll.h>
 #include <stdio.h>
@@ -545,9 +544,10 @@ rl_proto_eviction_warning(const rl_proto *p, char *buf, size_t size)
 /* Judges SCRIPT LOAD's reply: RL_OK, a refusal (kept for the decision that follows), or
    PROTOCOL (fatal). */
 static rl_status
-judge_script_load(rl_proto *p, const redisReply *r, rl_error *err)
+judge_script_load(rl_proto *p, const rl_entry *e, const redisReply *r, rl_error *err)
 {
-    size_t sha_len = sizeof(RL_SCRIPT_SHA1) - 1;
+    const char *sha = rl_script_sha1(e->script);
+    size_t sha_len = strlen(sha);
     if (r->type == REDIS_REPLY_ERROR) {
         p->load_failed = 1;
         if (rl_reply_is_error(r, "OOM"))
@@ -568,7 +568,7 @@ judge_script_load(rl_proto *p, const redisReply *r, rl_error *err)
         return RL_OK;
     }
     if (r->type != REDIS_REPLY_STRING || r->len != sha_len ||
-        memcmp(r->str, RL_SCRIPT_SHA1, sha_len) != 0)
+        memcmp(r->str, sha, sha_len) != 0)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to SCRIPT LOAD: %s, expected the script's SHA1",
                             rl_reply_type_name(r->type));
@@ -582,9 +582,10 @@ static rl_status
 reload_and_resend(rl_proto *p, rl_entry e, rl_error *err)
 {
     size_t load_len, len;
-    const char *load = rl_script_load_text(&load_len);
+    const char *load = rl_script_load_text(e.decision->script, &load_len);
     const char *bytes = rl_prepared_bytes(e.decision, &len);
-    rl_entry load_entry = {.step = RL_STEP_SCRIPT_LOAD, .deadline = e.deadline};
+    rl_entry load_entry = {
+        .step = RL_STEP_SCRIPT_LOAD, .script = e.decision->script, .deadline = e.deadline};
     /* Room for both first, so that either both are queued or neither is. */
     if (reserve_entries(p, 2) < 0 || reserve_output(p, load_len + len) < 0)
         return rl_error_set(err, RL_ERR_NOMEM, "out of memory loading the script");
@@ -649,7 +650,7 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
             freeReplyObject(reply);
             continue; /* informational: never an event, never fatal */
         case RL_STEP_SCRIPT_LOAD:
-            st = judge_script_load(p, reply, err);
+            st = judge_script_load(p, &e, reply, err);
             freeReplyObject(reply);
             if (st != RL_OK) {
                 p->failed = 1;
@@ -676,7 +677,7 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
                 ev->status = st;
                 break;
             }
-            st = rl_script_decode(reply, &e.decision->windows, &ev->result, &ev->error);
+            st = rl_script_decode(reply, e.decision, &ev->result, &ev->error);
             freeReplyObject(reply);
             ev->status = st;
             ev->fatal = st == RL_ERR_PROTOCOL; /* garbage: out of step; an error reply is not */

@@ -18,20 +18,38 @@
 #include <stdlib.h>
 #include <string.h>
 
-const char rl_script_sha1_hex[] = RL_SCRIPT_SHA1;
+static const struct {
+    const char *sha1;
+    const char *source;
+    size_t source_len;
+    const char *load;
+    size_t load_len;
+} scripts[RL_SCRIPT_COUNT] = {
+    [RL_SCRIPT_WINDOW] = {RL_SCRIPT_SHA1, rl_script_source, sizeof(rl_script_source) - 1,
+                          rl_script_load_command, sizeof(rl_script_load_command) - 1},
+    [RL_SCRIPT_RECONCILE] = {RL_RECONCILE_SHA1, rl_reconcile_source,
+                             sizeof(rl_reconcile_source) - 1, rl_reconcile_load_command,
+                             sizeof(rl_reconcile_load_command) - 1},
+};
 
 const char *
-rl_script_source_text(size_t *len)
+rl_script_sha1(rl_script_id id)
 {
-    *len = sizeof(rl_script_source) - 1;
-    return rl_script_source;
+    return scripts[id].sha1;
 }
 
 const char *
-rl_script_load_text(size_t *len)
+rl_script_source_text(rl_script_id id, size_t *len)
 {
-    *len = sizeof(rl_script_load_command) - 1;
-    return rl_script_load_command;
+    *len = scripts[id].source_len;
+    return scripts[id].source;
+}
+
+const char *
+rl_script_load_text(rl_script_id id, size_t *len)
+{
+    *len = scripts[id].load_len;
+    return scripts[id].load;
 }
 
 const char *
@@ -46,22 +64,28 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 }
 
 #define RL_NUMBER_TEXT 24 /* room for any long long in decimal, with sign and NUL */
-#define RL_STACK_ARENA 2048
+#define RL_STACK_ARENA 4096
+#define RL_KEY_SUFFIXES 12 /* ":tokens" + ":w" */
 
-/* Formats "EVALSHA sha N key... member now (window_ms limit)..." with hiredis.
-   Returns the command's length and sets *out (free with redisFreeCommand), or -1 when
-   out of memory. now_ms < 0 passes "" so the script reads the server's clock. */
+/* Formats "EVALSHA sha 2n key... weights... ARGV..." with hiredis (see the KEYS/ARGV
+   headers of lua/sliding_window.lua and lua/reconcile.lua). Returns the command's length
+   and sets *out (free with redisFreeCommand), or -1 when out of memory. now_ms < 0 passes
+   "" so the script reads the server's clock. */
 long long
 rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
-                 const rl_windows *w, const char *member, long long now_ms, char **out)
+                 const rl_prepared *d, long long now_ms, char **out)
 {
-    const char *argv[5 + 3 * RL_MAX_WINDOWS];
-    size_t argvlen[5 + 3 * RL_MAX_WINDOWS];
+    const rl_windows *w = &d->windows;
+    const char *argv[7 + 5 * RL_MAX_WINDOWS];
+    size_t argvlen[7 + 5 * RL_MAX_WINDOWS];
     char stack_arena[RL_STACK_ARENA];
     char *arena = stack_arena, *cursor;
-    char numkeys[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT];
-    size_t key_room = prefix_len + 1 + user_len + 1 + RL_NUMBER_TEXT;
-    size_t need = (size_t)w->count * (key_room + 2 * RL_NUMBER_TEXT);
+    char numkeys[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT], score_text[RL_NUMBER_TEXT],
+        cost_text[RL_NUMBER_TEXT];
+    size_t key_room = prefix_len + 1 + user_len + RL_NUMBER_TEXT + RL_KEY_SUFFIXES;
+    size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT);
+    const char **keys = argv + 3;
+    size_t *keylens = argvlen + 3;
     int argc = 0;
     long long len;
 
@@ -75,13 +99,14 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
 
     argv[argc] = "EVALSHA";
     argvlen[argc++] = 7;
-    argv[argc] = rl_script_sha1_hex;
-    argvlen[argc++] = sizeof(rl_script_sha1_hex) - 1;
-    argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d", w->count);
+    argv[argc] = rl_script_sha1(d->script);
+    argvlen[argc++] = strlen(argv[1]);
+    argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d", 2 * w->count);
     argv[argc++] = numkeys;
     for (int i = 0; i < w->count; i++) {
-        /* "{prefix}:{user_id}:{window_seconds}": the window is the last ':' field and the
-           prefix is fixed, so distinct user ids can never share a key. */
+        /* "{prefix}:{user_id}:{window_seconds}[:tokens]": the window is the last numeric ':'
+           field and the prefix is fixed, so distinct user ids never share a key, and a
+           token window's key (last field "tokens") is never a request window's. */
         char *key = cursor;
         memcpy(cursor, prefix, prefix_len);
         cursor += prefix_len;
@@ -89,27 +114,57 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         memcpy(cursor, user, user_len);
         cursor += user_len;
         cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
-        argv[argc] = key;
-        argvlen[argc++] = (size_t)(cursor - key);
+        if (w->tokens[i]) {
+            memcpy(cursor, ":tokens", 7);
+            cursor += 7;
+        }
+        keys[i] = key;
+        keylens[i] = (size_t)(cursor - key);
+        /* Its weights: the same key and ":w" (last field "w": never a window's key). */
+        char *weights = cursor;
+        memcpy(cursor, key, keylens[i]);
+        cursor += keylens[i];
+        memcpy(cursor, ":w", 2);
+        cursor += 2;
+        keys[w->count + i] = weights;
+        keylens[w->count + i] = (size_t)(cursor - weights);
     }
-    argv[argc] = member;
+    argc += 2 * w->count;
+    argv[argc] = d->member;
     argvlen[argc++] = RL_MEMBER_LEN;
     if (now_ms >= 0) {
         argvlen[argc] = (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms);
-        argv[argc++] = now_text;
+        argv[argc] = now_text;
     } else {
         argv[argc] = "";
-        argvlen[argc++] = 0;
+        argvlen[argc] = 0;
     }
-    for (int i = 0; i < w->count; i++) {
-        char *text = cursor;
-        cursor += snprintf(cursor, RL_NUMBER_TEXT, "%lld", w->seconds[i] * 1000LL);
-        argv[argc] = text;
-        argvlen[argc++] = (size_t)(cursor - text);
-        text = cursor;
-        cursor += snprintf(cursor, RL_NUMBER_TEXT, "%lld", w->limit[i]);
-        argv[argc] = text;
-        argvlen[argc++] = (size_t)(cursor - text);
+    if (d->script == RL_SCRIPT_RECONCILE) {
+        /* member, score, cost, now, then each window's length in ms. */
+        argvlen[argc + 2] = argvlen[argc];
+        argv[argc + 2] = argv[argc];
+        argvlen[argc] = (size_t)snprintf(score_text, sizeof(score_text), "%lld", d->score_ms);
+        argv[argc] = score_text;
+        argvlen[argc + 1] = (size_t)snprintf(cost_text, sizeof(cost_text), "%lld", d->new_cost);
+        argv[argc + 1] = cost_text;
+        argc += 3;
+        for (int i = 0; i < w->count; i++) {
+            char *text = cursor;
+            cursor += snprintf(cursor, RL_NUMBER_TEXT, "%lld", w->seconds[i] * 1000LL);
+            argv[argc] = text;
+            argvlen[argc++] = (size_t)(cursor - text);
+        }
+    } else {
+        argc++;
+        for (int i = 0; i < w->count; i++) {
+            const long long values[3] = {w->seconds[i] * 1000LL, w->limit[i], w->cost[i]};
+            for (int k = 0; k < 3; k++) {
+                char *text = cursor;
+                cursor += snprintf(cursor, RL_NUMBER_TEXT, "%lld", values[k]);
+                argv[argc] = text;
+                argvlen[argc++] = (size_t)(cursor - text);
+            }
+        }
     }
     len = redisFormatCommandArgv(out, argc, argv, argvlen);
     if (arena != stack_arena)
@@ -182,10 +237,41 @@ rl_reply_type_name(int type)
     }
 }
 
-rl_status
-rl_script_decode(const redisReply *reply, const rl_windows *w, rl_result *out, rl_error *err)
+static rl_status
+integer_at(const redisReply *array, size_t i, long long *out, rl_error *err)
 {
+    const redisReply *e = array->element[i];
+    if (e == NULL || e->type != REDIS_REPLY_INTEGER)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the rate-limit script: element %zu is %s, "
+                            "expected an integer",
+                            i + 1, e ? rl_reply_type_name(e->type) : "missing");
+    *out = e->integer;
+    return RL_OK;
+}
+
+/* lua/reconcile.lua: the number of windows whose entry was found. */
+static rl_status
+decode_reconcile(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    if (reply->type != REDIS_REPLY_INTEGER || reply->integer < 0 ||
+        reply->integer > d->windows.count)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the reconcile script: %s, expected an integer "
+                            "from 0 to %d",
+                            rl_reply_type_name(reply->type), d->windows.count);
+    memset(out, 0, sizeof(*out));
+    out->found = reply->integer;
+    return RL_OK;
+}
+
+rl_status
+rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    const rl_windows *w = &d->windows;
     int nwindows = w->count;
+    long long v[5];
+    const redisReply *each;
     if (reply->type == REDIS_REPLY_ERROR) {
         if (rl_reply_is_error(reply, "NOAUTH") || rl_reply_is_error(reply, "WRONGPASS"))
             return rl_error_set(err, RL_ERR_AUTH,
@@ -202,35 +288,53 @@ rl_script_decode(const redisReply *reply, const rl_windows *w, rl_result *out, r
                             "error: %.240s",
                             reply->str ? reply->str : "");
     }
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 4)
+    if (d->script == RL_SCRIPT_RECONCILE)
+        return decode_reconcile(reply, d, out, err);
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 6)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the rate-limit script: %s%s, expected an array "
-                            "of 4 integers",
+                            "of 5 integers and an array",
                             rl_reply_type_name(reply->type),
                             reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
-    for (size_t i = 0; i < 4; i++) {
-        if (reply->element[i] == NULL || reply->element[i]->type != REDIS_REPLY_INTEGER)
-            return rl_error_set(
-                err, RL_ERR_PROTOCOL,
-                "unexpected reply to the rate-limit script: element %zu is %s, "
-                "expected an integer",
-                i + 1, reply->element[i] ? rl_reply_type_name(reply->element[i]->type) : "missing");
+    for (size_t i = 0; i < 5; i++) {
+        if (integer_at(reply, i, &v[i], err) != RL_OK)
+            return err->kind;
     }
-    long long allowed = reply->element[0]->integer;
-    long long remaining = reply->element[1]->integer;
-    long long retry = reply->element[2]->integer;
-    long long window = reply->element[3]->integer;
+    long long allowed = v[0], remaining = v[1], retry = v[2], window = v[3], now = v[4];
     if ((allowed != 0 && allowed != 1) || remaining < 0 || retry < 0 || window < 1 ||
-        window > nwindows || (allowed == 1 && (retry != 0 || remaining >= w->limit[window - 1])) ||
+        window > nwindows || now < 0 ||
+        (allowed == 1 && (retry != 0 || remaining >= w->limit[window - 1])) ||
         (allowed == 0 && (retry < 1 || remaining != 0)))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "the rate-limit script answered values out of range "
                             "(%lld, %lld, %lld, %lld)",
                             allowed, remaining, retry, window);
+    /* Every window's remaining on allow; on reject the windows up to the rejecting one. */
+    each = reply->element[5];
+    size_t evaluated = allowed ? (size_t)nwindows : (size_t)window;
+    if (each == NULL || each->type != REDIS_REPLY_ARRAY || each->elements != evaluated)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the rate-limit script: element 6 is %s, "
+                            "expected an array of %zu integers",
+                            each ? rl_reply_type_name(each->type) : "missing", evaluated);
+    for (size_t i = 0; i < evaluated; i++) {
+        long long r;
+        if (integer_at(each, i, &r, err) != RL_OK)
+            return err->kind;
+        if (r < 0 || r >= w->limit[i] + (allowed ? 0 : 1) || (allowed && r < remaining))
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "the rate-limit script answered a remaining out of range "
+                                "(%lld for a limit of %lld)",
+                                r, w->limit[i]);
+        out->remaining_of[i] = r;
+    }
     out->allowed = (int)allowed;
     out->remaining = remaining;
     out->retry_after_s = retry;
     out->window = (int)(window - 1);
+    out->now_ms = now;
+    out->evaluated = (int)evaluated;
+    out->found = 0;
     return RL_OK;
 }
 

@@ -7,11 +7,20 @@ from typing_extensions import disjoint_base
 
 SCRIPT_SHA1: str
 SCRIPT_SOURCE: str
+RECONCILE_SHA1: str
+RECONCILE_SOURCE: str
 HIREDIS_VERSION: str  # "major.minor.patch" of the hiredis headers compiled against
 MAX_WINDOWS: int
 MAX_LIMIT: int
 MAX_WINDOW_SECONDS: int
 MAX_TIMEOUT_SECONDS: int
+
+# Limiter._reserve / Codec.reserve: (allowed, remaining, retry_after_s, window_seconds,
+# is_token_window, member, timestamp_ms, ((limit, window_seconds, is_token_window,
+# remaining or None), ...)).
+ReserveTuple = tuple[
+    bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...]
+]
 
 class RateLimiterError(Exception): ...
 class RateLimiterUnavailable(RateLimiterError): ...
@@ -40,10 +49,31 @@ class Limiter:
         ssl_certfile: str | None = ...,
         ssl_keyfile: str | None = ...,
     ) -> None: ...
-    def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]: ...
+    def check(
+        self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
+    ) -> tuple[bool, int, int]: ...
     def check_windows(
-        self, user_id: str, windows: Sequence[tuple[int, int]]
+        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> tuple[bool, int, int, int]: ...
+    def _reserve(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        token_windows: Sequence[tuple[int, int]] = (),
+        tokens: int | None = None,
+    ) -> ReserveTuple: ...
+    def _reconcile(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        member: str,
+        timestamp_ms: int,
+        cost: int,
+        *,
+        tokens: bool = False,
+    ) -> int: ...
     def close(self) -> None: ...
     @property
     def key_prefix(self) -> str: ...
@@ -64,10 +94,31 @@ class Request:
 @final
 class Codec:
     def __init__(self, key_prefix: str, *, client_clock: bool = ...) -> None: ...
-    def check(self, user_id: str, limit: int, window_seconds: int) -> Request | tuple[bool, int, int]: ...
+    def check(
+        self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
+    ) -> Request | tuple[bool, int, int]: ...
     def check_windows(
-        self, user_id: str, windows: Sequence[tuple[int, int]]
+        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> Request | tuple[bool, int, int, int]: ...
+    def reserve(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        token_windows: Sequence[tuple[int, int]] = (),
+        tokens: int | None = None,
+    ) -> Request | ReserveTuple: ...
+    def reconcile(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        member: str,
+        timestamp_ms: int,
+        cost: int,
+        *,
+        tokens: bool = False,
+    ) -> Request | int: ...
 
 @final
 class Pipeline:

@@ -20,13 +20,14 @@ import logging
 import ssl
 import time
 import weakref
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from . import _native
 from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable
 from ._url import RedisOptions
 from .limiter import Clock, limiter_options
+from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -426,11 +427,20 @@ class AsyncRateLimiter:
         self._last_loop, self._last_pool = loop, pool
         return pool
 
-    async def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]:
+    async def _run(self, request: Any) -> Any:
+        """Sends one Request of the codec and waits for its answer."""
+        pool = self._pool()
+        conn = pool.pick()
+        if conn is None:
+            conn = await pool.get()
+        return await conn.submit(request)
+
+    async def check(self, user_id: str, limit: int, window_seconds: int, *,
+                    cost: int = 1) -> tuple[bool, int, int]:
         """Decides one request of user_id: (allowed, remaining, retry_after_s)."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        request = self._codec.check(user_id, limit, window_seconds)
+        request = self._codec.check(user_id, limit, window_seconds, cost=cost)
         if type(request) is tuple:  # the kill switch answered
             return request
         pool = self._pool()
@@ -439,20 +449,40 @@ class AsyncRateLimiter:
             conn = await pool.get()
         return await conn.submit(request)  # type: ignore[no-any-return]
 
-    async def check_windows(self, user_id: str,
-                            windows: Any) -> tuple[bool, int, int, int]:
+    async def check_windows(self, user_id: str, windows: Any, *,
+                            cost: int = 1) -> tuple[bool, int, int, int]:
         """Decides one request against every (limit, window_seconds) pair, shortest first:
         (allowed, remaining, retry_after_s, window_seconds)."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        request = self._codec.check_windows(user_id, windows)
+        request = self._codec.check_windows(user_id, windows, cost=cost)
         if type(request) is tuple:
             return request
-        pool = self._pool()
-        conn = pool.pick()
-        if conn is None:
-            conn = await pool.get()
-        return await conn.submit(request)  # type: ignore[no-any-return]
+        return await self._run(request)  # type: ignore[no-any-return]
+
+    async def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
+                      cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
+                      tokens: int | None = None) -> Reservation:
+        """RateLimiter.reserve, awaited."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.reserve(user_id, windows,
+                                      **reserve_arguments(windows, cost, token_windows, tokens))
+        raw = request if type(request) is tuple else await self._run(request)
+        return make_reservation(raw, user_id, cost, tokens)
+
+    async def reconcile(self, reservation: Reservation, actual: int) -> int:
+        """RateLimiter.reconcile, awaited."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        arguments = reconcile_arguments(reservation, actual)
+        if arguments is None:
+            return 0
+        *positional, tokens = arguments
+        request = self._codec.reconcile(*positional, tokens=tokens)
+        if type(request) is int:
+            return request
+        return await self._run(request)  # type: ignore[no-any-return]
 
     async def aclose(self) -> None:
         """Closes every connection; pending checks fail. A second call does nothing."""

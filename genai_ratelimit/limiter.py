@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from typing import Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
+from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
 
 __all__ = ["RateLimiter", "limiter_options"]
 
@@ -129,6 +131,27 @@ class RateLimiter(_native.Limiter):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self.url!r}, "
                 f"key_prefix={self.key_prefix!r}, clock={getattr(self, '_clock', None)!r})")
+
+    def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
+                token_windows: Sequence[tuple[int, int]] = (),
+                tokens: int | None = None) -> Reservation:
+        """Decides one request against its request `windows` (each charged `cost`) and its
+        `token_windows` (each charged `tokens`, the estimate) in one script execution, all
+        or nothing, and logs it on allow. `reconcile` corrects the estimate later."""
+        raw = self._reserve(user_id, windows,
+                            **reserve_arguments(windows, cost, token_windows, tokens))
+        return make_reservation(raw, user_id, cost, tokens)
+
+    def reconcile(self, reservation: Reservation, actual: int) -> int:
+        """Sets the reserved entry's cost (its tokens, when it has token windows) to
+        `actual` in every window where it still is: lower refunds, higher charges, 0
+        removes it. Idempotent. Returns the number of windows whose entry was found (0
+        once it has left them all, or when nothing was logged)."""
+        arguments = reconcile_arguments(reservation, actual)
+        if arguments is None:
+            return 0
+        *positional, tokens = arguments
+        return self._reconcile(*positional, tokens=tokens)  # type: ignore[no-any-return]
 
     def __enter__(self) -> RateLimiter:
         return self

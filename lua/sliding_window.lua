@@ -1,24 +1,29 @@
 --[[
-sliding_window.lua - the sliding-window-log rate limiter. This file is the
-only copy of the algorithm: the build embeds it in the C extension.
+sliding_window.lua - the sliding-window-log rate limiter, with weights. This file is
+the only copy of the algorithm: the build embeds it in the C extension.
 
-KEYS[i]   one sorted set per window, shortest window first
-          (score = request time in unix ms, member = UUID4 text)
-ARGV[1]   the member to add when every window allows
-ARGV[2]   the request time in unix ms, or "" to read the server's clock (TIME)
-ARGV[2i+1], ARGV[2i+2]
-          window length in ms and limit of KEYS[i]
-ARGV[2n+3] optional: "1" marks a replay of a call whose reply was lost (n = #KEYS).
-          If the member is already logged in KEYS[n] (the longest window, where it
-          stays longest), the first attempt was allowed and logged: answer allow
-          again without logging twice.
+KEYS[i]    (i = 1..n) one sorted set per window, shortest window first
+           (score = request time in unix ms, member = UUID4 text)
+KEYS[n+i]  the weights of KEYS[i]: a hash {member -> cost} of its entries whose cost is
+           not 1, and field "" = the sum of (cost - 1) over them. It exists only while
+           such an entry does, so a window of plain entries costs one HGET more.
+ARGV[1]    the member to add when every window allows
+ARGV[2]    the request time in unix ms, or "" to read the server's clock (TIME)
+ARGV[3i], ARGV[3i+1], ARGV[3i+2]
+           window length in ms, limit and cost of KEYS[i] (limit and cost in cost units)
+ARGV[3n+3] optional: "1" marks a replay of a call whose reply was lost. If the member is
+           already logged in KEYS[n] (the longest window, where it stays longest), the
+           first attempt was allowed and logged: answer allow again, write nothing.
 
-Returns {allowed, remaining, retry_after_s, i}:
+used(i) = ZCARD(KEYS[i]) + weights "" field: the sum of the costs in the window.
+
+Returns {allowed, remaining, retry_after_s, i, now_ms, {remaining per window}}:
   allow  -> {1, fewest remaining over all windows after this request, 0,
-             index of that window (ties: the shorter)}
-  reject -> {0, 0, max(1, ceil((score_k + window_ms - now) / 1000)), index of
-             the rejecting window}, where score_k is the score of the entry
-             whose expiry first brings the count below the limit.
+             index of that window (ties: the shorter), now, {limit - used - cost ...}}
+  reject -> {0, 0, max(1, ceil((score_k + window_ms - now) / 1000)), index of the
+             rejecting window, now, {limit - used of the windows before it ..., 0}},
+             where entry k is the oldest entry whose leaving frees enough: the costs of
+             the entries up to it add up to used + cost - limit.
 A rejection writes nothing, and no key after the rejecting window is touched.
 
 A Redis over its maxmemory refuses the script with an OOM error before it writes
@@ -32,6 +37,8 @@ anything (see the probe below), rather than admitting requests it cannot log.
 -- the whole script with -OOM, and nothing was written.
 redis.call('ZADD', KEYS[1], 'XX', 0, '')
 
+local n = #KEYS / 2
+
 local now = tonumber(ARGV[2])
 if not now then
   -- Redis before 7.0 must be told to replicate effects once the script read TIME.
@@ -40,44 +47,123 @@ if not now then
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local fewest, fewest_index = nil, 1
+-- Drops the entries that left window i; returns its used cost and its weights' total.
+local function trim(i, window_ms)
+  local key, weights = KEYS[i], KEYS[n + i]
+  local extra = tonumber(redis.call('HGET', weights, ''))
+  if extra then
+    -- Weighted entries may be leaving: take their weight off the total first.
+    -- In batches: Lua's unpack() takes a few thousand values at most.
+    local freed = 0
+    local leaving = redis.call('ZCOUNT', key, '-inf', now - window_ms)
+    for from = 0, leaving - 1, 1000 do
+      local last = from + 999
+      if last >= leaving then last = leaving - 1 end
+      local gone = redis.call('ZRANGE', key, from, last)
+      local costs = redis.call('HMGET', weights, unpack(gone))
+      local weighted = {}
+      for j = 1, #gone do
+        if costs[j] then
+          freed = freed + tonumber(costs[j]) - 1
+          weighted[#weighted + 1] = gone[j]
+        end
+      end
+      if #weighted > 0 then redis.call('HDEL', weights, unpack(weighted)) end
+    end
+    if freed > 0 then
+      extra = extra - freed
+      if extra > 0 then
+        redis.call('HSET', weights, '', extra)
+      else
+        redis.call('HDEL', weights, '')
+        extra = 0
+      end
+    end
+  else
+    extra = 0
+  end
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window_ms)
+  return redis.call('ZCARD', key) + extra, extra
+end
 
-if ARGV[2 * #KEYS + 3] == '1' and redis.call('ZSCORE', KEYS[#KEYS], ARGV[1]) then
+-- Seconds until enough of window i's oldest entries leave to free `need` units.
+local function retry_after(i, window_ms, need, extra)
+  local key, weights = KEYS[i], KEYS[n + i]
+  local score
+  if extra == 0 then
+    -- Every entry costs 1: the need-th oldest is the one.
+    score = redis.call('ZRANGE', key, need - 1, need - 1, 'WITHSCORES')[2]
+  else
+    local freed, from = 0, 0
+    while not score do
+      local batch = redis.call('ZRANGE', key, from, from + 63, 'WITHSCORES')
+      if #batch == 0 then break end
+      local members = {}
+      for j = 1, #batch, 2 do members[#members + 1] = batch[j] end
+      local costs = redis.call('HMGET', weights, unpack(members))
+      for j = 1, #members do
+        freed = freed + (tonumber(costs[j]) or 1)
+        if freed >= need then
+          score = batch[2 * j]
+          break
+        end
+      end
+      from = from + 64
+    end
+  end
+  -- No entry frees enough (only a cost above the limit, which the client refuses): the
+  -- whole window must pass.
+  local retry = score and math.ceil((tonumber(score) + window_ms - now) / 1000)
+      or math.ceil(window_ms / 1000)
+  if retry < 1 then retry = 1 end
+  return retry
+end
+
+local fewest, fewest_index = nil, 1
+local remaining_of = {}
+
+if ARGV[3 * n + 3] == '1' and redis.call('ZSCORE', KEYS[n], ARGV[1]) then
   -- Already counted by the first attempt: report, write nothing.
-  for i = 1, #KEYS do
-    local window_ms = tonumber(ARGV[2 * i + 1])
-    redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', now - window_ms)
-    local remaining = tonumber(ARGV[2 * i + 2]) - redis.call('ZCARD', KEYS[i])
+  for i = 1, n do
+    local used = trim(i, tonumber(ARGV[3 * i]))
+    local remaining = tonumber(ARGV[3 * i + 1]) - used
     if remaining < 0 then remaining = 0 end
+    remaining_of[i] = remaining
     if fewest == nil or remaining < fewest then
       fewest, fewest_index = remaining, i
     end
   end
-  return {1, fewest, 0, fewest_index}
+  return {1, fewest, 0, fewest_index, now, remaining_of}
 end
-for i = 1, #KEYS do
-  local key = KEYS[i]
-  local window_ms = tonumber(ARGV[2 * i + 1])
-  local limit = tonumber(ARGV[2 * i + 2])
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window_ms)
-  local count = redis.call('ZCARD', key)
-  if count >= limit then
-    -- The (count - limit)-th entry (0-based) is the one whose expiry brings
-    -- the count below the limit: the oldest when the window is exactly full.
-    local k = count - limit
-    local entry = redis.call('ZRANGE', key, k, k, 'WITHSCORES')
-    local retry = math.ceil((tonumber(entry[2]) + window_ms - now) / 1000)
-    if retry < 1 then retry = 1 end
-    return {0, 0, retry, i}
+
+for i = 1, n do
+  local window_ms = tonumber(ARGV[3 * i])
+  local limit = tonumber(ARGV[3 * i + 1])
+  local cost = tonumber(ARGV[3 * i + 2])
+  local used, extra = trim(i, window_ms)
+  if used + cost > limit then
+    -- Nothing is charged: the windows before this one keep what they had.
+    for j = 1, i - 1 do remaining_of[j] = remaining_of[j] + tonumber(ARGV[3 * j + 2]) end
+    remaining_of[i] = 0
+    return {0, 0, retry_after(i, window_ms, used + cost - limit, extra), i, now, remaining_of}
   end
-  local remaining = limit - count - 1
+  local remaining = limit - used - cost
+  remaining_of[i] = remaining
   if fewest == nil or remaining < fewest then
     fewest, fewest_index = remaining, i
   end
 end
 
-for i = 1, #KEYS do
+for i = 1, n do
+  local seconds = tonumber(ARGV[3 * i]) / 1000 + 1
+  local cost = tonumber(ARGV[3 * i + 2])
   redis.call('ZADD', KEYS[i], now, ARGV[1])
-  redis.call('EXPIRE', KEYS[i], tonumber(ARGV[2 * i + 1]) / 1000 + 1)
+  redis.call('EXPIRE', KEYS[i], seconds)
+  if cost ~= 1 then
+    local weights = KEYS[n + i]
+    redis.call('HSET', weights, ARGV[1], cost)
+    redis.call('HINCRBY', weights, '', cost - 1)
+    redis.call('EXPIRE', weights, seconds)
+  end
 end
-return {1, fewest, 0, fewest_index}
+return {1, fewest, 0, fewest_index, now, remaining_of}

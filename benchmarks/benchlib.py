@@ -438,16 +438,17 @@ class RedisPyLimiter:
         self._prefix = key_prefix
 
     def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]:
-        reply = self._script(keys=[f"{self._prefix}:{user_id}:{window_seconds}"],
-                             args=[str(uuid.uuid4()), "", window_seconds * 1000, limit])
+        key = f"{self._prefix}:{user_id}:{window_seconds}"
+        reply = self._script(keys=[key, f"{key}:w"],
+                             args=[str(uuid.uuid4()), "", window_seconds * 1000, limit, 1])
         return bool(reply[0]), int(reply[1]), int(reply[2])
 
     def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> tuple[bool, int, int, int]:
         keys = [f"{self._prefix}:{user_id}:{window}" for _, window in windows]
         args: list[Any] = [str(uuid.uuid4()), ""]
         for limit, window in windows:
-            args += [window * 1000, limit]
-        reply = self._script(keys=keys, args=args)
+            args += [window * 1000, limit, 1]
+        reply = self._script(keys=keys + [f"{key}:w" for key in keys], args=args)
         return bool(reply[0]), int(reply[1]), int(reply[2]), windows[int(reply[3]) - 1][1]
 
 
@@ -459,8 +460,9 @@ class AsyncRedisPyLimiter:
         self._prefix = key_prefix
 
     async def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]:
-        reply = await self._script(keys=[f"{self._prefix}:{user_id}:{window_seconds}"],
-                                   args=[str(uuid.uuid4()), "", window_seconds * 1000, limit])
+        key = f"{self._prefix}:{user_id}:{window_seconds}"
+        reply = await self._script(keys=[key, f"{key}:w"],
+                                   args=[str(uuid.uuid4()), "", window_seconds * 1000, limit, 1])
         return bool(reply[0]), int(reply[1]), int(reply[2])
 
 

@@ -5,7 +5,8 @@
  * once with SCRIPT LOAD) as EVALSHA, one fresh UUID4 member (libuuid, canonical 36-char text)
  * per call, with the same keys and arguments RateLimiter.check / check_windows send:
  *
- *   EVALSHA <sha> <nkeys> <prefix>:<user>:<window_s>... <uuid> <now_ms|""> <window_ms> <limit>...
+ *   EVALSHA <sha> <2n> <prefix>:<user>:<window_s>... <each key>:w... <uuid> <now_ms|"">
+ *           (<window_ms> <limit> 1)...
  *
  * Modes:
  *   seq    one command, wait for its reply, repeat: the latency floor of one connection.
@@ -183,20 +184,20 @@ struct command {
 
 static int command_init(struct command *c, const struct options *o, const char *sha) {
     int nw = o->nwindows;
-    c->argc = 3 + nw + 2 + 2 * nw;
+    c->argc = 3 + 2 * nw + 2 + 3 * nw; /* KEYS: the windows, then their weights */
     c->argv = calloc((size_t)c->argc, sizeof *c->argv);
     c->argvlen = calloc((size_t)c->argc, sizeof *c->argvlen);
-    c->keys = calloc((size_t)o->users * (size_t)nw, sizeof *c->keys);
-    c->key_lens = calloc((size_t)o->users * (size_t)nw, sizeof *c->key_lens);
+    c->keys = calloc((size_t)o->users * 2 * (size_t)nw, sizeof *c->keys);
+    c->key_lens = calloc((size_t)o->users * 2 * (size_t)nw, sizeof *c->key_lens);
     if (!c->argv || !c->argvlen || !c->keys || !c->key_lens) return -1;
     static char nkeys[16];
-    snprintf(nkeys, sizeof nkeys, "%d", nw);
+    snprintf(nkeys, sizeof nkeys, "%d", 2 * nw);
     int i = 0;
     c->argv[i] = "EVALSHA"; c->argvlen[i++] = 7;
     c->argv[i] = sha; c->argvlen[i++] = strlen(sha);
     c->argv[i] = nkeys; c->argvlen[i++] = strlen(nkeys);
     c->key_index = i;
-    i += nw;
+    i += 2 * nw;
     c->member_index = i;
     c->argv[i] = c->member; c->argvlen[i++] = UUID_TEXT_LEN;
     c->now_index = i;
@@ -208,13 +209,17 @@ static int command_init(struct command *c, const struct options *o, const char *
         snprintf(lim, 24, "%lld", o->windows[w].limit);
         c->argv[i] = ms; c->argvlen[i++] = strlen(ms);
         c->argv[i] = lim; c->argvlen[i++] = strlen(lim);
+        c->argv[i] = "1"; c->argvlen[i++] = 1; /* cost */
     }
     for (int u = 0; u < o->users; u++) {
         for (int w = 0; w < nw; w++) {
             char buf[256];
             int n = snprintf(buf, sizeof buf, "%s:user_%d:%lld", o->prefix, u, o->windows[w].seconds);
-            c->keys[u * nw + w] = strdup(buf);
-            c->key_lens[u * nw + w] = (size_t)n;
+            c->keys[u * 2 * nw + w] = strdup(buf);
+            c->key_lens[u * 2 * nw + w] = (size_t)n;
+            n = snprintf(buf, sizeof buf, "%s:user_%d:%lld:w", o->prefix, u, o->windows[w].seconds);
+            c->keys[u * 2 * nw + nw + w] = strdup(buf);
+            c->key_lens[u * 2 * nw + nw + w] = (size_t)n;
         }
     }
     return 0;
@@ -223,9 +228,9 @@ static int command_init(struct command *c, const struct options *o, const char *
 /* Fills in the next call's user, member and time. */
 static void command_next(struct command *c, const struct options *o, long long seq) {
     int u = (int)(seq % o->users);
-    for (int w = 0; w < o->nwindows; w++) {
-        c->argv[c->key_index + w] = c->keys[u * o->nwindows + w];
-        c->argvlen[c->key_index + w] = c->key_lens[u * o->nwindows + w];
+    for (int k = 0; k < 2 * o->nwindows; k++) {
+        c->argv[c->key_index + k] = c->keys[u * 2 * o->nwindows + k];
+        c->argvlen[c->key_index + k] = c->key_lens[u * 2 * o->nwindows + k];
     }
     uuid_t id;
     uuid_generate_random(id);
@@ -243,12 +248,12 @@ static int check_reply(const redisReply *r) {
         fprintf(stderr, "error reply: %s\n", r->str);
         return -1;
     }
-    if (r->type != REDIS_REPLY_ARRAY || r->elements != 4) {
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != 6) {
         fprintf(stderr, "unexpected reply type %d (%zu elements)\n", r->type, (size_t)r->elements);
         return -1;
     }
-    for (size_t i = 0; i < 4; i++) {
-        if (r->element[i]->type != REDIS_REPLY_INTEGER) {
+    for (size_t i = 0; i < 6; i++) {
+        if (r->element[i]->type != (i < 5 ? REDIS_REPLY_INTEGER : REDIS_REPLY_ARRAY)) {
             fprintf(stderr, "unexpected element type %d\n", r->element[i]->type);
             return -1;
         }

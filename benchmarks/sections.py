@@ -41,21 +41,23 @@ BIG = 10**9
 # --------------------------------------------------------------------------- server time
 
 SERVER_SCRIPTS = {
-    # name: (script text, build ARGV from (member, now_ms, window_ms, limit))
+    # name: (script text, build KEYS + ARGV from (key, member, now_ms, window_ms, limit)).
+    # This package's script takes each window's key and its weights' key (cost 1 here).
     "this package's script, server clock (default)": (
-        SCRIPT_TEXT, lambda m, now, w, limit: (m, "", w, limit)),
-    "this package's script, client clock": (SCRIPT_TEXT, lambda m, now, w, limit: (m, now, w, limit)),
+        SCRIPT_TEXT, lambda k, m, now, w, limit: (2, k, f"{k}:w", m, "", w, limit, 1)),
+    "this package's script, client clock": (
+        SCRIPT_TEXT, lambda k, m, now, w, limit: (2, k, f"{k}:w", m, now, w, limit, 1)),
     "original four-op script (the design: all four commands every call)": (
-        ORIGINAL_FOUR_OP_SCRIPT, lambda m, now, w, limit: (now, w, limit, m)),
+        ORIGINAL_FOUR_OP_SCRIPT, lambda k, m, now, w, limit: (1, k, now, w, limit, m)),
     "four-op, ZADD+EXPIRE only on allow (stricter reference)": (
-        FOUR_OP_ADD_ON_ALLOW_SCRIPT, lambda m, now, w, limit: (now, w, limit, m)),
+        FOUR_OP_ADD_ON_ALLOW_SCRIPT, lambda k, m, now, w, limit: (1, k, now, w, limit, m)),
     # What reading the server's clock costs by itself: the original with TIME instead of ARGV time.
     "original four-op script + TIME (server clock; reference)": (
         ORIGINAL_FOUR_OP_SCRIPT.replace(
             "local now = tonumber(ARGV[1])",
             "local t = redis.call('TIME')\n"
             "local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"),
-        lambda m, now, w, limit: (now, w, limit, m)),
+        lambda k, m, now, w, limit: (1, k, now, w, limit, m)),
 }
 OURS = "this package's script, server clock (default)"
 FOUR_OP = "original four-op script (the design: all four commands every call)"
@@ -118,8 +120,8 @@ def server_time_section(target: RedisTarget, admin, quick: bool, rounds: int) ->
                     _, argv = SERVER_SCRIPTS[name]
                     now = int(time.time() * 1000)
                     payload = pipe.encode([
-                        ["EVALSHA", shas[name], 1, keys[name][i % users],
-                         *argv(str(uuid.uuid4()), now, window * 1000, limit)]
+                        ["EVALSHA", shas[name],
+                         *argv(keys[name][i % users], str(uuid.uuid4()), now, window * 1000, limit)]
                         for i in range(start, min(calls, start + batch_size))])
                     n = min(calls, start + batch_size) - start
                     before = script_stats(admin)

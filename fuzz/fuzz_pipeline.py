@@ -48,8 +48,11 @@ def resp_item(fdp: atheris.FuzzedDataProvider, depth: int = 0) -> bytes:
     kind = fdp.ConsumeIntInRange(0, 12)
     if kind == 0:  # a well-formed decision, values in and out of range
         values = [fdp.ConsumeIntInRange(-2, 3), fdp.ConsumeIntInRange(-2, 2**62),
-                  fdp.ConsumeIntInRange(-2, 2**62), fdp.ConsumeIntInRange(-1, 5)]
-        return b"*4\r\n" + b"".join(b":%d\r\n" % v for v in values)
+                  fdp.ConsumeIntInRange(-2, 2**62), fdp.ConsumeIntInRange(-1, 5),
+                  fdp.ConsumeIntInRange(-2, 2**62)]
+        each = [fdp.ConsumeIntInRange(-2, 2**62) for _ in range(fdp.ConsumeIntInRange(0, 6))]
+        return (b"*6\r\n" + b"".join(b":%d\r\n" % v for v in values)
+                + b"*%d\r\n" % len(each) + b"".join(b":%d\r\n" % v for v in each))
     if kind == 1:
         return b"-NOSCRIPT No matching script. Please use EVAL.\r\n"
     if kind in (2, 3):  # an error or a simple string, any text on one line
@@ -77,7 +80,7 @@ def resp_item(fdp: atheris.FuzzedDataProvider, depth: int = 0) -> bytes:
     if kind == 10:
         return b"-NOAUTH Authentication required.\r\n"
     if kind == 11:  # a decision with the wrong element types
-        return b"*4\r\n:1\r\n$1\r\n5\r\n:0\r\n+1\r\n"
+        return b"*6\r\n:1\r\n$1\r\n5\r\n:0\r\n+1\r\n:0\r\n*0\r\n"
     return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 16))  # garbage
 
 

@@ -16,6 +16,7 @@ from ._native import (
 from ._version import __version__
 from .aio import AsyncRateLimiter
 from .limiter import RateLimiter
+from .reservation import Reservation, WindowState
 from .tiers import TIER_LIMITS
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "RateLimiterUnavailable",
     "RateLimiterTimeout",
     "RateLimiterAuthError",
+    "Reservation",
+    "WindowState",
     "TIER_LIMITS",
     "SCRIPT_SHA1",
     "__version__",

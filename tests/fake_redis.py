@@ -86,9 +86,19 @@ def read_commands(conn: socket.socket, stopped: Callable[[], bool]
         yield args, raw, buf
 
 
-def decision(allowed: int, remaining: int, retry_after_s: int, window_index: int = 1) -> bytes:
-    """The RESP text of a well-formed script reply."""
-    return b"*4\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n" % (allowed, remaining, retry_after_s, window_index)
+DECISION_NOW_MS = 1_767_225_600_000  # the decision's time in a canned reply (2026-01-01)
+
+
+def decision(allowed: int, remaining: int, retry_after_s: int, window_index: int = 1,
+             windows: int = 1) -> bytes:
+    """The RESP text of a well-formed reply of lua/sliding_window.lua to a check of
+    `windows` windows: {allowed, remaining, retry, window, now, {remaining per window}}
+    (every window at `remaining` on allow; the windows up to the rejecting one at 0)."""
+    reached = windows if allowed else window_index
+    each = remaining if allowed else 0
+    return (b"*6\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n" % (
+        allowed, remaining, retry_after_s, window_index, DECISION_NOW_MS)
+        + b"*%d\r\n" % reached + b":%d\r\n" % each * reached)
 
 
 # ---------------------------------------------------------------- misbehaviours

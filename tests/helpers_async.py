@@ -118,7 +118,7 @@ def run_async(coroutine: Coroutine[Any, Any, T], loop_factory: LoopFactory | Non
 
 class BlockingAsyncLimiter:
     """An AsyncRateLimiter behind the blocking limiter's interface: check(), check_windows(),
-    close(), `with`, url, key_prefix, closed, repr(). Each call runs the coroutine to
+    reserve(), reconcile(), close(), `with`, url, key_prefix, closed, repr(). Each call runs the coroutine to
     completion on one loop (made by `loop_factory`) that this adapter keeps for its lifetime,
     so connections are reused between calls exactly as in a long-running service. After each
     call the loop turns once more, so that a transport the call aborted finishes closing its
@@ -158,6 +158,12 @@ class BlockingAsyncLimiter:
 
     def check_windows(self, *args: Any, **kwargs: Any) -> tuple[bool, int, int, int]:
         return self.run(self.inner.check_windows(*args, **kwargs))
+
+    def reserve(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.inner.reserve(*args, **kwargs))
+
+    def reconcile(self, *args: Any, **kwargs: Any) -> int:
+        return self.run(self.inner.reconcile(*args, **kwargs))
 
     def close(self) -> None:
         with self._lock:

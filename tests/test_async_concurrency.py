@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from genai_ratelimit import AsyncRateLimiter
+import fake_redis
 from helpers_async import (
     BatchRecordingServer,
     LoopFactory,
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.limiter_kinds(
 
 LIMIT = 10
 MAX_LAG = 0.05
-DECISION = b"*4\r\n:1\r\n:9\r\n:0\r\n:1\r\n"  # allowed, 9 remaining, no retry, first window
+DECISION = fake_redis.decision(1, 9, 0, 1)  # allowed, 9 remaining, no retry, first window
 
 
 async def replies_drained(limiter: AsyncRateLimiter, timeout: float = 5.0) -> None:

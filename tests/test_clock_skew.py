@@ -86,9 +86,9 @@ def emulated_check(client: redis.Redis, key: str, time_argument: str) -> tuple[i
     argument ("" = the server's clock), window_ms and limit."""
     from genai_ratelimit import SCRIPT_SHA1
 
-    reply = client.evalsha(SCRIPT_SHA1, 1, key, str(uuid.uuid4()), time_argument,
-                           WINDOW_S * 1000, LIMIT)
-    return tuple(int(v) for v in reply)  # type: ignore[return-value]
+    reply = client.evalsha(SCRIPT_SHA1, 2, key, f"{key}:w", str(uuid.uuid4()), time_argument,
+                           WINDOW_S * 1000, LIMIT, 1)
+    return tuple(int(v) for v in reply[:4])  # type: ignore[return-value]
 
 
 def run_with_client_clocks(client: redis.Redis, key: str) -> list[Decision]:
@@ -165,9 +165,9 @@ def test_server_time_enforces_the_exact_window_whatever_the_app_servers_clocks(s
 # ------------------------------------------------ the real limiter's time argument
 
 def time_arguments(monitor: Monitor) -> list[str]:
-    """ARGV[2] of every EVALSHA with one key seen by MONITOR from the limiter under test:
-    EVALSHA sha 1 key member TIME window_ms limit."""
-    return [c.args[5] for c in monitor.from_others() if c.name == "EVALSHA"]
+    """ARGV[2] of every EVALSHA of one window seen by MONITOR from the limiter under test:
+    EVALSHA sha 2 key weights member TIME window_ms limit cost."""
+    return [c.args[6] for c in monitor.from_others() if c.name == "EVALSHA"]
 
 
 def test_the_default_clock_sends_no_client_time_to_the_script(make_limiter, redis_url, redis_client,

@@ -179,10 +179,17 @@ def test_pipeline_take_replays_marks_decisions_once_and_fails_the_rest():
 # ------------------------------------------------------------------- real signatures
 
 @pytest.mark.parametrize("function, parameters", [
-    (RateLimiter.check, ["self", "user_id", "limit", "window_seconds"]),
-    (RateLimiter.check_windows, ["self", "user_id", "windows"]),
+    (RateLimiter.check, ["self", "user_id", "limit", "window_seconds", "cost"]),
+    (RateLimiter.check_windows, ["self", "user_id", "windows", "cost"]),
+    (RateLimiter.reserve, ["self", "user_id", "windows", "cost", "token_windows", "tokens"]),
+    (RateLimiter.reconcile, ["self", "reservation", "actual"]),
+    (RateLimiter._reserve, ["self", "user_id", "windows", "cost", "token_windows", "tokens"]),
+    (RateLimiter._reconcile, ["self", "user_id", "windows", "member", "timestamp_ms", "cost",
+                              "tokens"]),
     (RateLimiter.close, ["self"]),
-    (_native.Codec.check, ["self", "user_id", "limit", "window_seconds"]),
+    (_native.Codec.check, ["self", "user_id", "limit", "window_seconds", "cost"]),
+    (_native.Codec.reconcile, ["self", "user_id", "windows", "member", "timestamp_ms", "cost",
+                               "tokens"]),
     (_native.Pipeline.feed, ["self", "data"]),
     (_native.Pipeline.handshake, ["self", "future", "username", "password", "db", "ping"]),
     (_native.Pipeline, ["timeout"]),

@@ -103,7 +103,7 @@ def test_lost_reply_is_replayed_and_counted_once(make_limiter: LimiterFactory, r
     # The first attempt really ran on the server and logged the request ...
     assert len(proxy.dropped_replies) == 1
     # (after the reply to the connection's INFO memory, when Redis sent both in one write)
-    assert b"*4\r\n:1\r\n" in proxy.dropped_replies[0]
+    assert b"*6\r\n:1\r\n" in proxy.dropped_replies[0]
     # ... and the replay answered "allowed" without logging it a second time.
     assert result == (True, 0, 0)
     assert redis_client.zcard(key) == 1
@@ -114,14 +114,14 @@ def test_replay_marker_without_a_logged_member_decides_normally(redis_client: re
     """When the first attempt never reached the script, the replay is an ordinary decision."""
     redis_client.script_load(_native.SCRIPT_SOURCE)
     key = f"ratelimit:{user_id}:60"
-    reply = redis_client.evalsha(SCRIPT_SHA1, 1, key, "11111111-1111-4111-8111-111111111111",
-                                 "", 60000, 2, "1")
-    assert reply == [1, 1, 0, 1]
+    reply = redis_client.evalsha(SCRIPT_SHA1, 2, key, f"{key}:w",
+                                 "11111111-1111-4111-8111-111111111111", "", 60000, 2, 1, "1")
+    assert reply[:4] == [1, 1, 0, 1] and reply[5] == [1]
     assert redis_client.zcard(key) == 1
     # The same member replayed again is recognised and not logged twice.
-    reply = redis_client.evalsha(SCRIPT_SHA1, 1, key, "11111111-1111-4111-8111-111111111111",
-                                 "", 60000, 2, "1")
-    assert reply == [1, 1, 0, 1]
+    reply = redis_client.evalsha(SCRIPT_SHA1, 2, key, f"{key}:w",
+                                 "11111111-1111-4111-8111-111111111111", "", 60000, 2, 1, "1")
+    assert reply[:4] == [1, 1, 0, 1] and reply[5] == [1]
     assert redis_client.zcard(key) == 1
 
 

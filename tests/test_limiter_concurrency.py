@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 
+import fake_redis
 from helpers_core import (
     RendezvousServer,
     connections_received,
@@ -106,7 +107,7 @@ def test_eight_threads_times_500_checks_on_their_own_users_are_each_exact(limite
 def test_concurrent_threads_are_served_on_separate_connections_at_once():
     from genai_ratelimit import RateLimiter
 
-    decision = b"*4\r\n:1\r\n:9\r\n:0\r\n:1\r\n"  # allowed, 9 remaining, no retry, window 1
+    decision = fake_redis.decision(1, 9, 0, 1)  # allowed, 9 remaining, no retry, window 1
     with RendezvousServer(decision, parallel=2) as server:
         with RateLimiter(server.url, connect_timeout=1, socket_timeout=5) as limiter:
             results = run_lined_up(2, lambda i: limiter.check(f"user-{i}", 10, 60))

@@ -26,7 +26,7 @@ from helpers_core import (
 )
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPT_COMMANDS_ON_ALLOW = {"time", "zremrangebyscore", "zcard", "zadd", "expire"}
+SCRIPT_COMMANDS_ON_ALLOW = {"time", "hget", "zremrangebyscore", "zcard", "zadd", "expire"}
 # Every run of the script starts with `ZADD key XX 0 ""`, which changes nothing: it makes a
 # Redis over maxmemory refuse the script before any write (lua/sliding_window.lua).
 OOM_PROBE_ZADDS = 1

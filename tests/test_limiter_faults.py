@@ -15,6 +15,7 @@ import uuid
 import pytest
 import redis
 
+import fake_redis
 from helpers_core import (
     FullBacklogListener,
     GarbageServer,
@@ -135,11 +136,11 @@ def test_paused_server_works_again_once_resumed(limiter_for, private_redis):
     b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n",  # not RESP at all
     b"+OK\r\n",                                                 # RESP, but not a decision
     b":1\r\n",
-    b"*4\r\n:1\r\n:2\r\n",                                      # a decision cut short
+    b"*6\r\n:1\r\n:2\r\n",                                      # a decision cut short
     b"*2\r\n$3\r\nfoo\r\n$3\r\nbar\r\n",
     b"$2000000\r\n" + b"x" * 2_000_000 + b"\r\n",              # far too big for a decision
-    b"*4\r\n:1\r\n:-5\r\n:0\r\n:1\r\n",                          # negative remaining
-    b"*4\r\n:1\r\n:9\r\n:0\r\n:7\r\n",                           # a window it never asked about
+    b"*6\r\n:1\r\n:-5\r\n:0\r\n:1\r\n:0\r\n*1\r\n:0\r\n",                      # negative remaining
+    b"*6\r\n:1\r\n:9\r\n:0\r\n:7\r\n:0\r\n*1\r\n:9\r\n",                      # a window it never asked about
 ], ids=["http", "status", "integer", "truncated", "strings", "huge", "negative", "bad-window"])
 def test_server_answering_garbage_raises_unavailable_within_the_timeout(limiter_for, garbage):
     from genai_ratelimit import RateLimiterUnavailable
@@ -154,7 +155,7 @@ def test_server_answering_garbage_raises_unavailable_within_the_timeout(limiter_
 def test_a_reply_that_trickles_in_is_bounded_by_the_socket_timeout(limiter_for):
     from genai_ratelimit import RateLimiterUnavailable
 
-    decision = b"*4\r\n:1\r\n:9\r\n:0\r\n:1\r\n"  # a valid answer, one byte every 0.1 s
+    decision = fake_redis.decision(1, 9, 0, 1)  # a valid answer, one byte every 0.1 s
     with GarbageServer(decision, drip=0.1) as server, limiter_for(server.url) as limiter:
         error, elapsed = timed_failure(limiter)
     assert isinstance(error, RateLimiterUnavailable)

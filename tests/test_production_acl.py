@@ -86,12 +86,32 @@ def test_the_documented_acl_user_reloads_the_script_after_script_flush(
     assert admin.script_exists(SCRIPT_SHA1) == [True]
 
 
-@pytest.mark.parametrize("rule", ["+zadd", "+evalsha", "+time"])
+def test_the_documented_acl_user_weighs_reserves_and_reconciles(
+        acl_url: Callable[..., str], make_limiter: LimiterFactory, admin: redis.Redis, user_id: str) -> None:
+    """Every command of both scripts on their weighted paths: weights written, trimmed by
+    a 1 s window, a weighted retry, a reserve over request and token windows, a refund,
+    an overage and a removal."""
+    limiter = make_limiter(acl_url())
+    assert limiter.check(user_id, 10, 1, cost=6) == (True, 4, 0)
+    allowed, _, retry = limiter.check(user_id, 10, 1, cost=6)
+    assert not allowed and retry == 1
+    r = limiter.reserve(user_id, [(5, 60)], token_windows=[(1000, 60)], tokens=600)
+    assert r.allowed
+    assert not limiter.reserve(user_id, [(5, 60)], token_windows=[(1000, 60)], tokens=600).allowed
+    assert limiter.reconcile(r, 100) == 1
+    assert limiter.reconcile(r, 1500) == 1
+    assert limiter.reconcile(r, 0) == 1
+    admin.select(1)
+    assert admin.zcard(f"ratelimit:{user_id}:60:tokens") == 0
+    assert admin.zcard(f"ratelimit:{user_id}:60") == 1
+
+
+@pytest.mark.parametrize("rule", ["+zadd", "+evalsha", "+time", "+hget", "+hset"])
 def test_the_documented_line_without_one_of_its_commands_is_not_enough(
         acl_url: Callable[..., str], make_limiter: LimiterFactory, user_id: str, rule: str) -> None:
     limiter = make_limiter(acl_url(without=(rule,)), connect_timeout=2.0, socket_timeout=2.0)
     with pytest.raises(RateLimiterError, match=NOT_PERMITTED):
-        limiter.check(user_id, 5, 60)
+        limiter.check(user_id, 5, 60, cost=2)  # a weighted check: the weights are written
 
 
 def test_the_documented_acl_user_cannot_touch_keys_outside_its_prefix(

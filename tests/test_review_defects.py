@@ -443,14 +443,16 @@ def test_slow_write_and_read_together_stay_within_the_socket_timeout() -> None:
 
 def evalsha(client: redis.Redis, sha: str, keys: list[str], member: str, now_ms: int,
             windows: list[tuple[int, int]], replay: bool = False) -> list[int]:
-    """Runs the script as the limiter does: KEYS shortest window first; ARGV member, the
-    request time, (window_ms, limit) per window, and the optional replay marker."""
+    """Runs the script as the limiter does: KEYS shortest window first, then their weights;
+    ARGV member, the request time, (window_ms, limit, cost 1) per window, and the optional
+    replay marker."""
     argv: list[Any] = [member, now_ms]
     for seconds, limit in windows:
-        argv += [seconds * 1000, limit]
+        argv += [seconds * 1000, limit, 1]
     if replay:
         argv.append("1")
-    return client.evalsha(sha, len(keys), *keys, *argv)  # type: ignore[no-any-return]
+    weights = [f"{key}:w" for key in keys]
+    return client.evalsha(sha, 2 * len(keys), *keys, *weights, *argv)  # type: ignore[no-any-return]
 
 
 def test_replay_finds_its_member_in_the_longest_window_after_the_shortest_expired_it(

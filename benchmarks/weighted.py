@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Weighted checks and reservations against the plain check, side by side in one run.
+
+    .venv/bin/python benchmarks/weighted.py [--rounds N] [--seconds S]
+
+It starts its own redis-server on a free loopback port (nothing else is touched) and runs,
+round after round in rotating order, each contender for S seconds (or 20,000 calls) with
+the blocking RateLimiter, sequentially on one connection:
+
+  plain check          check(user, limit, 60): the baseline (cost 1; 1,000 users)
+  weighted check       check(user, limit, 60, cost=7): the same users' weighted twin
+  empty window         check_windows on a fresh user every call, cost 7: the window is empty
+  100,000-entry window check(user, ..., cost=7) on a day window pre-filled with 100,000
+                       weighted entries (costs 1..50): the running total is read, never summed
+  reserve              reserve(user, [(L, 60)], token_windows=[(T, 60)], tokens=500)
+  reconcile            reconcile(that reservation, 321): one per reserve, alternating
+
+and prints, per contender, the medians over the rounds of calls/s, p50 latency, and the
+server's time per script call (INFO commandstats usec_per_call of EVALSHA over that
+contender's calls), with the ratio to the plain check of the same round. Quote ratios: the
+machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchlib import RedisTarget, admin_client, script_stats, timed_loop  # noqa: E402
+from genai_ratelimit import RateLimiter  # noqa: E402
+
+BIG = 10**12  # a limit no run reaches: every call is allowed and logs an entry
+USERS = [f"user_{n}" for n in range(1000)]
+
+
+def prefill(admin: Any, key: str, entries: int) -> None:
+    """`entries` live weighted entries in a day window, as the script logs them: members in
+    the sorted set, their costs and the total in the weights hash."""
+    now = int(time.time() * 1000)
+    rng = random.Random(9)
+    total_extra = 0
+    for start in range(0, entries, 10_000):
+        members: dict[str, int] = {}
+        costs: dict[str, int] = {}
+        for n in range(start, min(entries, start + 10_000)):
+            member = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+            members[member] = now - 3_600_000 + n
+            costs[member] = cost = rng.randint(2, 50)
+            total_extra += cost - 1
+        admin.zadd(key, members)
+        admin.hset(f"{key}:w", mapping=costs)
+    admin.hset(f"{key}:w", "", total_extra)
+    admin.expire(key, 86_401)
+    admin.expire(f"{key}:w", 86_401)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--seconds", type=float, default=1.5)
+    parser.add_argument("--entries", type=int, default=100_000)
+    args = parser.parse_args()
+
+    target = RedisTarget.start_own()
+    try:
+        admin = admin_client(target)
+        version = admin.info("server")["redis_version"]
+        prefill(admin, "ratelimit:whale:86400", args.entries)
+        limiter = RateLimiter(target.url, max_connections=1)
+        fresh = iter(range(10**9))
+        held: list[Any] = []
+
+        def reserve(user: str) -> Any:
+            reservation = limiter.reserve(user, [(BIG, 60)], token_windows=[(BIG, 60)], tokens=500)
+            held.append(reservation)
+            return reservation
+
+        def reconcile(_: str) -> int:
+            return limiter.reconcile(held.pop(), 321)
+
+        contenders: dict[str, tuple[Callable[..., Any], list[tuple[Any, ...]], str]] = {
+            "plain check (baseline)": (limiter.check, [(u, BIG, 60) for u in USERS], "index0"),
+            "weighted check, cost=7": (lambda u: limiter.check(u, BIG, 60, cost=7),
+                                       [(u,) for u in USERS], "index0"),
+            "weighted check, empty window": (
+                lambda _: limiter.check_windows(f"fresh_{next(fresh)}", [(BIG, 86400)], cost=7),
+                [("",)], "index0"),
+            f"weighted check, {args.entries:,}-entry window": (
+                lambda _: limiter.check_windows("whale", [(BIG, 86400)], cost=7),
+                [("",)], "index0"),
+        }
+        rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in contenders}
+        rows["reserve (requests + tokens)"] = []
+        rows["reconcile"] = []
+        names = list(contenders)
+        for round_index in range(args.rounds):
+            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            for name in order:
+                fn, arglist, verdict = contenders[name]
+                before = script_stats(admin)
+                sample = timed_loop(fn, arglist, args.seconds, 20_000, 200, verdict)
+                after = script_stats(admin)
+                server = (after[1] - before[1]) / max(1, after[0] - before[0])
+                rows[name].append((sample.calls_per_s, sample.p50_us, server))
+            # reserve then reconcile, alternating, each timed on its own.
+            reserve_latency: list[float] = []
+            reconcile_latency: list[float] = []
+            calls = 0
+            deadline = time.monotonic() + args.seconds
+            while time.monotonic() < deadline and calls < 10_000:
+                user = USERS[calls % len(USERS)]
+                t0 = time.perf_counter_ns()
+                reserve(user)
+                t1 = time.perf_counter_ns()
+                reconcile(user)
+                t2 = time.perf_counter_ns()
+                reserve_latency.append((t1 - t0) / 1e3)
+                reconcile_latency.append((t2 - t1) / 1e3)
+                calls += 1
+            per_reserve = statistics.median(reserve_latency)
+            per_reconcile = statistics.median(reconcile_latency)
+            # Server time of each script: measured on 200 calls of each, separately.
+            before = script_stats(admin)
+            for n in range(200):
+                reserve(USERS[n])
+            mid = script_stats(admin)
+            for n in range(200):
+                reconcile(USERS[n])
+            after = script_stats(admin)
+            server_reserve = (mid[1] - before[1]) / max(1, mid[0] - before[0])
+            server_reconcile = (after[1] - mid[1]) / max(1, after[0] - mid[0])
+            rows["reserve (requests + tokens)"].append((1e6 / per_reserve, per_reserve,
+                                                        server_reserve))
+            rows["reconcile"].append((1e6 / per_reconcile, per_reconcile, server_reconcile))
+        limiter.close()
+    finally:
+        target.close()
+
+    base = rows["plain check (baseline)"]
+    load = os.getloadavg()
+    print(f"Redis {version} on loopback (own server), {args.rounds} rounds of {args.seconds} s per "
+          f"contender, blocking RateLimiter, one connection; load average {load[0]:.2f} "
+          f"{load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs). Medians over rounds; ratios "
+          "are per round to the plain check, then the median. reserve/reconcile calls/s is "
+          "1 / p50 (they alternate).\n")
+    print("| contender | calls/s | p50 µs | server µs/call | calls/s vs plain | server µs vs plain |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for name, values in rows.items():
+        rate = statistics.median(v[0] for v in values)
+        p50 = statistics.median(v[1] for v in values)
+        server = statistics.median(v[2] for v in values)
+        rate_ratio = statistics.median(v[0] / b[0] for v, b in zip(values, base))
+        server_ratio = statistics.median(v[2] / b[2] for v, b in zip(values, base))
+        print(f"| {name} | {rate:,.0f} | {p50:.1f} | {server:.2f} | {rate_ratio:.2f}× | "
+              f"{server_ratio:.2f}× |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

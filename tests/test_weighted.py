@@ -1,0 +1,246 @@
+"""Weighted checks: `cost` units per request, the honest retry for weights, the running
+total beside each window (lua/sliding_window.lua's weights hash), and token windows kept
+apart from request windows. Every test runs for every limiter kind (tests/conftest.py),
+against the session's real redis-server; what the script logged is read back from Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from typing import Any
+
+import pytest
+import redis
+
+from genai_ratelimit import RateLimiterError
+from helpers_async import LimiterFactory, run_async
+from helpers_core import server_ms
+
+
+def logged_cost(client: redis.Redis, key: str) -> int:
+    """The cost a window holds, summed from the log itself: 1 per entry plus the extra of
+    each weighted entry (the weights hash), never from the running total."""
+    weights = {m: int(c) for m, c in client.hgetall(f"{key}:w").items() if m != b""}
+    return sum(weights.get(member, 1) for member in client.zrange(key, 0, -1))
+
+
+def running_total(client: redis.Redis, key: str) -> int:
+    """The cost the script counts: ZCARD + the weights' "" field."""
+    return client.zcard(key) + int(client.hget(f"{key}:w", "") or 0)
+
+
+# --------------------------------------------------------------- cost=1 is today's check
+
+def test_cost_one_logs_exactly_what_a_plain_check_logs(limiter: Any, redis_client: redis.Redis,
+                                                       user_id: str) -> None:
+    assert limiter.check(user_id, 3, 60, cost=1) == (True, 2, 0)
+    assert limiter.check(user_id, 3, 60) == (True, 1, 0)
+    key = f"ratelimit:{user_id}:60"
+    assert redis_client.zcard(key) == 2
+    assert not redis_client.exists(f"{key}:w"), "plain entries must not create the weights hash"
+    assert sorted(redis_client.keys(f"ratelimit:{user_id}*")) == [key.encode()]
+
+
+# ------------------------------------------------------------------ weighted decisions
+
+def test_weighted_checks_admit_while_the_cost_fits(limiter: Any, redis_client: redis.Redis,
+                                                   user_id: str) -> None:
+    results = [limiter.check(user_id, 100, 60, cost=7) for _ in range(15)]
+    assert [r[:2] for r in results[:14]] == [(True, 100 - 7 * (n + 1)) for n in range(14)]
+    assert results[14][:2] == (False, 0) and results[14][2] >= 1
+    key = f"ratelimit:{user_id}:60"
+    assert logged_cost(redis_client, key) == 98 == running_total(redis_client, key)
+
+
+def test_plain_and_weighted_checks_share_one_budget(limiter: Any, redis_client: redis.Redis,
+                                                    user_id: str) -> None:
+    assert limiter.check(user_id, 10, 60, cost=6) == (True, 4, 0)
+    assert limiter.check(user_id, 10, 60) == (True, 3, 0)
+    assert limiter.check_windows(user_id, [(10, 60)], cost=3) == (True, 0, 0, 60)
+    assert limiter.check(user_id, 10, 60)[0] is False
+    assert logged_cost(redis_client, f"ratelimit:{user_id}:60") == 10
+
+
+def test_every_window_is_charged_the_cost(limiter: Any, redis_client: redis.Redis,
+                                          user_id: str) -> None:
+    assert limiter.check_windows(user_id, [(20, 60), (50, 3600)], cost=8) == (True, 12, 0, 60)
+    assert limiter.check_windows(user_id, [(20, 60), (50, 3600)], cost=8) == (True, 4, 0, 60)
+    allowed, remaining, retry, window = limiter.check_windows(user_id, [(20, 60), (50, 3600)],
+                                                              cost=8)
+    assert (allowed, remaining, window) == (False, 0, 60) and retry >= 1
+    for seconds in (60, 3600):
+        assert logged_cost(redis_client, f"ratelimit:{user_id}:{seconds}") == 16
+
+
+@pytest.mark.parametrize("cost, error", [(0, ValueError), (-3, ValueError), (True, TypeError),
+                                         (1.5, TypeError), ("2", TypeError), (2**53, ValueError)])
+def test_a_bad_cost_is_refused_before_any_io(unreachable_limiter: Any, cost: Any,
+                                             error: type[Exception]) -> None:
+    with pytest.raises(error, match="cost"):
+        unreachable_limiter.check("u", 10, 60, cost=cost)
+    with pytest.raises(error, match="cost"):
+        unreachable_limiter.check_windows("u", [(10, 60)], cost=cost)
+
+
+def test_a_cost_above_a_limit_can_never_fit_and_is_refused_before_any_io(
+        unreachable_limiter: Any) -> None:
+    with pytest.raises(ValueError, match=r"cost 11 can never be allowed: the window of 60 s "
+                                         r"allows at most 10"):
+        unreachable_limiter.check("u", 10, 60, cost=11)
+    with pytest.raises(ValueError, match="the window of 86400 s allows at most 50"):
+        unreachable_limiter.check_windows("u", [(100, 60), (50, 86400)], cost=60)
+
+
+def test_cost_is_keyword_only(unreachable_limiter: Any) -> None:
+    with pytest.raises(TypeError):
+        unreachable_limiter.check("u", 10, 60, 2)
+
+
+# -------------------------------------------------------------- the retry for weights
+
+def test_retry_after_waits_for_the_entries_whose_costs_free_enough(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    """Entries of costs 5, 1, 30, 2 in a 60-unit window (used 38); a request of cost 40 needs
+    38 + 40 - 60 = 18 units freed: the 1st (5), 2nd (1) and 3rd (30) must leave, so the
+    retry is the third entry's expiry, against its score read back."""
+    key = f"ratelimit:{user_id}:60"
+    for cost in (5, 1, 30, 2):
+        assert limiter.check(user_id, 60, 60, cost=cost)[0] is True
+    scores = [int(score) for _, score in redis_client.zrange(key, 0, -1, withscores=True)]
+    before = server_ms(redis_client)
+    allowed, remaining, retry = limiter.check(user_id, 60, 60, cost=40)
+    after = server_ms(redis_client)
+    assert (allowed, remaining) == (False, 0)
+    expected = {max(1, math.ceil((scores[2] + 60_000 - now) / 1000)) for now in (before, after)}
+    assert retry in set(range(min(expected), max(expected) + 1))
+    # Had it counted entries rather than costs it would name the 18th entry (none) or the 1st.
+    assert logged_cost(redis_client, key) == 38, "a rejection writes nothing"
+
+
+def test_retry_after_of_plain_entries_is_unchanged(limiter: Any, redis_client: redis.Redis,
+                                                   user_id: str) -> None:
+    key = f"ratelimit:{user_id}:60"
+    for _ in range(3):
+        limiter.check(user_id, 3, 60)
+    oldest = int(redis_client.zrange(key, 0, 0, withscores=True)[0][1])
+    before = server_ms(redis_client)
+    allowed, _, retry = limiter.check(user_id, 3, 60)
+    after = server_ms(redis_client)
+    assert not allowed
+    assert max(1, math.ceil((oldest + 60_000 - after) / 1000)) <= retry
+    assert retry <= max(1, math.ceil((oldest + 60_000 - before) / 1000))
+
+
+# -------------------------------------------------------- the running total is kept exact
+
+def wait_until_server_ms(client: redis.Redis, deadline_ms: int) -> None:
+    """Waits for the server's clock (not a guessed sleep): polls TIME, at most 5 s."""
+    for _ in range(500):
+        if server_ms(client) > deadline_ms:
+            return
+        threading.Event().wait(0.01)
+    pytest.fail("the server's clock did not reach the deadline within 5 s")
+
+
+def test_entries_leaving_the_window_take_their_weight_with_them(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    key = f"ratelimit:{user_id}:1"
+    assert limiter.check(user_id, 10, 1, cost=7)[0] is True
+    assert limiter.check(user_id, 10, 1)[0] is True
+    assert limiter.check(user_id, 10, 1, cost=3)[0] is False
+    newest = int(redis_client.zrange(key, -1, -1, withscores=True)[0][1])
+    wait_until_server_ms(redis_client, newest + 1000)
+    assert limiter.check(user_id, 10, 1, cost=9) == (True, 1, 0)
+    assert running_total(redis_client, key) == 9 == logged_cost(redis_client, key)
+    assert int(redis_client.hget(f"{key}:w", "")) == 8
+
+
+def test_the_weights_hash_lives_as_long_as_its_window(limiter: Any, redis_client: redis.Redis,
+                                                      user_id: str) -> None:
+    key = f"ratelimit:{user_id}:60"
+    limiter.check(user_id, 100, 60, cost=5)
+    assert 0 < redis_client.ttl(f"{key}:w") <= 61
+    assert 0 < redis_client.ttl(key) <= 61
+
+
+def test_a_window_of_many_entries_is_trimmed_in_batches(limiter: Any, redis_client: redis.Redis,
+                                                        user_id: str) -> None:
+    """2,500 weighted entries leave at once (more than Lua's unpack takes in one call)."""
+    key = f"ratelimit:{user_id}:60"
+    now = server_ms(redis_client)
+    old = now - 120_000
+    members = {f"00000000-0000-4000-8000-{n:012d}": old + n for n in range(2500)}
+    redis_client.zadd(key, members)
+    redis_client.hset(f"{key}:w", mapping={**{m: 3 for m in members}, "": 2 * 2500})
+    assert limiter.check(user_id, 10, 60, cost=4) == (True, 6, 0)
+    assert redis_client.zcard(key) == 1
+    assert redis_client.hlen(f"{key}:w") == 2 and redis_client.hget(f"{key}:w", "") == b"3"
+    assert running_total(redis_client, key) == 4 == logged_cost(redis_client, key)
+
+
+# ---------------------------------------------------------------- exact under concurrency
+
+def test_fifty_callers_of_cost_seven_against_a_limit_of_one_hundred_admit_exactly_fourteen(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        user_id: str) -> None:
+    key = f"ratelimit:{user_id}:60"
+    if make_limiter.is_async:
+        async def main() -> list[tuple[bool, int, int]]:
+            limiter = make_limiter.native(redis_url)
+            try:
+                return await asyncio.gather(*(limiter.check(user_id, 100, 60, cost=7)
+                                              for _ in range(200)))
+            finally:
+                await limiter.aclose()
+
+        results = run_async(main(), make_limiter.loop_factory)
+    else:
+        limiter = make_limiter(redis_url)
+        results = []
+        barrier = threading.Barrier(50)
+        lock = threading.Lock()
+
+        def one() -> None:
+            barrier.wait(10)
+            result = limiter.check(user_id, 100, 60, cost=7)
+            with lock:
+                results.append(result)
+
+        threads = [threading.Thread(target=one) for _ in range(50)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    assert sum(1 for r in results if r[0]) == 14
+    assert sorted(r[1] for r in results if r[0]) == [100 - 7 * n for n in range(14, 0, -1)]
+    assert logged_cost(redis_client, key) == 98 == running_total(redis_client, key)
+
+
+# ------------------------------------------------------------------------- token keys
+
+@pytest.mark.parametrize("user", ["u", "u:60", "u:60:tokens", "60", "tokens", "u:w", "ns:x:60"])
+def test_token_windows_never_share_a_key_with_request_windows(
+        limiter: Any, redis_client: redis.Redis, user_id: str, user: str) -> None:
+    """A token window's key ends in ":tokens" and every request window's key in its length,
+    for any user id: the budgets of two users, or of one user's requests and tokens, never
+    meet. Requests and tokens of the ids around `user` all land on distinct keys."""
+    base = f"{user_id}:{user}"
+    reservation = limiter.reserve(base, [(5, 60)], token_windows=[(1000, 60)], tokens=10)
+    assert reservation.allowed
+    others = [f"{base}:60", f"{base}:60:tokens", f"{base}:tokens"]
+    for other in others:
+        assert limiter.check(other, 1, 60) == (True, 0, 0)
+    keys = sorted(redis_client.keys(f"ratelimit:{user_id}*"))
+    assert len(keys) == len(set(keys))
+    assert redis_client.zcard(f"ratelimit:{base}:60") == 1
+    assert running_total(redis_client, f"ratelimit:{base}:60:tokens") == 10
+
+
+def test_a_closed_limiter_refuses_weighted_calls(make_limiter: LimiterFactory,
+                                                 redis_url: str) -> None:
+    limiter = make_limiter(redis_url)
+    limiter.close()
+    with pytest.raises(RateLimiterError):
+        limiter.check("u", 10, 60, cost=2)

@@ -60,3 +60,8 @@ def test_the_readme_example_runs(heading: str, redis_url: str, redis_client: red
                                 env={**os.environ, "REDIS_URL": redis_url})
         assert result.returncode == 0, f"{heading} example {number}:\n{result.stderr}"
     assert redis_client.keys("ratelimit:user_8421:*"), "the example never reached Redis"
+    if "reserve" in heading:
+        # It reserved 1,200 tokens and reconciled them to 830.
+        for seconds in (60, 86400):
+            key = f"ratelimit:user_8421:{seconds}:tokens"
+            assert int(redis_client.hget(f"{key}:w", "") or 0) + redis_client.zcard(key) == 830

@@ -167,7 +167,8 @@ def build_extension() -> Extension:
     return Extension(
         "genai_ratelimit._native",
         sources=sources,
-        depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")] + [f"lua/{path.name}" for path in SCRIPTS.values()],
+        depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")]
+        + [f"lua/{path.name}" for path in SCRIPTS.values()],
         include_dirs=include_dirs,
         library_dirs=library_dirs,
         libraries=libraries,

@@ -158,8 +158,8 @@ def main() -> int:
         rate = statistics.median(v[0] for v in values)
         p50 = statistics.median(v[1] for v in values)
         server = statistics.median(v[2] for v in values)
-        rate_ratio = statistics.median(v[0] / b[0] for v, b in zip(values, base))
-        server_ratio = statistics.median(v[2] / b[2] for v, b in zip(values, base))
+        rate_ratio = statistics.median(v[0] / b[0] for v, b in zip(values, base, strict=True))
+        server_ratio = statistics.median(v[2] / b[2] for v, b in zip(values, base, strict=True))
         print(f"| {name} | {rate:,.0f} | {p50:.1f} | {server:.2f} | {rate_ratio:.2f}× | "
               f"{server_ratio:.2f}× |")
     return 0

@@ -62,7 +62,8 @@ add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
     /* Insert keeping the windows sorted, shortest first, requests before tokens for one
        length (stable otherwise). */
     int i = w->count;
-    while (i > 0 && (w->seconds[i - 1] > s || (w->seconds[i - 1] == s && w->tokens[i - 1] > tokens))) {
+    while (i > 0 &&
+           (w->seconds[i - 1] > s || (w->seconds[i - 1] == s && w->tokens[i - 1] > tokens))) {
         w->seconds[i] = w->seconds[i - 1];
         w->limit[i] = w->limit[i - 1];
         w->cost[i] = w->cost[i - 1];
@@ -109,8 +110,9 @@ add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int 
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *pair = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
         if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
-            PyErr_Format(PyExc_TypeError, "%s[%zd] must be a (limit, window_seconds) pair, got %.100s",
-                         name, i, Py_TYPE(pair)->tp_name);
+            PyErr_Format(PyExc_TypeError,
+                         "%s[%zd] must be a (limit, window_seconds) pair, got %.100s", name, i,
+                         Py_TYPE(pair)->tp_name);
             goto done;
         }
         if (add_window(w, PySequence_Fast_GET_ITEM(pair, 0), PySequence_Fast_GET_ITEM(pair, 1),
@@ -191,8 +193,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const windows_names[] = {"user_id", "windows", "cost"};
     static const char *const reserve_names[] = {"user_id", "windows", "cost", "token_windows",
                                                 "tokens"};
-    static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
-                                                  "cost",    "tokens"};
+    static const char *const reconcile_names[] = {"user_id",      "windows", "member",
+                                                  "timestamp_ms", "cost",    "tokens"};
     PyObject *v[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
 
@@ -224,8 +226,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             set_cost(&d->windows, v[2], "cost", 0) < 0)
             return -1;
         if (d->windows.count == 0) {
-            PyErr_SetString(PyExc_ValueError,
-                            "reserve needs at least one window or token window");
+            PyErr_SetString(PyExc_ValueError, "reserve needs at least one window or token window");
             return -1;
         }
         if ((v[3] == NULL || PyObject_Length(v[3]) == 0) != (v[4] == NULL)) {

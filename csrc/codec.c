@@ -144,11 +144,11 @@ encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject
     return (PyObject *)req;
 }
 
-#define CODEC_METHOD(name, shape)                                                                 \
-    static PyObject *Codec_##name(CodecObject *self, PyTypeObject *defining_class,                \
-                                  PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)     \
-    {                                                                                             \
-        return encode(self, defining_class, shape, args, nargs, kwnames);                         \
+#define CODEC_METHOD(name, shape)                                                                  \
+    static PyObject *Codec_##name(CodecObject *self, PyTypeObject *defining_class,                 \
+                                  PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)      \
+    {                                                                                              \
+        return encode(self, defining_class, shape, args, nargs, kwnames);                          \
     }
 CODEC_METHOD(check, RL_SHAPE_CHECK)
 CODEC_METHOD(check_windows, RL_SHAPE_WINDOWS)

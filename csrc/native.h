@@ -68,7 +68,7 @@ typedef struct {
     int count;                       /* number of windows */
     long long limit[RL_MAX_WINDOWS]; /* shortest window first (requests before tokens) */
     long long seconds[RL_MAX_WINDOWS];
-    long long cost[RL_MAX_WINDOWS];    /* what this decision costs in the window (>= 1) */
+    long long cost[RL_MAX_WINDOWS];       /* what this decision costs in the window (>= 1) */
     unsigned char tokens[RL_MAX_WINDOWS]; /* 1: a token window (key suffix ":tokens") */
 } rl_windows;
 
@@ -80,7 +80,7 @@ typedef struct {
     long long now_ms; /* the time the script decided at (the entry's score) */
     int evaluated;    /* windows the script reached: all on allow, up to `window` on reject */
     long long remaining_of[RL_MAX_WINDOWS]; /* per window, the first `evaluated` */
-    long long found;  /* reconcile: the windows whose entry was found */
+    long long found;                        /* reconcile: the windows whose entry was found */
 } rl_result;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */
@@ -102,13 +102,13 @@ typedef enum {
 typedef struct {
     rl_shape shape;
     rl_script_id script;
-    rl_windows windows; /* validated, shortest first */
+    rl_windows windows;             /* validated, shortest first */
     char member[RL_MEMBER_LEN + 1]; /* the entry: made here, or reconcile's argument */
     long long score_ms;             /* reconcile: the entry's time */
     long long new_cost;             /* reconcile: the entry's cost from now on (>= 0) */
-    int disabled;       /* the kill switch answered: result is final, no I/O */
-    rl_result result;   /* the kill switch's answer when disabled */
-    char *command;      /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
+    int disabled;                   /* the kill switch answered: result is final, no I/O */
+    rl_result result;               /* the kill switch's answer when disabled */
+    char *command;                  /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
     long long command_len;
     char *replay; /* the command with the replay marker (malloc), once replayed */
     size_t replay_len;

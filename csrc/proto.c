@@ -567,8 +567,7 @@ judge_script_load(rl_proto *p, const rl_entry *e, const redisReply *r, rl_error 
                          r->str);
         return RL_OK;
     }
-    if (r->type != REDIS_REPLY_STRING || r->len != sha_len ||
-        memcmp(r->str, sha, sha_len) != 0)
+    if (r->type != REDIS_REPLY_STRING || r->len != sha_len || memcmp(r->str, sha, sha_len) != 0)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to SCRIPT LOAD: %s, expected the script's SHA1",
                             rl_reply_type_name(r->type));

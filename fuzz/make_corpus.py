@@ -84,7 +84,8 @@ RESP3 = {
 }
 for _name, _value in RESP3.items():
     PIPELINE[f"resp3-{_name}-as-decision"] = head(1) + _value + decision(1, 9, 0, 1)
-    PIPELINE[f"resp3-{_name}-in-decision"] = head(1) + b"*6\r\n:1\r\n" + _value + b":0\r\n:1\r\n:0\r\n*1\r\n:5\r\n"
+    PIPELINE[f"resp3-{_name}-in-decision"] = (head(1) + b"*6\r\n:1\r\n" + _value
+                                              + b":0\r\n:1\r\n:0\r\n*1\r\n:5\r\n")
     PIPELINE[f"resp3-{_name}-to-handshake"] = (head(1, commands=1) + _value + b"+OK\r\n"
                                                + decision(1, 9, 0, 1))
     PIPELINE[f"resp3-{_name}-to-script-load"] = (head(1) + NOSCRIPT + _value + SHA

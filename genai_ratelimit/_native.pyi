@@ -15,13 +15,6 @@ MAX_LIMIT: int
 MAX_WINDOW_SECONDS: int
 MAX_TIMEOUT_SECONDS: int
 
-# Limiter._reserve / Codec.reserve: (allowed, remaining, retry_after_s, window_seconds,
-# is_token_window, member, timestamp_ms, ((limit, window_seconds, is_token_window,
-# remaining or None), ...)).
-ReserveTuple = tuple[
-    bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...]
-]
-
 class RateLimiterError(Exception): ...
 class RateLimiterUnavailable(RateLimiterError): ...
 class RateLimiterTimeout(RateLimiterUnavailable, TimeoutError): ...
@@ -63,7 +56,10 @@ class Limiter:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> ReserveTuple: ...
+    ) -> tuple[  # (allowed, remaining, retry_after_s, window_seconds, is_token_window,
+        # member, timestamp_ms, ((limit, window_seconds, is_token_window, remaining), ...))
+        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...]
+    ]: ...
     def _reconcile(
         self,
         user_id: str,
@@ -108,7 +104,9 @@ class Codec:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> Request | ReserveTuple: ...
+    ) -> Request | tuple[
+        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...]
+    ]: ...
     def reconcile(
         self,
         user_id: str,

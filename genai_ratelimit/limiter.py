@@ -151,7 +151,7 @@ class RateLimiter(_native.Limiter):
         if arguments is None:
             return 0
         *positional, tokens = arguments
-        return self._reconcile(*positional, tokens=tokens)  # type: ignore[no-any-return]
+        return self._reconcile(*positional, tokens=tokens)
 
     def __enter__(self) -> RateLimiter:
         return self

@@ -14,8 +14,8 @@ import uuid
 import pytest
 import redis
 
-from genai_ratelimit import AsyncRateLimiter
 import fake_redis
+from genai_ratelimit import AsyncRateLimiter
 from helpers_async import (
     BatchRecordingServer,
     LoopFactory,

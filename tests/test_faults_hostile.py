@@ -58,8 +58,10 @@ CASES: dict[str, Case] = {
     "nil-array": Case(lambda: Reply(b"*-1\r\n")),
     "array-of-2-integers": Case(lambda: Reply(b"*2\r\n:1\r\n:2\r\n")),
     "array-of-4-with-a-string": Case(lambda: Reply(b"*6\r\n:1\r\n$1\r\n9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n")),
-    "array-of-4-with-an-array": Case(lambda: Reply(b"*6\r\n*1\r\n:1\r\n:9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n")),
-    "integer-beyond-64-bits": Case(lambda: Reply(b"*6\r\n:1\r\n:99999999999999999999\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n")),
+    "array-of-4-with-an-array": Case(lambda: Reply(
+        b"*6\r\n*1\r\n:1\r\n:9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n")),
+    "integer-beyond-64-bits": Case(lambda: Reply(
+        b"*6\r\n:1\r\n:99999999999999999999\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n")),
     # the right shape, values no script run can produce for check(user, 10, 60)
     "allowed-7": Case(lambda: Reply(decision(7, 9, 0))),
     "negative-remaining": Case(lambda: Reply(decision(1, -1, 0))),

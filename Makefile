@@ -32,7 +32,7 @@ HIREDIS1_PREFIX = $(CURDIR)/build/hiredis1/prefix
 # with test-asan. Override with VALGRIND_TESTS=... (pytest arguments).
 # uvloop (libuv) is left out under memcheck: the asyncio kind drives the same C code.
 VALGRIND_TESTS ?= tests/test_limiter_core.py tests/test_limiter_input.py tests/test_kill_switch.py \
-                  tests/test_engine.py --limiter-kinds=sync,asyncio
+                  tests/test_engine.py tests/test_reservations.py --limiter-kinds=sync,asyncio
 
 # make soak: checks per limiter (sync, async) and the RSS growth that fails it.
 SOAK_CHECKS ?= 1000000
@@ -55,7 +55,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench dist clean
+        install-asan install-debug demo serve bench bench-weighted dist clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -67,6 +67,7 @@ help:
 	@echo "make fuzz           fuzz the reply decoder and argument validation (FUZZ_SECONDS=60)"
 	@echo "make serve          keep the example app running for your own curl"
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
+	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
 	@echo "make dist           sdist + wheel into dist/"
 	@echo "make lint           ruff, clang-format --dry-run, mypy --strict, stubtest of the C extension"
 
@@ -187,6 +188,11 @@ bench: install
 	@bash scripts/ensure-debian-packages.sh wrk valgrind   # end to end, instruction counts
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/run.py $(if $(QUICK),--quick,)
+
+# Weighted checks, a 100,000-entry window, reserve + reconcile vs the plain check (one run).
+bench-weighted: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/weighted.py
 
 dist: venv
 	$(PIP) install -q build

@@ -198,14 +198,16 @@ def parse_resp_array(command: bytes) -> list[bytes]:
 
 @atheris.instrument_func
 def check_command(command: bytes, user: bytes, windows: list[tuple[int, int]],
-                  client_clock: bool) -> None:
+                  client_clock: bool, cost: int) -> None:
     words = parse_resp_array(command)
     n = len(windows)
-    if words[:3] != [b"EVALSHA", _native.SCRIPT_SHA1.encode(), str(n).encode()]:
+    if words[:3] != [b"EVALSHA", _native.SCRIPT_SHA1.encode(), str(2 * n).encode()]:
         raise AssertionError(f"head {words[:3]!r}")
-    keys = words[3:3 + n]
-    if keys != [b"fz:" + user + b":" + str(s).encode() for _, s in windows]:
+    keys = words[3:3 + 2 * n]
+    zsets = [b"fz:" + user + b":" + str(s).encode() for _, s in windows]
+    if keys != zsets + [key + b":w" for key in zsets]:
         raise AssertionError(f"keys {keys!r} for windows {windows}")
+    n *= 2  # the words after the keys
     member, now = words[3 + n], words[4 + n]
     if not UUID4.match(member):
         raise AssertionError(f"member {member!r}")
@@ -213,7 +215,8 @@ def check_command(command: bytes, user: bytes, windows: list[tuple[int, int]],
         raise AssertionError(f"clock argument {now!r} with client_clock={client_clock}")
     if client_clock and not now.isdigit():
         raise AssertionError(f"clock argument {now!r}")
-    expected = [w for limit, s in windows for w in (str(s * 1000).encode(), str(limit).encode())]
+    expected = [w for limit, s in windows
+                for w in (str(s * 1000).encode(), str(limit).encode(), str(cost).encode())]
     if words[5 + n:] != expected:
         raise AssertionError(f"window arguments {words[5 + n:]!r}, expected {expected!r}")
 
@@ -241,6 +244,7 @@ def TestOneInput(data: bytes) -> None:
     values = [user, make_windows(fdp)] if use_windows else [user, make_number(fdp), make_number(fdp)]
     names = ["user_id", "windows"] if use_windows else ["user_id", "limit", "window_seconds"]
     style = fdp.ConsumeIntInRange(0, 5)
+    cost = make_number(fdp) if fdp.ConsumeIntInRange(0, 2) == 0 else None
 
     # Expected outcome of the argument matching (csrc/args.c rl_parse_args).
     args: tuple = tuple(values)
@@ -259,6 +263,8 @@ def TestOneInput(data: bytes) -> None:
     elif style == 5:
         args, kwargs = tuple(values), {names[0]: values[0]}
         argument_error = TypeError
+    if cost is not None:
+        kwargs["cost"] = cost  # keyword-only: never positional
 
     expected: object
     model: object = None
@@ -269,7 +275,10 @@ def TestOneInput(data: bytes) -> None:
             encoded = model_user(user)
             windows = model_windows(values[1]) if use_windows else [
                 (positive(values[1], MAX_LIMIT), positive(values[2], MAX_SECONDS))]
-            expected, model = "ok", (encoded, windows)
+            units = 1 if cost is None else positive(cost, MAX_LIMIT)
+            if units > min(limit for limit, _ in windows):
+                raise Invalid(ValueError)  # a cost no window could ever allow
+            expected, model = "ok", (encoded, windows, units)
         except Invalid as invalid:
             expected = invalid.kind
 
@@ -294,7 +303,7 @@ def TestOneInput(data: bytes) -> None:
         if not str(value):
             raise AssertionError(f"an error without a message: {value!r}")
         return
-    encoded, windows = model  # type: ignore[misc]
+    encoded, windows, units = model  # type: ignore[misc]
     if kill_switch:
         tightest = min(range(len(windows)), key=lambda i: (windows[i][0], i))
         want = (True, windows[tightest][0], 0) + ((windows[tightest][1],) if use_windows else ())
@@ -303,7 +312,7 @@ def TestOneInput(data: bytes) -> None:
         return
     if limiter_outcome is not RateLimiterError:
         raise AssertionError(f"Limiter on a missing socket: {limiter_outcome!r} {limiter_value!r}")
-    check_command(value.command, encoded, windows, client_clock)
+    check_command(value.command, encoded, windows, client_clock, units)
 
 
 def main() -> None:

@@ -93,6 +93,16 @@ def check_result(future: Future, request_windows: tuple[int, ...], with_window: 
             if not (result is None or isinstance(result, (bytes, int, list))):
                 raise AssertionError(f"command resolved with {result!r}")
             return
+        if with_window == "reconcile":  # the windows whose entry was found
+            if type(result) is not int or not 0 <= result <= len(request_windows):
+                raise AssertionError(f"reconcile resolved with {result!r}")
+            return
+        if with_window == "reserve":
+            if type(result) is not tuple or len(result) != 8 or type(result[7]) is not tuple \
+                    or len(result[7]) != len(request_windows) + 1:
+                raise AssertionError(f"reserve resolved with {result!r}")
+            limit, with_window = RESERVE_TOKEN_LIMIT, True  # the token window's is the largest
+            result = result[:4]
         if type(result) is not tuple or len(result) != (4 if with_window else 3):
             raise AssertionError(f"decision resolved with {result!r}")
         allowed, remaining, retry = result[:3]
@@ -109,6 +119,10 @@ def check_result(future: Future, request_windows: tuple[int, ...], with_window: 
         if not isinstance(future.value, (RateLimiterError, MemoryError)):
             raise AssertionError(f"future failed with {future.value!r}")
         classify(future.value)
+
+
+RESERVE_TOKEN_LIMIT = 1000
+ENTRY = "00000000-0000-4000-8000-000000000000"
 
 
 def TestOneInput(data: bytes) -> None:
@@ -148,7 +162,16 @@ def TestOneInput(data: bytes) -> None:
         if i < decisions:
             future = Future(flavour, pipeline)
             windows = WINDOW_SECONDS[:nwindows]
-            if nwindows == 1 and i % 2 == 0:
+            if i % 5 == 3:
+                request = codec.reserve(f"user-{i}", [(5 + i, s) for s in windows],
+                                        token_windows=[(RESERVE_TOKEN_LIMIT, windows[0])],
+                                        tokens=7)
+                pushed.append((future, windows, "reserve", 5 + i))
+            elif i % 5 == 4:
+                request = codec.reconcile(f"user-{i}", [(5 + i, s) for s in windows], ENTRY,
+                                          1_767_225_600_000, i, tokens=bool(i & 1))
+                pushed.append((future, windows, "reconcile", 5 + i))
+            elif nwindows == 1 and i % 2 == 0:
                 request = codec.check(f"user-{i}", 5 + i, windows[0])
                 pushed.append((future, windows, False, 5 + i))
             else:

@@ -248,12 +248,12 @@ static int check_reply(const redisReply *r) {
         fprintf(stderr, "error reply: %s\n", r->str);
         return -1;
     }
-    if (r->type != REDIS_REPLY_ARRAY || r->elements != 6) {
+    if (r->type != REDIS_REPLY_ARRAY || r->elements != 7) {
         fprintf(stderr, "unexpected reply type %d (%zu elements)\n", r->type, (size_t)r->elements);
         return -1;
     }
-    for (size_t i = 0; i < 6; i++) {
-        if (r->element[i]->type != (i < 5 ? REDIS_REPLY_INTEGER : REDIS_REPLY_ARRAY)) {
+    for (size_t i = 0; i < 7; i++) {
+        if (r->element[i]->type != (i == 5 ? REDIS_REPLY_ARRAY : REDIS_REPLY_INTEGER)) {
             fprintf(stderr, "unexpected element type %d\n", r->element[i]->type);
             return -1;
         }

@@ -358,6 +358,7 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         r->allowed = 1;
         r->remaining = out->windows.limit[best];
         r->retry_after_s = 0;
+        r->retry_after_ms = 0;
         r->window = best;
         r->now_ms = rl_clock_ms();
         r->evaluated = out->windows.count;
@@ -437,7 +438,7 @@ rl_result_object(const rl_prepared *d, const rl_result *r)
     Py_ssize_t size;
     if (d->shape == RL_SHAPE_RECONCILE)
         return PyLong_FromLongLong(r->found);
-    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 8;
+    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 9;
     t = PyTuple_New(size);
     if (t == NULL)
         return NULL;
@@ -456,7 +457,7 @@ rl_result_object(const rl_prepared *d, const rl_result *r)
     if (size == 4)
         return t;
     /* reserve: is the deciding window a token window, the member ("" when nothing was
-       logged), the decision's time, and every window's report. */
+       logged), the decision's time, every window's report, and the wait in ms. */
     PyTuple_SET_ITEM(t, 4, PyBool_FromLong(w->tokens[r->window]));
     if ((item = PyUnicode_FromString(r->allowed ? d->member : "")) == NULL)
         goto error;
@@ -467,6 +468,9 @@ rl_result_object(const rl_prepared *d, const rl_result *r)
     if ((item = windows_report(w, r)) == NULL)
         goto error;
     PyTuple_SET_ITEM(t, 7, item);
+    if ((item = PyLong_FromLongLong(r->retry_after_ms)) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(t, 8, item);
     return t;
 error:
     Py_DECREF(t);

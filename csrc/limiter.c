@@ -283,7 +283,8 @@ Limiter_check_windows(LimiterObject *self, PyTypeObject *defining_class, PyObjec
 PyDoc_STRVAR(Limiter_reserve_doc,
 "_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, member,\n"
-"    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None), ...))\n\n"
+"    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None), ...),\n"
+"    retry_after_ms)\n\n"
 "One decision over request windows (charged `cost`) and token windows (charged `tokens`),\n"
 "all or nothing. RateLimiter.reserve wraps it in a Reservation.");
 

@@ -76,6 +76,7 @@ typedef struct {
     int allowed; /* 1 allow, 0 reject */
     long long remaining;
     long long retry_after_s;
+    long long retry_after_ms; /* the same wait in ms, not rounded up (0 on allow) */
     int window;       /* 0-based index into rl_windows of the deciding window */
     long long now_ms; /* the time the script decided at (the entry's score) */
     int evaluated;    /* windows the script reached: all on allow, up to `window` on reject */

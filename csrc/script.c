@@ -270,7 +270,7 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
 {
     const rl_windows *w = &d->windows;
     int nwindows = w->count;
-    long long v[5];
+    long long v[5], retry_ms;
     const redisReply *each;
     if (reply->type == REDIS_REPLY_ERROR) {
         if (rl_reply_is_error(reply, "NOAUTH") || rl_reply_is_error(reply, "WRONGPASS"))
@@ -290,21 +290,24 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     }
     if (d->script == RL_SCRIPT_RECONCILE)
         return decode_reconcile(reply, d, out, err);
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 6)
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 7)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the rate-limit script: %s%s, expected an array "
-                            "of 5 integers and an array",
+                            "of 5 integers, an array and an integer",
                             rl_reply_type_name(reply->type),
                             reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
     for (size_t i = 0; i < 5; i++) {
         if (integer_at(reply, i, &v[i], err) != RL_OK)
             return err->kind;
     }
+    if (integer_at(reply, 6, &retry_ms, err) != RL_OK)
+        return err->kind;
     long long allowed = v[0], remaining = v[1], retry = v[2], window = v[3], now = v[4];
     if ((allowed != 0 && allowed != 1) || remaining < 0 || retry < 0 || window < 1 ||
         window > nwindows || now < 0 ||
-        (allowed == 1 && (retry != 0 || remaining >= w->limit[window - 1])) ||
-        (allowed == 0 && (retry < 1 || remaining != 0)))
+        (allowed == 1 && (retry != 0 || retry_ms != 0 || remaining >= w->limit[window - 1])) ||
+        (allowed == 0 && (retry < 1 || remaining != 0 || retry_ms < 1 ||
+                          retry_ms > retry * 1000 || retry_ms <= (retry - 1) * 1000)))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "the rate-limit script answered values out of range "
                             "(%lld, %lld, %lld, %lld)",
@@ -331,6 +334,7 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     out->allowed = (int)allowed;
     out->remaining = remaining;
     out->retry_after_s = retry;
+    out->retry_after_ms = retry_ms;
     out->window = (int)(window - 1);
     out->now_ms = now;
     out->evaluated = (int)evaluated;

@@ -51,8 +51,9 @@ def resp_item(fdp: atheris.FuzzedDataProvider, depth: int = 0) -> bytes:
                   fdp.ConsumeIntInRange(-2, 2**62), fdp.ConsumeIntInRange(-1, 5),
                   fdp.ConsumeIntInRange(-2, 2**62)]
         each = [fdp.ConsumeIntInRange(-2, 2**62) for _ in range(fdp.ConsumeIntInRange(0, 6))]
-        return (b"*6\r\n" + b"".join(b":%d\r\n" % v for v in values)
-                + b"*%d\r\n" % len(each) + b"".join(b":%d\r\n" % v for v in each))
+        return (b"*7\r\n" + b"".join(b":%d\r\n" % v for v in values)
+                + b"*%d\r\n" % len(each) + b"".join(b":%d\r\n" % v for v in each)
+                + b":%d\r\n" % fdp.ConsumeIntInRange(-2, 2**62))
     if kind == 1:
         return b"-NOSCRIPT No matching script. Please use EVAL.\r\n"
     if kind in (2, 3):  # an error or a simple string, any text on one line
@@ -80,7 +81,7 @@ def resp_item(fdp: atheris.FuzzedDataProvider, depth: int = 0) -> bytes:
     if kind == 10:
         return b"-NOAUTH Authentication required.\r\n"
     if kind == 11:  # a decision with the wrong element types
-        return b"*6\r\n:1\r\n$1\r\n5\r\n:0\r\n+1\r\n:0\r\n*0\r\n"
+        return b"*7\r\n:1\r\n$1\r\n5\r\n:0\r\n+1\r\n:0\r\n*0\r\n:0\r\n"
     return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 16))  # garbage
 
 
@@ -98,7 +99,7 @@ def check_result(future: Future, request_windows: tuple[int, ...], with_window: 
                 raise AssertionError(f"reconcile resolved with {result!r}")
             return
         if with_window == "reserve":
-            if type(result) is not tuple or len(result) != 8 or type(result[7]) is not tuple \
+            if type(result) is not tuple or len(result) != 9 or type(result[7]) is not tuple \
                     or len(result[7]) != len(request_windows) + 1:
                 raise AssertionError(f"reserve resolved with {result!r}")
             limit, with_window = RESERVE_TOKEN_LIMIT, True  # the token window's is the largest

@@ -18,8 +18,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def decision(allowed: int, remaining: int, retry: int, window: int) -> bytes:
     """A reply of lua/sliding_window.lua to a check of `window` windows."""
-    return (b"*6\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n:1767225600000\r\n" % (allowed, remaining, retry, window)
-            + b"*%d\r\n" % window + b":%d\r\n" % (remaining if allowed else 0) * window)
+    return (b"*7\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n:1767225600000\r\n" % (allowed, remaining, retry, window)
+            + b"*%d\r\n" % window + b":%d\r\n" % (remaining if allowed else 0) * window
+            + b":%d\r\n" % (retry * 1000))
 
 
 def head(decisions: int, commands: int = 0, structured: bool = False, windows: int = 1,
@@ -49,12 +50,12 @@ PIPELINE = {
     "server-error": head(2) + b"-ERR Error running script: WRONGTYPE\r\n" + decision(1, 1, 0, 1),
     "out-of-range": head(1) + decision(1, -1, 0, 1),
     "wrong-window": head(1, windows=2) + decision(1, 1, 0, 3),
-    "wrong-types": head(1) + b"*6\r\n:1\r\n$1\r\n5\r\n:0\r\n+1\r\n:0\r\n*0\r\n",
+    "wrong-types": head(1) + b"*7\r\n:1\r\n$1\r\n5\r\n:0\r\n+1\r\n:0\r\n*0\r\n:0\r\n",
     "short-array": head(1) + b"*3\r\n:1\r\n:2\r\n:0\r\n",
-    "nested": head(1) + b"*6\r\n*1\r\n:1\r\n:2\r\n:0\r\n:1\r\n:0\r\n*1\r\n:2\r\n",
+    "nested": head(1) + b"*7\r\n*1\r\n:1\r\n:2\r\n:0\r\n:1\r\n:0\r\n*1\r\n:2\r\n:0\r\n",
     "nil": head(2) + b"$-1\r\n*-1\r\n",
     "unasked": head(0) + decision(1, 9, 0, 1),
-    "truncated": head(1) + b"*6\r\n:1\r\n:9",
+    "truncated": head(1) + b"*7\r\n:1\r\n:9",
     "garbage": head(1) + b"HTTP/1.1 400 Bad Request\r\n\r\n",
     "bulk": head(1) + b"$5\r\nhello\r\n",
     "cancelled-futures": (head(3, some_done=True)
@@ -84,8 +85,8 @@ RESP3 = {
 }
 for _name, _value in RESP3.items():
     PIPELINE[f"resp3-{_name}-as-decision"] = head(1) + _value + decision(1, 9, 0, 1)
-    PIPELINE[f"resp3-{_name}-in-decision"] = (head(1) + b"*6\r\n:1\r\n" + _value
-                                              + b":0\r\n:1\r\n:0\r\n*1\r\n:5\r\n")
+    PIPELINE[f"resp3-{_name}-in-decision"] = (head(1) + b"*7\r\n:1\r\n" + _value
+                                              + b":0\r\n:1\r\n:0\r\n*1\r\n:5\r\n:0\r\n")
     PIPELINE[f"resp3-{_name}-to-handshake"] = (head(1, commands=1) + _value + b"+OK\r\n"
                                                + decision(1, 9, 0, 1))
     PIPELINE[f"resp3-{_name}-to-script-load"] = (head(1) + NOSCRIPT + _value + SHA

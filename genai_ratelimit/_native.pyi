@@ -57,8 +57,9 @@ class Limiter:
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
     ) -> tuple[  # (allowed, remaining, retry_after_s, window_seconds, is_token_window,
-        # member, timestamp_ms, ((limit, window_seconds, is_token_window, remaining), ...))
-        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...]
+        # member, timestamp_ms, ((limit, window_seconds, is_token_window, remaining), ...),
+        # retry_after_ms)
+        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...], int
     ]: ...
     def _reconcile(
         self,
@@ -105,7 +106,7 @@ class Codec:
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
     ) -> Request | tuple[
-        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...]
+        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...], int
     ]: ...
     def reconcile(
         self,

@@ -45,6 +45,9 @@ class Reservation:
     retry_after_s: int
     window_seconds: int
     resource: Resource
+    # The same wait in milliseconds, not rounded up to a second (0 when allowed): for
+    # clients that can sleep precisely (a `retry-after-ms` header).
+    retry_after_ms: int
     user_id: str
     cost: int
     tokens: int | None
@@ -77,9 +80,11 @@ def windows_of(reservation: Reservation, resource: Resource) -> list[tuple[int, 
 def make_reservation(raw: tuple[Any, ...], user_id: str, cost: int,
                      tokens: int | None) -> Reservation:
     """A Reservation from the C extension's reserve tuple (see Limiter._reserve)."""
-    allowed, remaining, retry, window_seconds, is_tokens, member, timestamp_ms, report = raw
+    (allowed, remaining, retry, window_seconds, is_tokens, member, timestamp_ms, report,
+     retry_ms) = raw
     return Reservation(
-        allowed=allowed, remaining=remaining, retry_after_s=retry, window_seconds=window_seconds,
+        allowed=allowed, remaining=remaining, retry_after_s=retry, retry_after_ms=retry_ms,
+        window_seconds=window_seconds,
         resource="tokens" if is_tokens else "requests", user_id=user_id, cost=cost,
         tokens=tokens,
         windows=tuple(WindowState(limit, seconds, "tokens" if token else "requests", left)

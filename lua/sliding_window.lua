@@ -17,13 +17,14 @@ ARGV[3n+3] optional: "1" marks a replay of a call whose reply was lost. If the m
 
 used(i) = ZCARD(KEYS[i]) + weights "" field: the sum of the costs in the window.
 
-Returns {allowed, remaining, retry_after_s, i, now_ms, {remaining per window}}:
+Returns {allowed, remaining, retry_after_s, i, now_ms, {remaining per window}, retry_ms}:
   allow  -> {1, fewest remaining over all windows after this request, 0,
-             index of that window (ties: the shorter), now, {limit - used - cost ...}}
-  reject -> {0, 0, max(1, ceil((score_k + window_ms - now) / 1000)), index of the
-             rejecting window, now, {limit - used of the windows before it ..., 0}},
-             where entry k is the oldest entry whose leaving frees enough: the costs of
-             the entries up to it add up to used + cost - limit.
+             index of that window (ties: the shorter), now, {limit - used - cost ...}, 0}
+  reject -> {0, 0, max(1, ceil(wait / 1000)), index of the rejecting window, now,
+             {limit - used of the windows before it ..., 0}, max(1, wait)},
+             where wait = score_k + window_ms - now and entry k is the oldest entry whose
+             leaving frees enough: the costs of the entries up to it add up to
+             used + cost - limit.
 A rejection writes nothing, and no key after the rejecting window is touched.
 
 A Redis over its maxmemory refuses the script with an OOM error before it writes
@@ -86,7 +87,8 @@ local function trim(i, window_ms)
   return redis.call('ZCARD', key) + extra, extra
 end
 
--- Seconds until enough of window i's oldest entries leave to free `need` units.
+-- Seconds and milliseconds until enough of window i's oldest entries leave to free
+-- `need` units.
 local function retry_after(i, window_ms, need, extra)
   local key, weights = KEYS[i], KEYS[n + i]
   local score
@@ -113,10 +115,9 @@ local function retry_after(i, window_ms, need, extra)
   end
   -- No entry frees enough (only a cost above the limit, which the client refuses): the
   -- whole window must pass.
-  local retry = score and math.ceil((tonumber(score) + window_ms - now) / 1000)
-      or math.ceil(window_ms / 1000)
-  if retry < 1 then retry = 1 end
-  return retry
+  local wait = score and tonumber(score) + window_ms - now or window_ms
+  if wait < 1 then wait = 1 end
+  return math.ceil(wait / 1000), wait
 end
 
 local fewest, fewest_index = nil, 1
@@ -133,7 +134,7 @@ if ARGV[3 * n + 3] == '1' and redis.call('ZSCORE', KEYS[n], ARGV[1]) then
       fewest, fewest_index = remaining, i
     end
   end
-  return {1, fewest, 0, fewest_index, now, remaining_of}
+  return {1, fewest, 0, fewest_index, now, remaining_of, 0}
 end
 
 for i = 1, n do
@@ -145,7 +146,8 @@ for i = 1, n do
     -- Nothing is charged: the windows before this one keep what they had.
     for j = 1, i - 1 do remaining_of[j] = remaining_of[j] + tonumber(ARGV[3 * j + 2]) end
     remaining_of[i] = 0
-    return {0, 0, retry_after(i, window_ms, used + cost - limit, extra), i, now, remaining_of}
+    local retry, wait = retry_after(i, window_ms, used + cost - limit, extra)
+    return {0, 0, retry, i, now, remaining_of, wait}
   end
   local remaining = limit - used - cost
   remaining_of[i] = remaining
@@ -166,4 +168,4 @@ for i = 1, n do
     redis.call('EXPIRE', weights, seconds)
   end
 end
-return {1, fewest, 0, fewest_index, now, remaining_of}
+return {1, fewest, 0, fewest_index, now, remaining_of, 0}

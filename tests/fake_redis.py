@@ -92,13 +92,15 @@ DECISION_NOW_MS = 1_767_225_600_000  # the decision's time in a canned reply (20
 def decision(allowed: int, remaining: int, retry_after_s: int, window_index: int = 1,
              windows: int = 1) -> bytes:
     """The RESP text of a well-formed reply of lua/sliding_window.lua to a check of
-    `windows` windows: {allowed, remaining, retry, window, now, {remaining per window}}
-    (every window at `remaining` on allow; the windows up to the rejecting one at 0)."""
+    `windows` windows: {allowed, remaining, retry, window, now, {remaining per window},
+    retry_ms} (every window at `remaining` on allow; the windows up to the rejecting one
+    at 0; the wait in ms a whole number of seconds)."""
     reached = windows if allowed else window_index
     each = remaining if allowed else 0
-    return (b"*6\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n" % (
+    return (b"*7\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n:%d\r\n" % (
         allowed, remaining, retry_after_s, window_index, DECISION_NOW_MS)
-        + b"*%d\r\n" % reached + b":%d\r\n" % each * reached)
+        + b"*%d\r\n" % reached + b":%d\r\n" % each * reached
+        + b":%d\r\n" % (retry_after_s * 1000))
 
 
 # ---------------------------------------------------------------- misbehaviours

@@ -57,11 +57,11 @@ CASES: dict[str, Case] = {
     "nil-bulk": Case(lambda: Reply(b"$-1\r\n")),
     "nil-array": Case(lambda: Reply(b"*-1\r\n")),
     "array-of-2-integers": Case(lambda: Reply(b"*2\r\n:1\r\n:2\r\n")),
-    "array-of-4-with-a-string": Case(lambda: Reply(b"*6\r\n:1\r\n$1\r\n9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n")),
+    "array-of-4-with-a-string": Case(lambda: Reply(b"*7\r\n:1\r\n$1\r\n9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n:0\r\n")),
     "array-of-4-with-an-array": Case(lambda: Reply(
-        b"*6\r\n*1\r\n:1\r\n:9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n")),
+        b"*7\r\n*1\r\n:1\r\n:9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n:0\r\n")),
     "integer-beyond-64-bits": Case(lambda: Reply(
-        b"*6\r\n:1\r\n:99999999999999999999\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n")),
+        b"*7\r\n:1\r\n:99999999999999999999\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n:0\r\n")),
     # the right shape, values no script run can produce for check(user, 10, 60)
     "allowed-7": Case(lambda: Reply(decision(7, 9, 0))),
     "negative-remaining": Case(lambda: Reply(decision(1, -1, 0))),
@@ -72,7 +72,7 @@ CASES: dict[str, Case] = {
     "reject-with-remaining": Case(lambda: Reply(decision(0, 5, 3))),         # reject => 0 remain
     "allow-with-retry": Case(lambda: Reply(decision(1, 5, 3))),              # allow => retry 0
     # cut short
-    "truncated-then-close": Case(lambda: Reply(b"*6\r\n:1\r\n:9\r\n", close=True)),
+    "truncated-then-close": Case(lambda: Reply(b"*7\r\n:1\r\n:9\r\n", close=True)),
     "close-without-reply": Case(lambda: Reply(b"", close=True)),
     # an error reply (in step: the connection may be kept)
     "error-reply": Case(lambda: Reply(b"-ERR boom\r\n"), error_reply=True),

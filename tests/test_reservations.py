@@ -131,6 +131,9 @@ def test_an_overage_charges_and_delays_later_requests_by_the_right_time(
     low = max(1, math.ceil((r.timestamp_ms + 60_000 - after) / 1000))
     high = max(1, math.ceil((r.timestamp_ms + 60_000 - before) / 1000))
     assert low <= later.retry_after_s <= high
+    # The same wait to the millisecond, not rounded up: for a retry-after-ms header.
+    assert r.timestamp_ms + 60_000 - after <= later.retry_after_ms <= r.timestamp_ms + 60_000 - before
+    assert later.retry_after_s == math.ceil(later.retry_after_ms / 1000)
 
 
 def test_reconcile_is_idempotent(limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
@@ -179,7 +182,8 @@ def test_reconcile_is_a_no_op_once_the_entry_left_the_window(
 
 
 def test_reconcile_of_a_refused_reservation_sends_nothing(unreachable_limiter: Any) -> None:
-    refused = Reservation(allowed=False, remaining=0, retry_after_s=3, window_seconds=60,
+    refused = Reservation(allowed=False, remaining=0, retry_after_s=3, retry_after_ms=2500,
+                          window_seconds=60,
                           resource="tokens", user_id="u", cost=1, tokens=5, windows=(),
                           member="", timestamp_ms=1)
     assert unreachable_limiter.reconcile(refused, 10) == 0

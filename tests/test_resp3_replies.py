@@ -163,8 +163,8 @@ def test_resp3_value_as_the_decision_reply_raises_unavailable(scripted, child_cw
 @pytest.mark.parametrize("resp3", RESP3)
 def test_resp3_value_inside_the_decision_array_raises_unavailable(scripted, child_cwd, resp3, limiter_kind):
     """The second of the four integers (remaining) replaced by the RESP3 value."""
-    server = scripted(EVALSHA=b"*6\r\n:1\r\n" + RESP3[resp3].element()
-                      + b":0\r\n:1\r\n:0\r\n*1\r\n:9\r\n")
+    server = scripted(EVALSHA=b"*7\r\n:1\r\n" + RESP3[resp3].element()
+                      + b":0\r\n:1\r\n:0\r\n*1\r\n:9\r\n:0\r\n")
     assert_unavailable(check_in_child(limiter_kind, server.url(), child_cwd))
     assert server.saw("EVALSHA")
 

@@ -77,9 +77,9 @@ typedef struct {
     long long remaining;
     long long retry_after_s;
     long long retry_after_ms; /* the same wait in ms, not rounded up (0 on allow) */
-    int window;       /* 0-based index into rl_windows of the deciding window */
-    long long now_ms; /* the time the script decided at (the entry's score) */
-    int evaluated;    /* windows the script reached: all on allow, up to `window` on reject */
+    int window;               /* 0-based index into rl_windows of the deciding window */
+    long long now_ms;         /* the time the script decided at (the entry's score) */
+    int evaluated; /* windows the script reached: all on allow, up to `window` on reject */
     long long remaining_of[RL_MAX_WINDOWS]; /* per window, the first `evaluated` */
     long long found;                        /* reconcile: the windows whose entry was found */
 } rl_result;

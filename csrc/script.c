@@ -306,8 +306,8 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     if ((allowed != 0 && allowed != 1) || remaining < 0 || retry < 0 || window < 1 ||
         window > nwindows || now < 0 ||
         (allowed == 1 && (retry != 0 || retry_ms != 0 || remaining >= w->limit[window - 1])) ||
-        (allowed == 0 && (retry < 1 || remaining != 0 || retry_ms < 1 ||
-                          retry_ms > retry * 1000 || retry_ms <= (retry - 1) * 1000)))
+        (allowed == 0 && (retry < 1 || remaining != 0 || retry_ms < 1 || retry_ms > retry * 1000 ||
+                          retry_ms <= (retry - 1) * 1000)))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "the rate-limit script answered values out of range "
                             "(%lld, %lld, %lld, %lld)",

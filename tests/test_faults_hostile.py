@@ -57,7 +57,8 @@ CASES: dict[str, Case] = {
     "nil-bulk": Case(lambda: Reply(b"$-1\r\n")),
     "nil-array": Case(lambda: Reply(b"*-1\r\n")),
     "array-of-2-integers": Case(lambda: Reply(b"*2\r\n:1\r\n:2\r\n")),
-    "array-of-4-with-a-string": Case(lambda: Reply(b"*7\r\n:1\r\n$1\r\n9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n:0\r\n")),
+    "array-of-4-with-a-string": Case(lambda: Reply(
+        b"*7\r\n:1\r\n$1\r\n9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n:0\r\n")),
     "array-of-4-with-an-array": Case(lambda: Reply(
         b"*7\r\n*1\r\n:1\r\n:9\r\n:0\r\n:1\r\n:0\r\n*1\r\n:9\r\n:0\r\n")),
     "integer-beyond-64-bits": Case(lambda: Reply(

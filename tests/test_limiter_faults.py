@@ -139,8 +139,8 @@ def test_paused_server_works_again_once_resumed(limiter_for, private_redis):
     b"*7\r\n:1\r\n:2\r\n",                                      # a decision cut short
     b"*2\r\n$3\r\nfoo\r\n$3\r\nbar\r\n",
     b"$2000000\r\n" + b"x" * 2_000_000 + b"\r\n",              # far too big for a decision
-    b"*7\r\n:1\r\n:-5\r\n:0\r\n:1\r\n:0\r\n*1\r\n:0\r\n:0\r\n",                      # negative remaining
-    b"*7\r\n:1\r\n:9\r\n:0\r\n:7\r\n:0\r\n*1\r\n:9\r\n:0\r\n",                      # a window it never asked about
+    b"*7\r\n:1\r\n:-5\r\n:0\r\n:1\r\n:0\r\n*1\r\n:0\r\n:0\r\n",          # negative remaining
+    b"*7\r\n:1\r\n:9\r\n:0\r\n:7\r\n:0\r\n*1\r\n:9\r\n:0\r\n",           # an unknown window
 ], ids=["http", "status", "integer", "truncated", "strings", "huge", "negative", "bad-window"])
 def test_server_answering_garbage_raises_unavailable_within_the_timeout(limiter_for, garbage):
     from genai_ratelimit import RateLimiterUnavailable

@@ -16,7 +16,7 @@ from ._native import (
 from ._version import __version__
 from .aio import AsyncRateLimiter
 from .limiter import RateLimiter
-from .tiers import TIER_LIMITS
+from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
     "RateLimiter",
@@ -26,6 +26,7 @@ __all__ = [
     "RateLimiterTimeout",
     "RateLimiterAuthError",
     "TIER_LIMITS",
+    "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",
     "__version__",
 ]

@@ -467,6 +467,20 @@ def test_a_rate_limit_beside_a_token_rate_limit_counts_the_request_once(
     assert redis_client.zcard(f"ratelimit:ns:shared:{user_id}:60") == 5
 
 
+def test_a_token_rate_limit_after_a_rate_limit_reserves_only_tokens(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
+        redis_client: redis.Redis) -> None:
+    token_limit = TokenRateLimit(limiter=limiter, token_limits=SMALL, namespace="shared")
+    client = client_for(RateLimit(limiter=limiter, namespace="shared"), extra=(token_limit,))
+    responses = [client.post("/record", json=chat_body(2), headers=as_user(user_id)) for _ in range(6)]
+    assert [r.status_code for r in responses] == [200] * 5 + [429]
+    assert responses[0].headers["x-ratelimit-remaining-requests"] == "4"
+    assert responses[0].headers["x-ratelimit-remaining-tokens"] == "60"
+    assert request_count(redis_client, user_id) == 5
+    assert token_costs(redis_client, user_id) == [2] * 5
+    assert responses[-1].json() == {"detail": "Rate limit exceeded"}  # RateLimit's own 429
+
+
 def test_the_kill_switch_reserves_nothing(
         limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
         redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,6 +41,13 @@ Identities and namespaces, so that no two budgets ever share a Redis key:
 - On one route, dependencies that decide the same identity in the same namespace with the same
   budget (and the same Redis and key prefix) count the request once and share the decision.
 
+Token budgets: `TokenRateLimit` (a companion of RateLimit; RateLimit itself is unchanged)
+reserves one request and a token estimate in one `reserve` call before the route runs, and
+reconciles the reservation with the usage the response reports (read by
+RateLimitHeadersMiddleware as it passes) or that the route reports with
+`await record_usage(request, tokens)`, once per request. Its responses also carry OpenAI's
+x-ratelimit-*-requests/-tokens headers, and its 429s OpenAI's error body (_openai_headers).
+
 Failing open: with on_unavailable="allow", `RateLimit.fail_open_count` counts the requests let
 through because Redis could not decide; export it to your metrics and alert when it grows.
 

@@ -546,3 +546,16 @@ def test_the_stream_scanner_keeps_the_last_usage_and_stops_at_done() -> None:
     assert UsageScanner.for_response("text/event-stream; charset=utf-8") is not None
     assert UsageScanner.for_response("application/json", "gzip") is None
     assert UsageScanner.for_response("text/plain") is None
+
+
+def test_the_scanners_keep_only_what_they_need() -> None:
+    from genai_ratelimit import _usage
+
+    json_scanner = UsageScanner("json")
+    json_scanner.feed(b'{"usage": {"total_tokens": 5}, "pad": "' + b"x" * _usage.MAX_JSON_BYTES + b'"}')
+    assert json_scanner.total_tokens() is None  # too large to read: the reservation stays
+    sse = UsageScanner("sse")
+    sse.feed(b"data: " + b"x" * (_usage.MAX_EVENT_LINE_BYTES + 1))  # an endless line is dropped...
+    sse.feed(b'more"usage"\ndata: {"usage": {"total_tokens": 4}}')  # ...until its end
+    assert sse.total_tokens() == 4  # a last line without its newline still counts
+    assert not sse.done

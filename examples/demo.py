@@ -1,12 +1,14 @@
 """`make demo`: a throwaway redis-server (unless $REDIS_URL is set), the example app under
-uvicorn on a free loopback port, a burst of real HTTP requests as a free user and a pro user,
-and a table of what came back. Stops everything it started and exits 0.
+uvicorn on a free loopback port, bursts of real HTTP requests, and a table of what came back:
+a free user whose token budget runs out before the request budget does, a request too large
+to ever fit, and a pro user. Stops everything it started and exits 0.
 
 Each run uses a fresh key prefix, so repeated runs print the same table and a Redis named by
 $REDIS_URL is never flushed (the demo deletes only its own keys)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import uuid
@@ -17,32 +19,46 @@ import httpx
 from _local import AppServer, LocalRedis
 
 BURSTS = [
-    # (who, API key, tier, requests)
-    ("free user", "sk-demo-free", "free", 8),
-    ("pro user", "sk-demo-pro", "pro", 4),
+    # (who, API key, tier, requests, max_tokens)
+    ("free user", "sk-demo-free", "free", 5, 3000),
+    ("free user, one request too large to ever fit", "sk-demo-free", "free", 1, 20_000),
+    ("pro user", "sk-demo-pro", "pro", 4, None),
 ]
-COLUMNS = ("#", "status", "X-RateLimit-Remaining", "Retry-After", "X-RateLimit-Window")
+COLUMNS = ("#", "status", "requests left", "tokens left", "tokens used", "Retry-After", "refused by")
 
 
-def fire(client: httpx.Client, api_key: str, count: int) -> list[tuple[str, ...]]:
-    """`count` streamed chat completions as one user. Returns one table row per request."""
+def fire(client: httpx.Client, api_key: str, count: int,
+         max_tokens: int | None) -> tuple[list[tuple[str, ...]], str]:
+    """`count` streamed chat completions as one user, asking the final usage chunk. Returns
+    one table row per request, and the error message of the last 429 ("" when none)."""
     rows: list[tuple[str, ...]] = []
-    body = {"model": "demo-1", "stream": True,
-            "messages": [{"role": "user", "content": "Tell me about rate limits."}]}
+    message = ""
+    body: dict[str, object] = {"model": "demo-1", "stream": True, "stream_options": {"include_usage": True},
+                               "messages": [{"role": "user", "content": "Tell me about rate limits."}]}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     for number in range(1, count + 1):
         with client.stream("POST", "/v1/chat/completions", json=body,
                            headers={"Authorization": f"Bearer {api_key}"}) as response:
             text = "".join(response.iter_text())
-            if response.status_code == 200 and not text.rstrip().endswith("data: [DONE]"):
+        used = "-"
+        if response.status_code == 200:
+            if not text.rstrip().endswith("data: [DONE]"):
                 raise SystemExit(f"request {number}: the stream did not complete: {text[-200:]!r}")
-            rows.append((
-                str(number),
-                f"{response.status_code} {response.reason_phrase}",
-                response.headers.get("X-RateLimit-Remaining", "-"),
-                response.headers.get("Retry-After", "-"),
-                response.headers.get("X-RateLimit-Window", "-"),
-            ))
-    return rows
+            events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: {")]
+            used = str(json.loads(events[-1])["usage"]["total_tokens"])
+        else:
+            message = json.loads(text).get("error", {}).get("message", text)
+        rows.append((
+            str(number),
+            f"{response.status_code} {response.reason_phrase}",
+            response.headers.get("x-ratelimit-remaining-requests", "-"),
+            response.headers.get("x-ratelimit-remaining-tokens", "-"),
+            used,
+            response.headers.get("Retry-After", "-"),
+            response.headers.get("X-RateLimit-Resource", "-"),
+        ))
+    return rows, message
 
 
 def print_table(rows: list[tuple[str, ...]]) -> None:
@@ -72,7 +88,7 @@ def delete_demo_keys(redis_url: str, key_prefix: str) -> None:
 
 
 def main() -> int:
-    from genai_ratelimit import TIER_LIMITS
+    from genai_ratelimit import TIER_LIMITS, TIER_TOKEN_LIMITS
 
     key_prefix = f"demo-{uuid.uuid4().hex[:12]}"
     external_url = os.environ.get("REDIS_URL", "").strip()
@@ -93,11 +109,15 @@ def main() -> int:
             unset=("GENAI_RATELIMIT_TIERS", "RATE_LIMIT_DISABLED")))
         print(f"App:   examples/app.py under uvicorn at {server.base_url}")
         with httpx.Client(base_url=server.base_url, timeout=10.0) as client:
-            for who, api_key, tier, count in BURSTS:
-                budget = TIER_LIMITS[tier]
-                print(f"\n{who} ({tier} tier: {budget['per_minute']}/minute, {budget['per_day']}/day), "
-                      f"{count} requests to POST /v1/chat/completions (streamed):")
-                print_table(fire(client, api_key, count))
+            for who, api_key, tier, count, max_tokens in BURSTS:
+                budget, tokens = TIER_LIMITS[tier], TIER_TOKEN_LIMITS[tier]
+                asking = f"max_tokens={max_tokens}" if max_tokens else "no max_tokens (1,000 reserved)"
+                print(f"\n{who} ({tier} tier: {budget['per_minute']} requests and {tokens['per_minute']:,} "
+                      f"tokens a minute), {count} streamed request(s), {asking}:")
+                rows, message = fire(client, api_key, count, max_tokens)
+                print_table(rows)
+                if message:
+                    print(f"  429 says: {message}")
         print("\nStopping the app" + ("." if external_url else " and redis-server."))
     return 0
 

@@ -17,7 +17,7 @@ from ._version import __version__
 from .aio import AsyncRateLimiter
 from .limiter import RateLimiter
 from .reservation import Reservation, WindowState
-from .tiers import TIER_LIMITS
+from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
     "RateLimiter",
@@ -29,6 +29,7 @@ __all__ = [
     "Reservation",
     "WindowState",
     "TIER_LIMITS",
+    "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",
     "__version__",
 ]

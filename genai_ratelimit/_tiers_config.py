@@ -12,6 +12,18 @@ because an unknown tier gets its budget:
     [free]                              {"free": {"per_minute": 5, "per_day": 100},
     per_minute = 5                       "pro":  {"per_minute": 60, "per_day": 5000}}
     per_day = 100
+
+A tier may also give its token budget (TokenRateLimit), both keys together, integers >= 1,
+tokens_per_day not below tokens_per_minute:
+
+    [pro]
+    per_minute = 60
+    per_day = 5000
+    tokens_per_minute = 200000
+    tokens_per_day = 5000000
+
+A tier without them takes TIER_TOKEN_LIMITS' budget of the same name, else the token budget
+of the file's `free` tier (when it has one), else TIER_TOKEN_LIMITS' free budget.
 """
 
 from __future__ import annotations
@@ -23,21 +35,29 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .tiers import DEFAULT_TIER
+from .tiers import DEFAULT_TIER, TIER_TOKEN_LIMITS
 
 __all__ = [
     "TIERS_FILE_ENV",
     "TIER_BUDGET_KEYS",
+    "TIER_TOKEN_KEYS",
     "TierConfigError",
     "validate_tier_limits",
+    "validate_token_limits",
+    "token_limits_of_tiers",
     "load_tier_limits",
+    "load_tier_config",
     "tier_limits_from_env",
+    "tier_token_limits_from_env",
 ]
 
 TIERS_FILE_ENV = "GENAI_RATELIMIT_TIERS"
 
 # Budget key -> window length in seconds, shortest window first.
 TIER_BUDGET_KEYS: dict[str, int] = {"per_minute": 60, "per_day": 86_400}
+# The optional token budget keys of a tiers file -> the key of a token budget table
+# (TIER_TOKEN_LIMITS' shape), in the order of TIER_BUDGET_KEYS.
+TIER_TOKEN_KEYS: dict[str, str] = {"tokens_per_minute": "per_minute", "tokens_per_day": "per_day"}
 
 
 class TierConfigError(ValueError):
@@ -53,17 +73,18 @@ def _budget(source: str, tier: str, key: str, value: object) -> int:
     return value
 
 
-def validate_tier_limits(data: object, source: str = "tier_limits") -> dict[str, dict[str, int]]:
-    """Checks tier budgets strictly: a mapping of non-empty tier names to exactly
-    {"per_minute": int >= 1, "per_day": int >= 1}, per_day not below per_minute, with a `free`
-    tier. Returns a fresh dict (later changes to `data` do not leak in). Raises
-    TierConfigError (a ValueError) naming `source` and the first problem found."""
+def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, dict[str, int]]:
+    """The strict check shared by request and token budgets: a mapping of non-empty tier names
+    to tables of exactly {"per_minute": int >= 1, "per_day": int >= 1} (plus, when
+    `token_keys`, optionally both of "tokens_per_minute", "tokens_per_day"), each day budget
+    not below its minute budget, with a `free` tier. Returns fresh dicts."""
     if not isinstance(data, Mapping):
         raise TierConfigError(f"{source}: expected a table of tiers "
                               f"(e.g. {{\"free\": {{\"per_minute\": 5, \"per_day\": 100}}}}), "
                               f"got {type(data).__name__}")
     if not data:
         raise TierConfigError(f"{source}: no tiers defined")
+    allowed = {**TIER_BUDGET_KEYS, **(TIER_TOKEN_KEYS if token_keys else {})}
     tiers: dict[str, dict[str, int]] = {}
     for tier, budget in data.items():
         if not isinstance(tier, str) or not tier.strip():
@@ -71,22 +92,58 @@ def validate_tier_limits(data: object, source: str = "tier_limits") -> dict[str,
         if not isinstance(budget, Mapping):
             raise TierConfigError(f"{source}: tier {tier!r} must be a table with per_minute and "
                                   f"per_day, got {type(budget).__name__}")
-        unknown = sorted(str(key) for key in budget if key not in TIER_BUDGET_KEYS)
+        unknown = sorted(str(key) for key in budget if key not in allowed)
         if unknown:
             raise TierConfigError(f"{source}: tier {tier!r}: unknown key(s) {unknown}; "
-                                  f"allowed: {sorted(TIER_BUDGET_KEYS)}")
+                                  f"allowed: {sorted(allowed)}")
         missing = [key for key in TIER_BUDGET_KEYS if key not in budget]
         if missing:
             raise TierConfigError(f"{source}: tier {tier!r}: missing {', '.join(missing)}")
-        checked = {key: _budget(source, tier, key, budget[key]) for key in TIER_BUDGET_KEYS}
-        if checked["per_day"] < checked["per_minute"]:
-            raise TierConfigError(f"{source}: tier {tier!r}: per_day ({checked['per_day']}) is "
-                                  f"smaller than per_minute ({checked['per_minute']})")
+        pairs = [("per_minute", "per_day")]
+        given = [key for key in TIER_TOKEN_KEYS if key in budget]
+        if given and len(given) != len(TIER_TOKEN_KEYS):
+            absent = next(key for key in TIER_TOKEN_KEYS if key not in budget)
+            raise TierConfigError(f"{source}: tier {tier!r}: {given[0]} needs {absent} too "
+                                  "(a token budget has both)")
+        if given:
+            pairs.append(("tokens_per_minute", "tokens_per_day"))
+        checked = {key: _budget(source, tier, key, budget[key]) for key in allowed if key in budget}
+        for minute, day in pairs:
+            if checked[day] < checked[minute]:
+                raise TierConfigError(f"{source}: tier {tier!r}: {day} ({checked[day]}) is "
+                                      f"smaller than {minute} ({checked[minute]})")
         tiers[tier] = checked
     if DEFAULT_TIER not in tiers:
         raise TierConfigError(f"{source}: the {DEFAULT_TIER!r} tier is required "
                               "(requests with no tier or an unknown tier get its budget)")
     return tiers
+
+
+def validate_tier_limits(data: object, source: str = "tier_limits") -> dict[str, dict[str, int]]:
+    """Checks tier budgets strictly: a mapping of non-empty tier names to exactly
+    {"per_minute": int >= 1, "per_day": int >= 1}, per_day not below per_minute, with a `free`
+    tier; a tier may also carry a token budget, "tokens_per_minute" and "tokens_per_day"
+    together (see token_limits_of_tiers), checked the same way and left out of the result.
+    Returns a fresh dict of the request budgets (later changes to `data` do not leak in).
+    Raises TierConfigError (a ValueError) naming `source` and the first problem found."""
+    tiers = _tier_tables(data, source, token_keys=True)
+    return {tier: {key: budget[key] for key in TIER_BUDGET_KEYS} for tier, budget in tiers.items()}
+
+
+def validate_token_limits(data: object, source: str = "token_limits") -> dict[str, dict[str, int]]:
+    """Checks token budgets (TIER_TOKEN_LIMITS' shape) as strictly as validate_tier_limits:
+    {"free": {"per_minute": int >= 1, "per_day": int >= 1}, ...}, per_day not below
+    per_minute, `free` required. Returns a fresh dict; raises TierConfigError."""
+    return _tier_tables(data, source, token_keys=False)
+
+
+def token_limits_of_tiers(data: object, source: str = "tier_limits") -> dict[str, dict[str, int]]:
+    """The token budgets a tiers table carries: {tier: {"per_minute": tokens_per_minute,
+    "per_day": tokens_per_day}} for each tier that gives them (possibly none). Checks `data`
+    as validate_tier_limits does."""
+    tiers = _tier_tables(data, source, token_keys=True)
+    return {tier: {name: budget[key] for key, name in TIER_TOKEN_KEYS.items()}
+            for tier, budget in tiers.items() if "tokens_per_minute" in budget}
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -111,8 +168,15 @@ def _parse_toml(text: str) -> object:
 
 
 def load_tier_limits(path: str | os.PathLike[str], *, source: str | None = None) -> dict[str, dict[str, int]]:
-    """Reads and validates a tiers file (`.json` or `.toml`). Returns the budgets. Raises
-    TierConfigError whose message starts with `source` (default: the file's path)."""
+    """Reads and validates a tiers file (`.json` or `.toml`). Returns the request budgets.
+    Raises TierConfigError whose message starts with `source` (default: the file's path)."""
+    data, where = load_tier_config(path, source=source)
+    return validate_tier_limits(data, where)
+
+
+def load_tier_config(path: str | os.PathLike[str], *, source: str | None = None) -> tuple[object, str]:
+    """Reads a tiers file (`.json` or `.toml`) and checks it (validate_tier_limits). Returns
+    its parsed content, token keys included, and the source name its errors start with."""
     path = Path(path)
     where = source or str(path)
     suffix = path.suffix.lower()
@@ -133,7 +197,8 @@ def load_tier_limits(path: str | os.PathLike[str], *, source: str | None = None)
     except ValueError as exc:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
         kind = "JSON" if suffix == ".json" else "TOML"
         raise TierConfigError(f"{where}: invalid {kind}: {exc}") from None
-    return validate_tier_limits(data, where)
+    validate_tier_limits(data, where)
+    return data, where
 
 
 def tier_limits_from_env(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, int]] | None:
@@ -144,3 +209,19 @@ def tier_limits_from_env(environ: Mapping[str, str] | None = None) -> dict[str, 
     if not value:
         return None
     return load_tier_limits(value, source=f"{TIERS_FILE_ENV}={value}")
+
+
+def tier_token_limits_from_env(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, int]] | None:
+    """The token budgets of the file named by GENAI_RATELIMIT_TIERS, or None when it is unset
+    or empty. A tier of the file without token keys takes TIER_TOKEN_LIMITS' budget of the
+    same name, else the file's free token budget, else TIER_TOKEN_LIMITS' free budget; so
+    every tier of the file has one. Raises TierConfigError as tier_limits_from_env does."""
+    env = os.environ if environ is None else environ
+    value = env.get(TIERS_FILE_ENV, "").strip()
+    if not value:
+        return None
+    data, where = load_tier_config(value, source=f"{TIERS_FILE_ENV}={value}")
+    given = token_limits_of_tiers(data, where)
+    fallback = given.get(DEFAULT_TIER) or TIER_TOKEN_LIMITS[DEFAULT_TIER]
+    return {tier: dict(given.get(tier) or TIER_TOKEN_LIMITS.get(tier) or fallback)
+            for tier in validate_tier_limits(data, where)}

@@ -41,6 +41,13 @@ Identities and namespaces, so that no two budgets ever share a Redis key:
 - On one route, dependencies that decide the same identity in the same namespace with the same
   budget (and the same Redis and key prefix) count the request once and share the decision.
 
+Token budgets: `TokenRateLimit` (a companion of RateLimit; RateLimit itself is unchanged)
+reserves one request and a token estimate in one `reserve` call before the route runs, and
+reconciles the reservation with the usage the response reports (read by
+RateLimitHeadersMiddleware as it passes) or that the route reports with
+`await record_usage(request, tokens)`, once per request. Its responses also carry OpenAI's
+x-ratelimit-*-requests/-tokens headers, and its 429s OpenAI's error body (_openai_headers).
+
 Failing open: with on_unavailable="allow", `RateLimit.fail_open_count` counts the requests let
 through because Redis could not decide; export it to your metrics and alert when it grows.
 
@@ -60,20 +67,40 @@ from typing import Any, Literal, Protocol
 
 try:
     from fastapi import HTTPException, Request, Response
+    from starlette.concurrency import run_in_threadpool
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
 except ImportError as exc:  # the core package works without FastAPI; this module does not
     raise ImportError("genai_ratelimit.fastapi needs FastAPI: pip install 'genai-ratelimit[fastapi]'"
                       f" ({exc})") from exc
 
 from . import RateLimiterError
-from ._tiers_config import TIER_BUDGET_KEYS, TierConfigError, tier_limits_from_env, validate_tier_limits
+from ._openai_headers import (
+    ResourceHeaders,
+    rate_limit_error_body,
+    rate_limit_headers,
+    retry_headers,
+    too_large_error_body,
+)
+from ._tiers_config import (
+    TIER_BUDGET_KEYS,
+    TierConfigError,
+    tier_limits_from_env,
+    tier_token_limits_from_env,
+    validate_tier_limits,
+    validate_token_limits,
+)
+from ._usage import UsageScanner, estimate_openai_tokens
 from .aio import AsyncRateLimiter
-from .tiers import DEFAULT_TIER, TIER_LIMITS
+from .reservation import Reservation, Resource, WindowState
+from .tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
     "Anonymous",
     "RateLimit",
     "RateLimitHeadersMiddleware",
+    "TokenRateLimit",
+    "record_usage",
+    "estimate_openai_tokens",
     "rate_limit",
     "Identify",
     "default_identify",
@@ -148,7 +175,7 @@ def default_identify(request: Request) -> tuple[str, str | None]:
     return user_id, getattr(request.state, "tier", None)
 
 
-def _budget_namespace(tier_limits: Mapping[str, Mapping[str, int]]) -> str:
+def _budget_namespace(tier_limits: Mapping[str, Mapping[str, Any]]) -> str:
     """The default namespace of a budget other than the default one: stable across processes
     and restarts (the same budget gives the same name), different for different budgets."""
     canonical = json.dumps(tier_limits, sort_keys=True, separators=(",", ":"))
@@ -179,12 +206,14 @@ class _AllowedDecision:
     route keep the one with the fewest remaining; ties: the shorter window). Lives in the ASGI
     scope; the middleware puts it there before the app runs, so shallow scope copies share it."""
 
-    __slots__ = ("limit", "remaining", "window_seconds")
+    __slots__ = ("limit", "remaining", "window_seconds", "extra")
 
     def __init__(self) -> None:
         self.limit = 0
         self.remaining = -1  # -1: nothing recorded yet
         self.window_seconds = 0
+        # OpenAI's x-ratelimit-*-requests/-tokens of an allowed TokenRateLimit decision.
+        self.extra: list[tuple[str, str]] = []
 
     def offer(self, limit: int, remaining: int, window_seconds: int) -> None:
         if self.remaining < 0 or (remaining, window_seconds) < (self.remaining, self.window_seconds):
@@ -192,12 +221,49 @@ class _AllowedDecision:
 
     def headers(self) -> list[tuple[str, str]]:
         if self.remaining < 0:
-            return []
+            return list(self.extra)
         return [
             ("x-ratelimit-limit", str(self.limit)),
             ("x-ratelimit-remaining", str(self.remaining)),
             ("x-ratelimit-window", window_name(self.window_seconds)),
+            *self.extra,
         ]
+
+
+# The token reservations of this request and whether its usage was reported.
+_TOKENS_KEY = "genai_ratelimit.tokens"
+
+
+class _TokenLedger:
+    """The token reservations of one request (one per TokenRateLimit that allowed it), kept
+    in the ASGI scope until the usage is known. `reported` makes the reconcile happen once:
+    by record_usage, or by the middleware from the response, whichever comes first."""
+
+    __slots__ = ("entries", "decided", "reported", "refusal_body", "middleware")
+
+    def __init__(self, middleware: bool) -> None:
+        self.entries: list[tuple[Any, bool, Reservation]] = []  # (limiter, is async, reservation)
+        self.decided = False  # a TokenRateLimit ran for this request
+        self.reported = False
+        self.refusal_body: dict[str, Any] | None = None  # the OpenAI-style body of our 429
+        self.middleware = middleware  # False: made by a dependency, nothing reads the response
+
+    async def reconcile(self, actual: int) -> int:
+        """Reconciles every reservation with `actual` tokens. Returns the number of windows
+        whose entry was found. A limiter that cannot answer is logged, not raised: the
+        reservation then stays as reserved."""
+        found = 0
+        for limiter, is_async, reservation in self.entries:
+            try:
+                if is_async:
+                    found += await limiter.reconcile(reservation, actual)
+                else:
+                    found += await run_in_threadpool(limiter.reconcile, reservation, actual)
+            except RateLimiterError as exc:
+                logger.warning("could not reconcile the token reservation of %r with %d tokens "
+                               "(it stays at %s): %s", reservation.user_id, actual,
+                               reservation.tokens, exc)
+        return found
 
 
 class RateLimitHeadersMiddleware:
@@ -206,6 +272,17 @@ class RateLimitHeadersMiddleware:
     response already has (a 429's own, or one the route set) is left as it is.
 
         app.add_middleware(RateLimitHeadersMiddleware)
+
+    For a TokenRateLimit it also adds OpenAI's x-ratelimit-*-requests/-tokens headers, gives
+    its 429 the OpenAI-style body (the contract's `detail` plus an `error` object), and
+    reconciles the token reservation with the usage the response reports: a JSON body's
+    `usage.total_tokens`, or a server-sent event stream's last `data:` chunk carrying `usage`.
+    Each chunk is forwarded as it comes (a stream is scanned, never held back); the
+    reconcile runs before the response's last body message (or the stream's `data: [DONE]`
+    chunk) is passed on, so a client that has read the whole response sees the corrected
+    budget. Unless the route already called
+    record_usage: each request is reconciled at most once. No usage found: the reservation
+    stays as it was (never a silent refund).
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -217,16 +294,47 @@ class RateLimitHeadersMiddleware:
             return
         decision = _AllowedDecision()
         scope[_SCOPE_KEY] = decision
+        ledger = _TokenLedger(middleware=True)
+        scope[_TOKENS_KEY] = ledger
+        scanner: UsageScanner | None = None
+        replaced_body = False  # a TokenRateLimit 429 whose body this middleware wrote
 
         async def send_with_headers(message: Message) -> None:
+            nonlocal scanner, replaced_body
             if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
                 extra = decision.headers()
                 if extra:
-                    headers = list(message.get("headers", ()))
                     present = {bytes(name).lower() for name, _ in headers}
                     headers += [(name.encode("latin-1"), value.encode("latin-1"))
                                 for name, value in extra if name.encode("latin-1") not in present]
                     message = {**message, "headers": headers}
+                if ledger.refusal_body is not None and message["status"] == 429:
+                    body = json.dumps(ledger.refusal_body).encode()
+                    headers = [(name, value) for name, value in headers
+                               if bytes(name).lower() not in (b"content-length", b"content-type")]
+                    headers += [(b"content-length", str(len(body)).encode()),
+                                (b"content-type", b"application/json")]
+                    await send({**message, "headers": headers})
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                    replaced_body = True
+                    return
+                if ledger.entries and not ledger.reported:
+                    found = {bytes(name).lower(): bytes(value).decode("latin-1") for name, value in headers}
+                    scanner = UsageScanner.for_response(found.get(b"content-type", ""),
+                                                        found.get(b"content-encoding", ""))
+            elif message["type"] == "http.response.body":
+                if replaced_body:
+                    return  # the 429 body FastAPI wrote, replaced by ours
+                if scanner is not None:
+                    scanner.feed(message.get("body", b""))
+                    if scanner.done or not message.get("more_body", False):
+                        # The end of the body, or of the stream's events ("data: [DONE]",
+                        # where OpenAI's clients stop reading): reconcile before passing it on.
+                        total, scanner = scanner.total_tokens(), None
+                        if total is not None and not ledger.reported:
+                            ledger.reported = True
+                            await ledger.reconcile(total)
             await send(message)
 
         await self.app(scope, receive, send_with_headers)
@@ -349,15 +457,20 @@ class RateLimit:
         return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
                 f"on_unavailable={self.on_unavailable!r}, namespace={self.namespace!r})")
 
-    def _subject(self, request: Request) -> tuple[str, Windows]:
-        """Who is asking and under which budget: (key identity, windows); see key_identity."""
+    def _identity_and_tier(self, request: Request) -> tuple[str, str]:
+        """(key identity, the tier whose budget applies: DEFAULT_TIER for none or unknown)."""
         user_id, tier = self.identify(request)
         if isinstance(user_id, int) and not isinstance(user_id, bool):
             user_id = str(user_id)
         if not isinstance(user_id, str) or not user_id:
             raise TypeError(f"the rate-limit identity must be a non-empty str, got {user_id!r}")
-        windows = self._windows.get(tier) if isinstance(tier, str) else None
-        return key_identity(user_id, self.namespace), windows or self._windows[DEFAULT_TIER]
+        budget_tier = tier if isinstance(tier, str) and tier in self._windows else DEFAULT_TIER
+        return key_identity(user_id, self.namespace), budget_tier
+
+    def _subject(self, request: Request) -> tuple[str, Windows]:
+        """Who is asking and under which budget: (key identity, windows); see key_identity."""
+        identity, tier = self._identity_and_tier(request)
+        return identity, self._windows[tier]
 
     def _counted_key(self, identity: str, windows: Windows) -> tuple[object, ...]:
         """Which keys a check of `identity` would count in: the limiter's Redis and key prefix
@@ -433,6 +546,276 @@ class _AsyncRateLimit(RateLimit):
                 return
             self._remember(request, user_id, windows, decision)
         self._apply(request, response, windows, decision)
+
+
+# --- token budgets: reserve before the route, reconcile after the response -----------------
+
+Estimate = Callable[[Request], "int | Awaitable[int]"]
+_warned_no_token_middleware = False
+
+
+def _tightest(states: Sequence[WindowState], resource: str) -> WindowState | None:
+    """The window of `resource` with the fewest units remaining (ties: the shorter), among
+    those the decision reached."""
+    reached = [w for w in states if w.resource == resource and w.remaining is not None]
+    return min(reached, key=lambda w: (w.remaining, w.window_seconds)) if reached else None
+
+
+class TokenRateLimit(RateLimit):
+    """A FastAPI dependency that limits requests AND tokens: before the route runs it
+    estimates what the request may spend, and reserves one request plus that many tokens in
+    ONE `reserve` call (all or nothing: a request refused on tokens spends no request budget,
+    and the other way round). After the response, the reservation is reconciled with the
+    usage really spent: lower refunds, higher charges.
+
+        from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, TokenRateLimit, record_usage
+
+        app.add_middleware(RateLimitHeadersMiddleware)   # needed: reconcile, headers, 429 body
+        token_limit = TokenRateLimit()
+
+        @app.post("/v1/chat/completions", dependencies=[Depends(token_limit)])
+        async def chat(request: Request): ...
+
+    The usage comes from, whichever is first (each request is reconciled once):
+    - `await record_usage(request, tokens)`, called by the route (a streaming generator too);
+    - the response, read by RateLimitHeadersMiddleware as it passes: an OpenAI-shaped JSON
+      body's `usage.total_tokens`, or the last `data:` chunk of a server-sent event stream
+      that carries `usage` (OpenAI's final chunk with stream_options={"include_usage": true}).
+    A request whose usage is never reported keeps its reservation: never a silent refund.
+
+    Arguments (and RateLimit's: limiter, tier_limits, identify, on_unavailable, namespace):
+
+    token_limits        {"free": {"per_minute": 10_000, "per_day": 100_000}, ...}; None: the
+                        tokens_per_minute/tokens_per_day of the file named by
+                        $GENAI_RATELIMIT_TIERS when set, else TIER_TOKEN_LIMITS. A tier without
+                        a token budget gets the free tier's.
+    estimate            estimate(request) -> int >= 1 (or an awaitable of it), replacing the
+                        default estimate: for an OpenAI chat request its max_completion_tokens
+                        / max_tokens (else the tier's default_max_tokens), times n, plus the
+                        prompt's characters / 4 (estimate_openai_tokens). Reading the body here
+                        (await request.body() / .json()) leaves it readable by the route.
+    default_max_tokens  the completion tokens assumed when a request names no maximum: an int
+                        for every tier or {tier: int} (others: DEFAULT_MAX_TOKENS, 1,000).
+
+    An estimate above the tier's token limit can never be allowed: 429 with a body saying so
+    (the limit and the tokens requested), without Retry-After and with x-should-retry: false.
+
+    Responses carry the contract's X-RateLimit-* (for the request windows; on a 429 for the
+    window that refused, with X-RateLimit-Resource: requests|tokens) and OpenAI's
+    x-ratelimit-limit|remaining|reset-requests|tokens (see genai_ratelimit._openai_headers
+    for what reset means on a sliding log), and retry-after-ms beside Retry-After on a 429.
+
+    Keys: the request windows are RateLimit's keys; the token windows are
+    {prefix}:{identity}:{window}:tokens. Default budgets (both) count in no namespace, so a
+    `rate_limit` and a TokenRateLimit on the same user share the request budget; a
+    TokenRateLimit with a budget of its own (request or token) gets a namespace from both.
+    The dependency is always an async def; with a blocking RateLimiter the reserve and the
+    reconcile run in FastAPI's threadpool.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> TokenRateLimit:
+        return object.__new__(cls)
+
+    def __init__(
+        self,
+        limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
+        tier_limits: Mapping[str, Mapping[str, int]] | None = None,
+        identify: Identify | None = None,
+        on_unavailable: OnUnavailable = "deny",
+        namespace: str | None = None,
+        *,
+        token_limits: Mapping[str, Mapping[str, int]] | None = None,
+        estimate: Estimate | None = None,
+        default_max_tokens: int | Mapping[str, int] = DEFAULT_MAX_TOKENS,
+    ) -> None:
+        if limiter is not None and not callable(getattr(limiter, "reserve", None)):
+            raise TypeError(f"limiter must be a RateLimiter or AsyncRateLimiter with reserve(), "
+                            f"not {type(limiter).__name__}")
+        if estimate is not None and not callable(estimate):
+            raise TypeError(f"estimate must be a callable taking the request, not {type(estimate).__name__}")
+        self.default_max_tokens: dict[str, int] = {}
+        fallback = DEFAULT_MAX_TOKENS
+        if isinstance(default_max_tokens, Mapping):
+            for tier, value in default_max_tokens.items():
+                self.default_max_tokens[str(tier)] = self._positive("default_max_tokens", value)
+        else:
+            fallback = self._positive("default_max_tokens", default_max_tokens)
+        self._default_max_fallback = fallback
+        super().__init__(limiter, tier_limits, identify, on_unavailable, namespace)
+        default_tokens = token_limits is None
+        if token_limits is None:
+            token_limits = tier_token_limits_from_env() or TIER_TOKEN_LIMITS
+        self.token_limits: dict[str, dict[str, int]] = validate_token_limits(token_limits)
+        self._token_windows: dict[str, Windows] = {
+            tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items())
+            for tier, budget in self.token_limits.items()
+        }
+        if namespace is None and (self.namespace is not None or not default_tokens):
+            self.namespace = _budget_namespace({"requests": self.tier_limits, "tokens": self.token_limits})
+        self.estimate: Estimate | None = estimate
+        self._is_async = limiter is None or _is_async_limiter(limiter)
+
+    @staticmethod
+    def _positive(name: str, value: object) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+        return value
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
+                f"on_unavailable={self.on_unavailable!r}, namespace={self.namespace!r})")
+
+    def token_windows_of(self, tier: str) -> Windows:
+        """The (limit, window_seconds) token windows of a tier (the free tier's when it has none)."""
+        return self._token_windows.get(tier) or self._token_windows[DEFAULT_TIER]
+
+    async def estimate_tokens(self, request: Request, tier: str) -> int:
+        """The tokens this request is reserved for: `estimate(request)`, else the default."""
+        if self.estimate is not None:
+            value = self.estimate(request)
+            if inspect.isawaitable(value):
+                value = await value
+            return self._positive("the token estimate", value)
+        default = self.default_max_tokens.get(tier, self._default_max_fallback)
+        return estimate_openai_tokens(await request.body(), default)
+
+    async def __call__(self, request: Request, response: Response) -> None:
+        identity, tier = self._identity_and_tier(request)
+        windows, token_windows = self._windows[tier], self.token_windows_of(tier)
+        _ledger_of(request).decided = True
+        tokens = await self.estimate_tokens(request, tier)
+        self._refuse_if_too_large(request, windows, token_windows, tokens)
+        counted = self._already_counted(request, identity, windows)
+        # Requests already counted by another dependency of this route: reserve tokens only.
+        request_windows: Windows = () if counted is not None else windows
+        limiter = self.limiter
+        try:
+            if self._is_async:
+                reservation: Reservation = await limiter.reserve(
+                    identity, request_windows, cost=1, token_windows=token_windows, tokens=tokens)
+            else:
+                reservation = await run_in_threadpool(
+                    lambda: limiter.reserve(identity, request_windows, cost=1,
+                                            token_windows=token_windows, tokens=tokens))
+        except RateLimiterError as exc:
+            self._unavailable(identity, exc)
+            return
+        if not reservation.allowed:
+            self._refuse(request, windows, token_windows, reservation, tokens)
+        ledger = _ledger_of(request)
+        ledger.entries.append((limiter, self._is_async, reservation))
+        requests_state = _tightest(reservation.windows, "requests")
+        if counted is None and requests_state is not None and requests_state.remaining is not None:
+            decision = (True, requests_state.remaining, 0, requests_state.window_seconds)
+            self._remember(request, identity, windows, decision)
+            _record_allowed(request, response, requests_state.limit, requests_state.remaining,
+                            requests_state.window_seconds)
+        elif counted is not None:
+            _, remaining, _, window_seconds = counted
+            limit = next(lim for lim, seconds in windows if seconds == window_seconds)
+            requests_state = WindowState(limit, window_seconds, "requests", remaining)
+        tokens_state = _tightest(reservation.windows, "tokens")
+        extra = rate_limit_headers(*(
+            ResourceHeaders(state.resource, state.limit, state.remaining, state.window_seconds * 1000)
+            for state in (requests_state, tokens_state) if state is not None))
+        decision_record = request.scope.get(_SCOPE_KEY)
+        if isinstance(decision_record, _AllowedDecision):
+            decision_record.extra = extra
+        for name, value in extra:
+            response.headers[name] = value
+
+    def _refuse_if_too_large(self, request: Request, windows: Windows, token_windows: Windows,
+                             tokens: int) -> None:
+        """The 429 of an estimate no wait can make fit (above a token window's limit)."""
+        limit, window_seconds = min(token_windows)
+        if tokens <= limit:
+            return
+        body = too_large_error_body("tokens", window_seconds, limit, tokens)
+        _ledger_of(request).refusal_body = body
+        headers = {
+            "X-RateLimit-Limit": str(limit),
+            "X-RateLimit-Window": window_name(window_seconds),
+            "X-RateLimit-Resource": "tokens",
+            "x-should-retry": "false",
+            **dict(rate_limit_headers(
+                ResourceHeaders("requests", windows[0][0], None, None),
+                ResourceHeaders("tokens", limit, None, None))),
+        }
+        raise HTTPException(status_code=429, detail=body["detail"], headers=headers)
+
+    def _refuse(self, request: Request, windows: Windows, token_windows: Windows,
+                reservation: Reservation, tokens: int) -> None:
+        """The 429 of a reservation refused by one of its windows: retry later."""
+        resource, window_seconds = reservation.resource, reservation.window_seconds
+        budget = token_windows if resource == "tokens" else windows
+        limit = next(lim for lim, seconds in budget if seconds == window_seconds)
+        retry_ms = reservation.retry_after_s * 1000
+        states = []
+        resources: tuple[tuple[Resource, Windows], ...] = (("requests", windows), ("tokens", token_windows))
+        for name, resource_windows in resources:
+            if name == resource:
+                states.append(ResourceHeaders(name, limit, 0, retry_ms))
+                continue
+            state = _tightest(reservation.windows, name)
+            states.append(ResourceHeaders(name, state.limit, state.remaining, retry_ms) if state is not None
+                          else ResourceHeaders(name, resource_windows[0][0], None, retry_ms))
+        _ledger_of(request).refusal_body = rate_limit_error_body(
+            "Rate limit exceeded", resource, window_seconds, limit,
+            tokens if resource == "tokens" else 1, reservation.retry_after_s)
+        headers = {
+            **dict(retry_headers(reservation.retry_after_s)),
+            "X-RateLimit-Limit": str(limit),
+            "X-RateLimit-Remaining": "0",
+            "X-RateLimit-Window": window_name(window_seconds),
+            "X-RateLimit-Resource": resource,
+            **dict(rate_limit_headers(*states)),
+        }
+        raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
+
+
+def _ledger_of(request: Request) -> _TokenLedger:
+    """This request's token ledger: the middleware's, else one made here (then nothing reads
+    the response: only record_usage reconciles, and a warning says so once)."""
+    global _warned_no_token_middleware
+    ledger = request.scope.get(_TOKENS_KEY)
+    if isinstance(ledger, _TokenLedger):
+        return ledger
+    ledger = _TokenLedger(middleware=False)
+    request.scope[_TOKENS_KEY] = ledger
+    if not _warned_no_token_middleware:
+        _warned_no_token_middleware = True
+        logger.warning(
+            "RateLimitHeadersMiddleware is not installed: TokenRateLimit reservations are "
+            "reconciled only by record_usage(request, tokens), not from the responses' usage, "
+            "and its 429 bodies lack the OpenAI-style error object. Add "
+            "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware).")
+    return ledger
+
+
+async def record_usage(request: Request, tokens: int) -> int:
+    """Reports what this request really spent: reconciles its TokenRateLimit reservation(s)
+    with `tokens` (lower refunds, higher charges, 0 removes the tokens entry), now, before
+    returning; then the response's own usage is not read. Call it at most once per request
+    (from the route, or from inside its streaming generator before the stream ends).
+
+    Returns the number of token windows whose entry was found (0 when nothing was reserved:
+    the kill switch, a fail-open, or the entry has left its windows). Raises RuntimeError when
+    no TokenRateLimit decided this request, or its usage was already recorded."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise TypeError(f"tokens must be an int, not {type(tokens).__name__}")
+    if tokens < 0:
+        raise ValueError(f"tokens must be >= 0, got {tokens}")
+    ledger = request.scope.get(_TOKENS_KEY)
+    if not isinstance(ledger, _TokenLedger) or not ledger.decided:
+        raise RuntimeError("record_usage: no TokenRateLimit decided this request "
+                           "(add Depends(TokenRateLimit(...)) to the route)")
+    if ledger.reported:
+        raise RuntimeError("record_usage: the usage of this request was already recorded "
+                           "(each request is reconciled once)")
+    ledger.reported = True
+    return await ledger.reconcile(tokens)
 
 
 rate_limit: RateLimit = RateLimit()

@@ -199,7 +199,8 @@ def test_sixth_free_request_gets_429_with_all_four_headers_over_http(http: httpx
     assert remaining == ["4", "3", "2", "1", "0"]
     response = chat(http, "free")
     assert response.status_code == 429
-    assert response.json() == {"detail": "Rate limit exceeded"}
+    assert response.json()["detail"] == "Rate limit exceeded"
+    assert response.json()["error"]["type"] == "requests"  # the example's TokenRateLimit
     assert all(name in response.headers for name in ALL_FOUR)
     assert 1 <= int(response.headers["Retry-After"]) <= 60
     assert (response.headers["X-RateLimit-Limit"], response.headers["X-RateLimit-Remaining"],

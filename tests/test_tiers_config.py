@@ -214,3 +214,93 @@ def test_file_budgets_use_the_same_keys_as_built_in_tiers(
     statuses(RateLimit(limiter=limiter), user_id, "pro", 1)
     assert sorted(redis_client.keys("*")) == [f"ratelimit:{user_id}:60".encode(),
                                               f"ratelimit:{user_id}:86400".encode()]
+
+
+# --- token budgets (TIER_TOKEN_LIMITS and the file's tokens_per_* keys) ----------------------
+
+WITH_TOKENS = {
+    "free": {"per_minute": 2, "per_day": 50, "tokens_per_minute": 300, "tokens_per_day": 3_000},
+    "pro": {"per_minute": 7, "per_day": 500},
+    "team": {"per_minute": 9, "per_day": 900},
+}
+
+
+def test_token_tier_defaults_are_valid_and_exported() -> None:
+    from genai_ratelimit import TIER_TOKEN_LIMITS
+    from genai_ratelimit._tiers_config import validate_token_limits
+
+    assert validate_token_limits(TIER_TOKEN_LIMITS) == TIER_TOKEN_LIMITS
+    assert set(TIER_TOKEN_LIMITS) == set(TIER_LIMITS)
+    assert TIER_TOKEN_LIMITS["free"] == {"per_minute": 10_000, "per_day": 100_000}
+
+
+def test_token_keys_in_the_file_leave_the_request_budgets_as_they_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter) -> None:
+    monkeypatch.setenv(TIERS_FILE_ENV, str(write(tmp_path, "tiers.json", json.dumps(WITH_TOKENS))))
+    assert RateLimit(limiter=limiter).tier_limits == {
+        tier: {"per_minute": budget["per_minute"], "per_day": budget["per_day"]}
+        for tier, budget in WITH_TOKENS.items()}
+
+
+def test_token_budgets_of_the_file_and_the_fallbacks_of_the_tiers_without_them(
+        tmp_path: Path) -> None:
+    from genai_ratelimit import TIER_TOKEN_LIMITS
+    from genai_ratelimit._tiers_config import tier_token_limits_from_env
+
+    toml = ("[free]\nper_minute = 2\nper_day = 50\ntokens_per_minute = 300\ntokens_per_day = 3000\n"
+            "[pro]\nper_minute = 7\nper_day = 500\n[team]\nper_minute = 9\nper_day = 900\n")
+    for path in (write(tmp_path, "tiers.json", json.dumps(WITH_TOKENS)), write(tmp_path, "tiers.toml", toml)):
+        assert tier_token_limits_from_env({TIERS_FILE_ENV: str(path)}) == {
+            "free": {"per_minute": 300, "per_day": 3_000},   # its own
+            "pro": TIER_TOKEN_LIMITS["pro"],                 # the built-in tier of that name
+            "team": {"per_minute": 300, "per_day": 3_000},   # unknown name: the file's free
+        }
+    assert tier_token_limits_from_env({}) is None
+    without = write(tmp_path, "plain.json", json.dumps(GOOD))
+    assert tier_token_limits_from_env({TIERS_FILE_ENV: str(without)}) == {
+        "free": TIER_TOKEN_LIMITS["free"], "pro": TIER_TOKEN_LIMITS["pro"]}
+
+
+TOKEN_MALFORMED = [
+    ('{"free": {"per_minute": 5, "per_day": 100, "tokens_per_minute": 0, "tokens_per_day": 10}}',
+     "tokens_per_minute must be an integer >= 1, got 0"),
+    ('{"free": {"per_minute": 5, "per_day": 100, "tokens_per_minute": 10, "tokens_per_day": 1.5}}',
+     "tokens_per_day must be an integer >= 1, got float 1.5"),
+    ('{"free": {"per_minute": 5, "per_day": 100, "tokens_per_minute": true, "tokens_per_day": 10}}',
+     "tokens_per_minute must be an integer >= 1, got bool True"),
+    ('{"free": {"per_minute": 5, "per_day": 100, "tokens_per_minute": 500, "tokens_per_day": 10}}',
+     "tokens_per_day (10) is smaller than tokens_per_minute (500)"),
+    ('{"free": {"per_minute": 5, "per_day": 100, "tokens_per_minute": 500}}',
+     "tokens_per_minute needs tokens_per_day too"),
+    ('{"free": {"per_minute": 5, "per_day": 100, "tokens_per_day": 500}}',
+     "tokens_per_day needs tokens_per_minute too"),
+    ('{"free": {"per_minute": 5, "per_day": 100, "tokens_per_minut": 5, "tokens_per_day": 500}}',
+     "unknown key(s) ['tokens_per_minut']"),
+]
+
+
+@pytest.mark.parametrize("text,problem", TOKEN_MALFORMED, ids=[f"t{i}" for i in range(len(TOKEN_MALFORMED))])
+def test_malformed_token_keys_fail_when_the_dependency_is_built(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter,
+        text: str, problem: str) -> None:
+    path = write(tmp_path, "tiers.json", text)
+    monkeypatch.setenv(TIERS_FILE_ENV, str(path))
+    with pytest.raises(TierConfigError) as caught:
+        RateLimit(limiter=limiter)
+    assert str(path) in str(caught.value)
+    assert problem in str(caught.value)
+
+
+@pytest.mark.parametrize("budgets,problem", [
+    ({"pro": {"per_minute": 5, "per_day": 10}}, "'free' tier is required"),
+    ({"free": {"per_minute": 5, "per_day": 10, "tokens_per_minute": 5, "tokens_per_day": 5}},
+     "unknown key(s) ['tokens_per_day', 'tokens_per_minute']"),
+    ({"free": {"per_minute": 50, "per_day": 10}}, "per_day (10) is smaller than per_minute (50)"),
+    ({"free": {"per_minute": 0, "per_day": 10}}, "per_minute must be an integer >= 1"),
+])
+def test_token_limits_are_validated_as_strictly_as_tier_limits(budgets: Any, problem: str) -> None:
+    from genai_ratelimit._tiers_config import validate_token_limits
+
+    with pytest.raises(TierConfigError) as caught:
+        validate_token_limits(budgets)
+    assert problem in str(caught.value)

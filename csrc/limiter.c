@@ -250,6 +250,14 @@ run(LimiterObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject 
     return decide(self, state_of(defining_class), user_id, &p);
 }
 
+/* Limiter_<name>: the METH_METHOD | METH_FASTCALL | METH_KEYWORDS method of one shape. */
+#define LIMITER_METHOD(name, shape)                                                                \
+    static PyObject *Limiter_##name(LimiterObject *self, PyTypeObject *defining_class,             \
+                                    PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)    \
+    {                                                                                              \
+        return run(self, defining_class, shape, args, nargs, kwnames);                             \
+    }
+
 PyDoc_STRVAR(Limiter_check_doc,
 "check($self, /, user_id, limit, window_seconds, *, cost=1)\n--\n\n"
 "-> (allowed, remaining, retry_after_s)\n\n"
@@ -257,12 +265,7 @@ PyDoc_STRVAR(Limiter_check_doc,
 "execution on Redis. The request costs `cost` units of the limit (1: one request). On\n"
 "allow the request is logged; a rejection writes nothing.");
 
-static PyObject *
-Limiter_check(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
-              Py_ssize_t nargs, PyObject *kwnames)
-{
-    return run(self, defining_class, RL_SHAPE_CHECK, args, nargs, kwnames);
-}
+LIMITER_METHOD(check, RL_SHAPE_CHECK)
 
 PyDoc_STRVAR(Limiter_check_windows_doc,
 "check_windows($self, /, user_id, windows, *, cost=1)\n--\n\n"
@@ -273,12 +276,7 @@ PyDoc_STRVAR(Limiter_check_windows_doc,
 "window, and window_seconds names the window with the fewest remaining (ties: the\n"
 "shorter); on reject it names the window that rejected.");
 
-static PyObject *
-Limiter_check_windows(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
-                      Py_ssize_t nargs, PyObject *kwnames)
-{
-    return run(self, defining_class, RL_SHAPE_WINDOWS, args, nargs, kwnames);
-}
+LIMITER_METHOD(check_windows, RL_SHAPE_WINDOWS)
 
 PyDoc_STRVAR(Limiter_reserve_doc,
 "_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
@@ -288,12 +286,7 @@ PyDoc_STRVAR(Limiter_reserve_doc,
 "One decision over request windows (charged `cost`) and token windows (charged `tokens`),\n"
 "all or nothing. RateLimiter.reserve wraps it in a Reservation.");
 
-static PyObject *
-Limiter_reserve(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
-                Py_ssize_t nargs, PyObject *kwnames)
-{
-    return run(self, defining_class, RL_SHAPE_RESERVE, args, nargs, kwnames);
-}
+LIMITER_METHOD(reserve, RL_SHAPE_RESERVE)
 
 PyDoc_STRVAR(Limiter_reconcile_doc,
 "_reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False)\n--\n\n"
@@ -301,12 +294,7 @@ PyDoc_STRVAR(Limiter_reconcile_doc,
 "Sets the cost of a reserved entry in every window where it is still present.\n"
 "RateLimiter.reconcile calls it with a Reservation's fields.");
 
-static PyObject *
-Limiter_reconcile(LimiterObject *self, PyTypeObject *defining_class, PyObject *const *args,
-                  Py_ssize_t nargs, PyObject *kwnames)
-{
-    return run(self, defining_class, RL_SHAPE_RECONCILE, args, nargs, kwnames);
-}
+LIMITER_METHOD(reconcile, RL_SHAPE_RECONCILE)
 
 PyDoc_STRVAR(Limiter_close_doc,
 "close($self, /)\n--\n\nCloses every idle connection; connections in use close when their call ends.\n"

@@ -209,6 +209,7 @@ lint: install
 	echo "--- ruff check"; $(VENV)/bin/ruff check --output-format concise || status=1; \
 	echo "--- clang-format"; clang-format --dry-run --Werror $(LINT_C_SOURCES) || status=1; \
 	echo "--- mypy --strict"; $(PY) -m mypy --strict || status=1; \
+	echo "--- hadolint examples/Dockerfile"; $(VENV)/bin/hadolint --no-color examples/Dockerfile || status=1; \
 	echo "--- stubtest genai_ratelimit._native"; mkdir -p build/stubtest && \
 	  (cd build/stubtest && $(abspath $(PY)) -m mypy.stubtest \
 	    --mypy-config-file $(CURDIR)/pyproject.toml genai_ratelimit._native) || status=1; \

@@ -36,6 +36,8 @@ import genai_ratelimit
 from debian_root import DebianRoot
 from helpers_dockerfile import dockerfile_instructions
 from redis_server import free_port
+from test_tls import _tls_server as tls_redis_server
+from test_tls import certificates  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.wheel
 
@@ -146,6 +148,43 @@ def test_wheel_installs_and_checks_in_a_debian_root_without_compiler_or_dev_pack
             f"{library} is not loaded from the wheel: {line}"
     assert "from: /opt/venv/lib/python3.11/site-packages/genai_ratelimit/" in out
 
+
+TLS_CHECKS = """import os, sys, genai_ratelimit as g
+url, user = sys.argv[1], sys.argv[2]
+for label, query, cert_file in (("ssl_ca_certs", "?ssl_ca_certs=/mnt/ca.crt", None),
+                                ("system store", "", None),
+                                ("SSL_CERT_FILE", "", "/mnt/ca.crt")):
+    if cert_file:
+        os.environ["SSL_CERT_FILE"] = cert_file
+    try:
+        print(label, "->", g.RateLimiter(url + query).check(user + label, 2, 60))
+    except g.RateLimiterError as error:
+        print(label, "->", type(error).__name__, error)
+"""
+
+
+def test_the_bundled_openssl_verifies_redis_over_tls_in_the_debian_root(
+        dist: Dist, tmp_path: Path, certificates: Path, user_id: str) -> None:
+    """The blocking limiter's TLS is the wheel's own OpenSSL: it verifies with the CA file
+    given, refuses a server that the root's CA store does not know, and honours SSL_CERT_FILE
+    (the README's advice where the system's CAs are not where Debian keeps them)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(dist.wheel, work)
+    shutil.copy(certificates / "ca.crt", work)
+    (work / "tls_checks.py").write_text(TLS_CHECKS)
+    server = tls_redis_server(certificates)
+    try:
+        out = in_root(dist, "the wheel's OpenSSL against a TLS redis-server", f"""
+            python3 -m venv /opt/venv
+            /opt/venv/bin/pip install --no-index /mnt/{dist.wheel.name}
+            /opt/venv/bin/python /mnt/tls_checks.py rediss://127.0.0.1:{server.tls_port}/0 {user_id}
+            """, work)
+    finally:
+        server.close()
+    assert "ssl_ca_certs -> (True, 1, 0)" in out
+    assert re.search(r"system store -> RateLimiterUnavailable .*certificate", out, re.IGNORECASE), out
+    assert "SSL_CERT_FILE -> (True, 1, 0)" in out
 
 def replay_dockerfile(path: Path, port: int) -> tuple[str, list[str]]:
     """A shell script that does in the Debian root what `docker build` + `docker run` of the

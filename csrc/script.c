@@ -270,7 +270,7 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
 {
     const rl_windows *w = &d->windows;
     int nwindows = w->count;
-    long long v[5], retry_ms;
+    long long v[5] = {0, 0, 0, 0, 0}, retry_ms = 0;
     const redisReply *each;
     if (reply->type == REDIS_REPLY_ERROR) {
         if (rl_reply_is_error(reply, "NOAUTH") || rl_reply_is_error(reply, "WRONGPASS"))
@@ -321,7 +321,7 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
                             "expected an array of %zu integers",
                             each ? rl_reply_type_name(each->type) : "missing", evaluated);
     for (size_t i = 0; i < evaluated; i++) {
-        long long r;
+        long long r = 0;
         if (integer_at(each, i, &r, err) != RL_OK)
             return err->kind;
         if (r < 0 || r >= w->limit[i] + (allowed ? 0 : 1) || (allowed && r < remaining))

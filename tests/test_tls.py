@@ -73,8 +73,9 @@ def tls_server(certificates: Path) -> Iterator[RedisServer]:
 
 def _run(make_limiter: LimiterFactory, url: str, user: str, calls: int = 3) -> list[Any]:
     """Makes `calls` checks with a limit of 2 per minute through a fresh limiter of the kind
-    under test, closed right after."""
-    with make_limiter(url, connect_timeout=2, socket_timeout=2) as limiter:
+    under test, closed right after. Timeouts are generous: these tests are about certificates,
+    and a TLS handshake on a loaded 2-core machine has been seen to take over 2 s."""
+    with make_limiter(url, connect_timeout=10, socket_timeout=10) as limiter:
         return [limiter.check(user, 2, 60) for _ in range(calls)]
 
 

@@ -1,5 +1,6 @@
-"""FastAPI integration: a dependency that decides each request in one `check_windows` call
-(minute, then day) and answers 429 with the headers clients expect.
+"""FastAPI integration: a dependency that decides each request in one script execution
+(minute, then day) and answers 429 with the headers and body clients expect (the OpenAI or
+Anthropic SDKs' shapes, or the contract's plain one: `error_format`).
 
     from fastapi import Depends, FastAPI
     from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, rate_limit
@@ -391,6 +392,24 @@ class RateLimit:
                    {prefix}:ns:{namespace}:{identity}:{window}, and every RateLimit naming it
                    draws on one budget. None: no namespace for the default budget (TIER_LIMITS
                    or the tiers file: the contract's keys), "budget-<digest>" for any other.
+
+    Keyword-only (see genai_ratelimit._openai_headers for the shapes):
+
+    error_format   "openai" (default): 429/503 bodies carry OpenAI's `error` object beside the
+                   contract's `detail`, responses OpenAI's x-ratelimit-*-requests headers;
+                   "anthropic": Anthropic's {"type": "error", "error": {...}} and its
+                   anthropic-ratelimit-* headers; "plain": the contract's body and headers only.
+                   The bodies need RateLimitHeadersMiddleware (without it: {"detail": ...}).
+    max_client_wait_seconds
+                   a 429 whose wait is longer says x-should-retry: false (the SDKs then give
+                   up at once instead of sleeping); true otherwise. Default 300.
+    unavailable_log_interval
+                   at most one warning per this many seconds while Redis is unavailable, with
+                   the count of requests it covers. Default 60.
+    log_user_ids   False: that warning names no user.
+
+    The decision is one `reserve` call when the limiter has one (the same script, keys and
+    answer as check_windows, plus the exact wait for retry-after-ms), else `check_windows`.
 
     An async limiter (the default) gives an instance of a subclass whose __call__ is async,
     awaited on the event loop; a blocking limiter gives an instance whose __call__ is a plain

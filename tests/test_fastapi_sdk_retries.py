@@ -187,7 +187,8 @@ def error_object(error: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def api_key(redis_client: redis.Redis, request: pytest.FixtureRequest) -> str:
+def api_key(redis_client: redis.Redis) -> str:
+    """A fresh user (the API key is the user id), on a Redis database flushed for this test."""
     return f"key-{os.urandom(6).hex()}"
 
 
@@ -312,3 +313,34 @@ def test_clients_that_pace_on_remaining_and_reset_are_never_refused(
         thread.join(150)
     assert not errors, errors
     assert results == {name: [200] * 8 for name in FORMATS}
+
+
+@pytest.fixture(scope="module")
+def server_without_redis() -> Iterator[Server]:
+    served = Server(f"redis://127.0.0.1:{free_port()}/0")  # a closed port: Redis is down
+    served.start()
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+@pytest.mark.parametrize("error_format", FORMATS)
+def test_the_sdks_503_error_carries_our_message_when_redis_is_down(
+        server_without_redis: Server, error_format: str) -> None:
+    attempts = Attempts()
+    sdk = make_sdk(error_format, server_without_redis, "key-down", attempts, max_retries=0)
+    error_type = openai.InternalServerError if error_format == "openai" else anthropic.InternalServerError
+    with pytest.raises(error_type) as caught:
+        call(error_format, sdk)
+    sdk.close()
+    error: Any = caught.value
+    assert error.status_code == 503
+    assert error.response.headers["retry-after"] == "1"
+    assert error.response.headers["x-should-retry"] == "true"
+    payload = error_object(error)
+    assert "rate limiter is temporarily unavailable" in payload["message"]
+    if error_format == "openai":
+        assert (error.code, error.type) == ("service_unavailable", "server_error")
+    else:
+        assert payload["type"] == "overloaded_error"

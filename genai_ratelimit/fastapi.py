@@ -599,7 +599,7 @@ class RateLimit:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
         user_id, windows = self._subject(request)
         decision = self._already_counted(request, user_id, windows)
-        retry_after_ms, now_ms = 0, _now_ms()
+        retry_after_ms, now_ms = (decision[2] * 1000 if decision is not None else 0), _now_ms()
         if decision is None:
             limiter = self.limiter
             try:
@@ -623,7 +623,7 @@ class _AsyncRateLimit(RateLimit):
     async def __call__(self, request: Request, response: Response) -> None:
         user_id, windows = self._subject(request)
         decision = self._already_counted(request, user_id, windows)
-        retry_after_ms, now_ms = 0, _now_ms()
+        retry_after_ms, now_ms = (decision[2] * 1000 if decision is not None else 0), _now_ms()
         if decision is None:
             limiter = self.limiter
             try:

@@ -1,5 +1,6 @@
-"""FastAPI integration: a dependency that decides each request in one `check_windows` call
-(minute, then day) and answers 429 with the headers clients expect.
+"""FastAPI integration: a dependency that decides each request in one script execution
+(minute, then day) and answers 429 with the headers and body clients expect (the OpenAI or
+Anthropic SDKs' shapes, or the contract's plain one: `error_format`).
 
     from fastapi import Depends, FastAPI
     from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, rate_limit
@@ -62,6 +63,7 @@ import json
 import logging
 import re
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
@@ -75,9 +77,13 @@ except ImportError as exc:  # the core package works without FastAPI; this modul
 
 from . import RateLimiterError
 from ._openai_headers import (
+    ERROR_FORMATS,
+    UNAVAILABLE_MESSAGE,
+    ErrorFormat,
     ResourceHeaders,
-    rate_limit_error_body,
-    rate_limit_headers,
+    error_body,
+    family_headers,
+    refusal_message,
     retry_headers,
     too_large_error_body,
 )
@@ -309,7 +315,7 @@ class RateLimitHeadersMiddleware:
                     headers += [(name.encode("latin-1"), value.encode("latin-1"))
                                 for name, value in extra if name.encode("latin-1") not in present]
                     message = {**message, "headers": headers}
-                if ledger.refusal_body is not None and message["status"] == 429:
+                if ledger.refusal_body is not None and message["status"] in (429, 503):
                     body = json.dumps(ledger.refusal_body).encode()
                     headers = [(name, value) for name, value in headers
                                if bytes(name).lower() not in (b"content-length", b"content-type")]
@@ -387,6 +393,24 @@ class RateLimit:
                    draws on one budget. None: no namespace for the default budget (TIER_LIMITS
                    or the tiers file: the contract's keys), "budget-<digest>" for any other.
 
+    Keyword-only (see genai_ratelimit._openai_headers for the shapes):
+
+    error_format   "openai" (default): 429/503 bodies carry OpenAI's `error` object beside the
+                   contract's `detail`, responses OpenAI's x-ratelimit-*-requests headers;
+                   "anthropic": Anthropic's {"type": "error", "error": {...}} and its
+                   anthropic-ratelimit-* headers; "plain": the contract's body and headers only.
+                   The bodies need RateLimitHeadersMiddleware (without it: {"detail": ...}).
+    max_client_wait_seconds
+                   a 429 whose wait is longer says x-should-retry: false (the SDKs then give
+                   up at once instead of sleeping); true otherwise. Default 300.
+    unavailable_log_interval
+                   at most one warning per this many seconds while Redis is unavailable, with
+                   the count of requests it covers. Default 60.
+    log_user_ids   False: that warning names no user.
+
+    The decision is one `reserve` call when the limiter has one (the same script, keys and
+    answer as check_windows, plus the exact wait for retry-after-ms), else `check_windows`.
+
     An async limiter (the default) gives an instance of a subclass whose __call__ is async,
     awaited on the event loop; a blocking limiter gives an instance whose __call__ is a plain
     def (FastAPI's threadpool).
@@ -405,7 +429,29 @@ class RateLimit:
         identify: Identify | None = None,
         on_unavailable: OnUnavailable = "deny",
         namespace: str | None = None,
+        *,
+        error_format: ErrorFormat = "openai",
+        max_client_wait_seconds: float = 300.0,
+        unavailable_log_interval: float = 60.0,
+        log_user_ids: bool = True,
     ) -> None:
+        if error_format not in ERROR_FORMATS:
+            raise ValueError(f"error_format must be 'openai', 'anthropic' or 'plain', got {error_format!r}")
+        for name, number in (("max_client_wait_seconds", max_client_wait_seconds),
+                             ("unavailable_log_interval", unavailable_log_interval)):
+            if isinstance(number, bool) or not isinstance(number, (int, float)):
+                raise TypeError(f"{name} must be a number of seconds, not {type(number).__name__}")
+            if not number >= 0:
+                raise ValueError(f"{name} must be >= 0, got {number!r}")
+        if not isinstance(log_user_ids, bool):
+            raise TypeError(f"log_user_ids must be a bool, not {type(log_user_ids).__name__}")
+        self.error_format: ErrorFormat = error_format
+        self.max_client_wait_seconds = float(max_client_wait_seconds)
+        self.unavailable_log_interval = float(unavailable_log_interval)
+        self.log_user_ids = log_user_ids
+        self._unavailable_lock = threading.Lock()
+        self._unavailable_pending = 0  # requests refused or let through since the last log line
+        self._unavailable_logged_at: float | None = None  # time.monotonic() of that line
         if namespace is not None:
             if not isinstance(namespace, str):
                 raise TypeError(f"namespace must be a str or None, not {type(namespace).__name__}")
@@ -488,48 +534,87 @@ class RateLimit:
     def _remember(self, request: Request, identity: str, windows: Windows, decision: Decision) -> None:
         request.scope.setdefault(_COUNTED_KEY, {})[self._counted_key(identity, windows)] = decision
 
-    def _apply(self, request: Request, response: Response, windows: Windows, decision: Decision) -> None:
+    def _apply(self, request: Request, response: Response, windows: Windows, decision: Decision,
+               retry_after_ms: int, now_ms: int) -> None:
         """Raises the 429, or records the allowed decision's headers."""
         allowed, remaining, retry_after_s, window_seconds = decision
         limit = next((lim for lim, seconds in windows if seconds == window_seconds), windows[0][0])
         if not allowed:
-            raise HTTPException(
-                status_code=429,
-                detail="Rate limit exceeded",
-                headers={
-                    "Retry-After": str(retry_after_s),
-                    "X-RateLimit-Limit": str(limit),
-                    "X-RateLimit-Remaining": "0",
-                    "X-RateLimit-Window": window_name(window_seconds),
-                },
-            )
+            _set_refusal_body(request, error_body(
+                self.error_format, 429, "Rate limit exceeded",
+                refusal_message("requests", window_seconds, limit, 1, retry_after_ms), "requests"))
+            headers = {
+                **dict(retry_headers(retry_after_s, retry_after_ms, self.max_client_wait_seconds)),
+                "X-RateLimit-Limit": str(limit),
+                "X-RateLimit-Remaining": "0",
+                "X-RateLimit-Window": window_name(window_seconds),
+                **dict(family_headers(self.error_format, now_ms,
+                                      ResourceHeaders("requests", limit, 0, retry_after_ms))),
+            }
+            raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
         _record_allowed(request, response, limit, remaining, window_seconds)
+        # The tightest window is back to its full limit one window length from now (this
+        # request is its newest entry): the reset of the provider families' headers.
+        extra = family_headers(self.error_format, now_ms,
+                               ResourceHeaders("requests", limit, remaining, window_seconds * 1000))
+        _record_extra(request, response, extra)
 
-    def _unavailable(self, user_id: str, exc: RateLimiterError) -> None:
+    def _unavailable(self, request: Request, user_id: str, exc: RateLimiterError) -> None:
         """Redis could not decide: 503 (deny) or a logged pass (allow)."""
         if self.on_unavailable == "allow":
             with self._fail_open_lock:
                 self._fail_open_count += 1
                 count = self._fail_open_count
-            logger.warning("rate limiter unavailable, letting %r through (on_unavailable='allow', "
-                           "fail-open #%d): %s", user_id, count, exc)
+            self._log_unavailable(f"let through (on_unavailable='allow', fail-open #{count} in all)",
+                                  user_id, exc)
             return
-        logger.warning("rate limiter unavailable, answering 503 to %r: %s", user_id, exc)
+        self._log_unavailable("answered 503", user_id, exc)
+        _set_refusal_body(request, error_body(self.error_format, 503, "Rate limiter unavailable",
+                                              UNAVAILABLE_MESSAGE))
         raise HTTPException(status_code=503, detail="Rate limiter unavailable",
-                            headers={"Retry-After": "1"})
+                            headers={"Retry-After": "1", "x-should-retry": "true"})
+
+    def _log_unavailable(self, action: str, user_id: str, exc: RateLimiterError) -> None:
+        """One warning per unavailable_log_interval at most, counting the requests it covers
+        (an outage must not flood the log with one line per request)."""
+        with self._unavailable_lock:
+            self._unavailable_pending += 1
+            now = time.monotonic()
+            last = self._unavailable_logged_at
+            if last is not None and now - last < self.unavailable_log_interval:
+                return
+            count, self._unavailable_pending, self._unavailable_logged_at = \
+                self._unavailable_pending, 0, now
+        latest = f", the latest for {user_id!r}" if self.log_user_ids else ""
+        logger.warning("rate limiter unavailable: %d request(s) %s since the last report%s "
+                       "(next report in %gs at the earliest): %s",
+                       count, action, latest, self.unavailable_log_interval, exc)
+
+    def _reserve_decision(self, reservation: Reservation) -> tuple[Decision, int, int]:
+        decision = (reservation.allowed, reservation.remaining, reservation.retry_after_s,
+                    reservation.window_seconds)
+        return decision, reservation.retry_after_ms, reservation.timestamp_ms or _now_ms()
 
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
         user_id, windows = self._subject(request)
         decision = self._already_counted(request, user_id, windows)
+        retry_after_ms, now_ms = (decision[2] * 1000 if decision is not None else 0), _now_ms()
         if decision is None:
+            limiter = self.limiter
             try:
-                decision = self.limiter.check_windows(user_id, windows)
+                if callable(getattr(limiter, "reserve", None)):
+                    # reserve: the same script and keys as check_windows, plus the exact wait.
+                    decision, retry_after_ms, now_ms = self._reserve_decision(
+                        limiter.reserve(user_id, windows))
+                else:
+                    decision = limiter.check_windows(user_id, windows)
+                    retry_after_ms = decision[2] * 1000
             except RateLimiterError as exc:
-                self._unavailable(user_id, exc)
+                self._unavailable(request, user_id, exc)
                 return
             self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision)
+        self._apply(request, response, windows, decision, retry_after_ms, now_ms)
 
 
 class _AsyncRateLimit(RateLimit):
@@ -538,14 +623,43 @@ class _AsyncRateLimit(RateLimit):
     async def __call__(self, request: Request, response: Response) -> None:
         user_id, windows = self._subject(request)
         decision = self._already_counted(request, user_id, windows)
+        retry_after_ms, now_ms = (decision[2] * 1000 if decision is not None else 0), _now_ms()
         if decision is None:
+            limiter = self.limiter
             try:
-                decision = await self.limiter.check_windows(user_id, windows)
+                if callable(getattr(limiter, "reserve", None)):
+                    decision, retry_after_ms, now_ms = self._reserve_decision(
+                        await limiter.reserve(user_id, windows))
+                else:
+                    decision = await limiter.check_windows(user_id, windows)
+                    retry_after_ms = decision[2] * 1000
             except RateLimiterError as exc:
-                self._unavailable(user_id, exc)
+                self._unavailable(request, user_id, exc)
                 return
             self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision)
+        self._apply(request, response, windows, decision, retry_after_ms, now_ms)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _set_refusal_body(request: Request, body: dict[str, Any]) -> None:
+    """Gives this request's 429/503 the body of the chosen error format. The middleware
+    writes it (an HTTPException's own body is {"detail": ...}); without the middleware the
+    response keeps that plain body."""
+    ledger = request.scope.get(_TOKENS_KEY)
+    if isinstance(ledger, _TokenLedger):
+        ledger.refusal_body = body
+
+
+def _record_extra(request: Request, response: Response, extra: list[tuple[str, str]]) -> None:
+    """The provider family's headers of an allowed decision, on every response type."""
+    decision_record = request.scope.get(_SCOPE_KEY)
+    if isinstance(decision_record, _AllowedDecision):
+        decision_record.extra = extra
+    for name, value in extra:
+        response.headers[name] = value
 
 
 # --- token budgets: reserve before the route, reconcile after the response -----------------
@@ -627,6 +741,10 @@ class TokenRateLimit(RateLimit):
         token_limits: Mapping[str, Mapping[str, int]] | None = None,
         estimate: Estimate | None = None,
         default_max_tokens: int | Mapping[str, int] = DEFAULT_MAX_TOKENS,
+        error_format: ErrorFormat = "openai",
+        max_client_wait_seconds: float = 300.0,
+        unavailable_log_interval: float = 60.0,
+        log_user_ids: bool = True,
     ) -> None:
         if limiter is not None and not callable(getattr(limiter, "reserve", None)):
             raise TypeError(f"limiter must be a RateLimiter or AsyncRateLimiter with reserve(), "
@@ -641,7 +759,9 @@ class TokenRateLimit(RateLimit):
         else:
             fallback = self._positive("default_max_tokens", default_max_tokens)
         self._default_max_fallback = fallback
-        super().__init__(limiter, tier_limits, identify, on_unavailable, namespace)
+        super().__init__(limiter, tier_limits, identify, on_unavailable, namespace,
+                         error_format=error_format, max_client_wait_seconds=max_client_wait_seconds,
+                         unavailable_log_interval=unavailable_log_interval, log_user_ids=log_user_ids)
         default_tokens = token_limits is None
         if token_limits is None:
             token_limits = tier_token_limits_from_env() or TIER_TOKEN_LIMITS
@@ -700,7 +820,7 @@ class TokenRateLimit(RateLimit):
                     lambda: limiter.reserve(identity, request_windows, cost=1,
                                             token_windows=token_windows, tokens=tokens))
         except RateLimiterError as exc:
-            self._unavailable(identity, exc)
+            self._unavailable(request, identity, exc)
             return
         if not reservation.allowed:
             self._refuse(request, windows, token_windows, reservation, tokens)
@@ -717,14 +837,10 @@ class TokenRateLimit(RateLimit):
             limit = next(lim for lim, seconds in windows if seconds == window_seconds)
             requests_state = WindowState(limit, window_seconds, "requests", remaining)
         tokens_state = _tightest(reservation.windows, "tokens")
-        extra = rate_limit_headers(*(
+        extra = family_headers(self.error_format, reservation.timestamp_ms or _now_ms(), *(
             ResourceHeaders(state.resource, state.limit, state.remaining, state.window_seconds * 1000)
             for state in (requests_state, tokens_state) if state is not None))
-        decision_record = request.scope.get(_SCOPE_KEY)
-        if isinstance(decision_record, _AllowedDecision):
-            decision_record.extra = extra
-        for name, value in extra:
-            response.headers[name] = value
+        _record_extra(request, response, extra)
 
     def _refuse_if_too_large(self, request: Request, windows: Windows, token_windows: Windows,
                              tokens: int) -> None:
@@ -732,14 +848,15 @@ class TokenRateLimit(RateLimit):
         limit, window_seconds = min(token_windows)
         if tokens <= limit:
             return
-        body = too_large_error_body("tokens", window_seconds, limit, tokens)
+        body = too_large_error_body(self.error_format, "tokens", window_seconds, limit, tokens)
         _ledger_of(request).refusal_body = body
         headers = {
             "X-RateLimit-Limit": str(limit),
             "X-RateLimit-Window": window_name(window_seconds),
             "X-RateLimit-Resource": "tokens",
             "x-should-retry": "false",
-            **dict(rate_limit_headers(
+            **dict(family_headers(
+                self.error_format, _now_ms(),
                 ResourceHeaders("requests", windows[0][0], None, None),
                 ResourceHeaders("tokens", limit, None, None))),
         }
@@ -751,7 +868,7 @@ class TokenRateLimit(RateLimit):
         resource, window_seconds = reservation.resource, reservation.window_seconds
         budget = token_windows if resource == "tokens" else windows
         limit = next(lim for lim, seconds in budget if seconds == window_seconds)
-        retry_ms = reservation.retry_after_s * 1000
+        retry_ms = reservation.retry_after_ms
         states = []
         resources: tuple[tuple[Resource, Windows], ...] = (("requests", windows), ("tokens", token_windows))
         for name, resource_windows in resources:
@@ -761,16 +878,17 @@ class TokenRateLimit(RateLimit):
             state = _tightest(reservation.windows, name)
             states.append(ResourceHeaders(name, state.limit, state.remaining, retry_ms) if state is not None
                           else ResourceHeaders(name, resource_windows[0][0], None, retry_ms))
-        _ledger_of(request).refusal_body = rate_limit_error_body(
-            "Rate limit exceeded", resource, window_seconds, limit,
-            tokens if resource == "tokens" else 1, reservation.retry_after_s)
+        _ledger_of(request).refusal_body = error_body(
+            self.error_format, 429, "Rate limit exceeded",
+            refusal_message(resource, window_seconds, limit, tokens if resource == "tokens" else 1,
+                            retry_ms), resource)
         headers = {
-            **dict(retry_headers(reservation.retry_after_s)),
+            **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
             "X-RateLimit-Limit": str(limit),
             "X-RateLimit-Remaining": "0",
             "X-RateLimit-Window": window_name(window_seconds),
             "X-RateLimit-Resource": resource,
-            **dict(rate_limit_headers(*states)),
+            **dict(family_headers(self.error_format, reservation.timestamp_ms or _now_ms(), *states)),
         }
         raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
 

@@ -351,7 +351,7 @@ def test_redis_down_answers_503_with_retry_after_1_over_http(limiter_kind: str) 
             for stream in (True, False):
                 response = chat(client, "pro", stream=stream)
                 assert response.status_code == 503
-                assert response.json() == {"detail": "Rate limiter unavailable"}
+                assert response.json()["detail"] == "Rate limiter unavailable"
                 assert response.headers["Retry-After"] == "1"
             assert client.get("/healthz").status_code == 200
     finally:

@@ -15,7 +15,8 @@ import redis
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 # The sections whose ```python blocks are complete programs.
-SECTIONS = ["## Use", "### Weights, tokens, reserve → reconcile"]
+SECTIONS = ["## Use", "### Weights, tokens, reserve → reconcile",
+            "### Error formats, provider headers and retry hints"]
 
 
 def python_blocks(heading: str) -> list[str]:

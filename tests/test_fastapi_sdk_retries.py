@@ -1,0 +1,346 @@
+"""The real `openai` and `anthropic` SDKs, with their default retries, as clients of a real
+uvicorn serving a RateLimit in each error format:
+
+- the SDK's error object carries our message, type and code;
+- a refusal that frees in about 2 s: the SDK sleeps what retry-after-ms says (within 50 ms
+  of the exact wait the script computed) and its retry succeeds;
+- a day-window refusal (x-should-retry: false): both SDKs give up at once;
+- a client that reads remaining + reset on allowed responses paces itself and is never
+  refused (slow: it waits out one minute window).
+
+The time of each attempt is taken by the SDK's own HTTP client (event hooks): the wait is
+from the refused response's arrival to the retry's sending."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+import redis
+
+from redis_server import free_port
+from test_fastapi import prefill, server_now_ms
+
+APP = '''
+import os
+from fastapi import Depends, FastAPI, Request
+from genai_ratelimit import AsyncRateLimiter
+from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware
+
+
+def identify(request: Request):
+    """Stands in for an app's auth: the API key the SDK sends is the user id."""
+    key = request.headers.get("x-api-key") or request.headers.get("authorization", "")
+    return key.removeprefix("Bearer "), "free"
+
+
+limiter = AsyncRateLimiter(os.environ["REDIS_URL"])
+app = FastAPI()
+app.add_middleware(RateLimitHeadersMiddleware)
+
+
+@app.post("/openai/v1/chat/completions",
+          dependencies=[Depends(RateLimit(limiter, identify=identify, error_format="openai"))])
+async def chat():
+    return {"id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "demo-1",
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "ok"}}]}
+
+
+@app.post("/anthropic/v1/messages",
+          dependencies=[Depends(RateLimit(limiter, identify=identify, error_format="anthropic"))])
+async def messages():
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "demo-1",
+            "content": [{"type": "text", "text": "ok"}], "stop_reason": "end_turn",
+            "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
+
+
+@app.get("/healthz")
+async def healthz():
+    return {"ok": True}
+'''
+
+FORMATS = ("openai", "anthropic")
+MESSAGES = [{"role": "user", "content": "hello"}]
+
+
+class Server:
+    """APP under `python -m uvicorn` on a free loopback port, from a temporary directory."""
+
+    def __init__(self, redis_url: str) -> None:
+        self.directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-sdk-"))
+        (self.directory / "sdk_app.py").write_text(APP, encoding="utf-8")
+        self.log_path = self.directory / "uvicorn.log"
+        self.env = {**os.environ, "REDIS_URL": redis_url, "GENAI_RATELIMIT_TIERS": "",
+                    "RATE_LIMIT_DISABLED": ""}
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> None:
+        for _ in range(5):  # the free port may be taken before uvicorn binds it: try another
+            self.port = free_port()
+            with open(self.log_path, "wb") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "uvicorn", "sdk_app:app", "--app-dir", str(self.directory),
+                     "--host", "127.0.0.1", "--port", str(self.port), "--no-access-log",
+                     "--log-level", "warning"],
+                    cwd=self.directory, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and self.process.poll() is None:
+                try:
+                    if httpx.get(self.base_url + "/healthz", timeout=1.0).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)  # readiness polling until /healthz answers, exits, or the deadline
+            self.stop()
+            if "address already in use" not in self.log().lower():
+                break
+        raise RuntimeError(f"uvicorn did not start:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(redis_url: str) -> Iterator[Server]:
+    served = Server(redis_url)
+    served.start()
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+class Attempts:
+    """What the SDK's HTTP client saw: each request's send time, each response's arrival
+    time, status and headers (time.monotonic())."""
+
+    def __init__(self) -> None:
+        self.sent: list[float] = []
+        self.answered: list[tuple[float, int, dict[str, str]]] = []
+
+    def on_request(self, request: Any) -> None:
+        self.sent.append(time.monotonic())
+
+    def on_response(self, response: Any) -> None:
+        self.answered.append((time.monotonic(), response.status_code, dict(response.headers)))
+
+    def hooks(self) -> dict[str, list[Any]]:
+        return {"request": [self.on_request], "response": [self.on_response]}
+
+
+def make_sdk(error_format: str, server: Server, api_key: str, attempts: Attempts,
+             max_retries: int | None = None) -> Any:
+    options: dict[str, Any] = {"api_key": api_key, "timeout": 10.0}
+    if max_retries is not None:
+        options["max_retries"] = max_retries
+    if error_format == "openai":
+        return openai.OpenAI(base_url=server.base_url + "/openai/v1",
+                             http_client=openai.DefaultHttpxClient(event_hooks=attempts.hooks()), **options)
+    return anthropic.Anthropic(base_url=server.base_url + "/anthropic",
+                               http_client=anthropic.DefaultHttpxClient(event_hooks=attempts.hooks()),
+                               **options)
+
+
+def call(error_format: str, sdk: Any) -> Any:
+    """One request through the SDK; returns the raw response (headers and parsed body)."""
+    if error_format == "openai":
+        return sdk.chat.completions.with_raw_response.create(model="demo-1", messages=MESSAGES)
+    return sdk.messages.with_raw_response.create(model="demo-1", max_tokens=16, messages=MESSAGES)
+
+
+def rate_limit_error(error_format: str) -> type[Exception]:
+    return openai.RateLimitError if error_format == "openai" else anthropic.RateLimitError
+
+
+def error_object(error: Any) -> dict[str, Any]:
+    """Our error object as the SDK keeps it: openai's .body is the `error` object itself,
+    anthropic's the whole body."""
+    body: dict[str, Any] = error.body
+    return body["error"] if "error" in body else body
+
+
+@pytest.fixture
+def api_key(redis_client: redis.Redis) -> str:
+    """A fresh user (the API key is the user id), on a Redis database flushed for this test."""
+    return f"key-{os.urandom(6).hex()}"
+
+
+@pytest.mark.parametrize("error_format", FORMATS)
+def test_the_sdks_error_carries_our_message_and_code(
+        server: Server, redis_client: redis.Redis, api_key: str, error_format: str) -> None:
+    attempts = Attempts()
+    sdk = make_sdk(error_format, server, api_key, attempts, max_retries=0)
+    for _ in range(5):
+        call(error_format, sdk)
+    with pytest.raises(rate_limit_error(error_format)) as caught:
+        call(error_format, sdk)
+    sdk.close()
+    error: Any = caught.value
+    message = error_object(error)["message"]
+    assert message.startswith("Rate limit reached on requests per min (RPM): Limit 5, Requested 1. "
+                              "Please try again in ")
+    assert message in str(error)
+    if error_format == "openai":
+        assert (error.code, error.type) == ("rate_limit_exceeded", "requests")
+    else:
+        assert error.body["type"] == "error" and error.body["error"]["type"] == "rate_limit_error"
+    assert error.response.headers["x-should-retry"] == "true"
+
+
+@pytest.mark.parametrize("error_format", FORMATS)
+def test_the_sdks_default_retry_waits_the_exact_wait_and_then_succeeds(
+        server: Server, redis_client: redis.Redis, api_key: str, error_format: str) -> None:
+    # Five requests in the last minute, the oldest 58 s ago: the next one passes in ~2 s.
+    now = server_now_ms(redis_client)
+    prefill(redis_client, f"ratelimit:{api_key}:60", [now - 58_000] + [now - 1000] * 4)
+    attempts = Attempts()
+    sdk = make_sdk(error_format, server, api_key, attempts)  # the SDK's default retries
+    response = call(error_format, sdk)
+    sdk.close()
+    assert response.http_response.status_code == 200
+    statuses = [status for _, status, _ in attempts.answered]
+    assert statuses == [429, 200], statuses
+    refused_at, _, headers = attempts.answered[0]
+    exact_s = int(headers["retry-after-ms"]) / 1000
+    assert 1.5 < exact_s <= 2.0
+    waited = attempts.sent[1] - refused_at
+    print(f"{error_format}: exact wait {exact_s * 1000:.0f} ms, the SDK waited {waited * 1000:.1f} ms")
+    assert abs(waited - exact_s) < 0.050, (waited, exact_s)
+
+
+@pytest.mark.parametrize("error_format", FORMATS)
+def test_a_day_window_refusal_makes_the_sdk_give_up_at_once(
+        server: Server, redis_client: redis.Redis, api_key: str, error_format: str) -> None:
+    now = server_now_ms(redis_client)
+    prefill(redis_client, f"ratelimit:{api_key}:86400", [now - 3_600_000] * 100)
+    attempts = Attempts()
+    sdk = make_sdk(error_format, server, api_key, attempts)  # the SDK's default retries
+    started = time.monotonic()
+    with pytest.raises(rate_limit_error(error_format)) as caught:
+        call(error_format, sdk)
+    elapsed = time.monotonic() - started
+    sdk.close()
+    assert elapsed < 1.0
+    assert len(attempts.sent) == 1  # no retry at all
+    error: Any = caught.value
+    assert error.response.headers["x-should-retry"] == "false"
+    assert "requests per day (RPD): Limit 100" in error_object(error)["message"]
+
+
+def openai_reset_seconds(text: str) -> float:
+    """OpenAI's durations ("1m0s", "59.9s", "120ms", "1h2m3s") in seconds."""
+    total, number = 0.0, ""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0}
+    index = 0
+    while index < len(text):
+        char = text[index]
+        if char.isdigit() or char == ".":
+            number += char
+        elif text.startswith("ms", index):
+            total, number, index = total + float(number) / 1000, "", index + 1
+        else:
+            total, number = total + float(number) * units[char], ""
+        index += 1
+    return total
+
+
+def pace(error_format: str, server: Server, api_key: str, count: int, statuses: list[int]) -> None:
+    """A client that paces itself on the allowed responses' headers: when nothing remains,
+    it waits until the reset the headers name. max_retries=0: a 429 would raise."""
+    attempts = Attempts()
+    sdk = make_sdk(error_format, server, api_key, attempts, max_retries=0)
+    try:
+        for _ in range(count):
+            raw = call(error_format, sdk)
+            statuses.append(raw.http_response.status_code)
+            if error_format == "openai":
+                remaining = int(raw.headers["x-ratelimit-remaining-requests"])
+                wait = openai_reset_seconds(raw.headers["x-ratelimit-reset-requests"])
+            else:
+                remaining = int(raw.headers["anthropic-ratelimit-requests-remaining"])
+                reset = datetime.strptime(raw.headers["anthropic-ratelimit-requests-reset"],
+                                          "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+                wait = reset.timestamp() - time.time()
+            if remaining == 0:
+                time.sleep(max(0.0, wait))  # what the server said, not a guess
+    finally:
+        sdk.close()
+
+
+@pytest.mark.slow
+def test_clients_that_pace_on_remaining_and_reset_are_never_refused(
+        server: Server, redis_client: redis.Redis) -> None:
+    results: dict[str, list[int]] = {name: [] for name in FORMATS}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            pace(name, server, f"pacer-{name}-{os.urandom(4).hex()}", 8, results[name])
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in FORMATS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(150)
+    assert not errors, errors
+    assert results == {name: [200] * 8 for name in FORMATS}
+
+
+@pytest.fixture(scope="module")
+def server_without_redis() -> Iterator[Server]:
+    served = Server(f"redis://127.0.0.1:{free_port()}/0")  # a closed port: Redis is down
+    served.start()
+    try:
+        yield served
+    finally:
+        served.stop()
+
+
+@pytest.mark.parametrize("error_format", FORMATS)
+def test_the_sdks_503_error_carries_our_message_when_redis_is_down(
+        server_without_redis: Server, error_format: str) -> None:
+    attempts = Attempts()
+    sdk = make_sdk(error_format, server_without_redis, "key-down", attempts, max_retries=0)
+    error_type = openai.InternalServerError if error_format == "openai" else anthropic.InternalServerError
+    with pytest.raises(error_type) as caught:
+        call(error_format, sdk)
+    sdk.close()
+    error: Any = caught.value
+    assert error.status_code == 503
+    assert error.response.headers["retry-after"] == "1"
+    assert error.response.headers["x-should-retry"] == "true"
+    payload = error_object(error)
+    assert "rate limiter is temporarily unavailable" in payload["message"]
+    if error_format == "openai":
+        assert (error.code, error.type) == ("service_unavailable", "server_error")
+    else:
+        assert payload["type"] == "overloaded_error"

@@ -443,6 +443,7 @@ class AsyncRateLimiter:
         request = self._codec.check(user_id, limit, window_seconds, cost=cost)
         if type(request) is tuple:  # the kill switch answered
             return request
+        # _run's body, inline: the hottest call is spared a coroutine frame.
         pool = self._pool()
         conn = pool.pick()
         if conn is None:
@@ -467,7 +468,7 @@ class AsyncRateLimiter:
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         request = self._codec.reserve(user_id, windows,
-                                      **reserve_arguments(windows, cost, token_windows, tokens))
+                                      **reserve_arguments(cost, token_windows, tokens))
         raw = request if type(request) is tuple else await self._run(request)
         return make_reservation(raw, user_id, cost, tokens)
 
@@ -478,8 +479,8 @@ class AsyncRateLimiter:
         arguments = reconcile_arguments(reservation, actual)
         if arguments is None:
             return 0
-        *positional, tokens = arguments
-        request = self._codec.reconcile(*positional, tokens=tokens)
+        positional, keywords = arguments
+        request = self._codec.reconcile(*positional, **keywords)
         if type(request) is int:
             return request
         return await self._run(request)  # type: ignore[no-any-return]

@@ -139,7 +139,7 @@ class RateLimiter(_native.Limiter):
         `token_windows` (each charged `tokens`, the estimate) in one script execution, all
         or nothing, and logs it on allow. `reconcile` corrects the estimate later."""
         raw = self._reserve(user_id, windows,
-                            **reserve_arguments(windows, cost, token_windows, tokens))
+                            **reserve_arguments(cost, token_windows, tokens))
         return make_reservation(raw, user_id, cost, tokens)
 
     def reconcile(self, reservation: Reservation, actual: int) -> int:
@@ -150,8 +150,8 @@ class RateLimiter(_native.Limiter):
         arguments = reconcile_arguments(reservation, actual)
         if arguments is None:
             return 0
-        *positional, tokens = arguments
-        return self._reconcile(*positional, tokens=tokens)
+        positional, keywords = arguments
+        return self._reconcile(*positional, **keywords)
 
     def __enter__(self) -> RateLimiter:
         return self

@@ -92,8 +92,7 @@ def make_reservation(raw: tuple[Any, ...], user_id: str, cost: int,
         member=member, timestamp_ms=timestamp_ms)
 
 
-def reserve_arguments(windows: Sequence[tuple[int, int]], cost: int,
-                      token_windows: Sequence[tuple[int, int]],
+def reserve_arguments(cost: int, token_windows: Sequence[tuple[int, int]],
                       tokens: int | None) -> dict[str, Any]:
     """The keyword arguments of the C reserve call (validated there)."""
     arguments: dict[str, Any] = {"cost": cost, "token_windows": token_windows}
@@ -102,8 +101,9 @@ def reserve_arguments(windows: Sequence[tuple[int, int]], cost: int,
     return arguments
 
 
-def reconcile_arguments(reservation: Reservation, actual: int) -> tuple[Any, ...] | None:
-    """The positional arguments of the C reconcile call, or None when there is nothing to
+def reconcile_arguments(reservation: Reservation,
+                        actual: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The arguments (positional, keyword) of the C reconcile call, or None when there is nothing to
     reconcile (nothing was logged). The estimate being corrected is the tokens when the
     reservation has token windows, else the cost of its request windows."""
     if not isinstance(reservation, Reservation):
@@ -117,5 +117,5 @@ def reconcile_arguments(reservation: Reservation, actual: int) -> tuple[Any, ...
         return None
     tokens = any(w.resource == "tokens" for w in reservation.windows)
     windows = windows_of(reservation, "tokens" if tokens else "requests")
-    return (reservation.user_id, windows, reservation.member, reservation.timestamp_ms, actual,
-            tokens)
+    return ((reservation.user_id, windows, reservation.member, reservation.timestamp_ms, actual),
+            {"tokens": tokens})

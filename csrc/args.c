@@ -204,6 +204,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->member[0] = '\0';
     d->score_ms = 0;
     d->new_cost = 0;
+    d->hash_tag = 0; /* the limiter sets it after parsing, in cluster mode */
     switch (shape) {
     case RL_SHAPE_CHECK:
         if (rl_parse_args("check", args, nargs, kwnames, check_names, 4, 3, 3, v) < 0 ||
@@ -339,9 +340,12 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
     out->replay_len = 0;
     out->deadline = 0;
     out->disabled = 0;
+    out->slot = -1;
     user = rl_user_id_utf8(user_id, &user_len);
     if (user == NULL)
         return -1;
+    if (out->hash_tag)
+        out->slot = rl_user_slot(user, (size_t)user_len);
     if (kill_switch_on()) {
         /* The tightest window is the one with the smallest limit (ties: the shorter). Nothing
            is logged, so a reservation has no member and its reconcile sends nothing. */

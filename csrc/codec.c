@@ -50,7 +50,15 @@ Request_get_replayed(RequestObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(self->prepared.replay != NULL);
 }
 
+static PyObject *
+Request_get_slot(RequestObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(self->prepared.slot);
+}
+
 static PyGetSetDef Request_getset[] = {
+    {"slot", (getter)Request_get_slot, NULL,
+     "The Redis Cluster hash slot of the request's keys (-1 outside cluster mode).", NULL},
     {"command", (getter)Request_get_command, NULL, "The RESP-encoded EVALSHA.", NULL},
     {"replayed", (getter)Request_get_replayed, NULL,
      "True once the request was switched to its replay form (after a broken connection).", NULL},
@@ -78,17 +86,18 @@ typedef struct {
     char *key_prefix; /* UTF-8, owned */
     size_t key_prefix_len;
     int client_clock;
+    int hash_tag; /* cluster: keys carry the user id in a hash tag */
 } CodecObject;
 
 static int
 Codec_init(CodecObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"key_prefix", "client_clock", NULL};
+    static char *keywords[] = {"key_prefix", "client_clock", "hash_tag", NULL};
     const char *prefix;
     Py_ssize_t prefix_len;
-    int client_clock = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s#|$p", keywords, &prefix, &prefix_len,
-                                     &client_clock))
+    int client_clock = 0, hash_tag = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s#|$pp", keywords, &prefix, &prefix_len,
+                                     &client_clock, &hash_tag))
         return -1;
     if (prefix_len == 0) {
         PyErr_SetString(PyExc_ValueError, "key_prefix must not be empty");
@@ -104,6 +113,7 @@ Codec_init(CodecObject *self, PyObject *args, PyObject *kwargs)
     self->key_prefix = copy;
     self->key_prefix_len = (size_t)prefix_len;
     self->client_clock = client_clock;
+    self->hash_tag = hash_tag;
     return 0;
 }
 
@@ -129,8 +139,10 @@ encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject
         PyErr_SetString(PyExc_RuntimeError, "the codec was not initialised");
         return NULL;
     }
-    if (rl_parse_request(shape, args, nargs, kwnames, &p, &user_id) < 0 ||
-        rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, &p) <
+    if (rl_parse_request(shape, args, nargs, kwnames, &p, &user_id) < 0)
+        return NULL;
+    p.hash_tag = self->hash_tag;
+    if (rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, &p) <
             0)
         return NULL;
     if (p.disabled)
@@ -175,7 +187,7 @@ static PyMethodDef Codec_methods[] = {
 };
 
 static PyType_Slot Codec_slots[] = {
-    {Py_tp_doc, "Codec(key_prefix, *, client_clock=False)\n--\n\n"
+    {Py_tp_doc, "Codec(key_prefix, *, client_clock=False, hash_tag=False)\n--\n\n"
                 "Validates checks and formats them, exactly like the blocking Limiter."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, Codec_init},

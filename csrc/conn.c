@@ -561,6 +561,13 @@ conn_exchange(rl_conn *conn, const void *token, double deadline, rl_event *ev, r
                 *err = ev->error;
                 return ev->status;
             }
+            if (ev->entry.token == NULL && ev->entry.step == RL_STEP_COMMAND) {
+                /* A prefix nobody waits for (ASKING before a decision): a refusal shows in
+                   the reply of the command it prefixed. */
+                if (ev->reply != NULL)
+                    freeReplyObject(ev->reply);
+                continue;
+            }
             /* One request at a time per blocking connection: this cannot be ours. */
             if (ev->reply != NULL)
                 freeReplyObject(ev->reply);
@@ -717,10 +724,20 @@ rl_call_run(rl_call *call, rl_error *err)
             call->deadline += connecting;
             if (st != RL_OK)
                 return st;
-            st = rl_proto_push_decision(&call->conn->proto, call->decision, call->deadline, call,
-                                        NULL, err);
+            st = RL_OK;
+            if (call->asking) {
+                /* ASK: this connection may serve the migrating slot for the next command. */
+                const char *asking = "ASKING";
+                const size_t asking_len = 6;
+                st = rl_proto_push_command(&call->conn->proto, 1, &asking, &asking_len,
+                                           call->deadline, NULL, err);
+            }
+            if (st == RL_OK)
+                st = rl_proto_push_decision(&call->conn->proto, call->decision, call->deadline,
+                                            call, NULL, err);
             if (st != RL_OK) {
-                rl_pool_release(pool, call->conn, 1); /* nothing was queued on it */
+                /* Reused only when nothing was queued on it (ASKING may have been). */
+                rl_pool_release(pool, call->conn, rl_proto_pending(&call->conn->proto) == 0);
                 call->conn = NULL;
                 return st;
             }
@@ -751,6 +768,40 @@ rl_call_run(rl_call *call, rl_error *err)
         /* The connection broke mid-call: the script may or may not have run. Once more on
            a fresh connection, marked, with the same member (proto.c, rl_proto_replay). */
     }
+}
+
+rl_status
+rl_pool_command(rl_pool *pool, int argc, const char **argv, const size_t *argvlen,
+                double deadline, redisReply **reply, rl_error *err)
+{
+    rl_conn *conn = NULL;
+    double connecting;
+    rl_event ev;
+    char token; /* its address tells our reply apart */
+    *reply = NULL;
+    rl_status st = rl_pool_acquire(pool, &conn, deadline, &connecting, err);
+    if (st != RL_OK)
+        return st;
+    deadline += connecting;
+    st = rl_proto_push_command(&conn->proto, argc, argv, argvlen, deadline, &token, err);
+    if (st != RL_OK) {
+        rl_pool_release(pool, conn, 1); /* nothing was queued on it */
+        return st;
+    }
+    do
+        st = conn_exchange(conn, &token, deadline, &ev, err);
+    while (st == RL_ERR_INTERRUPTED); /* the deadline still bounds it */
+    if (st != RL_OK) {
+        rl_pool_release(pool, conn, 0);
+        return st;
+    }
+    rl_pool_release(pool, conn, !ev.fatal && !rl_proto_idle_is_stale(&conn->proto, -1));
+    if (ev.status != RL_OK) {
+        *err = ev.error;
+        return ev.status;
+    }
+    *reply = ev.reply;
+    return RL_OK;
 }
 
 void

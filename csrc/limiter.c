@@ -24,7 +24,8 @@
 
 typedef struct {
     PyObject_HEAD
-    rl_pool pool;     /* connections, shared by every thread */
+    rl_pool pool;     /* connections, shared by every thread (a single node) */
+    rl_cluster *cluster; /* a Redis Cluster instead (owned), or NULL */
     char *key_prefix; /* UTF-8, owned */
     size_t key_prefix_len;
     int client_clock;              /* 1: the caller's clock; 0: the server's TIME */
@@ -40,6 +41,16 @@ state_of(PyTypeObject *defining_class)
 }
 
 static void Limiter_dealloc(LimiterObject *self);
+
+static void
+free_cluster(LimiterObject *self)
+{
+    if (self->cluster != NULL) {
+        rl_cluster_destroy(self->cluster);
+        free(self->cluster);
+        self->cluster = NULL;
+    }
+}
 
 /* The module state of the Limiter type under a Python subclass (RateLimiter): the first
    type of the MRO that is ours. Borrowed; the module outlives the types it made. */
@@ -70,6 +81,54 @@ Limiter_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(k
     return (PyObject *)self;
 }
 
+/* Cluster mode: the pool's config (credentials, timeouts, TLS) becomes every node's, and
+   nodes, a sequence of (host, port), the seeds. 0, or -1 with an exception. */
+static int
+configure_cluster(LimiterObject *self, PyObject *nodes, int max_connections)
+{
+    PyObject *seq = PySequence_Fast(nodes, "cluster_nodes must be a sequence of (host, port)");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || n > RL_CLUSTER_MAX_NODES) {
+        PyErr_Format(PyExc_ValueError, "cluster_nodes needs 1 to %d nodes", RL_CLUSTER_MAX_NODES);
+        goto error;
+    }
+    rl_cluster *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        PyErr_NoMemory();
+        goto error;
+    }
+    c->base = self->pool.config; /* moved: the single-node pool is not used */
+    memset(&self->pool.config, 0, sizeof(self->pool.config));
+    self->cluster = c;
+    if (rl_cluster_init(c, max_connections) < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto error;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *host;
+        int port;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "si;cluster_nodes holds "
+                                                                 "(host, port) pairs",
+                              &host, &port))
+            goto error;
+        if (port < 1 || port > 65535) {
+            PyErr_Format(PyExc_ValueError, "port must be between 1 and 65535, got %d", port);
+            goto error;
+        }
+        if (rl_cluster_add_seed(c, host, port) < 0) {
+            PyErr_NoMemory();
+            goto error;
+        }
+    }
+    Py_DECREF(seq);
+    return 0;
+error:
+    Py_DECREF(seq);
+    return -1;
+}
+
 static int
 Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -77,22 +136,24 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
                                "username",   "password",     "connect_timeout", "socket_timeout",
                                "key_prefix", "client_clock", "max_connections", "tls",
                                "ssl_verify", "ssl_ca_certs", "ssl_certfile",    "ssl_keyfile",
-                               NULL};
+                               "cluster_nodes", NULL};
     const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
     const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
     Py_ssize_t prefix_len = 9;
     int port = 6379, client_clock = 0, max_connections = 32, tls = 0, ssl_verify = 1;
     long long db = 0;
     double connect_timeout = 1.0, socket_timeout = 1.0;
+    PyObject *cluster_nodes = NULL;
 
     if (self->configured) {
         PyErr_SetString(PyExc_RuntimeError, "a limiter is configured once, by its constructor");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzz", keywords, &host, &port,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzO", keywords, &host, &port,
                                      &unix_path, &db, &username, &password, &connect_timeout,
                                      &socket_timeout, &prefix, &prefix_len, &client_clock,
-                                     &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile))
+                                     &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile,
+                                     &cluster_nodes))
         return -1;
     if (host == NULL && unix_path == NULL) {
         PyErr_SetString(PyExc_ValueError, "a host or a unix socket path is needed");
@@ -124,6 +185,7 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
 
     free(self->key_prefix); /* a retried __init__ after a failed one */
     rl_config_clear(&self->pool.config);
+    free_cluster(self);
     self->key_prefix = malloc((size_t)prefix_len + 1);
     if (self->key_prefix == NULL) {
         PyErr_NoMemory();
@@ -148,7 +210,10 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
             return -1;
         }
     }
-    if (rl_pool_init(&self->pool, max_connections) < 0) {
+    if (cluster_nodes != NULL && cluster_nodes != Py_None) {
+        if (configure_cluster(self, cluster_nodes, max_connections) < 0)
+            return -1;
+    } else if (rl_pool_init(&self->pool, max_connections) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
@@ -162,6 +227,7 @@ Limiter_dealloc(LimiterObject *self)
     PyTypeObject *tp = Py_TYPE(self);
     rl_pool_destroy(&self->pool);
     rl_config_clear(&self->pool.config);
+    free_cluster(self);
     free(self->key_prefix);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
@@ -175,7 +241,9 @@ own_pool(LimiterObject *self)
 {
     unsigned long generation = rl_fork_generation(self->random);
     if (self->fork_generation != generation) {
-        if (self->fork_generation != 0)
+        if (self->fork_generation != 0 && self->cluster != NULL)
+            rl_cluster_after_fork(self->cluster);
+        else if (self->fork_generation != 0)
             rl_pool_after_fork(&self->pool);
         self->fork_generation = generation;
     }
@@ -201,27 +269,31 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         goto done;
     }
     own_pool(self);
-    rl_call call;
+    rl_routed_call call;
     char warning[RL_WARNING_LEN];
     int warn = 0;
-    rl_call_init(&call, &self->pool, p);
+    rl_routed_call_init(&call, self->cluster, &self->pool, p);
     Py_BEGIN_ALLOW_THREADS
-    st = rl_call_run(&call, &err);
+    st = rl_routed_call_run(&call, &err);
     Py_END_ALLOW_THREADS
     while (st == RL_ERR_INTERRUPTED) {
         if (PyErr_CheckSignals() < 0) {
             /* A handler raised (KeyboardInterrupt, say): that is the call's outcome. */
             Py_BEGIN_ALLOW_THREADS
-            rl_call_abandon(&call);
+            rl_routed_call_abandon(&call);
             Py_END_ALLOW_THREADS
             goto done;
         }
         Py_BEGIN_ALLOW_THREADS
-        st = rl_call_run(&call, &err);
+        st = rl_routed_call_run(&call, &err);
         Py_END_ALLOW_THREADS
     }
-    if (__atomic_load_n(&self->pool.warning_state, __ATOMIC_RELAXED) == 1) { /* once at most */
+    if (self->cluster != NULL) {
         Py_BEGIN_ALLOW_THREADS
+        warn = rl_cluster_take_warning(self->cluster, warning);
+        Py_END_ALLOW_THREADS
+    } else if (__atomic_load_n(&self->pool.warning_state, __ATOMIC_RELAXED) == 1) {
+        Py_BEGIN_ALLOW_THREADS /* once at most */
         warn = rl_pool_take_warning(&self->pool, warning);
         Py_END_ALLOW_THREADS
     }
@@ -247,6 +319,7 @@ run(LimiterObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject 
     PyObject *user_id;
     if (rl_parse_request(shape, args, nargs, kwnames, &p, &user_id) < 0)
         return NULL;
+    p.hash_tag = self->cluster != NULL;
     return decide(self, state_of(defining_class), user_id, &p);
 }
 
@@ -306,7 +379,10 @@ Limiter_close(LimiterObject *self, PyObject *Py_UNUSED(ignored))
     if (self->configured) {
         own_pool(self);
         Py_BEGIN_ALLOW_THREADS
-        rl_pool_close(&self->pool);
+        if (self->cluster != NULL)
+            rl_cluster_close(self->cluster);
+        else
+            rl_pool_close(&self->pool);
         Py_END_ALLOW_THREADS
     }
     Py_RETURN_NONE;
@@ -323,6 +399,8 @@ Limiter_get_key_prefix(LimiterObject *self, void *Py_UNUSED(closure))
 static PyObject *
 Limiter_get_max_connections(LimiterObject *self, void *Py_UNUSED(closure))
 {
+    if (self->configured && self->cluster != NULL)
+        return PyLong_FromLong(self->cluster->max_open); /* per node */
     return PyLong_FromLong(self->configured ? self->pool.max_open : 0);
 }
 
@@ -333,7 +411,8 @@ Limiter_get_open_connections(LimiterObject *self, void *Py_UNUSED(closure))
     if (self->configured) {
         own_pool(self);
         Py_BEGIN_ALLOW_THREADS
-        n = rl_pool_open_count(&self->pool);
+        n = self->cluster != NULL ? rl_cluster_open_count(self->cluster)
+                                  : rl_pool_open_count(&self->pool);
         Py_END_ALLOW_THREADS
     }
     return PyLong_FromLong(n);
@@ -346,7 +425,8 @@ Limiter_get_closed(LimiterObject *self, void *Py_UNUSED(closure))
     if (self->configured) {
         own_pool(self);
         Py_BEGIN_ALLOW_THREADS
-        closed = rl_pool_is_closed(&self->pool);
+        closed = self->cluster != NULL ? rl_cluster_is_closed(self->cluster)
+                                       : rl_pool_is_closed(&self->pool);
         Py_END_ALLOW_THREADS
     }
     return PyBool_FromLong(closed);
@@ -379,7 +459,7 @@ PyDoc_STRVAR(Limiter_doc,
 "Limiter(*, host=None, port=6379, unix_path=None, db=0, username=None, password=None,\n"
 "        connect_timeout=1.0, socket_timeout=1.0, key_prefix='ratelimit',\n"
 "        client_clock=False, max_connections=32, tls=False, ssl_verify=True,\n"
-"        ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None)\n--\n\n"
+"        ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None, cluster_nodes=None)\n--\n\n"
 "The C core of genai_ratelimit.RateLimiter; use that class, which takes a URL.");
 
 static PyType_Slot Limiter_slots[] = {

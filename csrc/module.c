@@ -46,6 +46,18 @@ rl_exception(rl_module_state *state, const rl_error *err)
     case RL_ERR_CLOSED:
         type = state->Error;
         break;
+    case RL_ERR_REDIRECT: {
+        /* Only a single-node limiter reports one: the cluster driver follows them. */
+        PyObject *exc, *text = PyUnicode_FromFormat(
+            "Redis answered %.300s: the server is a Redis Cluster node; use a "
+            "redis+cluster:// URL",
+            err->message);
+        if (text == NULL)
+            return NULL;
+        exc = PyObject_CallOneArg(state->Unavailable, text);
+        Py_DECREF(text);
+        return exc;
+    }
     case RL_OK: /* a bug: report it rather than fail without an exception */
         return PyObject_CallFunction(PyExc_SystemError, "s",
                                      "rate limiter failed without an error");

@@ -29,6 +29,7 @@
 #include <openssl/ssl.h>
 
 #define RL_MAX_WINDOWS 32                  /* windows decided by one check */
+#define RL_CLUSTER_SLOTS 16384             /* hash slots of a Redis Cluster */
 #define RL_MEMBER_LEN 36                   /* canonical UUID text, without the NUL */
 #define RL_MAX_REPLY_BYTES 65536           /* a decision's reply is tiny: more is garbage */
 #define RL_MAX_LIMIT 9007199254740991LL    /* 2^53 - 1: exact in Lua's doubles */
@@ -48,6 +49,8 @@ typedef enum {
     RL_ERR_CLOSED,      /* the limiter was closed */
     RL_ERR_NOMEM,       /* malloc failed */
     RL_ERR_INTERRUPTED, /* a signal interrupted blocking I/O: check signals, then resume */
+    RL_ERR_REDIRECT,    /* a cluster answer: MOVED, ASK, TRYAGAIN or CLUSTERDOWN; the
+                           message is the server's text (nothing ran) */
 } rl_status;
 
 typedef struct {
@@ -114,6 +117,8 @@ typedef struct {
     char *replay; /* the command with the replay marker (malloc), once replayed */
     size_t replay_len;
     double deadline; /* monotonic, fixed when first sent (0 before); replays keep it */
+    int hash_tag;    /* cluster: keys carry the user id in a hash tag (set before rl_prepare) */
+    int slot;        /* cluster: the keys' hash slot, set by rl_script_format (-1 otherwise) */
 } rl_prepared;
 
 /* The bytes to send for a decision: its replay form once it was marked for replay. */
@@ -299,11 +304,67 @@ typedef struct {
     rl_conn *conn;    /* checked out while the call is under way, or NULL */
     double deadline;  /* of the exchange on conn */
     rl_result result; /* the answer, when rl_call_run returned RL_OK */
+    int asking;       /* cluster ASK: send ASKING before the decision */
 } rl_call;
 
 void rl_call_init(rl_call *call, rl_pool *pool, rl_prepared *decision);
 rl_status rl_call_run(rl_call *call, rl_error *err);
 void rl_call_abandon(rl_call *call);
+/* One command on a pooled connection, for the cluster's and sentinels' own questions.
+   *reply (RL_OK only) is the caller's to free; an error reply is RL_ERR_SERVER. */
+rl_status rl_pool_command(rl_pool *pool, int argc, const char **argv, const size_t *argvlen,
+                          double deadline, redisReply **reply, rl_error *err);
+
+/* ---------------------------------------------------------- cluster.c */
+
+#define RL_CLUSTER_MAX_NODES 128
+
+typedef struct {
+    rl_pool pool; /* connections to this node; pool.config names it */
+} rl_node;
+
+/* A Redis Cluster: its nodes (seeds first, never removed) and which serves each slot. */
+typedef struct {
+    pthread_mutex_t mutex;                /* guards the fields below but base and max_open */
+    rl_node *nodes[RL_CLUSTER_MAX_NODES]; /* every node met, each with its pool */
+    int node_count;
+    short slots[RL_CLUSTER_SLOTS]; /* index into nodes of each slot's master, -1 unknown */
+    unsigned long refreshes;       /* maps read so far */
+    int closed;                    /* close() was called */
+    int initialized;               /* the mutex exists */
+    int max_open;                  /* connections per node */
+    rl_config base;                /* credentials, timeouts, TLS context: every node's */
+} rl_cluster;
+
+/* GIL held: set up (c->base filled first), the URL's seed nodes, the fork child's reset. */
+int rl_cluster_init(rl_cluster *c, int max_open);              /* 0, or -1 with errno */
+int rl_cluster_add_seed(rl_cluster *c, const char *host, int port); /* 0, or -1 */
+void rl_cluster_after_fork(rl_cluster *c);
+void rl_cluster_destroy(rl_cluster *c);
+/* GIL released: like the rl_pool_* of the same names, over every node. */
+void rl_cluster_close(rl_cluster *c);
+int rl_cluster_is_closed(rl_cluster *c);
+int rl_cluster_open_count(rl_cluster *c);
+int rl_cluster_take_warning(rl_cluster *c, char *buf);
+
+/* One blocking decision on a single node's pool or on a cluster (routed by the decision's
+   slot, following MOVED/ASK/TRYAGAIN/CLUSTERDOWN and dead nodes within the deadline).
+   Resumable after RL_ERR_INTERRUPTED like rl_call_run. */
+typedef struct {
+    rl_cluster *cluster; /* NULL: a single node (call.pool) */
+    rl_prepared *decision;
+    rl_call call;             /* the try under way */
+    int under_way;            /* call holds a try that a signal interrupted */
+    int attempts;             /* tries so far */
+    int asking, ask_index;    /* the next try goes to nodes[ask_index] with ASKING */
+    double deadline;          /* of the whole call */
+    rl_error refresh_error;   /* a failed map refresh (the call's own error says more) */
+    rl_result result;         /* the answer, on RL_OK */
+} rl_routed_call;
+
+void rl_routed_call_init(rl_routed_call *rc, rl_cluster *cluster, rl_pool *pool, rl_prepared *d);
+rl_status rl_routed_call_run(rl_routed_call *rc, rl_error *err);
+void rl_routed_call_abandon(rl_routed_call *rc);
 
 /* ------------------------------------------------------------------ script */
 
@@ -312,6 +373,18 @@ void rl_call_abandon(rl_call *call);
    when out of memory. now_ms < 0 lets the script read the server's clock. */
 long long rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
                            const rl_prepared *d, long long now_ms, char **out);
+
+/* Writes the user's part of a key at out: the user id as it is, or in cluster mode
+   (hash_tag) "{" + the id with '%', '{' and '}' percent-encoded + "}", so that all of one
+   user's keys share one hash slot and no two ids share a tag. Every key kind goes through
+   it. out needs rl_key_user_room(user_len) bytes. Returns the bytes written. */
+size_t rl_key_user(char *out, const char *user, size_t user_len, int hash_tag);
+#define rl_key_user_room(user_len) (3 * (user_len) + 2)
+/* The Redis Cluster hash slot (CRC16-XMODEM mod 16384) of a key whose hash tag is the
+   user's part written by rl_key_user(..., 1), computed without building it (cluster.c). */
+int rl_user_slot(const char *user, size_t user_len);
+/* The hash slot of a whole key, with Redis's hash-tag rule (cluster.c). */
+int rl_key_slot(const char *key, size_t len);
 
 /* The command with the script's replay marker appended (malloc'd; NULL when out of memory
    or not a formatted command). A replay never counts a request its first attempt logged. */
@@ -324,6 +397,9 @@ rl_status rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_res
                            rl_error *err);
 /* 1 when reply is an error reply whose text starts with prefix. */
 int rl_reply_is_error(const redisReply *reply, const char *prefix);
+/* 1 for a Redis Cluster answer that says "not here, not now": MOVED, ASK, TRYAGAIN or
+   CLUSTERDOWN. The command did not run. */
+int rl_reply_is_cluster_redirect(const redisReply *reply);
 const char *rl_reply_type_name(int type); /* "an integer", ... for messages */
 
 /* A script's SHA1 hex and source, embedded from lua/ at build time, and the pre-encoded

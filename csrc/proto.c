@@ -676,6 +676,13 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
                 ev->status = st;
                 break;
             }
+            if (rl_reply_is_cluster_redirect(reply)) {
+                /* Nothing ran on this node: the cluster driver sends it where it belongs. */
+                st = rl_error_set(&ev->error, RL_ERR_REDIRECT, "%.300s", reply->str);
+                freeReplyObject(reply);
+                ev->status = st;
+                break;
+            }
             st = rl_script_decode(reply, e.decision, &ev->result, &ev->error);
             freeReplyObject(reply);
             ev->status = st;

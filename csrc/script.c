@@ -67,6 +67,33 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 #define RL_STACK_ARENA 4096
 #define RL_KEY_SUFFIXES 12 /* ":tokens" + ":w" */
 
+size_t
+rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    char *cursor = out;
+    if (!hash_tag) {
+        memcpy(out, user, user_len);
+        return user_len;
+    }
+    /* The tag ends at the first '}': an id's own '}' would cut it short (ids "a" and
+       "a}b" would share a slot, and "a}" a tag with others). Percent-encoding '%', '{' and
+       '}' keeps the map from ids to tags one-to-one; ids without them are unchanged. */
+    *cursor++ = '{';
+    for (size_t i = 0; i < user_len; i++) {
+        unsigned char c = (unsigned char)user[i];
+        if (c == '%' || c == '{' || c == '}') {
+            *cursor++ = '%';
+            *cursor++ = hex[c >> 4];
+            *cursor++ = hex[c & 15];
+        } else {
+            *cursor++ = (char)c;
+        }
+    }
+    *cursor++ = '}';
+    return (size_t)(cursor - out);
+}
+
 /* Formats "EVALSHA sha 2n key... weights... ARGV..." with hiredis (see the KEYS/ARGV
    headers of lua/sliding_window.lua and lua/reconcile.lua). Returns the command's length
    and sets *out (free with redisFreeCommand), or -1 when out of memory. now_ms < 0 passes
@@ -82,7 +109,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     char *arena = stack_arena, *cursor;
     char numkeys[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT], score_text[RL_NUMBER_TEXT],
         cost_text[RL_NUMBER_TEXT];
-    size_t key_room = prefix_len + 1 + user_len + RL_NUMBER_TEXT + RL_KEY_SUFFIXES;
+    size_t key_room = prefix_len + 1 + rl_key_user_room(user_len) + RL_NUMBER_TEXT + RL_KEY_SUFFIXES;
     size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT);
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
@@ -111,8 +138,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         memcpy(cursor, prefix, prefix_len);
         cursor += prefix_len;
         *cursor++ = ':';
-        memcpy(cursor, user, user_len);
-        cursor += user_len;
+        cursor += rl_key_user(cursor, user, user_len, d->hash_tag);
         cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
         if (w->tokens[i]) {
             memcpy(cursor, ":tokens", 7);
@@ -182,6 +208,13 @@ rl_reply_is_error(const redisReply *r, const char *prefix)
     size_t n = strlen(prefix);
     return r->type == REDIS_REPLY_ERROR && r->str != NULL && r->len >= n &&
            memcmp(r->str, prefix, n) == 0;
+}
+
+int
+rl_reply_is_cluster_redirect(const redisReply *r)
+{
+    return rl_reply_is_error(r, "MOVED ") || rl_reply_is_error(r, "ASK ") ||
+           rl_reply_is_error(r, "TRYAGAIN") || rl_reply_is_error(r, "CLUSTERDOWN");
 }
 
 const char *

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 __all__ = ["RedisOptions", "parse_redis_url", "DEFAULT_URL"]
@@ -28,6 +29,10 @@ class RedisOptions:
     ssl_ca_certs: str | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # redis+cluster:// and redis+sentinel://: "single" for the other schemes.
+    mode: str = "single"
+    nodes: tuple[tuple[str, int], ...] = ()  # cluster seed nodes, or the sentinels
+    master_name: str | None = None  # redis+sentinel://: the master the sentinels watch
 
     def tls_trust(self) -> str | None:
         """The one TLS trust policy of both limiters (the blocking one applies it with
@@ -40,11 +45,45 @@ class RedisOptions:
 
     def describe(self) -> str:
         """Where this points, without credentials: safe for logs and messages."""
+        if self.mode != "single":
+            scheme = ("rediss+" if self.tls else "redis+") + self.mode
+            hosts = ",".join(_show_host(host, port) for host, port in self.nodes)
+            tail = f"/{self.master_name}/{self.db}" if self.mode == "sentinel" else "/"
+            return f"{scheme}://{hosts}{tail}"
         if self.unix_path is not None:
             return f"unix://{self.unix_path}?db={self.db}"
         scheme = "rediss" if self.tls else "redis"
         host = f"[{self.host}]" if self.host and ":" in self.host else self.host
         return f"{scheme}://{host}:{self.port}/{self.db}"
+
+
+def _show_host(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _parse_hosts(netloc: str, default_port: int, scheme: str) -> list[tuple[str, int]]:
+    """"h1:p1,h2:p2,[::1]:p3" (userinfo already removed) into (host, port) pairs."""
+    nodes = []
+    for item in netloc.split(","):
+        item = item.strip()
+        if not item:
+            raise ValueError(f"invalid Redis URL: an empty host in the {scheme}:// host list")
+        if item.startswith("["):
+            host, sep, rest = item[1:].partition("]")
+            if not sep or (rest and not rest.startswith(":")):
+                raise ValueError(f"invalid Redis URL: malformed IPv6 host {item!r}")
+            port_text = rest[1:]
+        else:
+            host, _, port_text = item.partition(":")
+        if not host:
+            raise ValueError(f"invalid Redis URL: a host is missing in {item!r}")
+        port = default_port
+        if port_text:
+            if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+                raise ValueError("invalid Redis URL: the port must be an integer from 1 to 65535")
+            port = int(port_text)
+        nodes.append((unquote(host), port))
+    return nodes
 
 
 def _parse_db(text: str, url_kind: str) -> int:
@@ -89,10 +128,13 @@ def parse_redis_url(url: str) -> RedisOptions:
         db = _parse_db(single.get("db", "0"), "unix://")
         return RedisOptions(unix_path=path, db=db, username=username, password=password)
 
+    if scheme in ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel"):
+        return _parse_multi_host(url.strip(), parts.path, scheme, single)
     if scheme not in ("redis", "rediss"):
         shown = scheme or "(none)"
-        raise ValueError(f"invalid Redis URL: unsupported scheme {shown!r}; "
-                         "use redis://, rediss:// or unix://")
+        raise ValueError(f"invalid Redis URL: unsupported scheme {shown!r}; use redis://, "
+                         "rediss://, unix://, redis+cluster://, rediss+cluster:// or "
+                         "redis+sentinel://")
     try:
         host = parts.hostname
         port = parts.port
@@ -112,6 +154,12 @@ def parse_redis_url(url: str) -> RedisOptions:
         password = None
 
     tls = scheme == "rediss"
+    return RedisOptions(host=host, port=port or 6379, db=db, username=username,
+                        password=password, **_tls_options(single, tls))
+
+
+def _tls_options(single: dict[str, str], tls: bool) -> dict[str, Any]:
+    """The TLS fields of RedisOptions from the query parameters (shared by every scheme)."""
     unknown = set(single) - {"db", *_SSL_PARAMS}
     if unknown:
         raise ValueError(f"invalid Redis URL: unknown query parameter(s) {sorted(unknown)}")
@@ -121,15 +169,50 @@ def parse_redis_url(url: str) -> RedisOptions:
     if cert_reqs not in _SSL_CERT_REQS:
         raise ValueError(f"invalid Redis URL: unknown ssl_cert_reqs {single['ssl_cert_reqs']!r}; "
                          "use 'required' or 'none'")
-    return RedisOptions(
-        host=host,
-        port=port or 6379,
-        db=db,
-        username=username,
-        password=password,
-        tls=tls,
-        ssl_cert_reqs=_SSL_CERT_REQS[cert_reqs],
-        ssl_ca_certs=single.get("ssl_ca_certs") or None,
-        ssl_certfile=single.get("ssl_certfile") or None,
-        ssl_keyfile=single.get("ssl_keyfile") or None,
-    )
+    return {
+        "tls": tls,
+        "ssl_cert_reqs": _SSL_CERT_REQS[cert_reqs],
+        "ssl_ca_certs": single.get("ssl_ca_certs") or None,
+        "ssl_certfile": single.get("ssl_certfile") or None,
+        "ssl_keyfile": single.get("ssl_keyfile") or None,
+    }
+
+
+def _parse_multi_host(url: str, path: str, scheme: str, single: dict[str, str]) -> RedisOptions:
+    """redis+cluster://[[user]:password@]h1:p1,h2:p2[/] and
+    redis+sentinel://[[user]:password@]s1:p1,s2:p2/<master-name>[/db] (rediss+ for TLS).
+    urlsplit cannot take a host list (its port parser fails on "p1,h2"): the netloc is
+    split here. The credentials are the data nodes' (the sentinels get the same)."""
+    netloc = url.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    userinfo, at, hosts = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user_text, colon, password_text = userinfo.partition(":")
+        username = unquote(user_text) or None
+        password = unquote(password_text) if colon and password_text else None
+    if not hosts:
+        raise ValueError(f"invalid Redis URL: a {scheme}:// URL needs at least one host")
+    sentinel = scheme.endswith("+sentinel")
+    nodes = _parse_hosts(hosts, 26379 if sentinel else 6379, scheme)
+    fields = [unquote(part) for part in path.split("/") if part]
+    master_name = None
+    db = 0
+    if sentinel:
+        if not fields:
+            raise ValueError("invalid Redis URL: a redis+sentinel:// URL needs the master's "
+                             "name, e.g. redis+sentinel://127.0.0.1:26379/mymaster")
+        master_name = fields.pop(0)
+        if fields:
+            db = _parse_db(fields.pop(0), f"{scheme}://")
+    elif len(fields) == 1 and fields[0].isdigit():
+        db = int(fields.pop())
+    if "db" in single:
+        db = _parse_db(single["db"], f"{scheme}://")
+    if fields:
+        raise ValueError(f"invalid Redis URL: unexpected path {path!r} in a {scheme}:// URL")
+    if not sentinel and db != 0:
+        raise ValueError("invalid Redis URL: Redis Cluster has database 0 only")
+    return RedisOptions(host=nodes[0][0], port=nodes[0][1], db=db, username=username,
+                        password=password, mode="sentinel" if sentinel else "cluster",
+                        nodes=tuple(nodes), master_name=master_name,
+                        **_tls_options(single, scheme.startswith("rediss")))

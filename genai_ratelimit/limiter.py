@@ -38,6 +38,7 @@ class NativeOptions(TypedDict):
     ssl_ca_certs: str | None
     ssl_certfile: str | None
     ssl_keyfile: str | None
+    cluster_nodes: tuple[tuple[str, int], ...] | None
 
 
 def _positive_seconds(name: str, value: float) -> float:
@@ -68,6 +69,9 @@ def limiter_options(
         raise TypeError(f"key_prefix must be a str, not {type(key_prefix).__name__}")
     if not key_prefix:
         raise ValueError("key_prefix must not be empty")
+    if options.mode == "cluster" and ("{" in key_prefix or "}" in key_prefix):
+        raise ValueError("key_prefix must not contain '{' or '}' with a Redis Cluster URL: "
+                         "the user id's hash tag follows the prefix")
     if clock not in ("server", "client"):
         raise ValueError(f"clock must be 'server' or 'client', got {clock!r}")
     if isinstance(max_connections, bool) or not isinstance(max_connections, int):
@@ -91,6 +95,7 @@ def limiter_options(
         ssl_ca_certs=options.ssl_ca_certs if options.tls_trust() not in (None, "system") else None,
         ssl_certfile=options.ssl_certfile,
         ssl_keyfile=options.ssl_keyfile,
+        cluster_nodes=options.nodes if options.mode == "cluster" else None,
     )
     return options, native
 

@@ -193,7 +193,7 @@ def test_pipeline_take_replays_marks_decisions_once_and_fails_the_rest():
     (_native.Pipeline.feed, ["self", "data"]),
     (_native.Pipeline.handshake, ["self", "future", "username", "password", "db", "ping"]),
     (_native.Pipeline, ["timeout"]),
-    (_native.Codec, ["key_prefix", "client_clock"]),
+    (_native.Codec, ["key_prefix", "client_clock", "hash_tag"]),
 ])
 def test_c_functions_have_real_signatures(function, parameters):
     assert list(inspect.signature(function).parameters) == parameters

@@ -1,0 +1,105 @@
+"""A real Redis Cluster for the tests: 6 redis-server processes (3 masters, 3 replicas)
+with --cluster-enabled yes on free loopback ports, joined by `redis-cli --cluster create`,
+stopped by pid. And a Sentinel set: a master, a replica and 3 sentinels. No mocks."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+
+from redis_server import RedisServer, free_port
+
+NODE_TIMEOUT_MS = 1000  # cluster-node-timeout: a dead master's replica takes over ~1-2 s later
+
+
+def redis_cli(*args: str, timeout: float = 30.0) -> str:
+    binary = shutil.which("redis-cli")
+    if binary is None:
+        raise RuntimeError("redis-cli is not installed: run `make test` (it installs redis-server)")
+    done = subprocess.run([binary, *args], capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"redis-cli {' '.join(args)} failed: {done.stdout}{done.stderr}")
+    return done.stdout
+
+
+class RedisCluster:
+    """Six nodes, three of them masters, every slot assigned."""
+
+    def __init__(self, masters: int = 3, replicas_per_master: int = 1) -> None:
+        self.nodes = [RedisServer("--cluster-enabled", "yes",
+                                  "--cluster-config-file", "nodes.conf",
+                                  "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
+                                  "--cluster-port", str(free_port()))
+                      for _ in range(masters * (1 + replicas_per_master))]
+        self.replicas_per_master = replicas_per_master
+
+    @property
+    def url(self) -> str:
+        seeds = ",".join(f"127.0.0.1:{node.port}" for node in self.nodes[:3])
+        return f"redis+cluster://{seeds}/"
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        redis_cli("--cluster", "create", *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                  "--cluster-replicas", str(self.replicas_per_master), "--cluster-yes")
+        self.wait_ok()
+
+    def cli(self, node: RedisServer, *args: str) -> str:
+        return redis_cli("-p", str(node.port), *args)
+
+    def alive(self) -> list[RedisServer]:
+        return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Until every live node says cluster_state:ok and agrees on 3 serving masters."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if all("cluster_state:ok" in self.cli(n, "cluster", "info")
+                       for n in self.alive()) and len(self.masters()) == 3:
+                    return
+            except RuntimeError:
+                pass
+            time.sleep(0.05)  # polling a condition, bounded by the deadline
+        raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def masters(self) -> list[RedisServer]:
+        """The live nodes that serve slots now."""
+        by_port = {n.port: n for n in self.alive()}
+        out = []
+        for line in self.cli(self.alive()[0], "cluster", "nodes").splitlines():
+            fields = line.split()
+            if "master" in fields[2] and "fail" not in fields[2] and len(fields) > 8:
+                port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+                if port in by_port:
+                    out.append(by_port[port])
+        return out
+
+    def master_of_slot(self, slot: int) -> RedisServer:
+        by_port = {n.port: n for n in self.alive()}
+        for line in self.cli(self.alive()[0], "cluster", "nodes").splitlines():
+            fields = line.split()
+            for item in fields[8:]:
+                if item.startswith("["):
+                    continue  # a migration in progress, not an owned range
+                start, _, end = item.partition("-")
+                if int(start) <= slot <= int(end or start):
+                    return by_port[int(fields[1].split("@")[0].rsplit(":", 1)[1])]
+        raise RuntimeError(f"no master serves slot {slot}")
+
+    def restart_missing(self) -> None:
+        """Restarts the killed nodes (they rejoin from their nodes.conf as replicas)."""
+        for node in self.nodes:
+            if node.process is None or node.process.poll() is not None:
+                node.start(port=node.port)
+        self.wait_ok()
+
+    def flush(self) -> None:
+        for node in self.masters():
+            self.cli(node, "flushall")
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()

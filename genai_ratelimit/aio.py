@@ -16,6 +16,7 @@ test client that runs each request on a fresh loop) keeps one small set per loop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import ssl
 import time
@@ -25,6 +26,7 @@ from typing import Any
 
 from . import _native
 from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable
+from ._cluster import Address, SlotMap, redirect_of
 from ._url import RedisOptions
 from .limiter import Clock, limiter_options
 from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
@@ -36,6 +38,11 @@ logger = logging.getLogger("genai_ratelimit")
 # A connection takes new checks until this many replies are due on every open connection;
 # only then is another one opened (up to max_connections).
 _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
+
+# Cluster: tries of one call (redirects, retries; its deadline rules first) and the pause
+# between retries while a failover or a migration is under way (as in csrc/cluster.c).
+_CLUSTER_MAX_ATTEMPTS = 64
+_CLUSTER_PAUSE = 0.025
 
 
 def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
@@ -65,6 +72,12 @@ def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
             raise ValueError(f"cannot load the client certificate {certfile} "
                              f"(key {options.ssl_keyfile or certfile}): {exc.strerror or exc}") from None
     return context
+
+
+def _ignore_result(future: asyncio.Future[Any]) -> None:
+    """For a command nobody waits for (ASKING): a refusal shows in the next reply."""
+    if not future.cancelled():
+        future.exception()
 
 
 class _Connection(asyncio.Protocol):
@@ -148,6 +161,18 @@ class _Connection(asyncio.Protocol):
             self._timer = self.loop.call_later(self.timeout, self._on_timer)
         return future
 
+    def command(self, *words: str) -> asyncio.Future[Any]:
+        """Sends any command (the cluster's CLUSTER SHARDS, ASKING); its reply resolves the
+        future: bytes, int, None or a list, or RateLimiterUnavailable for an error reply."""
+        if self.closed:
+            raise RateLimiterUnavailable("connection to Redis lost")
+        future = self.loop.create_future()
+        self.pipeline.push_command(future, *words)
+        self._schedule_flush()
+        if self._timer is None:
+            self._timer = self.loop.call_later(self.timeout, self._on_timer)
+        return future
+
     def resubmit(self, future: asyncio.Future[Any], request: Any, extend: float) -> None:
         """Sends a request again with the future its caller already awaits, within its first
         deadline extended by `extend` (the seconds spent opening this connection)."""
@@ -221,9 +246,13 @@ class _Connection(asyncio.Protocol):
 class _LoopPool:
     """The connections of one limiter on one event loop."""
 
-    def __init__(self, limiter: AsyncRateLimiter, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, limiter: AsyncRateLimiter, loop: asyncio.AbstractEventLoop,
+                 options: RedisOptions | None = None) -> None:
         self.limiter = limiter
         self.loop = loop
+        self.options = options or limiter._options  # where this pool connects
+        self.nodes: dict[Address, _LoopPool] = {}  # cluster: this loop's pool of each node
+        self.refreshing: asyncio.Task[None] | None = None  # cluster: a map read under way
         self.connections: list[_Connection] = []
         self.opening: asyncio.Future[_Connection] | None = None
         self.replaying: set[asyncio.Task[None]] = set()
@@ -276,9 +305,18 @@ class _LoopPool:
         if not task.cancelled():
             task.exception()  # mark retrieved: every waiter got it already
 
+    def node(self, address: Address) -> _LoopPool:
+        """Cluster: the pool of the node at address on this loop (made when first used)."""
+        pool = self.nodes.get(address)
+        if pool is None:
+            options = dataclasses.replace(self.options, host=address[0], port=address[1],
+                                          mode="single", nodes=())
+            pool = self.nodes[address] = _LoopPool(self.limiter, self.loop, options)
+        return pool
+
     async def _open(self) -> _Connection:
         limiter = self.limiter
-        options = limiter._options
+        options = self.options
         conn = _Connection(self, limiter._socket_timeout)
         where = options.describe()
         try:
@@ -351,6 +389,8 @@ class _LoopPool:
         for conn in list(self.connections):
             conn.close(exc)
         self.connections.clear()
+        for pool in list(self.nodes.values()):
+            pool.close_all(exc)
 
 
 class AsyncRateLimiter:
@@ -378,7 +418,9 @@ class AsyncRateLimiter:
         self._ssl = _ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock
-        self._codec = _native.Codec(key_prefix, client_clock=clock == "client")
+        cluster = options.mode == "cluster"
+        self._codec = _native.Codec(key_prefix, client_clock=clock == "client", hash_tag=cluster)
+        self._slot_map = SlotMap(options.nodes, options.tls) if cluster else None
         self._connect_timeout = float(native["connect_timeout"])
         self._socket_timeout = float(native["socket_timeout"])
         self.max_connections = max_connections
@@ -429,11 +471,111 @@ class AsyncRateLimiter:
 
     async def _run(self, request: Any) -> Any:
         """Sends one Request of the codec and waits for its answer."""
+        if self._slot_map is not None:
+            return await self._run_cluster(request)
         pool = self._pool()
         conn = pool.pick()
         if conn is None:
             conn = await pool.get()
         return await conn.submit(request)
+
+    async def _run_cluster(self, request: Any) -> Any:
+        """Sends a Request to the node that serves its slot, following the cluster's
+        answers within the call's deadline: MOVED (the map is read again), ASK (ASKING, once,
+        on the node named), TRYAGAIN, CLUSTERDOWN and dead nodes (a pause, the map read
+        again). A decision whose connection broke was resent once on that node by the
+        replay rule and stays in its replay form, so no retry counts it twice. Each node has
+        its own connections on this loop: a batch of checks goes out per node."""
+        slot_map = self._slot_map
+        assert slot_map is not None
+        root = self._pool()
+        deadline = time.monotonic() + self._socket_timeout
+        ask: Address | None = None
+        error = RateLimiterUnavailable("the Redis Cluster redirected this call too often")
+        for _attempt in range(_CLUSTER_MAX_ATTEMPTS):
+            address = ask or slot_map.slots[request.slot]
+            if address is None:
+                await self._read_slot_map(root, deadline)
+                address = slot_map.slots[request.slot]
+                if address is None:
+                    raise RateLimiterUnavailable(f"no Redis Cluster node serves hash slot "
+                                                 f"{request.slot} (are all slots assigned?)")
+            pool = root.node(address)
+            try:
+                conn = pool.pick() or await pool.get()
+                if ask is not None:
+                    conn.command("ASKING").add_done_callback(_ignore_result)
+                    ask = None
+                return await conn.submit(request)
+            except RateLimiterTimeout:
+                raise
+            except RateLimiterUnavailable as exc:
+                if type(exc) is not RateLimiterUnavailable:  # a refused password
+                    raise
+                error = exc
+            answer = redirect_of(str(error))
+            if answer is not None and answer[1] is not None:
+                kind, slot, target = answer
+                if kind == "ASK":
+                    ask = target
+                    continue
+                slot_map.point(slot, target)  # MOVED: there now; the others may have moved too
+                await self._try_read_slot_map(root, deadline)
+                continue
+            # TRYAGAIN, CLUSTERDOWN, a dead node: give the failover or migration time.
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise error
+            await asyncio.sleep(min(_CLUSTER_PAUSE, left))
+            await self._try_read_slot_map(root, deadline)
+        raise error
+
+    async def _try_read_slot_map(self, root: _LoopPool, deadline: float) -> None:
+        try:
+            await self._read_slot_map(root, deadline)
+        except RateLimiterError:
+            pass  # the call's own error says more; it retries while time is left
+
+    async def _read_slot_map(self, root: _LoopPool, deadline: float) -> None:
+        """Reads the slot map from the first node that answers; concurrent callers on one
+        loop share one read."""
+        if root.refreshing is None:
+            root.refreshing = self._pool().loop.create_task(self._slot_map_task(root, deadline))
+        task = root.refreshing
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done() and root.refreshing is task:
+                root.refreshing = None
+
+    async def _slot_map_task(self, root: _LoopPool, deadline: float) -> None:
+        slot_map = self._slot_map
+        assert slot_map is not None
+        error: Exception = RateLimiterUnavailable("no Redis Cluster node is known")
+        for address in slot_map.node_order():
+            if time.monotonic() >= deadline:
+                break
+            pool = root.node(address)
+            try:
+                conn = pool.pick() or await pool.get()
+                shards = True
+                try:
+                    reply = await conn.command("CLUSTER", "SHARDS")
+                except RateLimiterUnavailable as exc:
+                    if "answered an error" not in str(exc):
+                        raise
+                    shards = False  # before Redis 7
+                    reply = await conn.command("CLUSTER", "SLOTS")
+                slot_map.install(reply, address, shards)
+                return
+            except (RateLimiterError, ValueError, LookupError, TypeError) as exc:
+                error = exc if isinstance(exc, RateLimiterError) else RateLimiterUnavailable(
+                    f"Redis Cluster node {address[0]}:{address[1]} answered a malformed slot "
+                    f"map: {exc}")
+                if isinstance(exc, RateLimiterError) and not isinstance(
+                        exc, RateLimiterUnavailable):
+                    raise  # closed
+        raise error
 
     async def check(self, user_id: str, limit: int, window_seconds: int, *,
                     cost: int = 1) -> tuple[bool, int, int]:
@@ -443,6 +585,8 @@ class AsyncRateLimiter:
         request = self._codec.check(user_id, limit, window_seconds, cost=cost)
         if type(request) is tuple:  # the kill switch answered
             return request
+        if self._slot_map is not None:
+            return await self._run_cluster(request)  # type: ignore[no-any-return]
         # _run's body, inline: the hottest call is spared a coroutine frame.
         pool = self._pool()
         conn = pool.pick()

@@ -548,7 +548,10 @@ rl_routed_call_run(rl_routed_call *rc, rl_error *err)
             return RL_OK;
         }
         if (++rc->attempts >= RL_CLUSTER_MAX_ATTEMPTS)
-            return st;
+            return st == RL_ERR_REDIRECT
+                       ? rl_error_set(err, RL_ERR_IO, "the Redis Cluster redirected a call %d times",
+                                      RL_CLUSTER_MAX_ATTEMPTS)
+                       : st;
         int slot, index;
         switch (st) {
         case RL_ERR_REDIRECT:
@@ -573,9 +576,16 @@ rl_routed_call_run(rl_routed_call *rc, rl_error *err)
         default:
             return st; /* a timeout, an error reply, garbage: as on a single node */
         }
-        rl_error last = *err;
         if (pause_before_retry(rc->deadline) < 0) {
-            *err = last;
+            if (st == RL_ERR_REDIRECT) {
+                /* Not the single-node hint (module.c): this is a cluster that stayed busy. */
+                char said[200];
+                snprintf(said, sizeof(said), "%.199s", err->message);
+                return rl_error_set(err, RL_ERR_IO,
+                                    "the Redis Cluster answered %.200s until the call's deadline "
+                                    "(socket_timeout)",
+                                    said);
+            }
             return st;
         }
         (void)refresh(c, rc->deadline, &rc->refresh_error);

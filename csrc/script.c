@@ -311,6 +311,11 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
                                 "the Redis server requires authentication: put the password "
                                 "in the URL (%.120s)",
                                 reply->str);
+        if (rl_reply_is_error(reply, "CROSSSLOT"))
+            return rl_error_set(err, RL_ERR_SERVER,
+                                "Redis answered %.200s: the server is a Redis Cluster node; use a "
+                                "redis+cluster:// URL",
+                                reply->str);
         if (rl_reply_is_error(reply, "OOM"))
             return rl_error_set(err, RL_ERR_SERVER,
                                 "Redis is out of memory (used memory > maxmemory, noeviction): "

@@ -525,6 +525,10 @@ class AsyncRateLimiter:
             # TRYAGAIN, CLUSTERDOWN, a dead node: give the failover or migration time.
             left = deadline - time.monotonic()
             if left <= 0:
+                if answer is not None:  # not the single-node hint: a cluster that stayed busy
+                    raise RateLimiterUnavailable(
+                        f"the Redis Cluster answered {answer[0]} until the call's deadline "
+                        "(socket_timeout)") from None
                 raise error
             await asyncio.sleep(min(_CLUSTER_PAUSE, left))
             await self._try_read_slot_map(root, deadline)

@@ -36,6 +36,7 @@ from helpers_async import (
     loop_factory_of,
 )
 from helpers_core import closed_port_url
+from redis_cluster import RedisCluster
 from redis_server import RedisServer, env_redis_url
 
 # The kill switch must never leak in from the developer's shell.
@@ -54,6 +55,26 @@ def redis_url() -> Iterator[str]:
         return
     with RedisServer() as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_session() -> Iterator[RedisCluster]:
+    """A real 6-node Redis Cluster (3 masters, 3 replicas) on free loopback ports, started
+    once per session (about 2 s) and stopped by pid. Tests must not kill its nodes: the
+    failover tests start clusters of their own."""
+    cluster = RedisCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_session: RedisCluster) -> RedisCluster:
+    """The session's cluster, every master flushed before the test."""
+    redis_cluster_session.flush()
+    return redis_cluster_session
 
 
 @pytest.fixture

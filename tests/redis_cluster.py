@@ -53,17 +53,24 @@ class RedisCluster:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every live node says cluster_state:ok and agrees on 3 serving masters."""
+        """Until every live node says cluster_state:ok, 3 masters serve the slots and every
+        live replica is in sync with its master."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 if all("cluster_state:ok" in self.cli(n, "cluster", "info")
-                       for n in self.alive()) and len(self.masters()) == 3:
+                       for n in self.alive()) and len(self.masters()) == 3 and all(
+                           self.replica_linked(n) for n in self.alive()):
                     return
             except RuntimeError:
                 pass
             time.sleep(0.05)  # polling a condition, bounded by the deadline
         raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def replica_linked(self, node: RedisServer) -> bool:
+        """A master, or a replica whose first sync is done (it can take over only then)."""
+        info = self.cli(node, "info", "replication")
+        return "role:master" in info or "master_link_status:up" in info
 
     def masters(self) -> list[RedisServer]:
         """The live nodes that serve slots now."""

@@ -1,0 +1,200 @@
+"""Redis Cluster faults under load, on a cluster of this module's own (the session's stays
+whole): a master killed with SIGKILL (its replica takes over), and slots resharded with
+`redis-cli --cluster reshard`. Real processes, real failovers; every load loop is bounded in
+count and time."""
+
+from __future__ import annotations
+
+import asyncio
+import binascii
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from redis.cluster import RedisCluster as ClusterClient
+
+from genai_ratelimit import RateLimiterError
+from helpers_async import LimiterFactory, run_async
+from redis_cluster import RedisCluster, redis_cli
+
+pytestmark = [pytest.mark.slow, pytest.mark.limiter_kinds(
+    "sync", "asyncio", reason="uvloop drives the same asyncio code; each failover costs seconds")]
+
+LIMIT = 20
+CALLERS = 8
+SOCKET_TIMEOUT = 1.0
+
+
+def slot_of(user: str) -> int:
+    """The hash slot of a user's keys (its tag has no brace or '%' here): CRC16-XMODEM."""
+    return binascii.crc_hqx(user.encode(), 0) % 16384
+
+
+@pytest.fixture(scope="module")
+def own_cluster() -> Iterator[RedisCluster]:
+    cluster = RedisCluster()
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def cluster(own_cluster: RedisCluster) -> RedisCluster:
+    own_cluster.restart_missing()
+    own_cluster.flush()
+    return own_cluster
+
+
+class Load:
+    """CALLERS callers checking users round-robin (limit LIMIT per minute) until stop() or
+    a time bound; each check recorded as (start, end, outcome) where outcome is True/False
+    (allowed/rejected) or the exception."""
+
+    def __init__(self, make_limiter: LimiterFactory, url: str, users: list[str],
+                 max_seconds: float = 20.0) -> None:
+        self.records: list[tuple[float, float, Any, str]] = []
+        self.stopping = threading.Event()
+        self.max_seconds = max_seconds
+        self.users = users
+        self._thread = threading.Thread(target=self._run, args=(make_limiter, url))
+
+    def __enter__(self) -> Load:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopping.set()
+        self._thread.join(30)
+
+    def wait_for(self, count: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.records) < count:
+            assert time.monotonic() < deadline, "the load made no progress"
+            time.sleep(0.01)  # polling a condition, bounded
+
+    def _record(self, user: str, start: float, outcome: Any) -> None:
+        self.records.append((start, time.monotonic(), outcome, user))
+
+    def _run(self, make_limiter: LimiterFactory, url: str) -> None:
+        until = time.monotonic() + self.max_seconds
+        if not make_limiter.is_async:
+            limiter = make_limiter(url, socket_timeout=SOCKET_TIMEOUT, max_connections=CALLERS)
+
+            def caller(k: int) -> None:
+                i = k
+                while not self.stopping.is_set() and time.monotonic() < until:
+                    user = self.users[i % len(self.users)]
+                    i += CALLERS
+                    start = time.monotonic()
+                    try:
+                        outcome: Any = limiter.check(user, LIMIT, 60)[0]
+                    except RateLimiterError as exc:
+                        outcome = exc
+                    self._record(user, start, outcome)
+
+            threads = [threading.Thread(target=caller, args=(k,)) for k in range(CALLERS)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            return
+        native = make_limiter.native(url, socket_timeout=SOCKET_TIMEOUT)
+
+        async def caller(k: int) -> None:
+            i = k
+            while not self.stopping.is_set() and time.monotonic() < until:
+                user = self.users[i % len(self.users)]
+                i += CALLERS
+                start = time.monotonic()
+                try:
+                    outcome: Any = (await native.check(user, LIMIT, 60))[0]
+                except RateLimiterError as exc:
+                    outcome = exc
+                self._record(user, start, outcome)
+                await asyncio.sleep(0)
+
+        async def main() -> None:
+            await asyncio.gather(*(caller(k) for k in range(CALLERS)))
+            await native.aclose()
+
+        run_async(main(), make_limiter.loop_factory)
+
+
+def allowed_per_user(records: list[tuple[float, float, Any, str]],
+                     keep: Callable[[float], bool] = lambda start: True) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for start, _end, outcome, user in records:
+        if outcome is True and keep(start):
+            counts[user] = counts.get(user, 0) + 1
+    return counts
+
+
+def test_a_killed_master_fails_only_the_checks_of_the_failover_time(
+        make_limiter: LimiterFactory, cluster: RedisCluster) -> None:
+    users = [f"user_{i}" for i in range(600)]
+    victim = cluster.master_of_slot(slot_of(users[0]))
+    with Load(make_limiter, cluster.url, users) as load:
+        load.wait_for(300)
+        killed_at = time.monotonic()
+        victim.kill()  # SIGKILL: no goodbye on any connection
+        cluster.wait_ok()  # a replica was promoted; the cluster serves every slot again
+        recovered_at = time.monotonic()
+        count_at_recovery = len(load.records)
+        load.wait_for(count_at_recovery + 600)
+    failures = [r for r in load.records if isinstance(r[2], Exception)]
+    # Failures only for checks that ran while the failover was under way.
+    assert all(killed_at - SOCKET_TIMEOUT <= start <= recovered_at for start, *_ in failures), \
+        failures[:3]
+    after = [r for r in load.records if r[0] > recovered_at]
+    assert after and not [r for r in after if isinstance(r[2], Exception)]
+    print(f"\nfailover {recovered_at - killed_at:.2f} s, {len(failures)} of "
+          f"{len(load.records)} checks failed")
+    # No user ever holds more than its limit, and the rest of its budget is exact.
+    client = ClusterClient(host="127.0.0.1", port=cluster.alive()[0].port)
+    try:
+        probe = make_limiter(cluster.url)
+        for user in users[:200]:
+            held = client.zcard(f"ratelimit:{{{user}}}:60")
+            assert held <= LIMIT
+            more = 0
+            while probe.check(user, LIMIT, 60)[0]:
+                more += 1
+                assert more <= LIMIT
+            assert held + more == LIMIT
+    finally:
+        client.close()
+
+
+def test_resharding_under_load_answers_every_check_exactly(
+        make_limiter: LimiterFactory, cluster: RedisCluster) -> None:
+    """Slots move between masters (redis-cli --cluster reshard: MIGRATE, ASK, TRYAGAIN,
+    MOVED) while the checks run: every check is answered, and every user gets exactly its
+    limit."""
+    source = cluster.master_of_slot(0)
+    target = next(n for n in cluster.masters() if n is not source)
+    moving = 200  # reshard moves the source's lowest slots first
+    users = [u for u in (f"user_{i}" for i in range(200_000)) if slot_of(u) < moving][:150]
+    users += [f"other_{i}" for i in range(150)]
+    source_id = cluster.cli(source, "cluster", "myid").strip()
+    target_id = cluster.cli(target, "cluster", "myid").strip()
+    with Load(make_limiter, cluster.url, users) as load:
+        load.wait_for(200)
+        redis_cli("--cluster", "reshard", f"127.0.0.1:{source.port}", "--cluster-from",
+                  source_id, "--cluster-to", target_id, "--cluster-slots", str(moving),
+                  "--cluster-yes", "--cluster-pipeline", "10", timeout=60)
+        cluster.wait_ok()
+        load.wait_for(len(users) * (LIMIT + 3))
+    errors = [r for r in load.records if isinstance(r[2], Exception)]
+    assert not errors, errors[:3]
+    assert cluster.master_of_slot(0) is target
+    counts = allowed_per_user(load.records)
+    assert set(counts.values()) == {LIMIT}
+    # Give the slots back, for the next test.
+    redis_cli("--cluster", "reshard", f"127.0.0.1:{target.port}", "--cluster-from", target_id,
+              "--cluster-to", source_id, "--cluster-slots", str(moving), "--cluster-yes",
+              timeout=60)
+    cluster.wait_ok()

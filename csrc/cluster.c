@@ -18,6 +18,11 @@
  * reload is per connection (proto.c), so a promoted replica loads the script by itself.
  *
  * The map comes from CLUSTER SHARDS (Redis 7), or CLUSTER SLOTS where that is unknown.
+ *
+ * Sentinel mode uses the same call with one destination: the master that the sentinels
+ * name (SENTINEL get-master-addr-by-name), asked again when it is gone (a connection
+ * refused or broken mid-call: the replay rule holds) or answers READONLY (a demoted
+ * master: nothing ran), until the call's deadline.
  * Nodes are never forgotten (a cluster has few): a node's pool is only ever added.
  *
  * Why not hiredis-cluster / libvalkey: neither is packaged in Debian 12, the wheel and
@@ -137,8 +142,8 @@ node_index(rl_cluster *c, const char *host, size_t host_len, int port)
     rl_node *node = calloc(1, sizeof(*node));
     const rl_config *base = &c->base;
     if (name == NULL || node == NULL ||
-        rl_config_init(&node->pool.config, name, port, NULL, 0, base->username, base->password,
-                       base->connect_timeout, base->socket_timeout) < 0) {
+        rl_config_init(&node->pool.config, name, port, NULL, base->db, base->username,
+                       base->password, base->connect_timeout, base->socket_timeout) < 0) {
         free(name);
         free(node);
         return -1;
@@ -160,9 +165,38 @@ node_index(rl_cluster *c, const char *host, size_t host_len, int port)
     return c->node_count++;
 }
 
-int
-rl_cluster_init(rl_cluster *c, int max_open)
+/* A sentinel's pool: its own address, no credentials (the URL's are the data nodes'), the
+   same timeouts and TLS. NULL when out of memory. */
+static rl_node *
+sentinel_new(const rl_cluster *c, const char *host, int port)
 {
+    const rl_config *base = &c->base;
+    rl_node *node = calloc(1, sizeof(*node));
+    if (node == NULL || rl_config_init(&node->pool.config, host, port, NULL, 0, NULL, NULL,
+                                       base->connect_timeout, base->socket_timeout) < 0) {
+        free(node);
+        return NULL;
+    }
+    if (base->ssl_ctx != NULL) {
+        SSL_CTX_up_ref(base->ssl_ctx);
+        node->pool.config.ssl_ctx = base->ssl_ctx;
+        node->pool.config.tls = 1;
+        node->pool.config.tls_verify = base->tls_verify;
+    }
+    if (rl_pool_init(&node->pool, 2) < 0) { /* a question now and then */
+        rl_config_clear(&node->pool.config);
+        free(node);
+        return NULL;
+    }
+    return node;
+}
+
+int
+rl_cluster_init(rl_cluster *c, int max_open, const char *master_name)
+{
+    c->master = -1;
+    if (master_name != NULL && (c->master_name = strdup(master_name)) == NULL)
+        return -1;
     int rc = pthread_mutex_init(&c->mutex, NULL);
     if (rc != 0) {
         errno = rc;
@@ -178,7 +212,15 @@ rl_cluster_init(rl_cluster *c, int max_open)
 int
 rl_cluster_add_seed(rl_cluster *c, const char *host, int port)
 {
-    return node_index(c, host, strlen(host), port) < 0 ? -1 : 0;
+    if (c->master_name == NULL)
+        return node_index(c, host, strlen(host), port) < 0 ? -1 : 0;
+    if (c->sentinel_count == RL_CLUSTER_MAX_NODES)
+        return -1;
+    rl_node *sentinel = sentinel_new(c, host, port);
+    if (sentinel == NULL)
+        return -1;
+    c->sentinels[c->sentinel_count++] = sentinel;
+    return 0;
 }
 
 /* A copy of the node list (nodes are never removed: the pointers stay valid). */
@@ -202,11 +244,21 @@ rl_cluster_close(rl_cluster *c)
     int n = nodes_snapshot(c, nodes);
     for (int i = 0; i < n; i++)
         rl_pool_close(&nodes[i]->pool);
+    for (int i = 0; i < c->sentinel_count; i++) /* fixed after init */
+        rl_pool_close(&c->sentinels[i]->pool);
 }
 
 void
 rl_cluster_destroy(rl_cluster *c)
 {
+    for (int i = 0; i < c->sentinel_count; i++) {
+        rl_pool_destroy(&c->sentinels[i]->pool);
+        rl_config_clear(&c->sentinels[i]->pool.config);
+        free(c->sentinels[i]);
+    }
+    c->sentinel_count = 0;
+    free(c->master_name);
+    c->master_name = NULL;
     if (!c->initialized) {
         rl_config_clear(&c->base);
         return;
@@ -228,6 +280,8 @@ rl_cluster_after_fork(rl_cluster *c)
     (void)pthread_mutex_init(&c->mutex, NULL);
     for (int i = 0; i < c->node_count; i++)
         rl_pool_after_fork(&c->nodes[i]->pool);
+    for (int i = 0; i < c->sentinel_count; i++)
+        rl_pool_after_fork(&c->sentinels[i]->pool);
 }
 
 int
@@ -377,11 +431,59 @@ parse_shards(rl_cluster *c, const redisReply *r, short *map, const rl_config *as
     return RL_OK;
 }
 
-/* Asks the nodes, one after another, for the slot map, and installs the first answer.
-   RL_OK, or the last node's error. */
+/* Sentinel mode: asks the sentinels, one after another, where the master is, and points
+   every decision there. RL_OK, or the last sentinel's error. */
+static rl_status
+ask_sentinels(rl_cluster *c, double deadline, rl_error *err)
+{
+    rl_status st = rl_error_set(err, RL_ERR_CONNECT, "no sentinel is known");
+    pthread_mutex_lock(&c->mutex);
+    unsigned long first = c->refreshes;
+    pthread_mutex_unlock(&c->mutex);
+    for (int k = 0; k < c->sentinel_count; k++) {
+        rl_node *sentinel = c->sentinels[(k + first) % (unsigned long)c->sentinel_count];
+        const char *argv[3] = {"SENTINEL", "get-master-addr-by-name", c->master_name};
+        size_t argvlen[3] = {8, 23, strlen(c->master_name)};
+        redisReply *reply = NULL;
+        st = rl_pool_command(&sentinel->pool, 3, argv, argvlen, deadline, &reply, err);
+        if (st == RL_ERR_CLOSED || st == RL_ERR_NOMEM)
+            break;
+        if (st != RL_OK)
+            continue;
+        long port = 0;
+        if (reply->type == REDIS_REPLY_ARRAY && reply->elements == 2 &&
+            reply->element[0]->type == REDIS_REPLY_STRING &&
+            reply->element[1]->type == REDIS_REPLY_STRING)
+            port = strtol(reply->element[1]->str, NULL, 10);
+        if (port < 1 || port > 65535) {
+            st = rl_error_set(err, RL_ERR_CONNECT,
+                              "the sentinel at %s:%d does not know a master named %.100s",
+                              sentinel->pool.config.host, sentinel->pool.config.port,
+                              c->master_name);
+            freeReplyObject(reply);
+            continue;
+        }
+        pthread_mutex_lock(&c->mutex);
+        int index = node_index(c, reply->element[0]->str, reply->element[0]->len, (int)port);
+        if (index >= 0)
+            c->master = index;
+        c->refreshes++;
+        pthread_mutex_unlock(&c->mutex);
+        freeReplyObject(reply);
+        return index >= 0 ? RL_OK
+                          : rl_error_set(err, RL_ERR_NOMEM, "too many Redis nodes (over %d)",
+                                         RL_CLUSTER_MAX_NODES);
+    }
+    return st;
+}
+
+/* Asks the nodes, one after another, for the slot map, and installs the first answer
+   (in sentinel mode: asks the sentinels for the master). RL_OK, or the last error. */
 static rl_status
 refresh(rl_cluster *c, double deadline, rl_error *err)
 {
+    if (c->master_name != NULL)
+        return ask_sentinels(c, deadline, err);
     rl_node *nodes[RL_CLUSTER_MAX_NODES];
     short *map = malloc(sizeof(short) * RL_CLUSTER_SLOTS);
     int n = nodes_snapshot(c, nodes);
@@ -432,13 +534,15 @@ route(rl_cluster *c, int slot, double deadline, rl_node **out, rl_error *err)
 {
     for (int attempt = 0;; attempt++) {
         pthread_mutex_lock(&c->mutex);
-        int closed = c->closed, index = c->slots[slot];
+        int closed = c->closed, index = c->master_name != NULL ? c->master : c->slots[slot];
         *out = index >= 0 ? c->nodes[index] : NULL;
         pthread_mutex_unlock(&c->mutex);
         if (closed)
             return rl_error_set(err, RL_ERR_CLOSED, "the rate limiter is closed");
         if (*out != NULL)
             return RL_OK;
+        if (attempt == 1 && c->master_name != NULL)
+            return rl_error_set(err, RL_ERR_CONNECT, "the sentinels named no master");
         if (attempt == 1)
             return rl_error_set(err, RL_ERR_CONNECT,
                                 "no Redis Cluster node serves hash slot %d (are all slots "
@@ -573,6 +677,12 @@ rl_routed_call_run(rl_routed_call *rc, rl_error *err)
         case RL_ERR_CONNECT:
         case RL_ERR_IO:
             break; /* a dead node: its replica takes over within the failover time */
+        case RL_ERR_SERVER:
+            /* Sentinel: a demoted master refuses the script's first write (its trim), so
+               nothing ran: ask the sentinels for the new one. */
+            if (c->master_name != NULL && strstr(err->message, "READONLY") != NULL)
+                break;
+            return st;
         default:
             return st; /* a timeout, an error reply, garbage: as on a single node */
         }

@@ -81,10 +81,12 @@ Limiter_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(k
     return (PyObject *)self;
 }
 
-/* Cluster mode: the pool's config (credentials, timeouts, TLS) becomes every node's, and
-   nodes, a sequence of (host, port), the seeds. 0, or -1 with an exception. */
+/* Cluster mode: the pool's config (credentials, db, timeouts, TLS) becomes every node's,
+   and nodes, a sequence of (host, port), the seeds; with sentinel_master, nodes are the
+   sentinels that name that master. 0, or -1 with an exception. */
 static int
-configure_cluster(LimiterObject *self, PyObject *nodes, int max_connections)
+configure_cluster(LimiterObject *self, PyObject *nodes, int max_connections,
+                  const char *sentinel_master)
 {
     PyObject *seq = PySequence_Fast(nodes, "cluster_nodes must be a sequence of (host, port)");
     if (seq == NULL)
@@ -102,7 +104,7 @@ configure_cluster(LimiterObject *self, PyObject *nodes, int max_connections)
     c->base = self->pool.config; /* moved: the single-node pool is not used */
     memset(&self->pool.config, 0, sizeof(self->pool.config));
     self->cluster = c;
-    if (rl_cluster_init(c, max_connections) < 0) {
+    if (rl_cluster_init(c, max_connections, sentinel_master) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto error;
     }
@@ -136,7 +138,7 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
                                "username",   "password",     "connect_timeout", "socket_timeout",
                                "key_prefix", "client_clock", "max_connections", "tls",
                                "ssl_verify", "ssl_ca_certs", "ssl_certfile",    "ssl_keyfile",
-                               "cluster_nodes", NULL};
+                               "cluster_nodes", "sentinel_master", NULL};
     const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
     const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
     Py_ssize_t prefix_len = 9;
@@ -144,16 +146,17 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
     long long db = 0;
     double connect_timeout = 1.0, socket_timeout = 1.0;
     PyObject *cluster_nodes = NULL;
+    const char *sentinel_master = NULL;
 
     if (self->configured) {
         PyErr_SetString(PyExc_RuntimeError, "a limiter is configured once, by its constructor");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzO", keywords, &host, &port,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzOz", keywords, &host, &port,
                                      &unix_path, &db, &username, &password, &connect_timeout,
                                      &socket_timeout, &prefix, &prefix_len, &client_clock,
                                      &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile,
-                                     &cluster_nodes))
+                                     &cluster_nodes, &sentinel_master))
         return -1;
     if (host == NULL && unix_path == NULL) {
         PyErr_SetString(PyExc_ValueError, "a host or a unix socket path is needed");
@@ -211,7 +214,7 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         }
     }
     if (cluster_nodes != NULL && cluster_nodes != Py_None) {
-        if (configure_cluster(self, cluster_nodes, max_connections) < 0)
+        if (configure_cluster(self, cluster_nodes, max_connections, sentinel_master) < 0)
             return -1;
     } else if (rl_pool_init(&self->pool, max_connections) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
@@ -319,7 +322,7 @@ run(LimiterObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject 
     PyObject *user_id;
     if (rl_parse_request(shape, args, nargs, kwnames, &p, &user_id) < 0)
         return NULL;
-    p.hash_tag = self->cluster != NULL;
+    p.hash_tag = self->cluster != NULL && self->cluster->master_name == NULL;
     return decide(self, state_of(defining_class), user_id, &p);
 }
 
@@ -459,7 +462,8 @@ PyDoc_STRVAR(Limiter_doc,
 "Limiter(*, host=None, port=6379, unix_path=None, db=0, username=None, password=None,\n"
 "        connect_timeout=1.0, socket_timeout=1.0, key_prefix='ratelimit',\n"
 "        client_clock=False, max_connections=32, tls=False, ssl_verify=True,\n"
-"        ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None, cluster_nodes=None)\n--\n\n"
+"        ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None, cluster_nodes=None,\n"
+"        sentinel_master=None)\n--\n\n"
 "The C core of genai_ratelimit.RateLimiter; use that class, which takes a URL.");
 
 static PyType_Slot Limiter_slots[] = {

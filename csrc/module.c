@@ -30,6 +30,22 @@ get_state(PyObject *module)
     return (rl_module_state *)PyModule_GetState(module);
 }
 
+/* Tags exc with the rl_status it reports (attribute _rl_status): the asyncio limiter's
+   cluster router retries by kind (a refused connection, a broken one, a redirect), not by
+   message. Steals exc; returns it, or NULL. */
+static PyObject *
+with_status(PyObject *exc, rl_status kind)
+{
+    PyObject *value = exc != NULL ? PyLong_FromLong((long)kind) : NULL;
+    if (value == NULL || PyObject_SetAttrString(exc, "_rl_status", value) < 0) {
+        Py_XDECREF(value);
+        Py_XDECREF(exc);
+        return NULL;
+    }
+    Py_DECREF(value);
+    return exc;
+}
+
 PyObject *
 rl_exception(rl_module_state *state, const rl_error *err)
 {
@@ -56,7 +72,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
             return NULL;
         exc = PyObject_CallOneArg(state->Unavailable, text);
         Py_DECREF(text);
-        return exc;
+        return with_status(exc, err->kind);
     }
     case RL_OK: /* a bug: report it rather than fail without an exception */
         return PyObject_CallFunction(PyExc_SystemError, "s",
@@ -73,7 +89,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
         return NULL;
     PyObject *exc = PyObject_CallOneArg(type, message);
     Py_DECREF(message);
-    return exc;
+    return with_status(exc, err->kind);
 }
 
 PyObject *
@@ -189,7 +205,12 @@ module_exec(PyObject *module)
     if (PyModule_AddIntConstant(module, "MAX_WINDOWS", RL_MAX_WINDOWS) < 0 ||
         add_long_long(module, "MAX_LIMIT", RL_MAX_LIMIT) < 0 ||
         add_long_long(module, "MAX_WINDOW_SECONDS", RL_MAX_WINDOW_SECONDS) < 0 ||
-        add_long_long(module, "MAX_TIMEOUT_SECONDS", (long long)RL_MAX_TIMEOUT_SECONDS) < 0)
+        add_long_long(module, "MAX_TIMEOUT_SECONDS", (long long)RL_MAX_TIMEOUT_SECONDS) < 0 ||
+        /* The _rl_status of an exception whose call a cluster may send elsewhere. */
+        PyModule_AddIntConstant(module, "STATUS_CONNECT", RL_ERR_CONNECT) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_IO", RL_ERR_IO) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_SERVER", RL_ERR_SERVER) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_REDIRECT", RL_ERR_REDIRECT) < 0)
         goto done;
     rc = 0;
 done:

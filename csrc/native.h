@@ -323,7 +323,8 @@ typedef struct {
     rl_pool pool; /* connections to this node; pool.config names it */
 } rl_node;
 
-/* A Redis Cluster: its nodes (seeds first, never removed) and which serves each slot. */
+/* A Redis Cluster: its nodes (seeds first, never removed) and which serves each slot; or
+   the master of a Sentinel set (the same machinery with one destination). */
 typedef struct {
     pthread_mutex_t mutex;                /* guards the fields below but base and max_open */
     rl_node *nodes[RL_CLUSTER_MAX_NODES]; /* every node met, each with its pool */
@@ -333,11 +334,18 @@ typedef struct {
     int closed;                    /* close() was called */
     int initialized;               /* the mutex exists */
     int max_open;                  /* connections per node */
-    rl_config base;                /* credentials, timeouts, TLS context: every node's */
+    rl_config base;                /* credentials, db, timeouts, TLS context: every node's */
+    /* Sentinel mode (master_name set): every decision goes to nodes[master], which the
+       sentinels name; asked again when it is gone or answers READONLY. */
+    char *master_name;                        /* the sentinels' name of the master, or NULL */
+    rl_node *sentinels[RL_CLUSTER_MAX_NODES]; /* the URL's sentinels (no credentials) */
+    int sentinel_count;
+    int master; /* index into nodes of the master, -1 before the sentinels were asked */
 } rl_cluster;
 
-/* GIL held: set up (c->base filled first), the URL's seed nodes, the fork child's reset. */
-int rl_cluster_init(rl_cluster *c, int max_open);              /* 0, or -1 with errno */
+/* GIL held: set up (c->base filled first; master_name for a Sentinel set), the URL's seed
+   nodes (the sentinels in sentinel mode), the fork child's reset. */
+int rl_cluster_init(rl_cluster *c, int max_open, const char *master_name); /* 0 / -1, errno */
 int rl_cluster_add_seed(rl_cluster *c, const char *host, int port); /* 0, or -1 */
 void rl_cluster_after_fork(rl_cluster *c);
 void rl_cluster_destroy(rl_cluster *c);

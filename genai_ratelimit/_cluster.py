@@ -1,6 +1,6 @@
-"""Redis Cluster for the asyncio limiter: the slot map, read from CLUSTER SHARDS (Redis 7)
-or CLUSTER SLOTS, and the cluster's answers (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) told
-apart. The blocking limiter does the same in C (csrc/cluster.c); the hash slot of a
+"""Redis Cluster and Sentinel for the asyncio limiter: the slot map, read from CLUSTER
+SHARDS (Redis 7) or CLUSTER SLOTS, or the master that the sentinels name; and the cluster's
+answers (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) told apart. The blocking limiter does the same in C (csrc/cluster.c); the hash slot of a
 decision is computed once, in C, when the codec formats it (Request.slot)."""
 
 from __future__ import annotations
@@ -42,14 +42,30 @@ def _flat_map(value: Any) -> dict[str, Any]:
 
 
 class SlotMap:
-    """Which node serves each hash slot; shared by every event loop of one limiter. Nodes
-    are kept once met: seeds first."""
+    """Which node serves each hash slot, shared by every event loop of one limiter; nodes
+    are kept once met, seeds first. In sentinel mode (master_name) `nodes` are the
+    sentinels and every slot is the master's."""
 
-    def __init__(self, seeds: tuple[Address, ...], tls: bool) -> None:
+    def __init__(self, seeds: tuple[Address, ...], tls: bool,
+                 master_name: str | None = None) -> None:
         self.nodes: list[Address] = list(seeds)
         self.slots: list[Address | None] = [None] * SLOTS
         self.tls = tls
         self.refreshes = 0
+        self.master_name = master_name
+        self.master: Address | None = None
+
+    def destination(self, slot: int) -> Address | None:
+        """Where a decision of this slot goes (None: read the map first)."""
+        return self.master if self.master_name is not None else self.slots[slot]
+
+    def install_master(self, reply: Any, asked: Address) -> None:
+        """SENTINEL get-master-addr-by-name's reply: [host, port]. ValueError otherwise."""
+        if not isinstance(reply, list) or len(reply) != 2:
+            raise ValueError(f"the sentinel at {asked[0]}:{asked[1]} does not know a master "
+                             f"named {self.master_name}")
+        self.master = (_text(reply[0]), int(reply[1]))
+        self.refreshes += 1
 
     def node_order(self) -> list[Address]:
         """The nodes to ask for the map, starting from a different one each time."""

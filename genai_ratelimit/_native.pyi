@@ -10,6 +10,10 @@ SCRIPT_SOURCE: str
 RECONCILE_SHA1: str
 RECONCILE_SOURCE: str
 HIREDIS_VERSION: str  # "major.minor.patch" of the hiredis headers compiled against
+STATUS_CONNECT: int
+STATUS_IO: int
+STATUS_SERVER: int
+STATUS_REDIRECT: int
 MAX_WINDOWS: int
 MAX_LIMIT: int
 MAX_WINDOW_SECONDS: int
@@ -42,6 +46,7 @@ class Limiter:
         ssl_certfile: str | None = ...,
         ssl_keyfile: str | None = ...,
         cluster_nodes: Sequence[tuple[str, int]] | None = ...,
+        sentinel_master: str | None = ...,
     ) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1

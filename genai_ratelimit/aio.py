@@ -74,6 +74,22 @@ def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
     return context
 
 
+# The C errors that a cluster or a Sentinel set may answer elsewhere (csrc/cluster.c keeps
+# the same rule): a refused or broken connection, a cluster redirect, and, behind
+# sentinels, a demoted master's READONLY. The errors aio.py makes itself (a connection lost
+# or refused) carry no status and are all of that kind.
+_ELSEWHERE = frozenset({_native.STATUS_CONNECT, _native.STATUS_IO, _native.STATUS_REDIRECT})
+
+
+def _may_go_elsewhere(exc: RateLimiterUnavailable, sentinel: bool) -> bool:
+    if isinstance(exc, RateLimiterTimeout) or type(exc) is not RateLimiterUnavailable:
+        return False  # past the deadline, or a refused password
+    status = getattr(exc, "_rl_status", None)
+    if status is None or status in _ELSEWHERE:
+        return True
+    return sentinel and status == _native.STATUS_SERVER and "READONLY" in str(exc)
+
+
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     """For a command nobody waits for (ASKING): a refusal shows in the next reply."""
     if not future.cancelled():
@@ -305,13 +321,17 @@ class _LoopPool:
         if not task.cancelled():
             task.exception()  # mark retrieved: every waiter got it already
 
-    def node(self, address: Address) -> _LoopPool:
-        """Cluster: the pool of the node at address on this loop (made when first used)."""
-        pool = self.nodes.get(address)
+    def node(self, address: Address, sentinel: bool = False) -> _LoopPool:
+        """Cluster or Sentinel: the pool of the node at address on this loop (made when
+        first used). A sentinel's has no credentials (the URL's are the data nodes')."""
+        key = (f"sentinel:{address[0]}", address[1]) if sentinel else address
+        pool = self.nodes.get(key)
         if pool is None:
             options = dataclasses.replace(self.options, host=address[0], port=address[1],
                                           mode="single", nodes=())
-            pool = self.nodes[address] = _LoopPool(self.limiter, self.loop, options)
+            if sentinel:
+                options = dataclasses.replace(options, username=None, password=None, db=0)
+            pool = self.nodes[key] = _LoopPool(self.limiter, self.loop, options)
         return pool
 
     async def _open(self) -> _Connection:
@@ -420,7 +440,8 @@ class AsyncRateLimiter:
         self._clock = clock
         cluster = options.mode == "cluster"
         self._codec = _native.Codec(key_prefix, client_clock=clock == "client", hash_tag=cluster)
-        self._slot_map = SlotMap(options.nodes, options.tls) if cluster else None
+        self._slot_map = (SlotMap(options.nodes, options.tls, options.master_name)
+                          if options.mode != "single" else None)
         self._connect_timeout = float(native["connect_timeout"])
         self._socket_timeout = float(native["socket_timeout"])
         self.max_connections = max_connections
@@ -483,7 +504,8 @@ class AsyncRateLimiter:
         """Sends a Request to the node that serves its slot, following the cluster's
         answers within the call's deadline: MOVED (the map is read again), ASK (ASKING, once,
         on the node named), TRYAGAIN, CLUSTERDOWN and dead nodes (a pause, the map read
-        again). A decision whose connection broke was resent once on that node by the
+        again). Sentinel: to the master the sentinels name, asked again when it is gone or
+        answers READONLY (a demoted master). A decision whose connection broke was resent once on that node by the
         replay rule and stays in its replay form, so no retry counts it twice. Each node has
         its own connections on this loop: a batch of checks goes out per node."""
         slot_map = self._slot_map
@@ -493,10 +515,10 @@ class AsyncRateLimiter:
         ask: Address | None = None
         error = RateLimiterUnavailable("the Redis Cluster redirected this call too often")
         for _attempt in range(_CLUSTER_MAX_ATTEMPTS):
-            address = ask or slot_map.slots[request.slot]
+            address = ask or slot_map.destination(request.slot)
             if address is None:
                 await self._read_slot_map(root, deadline)
-                address = slot_map.slots[request.slot]
+                address = slot_map.destination(request.slot)
                 if address is None:
                     raise RateLimiterUnavailable(f"no Redis Cluster node serves hash slot "
                                                  f"{request.slot} (are all slots assigned?)")
@@ -510,8 +532,8 @@ class AsyncRateLimiter:
             except RateLimiterTimeout:
                 raise
             except RateLimiterUnavailable as exc:
-                if type(exc) is not RateLimiterUnavailable:  # a refused password
-                    raise
+                if not _may_go_elsewhere(exc, sentinel=slot_map.master_name is not None):
+                    raise  # a refused password, an error reply of the node itself, garbage
                 error = exc
             answer = redirect_of(str(error))
             if answer is not None and answer[1] is not None:
@@ -559,9 +581,14 @@ class AsyncRateLimiter:
         for address in slot_map.node_order():
             if time.monotonic() >= deadline:
                 break
-            pool = root.node(address)
+            sentinel = slot_map.master_name is not None
+            pool = root.node(address, sentinel)
             try:
                 conn = pool.pick() or await pool.get()
+                if sentinel:  # Sentinel: where is the master now?
+                    slot_map.install_master(await conn.command(
+                        "SENTINEL", "get-master-addr-by-name", slot_map.master_name), address)
+                    return
                 shards = True
                 try:
                     reply = await conn.command("CLUSTER", "SHARDS")

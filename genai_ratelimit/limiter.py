@@ -39,6 +39,7 @@ class NativeOptions(TypedDict):
     ssl_certfile: str | None
     ssl_keyfile: str | None
     cluster_nodes: tuple[tuple[str, int], ...] | None
+    sentinel_master: str | None
 
 
 def _positive_seconds(name: str, value: float) -> float:
@@ -95,7 +96,8 @@ def limiter_options(
         ssl_ca_certs=options.ssl_ca_certs if options.tls_trust() not in (None, "system") else None,
         ssl_certfile=options.ssl_certfile,
         ssl_keyfile=options.ssl_keyfile,
-        cluster_nodes=options.nodes if options.mode == "cluster" else None,
+        cluster_nodes=options.nodes if options.mode != "single" else None,
+        sentinel_master=options.master_name,
     )
     return options, native
 

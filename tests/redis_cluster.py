@@ -110,3 +110,81 @@ class RedisCluster:
     def close(self) -> None:
         for node in self.nodes:
             node.close()
+
+
+class RedisSentinelSet:
+    """A master, a replica and 3 sentinels (redis-server --sentinel) watching it under the
+    name "mymaster", on free loopback ports; stopped by pid."""
+
+    NAME = "mymaster"
+    DOWN_AFTER_MS = 1000
+
+    def __init__(self) -> None:
+        self.master = RedisServer()
+        self.replica = RedisServer()
+        self.sentinels = [RedisServer() for _ in range(3)]  # their directories hold the configs
+
+    @property
+    def data_nodes(self) -> list[RedisServer]:
+        return [self.master, self.replica]
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{s.port}" for s in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.NAME}/0"
+
+    def start(self) -> None:
+        self.master.start()
+        self.replica.extra_args = ["--replicaof", "127.0.0.1", str(self.master.port)]
+        self.replica.start()
+        for sentinel in self.sentinels:
+            sentinel.port = free_port()
+            config = sentinel.directory / "sentinel.conf"
+            config.write_text(
+                f"port {sentinel.port}\nbind 127.0.0.1\ndir {sentinel.directory}\n"
+                f"logfile {sentinel.directory / 'sentinel.log'}\n"
+                f"sentinel monitor {self.NAME} 127.0.0.1 {self.master.port} 2\n"
+                f"sentinel down-after-milliseconds {self.NAME} {self.DOWN_AFTER_MS}\n"
+                f"sentinel failover-timeout {self.NAME} 10000\n")
+            sentinel.process = subprocess.Popen(
+                [sentinel.binary, str(config), "--sentinel"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.wait_ready()
+
+    def master_port(self) -> int:
+        """The master's port as the first live sentinel says it."""
+        for sentinel in self.sentinels:
+            try:
+                out = redis_cli("-p", str(sentinel.port), "sentinel",
+                                "get-master-addr-by-name", self.NAME).split()
+                return int(out[1])
+            except (RuntimeError, IndexError, ValueError):
+                continue
+        raise RuntimeError("no sentinel answered")
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until every sentinel sees the master, the replica and the 2 other sentinels, and
+        the replica is in sync."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                ready = all(
+                    "num-other-sentinels\n2" in redis_cli("-p", str(s.port), "sentinel",
+                                                          "master", self.NAME)
+                    for s in self.sentinels)
+                master = self.node_at(self.master_port())
+                replicas = [n for n in self.data_nodes if n is not master and n.process]
+                if ready and all("master_link_status:up" in redis_cli(
+                        "-p", str(n.port), "info", "replication") for n in replicas):
+                    return
+            except RuntimeError:
+                pass
+            time.sleep(0.05)  # polling a condition, bounded by the deadline
+        raise RuntimeError("the sentinels did not get ready")
+
+    def node_at(self, port: int) -> RedisServer:
+        return next(n for n in self.data_nodes if n.port == port)
+
+    def close(self) -> None:
+        for node in [*self.sentinels, *self.data_nodes]:
+            node.close()

@@ -30,7 +30,8 @@ class RedisCluster:
         self.nodes = [RedisServer("--cluster-enabled", "yes",
                                   "--cluster-config-file", "nodes.conf",
                                   "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
-                                  "--cluster-port", str(free_port()))
+                                  "--cluster-port", str(free_port()),
+                                  "--repl-diskless-sync-delay", "0")
                       for _ in range(masters * (1 + replicas_per_master))]
         self.replicas_per_master = replicas_per_master
 
@@ -120,8 +121,9 @@ class RedisSentinelSet:
     DOWN_AFTER_MS = 1000
 
     def __init__(self) -> None:
-        self.master = RedisServer()
-        self.replica = RedisServer()
+        # No diskless-sync delay: a replica (a demoted master too) is in sync at once.
+        self.master = RedisServer("--repl-diskless-sync-delay", "0")
+        self.replica = RedisServer("--repl-diskless-sync-delay", "0")
         self.sentinels = [RedisServer() for _ in range(3)]  # their directories hold the configs
 
     @property
@@ -135,7 +137,7 @@ class RedisSentinelSet:
 
     def start(self) -> None:
         self.master.start()
-        self.replica.extra_args = ["--replicaof", "127.0.0.1", str(self.master.port)]
+        self.replica.extra_args += ["--replicaof", "127.0.0.1", str(self.master.port)]
         self.replica.start()
         for sentinel in self.sentinels:
             sentinel.port = free_port()
@@ -174,13 +176,33 @@ class RedisSentinelSet:
                     for s in self.sentinels)
                 master = self.node_at(self.master_port())
                 replicas = [n for n in self.data_nodes if n is not master and n.process]
-                if ready and all("master_link_status:up" in redis_cli(
+                known = all(self.knows_a_good_replica(s) for s in self.sentinels)
+                if ready and known and all("master_link_status:up" in redis_cli(
                         "-p", str(n.port), "info", "replication") for n in replicas):
                     return
             except RuntimeError:
                 pass
             time.sleep(0.05)  # polling a condition, bounded by the deadline
         raise RuntimeError("the sentinels did not get ready")
+
+    def knows_a_good_replica(self, sentinel: RedisServer) -> bool:
+        """The sentinel lists a replica it could promote (flags "slave", link ok)."""
+        out = redis_cli("-p", str(sentinel.port), "sentinel", "replicas", self.NAME).split("\n")
+        fields = dict(zip(out[::2], out[1::2]))
+        return fields.get("flags") == "slave" and fields.get("master-link-status") == "ok"
+
+    def fail_over(self, timeout: float = 15.0) -> None:
+        """SENTINEL FAILOVER, sent again while a sentinel answers that it cannot yet
+        (NOGOODSLAVE, INPROGRESS), bounded."""
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = redis_cli("-p", str(self.sentinels[0].port), "sentinel", "failover",
+                               self.NAME).strip()
+            if answer == "OK":
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"SENTINEL FAILOVER kept answering {answer}")
+            time.sleep(0.1)  # polling a condition, bounded
 
     def node_at(self, port: int) -> RedisServer:
         return next(n for n in self.data_nodes if n.port == port)

@@ -49,6 +49,7 @@
 /* ---------------------------------------------------------------- slots */
 
 /* CRC16-CCITT (XMODEM), the hash of the Redis Cluster specification. */
+/* clang-format off */
 static const uint16_t crc16_table[256] = {
     0x0000, 0x1021, 0x2042, 0x3063, 0x4084, 0x50a5, 0x60c6, 0x70e7,
     0x8108, 0x9129, 0xa14a, 0xb16b, 0xc18c, 0xd1ad, 0xe1ce, 0xf1ef,
@@ -83,6 +84,7 @@ static const uint16_t crc16_table[256] = {
     0xef1f, 0xff3e, 0xcf5d, 0xdf7c, 0xaf9b, 0xbfba, 0x8fd9, 0x9ff8,
     0x6e17, 0x7e36, 0x4e55, 0x5e74, 0x2e93, 0x3eb2, 0x0ed1, 0x1ef0,
 };
+/* clang-format on */
 
 static int
 crc16_slot(const char *data, size_t len)
@@ -390,8 +392,7 @@ parse_slots(rl_cluster *c, const redisReply *r, short *map, const rl_config *ask
 /* CLUSTER SHARDS: [["slots", [start, end, ...], "nodes", [{"ip", "port", "role", "health",
    ...}, ...]], ...], maps as flat arrays (RESP2). The shard's master, online first. */
 static rl_status
-parse_shards(rl_cluster *c, const redisReply *r, short *map, const rl_config *asked,
-             rl_error *err)
+parse_shards(rl_cluster *c, const redisReply *r, short *map, const rl_config *asked, rl_error *err)
 {
     if (r->type != REDIS_REPLY_ARRAY)
         return rl_error_set(err, RL_ERR_PROTOCOL, "CLUSTER SHARDS answered %s",
@@ -414,16 +415,17 @@ parse_shards(rl_cluster *c, const redisReply *r, short *map, const rl_config *as
         }
         const redisReply *port = map_get(master, c->base.tls ? "tls-port" : "port");
         if (master == NULL || port == NULL || port->type != REDIS_REPLY_INTEGER)
-            return rl_error_set(err, RL_ERR_PROTOCOL, "CLUSTER SHARDS answered a shard "
-                                                      "without a master");
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "CLUSTER SHARDS answered a shard "
+                                "without a master");
         for (size_t k = 0; k < slots->elements; k += 2) {
             if (slots->element[k]->type != REDIS_REPLY_INTEGER ||
                 slots->element[k + 1]->type != REDIS_REPLY_INTEGER)
                 return rl_error_set(err, RL_ERR_PROTOCOL,
                                     "CLUSTER SHARDS answered a malformed slot range");
-            rl_status st = map_range(c, map, slots->element[k]->integer,
-                                     slots->element[k + 1]->integer, map_get(master, "ip"),
-                                     port->integer, asked, err);
+            rl_status st =
+                map_range(c, map, slots->element[k]->integer, slots->element[k + 1]->integer,
+                          map_get(master, "ip"), port->integer, asked, err);
             if (st != RL_OK)
                 return st;
         }
@@ -456,10 +458,9 @@ ask_sentinels(rl_cluster *c, double deadline, rl_error *err)
             reply->element[1]->type == REDIS_REPLY_STRING)
             port = strtol(reply->element[1]->str, NULL, 10);
         if (port < 1 || port > 65535) {
-            st = rl_error_set(err, RL_ERR_CONNECT,
-                              "the sentinel at %s:%d does not know a master named %.100s",
-                              sentinel->pool.config.host, sentinel->pool.config.port,
-                              c->master_name);
+            st = rl_error_set(
+                err, RL_ERR_CONNECT, "the sentinel at %s:%d does not know a master named %.100s",
+                sentinel->pool.config.host, sentinel->pool.config.port, c->master_name);
             freeReplyObject(reply);
             continue;
         }
@@ -611,8 +612,8 @@ rl_routed_call_init(rl_routed_call *rc, rl_cluster *cluster, rl_pool *pool, rl_p
     if (cluster == NULL)
         rl_call_init(&rc->call, pool, d);
     /* One deadline for every node this call may try (a cluster's pool is chosen per try). */
-    rc->deadline = cluster == NULL ? rc->call.deadline
-                                   : rl_monotonic() + cluster->base.socket_timeout;
+    rc->deadline =
+        cluster == NULL ? rc->call.deadline : rl_monotonic() + cluster->base.socket_timeout;
     rc->under_way = cluster == NULL;
 }
 
@@ -653,7 +654,8 @@ rl_routed_call_run(rl_routed_call *rc, rl_error *err)
         }
         if (++rc->attempts >= RL_CLUSTER_MAX_ATTEMPTS)
             return st == RL_ERR_REDIRECT
-                       ? rl_error_set(err, RL_ERR_IO, "the Redis Cluster redirected a call %d times",
+                       ? rl_error_set(err, RL_ERR_IO,
+                                      "the Redis Cluster redirected a call %d times",
                                       RL_CLUSTER_MAX_ATTEMPTS)
                        : st;
         int slot, index;

@@ -143,7 +143,7 @@ encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject
         return NULL;
     p.hash_tag = self->hash_tag;
     if (rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, &p) <
-            0)
+        0)
         return NULL;
     if (p.disabled)
         return rl_result_object(&p, &p.result);

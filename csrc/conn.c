@@ -771,8 +771,8 @@ rl_call_run(rl_call *call, rl_error *err)
 }
 
 rl_status
-rl_pool_command(rl_pool *pool, int argc, const char **argv, const size_t *argvlen,
-                double deadline, redisReply **reply, rl_error *err)
+rl_pool_command(rl_pool *pool, int argc, const char **argv, const size_t *argvlen, double deadline,
+                redisReply **reply, rl_error *err)
 {
     rl_conn *conn = NULL;
     double connecting;

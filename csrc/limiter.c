@@ -24,9 +24,9 @@
 
 typedef struct {
     PyObject_HEAD
-    rl_pool pool;     /* connections, shared by every thread (a single node) */
+    rl_pool pool;        /* connections, shared by every thread (a single node) */
     rl_cluster *cluster; /* a Redis Cluster instead (owned), or NULL */
-    char *key_prefix; /* UTF-8, owned */
+    char *key_prefix;    /* UTF-8, owned */
     size_t key_prefix_len;
     int client_clock;              /* 1: the caller's clock; 0: the server's TIME */
     int configured;                /* __init__ ran to completion */
@@ -111,9 +111,8 @@ configure_cluster(LimiterObject *self, PyObject *nodes, int max_connections,
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *host;
         int port;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i), "si;cluster_nodes holds "
-                                                                 "(host, port) pairs",
-                              &host, &port))
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i),
+                              "si;cluster_nodes holds (host, port) pairs", &host, &port))
             goto error;
         if (port < 1 || port > 65535) {
             PyErr_Format(PyExc_ValueError, "port must be between 1 and 65535, got %d", port);
@@ -134,11 +133,25 @@ error:
 static int
 Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"host",       "port",         "unix_path",       "db",
-                               "username",   "password",     "connect_timeout", "socket_timeout",
-                               "key_prefix", "client_clock", "max_connections", "tls",
-                               "ssl_verify", "ssl_ca_certs", "ssl_certfile",    "ssl_keyfile",
-                               "cluster_nodes", "sentinel_master", NULL};
+    static char *keywords[] = {"host",
+                               "port",
+                               "unix_path",
+                               "db",
+                               "username",
+                               "password",
+                               "connect_timeout",
+                               "socket_timeout",
+                               "key_prefix",
+                               "client_clock",
+                               "max_connections",
+                               "tls",
+                               "ssl_verify",
+                               "ssl_ca_certs",
+                               "ssl_certfile",
+                               "ssl_keyfile",
+                               "cluster_nodes",
+                               "sentinel_master",
+                               NULL};
     const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
     const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
     Py_ssize_t prefix_len = 9;

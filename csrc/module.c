@@ -65,9 +65,9 @@ rl_exception(rl_module_state *state, const rl_error *err)
     case RL_ERR_REDIRECT: {
         /* Only a single-node limiter reports one: the cluster driver follows them. */
         PyObject *exc, *text = PyUnicode_FromFormat(
-            "Redis answered %.300s: the server is a Redis Cluster node; use a "
-            "redis+cluster:// URL",
-            err->message);
+                           "Redis answered %.300s: the server is a Redis Cluster node; use a "
+                           "redis+cluster:// URL",
+                           err->message);
         if (text == NULL)
             return NULL;
         exc = PyObject_CallOneArg(state->Unavailable, text);

@@ -346,7 +346,7 @@ typedef struct {
 /* GIL held: set up (c->base filled first; master_name for a Sentinel set), the URL's seed
    nodes (the sentinels in sentinel mode), the fork child's reset. */
 int rl_cluster_init(rl_cluster *c, int max_open, const char *master_name); /* 0 / -1, errno */
-int rl_cluster_add_seed(rl_cluster *c, const char *host, int port); /* 0, or -1 */
+int rl_cluster_add_seed(rl_cluster *c, const char *host, int port);        /* 0, or -1 */
 void rl_cluster_after_fork(rl_cluster *c);
 void rl_cluster_destroy(rl_cluster *c);
 /* GIL released: like the rl_pool_* of the same names, over every node. */
@@ -361,13 +361,13 @@ int rl_cluster_take_warning(rl_cluster *c, char *buf);
 typedef struct {
     rl_cluster *cluster; /* NULL: a single node (call.pool) */
     rl_prepared *decision;
-    rl_call call;             /* the try under way */
-    int under_way;            /* call holds a try that a signal interrupted */
-    int attempts;             /* tries so far */
-    int asking, ask_index;    /* the next try goes to nodes[ask_index] with ASKING */
-    double deadline;          /* of the whole call */
-    rl_error refresh_error;   /* a failed map refresh (the call's own error says more) */
-    rl_result result;         /* the answer, on RL_OK */
+    rl_call call;           /* the try under way */
+    int under_way;          /* call holds a try that a signal interrupted */
+    int attempts;           /* tries so far */
+    int asking, ask_index;  /* the next try goes to nodes[ask_index] with ASKING */
+    double deadline;        /* of the whole call */
+    rl_error refresh_error; /* a failed map refresh (the call's own error says more) */
+    rl_result result;       /* the answer, on RL_OK */
 } rl_routed_call;
 
 void rl_routed_call_init(rl_routed_call *rc, rl_cluster *cluster, rl_pool *pool, rl_prepared *d);

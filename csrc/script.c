@@ -109,7 +109,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     char *arena = stack_arena, *cursor;
     char numkeys[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT], score_text[RL_NUMBER_TEXT],
         cost_text[RL_NUMBER_TEXT];
-    size_t key_room = prefix_len + 1 + rl_key_user_room(user_len) + RL_NUMBER_TEXT + RL_KEY_SUFFIXES;
+    size_t key_room =
+        prefix_len + 1 + rl_key_user_room(user_len) + RL_NUMBER_TEXT + RL_KEY_SUFFIXES;
     size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT);
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;

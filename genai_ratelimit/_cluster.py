@@ -1,7 +1,8 @@
 """Redis Cluster and Sentinel for the asyncio limiter: the slot map, read from CLUSTER
 SHARDS (Redis 7) or CLUSTER SLOTS, or the master that the sentinels name; and the cluster's
-answers (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) told apart. The blocking limiter does the same in C (csrc/cluster.c); the hash slot of a
-decision is computed once, in C, when the codec formats it (Request.slot)."""
+answers (MOVED, ASK, TRYAGAIN, CLUSTERDOWN) told apart. The blocking limiter does the same
+in C (csrc/cluster.c); the hash slot of a decision is computed once, in C, when the codec
+formats it (Request.slot)."""
 
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ class SlotMap:
     def _shards(self, reply: Any, asked: Address) -> list[tuple[int, int, Address]]:
         if not isinstance(reply, list):
             raise ValueError("CLUSTER SHARDS answered something else than an array")
-        ranges = []
+        ranges: list[tuple[int, int, Address]] = []
         for raw in reply:
             shard = _flat_map(raw)
             bounds = shard["slots"]

@@ -25,8 +25,8 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from . import _native
-from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable
 from ._cluster import Address, SlotMap, redirect_of
+from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable
 from ._url import RedisOptions
 from .limiter import Clock, limiter_options
 from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
@@ -505,9 +505,10 @@ class AsyncRateLimiter:
         answers within the call's deadline: MOVED (the map is read again), ASK (ASKING, once,
         on the node named), TRYAGAIN, CLUSTERDOWN and dead nodes (a pause, the map read
         again). Sentinel: to the master the sentinels name, asked again when it is gone or
-        answers READONLY (a demoted master). A decision whose connection broke was resent once on that node by the
-        replay rule and stays in its replay form, so no retry counts it twice. Each node has
-        its own connections on this loop: a batch of checks goes out per node."""
+        answers READONLY (a demoted master). A decision whose connection broke was resent
+        once on that node by the replay rule and stays in its replay form, so no retry
+        counts it twice. Each node has its own connections on this loop: a batch of checks
+        goes out per node."""
         slot_map = self._slot_map
         assert slot_map is not None
         root = self._pool()
@@ -585,7 +586,7 @@ class AsyncRateLimiter:
             pool = root.node(address, sentinel)
             try:
                 conn = pool.pick() or await pool.get()
-                if sentinel:  # Sentinel: where is the master now?
+                if slot_map.master_name is not None:  # Sentinel: where is the master now?
                     slot_map.install_master(await conn.command(
                         "SENTINEL", "get-master-addr-by-name", slot_map.master_name), address)
                     return

@@ -188,7 +188,7 @@ class RedisSentinelSet:
     def knows_a_good_replica(self, sentinel: RedisServer) -> bool:
         """The sentinel lists a replica it could promote (flags "slave", link ok)."""
         out = redis_cli("-p", str(sentinel.port), "sentinel", "replicas", self.NAME).split("\n")
-        fields = dict(zip(out[::2], out[1::2]))
+        fields = dict(zip(out[::2], out[1::2], strict=False))
         return fields.get("flags") == "slave" and fields.get("master-link-status") == "ok"
 
     def fail_over(self, timeout: float = 15.0) -> None:

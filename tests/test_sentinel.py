@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from genai_ratelimit import RateLimiterError
 from fake_redis import parse_command
+from genai_ratelimit import RateLimiterError
 from helpers_async import LimiterFactory
 from redis_cluster import RedisSentinelSet, redis_cli
 from redis_server import RedisServer

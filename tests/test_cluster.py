@@ -311,3 +311,24 @@ def test_script_is_loaded_on_each_node_after_script_flush(make_limiter: LimiterF
     for user in users:
         assert limiter.check(user, 2, 60) == (True, 0, 0)
     _ = redis  # redis-py is the inspector's library
+
+
+def test_the_readme_cluster_example_runs(redis_cluster: Any, inspector: Any,
+                                         tmp_path: Any) -> None:
+    """README "Redis Cluster and Sentinel": its example, with its seed URL pointed at this
+    session's cluster, runs as written in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    from test_readme_examples import python_blocks
+
+    blocks = python_blocks("## Redis Cluster and Sentinel")
+    assert len(blocks) == 1
+    example_url = "redis+cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002/"
+    assert example_url in blocks[0]
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0].replace(example_url, redis_cluster.url), encoding="utf-8")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert inspector.zcard("ratelimit:{user_8421}:60") == 2

@@ -30,14 +30,12 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the test suite's real server fixtures
+from genai_ratelimit import AsyncRateLimiter, RateLimiter, _native  # noqa: E402
 from redis_cluster import RedisCluster, redis_cli  # noqa: E402
 from redis_server import RedisServer  # noqa: E402
-
-from genai_ratelimit import AsyncRateLimiter, RateLimiter, _native  # noqa: E402
 
 BIG = 10**12  # a limit no run reaches: every check is allowed and logs an entry
 USERS = [f"user_{n}" for n in range(10_000)]

@@ -344,8 +344,10 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
     user = rl_user_id_utf8(user_id, &user_len);
     if (user == NULL)
         return -1;
-    if (out->hash_tag)
-        out->slot = rl_user_slot(user, (size_t)user_len);
+    if (out->hash_tag && (out->slot = rl_user_slot(user, (size_t)user_len)) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
     if (kill_switch_on()) {
         /* The tightest window is the one with the smallest limit (ties: the shorter). Nothing
            is logged, so a reservation has no member and its reconcile sends nothing. */

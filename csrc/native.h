@@ -142,6 +142,7 @@ typedef struct {
     int reloaded;          /* decisions: NOSCRIPT was answered once already */
     rl_script_id script;   /* SCRIPT LOAD: the script being loaded */
     int last;              /* handshake: the step whose success completes it */
+    int large;             /* a CLUSTER command: its reply may list every slot */
     double deadline;       /* monotonic seconds by which the reply is due */
     void *token;           /* the driver's handle on the waiter; never dereferenced */
     void *holder;          /* the driver's owner of `decision`; never dereferenced */
@@ -166,8 +167,14 @@ typedef struct {
 } rl_handshake;
 
 typedef struct {
-    redisReader *reader; /* RESP parser, refusing arrays longer than a decision's */
-    rl_entry *ring;      /* FIFO of replies due, in send order */
+    const redisReplyObjectFunctions *defaults; /* hiredis's own reply functions */
+    size_t max_elements;                       /* the longest array accepted now */
+} rl_reader_limits;
+
+typedef struct {
+    redisReader *reader;     /* RESP parser, refusing arrays longer than limits allow */
+    rl_reader_limits limits; /* the reader's privdata: its bounds for the reply due */
+    rl_entry *ring;          /* FIFO of replies due, in send order */
     size_t capacity, head, count;
     size_t unsent; /* trailing entries whose bytes are still in `out` */
     char *out;     /* bytes queued for writing */
@@ -290,8 +297,10 @@ int rl_pool_is_closed(rl_pool *pool);
    0. Cheap when none is due (one atomic load). */
 int rl_pool_take_warning(rl_pool *pool, char *buf);
 
-/* A hiredis reader that refuses arrays longer than any reply we expect. NULL: no memory. */
-redisReader *rl_reader_create(void);
+/* A hiredis reader that refuses arrays longer than limits->max_elements (set to a
+   decision's bound here; the engine raises it for a CLUSTER command's reply). limits must
+   outlive the reader. NULL: no memory. */
+redisReader *rl_reader_create(rl_reader_limits *limits);
 const char *rl_reader_error(const redisReader *reader); /* the reader's error, for people */
 
 /* One blocking decision on a pool, resumable after a signal: rl_call_run returns

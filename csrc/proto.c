@@ -26,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 /* ----------------------------------------------------------------- reader */
 
@@ -45,6 +46,11 @@
    the reply's type number cast to a pointer (a double becomes the "reply" 0x7), and the
    first read of it kills the process. The table is constant: no global mutable state. */
 #define RL_MAX_REPLY_ELEMENTS 64
+/* A CLUSTER command's reply (the slot map) may list every slot: CLUSTER SHARDS has a
+   shard's ranges as one array of up to 2 x 16,384 numbers, CLUSTER SLOTS up to 16,384
+   ranges of ~100 bytes. Only a request queued as such gets these bounds. */
+#define RL_MAX_MAP_ELEMENTS (2 * RL_CLUSTER_SLOTS)
+#define RL_MAX_MAP_BYTES (4 * 1024 * 1024)
 
 #if HIREDIS_MAJOR >= 1
 typedef size_t rl_elements_t;
@@ -60,7 +66,7 @@ _Static_assert(sizeof(redisReplyObjectFunctions) == RL_REPLY_FUNCTIONS * sizeof(
 static const redisReplyObjectFunctions *
 defaults_of(const redisReadTask *task)
 {
-    return (const redisReplyObjectFunctions *)task->privdata;
+    return ((const rl_reader_limits *)task->privdata)->defaults;
 }
 
 /* The task's type is the type byte's: a RESP2 bulk string, status or error is delegated;
@@ -79,7 +85,8 @@ bounded_string(const redisReadTask *task, char *str, size_t len)
 static void *
 bounded_array(const redisReadTask *task, rl_elements_t elements)
 {
-    if (task->type != REDIS_REPLY_ARRAY || (size_t)elements > RL_MAX_REPLY_ELEMENTS)
+    if (task->type != REDIS_REPLY_ARRAY ||
+        (size_t)elements > ((const rl_reader_limits *)task->privdata)->max_elements)
         return NULL;
     return defaults_of(task)->createArray(task, elements);
 }
@@ -130,12 +137,14 @@ static const redisReplyObjectFunctions bounded_functions = {
 };
 
 redisReader *
-rl_reader_create(void)
+rl_reader_create(rl_reader_limits *limits)
 {
     redisReader *reader = redisReaderCreate();
     if (reader == NULL)
         return NULL;
-    reader->privdata = (void *)reader->fn; /* hiredis's own (static) default functions */
+    limits->defaults = reader->fn; /* hiredis's own (static) default functions */
+    limits->max_elements = RL_MAX_REPLY_ELEMENTS;
+    reader->privdata = limits;
     reader->fn = (redisReplyObjectFunctions *)&bounded_functions;
     return reader;
 }
@@ -157,7 +166,7 @@ int
 rl_proto_init(rl_proto *p)
 {
     memset(p, 0, sizeof(*p));
-    p->reader = rl_reader_create();
+    p->reader = rl_reader_create(&p->limits);
     return p->reader == NULL ? -1 : 0;
 }
 
@@ -340,6 +349,7 @@ rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *ar
                       double deadline, void *token, rl_error *err)
 {
     rl_entry e = {.step = RL_STEP_COMMAND, .deadline = deadline, .token = token};
+    e.large = argc > 0 && argvlen[0] == 7 && strncasecmp(argv[0], "CLUSTER", 7) == 0;
     return queue_words(p, argc, argv, argvlen, &e, err);
 }
 
@@ -603,6 +613,10 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
             rl_error_set(err, RL_ERR_PROTOCOL, "the connection already failed");
             return -1;
         }
+        /* The bounds of the reply due now: the oldest request's. */
+        int large = p->count > 0 && p->ring[p->head].large;
+        size_t max_bytes = large ? RL_MAX_MAP_BYTES : RL_MAX_REPLY_BYTES;
+        p->limits.max_elements = large ? RL_MAX_MAP_ELEMENTS : RL_MAX_REPLY_ELEMENTS;
         if (redisReaderGetReply(p->reader, &raw) != REDIS_OK) {
             p->failed = 1;
             rl_error_set(err, RL_ERR_PROTOCOL, "Redis sent a malformed reply: %s",
@@ -611,12 +625,12 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
         }
         if (raw == NULL) {
             /* hiredis keeps a partial reply buffered: bound it. */
-            if (p->reader->len - p->reader->pos > RL_MAX_REPLY_BYTES) {
+            if (p->reader->len - p->reader->pos > max_bytes) {
                 p->failed = 1;
                 rl_error_set(err, RL_ERR_PROTOCOL,
-                             "Redis sent more than %d bytes without "
+                             "Redis sent more than %zu bytes without "
                              "completing a reply: not a reply this client expects",
-                             RL_MAX_REPLY_BYTES);
+                             max_bytes);
                 return -1;
             }
             return 0;

@@ -54,19 +54,29 @@ class RedisCluster:
         return [n for n in self.nodes if n.process is not None and n.process.poll() is None]
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Until every live node says cluster_state:ok, 3 masters serve the slots and every
-        live replica is in sync with its master."""
+        """Until every live node says cluster_state:ok, 3 masters serve the slots, every
+        live replica is in sync with its master and every node sees the same slot owners."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 if all("cluster_state:ok" in self.cli(n, "cluster", "info")
                        for n in self.alive()) and len(self.masters()) == 3 and all(
-                           self.replica_linked(n) for n in self.alive()):
+                           self.replica_linked(n) for n in self.alive()) and len(
+                           {self.slot_view(n) for n in self.alive()}) == 1:
                     return
             except RuntimeError:
                 pass
             time.sleep(0.05)  # polling a condition, bounded by the deadline
         raise RuntimeError("the cluster did not reach cluster_state:ok")
+
+    def slot_view(self, node: RedisServer) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """Which node owns which slots, as node sees it (gossip makes every view agree)."""
+        view = []
+        for line in self.cli(node, "cluster", "nodes").splitlines():
+            fields = line.split()
+            if len(fields) > 8 and "fail" not in fields[2]:
+                view.append((fields[1].split("@")[0], tuple(sorted(fields[8:]))))
+        return tuple(sorted(view))
 
     def replica_linked(self, node: RedisServer) -> bool:
         """A master, or a replica whose first sync is done (it can take over only then)."""

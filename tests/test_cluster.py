@@ -332,3 +332,31 @@ def test_the_readme_cluster_example_runs(redis_cluster: Any, inspector: Any,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert inspector.zcard("ratelimit:{user_8421}:60") == 2
+
+
+def test_a_fragmented_slot_map_is_read(make_limiter: LimiterFactory, redis_cluster: Any) -> None:
+    """After many partial reshardings a master owns many small ranges: here 60 single
+    slots handed from one master to another make both hold over 60 ranges (CLUSTER SHARDS
+    answers arrays of over 120 numbers, CLUSTER SLOTS over 120 entries). A fresh limiter
+    reads that map and decides on every master."""
+    source = redis_cluster.master_of_slot(0)
+    target = next(n for n in redis_cluster.masters() if n is not source)
+    source_id = redis_cluster.cli(source, "cluster", "myid").strip()
+    target_id = redis_cluster.cli(target, "cluster", "myid").strip()
+    moved = list(range(10, 10 + 60 * 50, 50))  # slot 0's master owns 0-5460
+    assert all(redis_cluster.master_of_slot(s) is source for s in (moved[0], moved[-1]))
+    clients = [redis.Redis(port=n.port) for n in redis_cluster.masters()]
+    try:
+        for client in clients:
+            for slot in moved:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id)
+        limiter = make_limiter(redis_cluster.url)
+        for user in users_over_all_slots(redis_cluster, 300):
+            assert limiter.check(user, 1, 60) == (True, 0, 0)
+    finally:
+        redis_cluster.flush()  # a slot is handed back only empty
+        for client in clients:
+            for slot in moved:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", source_id)
+            client.close()
+        redis_cluster.wait_ok()

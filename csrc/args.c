@@ -430,15 +430,49 @@ windows_report(const rl_windows *w, const rl_result *r)
     return all;
 }
 
+/* check_windows' answer: a WindowDecision, which unpacks and compares as the contract's
+   4-tuple and also carries the exact wait in ms and the decision's time. Returns a new
+   reference. */
+static PyObject *
+window_decision(rl_module_state *state, const rl_windows *w, const rl_result *r)
+{
+    PyObject *t = PyStructSequence_New(state->WindowDecisionType);
+    PyObject *item;
+    if (t == NULL)
+        return NULL;
+    PyStructSequence_SET_ITEM(t, 0, Py_NewRef(r->allowed ? Py_True : Py_False));
+    if ((item = PyLong_FromLongLong(r->remaining)) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 1, item);
+    if ((item = PyLong_FromLongLong(r->retry_after_s)) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 2, item);
+    if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 3, item);
+    if ((item = PyLong_FromLongLong(r->retry_after_ms)) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 4, item);
+    if ((item = PyLong_FromLongLong(r->now_ms)) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 5, item);
+    return t;
+error:
+    Py_DECREF(t);
+    return NULL;
+}
+
 PyObject *
-rl_result_object(const rl_prepared *d, const rl_result *r)
+rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r)
 {
     const rl_windows *w = &d->windows;
     PyObject *t, *item;
     Py_ssize_t size;
     if (d->shape == RL_SHAPE_RECONCILE)
         return PyLong_FromLongLong(r->found);
-    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 9;
+    if (d->shape == RL_SHAPE_WINDOWS)
+        return window_decision(state, w, r);
+    size = d->shape == RL_SHAPE_CHECK ? 3 : 9;
     t = PyTuple_New(size);
     if (t == NULL)
         return NULL;
@@ -454,8 +488,6 @@ rl_result_object(const rl_prepared *d, const rl_result *r)
     if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL)
         goto error;
     PyTuple_SET_ITEM(t, 3, item);
-    if (size == 4)
-        return t;
     /* reserve: is the deciding window a token window, the member ("" when nothing was
        logged), the decision's time, every window's report, and the wait in ms. */
     PyTuple_SET_ITEM(t, 4, PyBool_FromLong(w->tokens[r->window]));

@@ -134,7 +134,7 @@ encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject
             0)
         return NULL;
     if (p.disabled)
-        return rl_result_object(&p, &p.result);
+        return rl_result_object(state, &p, &p.result);
     req = PyObject_New(RequestObject, state->RequestType);
     if (req == NULL) {
         rl_prepared_clear(&p);
@@ -368,7 +368,7 @@ deliver(rl_module_state *state, rl_event *ev)
     } else {
         switch (ev->entry.step) {
         case RL_STEP_DECISION:
-            value = rl_result_object(&req->prepared, &ev->result);
+            value = rl_result_object(state, &req->prepared, &ev->result);
             break;
         case RL_STEP_COMMAND:
             value = reply_to_python(ev->reply);

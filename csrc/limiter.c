@@ -197,7 +197,7 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         0)
         goto done;
     if (p->disabled) {
-        result = rl_result_object(p, &p->result);
+        result = rl_result_object(state, p, &p->result);
         goto done;
     }
     own_pool(self);
@@ -232,7 +232,7 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         goto done;
     }
     p->result = call.result;
-    result = rl_result_object(p, &p->result);
+    result = rl_result_object(state, p, &p->result);
 done:
     rl_prepared_clear(p);
     return result;

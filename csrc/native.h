@@ -351,6 +351,8 @@ typedef struct {
     PyTypeObject *CodecType;
     PyTypeObject *RequestType;
     PyTypeObject *PipelineType;
+    /* check_windows' answer (a struct sequence) */
+    PyTypeObject *WindowDecisionType;
     PyObject *Error;        /* RateLimiterError */
     PyObject *Unavailable;  /* RateLimiterUnavailable */
     PyObject *Timeout;      /* RateLimiterTimeout */
@@ -384,7 +386,7 @@ void rl_prepared_clear(rl_prepared *p);
    with a ValueError naming the parameter. */
 int rl_check_timeout(const char *name, double seconds);
 /* The Python result of a decision of d's shape (see rl_shape). Returns a new reference. */
-PyObject *rl_result_object(const rl_prepared *d, const rl_result *r);
+PyObject *rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r);
 /* Vectorcall argument matching: the first `positional` names may be given by position,
    the first `required` must be given; out[] receives borrowed references (NULL for an
    optional one not given). 0 / -1. */

@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from . import _native
-from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable
+from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
 from ._url import RedisOptions
 from .limiter import Clock, limiter_options
 from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
@@ -451,13 +451,13 @@ class AsyncRateLimiter:
         return await conn.submit(request)  # type: ignore[no-any-return]
 
     async def check_windows(self, user_id: str, windows: Any, *,
-                            cost: int = 1) -> tuple[bool, int, int, int]:
+                            cost: int = 1) -> WindowDecision:
         """Decides one request against every (limit, window_seconds) pair, shortest first:
-        (allowed, remaining, retry_after_s, window_seconds)."""
+        (allowed, remaining, retry_after_s, window_seconds), a WindowDecision."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         request = self._codec.check_windows(user_id, windows, cost=cost)
-        if type(request) is tuple:
+        if type(request) is WindowDecision:  # the kill switch answered
             return request
         return await self._run(request)  # type: ignore[no-any-return]
 

@@ -1,0 +1,71 @@
+"""check_windows answers a WindowDecision: the contract's 4-tuple (unpacking, indexing,
+equality, slicing) with names, plus the exact wait in ms and the decision's time, on both
+limiters (the `limiter` fixture runs each test once per kind), the kill switch included."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+import redis
+
+from genai_ratelimit import WindowDecision
+
+WINDOWS = [(2, 60), (100, 86_400)]
+
+
+def test_an_allowed_decision_is_the_contract_tuple_with_names(limiter: Any, user_id: str,
+                                                               redis_client: redis.Redis) -> None:
+    decision = limiter.check_windows(user_id, WINDOWS)
+    assert type(decision) is WindowDecision and isinstance(decision, tuple)
+    assert decision == (True, 1, 0, 60) and len(decision) == 4
+    allowed, remaining, retry_after_s, window_seconds = decision
+    assert (allowed, remaining, retry_after_s, window_seconds) == (
+        decision.allowed, decision.remaining, decision.retry_after_s, decision.window_seconds)
+    assert decision[:3] == (True, 1, 0) and type(decision[:3]) is tuple
+    assert decision.retry_after_ms == 0
+    # The time the script decided at is the score of the entry it logged.
+    (_member, score), = redis_client.zrange(f"ratelimit:{user_id}:60", 0, -1, withscores=True)
+    assert decision.timestamp_ms == int(score)
+
+
+def test_a_refusal_carries_the_exact_wait_behind_the_rounded_one(
+        limiter: Any, user_id: str, redis_client: redis.Redis) -> None:
+    first = limiter.check_windows(user_id, WINDOWS)
+    limiter.check_windows(user_id, WINDOWS)
+    refused = limiter.check_windows(user_id, WINDOWS)
+    assert refused[:2] == (False, 0) and refused.window_seconds == 60
+    # The oldest entry leaves the minute window 60 s after it was logged.
+    assert refused.retry_after_ms == first.timestamp_ms + 60_000 - refused.timestamp_ms
+    assert 0 < refused.retry_after_ms <= 60_000
+    assert refused.retry_after_s == max(1, -(-refused.retry_after_ms // 1000))
+
+
+def test_check_is_check_windows_first_three(limiter: Any, user_id: str) -> None:
+    assert limiter.check(user_id, 2, 60) == limiter.check_windows(f"{user_id}-b", [(2, 60)])[:3]
+
+
+def test_the_kill_switch_answers_a_window_decision_too(
+        limiter: Any, user_id: str, monkeypatch: pytest.MonkeyPatch,
+        redis_client: redis.Redis) -> None:
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    decision = limiter.check_windows(user_id, WINDOWS)
+    assert type(decision) is WindowDecision
+    assert decision == (True, 2, 0, 60) and decision.retry_after_ms == 0
+    assert decision.timestamp_ms > 0
+    assert redis_client.keys("*") == []
+
+
+def test_a_decision_pickles_and_prints_as_its_tuple(limiter: Any, user_id: str) -> None:
+    decision = limiter.check_windows(user_id, WINDOWS)
+    again = pickle.loads(pickle.dumps(decision))
+    assert again == decision and again.timestamp_ms == decision.timestamp_ms
+    assert repr(decision) == ("genai_ratelimit._native.WindowDecision(allowed=True, remaining=1, "
+                              "retry_after_s=0, window_seconds=60)")
+
+
+def test_the_attributes_are_read_only(limiter: Any, user_id: str) -> None:
+    decision = limiter.check_windows(user_id, WINDOWS)
+    with pytest.raises(AttributeError):
+        decision.retry_after_ms = 5

@@ -29,7 +29,7 @@ Policy names: "<resource>-<window>", e.g. "requests-minute", "tokens-day", "requ
 from __future__ import annotations
 
 import base64
-import hashlib
+import functools
 import hmac
 import os
 from collections.abc import Sequence
@@ -102,10 +102,11 @@ class PartitionKeys:
 
     def of(self, identity: str) -> bytes:
         """The partition key of a budget's key identity (16 bytes)."""
-        digest = hmac.new(self._secret, identity.encode("utf-8", "surrogatepass"), hashlib.sha256)
-        return digest.digest()[:_PARTITION_KEY_BYTES]
+        return hmac.digest(self._secret, identity.encode("utf-8", "surrogatepass"),
+                           "sha256")[:_PARTITION_KEY_BYTES]
 
 
+@functools.lru_cache(maxsize=256)  # a budget has a few policy names: formatted once
 def _string(text: str) -> str:
     """A Structured Field String: printable ASCII, with " and \\ escaped."""
     if any(not " " <= char <= "~" for char in text):
@@ -121,29 +122,30 @@ def _byte_sequence(value: bytes) -> str:
     return ":" + base64.b64encode(value).decode("ascii") + ":"
 
 
+@functools.lru_cache(maxsize=256)
+def _policy_item(policy: Policy) -> str:
+    """A policy's Item without its partition key (the same on every response)."""
+    item = f"{_string(policy.name)};q={_integer(policy.quota)}"
+    if policy.unit is not None:
+        item += f";qu={_string(policy.unit)}"
+    return item + f";w={_integer(max(1, policy.window_seconds))}"
+
+
+def _pk_parameter(partition_key: bytes | None) -> str:
+    return "" if partition_key is None else f";pk={_byte_sequence(partition_key)}"
+
+
 def policy_field(policies: Sequence[Policy], partition_key: bytes | None) -> str:
     """The RateLimit-Policy field value: one Item per policy."""
-    items = []
-    for policy in policies:
-        item = f"{_string(policy.name)};q={_integer(policy.quota)}"
-        if policy.unit is not None:
-            item += f";qu={_string(policy.unit)}"
-        item += f";w={_integer(max(1, policy.window_seconds))}"
-        if partition_key is not None:
-            item += f";pk={_byte_sequence(partition_key)}"
-        items.append(item)
-    return ", ".join(items)
+    pk = _pk_parameter(partition_key)
+    return ", ".join(_policy_item(policy) + pk for policy in policies)
 
 
 def service_field(limits: Sequence[ServiceLimit], partition_key: bytes | None) -> str:
     """The RateLimit field value: one Item per service limit."""
-    items = []
-    for limit in limits:
-        item = f"{_string(limit.name)};r={_integer(limit.remaining)};t={_integer(limit.reset_seconds)}"
-        if partition_key is not None:
-            item += f";pk={_byte_sequence(partition_key)}"
-        items.append(item)
-    return ", ".join(items)
+    pk = _pk_parameter(partition_key)
+    return ", ".join(f"{_string(limit.name)};r={_integer(limit.remaining)};"
+                     f"t={_integer(limit.reset_seconds)}{pk}" for limit in limits)
 
 
 def ietf_headers(policies: Sequence[Policy], limits: Sequence[ServiceLimit],

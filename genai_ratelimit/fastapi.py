@@ -52,11 +52,18 @@ x-ratelimit-*-requests/-tokens headers, and its 429s OpenAI's error body (_opena
 Failing open: with on_unavailable="allow", `RateLimit.fail_open_count` counts the requests let
 through because Redis could not decide; export it to your metrics and alert when it grows.
 
+Shadow mode: `RateLimit(..., mode="shadow")` (and TokenRateLimit) decides and counts as usual
+but never refuses; what it would have refused runs with the 429's headers (not its retry
+instructions) and X-RateLimit-Shadow: would-refuse, is counted in `shadow_count` and logged.
+IETF headers: `headers="ietf"` adds RateLimit-Policy and RateLimit (draft-ietf-httpapi-
+ratelimit-headers-10, see genai_ratelimit._ietf_headers) beside the contract's X-RateLimit-*.
+
 Requires the `fastapi` extra: pip install genai-ratelimit[fastapi].
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -207,7 +214,7 @@ _SCOPE_KEY = "genai_ratelimit.decision"
 # The allowed decisions already taken for this request, by (key space, key identity, windows):
 # a second dependency that would count the same request in the same keys reuses the decision.
 _COUNTED_KEY = "genai_ratelimit.counted"
-# What shadow mode already counted as would-refuse for this request (a decision's id, ...).
+# The ids of the shared decisions shadow mode already counted as would-refuse for this request.
 _SHADOWED_KEY = "genai_ratelimit.shadowed"
 
 
@@ -619,23 +626,21 @@ class RateLimit:
         window_seconds, remaining, seconds until more)) when headers="ietf"/"both", else []."""
         if self._partition_keys is None:
             return []
-        policies = [Policy(f"requests-{window_name(seconds)}", limit, seconds, None)
-                    for limit, seconds in windows]
-        policies += [Policy(f"tokens-{window_name(seconds)}", limit, seconds, "tokens")
-                     for limit, seconds in token_windows]
-        service = [ServiceLimit(f"{resource}-{window_name(seconds)}", remaining, reset)
+        service = [ServiceLimit(_policy_name(resource, seconds), remaining, reset)
                    for resource, seconds, remaining, reset in limits]
-        return ietf_headers(policies, service, self._partition_keys.of(identity))
+        return ietf_headers(_ietf_policies(windows, token_windows), service,
+                            self._partition_keys.of(identity))
 
-    def _would_refuse(self, request: Request, response: Response, identity: str, once: Hashable,
+    def _would_refuse(self, request: Request, response: Response, identity: str, once: Hashable | None,
                       limit: int, window_seconds: int, message: str,
                       refusal: list[tuple[str, str]]) -> None:
         """Shadow mode: the refusal the budget would have answered, let through. The response
         carries its headers (not Retry-After and its kin: nothing was refused, a client must
-        not wait) plus X-RateLimit-Shadow: would-refuse; the request is counted and logged
-        once per `once` (a decision shared by two dependencies of one route is one request)."""
+        not wait) plus X-RateLimit-Shadow: would-refuse. The request is counted and logged,
+        once per `once` when given: a decision that two dependencies of one route share (see
+        _remember) is one request; None: always."""
         shadowed = request.scope.setdefault(_SHADOWED_KEY, set())
-        if once not in shadowed:
+        if once is None or once not in shadowed:
             shadowed.add(once)
             with self._shadow_log.lock:
                 self._shadow_count += 1
@@ -722,6 +727,20 @@ class _AsyncRateLimit(RateLimit):
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_name(resource: str, window_seconds: int) -> str:
+    """The IETF policy name of a window: "requests-minute", "tokens-day", "requests-3600s"."""
+    return f"{resource}-{window_name(window_seconds)}"
+
+
+@functools.lru_cache(maxsize=256)  # one entry per tier's budget: built once
+def _ietf_policies(windows: Windows, token_windows: Windows) -> tuple[Policy, ...]:
+    """The IETF quota policies of a budget: its request windows, then its token windows."""
+    return (*(Policy(_policy_name("requests", seconds), limit, seconds, None) for limit, seconds in windows),
+            *(Policy(_policy_name("tokens", seconds), limit, seconds, "tokens")
+              for limit, seconds in token_windows))
 
 
 class _LogThrottle:
@@ -974,8 +993,8 @@ class TokenRateLimit(RateLimit):
         ]
         body = too_large_error_body(self.error_format, "tokens", window_seconds, limit, tokens)
         if self.mode == "shadow":
-            self._would_refuse(request, response, identity, ("too large", identity, token_windows),
-                               limit, window_seconds, body["detail"], refusal)
+            self._would_refuse(request, response, identity, None, limit, window_seconds,
+                               body["detail"], refusal)
             return True
         _ledger_of(request).refusal_body = body
         headers = {**dict(refusal[:3]), "x-should-retry": "false", **dict(refusal[3:])}
@@ -1010,7 +1029,7 @@ class TokenRateLimit(RateLimit):
         message = refusal_message(resource, window_seconds, limit,
                                   tokens if resource == "tokens" else 1, retry_ms)
         if self.mode == "shadow":
-            self._would_refuse(request, response, identity, id(reservation), limit, window_seconds,
+            self._would_refuse(request, response, identity, None, limit, window_seconds,
                                message, refusal)
             return
         _ledger_of(request).refusal_body = error_body(self.error_format, 429, "Rate limit exceeded",

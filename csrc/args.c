@@ -213,7 +213,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         break;
     case RL_SHAPE_WINDOWS:
     case RL_SHAPE_DETAILED:
-        if (rl_parse_args(shape == RL_SHAPE_WINDOWS ? "check_windows" : "check_windows_detailed", args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
+        if (rl_parse_args(shape == RL_SHAPE_WINDOWS ? "check_windows" : "check_windows_detailed",
+                          args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 0) < 0 ||
             set_cost(&d->windows, v[2], "cost", 0) < 0)

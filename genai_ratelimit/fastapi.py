@@ -105,6 +105,7 @@ from ._tiers_config import (
 )
 from ._usage import UsageScanner, estimate_openai_tokens
 from .aio import AsyncRateLimiter
+from .limiter import RateLimiter
 from .reservation import Reservation, Resource, WindowState
 from .tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_LIMITS, TIER_TOKEN_LIMITS
 
@@ -216,6 +217,8 @@ _SCOPE_KEY = "genai_ratelimit.decision"
 _COUNTED_KEY = "genai_ratelimit.counted"
 # The ids of the shared decisions shadow mode already counted as would-refuse for this request.
 _SHADOWED_KEY = "genai_ratelimit.shadowed"
+# This package's own check_windows: RateLimit may ask their detailed twin instead (_decide).
+_STOCK_CHECK_WINDOWS = (RateLimiter.check_windows, AsyncRateLimiter.check_windows)
 
 
 class _AllowedDecision:
@@ -695,13 +698,23 @@ class RateLimit:
         return (getattr(decision, "retry_after_ms", decision[2] * 1000),
                 getattr(decision, "timestamp_ms", 0) or _now_ms())
 
+    def _decide(self) -> Any:
+        """The call that decides: check_windows, as the contract says. When it is this package's
+        own (not overridden by a subclass or replaced on the instance), its detailed twin, which
+        sends the same command and answers the same tuple with the exact wait as attributes."""
+        limiter = self.limiter
+        if getattr(type(limiter), "check_windows", None) in _STOCK_CHECK_WINDOWS and \
+                "check_windows" not in getattr(limiter, "__dict__", ()):
+            return limiter.check_windows_detailed
+        return limiter.check_windows
+
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
         user_id, windows = self._subject(request)
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
             try:
-                decision = self.limiter.check_windows(user_id, windows)
+                decision = self._decide()(user_id, windows)
             except RateLimiterError as exc:
                 self._unavailable(request, user_id, exc)
                 return
@@ -717,7 +730,7 @@ class _AsyncRateLimit(RateLimit):
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
             try:
-                decision = await self.limiter.check_windows(user_id, windows)
+                decision = await self._decide()(user_id, windows)
             except RateLimiterError as exc:
                 self._unavailable(request, user_id, exc)
                 return

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fastapi import Depends, FastAPI  # noqa: E402
 
-from benchlib import RedisTarget  # noqa: E402
+from benchlib import RedisTarget, load_average, print_ratio_table  # noqa: E402
 from genai_ratelimit import AsyncRateLimiter  # noqa: E402
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware  # noqa: E402
 
@@ -128,20 +127,12 @@ def main() -> int:
         rows = asyncio.run(run(target.url, args.rounds, args.seconds))
     finally:
         target.close()
-    base = rows["contract, allowed (baseline)"]
-    load = os.getloadavg()
     print(f"FastAPI app in process (ASGI callable), AsyncRateLimiter on loopback Redis (own "
           f"server), one request at a time; {args.rounds} rounds of {args.seconds} s per contender; "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs). "
-          "Medians over rounds; ratios per round to the baseline, then the median.\n")
-    print("| contender | requests/s | p50 µs | requests/s vs baseline | p50 vs baseline |")
-    print("| --- | ---: | ---: | ---: | ---: |")
-    for name, values in rows.items():
-        rate = statistics.median(v[0] for v in values)
-        p50 = statistics.median(v[1] for v in values)
-        rate_ratio = statistics.median(v[0] / b[0] for v, b in zip(values, base, strict=True))
-        p50_ratio = statistics.median(v[1] / b[1] for v, b in zip(values, base, strict=True))
-        print(f"| {name} | {rate:,.0f} | {p50:.0f} | {rate_ratio:.2f}× | {p50_ratio:.2f}× |")
+          f"{load_average()}. Medians over rounds; ratios per round to the baseline, then the "
+          "median.\n")
+    print_ratio_table(rows, "contract, allowed (baseline)", [("requests/s", ",.0f"), ("p50 µs", ".0f")],
+                      [(0, "requests/s vs baseline"), (1, "p50 vs baseline")])
     return 0
 
 

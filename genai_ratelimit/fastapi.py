@@ -831,7 +831,9 @@ class TokenRateLimit(RateLimit):
       that carries `usage` (OpenAI's final chunk with stream_options={"include_usage": true}).
     A request whose usage is never reported keeps its reservation: never a silent refund.
 
-    Arguments (and RateLimit's: limiter, tier_limits, identify, on_unavailable, namespace):
+    Arguments (and RateLimit's: limiter, tier_limits, identify, on_unavailable, namespace, and
+    its keywords: mode="shadow" lets a refused reservation through without reserving anything,
+    headers="ietf" adds the token windows as policies of unit "tokens"):
 
     token_limits        {"free": {"per_minute": 10_000, "per_day": 100_000}, ...}; None: the
                         tokens_per_minute/tokens_per_day of the file named by

@@ -43,7 +43,7 @@
 #include <string.h>
 #include <time.h>
 
-#define RL_CLUSTER_MAX_ATTEMPTS 64 /* redirects and retries of one call (the deadline rules) */
+#define RL_CLUSTER_MAX_ATTEMPTS 64 /* MOVED answers to one call (the deadline bounds the rest) */
 #define RL_CLUSTER_PAUSE 0.025     /* seconds between retries while a failover is under way */
 
 /* ---------------------------------------------------------------- slots */
@@ -652,17 +652,17 @@ rl_routed_call_run(rl_routed_call *rc, rl_error *err)
             rc->result = rc->call.result;
             return RL_OK;
         }
-        if (++rc->attempts >= RL_CLUSTER_MAX_ATTEMPTS)
-            return st == RL_ERR_REDIRECT
-                       ? rl_error_set(err, RL_ERR_IO,
-                                      "the Redis Cluster redirected a call %d times",
-                                      RL_CLUSTER_MAX_ATTEMPTS)
-                       : st;
         int slot, index;
         switch (st) {
         case RL_ERR_REDIRECT:
             if (strncmp(err->message, "MOVED ", 6) == 0 &&
                 parse_redirect(c, err->message, &slot, &index) == 0) {
+                /* MOVED is the only answer retried without a pause: bound it (nodes that
+                   send a call back and forth), the others by the deadline. */
+                if (++rc->attempts >= RL_CLUSTER_MAX_ATTEMPTS)
+                    return rl_error_set(err, RL_ERR_IO,
+                                        "the Redis Cluster answered MOVED %d times to one call",
+                                        RL_CLUSTER_MAX_ATTEMPTS);
                 pthread_mutex_lock(&c->mutex);
                 c->slots[slot] = (short)index;
                 pthread_mutex_unlock(&c->mutex);

@@ -26,7 +26,7 @@ from typing import Any
 
 from . import _native
 from ._cluster import Address, SlotMap, redirect_of
-from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable
+from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
 from ._url import RedisOptions
 from .limiter import Clock, limiter_options
 from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
@@ -39,8 +39,9 @@ logger = logging.getLogger("genai_ratelimit")
 # only then is another one opened (up to max_connections).
 _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
 
-# Cluster: tries of one call (redirects, retries; its deadline rules first) and the pause
-# between retries while a failover or a migration is under way (as in csrc/cluster.c).
+# Cluster: MOVED answers to one call (the only ones retried without a pause; the deadline
+# bounds the rest) and the pause between retries while a failover or a migration is under
+# way (as in csrc/cluster.c).
 _CLUSTER_MAX_ATTEMPTS = 64
 _CLUSTER_PAUSE = 0.025
 
@@ -514,8 +515,8 @@ class AsyncRateLimiter:
         root = self._pool()
         deadline = time.monotonic() + self._socket_timeout
         ask: Address | None = None
-        error = RateLimiterUnavailable("the Redis Cluster redirected this call too often")
-        for _attempt in range(_CLUSTER_MAX_ATTEMPTS):
+        moved = 0
+        while True:
             address = ask or slot_map.destination(request.slot)
             if address is None:
                 await self._read_slot_map(root, deadline)
@@ -542,6 +543,10 @@ class AsyncRateLimiter:
                 if kind == "ASK":
                     ask = target
                     continue
+                moved += 1
+                if moved >= _CLUSTER_MAX_ATTEMPTS:  # nodes that send it back and forth
+                    raise RateLimiterUnavailable(f"the Redis Cluster answered MOVED "
+                                                 f"{moved} times to one call")
                 slot_map.point(slot, target)  # MOVED: there now; the others may have moved too
                 await self._try_read_slot_map(root, deadline)
                 continue
@@ -555,7 +560,6 @@ class AsyncRateLimiter:
                 raise error
             await asyncio.sleep(min(_CLUSTER_PAUSE, left))
             await self._try_read_slot_map(root, deadline)
-        raise error
 
     async def _try_read_slot_map(self, root: _LoopPool, deadline: float) -> None:
         try:
@@ -634,6 +638,17 @@ class AsyncRateLimiter:
             raise RateLimiterError("the rate limiter is closed")
         request = self._codec.check_windows(user_id, windows, cost=cost)
         if type(request) is tuple:
+            return request
+        return await self._run(request)  # type: ignore[no-any-return]
+
+    async def check_windows_detailed(self, user_id: str, windows: Any, *,
+                                     cost: int = 1) -> WindowDecision:
+        """check_windows, answered as a WindowDecision: the same 4-tuple, with the exact wait
+        (retry_after_ms) and the decision's time (timestamp_ms) as attributes."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.check_windows_detailed(user_id, windows, cost=cost)
+        if type(request) is WindowDecision:  # the kill switch answered
             return request
         return await self._run(request)  # type: ignore[no-any-return]
 

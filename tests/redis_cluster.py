@@ -67,7 +67,10 @@ class RedisCluster:
             except RuntimeError:
                 pass
             time.sleep(0.05)  # polling a condition, bounded by the deadline
-        raise RuntimeError("the cluster did not reach cluster_state:ok")
+        views = {n.port: self.slot_view(n) for n in self.alive()}
+        states = {n.port: self.cli(n, "cluster", "info").split()[0] for n in self.alive()}
+        raise RuntimeError(f"the cluster did not reach cluster_state:ok: {states}; "
+                           f"{len(set(views.values()))} views of the slots: {views}")
 
     def slot_view(self, node: RedisServer) -> tuple[tuple[str, tuple[str, ...]], ...]:
         """Which node owns which slots, as node sees it (gossip makes every view agree)."""
@@ -106,6 +109,34 @@ class RedisCluster:
                 if int(start) <= slot <= int(end or start):
                     return by_port[int(fields[1].split("@")[0].rsplit(":", 1)[1])]
         raise RuntimeError(f"no master serves slot {slot}")
+
+    def owned_slots(self, node: RedisServer) -> list[int]:
+        """The slots node serves, as it sees itself."""
+        for line in self.cli(node, "cluster", "nodes").splitlines():
+            fields = line.split()
+            if "myself" in fields[2]:
+                slots = []
+                for item in fields[8:]:
+                    if not item.startswith("["):
+                        start, _, end = item.partition("-")
+                        slots.extend(range(int(start), int(end or start) + 1))
+                return slots
+        raise RuntimeError("CLUSTER NODES has no line for the node itself")
+
+    def assign(self, slots: list[int], owner: RedisServer) -> None:
+        """Hands empty slots to owner on every master (CLUSTER SETSLOT ... NODE), then bumps
+        owner's config epoch so that the replicas accept the change from gossip too."""
+        import redis
+
+        owner_id = self.cli(owner, "cluster", "myid").strip()
+        for node in self.masters():
+            client = redis.Redis(port=node.port)
+            try:
+                for slot in slots:
+                    client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner_id)
+            finally:
+                client.close()
+        self.cli(owner, "cluster", "bumpepoch")
 
     def restart_missing(self) -> None:
         """Restarts the killed nodes (they rejoin from their nodes.conf as replicas)."""

@@ -127,6 +127,19 @@ rl_user_slot(const char *user, size_t user_len)
 
 /* ---------------------------------------------------------------- nodes */
 
+/* A node's config takes the limiter's TLS context (shared: each config frees its own
+   reference). */
+static void
+share_tls(rl_config *cfg, const rl_config *base)
+{
+    if (base->ssl_ctx == NULL)
+        return;
+    SSL_CTX_up_ref(base->ssl_ctx);
+    cfg->ssl_ctx = base->ssl_ctx;
+    cfg->tls = 1;
+    cfg->tls_verify = base->tls_verify;
+}
+
 /* The index of the node at host:port, added when new. Cluster mutex held. -1: no room or
    no memory. */
 static int
@@ -151,12 +164,7 @@ node_index(rl_cluster *c, const char *host, size_t host_len, int port)
         return -1;
     }
     free(name);
-    if (base->ssl_ctx != NULL) {
-        SSL_CTX_up_ref(base->ssl_ctx); /* shared: every node's config frees its reference */
-        node->pool.config.ssl_ctx = base->ssl_ctx;
-        node->pool.config.tls = 1;
-        node->pool.config.tls_verify = base->tls_verify;
-    }
+    share_tls(&node->pool.config, base);
     if (rl_pool_init(&node->pool, c->max_open) < 0) {
         rl_config_clear(&node->pool.config);
         free(node);
@@ -179,12 +187,7 @@ sentinel_new(const rl_cluster *c, const char *host, int port)
         free(node);
         return NULL;
     }
-    if (base->ssl_ctx != NULL) {
-        SSL_CTX_up_ref(base->ssl_ctx);
-        node->pool.config.ssl_ctx = base->ssl_ctx;
-        node->pool.config.tls = 1;
-        node->pool.config.tls_verify = base->tls_verify;
-    }
+    share_tls(&node->pool.config, base);
     if (rl_pool_init(&node->pool, 2) < 0) { /* a question now and then */
         rl_config_clear(&node->pool.config);
         free(node);

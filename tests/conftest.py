@@ -62,12 +62,8 @@ def redis_cluster_session() -> Iterator[RedisCluster]:
     """A real 6-node Redis Cluster (3 masters, 3 replicas) on free loopback ports, started
     once per session (about 2 s) and stopped by pid. Tests must not kill its nodes: the
     failover tests start clusters of their own."""
-    cluster = RedisCluster()
-    try:
-        cluster.start()
+    with RedisCluster() as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture

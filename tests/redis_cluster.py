@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
+from typing import Any
 
 from redis_server import RedisServer, free_port
 
@@ -23,7 +24,28 @@ def redis_cli(*args: str, timeout: float = 30.0) -> str:
     return done.stdout
 
 
-class RedisCluster:
+class _Started:
+    """`with X() as x:` starts x, and closes it on the way out (a failed start too)."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Any:
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RedisCluster(_Started):
     """Six nodes, three of them masters, every slot assigned."""
 
     def __init__(self, masters: int = 3, replicas_per_master: int = 1) -> None:
@@ -154,7 +176,7 @@ class RedisCluster:
             node.close()
 
 
-class RedisSentinelSet:
+class RedisSentinelSet(_Started):
     """A master, a replica and 3 sentinels (redis-server --sentinel) watching it under the
     name "mymaster", on free loopback ports; stopped by pid."""
 

@@ -34,12 +34,8 @@ def slot_of(user: str) -> int:
 
 @pytest.fixture(scope="module")
 def own_cluster() -> Iterator[RedisCluster]:
-    cluster = RedisCluster()
-    try:
-        cluster.start()
+    with RedisCluster() as cluster:  # not the session's: its nodes get killed
         yield cluster
-    finally:
-        cluster.close()
 
 
 @pytest.fixture
@@ -76,6 +72,13 @@ class Load:
             assert time.monotonic() < deadline, "the load made no progress"
             time.sleep(0.01)  # polling a condition, bounded
 
+    def _turns(self, k: int, until: float) -> Iterator[str]:
+        """Caller k's users, round-robin, until stop() or the time bound."""
+        i = k
+        while not self.stopping.is_set() and time.monotonic() < until:
+            yield self.users[i % len(self.users)]
+            i += CALLERS
+
     def _record(self, user: str, start: float, outcome: Any) -> None:
         self.records.append((start, time.monotonic(), outcome, user))
 
@@ -85,10 +88,7 @@ class Load:
             limiter = make_limiter(url, socket_timeout=SOCKET_TIMEOUT, max_connections=CALLERS)
 
             def caller(k: int) -> None:
-                i = k
-                while not self.stopping.is_set() and time.monotonic() < until:
-                    user = self.users[i % len(self.users)]
-                    i += CALLERS
+                for user in self._turns(k, until):
                     start = time.monotonic()
                     try:
                         outcome: Any = limiter.check(user, LIMIT, 60)[0]
@@ -105,10 +105,7 @@ class Load:
         native = make_limiter.native(url, socket_timeout=SOCKET_TIMEOUT)
 
         async def caller(k: int) -> None:
-            i = k
-            while not self.stopping.is_set() and time.monotonic() < until:
-                user = self.users[i % len(self.users)]
-                i += CALLERS
+            for user in self._turns(k, until):
                 start = time.monotonic()
                 try:
                     outcome: Any = (await native.check(user, LIMIT, 60))[0]

@@ -27,12 +27,8 @@ LIMIT = 5
 
 @pytest.fixture(scope="module")
 def sentinel_set() -> Iterator[RedisSentinelSet]:
-    sentinels = RedisSentinelSet()
-    try:
-        sentinels.start()
+    with RedisSentinelSet() as sentinels:
         yield sentinels
-    finally:
-        sentinels.close()
 
 
 @pytest.fixture

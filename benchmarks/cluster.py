@@ -12,6 +12,9 @@ seconds:
   async 3 masters    AsyncRateLimiter(redis+cluster://...): the same; batches split per node
   sync 1 node        RateLimiter: check() back to back, one thread
   sync cluster       RateLimiter(redis+cluster://...): the same, routed by slot
+  sync cluster, one master's users
+                     the same with users whose slots one master serves: the routing
+                     without the cost of waking three server processes in turn
 
 and prints the medians over the rounds (calls/s, p50 latency for the sync ones), the CPU the
 client and the servers used per check, and the cost of the slot lookup: the codec formatting
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import binascii
 import os
 import resource
 import statistics
@@ -82,9 +86,9 @@ def run_async(url: str, seconds: float) -> dict[str, float]:
     return {"calls_per_s": calls / elapsed}
 
 
-def run_sync(url: str, seconds: float) -> dict[str, float]:
+def run_sync(url: str, seconds: float, users: list[str] = USERS) -> dict[str, float]:
     limiter = RateLimiter(url)
-    for user in USERS[:100]:
+    for user in users[:100]:
         limiter.check(user, BIG, 60)
     latencies = []
     clock = time.perf_counter_ns
@@ -93,7 +97,7 @@ def run_sync(url: str, seconds: float) -> dict[str, float]:
     i = 0
     while time.perf_counter() < stop:
         t0 = clock()
-        limiter.check(USERS[i % len(USERS)], BIG, 60)
+        limiter.check(users[i % len(users)], BIG, 60)
         latencies.append(clock() - t0)
         i += 1
     elapsed = time.perf_counter() - started
@@ -124,11 +128,15 @@ def main() -> None:
     cluster.start()
     try:
         cluster_ports = [n.port for n in cluster.nodes]
+        owned = set(cluster.owned_slots(cluster.master_of_slot(0)))
+        one_master = [u for u in USERS if binascii.crc_hqx(u.encode(), 0) % 16384 in owned]
         contenders = {
             "async 1 node": (lambda: run_async(single.url, args.seconds), [single.port]),
             "async 3 masters": (lambda: run_async(cluster.url, args.seconds), cluster_ports),
             "sync 1 node": (lambda: run_sync(single.url, args.seconds), [single.port]),
             "sync cluster": (lambda: run_sync(cluster.url, args.seconds), cluster_ports),
+            "sync cluster, 1 master": (lambda: run_sync(cluster.url, args.seconds, one_master),
+                                       cluster_ports),
         }
         results: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
         names = list(contenders)
@@ -160,13 +168,13 @@ def main() -> None:
 
     print(f"\n{os.cpu_count()} cores; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after; {args.rounds} rounds of {args.seconds:g} s; medians\n")
-    print(f"{'contender':<18}{'checks/s':>11}{'ratio':>8}{'p50 us':>9}"
+    print(f"{'contender':<24}{'checks/s':>11}{'ratio':>8}{'p50 us':>9}"
           f"{'client CPU us':>15}{'server CPU us':>15}")
     for name in names:
         base = "async 1 node" if name.startswith("async") else "sync 1 node"
         ratio = median(name, "calls_per_s") / median(base, "calls_per_s")
         p50 = f"{median(name, 'p50_us'):.1f}" if name.startswith("sync") else "-"
-        print(f"{name:<18}{median(name, 'calls_per_s'):>11.0f}{ratio:>8.2f}{p50:>9}"
+        print(f"{name:<24}{median(name, 'calls_per_s'):>11.0f}{ratio:>8.2f}{p50:>9}"
               f"{median(name, 'client_cpu_us'):>15.1f}{median(name, 'server_cpu_us'):>15.1f}")
     extra = codec_tagged - codec_plain
     share = extra / (median("sync cluster", "p50_us") * 1e3) * 100

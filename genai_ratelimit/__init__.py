@@ -15,6 +15,7 @@ from ._native import (
 )
 from ._version import __version__
 from .aio import AsyncRateLimiter
+from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
 from .reservation import Reservation, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
@@ -28,6 +29,8 @@ __all__ = [
     "RateLimiterAuthError",
     "Reservation",
     "WindowState",
+    "Lease",
+    "AsyncLease",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

@@ -146,7 +146,8 @@ install-debug: deps $(DEBUG_VENV)/.created
 # FastAPI paths in this process (TestClient) stay under ASan.
 ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
-             test_wheel_install.py test_c_source_lint.py test_tiers_config.py
+             test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
+             test_fastapi_in_flight_server.py
 test-asan: install-asan
 	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(ASAN_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
@@ -191,7 +192,8 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py \
                  test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
-                 test_wheel_install.py test_c_source_lint.py
+                 test_wheel_install.py test_c_source_lint.py \
+                 test_fastapi_in_flight.py test_fastapi_in_flight_server.py
 test-hiredis1: install-hiredis1
 	$(HIREDIS1_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(HIREDIS1_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)

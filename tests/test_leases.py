@@ -269,3 +269,29 @@ def test_an_async_lease_releases_itself_on_leaving_async_with(
             assert sum(lease.allowed for lease in won) == 3
 
     run_async(scenario(), loop_factory)
+
+
+# --- a server that answers the lease script with nonsense -------------------------------------
+
+@pytest.mark.parametrize("reply", [
+    b"*4\r\n:1\r\n:1\r\n:0\r\n:5\r\n",                      # too short
+    b"*5\r\n:2\r\n:1\r\n:0\r\n:5\r\n:1\r\n",                # ok is not 0/1
+    b"*5\r\n:1\r\n:0\r\n:0\r\n:5\r\n:1\r\n",                # admitted, yet nobody holds a slot
+    b"*5\r\n:1\r\n:1\r\n:0\r\n:1\r\n:1\r\n",                # admitted, expiring at once
+    b"*5\r\n:0\r\n:1\r\n:1000\r\n:0\r\n:1\r\n",             # refused below the limit
+    b"*5\r\n:0\r\n:3\r\n:0\r\n:0\r\n:1\r\n",                # refused, no wait
+    b"*5\r\n:1\r\n:1\r\n:0\r\n$2\r\n99\r\n:1\r\n",          # a string where an int goes
+], ids=["short", "ok-2", "held-0", "expired", "refused-below", "no-wait", "string"])
+def test_a_nonsense_lease_reply_raises_unavailable(make_limiter: LimiterFactory,
+                                                    reply: bytes) -> None:
+    from fake_redis import FakeRedis, Reply
+    from genai_ratelimit import RateLimiterUnavailable
+
+    fake = FakeRedis(Reply(reply))
+    try:
+        limiter = make_limiter(fake.url, connect_timeout=1.0, socket_timeout=1.0)
+        with pytest.raises(RateLimiterUnavailable, match="script"):
+            limiter.acquire("u", 3, 60)
+        limiter.close()
+    finally:
+        fake.close()

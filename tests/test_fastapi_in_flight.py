@@ -184,3 +184,14 @@ def test_bad_in_flight_settings_are_refused_at_start_up(kwargs: dict[str, Any],
                                                         error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         RateLimit(**kwargs)
+
+
+@pytest.mark.limiter_kinds("sync", reason="start-up configuration: no limiter call")
+def test_max_in_flight_needs_a_limiter_that_leases() -> None:
+    class WindowsOnly:
+        def check_windows(self, user_id: str, windows: Any) -> tuple[bool, int, int, int]:
+            return True, 1, 0, 60
+
+    with pytest.raises(TypeError, match=r"max_in_flight needs a limiter with acquire\(\)"):
+        RateLimit(limiter=WindowsOnly(), max_in_flight={"free": 1})
+    RateLimit(limiter=WindowsOnly())  # no cap: no lease needed

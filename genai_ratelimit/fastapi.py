@@ -112,6 +112,7 @@ __all__ = [
     "RateLimitHeadersMiddleware",
     "TokenRateLimit",
     "record_usage",
+    "in_flight_lease",
     "estimate_openai_tokens",
     "rate_limit",
     "Identify",
@@ -475,7 +476,8 @@ class RateLimit:
                    (and costs no extra round trip). Needs RateLimitHeadersMiddleware.
     lease_seconds  how long an in-flight slot stays taken when its release never comes (a
                    worker killed mid-request): default 300 (DEFAULT_LEASE_SECONDS). A request
-                   that may run longer should renew its lease (see in_flight_lease).
+                   that may run longer renews its lease: in_flight_lease(request).renew()
+                   (awaited with an AsyncRateLimiter).
 
     In-flight slots (max_in_flight): before the windows are decided, the request takes one
     of its identity's slots (`acquire`, one script execution); the middleware gives it back
@@ -1110,6 +1112,18 @@ async def record_usage(request: Request, tokens: int) -> int:
                            "(each request is reconciled once)")
     ledger.reported = True
     return await ledger.reconcile(tokens)
+
+
+def in_flight_lease(request: Request) -> Lease | None:
+    """The in-flight lease this request holds (max_in_flight), or None when its tier has no
+    cap (or Redis could not decide and on_unavailable let it through). A stream that may run
+    longer than lease_seconds renews it: `await in_flight_lease(request).renew()` with an
+    AsyncRateLimiter (an AsyncLease), `.renew()` with a RateLimiter. The middleware still
+    releases it when the response is over."""
+    leases = request.scope.get(_LEASES_KEY)
+    if not isinstance(leases, _LeaseLedger) or not leases.entries:
+        return None
+    return leases.entries[0][3]
 
 
 rate_limit: RateLimit = RateLimit()

@@ -7,15 +7,17 @@ test_fastapi_in_flight_server.py, over real HTTP."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
-from fastapi import Depends
+from fastapi import Depends, Request
+from fastapi.responses import StreamingResponse
 
-from genai_ratelimit.fastapi import RateLimit
+from genai_ratelimit.fastapi import RateLimit, in_flight_lease
 from helpers_async import LimiterFactory
 from test_fastapi import (  # noqa: F401 (fixtures)
     _built_in_tiers,
@@ -102,6 +104,42 @@ def test_a_route_that_raises_gives_its_slot_back(make_limiter: LimiterFactory, l
         assert client.get("/dict", headers=as_user(user_id)).status_code == 200
         if hasattr(limiter, "aclose"):
             client.portal.call(limiter.aclose)  # type: ignore[union-attr]
+
+
+def test_a_long_stream_renews_its_lease(make_limiter: LimiterFactory, limiter: Any,
+                                        redis_client: redis.Redis, user_id: str) -> None:
+    from fastapi.testclient import TestClient
+
+    dependency = RateLimit(limiter=limiter, max_in_flight={"free": 1}, lease_seconds=5)
+    app = build_app(dependency)
+    seen: list[tuple[float, float]] = []
+
+    @app.get("/long", dependencies=[Depends(dependency)])
+    async def long(request: Request) -> StreamingResponse:
+        lease = in_flight_lease(request)
+        assert lease is not None and lease.allowed and lease.lease_seconds == 5
+
+        async def body() -> Any:
+            yield "data: a\n\n"
+            before = redis_client.zscore(leases_key(user_id), lease.lease_id)
+            renewed = lease.renew(60)
+            assert (await renewed if inspect.isawaitable(renewed) else renewed) is True
+            seen.append((before, redis_client.zscore(leases_key(user_id), lease.lease_id)))
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    @app.get("/capless")
+    async def capless(request: Request) -> dict[str, bool]:
+        return {"lease": in_flight_lease(request) is not None}
+
+    with TestClient(app, **client_options(make_limiter)) as client:
+        assert client.get("/long", headers=as_user(user_id)).status_code == 200
+        assert client.get("/capless").json() == {"lease": False}
+        if hasattr(limiter, "aclose"):
+            client.portal.call(limiter.aclose)  # type: ignore[union-attr]
+    (before, after), = seen
+    assert after >= before + 50_000  # 60 s from the renew instead of 5 s from the acquire
+    assert redis_client.zcard(leases_key(user_id)) == 0  # and released at the end
 
 
 def test_a_window_refusal_gives_the_slot_back(limiter: Any, client_for: Callable[..., Any],

@@ -1,8 +1,8 @@
 """A uvicorn server in a subprocess for the real-HTTP tests: an app module written from
 source into a temporary directory (so the installed package is imported, not the source
 tree), served on a free loopback port with one or several workers, started until its
-readiness path answers, stopped, or killed with SIGKILL. (test_fastapi_server.py and
-test_proxies.py keep their own near-copies, tied to the apps they serve.)"""
+readiness path answers, stopped, or killed with SIGKILL. test_fastapi_server.py's UvicornApp
+(examples/app.py) builds on it."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ class UvicornServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _spawn(self) -> subprocess.Popen[bytes]:
+    def spawn(self) -> subprocess.Popen[bytes]:
         self.port = free_port()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
@@ -53,7 +53,7 @@ class UvicornServer:
 
     def start(self, timeout: float = 30.0) -> None:
         for _ in range(5):  # the free port may be taken before uvicorn binds it: try another
-            process = self._spawn()
+            process = self.spawn()
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline and process.poll() is None:
                 try:

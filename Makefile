@@ -146,11 +146,12 @@ install-debug: deps $(DEBUG_VENV)/.created
 # venv's script, so the source tree (no .so, or a stale one) is never imported.
 # Left to `make test`: the files whose work happens in other processes (uvicorn servers and the
 # SDK clients, packaging builds, the README examples' interpreters) or in no C at all; the
-# FastAPI paths in this process (TestClient) stay under ASan.
+# FastAPI paths in this process (TestClient) stay under ASan, but for shadow mode and the IETF
+# headers, which call the limiters exactly as test_fastapi.py and test_fastapi_tokens.py do.
 ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
-             test_fastapi_in_flight_server.py
+             test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -204,7 +205,8 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
                  test_wheel_install.py test_c_source_lint.py \
-                 test_fastapi_in_flight.py test_fastapi_in_flight_server.py
+                 test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
+                 test_fastapi_shadow.py test_fastapi_ietf_headers.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 

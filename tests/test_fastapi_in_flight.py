@@ -233,3 +233,12 @@ def test_max_in_flight_needs_a_limiter_that_leases() -> None:
     with pytest.raises(TypeError, match=r"max_in_flight needs a limiter with acquire\(\)"):
         RateLimit(limiter=WindowsOnly(), max_in_flight={"free": 1})
     RateLimit(limiter=WindowsOnly())  # no cap: no lease needed
+
+
+def test_shadow_mode_still_enforces_max_in_flight(limiter: Any, client_for: Callable[..., Any],
+                                                  redis_client: redis.Redis, user_id: str) -> None:
+    """mode="shadow" lets window refusals through; a slot that is not free is not lent."""
+    client = client_for(RateLimit(limiter=limiter, max_in_flight={"free": 1}, mode="shadow"))
+    hold_slots(redis_client, user_id, 1, 30)
+    response = client.get("/dict", headers=as_user(user_id))
+    assert (response.status_code, response.headers["X-RateLimit-Window"]) == (429, "concurrent")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -33,7 +32,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import RedisTarget, admin_client, script_stats  # noqa: E402
+from benchlib import (  # noqa: E402
+    RedisTarget,
+    admin_client,
+    load_average,
+    print_ratio_table,
+    script_stats,
+)
 from genai_ratelimit import AsyncRateLimiter, RateLimiter  # noqa: E402
 
 BIG = 10**12
@@ -141,26 +146,16 @@ def main() -> int:
     finally:
         target.close()
 
-    load = os.getloadavg()
     print(f"Redis {version} on loopback (own server), {args.rounds} rounds of {args.seconds} s per "
-          f"contender; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
-          f"({os.cpu_count()} CPUs). Medians over rounds; ratios are per round to the plain "
+          f"contender; {load_average()}. Medians over rounds; ratios are per round to the plain "
           "check of the same kind, then the median. An iteration is one check, or one acquire "
-          "and its release.\n")
-    print("| contender | iterations/s | p50 µs | server µs/script call | iterations/s vs check "
-          "| p50 vs check |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+          "and its release.")
     names = list(rows)
-    for index, name in enumerate(names):
-        base = rows[names[index - index % 2]]  # each lease row follows its check row
-        values = rows[name]
-        rate = statistics.median(v[0] for v in values)
-        p50 = statistics.median(v[1] for v in values)
-        server = statistics.median(v[2] for v in values)
-        rate_ratio = statistics.median(v[0] / b[0] for v, b in zip(values, base, strict=True))
-        p50_ratio = statistics.median(v[1] / b[1] for v, b in zip(values, base, strict=True))
-        print(f"| {name} | {rate:,.0f} | {p50:.1f} | {server:.2f} | {rate_ratio:.2f}× | "
-              f"{p50_ratio:.2f}× |")
+    for check, lease in zip(names[::2], names[1::2], strict=True):  # each lease row after its check
+        print()
+        print_ratio_table({check: rows[check], lease: rows[lease]}, check,
+                          [("iterations/s", ",.0f"), ("p50 µs", ".1f"), ("server µs/script call", ".2f")],
+                          [(0, "iterations/s vs check"), (1, "p50 vs check")])
     return 0
 
 

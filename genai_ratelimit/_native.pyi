@@ -1,7 +1,7 @@
 """Type stubs of the C extension genai_ratelimit._native (csrc/)."""
 
 from collections.abc import Sequence
-from typing import Any, final
+from typing import Any, TypedDict, final
 
 from typing_extensions import disjoint_base
 
@@ -9,6 +9,10 @@ SCRIPT_SHA1: str
 SCRIPT_SOURCE: str
 RECONCILE_SHA1: str
 RECONCILE_SOURCE: str
+PEEK_SHA1: str
+PEEK_SOURCE: str
+RESET_SHA1: str
+RESET_SOURCE: str
 HIREDIS_VERSION: str  # "major.minor.patch" of the hiredis headers compiled against
 MAX_WINDOWS: int
 MAX_LIMIT: int
@@ -19,6 +23,27 @@ class RateLimiterError(Exception): ...
 class RateLimiterUnavailable(RateLimiterError): ...
 class RateLimiterTimeout(RateLimiterUnavailable, TimeoutError): ...
 class RateLimiterAuthError(RateLimiterUnavailable): ...
+
+class LimiterMetrics(TypedDict):
+    """A limiter's counters (metrics()), each exact and monotonic since construction."""
+
+    enabled: bool  # False when built with metrics=False: then every count stays 0
+    allowed: int  # decisions allowed (check, check_windows, reserve)
+    rejected: int  # decisions rejected, all windows
+    rejected_by_window: dict[str, int]  # "60", "86400", "60:tokens" (token windows), "other"
+    unavailable: int  # decisions that raised (Redis unreachable, timed out, garbage)
+    fail_open: int  # requests the FastAPI layer let through with Redis unavailable
+    shadow: int  # rejections the FastAPI layer let through in shadow mode
+    replays: int  # decisions sent again after a broken connection
+    connection_errors: int  # connections that could not open or broke mid-call
+    latency_buckets: tuple[tuple[float | None, int], ...]  # (upper bound s | None, count)
+    latency_sum_s: float  # the sum of the round trips counted in the buckets
+    latency_count: int
+
+# _peek: (allowed, remaining, retry_after_s, window_seconds, is_token_window, now_ms,
+#         ((limit, window_seconds, is_token_window, used, oldest_ms | None), ...),
+#         retry_after_ms)
+PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, int, int | None], ...], int]
 
 @disjoint_base
 class Limiter:
@@ -41,6 +66,7 @@ class Limiter:
         ssl_ca_certs: str | None = ...,
         ssl_certfile: str | None = ...,
         ssl_keyfile: str | None = ...,
+        metrics: bool = ...,
     ) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
@@ -71,6 +97,25 @@ class Limiter:
         *,
         tokens: bool = False,
     ) -> int: ...
+    def _peek(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        token_windows: Sequence[tuple[int, int]] = (),
+        tokens: int | None = None,
+    ) -> PeekResult: ...
+    def _reset(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]] | None = None,
+        *,
+        token_windows: Sequence[tuple[int, int]] | None = None,
+        cursor: str | None = None,
+    ) -> tuple[int, str]: ...
+    def metrics(self) -> LimiterMetrics: ...
+    def _record_outcome(self, kind: str, /) -> None: ...
     def close(self) -> None: ...
     @property
     def key_prefix(self) -> str: ...
@@ -90,7 +135,7 @@ class Request:
 
 @final
 class Codec:
-    def __init__(self, key_prefix: str, *, client_clock: bool = ...) -> None: ...
+    def __init__(self, key_prefix: str, *, client_clock: bool = ..., metrics: bool = ...) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
     ) -> Request | tuple[bool, int, int]: ...
@@ -118,10 +163,29 @@ class Codec:
         *,
         tokens: bool = False,
     ) -> Request | int: ...
+    def peek(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        token_windows: Sequence[tuple[int, int]] = (),
+        tokens: int | None = None,
+    ) -> Request | PeekResult: ...
+    def reset(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]] | None = None,
+        *,
+        token_windows: Sequence[tuple[int, int]] | None = None,
+        cursor: str | None = None,
+    ) -> Request | tuple[int, str]: ...
+    def metrics(self) -> LimiterMetrics: ...
+    def _record_outcome(self, kind: str, /) -> None: ...
 
 @final
 class Pipeline:
-    def __init__(self, timeout: float) -> None: ...
+    def __init__(self, timeout: float, *, codec: Codec | None = ...) -> None: ...
     def handshake(
         self,
         future: Any,

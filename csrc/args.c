@@ -222,9 +222,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                                                   "timestamp_ms", "cost",    "tokens"};
     static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
     static const rl_script_id scripts[] = {
-        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,       [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
-        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,     [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
-        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,          [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
+        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,   [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW, [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
+        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,      [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
     };
     PyObject *v[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
@@ -500,12 +500,12 @@ peek_object(const rl_windows *w, const rl_result *r)
     if (all == NULL)
         return NULL;
     for (int i = 0; i < w->count; i++) {
-        PyObject *oldest = r->oldest_of[i] < 0 ? Py_NewRef(Py_None)
-                                               : PyLong_FromLongLong(r->oldest_of[i]);
-        PyObject *item = oldest == NULL ? NULL
-                                        : Py_BuildValue("(LLNLN)", w->limit[i], w->seconds[i],
-                                                        PyBool_FromLong(w->tokens[i]),
-                                                        r->used_of[i], oldest);
+        PyObject *oldest =
+            r->oldest_of[i] < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(r->oldest_of[i]);
+        PyObject *item = oldest == NULL
+                             ? NULL
+                             : Py_BuildValue("(LLNLN)", w->limit[i], w->seconds[i],
+                                             PyBool_FromLong(w->tokens[i]), r->used_of[i], oldest);
         if (item == NULL) {
             Py_DECREF(all);
             return NULL;

@@ -194,8 +194,7 @@ static PyMethodDef Codec_methods[] = {
     {"peek", (PyCFunction)(void (*)(void))Codec_peek, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._peek's shape)."},
-    {"reset", (PyCFunction)(void (*)(void))Codec_reset,
-     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+    {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (0, '0')."},
     {"metrics", (PyCFunction)Codec_get_metrics, METH_NOARGS,

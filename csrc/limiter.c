@@ -75,11 +75,24 @@ Limiter_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(k
 static int
 Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"host",       "port",         "unix_path",       "db",
-                               "username",   "password",     "connect_timeout", "socket_timeout",
-                               "key_prefix", "client_clock", "max_connections", "tls",
-                               "ssl_verify", "ssl_ca_certs", "ssl_certfile",    "ssl_keyfile",
-                               "metrics",    NULL};
+    static char *keywords[] = {"host",
+                               "port",
+                               "unix_path",
+                               "db",
+                               "username",
+                               "password",
+                               "connect_timeout",
+                               "socket_timeout",
+                               "key_prefix",
+                               "client_clock",
+                               "max_connections",
+                               "tls",
+                               "ssl_verify",
+                               "ssl_ca_certs",
+                               "ssl_certfile",
+                               "ssl_keyfile",
+                               "metrics",
+                               NULL};
     const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
     const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
     Py_ssize_t prefix_len = 9;
@@ -91,11 +104,10 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_RuntimeError, "a limiter is configured once, by its constructor");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzp", keywords, &host, &port,
-                                     &unix_path, &db, &username, &password, &connect_timeout,
-                                     &socket_timeout, &prefix, &prefix_len, &client_clock,
-                                     &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile,
-                                     &metrics))
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, "|$zizLzzdds#pippzzzp", keywords, &host, &port, &unix_path, &db,
+            &username, &password, &connect_timeout, &socket_timeout, &prefix, &prefix_len,
+            &client_clock, &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile, &metrics))
         return -1;
     if (host == NULL && unix_path == NULL) {
         PyErr_SetString(PyExc_ValueError, "a host or a unix socket path is needed");

@@ -101,8 +101,7 @@ rejected_object(rl_metrics *m)
         long long window = __atomic_load_n(&m->reject_window[i], __ATOMIC_ACQUIRE);
         if (window == 0)
             break;
-        snprintf(name, sizeof(name), "%lld%s", (window - 1) / 2,
-                 (window - 1) % 2 ? ":tokens" : "");
+        snprintf(name, sizeof(name), "%lld%s", (window - 1) / 2, (window - 1) % 2 ? ":tokens" : "");
         if (set_count(d, name, load(&m->rejected[i])) < 0)
             goto error;
     }
@@ -124,15 +123,15 @@ rl_metrics_object(rl_metrics *m, int enabled)
     for (int i = 0; i < RL_REJECT_SLOTS; i++)
         rejected += load(&m->rejected[i]);
     if (PyDict_SetItemString(d, "enabled", enabled ? Py_True : Py_False) < 0 ||
-        set_count(d, "allowed", load(&m->allowed)) < 0 ||
-        set_count(d, "rejected", rejected) < 0 ||
+        set_count(d, "allowed", load(&m->allowed)) < 0 || set_count(d, "rejected", rejected) < 0 ||
         set_count(d, "unavailable", load(&m->unavailable)) < 0 ||
         set_count(d, "fail_open", load(&m->fail_open)) < 0 ||
         set_count(d, "shadow", load(&m->shadow)) < 0 ||
         set_count(d, "replays", load(&m->replays)) < 0 ||
         set_count(d, "connection_errors", load(&m->connection_errors)) < 0)
         goto error;
-    if ((item = rejected_object(m)) == NULL || PyDict_SetItemString(d, "rejected_by_window", item) < 0)
+    if ((item = rejected_object(m)) == NULL ||
+        PyDict_SetItemString(d, "rejected_by_window", item) < 0)
         goto error;
     Py_CLEAR(item);
     /* Buckets: (upper bound in seconds or None for the last, count in it alone). */

@@ -178,15 +178,15 @@ typedef struct {
 /* Counters of one limiter, updated with relaxed atomics from any thread (the blocking
    driver updates them without the GIL) and read with the GIL held (metrics.c). */
 typedef struct {
-    unsigned long long allowed;           /* decisions allowed */
-    unsigned long long unavailable;       /* decisions that raised (Redis unreachable, ...) */
-    unsigned long long fail_open;         /* the FastAPI layer let a request through */
-    unsigned long long shadow;            /* the FastAPI layer let a rejected one through */
-    unsigned long long replays;           /* decisions sent again after a broken connection */
-    unsigned long long connection_errors; /* connections that failed to open or broke */
+    unsigned long long allowed;               /* decisions allowed */
+    unsigned long long unavailable;           /* decisions that raised (Redis unreachable, ...) */
+    unsigned long long fail_open;             /* the FastAPI layer let a request through */
+    unsigned long long shadow;                /* the FastAPI layer let a rejected one through */
+    unsigned long long replays;               /* decisions sent again after a broken connection */
+    unsigned long long connection_errors;     /* connections that failed to open or broke */
     long long reject_window[RL_REJECT_SLOTS]; /* seconds * 2 + is_token + 1; 0: slot free */
     unsigned long long rejected[RL_REJECT_SLOTS];
-    unsigned long long rejected_other; /* windows beyond the slots */
+    unsigned long long rejected_other;                  /* windows beyond the slots */
     unsigned long long latency[RL_LATENCY_BUCKETS + 1]; /* round trips per bucket */
     unsigned long long latency_sum_us;                  /* their sum, microseconds */
 } rl_metrics;

@@ -69,7 +69,7 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 
 #define RL_NUMBER_TEXT 24 /* room for any long long in decimal, with sign and NUL */
 #define RL_STACK_ARENA 4096
-#define RL_KEY_SUFFIXES 12 /* ":tokens" + ":w" */
+#define RL_KEY_SUFFIXES 12   /* ":tokens" + ":w" */
 #define RL_SCAN_COUNT "1000" /* reset.lua: keys one SCAN step looks at */
 
 size_t

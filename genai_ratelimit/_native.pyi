@@ -1,9 +1,11 @@
 """Type stubs of the C extension genai_ratelimit._native (csrc/)."""
 
 from collections.abc import Sequence
-from typing import Any, TypedDict, final
+from typing import Any, final
 
 from typing_extensions import disjoint_base
+
+from genai_ratelimit.metrics import LimiterMetrics
 
 SCRIPT_SHA1: str
 SCRIPT_SOURCE: str
@@ -24,26 +26,10 @@ class RateLimiterUnavailable(RateLimiterError): ...
 class RateLimiterTimeout(RateLimiterUnavailable, TimeoutError): ...
 class RateLimiterAuthError(RateLimiterUnavailable): ...
 
-class LimiterMetrics(TypedDict):
-    """A limiter's counters (metrics()), each exact and monotonic since construction."""
-
-    enabled: bool  # False when built with metrics=False: then every count stays 0
-    allowed: int  # decisions allowed (check, check_windows, reserve)
-    rejected: int  # decisions rejected, all windows
-    rejected_by_window: dict[str, int]  # "60", "86400", "60:tokens" (token windows), "other"
-    unavailable: int  # decisions that raised (Redis unreachable, timed out, garbage)
-    fail_open: int  # requests the FastAPI layer let through with Redis unavailable
-    shadow: int  # rejections the FastAPI layer let through in shadow mode
-    replays: int  # decisions sent again after a broken connection
-    connection_errors: int  # connections that could not open or broke mid-call
-    latency_buckets: tuple[tuple[float | None, int], ...]  # (upper bound s | None, count)
-    latency_sum_s: float  # the sum of the round trips counted in the buckets
-    latency_count: int
-
 # _peek: (allowed, remaining, retry_after_s, window_seconds, is_token_window, now_ms,
 #         ((limit, window_seconds, is_token_window, used, oldest_ms | None), ...),
 #         retry_after_ms)
-PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, int, int | None], ...], int]
+_PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, int, int | None], ...], int]
 
 @disjoint_base
 class Limiter:
@@ -105,7 +91,7 @@ class Limiter:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> PeekResult: ...
+    ) -> _PeekResult: ...
     def _reset(
         self,
         user_id: str,
@@ -171,7 +157,7 @@ class Codec:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> Request | PeekResult: ...
+    ) -> Request | _PeekResult: ...
     def reset(
         self,
         user_id: str,

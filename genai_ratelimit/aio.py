@@ -27,6 +27,7 @@ from . import _native
 from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable
 from ._url import RedisOptions
 from .limiter import Clock, limiter_options
+from .metrics import LimiterMetrics
 from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
 
 __all__ = ["AsyncRateLimiter"]
@@ -548,7 +549,7 @@ class AsyncRateLimiter:
             if cursor == "0":
                 return removed
 
-    def metrics(self) -> _native.LimiterMetrics:
+    def metrics(self) -> LimiterMetrics:
         """The limiter's counters (RateLimiter.metrics)."""
         return self._codec.metrics()
 

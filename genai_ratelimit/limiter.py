@@ -163,7 +163,7 @@ class RateLimiter(_native.Limiter):
         """What `check_windows(user_id, windows, cost=cost)` (or `reserve` with the same
         arguments) would answer now: (allowed, remaining, retry_after_s, window_seconds).
         Writes nothing: one read-only script execution on the server's clock."""
-        return self._peek(user_id, windows,  # type: ignore[no-any-return]
+        return self._peek(user_id, windows,
                           **reserve_arguments(cost, token_windows, tokens))[:4]
 
     def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
@@ -173,13 +173,13 @@ class RateLimiter(_native.Limiter):
         every window of the user, found by SCAN (see README: not atomic). Returns the
         number of entries removed."""
         if windows is not None or token_windows is not None:
-            return self._reset(user_id, windows,  # type: ignore[no-any-return]
+            return self._reset(user_id, windows,
                                token_windows=token_windows)[0]
         removed, cursor = self._reset(user_id)
         while cursor != "0":
             more, cursor = self._reset(user_id, cursor=cursor)
             removed += more
-        return removed  # type: ignore[no-any-return]
+        return removed
 
     def __enter__(self) -> RateLimiter:
         return self

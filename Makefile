@@ -146,7 +146,7 @@ install-debug: deps $(DEBUG_VENV)/.created
 # FastAPI paths in this process (TestClient) stay under ASan.
 ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
-             test_wheel_install.py test_c_source_lint.py test_tiers_config.py
+             test_wheel_install.py test_c_source_lint.py test_tiers_config.py test_cli.py
 test-asan: install-asan
 	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(ASAN_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
@@ -186,12 +186,13 @@ install-hiredis1: deps $(HIREDIS1_VENV)/.created
 # The suite but the slow tests, on the extension linked to hiredis 1.x.
 # The files that drive no hiredis path of their own are left to `make test` and test-asan:
 # FastAPI over TestClient and uvicorn (the same codec and pipeline the async tests drive),
-# the tiers file, the README examples, packaging, the Docker files and the wheel.
+# the tiers file, the README examples, packaging, the Docker files, the wheel and the
+# command line (subprocesses).
 HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py \
                  test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
-                 test_wheel_install.py test_c_source_lint.py
+                 test_wheel_install.py test_c_source_lint.py test_cli.py
 test-hiredis1: install-hiredis1
 	$(HIREDIS1_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(HIREDIS1_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)

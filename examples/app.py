@@ -10,7 +10,8 @@
   chunk (when the client asks `stream_options={"include_usage": true}`, as OpenAI does), or
   else `record_usage` called by the stream itself. The fake model writes `max_tokens` tokens
   when asked for them (a verbose model), else one short sentence.
-- `GET /healthz` is not limited.
+- `GET /healthz` is not limited, nor is `GET /metrics`: the limiter's counters (decisions,
+  refusals by window, Redis latency, fail-opens) for Prometheus to scrape.
 
 Run it (Redis from $REDIS_URL, else redis://localhost:6379/0):
 
@@ -33,8 +34,11 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
 from genai_ratelimit import AsyncRateLimiter
 from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, TokenRateLimit, record_usage
+from genai_ratelimit.metrics import PrometheusCollector
 
 # Demo keys. A real service looks keys up in its database.
 API_KEYS: dict[str, tuple[str, str]] = {
@@ -50,6 +54,10 @@ API_KEYS: dict[str, tuple[str, str]] = {
 rate_limit = TokenRateLimit(
     limiter=AsyncRateLimiter(key_prefix=os.environ.get("EXAMPLE_KEY_PREFIX", "ratelimit")),
 )
+
+# The limiter's counters, read at each scrape (nothing is added to a request's path).
+metrics_registry = CollectorRegistry()
+metrics_registry.register(PrometheusCollector({"chat": rate_limit.limiter}))
 
 app = FastAPI(title="genai-ratelimit example")
 # Puts X-RateLimit-* and OpenAI's x-ratelimit-* on every response, the streamed ones
@@ -149,3 +157,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
 @app.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@app.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus's text format: genai_ratelimit_decisions_total{outcome,window}, ..."""
+    return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)

@@ -32,9 +32,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
-
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel
 
 from genai_ratelimit import AsyncRateLimiter
 from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, TokenRateLimit, record_usage

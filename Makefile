@@ -70,7 +70,8 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench bench-weighted dist wheel test-wheel clean
+        install-asan install-debug demo serve bench bench-weighted bench-metrics metrics-dashboard \
+        dist wheel test-wheel clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -83,6 +84,8 @@ help:
 	@echo "make serve          keep the example app running for your own curl"
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
+	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
+	@echo "make metrics-dashboard  redraws docs/metrics-dashboard.png from a real run"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
@@ -229,6 +232,14 @@ bench: install
 bench-weighted: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/weighted.py
+
+bench-metrics: install
+	$(PY) benchmarks/metrics_overhead.py
+
+# Redraws docs/metrics-dashboard.png from a real run (matplotlib comes with the bench extra).
+metrics-dashboard: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/metrics_dashboard.py
 
 dist: wheel
 

@@ -5,7 +5,8 @@ one run.
     .venv/bin/python benchmarks/metrics_overhead.py [--rounds N] [--seconds S]
 
 It starts its own redis-server on a free loopback port (nothing else is touched) and runs,
-round after round in rotating order, each contender for S seconds (or 20,000 calls):
+round after round, each pair (off, on) back to back, in turns off-first and on-first, each
+contender for S seconds (or 20,000 calls):
 
   sync, metrics off     RateLimiter(metrics=False).check(user, limit, 60), one connection
   sync, metrics on      RateLimiter().check(...): the counters, two clock reads, a bucket
@@ -63,8 +64,8 @@ def async_rate(limiter: AsyncRateLimiter, seconds: float, max_calls: int) -> tup
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--seconds", type=float, default=1.5)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--seconds", type=float, default=1.0)
     args = parser.parse_args()
 
     target = RedisTarget.start_own()
@@ -90,11 +91,13 @@ def main() -> int:
             "async, metrics on": lambda: async_rate(async_on, args.seconds, 20_000),
         }
         rows = {name: [] for name in contenders}
-        names = list(contenders)
         for round_index in range(args.rounds):
-            order = names[round_index % len(names):] + names[:round_index % len(names)]
-            for name in order:
-                rows[name].append(contenders[name]())
+            # Each pair back to back, off then on or on then off by turns: what one round
+            # compares ran under the same load.
+            for kind in ("sync", "async"):
+                pair = [f"{kind}, metrics off", f"{kind}, metrics on"]
+                for name in pair if round_index % 2 == 0 else pair[::-1]:
+                    rows[name].append(contenders[name]())
         counted = sync_on.metrics()
         assert counted["allowed"] == counted["latency_count"] > 0, counted
         assert sync_off.metrics()["allowed"] == 0

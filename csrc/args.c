@@ -222,9 +222,10 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                                                   "timestamp_ms", "cost",    "tokens"};
     static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
     static const rl_script_id scripts[] = {
-        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,   [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
-        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW, [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
-        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,      [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
+        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,    [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,  [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
+        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,       [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
+        [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW,
     };
     PyObject *v[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
@@ -245,7 +246,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         break;
     case RL_SHAPE_WINDOWS:
-        if (rl_parse_args("check_windows", args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
+    case RL_SHAPE_DETAILED:
+        if (rl_parse_args(shape == RL_SHAPE_WINDOWS ? "check_windows" : "check_windows_detailed",
+                          args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 0) < 0 ||
             set_cost(&d->windows, v[2], "cost", 0) < 0)
@@ -517,8 +520,40 @@ peek_object(const rl_windows *w, const rl_result *r)
                          PyBool_FromLong(w->tokens[r->window]), r->now_ms, all, r->retry_after_ms);
 }
 
+/* check_windows_detailed's answer: a WindowDecision, which unpacks and compares as
+   check_windows' 4-tuple and also carries the exact wait in ms and the decision's time. Returns a new
+   reference. */
+static PyObject *
+window_decision(rl_module_state *state, const rl_windows *w, const rl_result *r)
+{
+    PyObject *t = PyStructSequence_New(state->WindowDecisionType);
+    PyObject *item;
+    if (t == NULL)
+        return NULL;
+    PyStructSequence_SET_ITEM(t, 0, Py_NewRef(r->allowed ? Py_True : Py_False));
+    if ((item = PyLong_FromLongLong(r->remaining)) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 1, item);
+    if ((item = PyLong_FromLongLong(r->retry_after_s)) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 2, item);
+    if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 3, item);
+    if ((item = PyLong_FromLongLong(r->retry_after_ms)) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 4, item);
+    if ((item = PyLong_FromLongLong(r->now_ms)) == NULL)
+        goto error;
+    PyStructSequence_SET_ITEM(t, 5, item);
+    return t;
+error:
+    Py_DECREF(t);
+    return NULL;
+}
+
 PyObject *
-rl_result_object(const rl_prepared *d, const rl_result *r)
+rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r)
 {
     const rl_windows *w = &d->windows;
     PyObject *t, *item;
@@ -529,6 +564,8 @@ rl_result_object(const rl_prepared *d, const rl_result *r)
         return Py_BuildValue("(Ls)", r->found, r->cursor);
     if (d->shape == RL_SHAPE_PEEK)
         return peek_object(w, r);
+    if (d->shape == RL_SHAPE_DETAILED)
+        return window_decision(state, w, r);
     size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 9;
     t = PyTuple_New(size);
     if (t == NULL)

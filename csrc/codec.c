@@ -137,7 +137,7 @@ encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject
             0)
         return NULL;
     if (p.disabled)
-        return rl_result_object(&p, &p.result);
+        return rl_result_object(state, &p, &p.result);
     req = PyObject_New(RequestObject, state->RequestType);
     if (req == NULL) {
         rl_prepared_clear(&p);
@@ -155,6 +155,7 @@ encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject
     }
 CODEC_METHOD(check, RL_SHAPE_CHECK)
 CODEC_METHOD(check_windows, RL_SHAPE_WINDOWS)
+CODEC_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 CODEC_METHOD(reserve, RL_SHAPE_RESERVE)
 CODEC_METHOD(reconcile, RL_SHAPE_RECONCILE)
 CODEC_METHOD(peek, RL_SHAPE_PEEK)
@@ -183,6 +184,10 @@ static PyMethodDef Codec_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "check_windows($self, /, user_id, windows, *, cost=1)\n--\n\n"
      "A Request, or the kill switch's final tuple."},
+    {"check_windows_detailed", (PyCFunction)(void (*)(void))Codec_check_windows_detailed,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "check_windows_detailed($self, /, user_id, windows, *, cost=1)\n--\n\n"
+     "A Request, or the kill switch's final WindowDecision."},
     {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
@@ -423,7 +428,7 @@ deliver(rl_module_state *state, rl_metrics *metrics, rl_event *ev)
     } else {
         switch (ev->entry.step) {
         case RL_STEP_DECISION:
-            value = rl_result_object(&req->prepared, &ev->result);
+            value = rl_result_object(state, &req->prepared, &ev->result);
             break;
         case RL_STEP_COMMAND:
             value = reply_to_python(ev->reply);

@@ -214,7 +214,7 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         0)
         goto done;
     if (p->disabled) {
-        result = rl_result_object(p, &p->result);
+        result = rl_result_object(state, p, &p->result);
         goto done;
     }
     own_pool(self);
@@ -251,7 +251,7 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
         goto done;
     }
     p->result = call.result;
-    result = rl_result_object(p, &p->result);
+    result = rl_result_object(state, p, &p->result);
 done:
     rl_prepared_clear(p);
     return result;
@@ -296,6 +296,14 @@ PyDoc_STRVAR(Limiter_check_windows_doc,
 "shorter); on reject it names the window that rejected.");
 
 LIMITER_METHOD(check_windows, RL_SHAPE_WINDOWS)
+
+PyDoc_STRVAR(Limiter_check_windows_detailed_doc,
+"check_windows_detailed($self, /, user_id, windows, *, cost=1)\n--\n\n"
+"-> WindowDecision\n\n"
+"check_windows, answered as a WindowDecision: the same 4-tuple, with the exact wait\n"
+"(retry_after_ms) and the decision's time (timestamp_ms) as attributes.");
+
+LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 
 PyDoc_STRVAR(Limiter_reserve_doc,
 "_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
@@ -417,6 +425,8 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_doc},
     {"check_windows", (PyCFunction)(void (*)(void))Limiter_check_windows,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_windows_doc},
+    {"check_windows_detailed", (PyCFunction)(void (*)(void))Limiter_check_windows_detailed,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_windows_detailed_doc},
     {"_reserve", (PyCFunction)(void (*)(void))Limiter_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reserve_doc},
     {"_reconcile", (PyCFunction)(void (*)(void))Limiter_reconcile,

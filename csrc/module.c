@@ -114,6 +114,25 @@ add_long_long(PyObject *module, const char *name, long long value)
     return rc;
 }
 
+static PyStructSequence_Field window_decision_fields[] = {
+    {"allowed", "True when the request was admitted (and logged in every window)"},
+    {"remaining", "requests left in the window reported by window_seconds (0 on a refusal)"},
+    {"retry_after_s", "seconds until a retry can succeed, rounded up (0 when allowed)"},
+    {"window_seconds", "the window that refused, or on allow the one with the fewest left"},
+    {"retry_after_ms", "the same wait in milliseconds, not rounded up (0 when allowed)"},
+    {"timestamp_ms", "the unix time in ms the script decided at (the entry's score)"},
+    {NULL, NULL},
+};
+
+static PyStructSequence_Desc window_decision_desc = {
+    "genai_ratelimit._native.WindowDecision",
+    "check_windows_detailed's answer: unpacks and compares as check_windows' (allowed,\n"
+    "remaining, retry_after_s, window_seconds); the exact wait (retry_after_ms) and the\n"
+    "decision's time (timestamp_ms) are attributes only.",
+    window_decision_fields,
+    4,
+};
+
 static int
 module_exec(PyObject *module)
 {
@@ -161,6 +180,10 @@ module_exec(PyObject *module)
         add_type(module, &state->RequestType, &rl_request_spec, "Request") < 0 ||
         add_type(module, &state->PipelineType, &rl_pipeline_spec, "Pipeline") < 0)
         goto done;
+    state->WindowDecisionType = PyStructSequence_NewType(&window_decision_desc);
+    if (state->WindowDecisionType == NULL ||
+        PyModule_AddObjectRef(module, "WindowDecision", (PyObject *)state->WindowDecisionType) < 0)
+        goto done;
 
     if (PyModule_AddStringConstant(module, "HIREDIS_VERSION", RL_HIREDIS_VERSION) < 0)
         goto done;
@@ -195,6 +218,7 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->CodecType);
     Py_VISIT(state->RequestType);
     Py_VISIT(state->PipelineType);
+    Py_VISIT(state->WindowDecisionType);
     Py_VISIT(state->Error);
     Py_VISIT(state->Unavailable);
     Py_VISIT(state->Timeout);
@@ -210,6 +234,7 @@ module_clear(PyObject *module)
     Py_CLEAR(state->CodecType);
     Py_CLEAR(state->RequestType);
     Py_CLEAR(state->PipelineType);
+    Py_CLEAR(state->WindowDecisionType);
     Py_CLEAR(state->Error);
     Py_CLEAR(state->Unavailable);
     Py_CLEAR(state->Timeout);

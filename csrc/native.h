@@ -91,6 +91,7 @@ typedef struct {
 typedef enum {
     RL_SHAPE_CHECK,     /* check(): (allowed, remaining, retry_after_s) */
     RL_SHAPE_WINDOWS,   /* check_windows(): the same and window_seconds */
+    RL_SHAPE_DETAILED,  /* check_windows_detailed(): a WindowDecision */
     RL_SHAPE_RESERVE,   /* reserve(): the same, the member, the time, every window's remaining */
     RL_SHAPE_RECONCILE, /* reconcile(): the number of windows whose entry was found */
     RL_SHAPE_PEEK,      /* _peek(): what a reserve would answer, every window's use; no write */
@@ -400,6 +401,8 @@ typedef struct {
     PyTypeObject *CodecType;
     PyTypeObject *RequestType;
     PyTypeObject *PipelineType;
+    /* check_windows_detailed's answer (a struct sequence) */
+    PyTypeObject *WindowDecisionType;
     PyObject *Error;        /* RateLimiterError */
     PyObject *Unavailable;  /* RateLimiterUnavailable */
     PyObject *Timeout;      /* RateLimiterTimeout */
@@ -433,7 +436,7 @@ void rl_prepared_clear(rl_prepared *p);
    with a ValueError naming the parameter. */
 int rl_check_timeout(const char *name, double seconds);
 /* The Python result of a decision of d's shape (see rl_shape). Returns a new reference. */
-PyObject *rl_result_object(const rl_prepared *d, const rl_result *r);
+PyObject *rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r);
 /* Vectorcall argument matching: the first `positional` names may be given by position,
    the first `required` must be given; out[] receives borrowed references (NULL for an
    optional one not given). 0 / -1. */

@@ -12,6 +12,7 @@ from ._native import (
     RateLimiterError,
     RateLimiterTimeout,
     RateLimiterUnavailable,
+    WindowDecision,
 )
 from ._version import __version__
 from .aio import AsyncRateLimiter
@@ -26,6 +27,7 @@ __all__ = [
     "RateLimiterUnavailable",
     "RateLimiterTimeout",
     "RateLimiterAuthError",
+    "WindowDecision",
     "Reservation",
     "WindowState",
     "TIER_LIMITS",

@@ -1,8 +1,9 @@
 """Type stubs of the C extension genai_ratelimit._native (csrc/)."""
 
 from collections.abc import Sequence
-from typing import Any, final
+from typing import Any, ClassVar, final
 
+from _typeshed import structseq
 from typing_extensions import disjoint_base
 
 from genai_ratelimit.metrics import LimiterMetrics
@@ -20,6 +21,24 @@ MAX_WINDOWS: int
 MAX_LIMIT: int
 MAX_WINDOW_SECONDS: int
 MAX_TIMEOUT_SECONDS: int
+
+@final
+class WindowDecision(structseq[Any], tuple[bool, int, int, int]):
+    """check_windows_detailed's answer: check_windows' 4-tuple with two more attributes."""
+
+    __match_args__: ClassVar[tuple[str, str, str, str]]
+    @property
+    def allowed(self) -> bool: ...
+    @property
+    def remaining(self) -> int: ...
+    @property
+    def retry_after_s(self) -> int: ...
+    @property
+    def window_seconds(self) -> int: ...
+    @property
+    def retry_after_ms(self) -> int: ...
+    @property
+    def timestamp_ms(self) -> int: ...
 
 class RateLimiterError(Exception): ...
 class RateLimiterUnavailable(RateLimiterError): ...
@@ -60,6 +79,9 @@ class Limiter:
     def check_windows(
         self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> tuple[bool, int, int, int]: ...
+    def check_windows_detailed(
+        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
+    ) -> WindowDecision: ...
     def _reserve(
         self,
         user_id: str,
@@ -128,6 +150,9 @@ class Codec:
     def check_windows(
         self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> Request | tuple[bool, int, int, int]: ...
+    def check_windows_detailed(
+        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
+    ) -> Request | WindowDecision: ...
     def reserve(
         self,
         user_id: str,

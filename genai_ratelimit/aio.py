@@ -24,7 +24,7 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from . import _native
-from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable
+from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
 from ._url import RedisOptions
 from .limiter import Clock, limiter_options
 from .metrics import LimiterMetrics
@@ -491,6 +491,17 @@ class AsyncRateLimiter:
         if type(request) is tuple:
             return request
         return await self._run(request, True)  # type: ignore[no-any-return]
+
+    async def check_windows_detailed(self, user_id: str, windows: Any, *,
+                                     cost: int = 1) -> WindowDecision:
+        """check_windows, answered as a WindowDecision: the same 4-tuple, with the exact wait
+        (retry_after_ms) and the decision's time (timestamp_ms) as attributes."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.check_windows_detailed(user_id, windows, cost=cost)
+        if type(request) is WindowDecision:  # the kill switch answered
+            return request
+        return await self._run(request)  # type: ignore[no-any-return]
 
     async def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
                       cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),

@@ -97,6 +97,7 @@ from ._tiers_config import (
 )
 from ._usage import UsageScanner, estimate_openai_tokens
 from .aio import AsyncRateLimiter
+from .limiter import RateLimiter
 from .reservation import Reservation, Resource, WindowState
 from .tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_LIMITS, TIER_TOKEN_LIMITS
 
@@ -205,6 +206,8 @@ _SCOPE_KEY = "genai_ratelimit.decision"
 # The allowed decisions already taken for this request, by (key space, key identity, windows):
 # a second dependency that would count the same request in the same keys reuses the decision.
 _COUNTED_KEY = "genai_ratelimit.counted"
+# This package's own check_windows: RateLimit may ask their detailed twin instead (_decide).
+_STOCK_CHECK_WINDOWS = (RateLimiter.check_windows, AsyncRateLimiter.check_windows)
 
 
 class _AllowedDecision:
@@ -408,8 +411,8 @@ class RateLimit:
                    the count of requests it covers. Default 60.
     log_user_ids   False: that warning names no user.
 
-    The decision is one `reserve` call when the limiter has one (the same script, keys and
-    answer as check_windows, plus the exact wait for retry-after-ms), else `check_windows`.
+    The decision is one `check_windows` call; the WindowDecision it answers carries the
+    exact wait (retry_after_ms) that retry-after-ms reports.
 
     An async limiter (the default) gives an instance of a subclass whose __call__ is async,
     awaited on the event loop; a blocking limiter gives an instance whose __call__ is a plain
@@ -593,31 +596,35 @@ class RateLimit:
                        "(next report in %gs at the earliest): %s",
                        count, action, latest, self.unavailable_log_interval, exc)
 
-    def _reserve_decision(self, reservation: Reservation) -> tuple[Decision, int, int]:
-        decision = (reservation.allowed, reservation.remaining, reservation.retry_after_s,
-                    reservation.window_seconds)
-        return decision, reservation.retry_after_ms, reservation.timestamp_ms or _now_ms()
+    @staticmethod
+    def _exact(decision: Decision) -> tuple[int, int]:
+        """The exact wait in ms and the decision's time: a WindowDecision carries both; any
+        other limiter's 4-tuple gets its rounded wait and this process's clock."""
+        return (getattr(decision, "retry_after_ms", decision[2] * 1000),
+                getattr(decision, "timestamp_ms", 0) or _now_ms())
+
+    def _decide(self) -> Any:
+        """The call that decides: check_windows, as the contract says. When it is this package's
+        own (not overridden by a subclass or replaced on the instance), its detailed twin, which
+        sends the same command and answers the same tuple with the exact wait as attributes."""
+        limiter = self.limiter
+        if getattr(type(limiter), "check_windows", None) in _STOCK_CHECK_WINDOWS and \
+                "check_windows" not in getattr(limiter, "__dict__", ()):
+            return limiter.check_windows_detailed
+        return limiter.check_windows
 
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
         user_id, windows = self._subject(request)
         decision = self._already_counted(request, user_id, windows)
-        retry_after_ms, now_ms = (decision[2] * 1000 if decision is not None else 0), _now_ms()
         if decision is None:
-            limiter = self.limiter
             try:
-                if callable(getattr(limiter, "reserve", None)):
-                    # reserve: the same script and keys as check_windows, plus the exact wait.
-                    decision, retry_after_ms, now_ms = self._reserve_decision(
-                        limiter.reserve(user_id, windows))
-                else:
-                    decision = limiter.check_windows(user_id, windows)
-                    retry_after_ms = decision[2] * 1000
+                decision = self._decide()(user_id, windows)
             except RateLimiterError as exc:
                 self._unavailable(request, user_id, exc)
                 return
             self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision, retry_after_ms, now_ms)
+        self._apply(request, response, windows, decision, *self._exact(decision))
 
 
 class _AsyncRateLimit(RateLimit):
@@ -626,21 +633,14 @@ class _AsyncRateLimit(RateLimit):
     async def __call__(self, request: Request, response: Response) -> None:
         user_id, windows = self._subject(request)
         decision = self._already_counted(request, user_id, windows)
-        retry_after_ms, now_ms = (decision[2] * 1000 if decision is not None else 0), _now_ms()
         if decision is None:
-            limiter = self.limiter
             try:
-                if callable(getattr(limiter, "reserve", None)):
-                    decision, retry_after_ms, now_ms = self._reserve_decision(
-                        await limiter.reserve(user_id, windows))
-                else:
-                    decision = await limiter.check_windows(user_id, windows)
-                    retry_after_ms = decision[2] * 1000
+                decision = await self._decide()(user_id, windows)
             except RateLimiterError as exc:
                 self._unavailable(request, user_id, exc)
                 return
             self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision, retry_after_ms, now_ms)
+        self._apply(request, response, windows, decision, *self._exact(decision))
 
 
 def _now_ms() -> int:

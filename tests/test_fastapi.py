@@ -869,13 +869,14 @@ def test_the_default_dependency_checks_on_the_event_loop_and_never_uses_the_thre
     assert type(limiter) is AsyncRateLimiter
     make_limiter.track(limiter)
     checks: list[tuple[int, Any]] = []
-    real_reserve = limiter.reserve  # RateLimit decides through reserve (the exact wait in ms)
+    real_check_windows = limiter.check_windows  # the contract: one check_windows call
+    # (patched on the instance: the dependency must call it, not its detailed twin)
 
-    async def recording_reserve(user: str, windows: Any) -> Any:
+    async def recording_check_windows(user: str, windows: Any) -> Any:
         checks.append((threading.get_ident(), asyncio.get_running_loop()))
-        return await real_reserve(user, windows)
+        return await real_check_windows(user, windows)
 
-    monkeypatch.setattr(limiter, "reserve", recording_reserve)
+    monkeypatch.setattr(limiter, "check_windows", recording_check_windows)
     routes: list[tuple[int, Any]] = []
     client = client_for(dependency)
     add_loop_thread_route(client.app, dependency, routes)  # type: ignore[arg-type]
@@ -915,6 +916,37 @@ def test_any_async_limiter_is_awaited_on_the_event_loop(sync_limiter: RateLimite
     statuses = [client.get("/stream", headers=as_user(user_id)).status_code for _ in range(6)]
     assert statuses == [200] * 5 + [429]
     assert len(async_limiter.awaited_on) == 6
+
+
+def test_a_limiter_subclass_that_overrides_check_windows_is_what_decides(
+        redis_url: str, user_id: str, client_for: Callable[..., TestClient]) -> None:
+    # The contract: the dependency decides with one check_windows call per request, so a
+    # subclass that wraps check_windows (to count, audit, shard) sees every decision.
+    calls: list[tuple[str, list[tuple[int, int]]]] = []
+
+    class AuditedLimiter(RateLimiter):
+        def check_windows(self, user_id: str, windows: Any, *, cost: int = 1) -> Any:
+            calls.append((user_id, list(windows)))
+            return super().check_windows(user_id, windows, cost=cost)
+
+    with AuditedLimiter(redis_url) as audited:
+        client = client_for(RateLimit(limiter=audited))
+        statuses = [client.get("/dict", headers=as_user(user_id)).status_code for _ in range(6)]
+    assert statuses == [200] * 5 + [429]
+    assert calls == [(user_id, [(5, 60), (100, 86_400)])] * 6
+
+
+def test_a_limiter_answering_plain_tuples_gets_the_rounded_wait_in_ms(
+        sync_limiter: RateLimiter, user_id: str, client_for: Callable[..., TestClient]) -> None:
+    class PlainTuples:
+        def check_windows(self, user_id: str, windows: Any) -> tuple[bool, int, int, int]:
+            return tuple(sync_limiter.check_windows(user_id, windows))  # type: ignore[return-value]
+
+    client = client_for(RateLimit(limiter=PlainTuples()))
+    responses = [client.get("/dict", headers=as_user(user_id)) for _ in range(6)]
+    assert [r.status_code for r in responses] == [200] * 5 + [429]
+    refused = responses[-1]
+    assert int(refused.headers["retry-after-ms"]) == int(refused.headers["Retry-After"]) * 1000
 
 
 def test_is_async_attribute_decides_over_introspection(sync_limiter: RateLimiter) -> None:

@@ -141,7 +141,7 @@ def test_retry_after_ms_is_the_exact_wait_and_retry_after_rounds_it_up(
 def test_rate_limit_decides_in_the_keys_check_windows_reads(
         limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
         redis_client: redis.Redis) -> None:
-    # RateLimit decides through reserve: the same script and keys as check_windows.
+    # RateLimit decides through check_windows: its script and keys, read back here.
     client = client_for(RateLimit(limiter=limiter))
     remaining = [client.get("/dict", headers=as_user(user_id)).headers["X-RateLimit-Remaining"]
                  for _ in range(3)]

@@ -170,10 +170,7 @@ Codec_get_metrics(CodecObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 Codec_record_outcome(CodecObject *self, PyObject *kind)
 {
-    rl_metrics scratch; /* metrics off: the kind is still checked */
-    if (rl_metrics_record(self->metrics_on ? &self->metrics : &scratch, kind) < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, kind);
 }
 
 static PyMethodDef Codec_methods[] = {
@@ -646,12 +643,13 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
         PyObject *future = (PyObject *)e.token;
         int rc = 0;
         if (future != NULL) {
-            int replay = 0;
-            if (replays != NULL && e.step == RL_STEP_DECISION) {
+            int replay = 0, waiting = 0; /* waiting: a caller still awaits this decision */
+            if (e.step == RL_STEP_DECISION) {
                 PyObject *done = PyObject_CallMethodNoArgs(future, state->str_done);
                 int is_done = done == NULL ? -1 : PyObject_IsTrue(done);
                 Py_XDECREF(done);
-                if (is_done == 0)
+                waiting = is_done == 0;
+                if (replays != NULL && waiting)
                     replay = rl_proto_replay(RL_ERR_IO, e.decision);
                 if (is_done < 0 || replay < 0) {
                     if (replay < 0)
@@ -670,16 +668,8 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
             rl_metrics *metrics = metrics_of(self);
             if (metrics != NULL && replay == 1)
                 rl_metrics_count(&metrics->replays);
-            else if (metrics != NULL && e.step == RL_STEP_DECISION &&
-                     e.decision->script == RL_SCRIPT_WINDOW) {
-                PyObject *done = PyObject_CallMethodNoArgs(future, state->str_done);
-                int is_done = done == NULL ? -1 : PyObject_IsTrue(done);
-                Py_XDECREF(done);
-                if (is_done == 0) /* a caller still waits: it hears of the failure */
-                    rl_metrics_count(&metrics->unavailable);
-                else if (is_done < 0)
-                    PyErr_Clear();
-            }
+            else if (metrics != NULL && waiting && e.decision->script == RL_SCRIPT_WINDOW)
+                rl_metrics_count(&metrics->unavailable); /* its caller hears of the failure */
             if (replay != 1) {
                 if (rc < 0) {
                     /* Keep the first error; the future still hears of the broken connection. */

@@ -358,10 +358,7 @@ PyDoc_STRVAR(Limiter_record_outcome_doc,
 static PyObject *
 Limiter_record_outcome(LimiterObject *self, PyObject *kind)
 {
-    rl_metrics scratch; /* metrics off: the kind is still checked */
-    if (rl_metrics_record(self->metrics_on ? &self->metrics : &scratch, kind) < 0)
-        return NULL;
-    Py_RETURN_NONE;
+    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, kind);
 }
 
 PyDoc_STRVAR(Limiter_close_doc,

@@ -163,7 +163,7 @@ error:
     return NULL;
 }
 
-int
+PyObject *
 rl_metrics_record(rl_metrics *m, PyObject *kind)
 {
     static const struct {
@@ -177,17 +177,18 @@ rl_metrics_record(rl_metrics *m, PyObject *kind)
     };
     if (!PyUnicode_Check(kind)) {
         PyErr_Format(PyExc_TypeError, "kind must be a str, not %.100s", Py_TYPE(kind)->tp_name);
-        return -1;
+        return NULL;
     }
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {
         if (PyUnicode_CompareWithASCIIString(kind, kinds[i].name) == 0) {
-            rl_metrics_count((unsigned long long *)((char *)m + kinds[i].offset));
-            return 0;
+            if (m != NULL)
+                rl_metrics_count((unsigned long long *)((char *)m + kinds[i].offset));
+            Py_RETURN_NONE;
         }
     }
     PyErr_Format(PyExc_ValueError,
                  "kind must be 'fail_open', 'shadow', 'unavailable' or 'connection_error', "
                  "got %R",
                  kind);
-    return -1;
+    return NULL;
 }

@@ -200,8 +200,9 @@ void rl_metrics_latency(rl_metrics *m, double seconds);
 /* GIL held: the counters as a dict (see _native.pyi, LimiterMetrics). New reference. */
 PyObject *rl_metrics_object(rl_metrics *m, int enabled);
 /* GIL held: counts one outcome named by kind ("fail_open", "shadow", "unavailable",
-   "connection_error"). 0, or -1 with ValueError. */
-int rl_metrics_record(rl_metrics *m, PyObject *kind);
+   "connection_error") in m (NULL: metrics off, the kind is only checked). Returns None (a
+   new reference), or NULL with TypeError or ValueError. */
+PyObject *rl_metrics_record(rl_metrics *m, PyObject *kind);
 
 typedef struct {
     redisReader *reader; /* RESP parser, refusing arrays longer than a decision's */

@@ -16,7 +16,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 # The sections whose ```python blocks are complete programs.
 SECTIONS = ["## Use", "### Weights, tokens, reserve → reconcile",
-            "### Error formats, provider headers and retry hints"]
+            "### Error formats, provider headers and retry hints",
+            "### Shadow mode: roll a new budget out without refusing",
+            "### IETF `RateLimit-Policy` and `RateLimit` headers"]
 
 
 def python_blocks(heading: str) -> list[str]:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import RedisTarget, admin_client, timed_loop  # noqa: E402
+from benchlib import RedisTarget, admin_client, load_average, print_ratio_table, timed_loop  # noqa: E402
 from genai_ratelimit import AsyncRateLimiter, RateLimiter  # noqa: E402
 
 BIG = 10**12  # a limit no run reaches: every call is allowed
@@ -154,24 +153,16 @@ def main() -> int:
     finally:
         target.close()
 
-    load = os.getloadavg()
     print(f"Redis {version} on loopback (own server), {args.rounds} rounds of {args.seconds} s "
           f"per contender, one connection each; async: batches of {BATCH} gathered checks; "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs). "
-          "Medians over rounds; ratios are on/off of the same round, then the median.\n")
-    print("| contender | calls/s | p50 µs/call | client CPU µs/call | calls/s on/off | "
-          "p50 on/off | CPU on/off |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for name, values in rows.items():
-        off: list[Any] = rows[name[:-len("on")] + "off"] if name.endswith(" on") else values
-        rate = statistics.median(v[0] for v in values)
-        p50 = statistics.median(v[1] for v in values)
-        cpu = statistics.median(v[2] for v in values)
-        rate_ratio = statistics.median(v[0] / b[0] for v, b in zip(values, off, strict=True))
-        p50_ratio = statistics.median(v[1] / b[1] for v, b in zip(values, off, strict=True))
-        cpu_ratio = statistics.median(v[2] / b[2] for v, b in zip(values, off, strict=True))
-        print(f"| {name} | {rate:,.0f} | {p50:.1f} | {cpu:.1f} | {rate_ratio:.3f}× | "
-              f"{p50_ratio:.3f}× | {cpu_ratio:.3f}× |")
+          f"{load_average()}. Medians over rounds; ratios are on/off of the same round, then "
+          "the median.")
+    for kind in ("sync", "async", "engine"):
+        print()
+        pair = {name: values for name, values in rows.items() if name.startswith(kind + ",")}
+        print_ratio_table(pair, f"{kind}, metrics off",
+                          [("calls/s", ",.0f"), ("p50 µs/call", ".1f"), ("client CPU µs/call", ".1f")],
+                          [(0, "calls/s on/off"), (1, "p50 on/off"), (2, "CPU on/off")])
     return 0
 
 

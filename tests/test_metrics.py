@@ -157,6 +157,30 @@ def test_fail_open_in_the_fastapi_layer_is_counted(unreachable_limiter: Any) -> 
     assert (m["fail_open"], m["unavailable"], dependency.fail_open_count) == (1, 1, 1)
 
 
+@pytest.mark.limiter_kinds("sync", reason="the FastAPI layer is tested with both elsewhere; "
+                                          "here only its call into the limiter's counters")
+def test_shadow_mode_in_the_fastapi_layer_is_counted(limiter: Any, user_id: str) -> None:
+    from fastapi import Depends, FastAPI
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit.fastapi import RateLimit
+
+    dependency = RateLimit(limiter=limiter, mode="shadow",
+                           tier_limits={"free": {"per_minute": 2, "per_day": 10}},
+                           identify=lambda request: (user_id, "free"))
+    app = FastAPI()
+
+    @app.get("/", dependencies=[Depends(dependency)])
+    def root() -> dict[str, str]:
+        return {}
+
+    with TestClient(app) as client:
+        assert [client.get("/").status_code for _ in range(4)] == [200] * 4
+    m = limiter.metrics()
+    assert (m["allowed"], m["rejected"], m["shadow"]) == (2, 2, 2)
+    assert dependency.shadow_count == 2
+
+
 # ------------------------------------------------------------------------------- export
 
 def test_prometheus_collector_exports_the_counters(redis_url: str, redis_client: redis.Redis,

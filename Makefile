@@ -70,8 +70,8 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench bench-weighted bench-metrics metrics-dashboard \
-        dist wheel test-wheel clean
+        install-asan install-debug demo serve bench bench-weighted bench-leases bench-metrics \
+        metrics-dashboard dist wheel test-wheel clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -84,6 +84,7 @@ help:
 	@echo "make serve          keep the example app running for your own curl"
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
+	@echo "make bench-leases   acquire + release (in-flight leases) vs the plain check, sync and async"
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
 	@echo "make metrics-dashboard  redraws docs/metrics-dashboard.png from a real run"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
@@ -152,7 +153,8 @@ install-debug: deps $(DEBUG_VENV)/.created
 ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
-             test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py
+             test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
+             test_cli.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -207,6 +209,7 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
                  test_wheel_install.py test_c_source_lint.py \
+                 test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
                  test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
@@ -247,6 +250,11 @@ bench: install
 bench-weighted: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/weighted.py
+
+# In-flight leases: acquire + release vs the plain check, sync and async (one run).
+bench-leases: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/leases.py
 
 bench-metrics: install
 	$(PY) benchmarks/metrics_overhead.py

@@ -31,6 +31,7 @@ SCRIPTS = {
     "RL_RECONCILE": HERE / "lua" / "reconcile.lua",
     "RL_PEEK": HERE / "lua" / "peek.lua",
     "RL_RESET": HERE / "lua" / "reset.lua",
+    "RL_LEASE": HERE / "lua" / "lease.lua",
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 

@@ -172,6 +172,9 @@ Codec_record_outcome(CodecObject *self, PyObject *kind)
 {
     return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, kind);
 }
+CODEC_METHOD(acquire, RL_SHAPE_ACQUIRE)
+CODEC_METHOD(release, RL_SHAPE_RELEASE)
+CODEC_METHOD(renew, RL_SHAPE_RENEW)
 
 static PyMethodDef Codec_methods[] = {
     {"check", (PyCFunction)(void (*)(void))Codec_check, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
@@ -204,6 +207,17 @@ static PyMethodDef Codec_methods[] = {
     {"_record_outcome", (PyCFunction)Codec_record_outcome, METH_O,
      "_record_outcome($self, kind, /)\n--\n\n"
      "Counts 'fail_open', 'shadow', 'unavailable' or 'connection_error'."},
+    {"acquire", (PyCFunction)(void (*)(void))Codec_acquire,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._acquire's shape)."},
+    {"release", (PyCFunction)(void (*)(void))Codec_release,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "release($self, /, user_id, lease_id)\n--\n\n"
+     "A Request, or the kill switch's final answer False."},
+    {"renew", (PyCFunction)(void (*)(void))Codec_renew, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "renew($self, /, user_id, lease_id, lease_seconds)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._renew's shape)."},
     {NULL, NULL, 0, NULL},
 };
 

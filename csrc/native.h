@@ -82,9 +82,10 @@ typedef struct {
     int evaluated; /* windows the script reached: all on allow, up to `window` on reject */
     long long remaining_of[RL_MAX_WINDOWS]; /* per window, the first `evaluated` */
     long long found;                        /* reconcile: windows found; reset: entries removed */
-    long long used_of[RL_MAX_WINDOWS];      /* peek: every window's used cost */
-    long long oldest_of[RL_MAX_WINDOWS];    /* peek: its oldest entry's time (ms), or -1 */
-    char cursor[24];                        /* reset: the SCAN cursor to go on from ("0": done) */
+    long long expires_ms; /* leases: the lease's expiry (unix ms), 0 when none was granted */
+    long long used_of[RL_MAX_WINDOWS];   /* peek: every window's used cost */
+    long long oldest_of[RL_MAX_WINDOWS]; /* peek: its oldest entry's time (ms), or -1 */
+    char cursor[24];                     /* reset: the SCAN cursor to go on from ("0": done) */
 } rl_result;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */
@@ -96,6 +97,10 @@ typedef enum {
     RL_SHAPE_RECONCILE, /* reconcile(): the number of windows whose entry was found */
     RL_SHAPE_PEEK,      /* _peek(): what a reserve would answer, every window's use; no write */
     RL_SHAPE_RESET,     /* _reset(): (entries removed, next SCAN cursor) */
+    RL_SHAPE_ACQUIRE,   /* acquire(): (allowed, held, retry_after_s, retry_after_ms, lease id,
+                           expires_at_ms, now_ms) */
+    RL_SHAPE_RELEASE,   /* release(): whether the lease was still held */
+    RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. */
@@ -104,6 +109,7 @@ typedef enum {
     RL_SCRIPT_RECONCILE, /* lua/reconcile.lua */
     RL_SCRIPT_PEEK,      /* lua/peek.lua: read-only */
     RL_SCRIPT_RESET,     /* lua/reset.lua */
+    RL_SCRIPT_LEASE,     /* lua/lease.lua: acquire, release, renew */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -117,6 +123,8 @@ typedef struct {
     long long new_cost;             /* reconcile: the entry's cost from now on (>= 0) */
     int scan;                       /* reset: every window of the user, found by SCAN */
     char cursor[24];                /* reset with scan: the SCAN cursor to start from */
+    long long lease_limit;          /* acquire: the most concurrent holders */
+    long long lease_ms;             /* acquire, renew: the lease's length */
     int disabled;                   /* the kill switch answered: result is final, no I/O */
     rl_result result;               /* the kill switch's answer when disabled */
     char *command;                  /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
@@ -371,11 +379,6 @@ rl_status rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_res
 /* 1 when reply is an error reply whose text starts with prefix. */
 int rl_reply_is_error(const redisReply *reply, const char *prefix);
 const char *rl_reply_type_name(int type); /* "an integer", ... for messages */
-
-/* Writes "{prefix}:{user_id}:" to out (room: prefix_len + user_len + 2): every key of a
-   user starts so, its window's length (and ":tokens", ":w") follow. Returns its length. */
-size_t rl_key_base(char *out, const char *prefix, size_t prefix_len, const char *user,
-                   size_t user_len);
 
 /* A script's SHA1 hex and source, embedded from lua/ at build time, and the pre-encoded
    SCRIPT LOAD command. */

@@ -34,6 +34,8 @@ static const struct {
                         rl_peek_load_command, sizeof(rl_peek_load_command) - 1},
     [RL_SCRIPT_RESET] = {RL_RESET_SHA1, rl_reset_source, sizeof(rl_reset_source) - 1,
                          rl_reset_load_command, sizeof(rl_reset_load_command) - 1},
+    [RL_SCRIPT_LEASE] = {RL_LEASE_SHA1, rl_lease_source, sizeof(rl_lease_source) - 1,
+                         rl_lease_load_command, sizeof(rl_lease_load_command) - 1},
 };
 
 const char *
@@ -72,21 +74,6 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 #define RL_KEY_SUFFIXES 12   /* ":tokens" + ":w" */
 #define RL_SCAN_COUNT "1000" /* reset.lua: keys one SCAN step looks at */
 
-size_t
-rl_key_base(char *out, const char *prefix, size_t prefix_len, const char *user, size_t user_len)
-{
-    /* "{prefix}:{user_id}:": the window is the last numeric ':' field and the prefix is
-       fixed, so distinct user ids never share a key. */
-    char *cursor = out;
-    memcpy(cursor, prefix, prefix_len);
-    cursor += prefix_len;
-    *cursor++ = ':';
-    memcpy(cursor, user, user_len);
-    cursor += user_len;
-    *cursor++ = ':';
-    return (size_t)(cursor - out);
-}
-
 /* Writes text with SCAN's glob characters escaped, then "*". Returns its length. */
 static size_t
 glob_prefix(char *out, const char *text, size_t len)
@@ -99,6 +86,70 @@ glob_prefix(char *out, const char *text, size_t len)
     }
     *cursor++ = '*';
     return (size_t)(cursor - out);
+}
+
+/* Writes "{prefix}:{user_id}" at cursor and returns the end: the one place that shapes the
+   user's part of every key (the callers append ":{window_seconds}", ":leases", ...). */
+static char *
+write_user_key(char *cursor, const char *prefix, size_t prefix_len, const char *user,
+               size_t user_len)
+{
+    memcpy(cursor, prefix, prefix_len);
+    cursor += prefix_len;
+    *cursor++ = ':';
+    memcpy(cursor, user, user_len);
+    return cursor + user_len;
+}
+
+static const char *const lease_ops[] = {
+    [RL_SHAPE_ACQUIRE] = "acquire", [RL_SHAPE_RELEASE] = "release", [RL_SHAPE_RENEW] = "renew"};
+
+/* Formats "EVALSHA sha 1 {prefix}:{user_id}:leases op id now limit lease_ms" (see the
+   header of lua/lease.lua). Returns the length and sets *out, or -1 (out of memory). */
+static long long
+format_lease(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+             const rl_prepared *d, long long now_ms, char **out)
+{
+    char stack_key[RL_STACK_ARENA], *key = stack_key, *end;
+    char now_text[RL_NUMBER_TEXT], limit_text[RL_NUMBER_TEXT], ms_text[RL_NUMBER_TEXT];
+    size_t need = prefix_len + 1 + user_len + 8;
+    const char *argv[9];
+    size_t argvlen[9];
+    long long len;
+
+    *out = NULL;
+    if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
+        return -1;
+    /* Last field "leases": never a window's (a number), "tokens" or "w". */
+    end = write_user_key(key, prefix, prefix_len, user, user_len);
+    memcpy(end, ":leases", 7);
+    end += 7;
+    argv[0] = "EVALSHA";
+    argvlen[0] = 7;
+    argv[1] = rl_script_sha1(RL_SCRIPT_LEASE);
+    argvlen[1] = strlen(argv[1]);
+    argv[2] = "1";
+    argvlen[2] = 1;
+    argv[3] = key;
+    argvlen[3] = (size_t)(end - key);
+    argv[4] = lease_ops[d->shape];
+    argvlen[4] = strlen(argv[4]);
+    argv[5] = d->member;
+    argvlen[5] = strlen(d->member);
+    argvlen[6] = now_ms >= 0 ? (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms) : 0;
+    argv[6] = now_ms >= 0 ? now_text : "";
+    argvlen[7] = (size_t)snprintf(limit_text, sizeof(limit_text), "%lld", d->lease_limit);
+    argv[7] = limit_text;
+    argvlen[8] = (size_t)snprintf(ms_text, sizeof(ms_text), "%lld", d->lease_ms);
+    argv[8] = ms_text;
+    len = redisFormatCommandArgv(out, 9, argv, argvlen);
+    if (key != stack_key)
+        free(key);
+    if (len < 0 || *out == NULL) {
+        *out = NULL;
+        return -1;
+    }
+    return len;
 }
 
 /* Formats "EVALSHA sha 2n key... weights... ARGV..." with hiredis (see the KEYS/ARGV
@@ -124,6 +175,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     int argc = 0;
     long long len;
 
+    if (d->script == RL_SCRIPT_LEASE)
+        return format_lease(prefix, prefix_len, user, user_len, d, now_ms, out);
     *out = NULL;
     if (need > sizeof(stack_arena)) {
         arena = malloc(need);
@@ -142,8 +195,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         /* "{prefix}:{user_id}:{window_seconds}[:tokens]": a token window's key (last field
            "tokens") is never a request window's. */
         char *key = cursor;
-        cursor += rl_key_base(cursor, prefix, prefix_len, user, user_len);
-        cursor += snprintf(cursor, RL_NUMBER_TEXT, "%lld", w->seconds[i]);
+        cursor = write_user_key(cursor, prefix, prefix_len, user, user_len);
+        cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
         if (w->tokens[i]) {
             memcpy(cursor, ":tokens", 7);
             cursor += 7;
@@ -163,7 +216,9 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     if (d->script == RL_SCRIPT_RESET) {
         /* cursor ("" for the KEYS), pattern, base, count: see lua/reset.lua. */
         char *base = cursor;
-        size_t base_len = rl_key_base(base, prefix, prefix_len, user, user_len);
+        char *base_end = write_user_key(base, prefix, prefix_len, user, user_len);
+        *base_end++ = ':';
+        size_t base_len = (size_t)(base_end - base);
         char *pattern = base + base_len;
         size_t pattern_len = glob_prefix(pattern, base, base_len);
         argv[argc] = d->scan ? d->cursor : "";
@@ -363,6 +418,42 @@ decode_usage(const redisReply *usage, const rl_windows *w, rl_result *out, rl_er
     return RL_OK;
 }
 
+/* lua/lease.lua: {ok, held, retry_ms, expires_ms, now_ms}, checked against the request. */
+static rl_status
+decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    long long v[5];
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 5)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the lease script: %s%s, expected an array of 5 "
+                            "integers",
+                            rl_reply_type_name(reply->type),
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
+    for (size_t i = 0; i < 5; i++) {
+        if (integer_at(reply, i, &v[i], err) != RL_OK)
+            return err->kind;
+    }
+    long long ok = v[0], held = v[1], retry_ms = v[2], expires = v[3], now = v[4];
+    int granted = ok == 1 && d->shape != RL_SHAPE_RELEASE;
+    if ((ok != 0 && ok != 1) || held < 0 || now < 0 || (granted && expires <= now) ||
+        (!granted && expires != 0) ||
+        (d->shape == RL_SHAPE_ACQUIRE && ok == 1 && (held < 1 || retry_ms != 0)) ||
+        (d->shape == RL_SHAPE_ACQUIRE && ok == 0 && (held < d->lease_limit || retry_ms < 1)) ||
+        (d->shape != RL_SHAPE_ACQUIRE && retry_ms != 0))
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "the lease script answered values out of range "
+                            "(%lld, %lld, %lld, %lld, %lld)",
+                            ok, held, retry_ms, expires, now);
+    memset(out, 0, sizeof(*out));
+    out->allowed = (int)ok;
+    out->remaining = held;
+    out->retry_after_ms = retry_ms;
+    out->retry_after_s = (retry_ms + 999) / 1000;
+    out->expires_ms = expires;
+    out->now_ms = now;
+    return RL_OK;
+}
+
 rl_status
 rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
@@ -391,6 +482,8 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
         return decode_reconcile(reply, d, out, err);
     if (d->script == RL_SCRIPT_RESET)
         return decode_reset(reply, out, err);
+    if (d->script == RL_SCRIPT_LEASE)
+        return decode_lease(reply, d, out, err);
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != elements)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the rate-limit script: %s%s, expected an array "
@@ -440,6 +533,7 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     out->now_ms = now;
     out->evaluated = (int)evaluated;
     out->found = 0;
+    out->expires_ms = 0;
     if (d->script == RL_SCRIPT_PEEK)
         return decode_usage(reply->element[7], w, out, err);
     return RL_OK;

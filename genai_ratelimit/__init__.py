@@ -16,6 +16,7 @@ from ._native import (
 )
 from ._version import __version__
 from .aio import AsyncRateLimiter
+from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
 from .reservation import Reservation, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
@@ -30,6 +31,8 @@ __all__ = [
     "WindowDecision",
     "Reservation",
     "WindowState",
+    "Lease",
+    "AsyncLease",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

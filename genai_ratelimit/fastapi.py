@@ -146,7 +146,9 @@ class AsyncWindowLimiter(Protocol):
     def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> Awaitable[Decision]: ...
 
 
-_WINDOW_NAMES = {60: "minute", 86_400: "day"}
+# 0 is no window length: it stands for the in-flight cap (max_in_flight) in the headers.
+CONCURRENT = 0
+_WINDOW_NAMES = {CONCURRENT: "concurrent", 60: "minute", 86_400: "day"}
 
 
 def window_name(window_seconds: int) -> str:
@@ -509,8 +511,8 @@ class RateLimit:
     failed. Refused: 429 with X-RateLimit-Window: concurrent, X-RateLimit-Limit: the cap,
     and Retry-After: the time until the soonest slot's lease expires, an upper bound (a
     request that finishes frees its slot sooner). A request refused for concurrency is
-    not counted in the windows. It is enforced in shadow mode too (mode="shadow" lets
-    window refusals through, not requests beyond max_in_flight).
+    not counted in the windows. In shadow mode a request beyond the cap runs without a slot and
+    is counted, logged and marked as would-refuse like a window refusal.
 
     The decision is one `check_windows` call; the WindowDecision it answers carries the
     exact wait (retry_after_ms) that retry-after-ms reports.
@@ -738,27 +740,32 @@ class RateLimit:
         key = self._counted_key(identity, ((cap, 0),))
         return None if leases.holds(key) else (cap, key, leases)
 
-    def _hold(self, request: Request, slot: tuple[int, tuple[object, ...], _LeaseLedger],
-              limiter: Any, is_async: bool, lease: Lease) -> None:
-        """Keeps an allowed lease for the middleware to release, or raises the 429."""
+    def _hold(self, request: Request, response: Response, identity: str,
+              slot: tuple[int, tuple[object, ...], _LeaseLedger], limiter: Any, is_async: bool,
+              lease: Lease) -> None:
+        """Keeps an allowed lease for the middleware to release, or raises the 429 (in shadow
+        mode: records it as would-refuse and lets the request run without a slot)."""
         cap, key, leases = slot
         if lease.allowed:
             leases.entries.append((key, limiter, is_async, lease))
             return
         retry_ms = lease.retry_after_ms
-        _set_refusal_body(request, error_body(
-            self.error_format, 429, "Rate limit exceeded",
-            f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one of "
-            f"them ends; please try again within {format_duration(retry_ms)}.", "requests"))
+        message = (f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one "
+                   f"of them ends; please try again within {format_duration(retry_ms)}.")
+        refusal = [("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
+                   ("X-RateLimit-Window", window_name(CONCURRENT))]
+        if self.mode == "shadow":
+            self._would_refuse(request, response, identity, None, cap, CONCURRENT, message, refusal)
+            return
+        _set_refusal_body(request, error_body(self.error_format, 429, "Rate limit exceeded",
+                                              message, "requests"))
         headers = {
             **dict(retry_headers(lease.retry_after_s, retry_ms, self.max_client_wait_seconds)),
-            "X-RateLimit-Limit": str(cap),
-            "X-RateLimit-Remaining": "0",
-            "X-RateLimit-Window": "concurrent",
+            **dict(refusal),
         }
         raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
 
-    def _take_slot(self, request: Request, identity: str, tier: str) -> bool:
+    def _take_slot(self, request: Request, response: Response, identity: str, tier: str) -> bool:
         """Blocking: takes an in-flight slot when the tier has a cap. False when Redis could
         not decide and on_unavailable let the request through (nothing more to decide)."""
         slot = self._in_flight_slot(request, identity, tier)
@@ -770,11 +777,11 @@ class RateLimit:
         except RateLimiterError as exc:
             self._unavailable(request, identity, exc)
             return False
-        self._hold(request, slot, limiter, False, lease)
+        self._hold(request, response, identity, slot, limiter, False, lease)
         return True
 
-    async def _take_slot_async(self, request: Request, identity: str, tier: str,
-                               is_async: bool) -> bool:
+    async def _take_slot_async(self, request: Request, response: Response, identity: str,
+                               tier: str, is_async: bool) -> bool:
         """_take_slot for an async dependency (a blocking limiter runs in the threadpool)."""
         slot = self._in_flight_slot(request, identity, tier)
         if slot is None:
@@ -788,7 +795,7 @@ class RateLimit:
         except RateLimiterError as exc:
             self._unavailable(request, identity, exc)
             return False
-        self._hold(request, slot, limiter, is_async, lease)
+        self._hold(request, response, identity, slot, limiter, is_async, lease)
         return True
 
     def _ietf_fields(self, identity: str, windows: Windows, token_windows: Windows,
@@ -883,7 +890,7 @@ class RateLimit:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
         user_id, tier = self._identity_and_tier(request)
         windows = self._windows[tier]
-        if not self._take_slot(request, user_id, tier):
+        if not self._take_slot(request, response, user_id, tier):
             return
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
@@ -902,7 +909,7 @@ class _AsyncRateLimit(RateLimit):
     async def __call__(self, request: Request, response: Response) -> None:
         user_id, tier = self._identity_and_tier(request)
         windows = self._windows[tier]
-        if not await self._take_slot_async(request, user_id, tier, True):
+        if not await self._take_slot_async(request, response, user_id, tier, True):
             return
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
@@ -1130,7 +1137,7 @@ class TokenRateLimit(RateLimit):
         tokens = await self.estimate_tokens(request, tier)
         if self._refuse_if_too_large(request, response, identity, windows, token_windows, tokens):
             return  # shadow mode: the route runs, nothing was reserved
-        if not await self._take_slot_async(request, identity, tier, self._is_async):
+        if not await self._take_slot_async(request, response, identity, tier, self._is_async):
             return
         counted = self._already_counted(request, identity, windows)
         # Requests already counted by another dependency of this route: reserve tokens only.

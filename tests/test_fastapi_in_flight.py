@@ -235,10 +235,31 @@ def test_max_in_flight_needs_a_limiter_that_leases() -> None:
     RateLimit(limiter=WindowsOnly())  # no cap: no lease needed
 
 
-def test_shadow_mode_still_enforces_max_in_flight(limiter: Any, client_for: Callable[..., Any],
-                                                  redis_client: redis.Redis, user_id: str) -> None:
-    """mode="shadow" lets window refusals through; a slot that is not free is not lent."""
-    client = client_for(RateLimit(limiter=limiter, max_in_flight={"free": 1}, mode="shadow"))
+def test_shadow_mode_lets_a_request_beyond_max_in_flight_run_without_a_slot(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis,
+        user_id: str) -> None:
+    """mode="shadow" never refuses: a request beyond the cap runs, takes no slot (the others'
+    are untouched), and is counted and marked as would-refuse for the concurrent window."""
+    dependency = RateLimit(limiter=limiter, max_in_flight={"free": 1}, mode="shadow")
+    client = client_for(dependency)
+    hold_slots(redis_client, user_id, 1, 30)
+    response = client.get("/dict", headers=as_user(user_id))
+    assert response.status_code == 200
+    assert response.headers["X-RateLimit-Shadow"] == "would-refuse"
+    assert (response.headers["X-RateLimit-Window"], response.headers["X-RateLimit-Limit"],
+            response.headers["X-RateLimit-Remaining"]) == ("concurrent", "1", "0")
+    assert "Retry-After" not in response.headers
+    assert dependency.shadow_count == 1
+    assert redis_client.zrange(leases_key(user_id), 0, -1) == [b"other-0"]
+    # The windows decided as usual: the request is logged in the minute window.
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 1
+
+
+def test_enforce_mode_refuses_a_request_beyond_max_in_flight(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis,
+        user_id: str) -> None:
+    client = client_for(RateLimit(limiter=limiter, max_in_flight={"free": 1}))
     hold_slots(redis_client, user_id, 1, 30)
     response = client.get("/dict", headers=as_user(user_id))
     assert (response.status_code, response.headers["X-RateLimit-Window"]) == (429, "concurrent")
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 0

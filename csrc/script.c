@@ -66,6 +66,66 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 #define RL_NUMBER_TEXT 24 /* room for any long long in decimal, with sign and NUL */
 #define RL_STACK_ARENA 4096
 #define RL_KEY_SUFFIXES 12 /* ":tokens" + ":w" */
+#define RL_SCOPE_SUFFIX 8  /* ":scope=" or ":shared" (the name is counted apart) */
+
+/* Writes the key of window i of d into out (room: see rl_script_format) and returns its
+   length. The one place that names a window's sorted set:
+
+     the user's own window    {prefix}:{user_id}:{window_seconds}[:tokens]
+     a scope of the user      {prefix}:{user_id}:{window_seconds}[:tokens]:scope={name}
+     a shared scope           {prefix}:{name}:{window_seconds}[:tokens]:shared
+
+   with ":w" after any of them for its weights. A key reads from its end: the last field is
+   "w" (weights), then "shared", "scope=..." or neither, then "tokens" or not, then the
+   window's digits; what is left after "{prefix}:" is the owner. In "scope=" the name's
+   '%', ':', '{' and '}' are percent-encoded, so it holds no ':' and two names never meet.
+   Every field the reading takes from the end differs between the kinds (digits, "tokens",
+   "scope=...", "shared", "w" are pairwise distinct), so no user id and no scope name can
+   make one kind's key equal another's: a user "openai/gpt-4o" and the shared scope
+   "openai/gpt-4o" differ by ":shared", a user's scope named "shared" is ":scope=shared". */
+static size_t
+window_key(char *out, const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+           const rl_prepared *d, int i)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    const rl_windows *w = &d->windows;
+    const rl_scope *scope = w->scope[i] ? &d->scopes[w->scope[i] - 1] : NULL;
+    const char *owner = user;
+    size_t owner_len = user_len;
+    char *cursor = out;
+    if (scope != NULL && scope->shared) {
+        owner = scope->name;
+        owner_len = scope->name_len;
+    }
+    memcpy(cursor, prefix, prefix_len);
+    cursor += prefix_len;
+    *cursor++ = ':';
+    memcpy(cursor, owner, owner_len);
+    cursor += owner_len;
+    cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
+    if (w->tokens[i]) {
+        memcpy(cursor, ":tokens", 7);
+        cursor += 7;
+    }
+    if (scope != NULL && scope->shared) {
+        memcpy(cursor, ":shared", 7);
+        cursor += 7;
+    } else if (scope != NULL) {
+        memcpy(cursor, ":scope=", 7);
+        cursor += 7;
+        for (size_t j = 0; j < scope->name_len; j++) {
+            unsigned char c = (unsigned char)scope->name[j];
+            if (c == '%' || c == ':' || c == '{' || c == '}') {
+                *cursor++ = '%';
+                *cursor++ = hex[c >> 4];
+                *cursor++ = hex[c & 15];
+            } else {
+                *cursor++ = (char)c;
+            }
+        }
+    }
+    return (size_t)(cursor - out);
+}
 
 /* Formats "EVALSHA sha 2n key... weights... ARGV..." with hiredis (see the KEYS/ARGV
    headers of lua/sliding_window.lua and lua/reconcile.lua). Returns the command's length
@@ -82,7 +142,14 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     char *arena = stack_arena, *cursor;
     char numkeys[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT], score_text[RL_NUMBER_TEXT],
         cost_text[RL_NUMBER_TEXT];
-    size_t key_room = prefix_len + 1 + user_len + RL_NUMBER_TEXT + RL_KEY_SUFFIXES;
+    size_t owner_len = user_len, scope_room = 0;
+    for (int k = 0; k < d->nscopes; k++) {
+        if (d->scopes[k].name_len > owner_len)
+            owner_len = d->scopes[k].name_len;
+        if (RL_SCOPE_SUFFIX + 3 * d->scopes[k].name_len > scope_room)
+            scope_room = RL_SCOPE_SUFFIX + 3 * d->scopes[k].name_len;
+    }
+    size_t key_room = prefix_len + 1 + owner_len + RL_NUMBER_TEXT + RL_KEY_SUFFIXES + scope_room;
     size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT);
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
@@ -104,20 +171,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d", 2 * w->count);
     argv[argc++] = numkeys;
     for (int i = 0; i < w->count; i++) {
-        /* "{prefix}:{user_id}:{window_seconds}[:tokens]": the window is the last numeric ':'
-           field and the prefix is fixed, so distinct user ids never share a key, and a
-           token window's key (last field "tokens") is never a request window's. */
         char *key = cursor;
-        memcpy(cursor, prefix, prefix_len);
-        cursor += prefix_len;
-        *cursor++ = ':';
-        memcpy(cursor, user, user_len);
-        cursor += user_len;
-        cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
-        if (w->tokens[i]) {
-            memcpy(cursor, ":tokens", 7);
-            cursor += 7;
-        }
+        cursor += window_key(cursor, prefix, prefix_len, user, user_len, d, i);
         keys[i] = key;
         keylens[i] = (size_t)(cursor - key);
         /* Its weights: the same key and ":w" (last field "w": never a window's key). */

@@ -17,7 +17,7 @@ from ._native import (
 from ._version import __version__
 from .aio import AsyncRateLimiter
 from .limiter import RateLimiter
-from .reservation import Reservation, WindowState
+from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "WindowDecision",
     "Reservation",
     "WindowState",
+    "Scope",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

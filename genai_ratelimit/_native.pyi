@@ -34,6 +34,17 @@ class WindowDecision(structseq[Any], tuple[bool, int, int, int]):
     @property
     def timestamp_ms(self) -> int: ...
 
+# A scope of a reserve call: (name, shared, windows, token_windows); of a reconcile call:
+# (name, shared, windows of the reconciled resource).
+NativeScope = tuple[str, bool, Sequence[tuple[int, int]], Sequence[tuple[int, int]]]
+NativeReconcileScope = tuple[str, bool, Sequence[tuple[int, int]]]
+# (allowed, remaining, retry_after_s, window_seconds, is_token_window, member, timestamp_ms,
+#  ((limit, window_seconds, is_token_window, remaining, scope), ...), retry_after_ms, scope),
+# where scope is 0 for the user's own windows and k for scopes[k - 1].
+ReserveTuple = tuple[
+    bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None, int], ...], int, int
+]
+
 class RateLimiterError(Exception): ...
 class RateLimiterUnavailable(RateLimiterError): ...
 class RateLimiterTimeout(RateLimiterUnavailable, TimeoutError): ...
@@ -75,11 +86,8 @@ class Limiter:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> tuple[  # (allowed, remaining, retry_after_s, window_seconds, is_token_window,
-        # member, timestamp_ms, ((limit, window_seconds, is_token_window, remaining), ...),
-        # retry_after_ms)
-        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...], int
-    ]: ...
+        scopes: tuple[NativeScope, ...] = (),
+    ) -> ReserveTuple: ...
     def _reconcile(
         self,
         user_id: str,
@@ -89,6 +97,7 @@ class Limiter:
         cost: int,
         *,
         tokens: bool = False,
+        scopes: tuple[NativeReconcileScope, ...] = (),
     ) -> int: ...
     def close(self) -> None: ...
     @property
@@ -124,9 +133,8 @@ class Codec:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> Request | tuple[
-        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...], int
-    ]: ...
+        scopes: tuple[NativeScope, ...] = (),
+    ) -> Request | ReserveTuple: ...
     def reconcile(
         self,
         user_id: str,
@@ -136,6 +144,7 @@ class Codec:
         cost: int,
         *,
         tokens: bool = False,
+        scopes: tuple[NativeReconcileScope, ...] = (),
     ) -> Request | int: ...
 
 @final

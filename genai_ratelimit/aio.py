@@ -27,7 +27,7 @@ from . import _native
 from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
 from ._url import RedisOptions
 from .limiter import Clock, limiter_options
-from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
+from .reservation import Plan, Reservation, Scope, reconcile_plan, reserve_plan
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -461,29 +461,44 @@ class AsyncRateLimiter:
             return request
         return await self._run(request)  # type: ignore[no-any-return]
 
+    # RateLimiter._two_step_scopes: shared scopes decided in steps of their own.
+    _two_step_scopes = False
+
     async def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
                       cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
-                      tokens: int | None = None) -> Reservation:
+                      tokens: int | None = None, scopes: Sequence[Scope] = ()) -> Reservation:
         """RateLimiter.reserve, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        request = self._codec.reserve(user_id, windows,
-                                      **reserve_arguments(cost, token_windows, tokens))
-        raw = request if type(request) is tuple else await self._run(request)
-        return make_reservation(raw, user_id, cost, tokens)
+        return await self._drive(reserve_plan(  # type: ignore[no-any-return]
+            user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
 
     async def reconcile(self, reservation: Reservation, actual: int) -> int:
         """RateLimiter.reconcile, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        arguments = reconcile_arguments(reservation, actual)
-        if arguments is None:
-            return 0
-        positional, keywords = arguments
-        request = self._codec.reconcile(*positional, **keywords)
-        if type(request) is int:
-            return request
-        return await self._run(request)  # type: ignore[no-any-return]
+        return await self._drive(reconcile_plan(reservation, actual))  # type: ignore[no-any-return]
+
+    async def _drive(self, plan: Plan) -> object:
+        """Runs a plan's C calls (reservation.py) on this loop's pipeline."""
+        try:
+            call = next(plan)
+            while True:
+                name, positional, keywords = call
+                try:
+                    if name == "validate":
+                        answer: object = self._codec.reserve(*positional, **keywords)
+                    else:
+                        method = self._codec.reserve if name == "reserve" else self._codec.reconcile
+                        request = method(*positional, **keywords)
+                        answer = (request if type(request) in (tuple, int)
+                                  else await self._run(request))
+                except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                    call = plan.throw(exc)
+                else:
+                    call = plan.send(answer)
+        except StopIteration as done:
+            return done.value
 
     async def aclose(self) -> None:
         """Closes every connection; pending checks fail. A second call does nothing."""

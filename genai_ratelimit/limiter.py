@@ -12,7 +12,7 @@ from typing import Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
-from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
+from .reservation import Plan, Reservation, Scope, reconcile_plan, reserve_plan
 
 __all__ = ["RateLimiter", "limiter_options"]
 
@@ -132,26 +132,48 @@ class RateLimiter(_native.Limiter):
         return (f"{type(self).__name__}({self.url!r}, "
                 f"key_prefix={self.key_prefix!r}, clock={getattr(self, '_clock', None)!r})")
 
+    # Decide shared scopes in steps of their own (see reservation.reserve_plan): for keys
+    # that cannot meet in one script (Redis Cluster slots). Off: one script decides all.
+    _two_step_scopes = False
+
     def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
                 token_windows: Sequence[tuple[int, int]] = (),
-                tokens: int | None = None) -> Reservation:
+                tokens: int | None = None, scopes: Sequence[Scope] = ()) -> Reservation:
         """Decides one request against its request `windows` (each charged `cost`) and its
-        `token_windows` (each charged `tokens`, the estimate) in one script execution, all
-        or nothing, and logs it on allow. `reconcile` corrects the estimate later."""
-        raw = self._reserve(user_id, windows,
-                            **reserve_arguments(cost, token_windows, tokens))
-        return make_reservation(raw, user_id, cost, tokens)
+        `token_windows` (each charged `tokens`, the estimate), and the windows of `scopes`
+        (a route's or model's budget of this user, an upstream's caps shared by all), in one
+        script execution, all or nothing, and logs it on allow. `reconcile` corrects the
+        estimate later."""
+        return self._drive(reserve_plan(user_id, windows, cost, token_windows, tokens, scopes,
+                                        self._two_step_scopes))  # type: ignore[no-any-return]
 
     def reconcile(self, reservation: Reservation, actual: int) -> int:
         """Sets the reserved entry's cost (its tokens, when it has token windows) to
-        `actual` in every window where it still is: lower refunds, higher charges, 0
-        removes it. Idempotent. Returns the number of windows whose entry was found (0
-        once it has left them all, or when nothing was logged)."""
-        arguments = reconcile_arguments(reservation, actual)
-        if arguments is None:
-            return 0
-        positional, keywords = arguments
-        return self._reconcile(*positional, **keywords)
+        `actual` in every window where it still is, its scopes' included: lower refunds,
+        higher charges, 0 removes it. Idempotent. Returns the number of windows whose entry
+        was found (0 once it has left them all, or when nothing was logged)."""
+        return self._drive(reconcile_plan(reservation, actual))  # type: ignore[no-any-return]
+
+    def _drive(self, plan: Plan) -> object:
+        """Runs a plan's C calls (reservation.py), blocking."""
+        try:
+            call = next(plan)
+            while True:
+                name, positional, keywords = call
+                try:
+                    if name == "validate":
+                        answer: object = _native.Codec(self.key_prefix).reserve(*positional,
+                                                                                **keywords)
+                    elif name == "reserve":
+                        answer = self._reserve(*positional, **keywords)
+                    else:
+                        answer = self._reconcile(*positional, **keywords)
+                except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                    call = plan.throw(exc)
+                else:
+                    call = plan.send(answer)
+        except StopIteration as done:
+            return done.value
 
     def __enter__(self) -> RateLimiter:
         return self

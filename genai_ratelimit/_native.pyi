@@ -36,12 +36,12 @@ class WindowDecision(structseq[Any], tuple[bool, int, int, int]):
 
 # A scope of a reserve call: (name, shared, windows, token_windows); of a reconcile call:
 # (name, shared, windows of the reconciled resource).
-NativeScope = tuple[str, bool, Sequence[tuple[int, int]], Sequence[tuple[int, int]]]
-NativeReconcileScope = tuple[str, bool, Sequence[tuple[int, int]]]
+_NativeScope = tuple[str, bool, Sequence[tuple[int, int]], Sequence[tuple[int, int]]]
+_NativeReconcileScope = tuple[str, bool, Sequence[tuple[int, int]]]
 # (allowed, remaining, retry_after_s, window_seconds, is_token_window, member, timestamp_ms,
 #  ((limit, window_seconds, is_token_window, remaining, scope), ...), retry_after_ms, scope),
 # where scope is 0 for the user's own windows and k for scopes[k - 1].
-ReserveTuple = tuple[
+_ReserveTuple = tuple[
     bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None, int], ...], int, int
 ]
 
@@ -86,8 +86,8 @@ class Limiter:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-        scopes: tuple[NativeScope, ...] = (),
-    ) -> ReserveTuple: ...
+        scopes: tuple[_NativeScope, ...] = (),
+    ) -> _ReserveTuple: ...
     def _reconcile(
         self,
         user_id: str,
@@ -97,7 +97,7 @@ class Limiter:
         cost: int,
         *,
         tokens: bool = False,
-        scopes: tuple[NativeReconcileScope, ...] = (),
+        scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> int: ...
     def close(self) -> None: ...
     @property
@@ -133,8 +133,8 @@ class Codec:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-        scopes: tuple[NativeScope, ...] = (),
-    ) -> Request | ReserveTuple: ...
+        scopes: tuple[_NativeScope, ...] = (),
+    ) -> Request | _ReserveTuple: ...
     def reconcile(
         self,
         user_id: str,
@@ -144,7 +144,7 @@ class Codec:
         cost: int,
         *,
         tokens: bool = False,
-        scopes: tuple[NativeReconcileScope, ...] = (),
+        scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> Request | int: ...
 
 @final

@@ -470,16 +470,18 @@ class AsyncRateLimiter:
         """RateLimiter.reserve, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        return await self._drive(reserve_plan(  # type: ignore[no-any-return]
+        reservation: Reservation = await self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
+        return reservation
 
     async def reconcile(self, reservation: Reservation, actual: int) -> int:
         """RateLimiter.reconcile, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        return await self._drive(reconcile_plan(reservation, actual))  # type: ignore[no-any-return]
+        found: int = await self._drive(reconcile_plan(reservation, actual))
+        return found
 
-    async def _drive(self, plan: Plan) -> object:
+    async def _drive(self, plan: Plan) -> Any:
         """Runs a plan's C calls (reservation.py) on this loop's pipeline."""
         try:
             call = next(plan)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
@@ -144,17 +144,19 @@ class RateLimiter(_native.Limiter):
         (a route's or model's budget of this user, an upstream's caps shared by all), in one
         script execution, all or nothing, and logs it on allow. `reconcile` corrects the
         estimate later."""
-        return self._drive(reserve_plan(user_id, windows, cost, token_windows, tokens, scopes,
-                                        self._two_step_scopes))  # type: ignore[no-any-return]
+        reservation: Reservation = self._drive(reserve_plan(
+            user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
+        return reservation
 
     def reconcile(self, reservation: Reservation, actual: int) -> int:
         """Sets the reserved entry's cost (its tokens, when it has token windows) to
         `actual` in every window where it still is, its scopes' included: lower refunds,
         higher charges, 0 removes it. Idempotent. Returns the number of windows whose entry
         was found (0 once it has left them all, or when nothing was logged)."""
-        return self._drive(reconcile_plan(reservation, actual))  # type: ignore[no-any-return]
+        found: int = self._drive(reconcile_plan(reservation, actual))
+        return found
 
-    def _drive(self, plan: Plan) -> object:
+    def _drive(self, plan: Plan) -> Any:
         """Runs a plan's C calls (reservation.py), blocking."""
         try:
             call = next(plan)

@@ -290,10 +290,11 @@ def _refund_all(steps: Sequence[Reservation]) -> Plan:
     for step in steps:
         if not step.member:
             continue
-        for resource in ("requests", "tokens"):
-            own = windows_of(step, resource)  # type: ignore[arg-type]
-            scoped = tuple((s.name, s.shared, s.windows_of(resource)) for s in step.scopes  # type: ignore[arg-type]
-                           if s.windows_of(resource))  # type: ignore[arg-type]
+        resources: tuple[Resource, ...] = ("requests", "tokens")
+        for resource in resources:
+            own = windows_of(step, resource)
+            scoped = tuple((s.name, s.shared, s.windows_of(resource)) for s in step.scopes
+                           if s.windows_of(resource))
             if not (own or scoped):
                 continue
             try:
@@ -321,7 +322,7 @@ def reconcile_plan(reservation: Reservation, actual: int) -> Plan:
     entries = [(reservation.member, reservation.timestamp_ms, own,
                 [s for s in reservation.scopes if s not in shared])]
     entries += [(member, timestamp_ms, [], [scope])
-                for (member, timestamp_ms), scope in zip(reservation.shared_entries, shared)]
+                for (member, timestamp_ms), scope in zip(reservation.shared_entries, shared, strict=True)]
     found = 0
     for member, timestamp_ms, windows, scopes in entries:
         scoped = tuple((s.name, s.shared, s.windows_of(resource)) for s in scopes

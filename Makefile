@@ -187,7 +187,7 @@ install-hiredis1: deps $(HIREDIS1_VENV)/.created
 # The files that drive no hiredis path of their own are left to `make test` and test-asan:
 # FastAPI over TestClient and uvicorn (the same codec and pipeline the async tests drive),
 # the tiers file, the README examples, packaging, the Docker files and the wheel.
-HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py \
+HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py test_fastapi_scopes.py \
                  test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
                  test_readme_examples.py test_packaging.py test_examples_docker.py \

@@ -57,8 +57,9 @@ class Scope:
     """
 
     name: str
-    windows: Windows = ()
-    token_windows: Windows = ()
+    # Stored as tuples of (limit, window_seconds) tuples, whatever sequences were given.
+    windows: Sequence[tuple[int, int]] = ()
+    token_windows: Sequence[tuple[int, int]] = ()
     shared: bool = False
 
     def __post_init__(self) -> None:
@@ -78,9 +79,9 @@ class Scope:
 
     def native(self) -> tuple[str, bool, Windows, Windows]:
         """The C layer's form (csrc/args.c add_scopes)."""
-        return (self.name, self.shared, self.windows, self.token_windows)
+        return (self.name, self.shared, tuple(self.windows), tuple(self.token_windows))
 
-    def windows_of(self, resource: Resource) -> Windows:
+    def windows_of(self, resource: Resource) -> Sequence[tuple[int, int]]:
         return self.token_windows if resource == "tokens" else self.windows
 
 

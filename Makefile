@@ -70,7 +70,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench bench-weighted dist wheel test-wheel clean
+        install-asan install-debug demo serve bench bench-weighted bench-scopes dist wheel test-wheel clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -83,6 +83,7 @@ help:
 	@echo "make serve          keep the example app running for your own curl"
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
+	@echo "make bench-scopes   reserve with an upstream scope (one script, two steps) vs check_windows"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
@@ -228,6 +229,10 @@ bench: install
 bench-weighted: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/weighted.py
+
+bench-scopes: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/scopes.py
 
 dist: wheel
 

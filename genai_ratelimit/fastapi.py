@@ -768,8 +768,8 @@ class RateLimit:
         return await run_in_threadpool(lambda: bound(*args, **kwargs))
 
     def _refuse_scope(self, request: Request, reservation: Reservation, requested: int) -> None:
-        """The 429 of a refusal by a scope. An upstream's (shared) says that the service, not
-        the user, is at capacity; a route's or a model's names that budget. Either carries
+        """The 429 of a refusal by a scope (detail "Rate limit exceeded", as every 429). An
+        upstream's (shared) message says that the service, not the user, is at capacity; a route's or a model's names that budget. Either carries
         X-RateLimit-Scope (upstream | route | model) and, in X-RateLimit-Limit/-Window, the
         refusing window of that scope; the provider families' x-ratelimit-* headers, which
         describe the user's own budget, are left out."""
@@ -780,14 +780,14 @@ class RateLimit:
                      and w.resource == resource and w.window_seconds == window_seconds)
         retry_ms = reservation.retry_after_ms
         kind = _scope_kind(scope)
+        # The contract's detail for every 429; the message says whose budget it was.
+        detail = "Rate limit exceeded"
         if scope.shared:
-            detail = "Service at capacity"
             message = (f"The service is at capacity: its upstream {scope.name} allows {limit} "
                        f"{resource} per {window_name(window_seconds)} for all users together. "
                        f"This is not your own rate limit. Please try again in "
                        f"{format_duration(retry_ms)}.")
         else:
-            detail = "Rate limit exceeded"
             message = (f"{refusal_message(resource, window_seconds, limit, requested, retry_ms)} "
                        f"(the budget of {kind} {scope.name.split(':', 1)[-1]})")
         _set_refusal_body(request, error_body(self.error_format, 429, detail, message, resource))

@@ -69,7 +69,7 @@ ASAN_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
 FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py asan-runtime) \
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
-.PHONY: help deps venv install build test test-fast test-asan test-valgrind soak fuzz \
+.PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
         install-asan install-debug demo serve bench bench-weighted bench-scopes dist wheel test-wheel clean
 
 help:
@@ -133,6 +133,7 @@ install-asan: deps $(ASAN_VENV)/.created
 	$(ASAN_PY) scripts/native_build.py check asan
 
 install-debug: deps $(DEBUG_VENV)/.created
+	@command -v valgrind >/dev/null || bash scripts/ensure-debian-packages.sh valgrind
 	$(DEBUG_PY) scripts/native_build.py requirements test > $(DEBUG_VENV)/test-requirements.txt
 	$(DEBUG_PY) -m pip install -q -r $(DEBUG_VENV)/test-requirements.txt
 	GENAI_RATELIMIT_DEBUG=1 GENAI_RATELIMIT_WERROR=1 \
@@ -144,11 +145,18 @@ install-debug: deps $(DEBUG_VENV)/.created
 # venv's script, so the source tree (no .so, or a stale one) is never imported.
 # Left to `make test`: the files whose work happens in other processes (uvicorn servers and the
 # SDK clients, packaging builds, the README examples' interpreters) or in no C at all; the
-# FastAPI paths in this process (TestClient) stay under ASan.
+# FastAPI paths in this process (TestClient) stay under ASan, but for shadow mode and the IETF
+# headers, which call the limiters exactly as test_fastapi.py and test_fastapi_tokens.py do.
 ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
-             test_wheel_install.py test_c_source_lint.py test_tiers_config.py
+             test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
+             test_fastapi_shadow.py test_fastapi_ietf_headers.py
 test-asan: install-asan
+	@$(MAKE) --no-print-directory run-test-asan
+
+# run-test-*: the suite of test-* on the build its install-* left, without installing (so that
+# .ci/run can build everything first, then run suites side by side without two builds racing).
+run-test-asan:
 	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(ASAN_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
 
@@ -156,6 +164,9 @@ test-asan: install-asan
 # uninitialised memory fail the run (--error-exitcode); definite leaks are listed and
 # fail it when a leaked block was allocated under our extension (valgrind_report.py).
 test-valgrind: install-debug
+	@$(MAKE) --no-print-directory run-test-valgrind
+
+run-test-valgrind:
 	@command -v valgrind >/dev/null || bash scripts/ensure-debian-packages.sh valgrind
 	rm -rf build/valgrind && mkdir -p build/valgrind
 	PYTHONMALLOC=malloc valgrind --tool=memcheck --error-exitcode=99 \
@@ -169,7 +180,7 @@ test-valgrind: install-debug
 
 # ------------------------------------------------------------------ hiredis 1.x
 
-.PHONY: install-hiredis1 test-hiredis1
+.PHONY: install-hiredis1 test-hiredis1 run-test-hiredis1
 
 # scripts/build-hiredis1.sh builds hiredis 1.x from the pinned hiredis-py sdist into
 # HIREDIS1_PREFIX (once). The extension is built against it through PKG_CONFIG_PATH (setup.py
@@ -192,8 +203,12 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py t
                  test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
-                 test_wheel_install.py test_c_source_lint.py
+                 test_wheel_install.py test_c_source_lint.py \
+                 test_fastapi_shadow.py test_fastapi_ietf_headers.py
 test-hiredis1: install-hiredis1
+	@$(MAKE) --no-print-directory run-test-hiredis1
+
+run-test-hiredis1:
 	$(HIREDIS1_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(HIREDIS1_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
 

@@ -426,6 +426,28 @@ def summarize(values: Sequence[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+def load_average() -> str:
+    """The machine's load, to quote beside a table: "load average 1.02 0.98 0.80 (2 CPUs)"."""
+    load = os.getloadavg()
+    return f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)"
+
+
+def print_ratio_table(rows: dict[str, list[tuple[float, ...]]], baseline: str,
+                      columns: Sequence[tuple[str, str]], ratios: Sequence[tuple[int, str]]) -> None:
+    """A markdown table of one row per contender: the median over rounds of each value
+    (`columns`: (header, format) per value of a round), then per (value index, header) in
+    `ratios` the median over rounds of that value divided by the baseline's of the same round."""
+    base = rows[baseline]
+    print("| contender | " + " | ".join([header for header, _ in columns] + [h for _, h in ratios]) + " |")
+    print("| --- |" + " ---: |" * (len(columns) + len(ratios)))
+    for name, values in rows.items():
+        cells = [format(statistics.median(v[index] for v in values), fmt)
+                 for index, (_, fmt) in enumerate(columns)]
+        cells += [f"{statistics.median(v[index] / b[index] for v, b in zip(values, base, strict=True)):.2f}×"
+                  for index, _ in ratios]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 # --------------------------------------------------------------------------- the baselines
 
 class RedisPyLimiter:

@@ -24,7 +24,6 @@ machine is shared.
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
@@ -35,7 +34,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import RedisTarget, admin_client, script_stats, timed_loop  # noqa: E402
+from benchlib import (  # noqa: E402
+    RedisTarget,
+    admin_client,
+    load_average,
+    print_ratio_table,
+    script_stats,
+    timed_loop,
+)
 from genai_ratelimit import RateLimiter  # noqa: E402
 
 BIG = 10**12  # a limit no run reaches: every call is allowed and logs an entry
@@ -145,23 +151,13 @@ def main() -> int:
     finally:
         target.close()
 
-    base = rows["plain check (baseline)"]
-    load = os.getloadavg()
     print(f"Redis {version} on loopback (own server), {args.rounds} rounds of {args.seconds} s per "
-          f"contender, blocking RateLimiter, one connection; load average {load[0]:.2f} "
-          f"{load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs). Medians over rounds; ratios "
-          "are per round to the plain check, then the median. reserve/reconcile calls/s is "
-          "1 / p50 (they alternate).\n")
-    print("| contender | calls/s | p50 µs | server µs/call | calls/s vs plain | server µs vs plain |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, values in rows.items():
-        rate = statistics.median(v[0] for v in values)
-        p50 = statistics.median(v[1] for v in values)
-        server = statistics.median(v[2] for v in values)
-        rate_ratio = statistics.median(v[0] / b[0] for v, b in zip(values, base, strict=True))
-        server_ratio = statistics.median(v[2] / b[2] for v, b in zip(values, base, strict=True))
-        print(f"| {name} | {rate:,.0f} | {p50:.1f} | {server:.2f} | {rate_ratio:.2f}× | "
-              f"{server_ratio:.2f}× |")
+          f"contender, blocking RateLimiter, one connection; {load_average()}. Medians over "
+          "rounds; ratios are per round to the plain check, then the median. reserve/reconcile "
+          "calls/s is 1 / p50 (they alternate).\n")
+    print_ratio_table(rows, "plain check (baseline)",
+                      [("calls/s", ",.0f"), ("p50 µs", ".1f"), ("server µs/call", ".2f")],
+                      [(0, "calls/s vs plain"), (2, "server µs vs plain")])
     return 0
 
 

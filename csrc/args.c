@@ -318,7 +318,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         break;
     case RL_SHAPE_WINDOWS:
-        if (rl_parse_args("check_windows", args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
+    case RL_SHAPE_DETAILED:
+        if (rl_parse_args(shape == RL_SHAPE_WINDOWS ? "check_windows" : "check_windows_detailed",
+                          args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 0, 0) < 0 ||
             set_cost(d, v[2], "cost", 0) < 0)
@@ -554,8 +556,8 @@ windows_report(const rl_windows *w, const rl_result *r)
     return all;
 }
 
-/* check_windows' answer: a WindowDecision, which unpacks and compares as the contract's
-   4-tuple and also carries the exact wait in ms and the decision's time. Returns a new
+/* check_windows_detailed's answer: a WindowDecision, which unpacks and compares as
+   check_windows' 4-tuple and also carries the exact wait in ms and the decision's time. Returns a new
    reference. */
 static PyObject *
 window_decision(rl_module_state *state, const rl_windows *w, const rl_result *r)
@@ -594,9 +596,9 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     Py_ssize_t size;
     if (d->shape == RL_SHAPE_RECONCILE)
         return PyLong_FromLongLong(r->found);
-    if (d->shape == RL_SHAPE_WINDOWS)
+    if (d->shape == RL_SHAPE_DETAILED)
         return window_decision(state, w, r);
-    size = d->shape == RL_SHAPE_CHECK ? 3 : 10;
+    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 10;
     t = PyTuple_New(size);
     if (t == NULL)
         return NULL;
@@ -612,6 +614,8 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL)
         goto error;
     PyTuple_SET_ITEM(t, 3, item);
+    if (size == 4)
+        return t;
     /* reserve: is the deciding window a token window, the member ("" when nothing was
        logged), the decision's time, every window's report, the wait in ms and the deciding
        window's scope. */

@@ -152,6 +152,7 @@ encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject
     }
 CODEC_METHOD(check, RL_SHAPE_CHECK)
 CODEC_METHOD(check_windows, RL_SHAPE_WINDOWS)
+CODEC_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 CODEC_METHOD(reserve, RL_SHAPE_RESERVE)
 CODEC_METHOD(reconcile, RL_SHAPE_RECONCILE)
 
@@ -163,6 +164,10 @@ static PyMethodDef Codec_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "check_windows($self, /, user_id, windows, *, cost=1)\n--\n\n"
      "A Request, or the kill switch's final tuple."},
+    {"check_windows_detailed", (PyCFunction)(void (*)(void))Codec_check_windows_detailed,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "check_windows_detailed($self, /, user_id, windows, *, cost=1)\n--\n\n"
+     "A Request, or the kill switch's final WindowDecision."},
     {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"

@@ -278,6 +278,14 @@ PyDoc_STRVAR(Limiter_check_windows_doc,
 
 LIMITER_METHOD(check_windows, RL_SHAPE_WINDOWS)
 
+PyDoc_STRVAR(Limiter_check_windows_detailed_doc,
+"check_windows_detailed($self, /, user_id, windows, *, cost=1)\n--\n\n"
+"-> WindowDecision\n\n"
+"check_windows, answered as a WindowDecision: the same 4-tuple, with the exact wait\n"
+"(retry_after_ms) and the decision's time (timestamp_ms) as attributes.");
+
+LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
+
 PyDoc_STRVAR(Limiter_reserve_doc,
 "_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
 "    scopes=())\n--\n\n"
@@ -362,6 +370,8 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_doc},
     {"check_windows", (PyCFunction)(void (*)(void))Limiter_check_windows,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_windows_doc},
+    {"check_windows_detailed", (PyCFunction)(void (*)(void))Limiter_check_windows_detailed,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_windows_detailed_doc},
     {"_reserve", (PyCFunction)(void (*)(void))Limiter_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reserve_doc},
     {"_reconcile", (PyCFunction)(void (*)(void))Limiter_reconcile,

@@ -126,9 +126,9 @@ static PyStructSequence_Field window_decision_fields[] = {
 
 static PyStructSequence_Desc window_decision_desc = {
     "genai_ratelimit._native.WindowDecision",
-    "check_windows' answer: unpacks and compares as (allowed, remaining, retry_after_s,\n"
-    "window_seconds); the exact wait (retry_after_ms) and the decision's time (timestamp_ms)\n"
-    "are attributes only.",
+    "check_windows_detailed's answer: unpacks and compares as check_windows' (allowed,\n"
+    "remaining, retry_after_s, window_seconds); the exact wait (retry_after_ms) and the\n"
+    "decision's time (timestamp_ms) are attributes only.",
     window_decision_fields,
     4,
 };

@@ -100,6 +100,7 @@ typedef struct {
 typedef enum {
     RL_SHAPE_CHECK,     /* check(): (allowed, remaining, retry_after_s) */
     RL_SHAPE_WINDOWS,   /* check_windows(): the same and window_seconds */
+    RL_SHAPE_DETAILED,  /* check_windows_detailed(): a WindowDecision */
     RL_SHAPE_RESERVE,   /* reserve(): the same, the member, the time, every window's remaining */
     RL_SHAPE_RECONCILE, /* reconcile(): the number of windows whose entry was found */
 } rl_shape;
@@ -365,7 +366,7 @@ typedef struct {
     PyTypeObject *CodecType;
     PyTypeObject *RequestType;
     PyTypeObject *PipelineType;
-    /* check_windows' answer (a struct sequence) */
+    /* check_windows_detailed's answer (a struct sequence) */
     PyTypeObject *WindowDecisionType;
     PyObject *Error;        /* RateLimiterError */
     PyObject *Unavailable;  /* RateLimiterUnavailable */

@@ -18,7 +18,7 @@ MAX_TIMEOUT_SECONDS: int
 
 @final
 class WindowDecision(structseq[Any], tuple[bool, int, int, int]):
-    """check_windows' answer: a 4-tuple with two more attributes."""
+    """check_windows_detailed's answer: check_windows' 4-tuple with two more attributes."""
 
     __match_args__: ClassVar[tuple[str, str, str, str]]
     @property
@@ -77,6 +77,9 @@ class Limiter:
     ) -> tuple[bool, int, int]: ...
     def check_windows(
         self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
+    ) -> tuple[bool, int, int, int]: ...
+    def check_windows_detailed(
+        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> WindowDecision: ...
     def _reserve(
         self,
@@ -123,6 +126,9 @@ class Codec:
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
     ) -> Request | tuple[bool, int, int]: ...
     def check_windows(
+        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
+    ) -> Request | tuple[bool, int, int, int]: ...
+    def check_windows_detailed(
         self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> Request | WindowDecision: ...
     def reserve(

@@ -451,12 +451,23 @@ class AsyncRateLimiter:
         return await conn.submit(request)  # type: ignore[no-any-return]
 
     async def check_windows(self, user_id: str, windows: Any, *,
-                            cost: int = 1) -> WindowDecision:
+                            cost: int = 1) -> tuple[bool, int, int, int]:
         """Decides one request against every (limit, window_seconds) pair, shortest first:
-        (allowed, remaining, retry_after_s, window_seconds), a WindowDecision."""
+        (allowed, remaining, retry_after_s, window_seconds)."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         request = self._codec.check_windows(user_id, windows, cost=cost)
+        if type(request) is tuple:
+            return request
+        return await self._run(request)  # type: ignore[no-any-return]
+
+    async def check_windows_detailed(self, user_id: str, windows: Any, *,
+                                     cost: int = 1) -> WindowDecision:
+        """check_windows, answered as a WindowDecision: the same 4-tuple, with the exact wait
+        (retry_after_ms) and the decision's time (timestamp_ms) as attributes."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.check_windows_detailed(user_id, windows, cost=cost)
         if type(request) is WindowDecision:  # the kill switch answered
             return request
         return await self._run(request)  # type: ignore[no-any-return]

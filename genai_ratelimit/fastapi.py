@@ -52,11 +52,18 @@ x-ratelimit-*-requests/-tokens headers, and its 429s OpenAI's error body (_opena
 Failing open: with on_unavailable="allow", `RateLimit.fail_open_count` counts the requests let
 through because Redis could not decide; export it to your metrics and alert when it grows.
 
+Shadow mode: `RateLimit(..., mode="shadow")` (and TokenRateLimit) decides and counts as usual
+but never refuses; what it would have refused runs with the 429's headers (not its retry
+instructions) and X-RateLimit-Shadow: would-refuse, is counted in `shadow_count` and logged.
+IETF headers: `headers="ietf"` adds RateLimit-Policy and RateLimit (draft-ietf-httpapi-
+ratelimit-headers-10, see genai_ratelimit._ietf_headers) beside the contract's X-RateLimit-*.
+
 Requires the `fastapi` extra: pip install genai-ratelimit[fastapi].
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
@@ -64,7 +71,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -77,6 +84,7 @@ except ImportError as exc:  # the core package works without FastAPI; this modul
                       f" ({exc})") from exc
 
 from . import RateLimiterError
+from ._ietf_headers import HEADER_MODES, HeaderMode, PartitionKeys, Policy, ServiceLimit, ietf_headers
 from ._openai_headers import (
     ERROR_FORMATS,
     UNAVAILABLE_MESSAGE,
@@ -102,6 +110,7 @@ from ._tiers_config import (
 )
 from ._usage import UsageScanner, estimate_openai_tokens, requested_model
 from .aio import AsyncRateLimiter
+from .limiter import RateLimiter
 from .reservation import Reservation, Resource, WindowState
 from .reservation import Scope as BudgetScope
 from .tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_LIMITS, TIER_TOKEN_LIMITS
@@ -127,6 +136,7 @@ Windows = tuple[tuple[int, int], ...]
 Decision = tuple[bool, int, int, int]
 Identify = Callable[[Request], "tuple[str, str | None]"]
 OnUnavailable = Literal["deny", "allow"]
+Mode = Literal["enforce", "shadow"]
 
 
 class SyncWindowLimiter(Protocol):
@@ -212,6 +222,10 @@ _SCOPE_KEY = "genai_ratelimit.decision"
 # The allowed decisions already taken for this request, by (key space, key identity, windows):
 # a second dependency that would count the same request in the same keys reuses the decision.
 _COUNTED_KEY = "genai_ratelimit.counted"
+# The ids of the shared decisions shadow mode already counted as would-refuse for this request.
+_SHADOWED_KEY = "genai_ratelimit.shadowed"
+# This package's own check_windows: RateLimit may ask their detailed twin instead (_decide).
+_STOCK_CHECK_WINDOWS = (RateLimiter.check_windows, AsyncRateLimiter.check_windows)
 
 
 class _AllowedDecision:
@@ -552,7 +566,20 @@ class RateLimit:
     unavailable_log_interval
                    at most one warning per this many seconds while Redis is unavailable, with
                    the count of requests it covers. Default 60.
-    log_user_ids   False: that warning names no user.
+    log_user_ids   False: that warning (and the shadow one) names no user.
+    mode           "enforce" (default): refuse what the budget refuses. "shadow": decide and
+                   count exactly as usual, but never refuse: a request the budget would
+                   refuse runs, its response carries the 429's headers except the retry
+                   instructions (Retry-After, retry-after-ms, x-should-retry) plus
+                   X-RateLimit-Shadow: would-refuse, it is counted in shadow_count and a
+                   warning says so (at most one per shadow_log_interval seconds, default 60).
+    headers        "contract" (default): the contract's X-RateLimit-* (and the error
+                   format's family). "ietf" or "both" (the same): those, plus the IETF
+                   draft's RateLimit-Policy and RateLimit fields (genai_ratelimit._ietf_headers).
+    partition_key_secret
+                   the secret of the IETF fields' partition keys (pk), an HMAC of the
+                   identity: None reads $GENAI_RATELIMIT_PARTITION_KEY_SECRET, else a random
+                   secret of this process (keys then differ between workers).
 
     The decision is one `check_windows` call; the WindowDecision it answers carries the
     exact wait (retry_after_ms) that retry-after-ms reports.
@@ -590,14 +617,23 @@ class RateLimit:
         max_client_wait_seconds: float = 300.0,
         unavailable_log_interval: float = 60.0,
         log_user_ids: bool = True,
+        mode: Mode = "enforce",
+        shadow_log_interval: float = 60.0,
+        headers: HeaderMode = "contract",
+        partition_key_secret: str | bytes | None = None,
         upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
         route_limits: Mapping[str, int] | None = None,
         model_limits: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
+        if mode not in ("enforce", "shadow"):
+            raise ValueError(f"mode must be 'enforce' or 'shadow', got {mode!r}")
+        if headers not in HEADER_MODES:
+            raise ValueError(f"headers must be 'contract', 'ietf' or 'both', got {headers!r}")
         if error_format not in ERROR_FORMATS:
             raise ValueError(f"error_format must be 'openai', 'anthropic' or 'plain', got {error_format!r}")
         for name, number in (("max_client_wait_seconds", max_client_wait_seconds),
-                             ("unavailable_log_interval", unavailable_log_interval)):
+                             ("unavailable_log_interval", unavailable_log_interval),
+                             ("shadow_log_interval", shadow_log_interval)):
             if isinstance(number, bool) or not isinstance(number, (int, float)):
                 raise TypeError(f"{name} must be a number of seconds, not {type(number).__name__}")
             if not number >= 0:
@@ -608,9 +644,20 @@ class RateLimit:
         self.max_client_wait_seconds = float(max_client_wait_seconds)
         self.unavailable_log_interval = float(unavailable_log_interval)
         self.log_user_ids = log_user_ids
-        self._unavailable_lock = threading.Lock()
-        self._unavailable_pending = 0  # requests refused or let through since the last log line
-        self._unavailable_logged_at: float | None = None  # time.monotonic() of that line
+        self._unavailable_log = _LogThrottle(self.unavailable_log_interval)
+        self.mode: Mode = mode
+        self.headers: HeaderMode = headers
+        self._shadow_log = _LogThrottle(float(shadow_log_interval))
+        self._shadow_count = 0
+        self._partition_keys: PartitionKeys | None = None
+        if headers != "contract":
+            self._partition_keys = PartitionKeys(partition_key_secret)
+            if self._partition_keys.per_process:
+                logger.warning(
+                    "RateLimit(headers=%r) has no partition_key_secret (nor $%s): the IETF "
+                    "RateLimit fields' partition keys come from a random secret of this process, "
+                    "so they differ between workers and restarts", headers,
+                    "GENAI_RATELIMIT_PARTITION_KEY_SECRET")
         if namespace is not None:
             if not isinstance(namespace, str):
                 raise TypeError(f"namespace must be a str or None, not {type(namespace).__name__}")
@@ -662,6 +709,12 @@ class RateLimit:
         alerting: each one is a request that was never counted against any budget."""
         return self._fail_open_count
 
+    @property
+    def shadow_count(self) -> int:
+        """How many requests mode="shadow" let through that the budget would have refused
+        (each request once). Always 0 with mode="enforce"."""
+        return self._shadow_count
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
                 f"on_unavailable={self.on_unavailable!r}, namespace={self.namespace!r})")
@@ -698,21 +751,30 @@ class RateLimit:
         request.scope.setdefault(_COUNTED_KEY, {})[self._counted_key(identity, windows)] = decision
 
     def _apply(self, request: Request, response: Response, windows: Windows, decision: Decision,
-               retry_after_ms: int, now_ms: int) -> None:
-        """Raises the 429, or records the allowed decision's headers."""
+               retry_after_ms: int, now_ms: int, *, identity: str) -> None:
+        """Raises the 429 (in shadow mode: records it as would-refuse), or records the allowed
+        decision's headers."""
         allowed, remaining, retry_after_s, window_seconds = decision
         limit = next((lim for lim, seconds in windows if seconds == window_seconds), windows[0][0])
         if not allowed:
-            _set_refusal_body(request, error_body(
-                self.error_format, 429, "Rate limit exceeded",
-                refusal_message("requests", window_seconds, limit, 1, retry_after_ms), "requests"))
+            refusal = [
+                ("X-RateLimit-Limit", str(limit)),
+                ("X-RateLimit-Remaining", "0"),
+                ("X-RateLimit-Window", window_name(window_seconds)),
+                *family_headers(self.error_format, now_ms,
+                                ResourceHeaders("requests", limit, 0, retry_after_ms)),
+                *self._ietf_fields(identity, windows, (), [("requests", window_seconds, 0, retry_after_s)]),
+            ]
+            message = refusal_message("requests", window_seconds, limit, 1, retry_after_ms)
+            if self.mode == "shadow":
+                self._would_refuse(request, response, identity, id(decision), limit, window_seconds,
+                                   message, refusal)
+                return
+            _set_refusal_body(request, error_body(self.error_format, 429, "Rate limit exceeded",
+                                                  message, "requests"))
             headers = {
                 **dict(retry_headers(retry_after_s, retry_after_ms, self.max_client_wait_seconds)),
-                "X-RateLimit-Limit": str(limit),
-                "X-RateLimit-Remaining": "0",
-                "X-RateLimit-Window": window_name(window_seconds),
-                **dict(family_headers(self.error_format, now_ms,
-                                      ResourceHeaders("requests", limit, 0, retry_after_ms))),
+                **dict(refusal),
             }
             raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
         _record_allowed(request, response, limit, remaining, window_seconds)
@@ -720,7 +782,51 @@ class RateLimit:
         # request is its newest entry): the reset of the provider families' headers.
         extra = family_headers(self.error_format, now_ms,
                                ResourceHeaders("requests", limit, remaining, window_seconds * 1000))
+        extra += self._ietf_fields(identity, windows, (), [("requests", window_seconds, remaining,
+                                                            window_seconds)])
         _record_extra(request, response, extra)
+
+    def _ietf_fields(self, identity: str, windows: Windows, token_windows: Windows,
+                     limits: Sequence[tuple[Resource, int, int, int]]) -> list[tuple[str, str]]:
+        """RateLimit-Policy (every window of the budget) and RateLimit (`limits`: (resource,
+        window_seconds, remaining, seconds until more)) when headers="ietf"/"both", else []."""
+        if self._partition_keys is None:
+            return []
+        service = [ServiceLimit(_policy_name(resource, seconds), remaining, reset)
+                   for resource, seconds, remaining, reset in limits]
+        return ietf_headers(_ietf_policies(windows, token_windows), service,
+                            self._partition_keys.of(identity))
+
+    def _would_refuse(self, request: Request, response: Response, identity: str, once: Hashable | None,
+                      limit: int, window_seconds: int, message: str,
+                      refusal: list[tuple[str, str]]) -> None:
+        """Shadow mode: the refusal the budget would have answered, let through. The response
+        carries its headers (not Retry-After and its kin: nothing was refused, a client must
+        not wait) plus X-RateLimit-Shadow: would-refuse. The request is counted and logged,
+        once per `once` when given: a decision that two dependencies of one route share (see
+        _remember) is one request; None: always."""
+        shadowed = request.scope.setdefault(_SHADOWED_KEY, set())
+        if once is None or once not in shadowed:
+            shadowed.add(once)
+            with self._shadow_log.lock:
+                self._shadow_count += 1
+            record_outcome = getattr(self.limiter, "_record_outcome", None)
+            if callable(record_outcome):
+                record_outcome("shadow")
+            count = self._shadow_log.due()
+            if count is not None:
+                latest = f", the latest for {identity!r}" if self.log_user_ids else ""
+                logger.warning("shadow mode: %d request(s) the budget would have refused were let "
+                               "through since the last report%s; the 429 would have said: %s "
+                               "(next report in %gs at the earliest)", count, latest, message,
+                               self._shadow_log.interval)
+        trio = {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-window"}
+        extra = [(name.lower(), value) for name, value in refusal if name.lower() not in trio]
+        if any(name.lower() == "x-ratelimit-remaining" for name, _ in refusal):
+            _record_allowed(request, response, limit, 0, window_seconds)
+        else:  # a request no wait could fit: its 429 says no Remaining
+            extra = [(name.lower(), value) for name, value in refusal]
+        _record_extra(request, response, [*extra, ("x-ratelimit-shadow", "would-refuse")])
 
     def _unavailable(self, request: Request, user_id: str, exc: RateLimiterError) -> None:
         """Redis could not decide: 503 (deny) or a logged pass (allow)."""
@@ -740,14 +846,9 @@ class RateLimit:
     def _log_unavailable(self, action: str, user_id: str, exc: RateLimiterError) -> None:
         """One warning per unavailable_log_interval at most, counting the requests it covers
         (an outage must not flood the log with one line per request)."""
-        with self._unavailable_lock:
-            self._unavailable_pending += 1
-            now = time.monotonic()
-            last = self._unavailable_logged_at
-            if last is not None and now - last < self.unavailable_log_interval:
-                return
-            count, self._unavailable_pending, self._unavailable_logged_at = \
-                self._unavailable_pending, 0, now
+        count = self._unavailable_log.due()
+        if count is None:
+            return
         latest = f", the latest for {user_id!r}" if self.log_user_ids else ""
         logger.warning("rate limiter unavailable: %d request(s) %s since the last report%s "
                        "(next report in %gs at the earliest): %s",
@@ -760,19 +861,20 @@ class RateLimit:
         return (getattr(decision, "retry_after_ms", decision[2] * 1000),
                 getattr(decision, "timestamp_ms", 0) or _now_ms())
 
-    async def _limiter_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """limiter.<method>(...): awaited, or in the threadpool for a blocking limiter."""
-        bound = getattr(self.limiter, method)
+    async def _limiter_call(self, bound: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """bound(...), a limiter's method: awaited, or in the threadpool for a blocking limiter."""
         if self._limiter_is_async:
             return await bound(*args, **kwargs)
         return await run_in_threadpool(lambda: bound(*args, **kwargs))
 
-    def _refuse_scope(self, request: Request, reservation: Reservation, requested: int) -> None:
+    def _refuse_scope(self, request: Request, response: Response, identity: str,
+                      reservation: Reservation, requested: int) -> None:
         """The 429 of a refusal by a scope (detail "Rate limit exceeded", as every 429). An
-        upstream's (shared) message says that the service, not the user, is at capacity; a route's or a model's names that budget. Either carries
-        X-RateLimit-Scope (upstream | route | model) and, in X-RateLimit-Limit/-Window, the
-        refusing window of that scope; the provider families' x-ratelimit-* headers, which
-        describe the user's own budget, are left out."""
+        upstream's (shared) message says that the service, not the user, is at capacity; a
+        route's or a model's names that budget. Either carries X-RateLimit-Scope (upstream |
+        route | model) and, in X-RateLimit-Limit/-Window, the refusing window of that scope;
+        the provider families' x-ratelimit-* headers and the IETF fields, which describe the
+        user's own budget, are left out. In shadow mode: recorded as would-refuse."""
         scope = reservation.scope
         assert scope is not None
         resource, window_seconds = reservation.resource, reservation.window_seconds
@@ -790,14 +892,21 @@ class RateLimit:
         else:
             message = (f"{refusal_message(resource, window_seconds, limit, requested, retry_ms)} "
                        f"(the budget of {kind} {scope.name.split(':', 1)[-1]})")
+        refusal = [
+            ("X-RateLimit-Limit", str(limit)),
+            ("X-RateLimit-Remaining", "0"),
+            ("X-RateLimit-Window", window_name(window_seconds)),
+            ("X-RateLimit-Scope", kind),
+            ("X-RateLimit-Resource", resource),
+        ]
+        if self.mode == "shadow":
+            self._would_refuse(request, response, identity, None, limit, window_seconds, message,
+                               refusal)
+            return
         _set_refusal_body(request, error_body(self.error_format, 429, detail, message, resource))
         headers = {
             **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
-            "X-RateLimit-Limit": str(limit),
-            "X-RateLimit-Remaining": "0",
-            "X-RateLimit-Window": window_name(window_seconds),
-            "X-RateLimit-Scope": kind,
-            "X-RateLimit-Resource": resource,
+            **dict(refusal),
         }
         raise HTTPException(status_code=429, detail=detail, headers=headers)
 
@@ -811,21 +920,24 @@ class RateLimit:
             decision = counted
             if decision is None:
                 try:
-                    decision = await self._limiter_call("check_windows", user_id, windows)
+                    decision = await self._limiter_call(self._decide(), user_id, windows)
                 except RateLimiterError as exc:
                     self._unavailable(request, user_id, exc)
                     return
                 self._remember(request, user_id, windows, decision)
-            self._apply(request, response, windows, decision, *self._exact(decision))
+            self._apply(request, response, windows, decision, *self._exact(decision),
+                        identity=user_id)
             return
         try:
             reservation: Reservation = await self._limiter_call(
-                "reserve", user_id, () if counted is not None else windows, scopes=scopes)
+                self.limiter.reserve, user_id, () if counted is not None else windows,
+                scopes=scopes)
         except RateLimiterError as exc:
             self._unavailable(request, user_id, exc)
             return
         if not reservation.allowed and reservation.scope is not None:
-            self._refuse_scope(request, reservation, 1)
+            self._refuse_scope(request, response, user_id, reservation, 1)
+            return  # shadow mode: the route runs, nothing was logged
         if counted is not None:
             decision, exact = counted, self._exact(counted)
         elif not reservation.allowed:
@@ -837,7 +949,17 @@ class RateLimit:
             decision = (True, state.remaining, 0, state.window_seconds)
             exact = (0, reservation.timestamp_ms or _now_ms())
             self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision, *exact)
+        self._apply(request, response, windows, decision, *exact, identity=user_id)
+
+    def _decide(self) -> Any:
+        """The call that decides: check_windows, as the contract says. When it is this package's
+        own (not overridden by a subclass or replaced on the instance), its detailed twin, which
+        sends the same command and answers the same tuple with the exact wait as attributes."""
+        limiter = self.limiter
+        if getattr(type(limiter), "check_windows", None) in _STOCK_CHECK_WINDOWS and \
+                "check_windows" not in getattr(limiter, "__dict__", ()):
+            return limiter.check_windows_detailed
+        return limiter.check_windows
 
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
@@ -845,12 +967,12 @@ class RateLimit:
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
             try:
-                decision = self.limiter.check_windows(user_id, windows)
+                decision = self._decide()(user_id, windows)
             except RateLimiterError as exc:
                 self._unavailable(request, user_id, exc)
                 return
             self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision, *self._exact(decision))
+        self._apply(request, response, windows, decision, *self._exact(decision), identity=user_id)
 
 
 class _AsyncRateLimit(RateLimit):
@@ -864,16 +986,52 @@ class _AsyncRateLimit(RateLimit):
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
             try:
-                decision = await self.limiter.check_windows(user_id, windows)
+                decision = await self._decide()(user_id, windows)
             except RateLimiterError as exc:
                 self._unavailable(request, user_id, exc)
                 return
             self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision, *self._exact(decision))
+        self._apply(request, response, windows, decision, *self._exact(decision), identity=user_id)
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_name(resource: str, window_seconds: int) -> str:
+    """The IETF policy name of a window: "requests-minute", "tokens-day", "requests-3600s"."""
+    return f"{resource}-{window_name(window_seconds)}"
+
+
+@functools.lru_cache(maxsize=256)  # one entry per tier's budget: built once
+def _ietf_policies(windows: Windows, token_windows: Windows) -> tuple[Policy, ...]:
+    """The IETF quota policies of a budget: its request windows, then its token windows."""
+    return (*(Policy(_policy_name("requests", seconds), limit, seconds, None) for limit, seconds in windows),
+            *(Policy(_policy_name("tokens", seconds), limit, seconds, "tokens")
+              for limit, seconds in token_windows))
+
+
+class _LogThrottle:
+    """At most one log line per `interval` seconds: `due()` counts one event and answers the
+    number of events the line should cover, or None when it is not time yet."""
+
+    __slots__ = ("interval", "lock", "_pending", "_logged_at")
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.lock = threading.Lock()  # the threadpool may log in parallel
+        self._pending = 0  # events since the last line
+        self._logged_at: float | None = None  # time.monotonic() of that line
+
+    def due(self) -> int | None:
+        with self.lock:
+            self._pending += 1
+            now = time.monotonic()
+            if self._logged_at is not None and now - self._logged_at < self.interval:
+                return None
+            count, self._pending, self._logged_at = self._pending, 0, now
+            return count
 
 
 def _set_refusal_body(request: Request, body: dict[str, Any]) -> None:
@@ -930,7 +1088,9 @@ class TokenRateLimit(RateLimit):
       that carries `usage` (OpenAI's final chunk with stream_options={"include_usage": true}).
     A request whose usage is never reported keeps its reservation: never a silent refund.
 
-    Arguments (and RateLimit's: limiter, tier_limits, identify, on_unavailable, namespace):
+    Arguments (and RateLimit's: limiter, tier_limits, identify, on_unavailable, namespace, and
+    its keywords: mode="shadow" lets a refused reservation through without reserving anything,
+    headers="ietf" adds the token windows as policies of unit "tokens"):
 
     token_limits        {"free": {"per_minute": 10_000, "per_day": 100_000}, ...}; None: the
                         tokens_per_minute/tokens_per_day of the file named by
@@ -978,6 +1138,10 @@ class TokenRateLimit(RateLimit):
         max_client_wait_seconds: float = 300.0,
         unavailable_log_interval: float = 60.0,
         log_user_ids: bool = True,
+        mode: Mode = "enforce",
+        shadow_log_interval: float = 60.0,
+        headers: HeaderMode = "contract",
+        partition_key_secret: str | bytes | None = None,
         upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
         route_limits: Mapping[str, int] | None = None,
         model_limits: Mapping[str, Mapping[str, int]] | None = None,
@@ -998,6 +1162,8 @@ class TokenRateLimit(RateLimit):
         super().__init__(limiter, tier_limits, identify, on_unavailable, namespace,
                          error_format=error_format, max_client_wait_seconds=max_client_wait_seconds,
                          unavailable_log_interval=unavailable_log_interval, log_user_ids=log_user_ids,
+                         mode=mode, shadow_log_interval=shadow_log_interval, headers=headers,
+                         partition_key_secret=partition_key_secret,
                          upstream=upstream, route_limits=route_limits, model_limits=model_limits)
         default_tokens = token_limits is None
         if token_limits is None:
@@ -1044,7 +1210,9 @@ class TokenRateLimit(RateLimit):
         _ledger_of(request).decided = True
         tokens = await self.estimate_tokens(request, tier)
         scopes = await self._scopes.of(request) if self._scopes else ()
-        self._refuse_if_too_large(request, windows, token_windows, tokens, scopes)
+        if self._refuse_if_too_large(request, response, identity, windows, token_windows, tokens,
+                                     scopes):
+            return  # shadow mode: the route runs, nothing was reserved
         counted = self._already_counted(request, identity, windows)
         # Requests already counted by another dependency of this route: reserve tokens only.
         request_windows: Windows = () if counted is not None else windows
@@ -1054,15 +1222,18 @@ class TokenRateLimit(RateLimit):
             arguments["scopes"] = scopes
         try:
             reservation: Reservation = await self._limiter_call(
-                "reserve", identity, request_windows, **arguments)
+                limiter.reserve, identity, request_windows, **arguments)
         except RateLimiterError as exc:
             self._unavailable(request, identity, exc)
             return
         if not reservation.allowed:
             if reservation.scope is not None:
-                self._refuse_scope(request, reservation,
+                self._refuse_scope(request, response, identity, reservation,
                                    tokens if reservation.resource == "tokens" else 1)
-            self._refuse(request, windows, token_windows, reservation, tokens)
+            else:
+                self._refuse(request, response, identity, windows, token_windows, reservation,
+                             tokens)
+            return  # shadow mode: the route runs, nothing was reserved
         ledger = _ledger_of(request)
         ledger.entries.append((limiter, self._is_async, reservation))
         requests_state = _tightest(reservation.windows, "requests")
@@ -1076,35 +1247,46 @@ class TokenRateLimit(RateLimit):
             limit = next(lim for lim, seconds in windows if seconds == window_seconds)
             requests_state = WindowState(limit, window_seconds, "requests", remaining)
         tokens_state = _tightest(reservation.windows, "tokens")
+        states = [state for state in (requests_state, tokens_state) if state is not None]
         extra = family_headers(self.error_format, reservation.timestamp_ms or _now_ms(), *(
             ResourceHeaders(state.resource, state.limit, state.remaining, state.window_seconds * 1000)
-            for state in (requests_state, tokens_state) if state is not None))
+            for state in states))
+        extra += self._ietf_fields(identity, windows, token_windows, [
+            (state.resource, state.window_seconds, state.remaining or 0, state.window_seconds)
+            for state in states])
         _record_extra(request, response, extra)
 
-    def _refuse_if_too_large(self, request: Request, windows: Windows, token_windows: Windows,
-                             tokens: int, scopes: Sequence[BudgetScope] = ()) -> None:
+    def _refuse_if_too_large(self, request: Request, response: Response, identity: str,
+                             windows: Windows, token_windows: Windows, tokens: int,
+                             scopes: Sequence[BudgetScope] = ()) -> bool:
         """The 429 of an estimate no wait can make fit (above a token window's limit, its
-        scopes' included)."""
+        scopes' included). Returns True when shadow mode let it through instead, False when
+        the estimate fits."""
         limit, window_seconds = min([*token_windows, *(w for s in scopes for w in s.token_windows)])
         if tokens <= limit:
-            return
+            return False
+        refusal = [
+            ("X-RateLimit-Limit", str(limit)),
+            ("X-RateLimit-Window", window_name(window_seconds)),
+            ("X-RateLimit-Resource", "tokens"),
+            *family_headers(self.error_format, _now_ms(),
+                            ResourceHeaders("requests", windows[0][0], None, None),
+                            ResourceHeaders("tokens", limit, None, None)),
+            *self._ietf_fields(identity, windows, token_windows, ()),
+        ]
         body = too_large_error_body(self.error_format, "tokens", window_seconds, limit, tokens)
+        if self.mode == "shadow":
+            self._would_refuse(request, response, identity, None, limit, window_seconds,
+                               body["detail"], refusal)
+            return True
         _ledger_of(request).refusal_body = body
-        headers = {
-            "X-RateLimit-Limit": str(limit),
-            "X-RateLimit-Window": window_name(window_seconds),
-            "X-RateLimit-Resource": "tokens",
-            "x-should-retry": "false",
-            **dict(family_headers(
-                self.error_format, _now_ms(),
-                ResourceHeaders("requests", windows[0][0], None, None),
-                ResourceHeaders("tokens", limit, None, None))),
-        }
+        headers = {**dict(refusal[:3]), "x-should-retry": "false", **dict(refusal[3:])}
         raise HTTPException(status_code=429, detail=body["detail"], headers=headers)
 
-    def _refuse(self, request: Request, windows: Windows, token_windows: Windows,
-                reservation: Reservation, tokens: int) -> None:
-        """The 429 of a reservation refused by one of its windows: retry later."""
+    def _refuse(self, request: Request, response: Response, identity: str, windows: Windows,
+                token_windows: Windows, reservation: Reservation, tokens: int) -> None:
+        """The 429 of a reservation refused by one of its windows: retry later (in shadow
+        mode: records it as would-refuse and returns)."""
         resource, window_seconds = reservation.resource, reservation.window_seconds
         budget = token_windows if resource == "tokens" else windows
         limit = next(lim for lim, seconds in budget if seconds == window_seconds)
@@ -1118,17 +1300,26 @@ class TokenRateLimit(RateLimit):
             state = _tightest(reservation.windows, name)
             states.append(ResourceHeaders(name, state.limit, state.remaining, retry_ms) if state is not None
                           else ResourceHeaders(name, resource_windows[0][0], None, retry_ms))
-        _ledger_of(request).refusal_body = error_body(
-            self.error_format, 429, "Rate limit exceeded",
-            refusal_message(resource, window_seconds, limit, tokens if resource == "tokens" else 1,
-                            retry_ms), resource)
+        refusal = [
+            ("X-RateLimit-Limit", str(limit)),
+            ("X-RateLimit-Remaining", "0"),
+            ("X-RateLimit-Window", window_name(window_seconds)),
+            ("X-RateLimit-Resource", resource),
+            *family_headers(self.error_format, reservation.timestamp_ms or _now_ms(), *states),
+            *self._ietf_fields(identity, windows, token_windows,
+                               [(resource, window_seconds, 0, reservation.retry_after_s)]),
+        ]
+        message = refusal_message(resource, window_seconds, limit,
+                                  tokens if resource == "tokens" else 1, retry_ms)
+        if self.mode == "shadow":
+            self._would_refuse(request, response, identity, None, limit, window_seconds,
+                               message, refusal)
+            return
+        _ledger_of(request).refusal_body = error_body(self.error_format, 429, "Rate limit exceeded",
+                                                      message, resource)
         headers = {
             **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
-            "X-RateLimit-Limit": str(limit),
-            "X-RateLimit-Remaining": "0",
-            "X-RateLimit-Window": window_name(window_seconds),
-            "X-RateLimit-Resource": resource,
-            **dict(family_headers(self.error_format, reservation.timestamp_ms or _now_ms(), *states)),
+            **dict(refusal),
         }
         raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
 

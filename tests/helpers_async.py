@@ -159,6 +159,9 @@ class BlockingAsyncLimiter:
     def check_windows(self, *args: Any, **kwargs: Any) -> tuple[bool, int, int, int]:
         return self.run(self.inner.check_windows(*args, **kwargs))
 
+    def check_windows_detailed(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.inner.check_windows_detailed(*args, **kwargs))
+
     def reserve(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(self.inner.reserve(*args, **kwargs))
 

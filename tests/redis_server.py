@@ -75,7 +75,13 @@ class RedisServer:
             if self.process is None or self.process.poll() is not None:
                 return False
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                # Over this server's own unix socket: Redis creates it after binding every TCP
+                # port, so a PONG here means our process holds self.port (another test session
+                # running beside this one may have taken the same "free" port first: then our
+                # server exits, and a PING over TCP would have reached theirs).
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(0.5)
+                    s.connect(self.unix_path)
                     s.sendall(b"PING\r\n")
                     # -NOAUTH: a server started with --requirepass is up, too.
                     if s.recv(64).startswith((b"+PONG", b"-NOAUTH")):

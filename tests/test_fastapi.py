@@ -870,6 +870,7 @@ def test_the_default_dependency_checks_on_the_event_loop_and_never_uses_the_thre
     make_limiter.track(limiter)
     checks: list[tuple[int, Any]] = []
     real_check_windows = limiter.check_windows  # the contract: one check_windows call
+    # (patched on the instance: the dependency must call it, not its detailed twin)
 
     async def recording_check_windows(user: str, windows: Any) -> Any:
         checks.append((threading.get_ident(), asyncio.get_running_loop()))

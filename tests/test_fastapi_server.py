@@ -75,6 +75,18 @@ async def twice_limited():
 async def strictly_limited():
     return {{}}
 
+# Shadow mode: the stricter budget rolled out without refusing; /shadow-count reads its counter.
+SHADOW = RateLimit(limiter=example.rate_limit.limiter, tier_limits=STRICT, mode="shadow",
+                   shadow_log_interval=0, headers="ietf", partition_key_secret="served")
+
+@app.post("/v1/shadow-limited", dependencies=[Depends(SHADOW)])
+async def shadow_limited():
+    return {{"ran": True}}
+
+@app.get("/shadow-count")
+async def shadow_count():
+    return {{"count": SHADOW.shadow_count}}
+
 print(f"serving examples/app.py with a {{kind}}", flush=True)
 """
 
@@ -294,6 +306,31 @@ def test_a_stricter_second_dependency_counts_in_its_own_namespace_over_http(
     assert redis_client.zcard("ratelimit:user_free:60") == 4
     (strict_key,) = redis_client.keys("ratelimit:ns:*:user_free:60")
     assert redis_client.zcard(strict_key) == 3
+
+
+def test_shadow_mode_refuses_nothing_and_its_counter_and_log_say_what_it_would_have_over_http(
+        http: httpx.Client, served: UvicornApp, redis_client: redis.Redis) -> None:
+    start = http.get("/shadow-count").json()["count"]  # the served app lives for the module
+    headers = {"Authorization": f"Bearer {KEYS['free']}"}
+    responses = [http.post("/v1/shadow-limited", headers=headers) for _ in range(5)]
+    assert [(r.status_code, r.json()) for r in responses] == [(200, {"ran": True})] * 5
+    assert [r.headers.get("X-RateLimit-Shadow") for r in responses] == [None] * 3 + ["would-refuse"] * 2
+    assert all("Retry-After" not in r.headers for r in responses)
+    assert responses[-1].headers["X-RateLimit-Remaining"] == "0"
+    assert 'r=0;t=' in responses[-1].headers["RateLimit"]  # parsed in test_fastapi_ietf_headers.py
+    assert http.get("/shadow-count").json()["count"] - start == 2
+    (shadow_key,) = redis_client.keys("ratelimit:ns:*:user_free:60")
+    assert redis_client.zcard(shadow_key) == 3  # what it refused was not logged in its window
+    def logged() -> list[str]:
+        return [line for line in served.log().splitlines() if "shadow mode:" in line]
+
+    deadline = time.monotonic() + 10  # the server process writes its log: wait for both lines
+    while len(logged()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lines = logged()
+    assert len(lines) == 2 and all(":user_free';" in line for line in lines), served.log()[-2000:]
+    assert "1 request(s) the budget would have refused were let through" in lines[-1]
+    assert "Limit 3" in lines[-1]
 
 
 def test_invalid_api_key_is_401_and_not_counted(http: httpx.Client, redis_client: redis.Redis) -> None:

@@ -18,7 +18,9 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 SECTIONS = ["## Use", "### Weights, tokens, reserve → reconcile",
             "### Scopes: upstream caps, route and model budgets",
             "### Upstream caps, route and model budgets",
-            "### Error formats, provider headers and retry hints"]
+            "### Error formats, provider headers and retry hints",
+            "### Shadow mode: roll a new budget out without refusing",
+            "### IETF `RateLimit-Policy` and `RateLimit` headers"]
 
 
 def python_blocks(heading: str) -> list[str]:

@@ -1,6 +1,7 @@
-"""check_windows answers a WindowDecision: the contract's 4-tuple (unpacking, indexing,
-equality, slicing) with names, plus the exact wait in ms and the decision's time, on both
-limiters (the `limiter` fixture runs each test once per kind), the kill switch included."""
+"""check_windows_detailed answers a WindowDecision: check_windows' 4-tuple (unpacking,
+indexing, equality, slicing) with names, plus the exact wait in ms and the decision's time, on
+both limiters (the `limiter` fixture runs each test once per kind), the kill switch included.
+check_windows itself keeps answering a plain tuple (the contract)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ WINDOWS = [(2, 60), (100, 86_400)]
 
 def test_an_allowed_decision_is_the_contract_tuple_with_names(limiter: Any, user_id: str,
                                                                redis_client: redis.Redis) -> None:
-    decision = limiter.check_windows(user_id, WINDOWS)
+    decision = limiter.check_windows_detailed(user_id, WINDOWS)
     assert type(decision) is WindowDecision and isinstance(decision, tuple)
     assert decision == (True, 1, 0, 60) and len(decision) == 4
     allowed, remaining, retry_after_s, window_seconds = decision
@@ -32,9 +33,9 @@ def test_an_allowed_decision_is_the_contract_tuple_with_names(limiter: Any, user
 
 def test_a_refusal_carries_the_exact_wait_behind_the_rounded_one(
         limiter: Any, user_id: str, redis_client: redis.Redis) -> None:
-    first = limiter.check_windows(user_id, WINDOWS)
-    limiter.check_windows(user_id, WINDOWS)
-    refused = limiter.check_windows(user_id, WINDOWS)
+    first = limiter.check_windows_detailed(user_id, WINDOWS)
+    limiter.check_windows_detailed(user_id, WINDOWS)
+    refused = limiter.check_windows_detailed(user_id, WINDOWS)
     assert refused[:2] == (False, 0) and refused.window_seconds == 60
     # The oldest entry leaves the minute window 60 s after it was logged.
     assert refused.retry_after_ms == first.timestamp_ms + 60_000 - refused.timestamp_ms
@@ -42,15 +43,28 @@ def test_a_refusal_carries_the_exact_wait_behind_the_rounded_one(
     assert refused.retry_after_s == max(1, -(-refused.retry_after_ms // 1000))
 
 
-def test_check_is_check_windows_first_three(limiter: Any, user_id: str) -> None:
-    assert limiter.check(user_id, 2, 60) == limiter.check_windows(f"{user_id}-b", [(2, 60)])[:3]
+def test_it_is_check_windows_answer_and_check_windows_stays_a_plain_tuple(
+        limiter: Any, user_id: str, redis_client: redis.Redis) -> None:
+    plain = limiter.check_windows(user_id, WINDOWS)
+    detailed = limiter.check_windows_detailed(f"{user_id}-b", WINDOWS)
+    assert type(plain) is tuple and plain == detailed == (True, 1, 0, 60)
+    # The same command: one entry in each window of each user, nothing else.
+    assert sorted(redis_client.keys("*")) == sorted(
+        f"ratelimit:{u}:{w}".encode() for u in (user_id, f"{user_id}-b") for w in (60, 86_400))
+
+
+def test_it_validates_like_check_windows(limiter: Any, user_id: str) -> None:
+    with pytest.raises(ValueError, match="window_seconds 60 appears twice"):
+        limiter.check_windows_detailed(user_id, [(1, 60), (2, 60)])
+    with pytest.raises(TypeError, match="check_windows_detailed"):
+        limiter.check_windows_detailed(user_id)
 
 
 def test_the_kill_switch_answers_a_window_decision_too(
         limiter: Any, user_id: str, monkeypatch: pytest.MonkeyPatch,
         redis_client: redis.Redis) -> None:
     monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
-    decision = limiter.check_windows(user_id, WINDOWS)
+    decision = limiter.check_windows_detailed(user_id, WINDOWS)
     assert type(decision) is WindowDecision
     assert decision == (True, 2, 0, 60) and decision.retry_after_ms == 0
     assert decision.timestamp_ms > 0
@@ -58,7 +72,7 @@ def test_the_kill_switch_answers_a_window_decision_too(
 
 
 def test_a_decision_pickles_and_prints_as_its_tuple(limiter: Any, user_id: str) -> None:
-    decision = limiter.check_windows(user_id, WINDOWS)
+    decision = limiter.check_windows_detailed(user_id, WINDOWS)
     again = pickle.loads(pickle.dumps(decision))
     assert again == decision and again.timestamp_ms == decision.timestamp_ms
     assert repr(decision) == ("genai_ratelimit._native.WindowDecision(allowed=True, remaining=1, "
@@ -66,6 +80,6 @@ def test_a_decision_pickles_and_prints_as_its_tuple(limiter: Any, user_id: str) 
 
 
 def test_the_attributes_are_read_only(limiter: Any, user_id: str) -> None:
-    decision = limiter.check_windows(user_id, WINDOWS)
+    decision = limiter.check_windows_detailed(user_id, WINDOWS)
     with pytest.raises(AttributeError):
         decision.retry_after_ms = 5

@@ -251,3 +251,16 @@ def test_upstream_gives_a_shared_scope() -> None:
     assert Upstream("u", per_minute=3, tokens_per_day=9).scope() == Scope(
         "u", windows=[(3, 60)], token_windows=[(9, 86_400)], shared=True)
     assert Upstream("u", tokens_per_day=9).scope(tokens=False) is None
+
+
+def test_shadow_mode_lets_an_upstream_refusal_through_and_says_so(
+        limiter: Any, client_for: Any, redis_client: redis.Redis, user_id: str) -> None:
+    client = client_for(RateLimit(limiter, upstream=Upstream("openai/gpt-4o", per_minute=1),
+                                  mode="shadow"))
+    assert chat(client, user_id + "-a").status_code == 200
+    through = chat(client, user_id)
+    assert through.status_code == 200
+    assert through.headers["x-ratelimit-shadow"] == "would-refuse"
+    assert through.headers["x-ratelimit-scope"] == "upstream"
+    assert "retry-after" not in through.headers
+    assert redis_client.zcard(UPSTREAM_KEY) == 1  # the refused request was not logged

@@ -27,7 +27,7 @@ from . import _native
 from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
 from ._url import RedisOptions
 from .limiter import Clock, limiter_options
-from .reservation import Plan, Reservation, Scope, reconcile_plan, reserve_plan
+from .reservation import Plan, Reservation, Scope, advance, reconcile_plan, reserve_plan
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -494,24 +494,22 @@ class AsyncRateLimiter:
 
     async def _drive(self, plan: Plan) -> Any:
         """Runs a plan's C calls (reservation.py) on this loop's pipeline."""
-        try:
-            call = next(plan)
-            while True:
-                name, positional, keywords = call
-                try:
-                    if name == "validate":
-                        answer: object = self._codec.reserve(*positional, **keywords)
-                    else:
-                        method = self._codec.reserve if name == "reserve" else self._codec.reconcile
-                        request = method(*positional, **keywords)
-                        answer = (request if type(request) in (tuple, int)
-                                  else await self._run(request))
-                except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
-                    call = plan.throw(exc)
+        call, result = advance(plan)
+        while call is not None:
+            name, positional, keywords = call
+            try:
+                if name == "validate":
+                    answer: object = self._codec.reserve(*positional, **keywords)
                 else:
-                    call = plan.send(answer)
-        except StopIteration as done:
-            return done.value
+                    method = self._codec.reserve if name == "reserve" else self._codec.reconcile
+                    request = method(*positional, **keywords)
+                    answer = (request if type(request) in (tuple, int)
+                              else await self._run(request))
+            except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                call, result = advance(plan, error=exc)
+            else:
+                call, result = advance(plan, answer)
+        return result
 
     async def aclose(self) -> None:
         """Closes every connection; pending checks fail. A second call does nothing."""

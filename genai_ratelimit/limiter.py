@@ -12,7 +12,7 @@ from typing import Any, Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
-from .reservation import Plan, Reservation, Scope, reconcile_plan, reserve_plan
+from .reservation import Plan, Reservation, Scope, advance, reconcile_plan, reserve_plan
 
 __all__ = ["RateLimiter", "limiter_options"]
 
@@ -158,24 +158,20 @@ class RateLimiter(_native.Limiter):
 
     def _drive(self, plan: Plan) -> Any:
         """Runs a plan's C calls (reservation.py), blocking."""
-        try:
-            call = next(plan)
-            while True:
-                name, positional, keywords = call
-                try:
-                    if name == "validate":
-                        answer: object = _native.Codec(self.key_prefix).reserve(*positional,
-                                                                                **keywords)
-                    elif name == "reserve":
-                        answer = self._reserve(*positional, **keywords)
-                    else:
-                        answer = self._reconcile(*positional, **keywords)
-                except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
-                    call = plan.throw(exc)
+        call, result = advance(plan)
+        while call is not None:
+            name, positional, keywords = call
+            try:
+                if name == "validate":
+                    answer: object = _native.Codec(self.key_prefix).reserve(*positional, **keywords)
                 else:
-                    call = plan.send(answer)
-        except StopIteration as done:
-            return done.value
+                    method = self._reserve if name == "reserve" else self._reconcile
+                    answer = method(*positional, **keywords)
+            except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                call, result = advance(plan, error=exc)
+            else:
+                call, result = advance(plan, answer)
+        return result
 
     def __enter__(self) -> RateLimiter:
         return self

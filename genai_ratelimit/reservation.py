@@ -210,6 +210,17 @@ Call = tuple[str, tuple[Any, ...], dict[str, Any]]
 Plan = Generator[Call, Any, Any]
 
 
+def advance(plan: Plan, answer: Any = None,
+            error: BaseException | None = None) -> tuple[Call | None, Any]:
+    """One step of a plan: sends the last call's answer (or throws its error; nothing to
+    start it). Returns (the next call, None), or (None, the plan's result) once it is done."""
+    try:
+        call = plan.throw(error) if error is not None else plan.send(answer)
+    except StopIteration as done:
+        return None, done.value
+    return call, None
+
+
 def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
                  token_windows: Sequence[tuple[int, int]], tokens: int | None,
                  scopes: object, two_step: bool) -> Plan:

@@ -20,7 +20,7 @@ from genai_ratelimit import Scope
 from genai_ratelimit._tiers_config import TierConfigError
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, TokenRateLimit, Upstream
 from helpers_async import LimiterFactory
-from test_fastapi_tokens import FakeAuth, as_user
+from test_fastapi_tokens import FakeAuth, _built_in_tiers, as_user, limiter  # noqa: F401 (fixtures)
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r".*httpx2")
@@ -43,16 +43,6 @@ def build_app(chat: Any, embed: Any | None = None) -> FastAPI:
         return {"ok": "yes"}
 
     return app
-
-
-@pytest.fixture(autouse=True)
-def _built_in_tiers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("GENAI_RATELIMIT_TIERS", raising=False)
-
-
-@pytest.fixture
-def limiter(make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> Any:
-    return make_limiter.native(redis_url)
 
 
 @pytest.fixture

@@ -495,10 +495,11 @@ class _Scopes:
 
     @staticmethod
     def route_of(request: Request) -> str:
-        """The route's path template (/items/{id}), else the request's path."""
-        route = request.scope.get("route")
-        path = getattr(route, "path", None)
-        return path if isinstance(path, str) and path else request.url.path
+        """The route's path template (/items/{id}): never the request's own path, which the
+        client chooses (one budget, and one key, per path it invents). "*" when FastAPI
+        matched no route (a dependency always runs on one)."""
+        path = getattr(request.scope.get("route"), "path", None)
+        return path if isinstance(path, str) and path else "*"
 
     async def of(self, request: Request) -> tuple[BudgetScope, ...]:
         found: list[BudgetScope | None] = []
@@ -580,6 +581,17 @@ class RateLimit:
                    the secret of the IETF fields' partition keys (pk), an HMAC of the
                    identity: None reads $GENAI_RATELIMIT_PARTITION_KEY_SECRET, else a random
                    secret of this process (keys then differ between workers).
+    upstream       an Upstream (a provider's caps, shared by every user), a list of them (each
+                   for the request `model`s it lists, or every request), or a callable
+                   upstream(request) -> Upstream | None (sync or async).
+    route_limits   {"per_minute": 2, "per_day": 50}: each user's own budget on the routes of
+                   this instance, beside the tier's (keys: scope=route:<path template>).
+    model_limits   {"gpt-4o": {"per_minute": 20}}: each user's budget per request `model` (read
+                   from the JSON body). TokenRateLimit also takes tokens_per_minute/_day keys.
+                   With any of the three (or the tiers file's [models]/[upstreams]) the
+                   decision is one `reserve` over the tier's windows and the request's scopes,
+                   and the dependency is an async def; see README "Upstream caps, route and
+                   model budgets" for the 429s (X-RateLimit-Scope).
 
     The decision is one `check_windows` call; the WindowDecision it answers carries the
     exact wait (retry_after_ms) that retry-after-ms reports.

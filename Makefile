@@ -70,7 +70,8 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench bench-weighted bench-scopes dist wheel test-wheel clean
+        install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes dist wheel test-wheel \
+        clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -83,6 +84,7 @@ help:
 	@echo "make serve          keep the example app running for your own curl"
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
+	@echo "make bench-leases   acquire + release (in-flight leases) vs the plain check, sync and async"
 	@echo "make bench-scopes   reserve with an upstream scope (one script, two steps) vs check_windows"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
@@ -150,7 +152,7 @@ install-debug: deps $(DEBUG_VENV)/.created
 ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
-             test_fastapi_shadow.py test_fastapi_ietf_headers.py
+             test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -204,6 +206,7 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py t
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
                  test_wheel_install.py test_c_source_lint.py \
+                 test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
                  test_fastapi_shadow.py test_fastapi_ietf_headers.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
@@ -248,6 +251,11 @@ bench-weighted: install
 bench-scopes: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/scopes.py
+
+# In-flight leases: acquire + release vs the plain check, sync and async (one run).
+bench-leases: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/leases.py
 
 dist: wheel
 

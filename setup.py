@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = {
     "RL_SCRIPT": HERE / "lua" / "sliding_window.lua",
     "RL_RECONCILE": HERE / "lua" / "reconcile.lua",
+    "RL_LEASE": HERE / "lua" / "lease.lua",
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 

@@ -253,20 +253,21 @@ has_token_windows(const rl_windows *w)
 }
 
 static int
-parse_member(PyObject *value, char out[RL_MEMBER_LEN + 1])
+parse_member(PyObject *value, const char *what, char out[RL_MEMBER_LEN + 1])
 {
     Py_ssize_t len;
     const char *text;
     if (!PyUnicode_Check(value)) {
-        PyErr_Format(PyExc_TypeError, "member must be a str, not %.100s", Py_TYPE(value)->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s must be a str, not %.100s",
+                     what[0] == 'l' ? "lease_id" : "member", Py_TYPE(value)->tp_name);
         return -1;
     }
     text = PyUnicode_AsUTF8AndSize(value, &len);
     if (text == NULL)
         return -1;
     if (len != RL_MEMBER_LEN) {
-        PyErr_Format(PyExc_ValueError, "member must be a reservation's 36-character UUID, got %R",
-                     value);
+        PyErr_Format(PyExc_ValueError, "%s must be a %s 36-character UUID, got %R",
+                     what[0] == 'l' ? "lease_id" : "member", what, value);
         return -1;
     }
     memcpy(out, text, RL_MEMBER_LEN + 1);
@@ -300,17 +301,46 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                                                 "token_windows", "tokens",  "scopes"};
     static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
                                                   "cost",    "tokens",  "scopes"};
+    static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
+    static const char *const release_names[] = {"user_id", "lease_id"};
+    static const char *const renew_names[] = {"user_id", "lease_id", "lease_seconds"};
     PyObject *v[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
+    long long seconds = 0;
 
     d->shape = shape;
-    d->script = shape == RL_SHAPE_RECONCILE ? RL_SCRIPT_RECONCILE : RL_SCRIPT_WINDOW;
+    d->script = shape == RL_SHAPE_RECONCILE ? RL_SCRIPT_RECONCILE
+                : shape >= RL_SHAPE_ACQUIRE ? RL_SCRIPT_LEASE
+                                            : RL_SCRIPT_WINDOW;
     d->windows.count = 0;
     d->nscopes = 0;
     d->member[0] = '\0';
     d->score_ms = 0;
     d->new_cost = 0;
+    d->lease_limit = 0;
+    d->lease_ms = 0;
     switch (shape) {
+    case RL_SHAPE_ACQUIRE:
+        if (rl_parse_args("acquire", args, nargs, kwnames, acquire_names, 3, 3, 3, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL ||
+            positive_int(v[1], "limit", RL_MAX_LIMIT, &d->lease_limit) < 0 ||
+            positive_int(v[2], "lease_seconds", RL_MAX_WINDOW_SECONDS, &seconds) < 0)
+            return -1;
+        d->lease_ms = seconds * 1000;
+        break;
+    case RL_SHAPE_RELEASE:
+        if (rl_parse_args("release", args, nargs, kwnames, release_names, 2, 2, 2, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || parse_member(v[1], "lease's", d->member) < 0)
+            return -1;
+        break;
+    case RL_SHAPE_RENEW:
+        if (rl_parse_args("renew", args, nargs, kwnames, renew_names, 3, 3, 3, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL ||
+            parse_member(v[1], "lease's", d->member) < 0 ||
+            positive_int(v[2], "lease_seconds", RL_MAX_WINDOW_SECONDS, &seconds) < 0)
+            return -1;
+        d->lease_ms = seconds * 1000;
+        break;
     case RL_SHAPE_CHECK:
         if (rl_parse_args("check", args, nargs, kwnames, check_names, 4, 3, 3, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
@@ -353,7 +383,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         int tokens = v[5] != NULL ? PyObject_IsTrue(v[5]) : 0;
         if (tokens < 0 || add_windows(&d->windows, v[1], "windows", tokens, v[6] != NULL, 0) < 0 ||
             (v[6] != NULL && add_scopes(d, v[6], tokens) < 0) ||
-            parse_member(v[2], d->member) < 0 ||
+            parse_member(v[2], "reservation's", d->member) < 0 ||
             positive_int(v[3], "timestamp_ms", RL_MAX_LIMIT, &d->score_ms) < 0 ||
             non_negative_int(v[4], "cost", RL_MAX_LIMIT, &d->new_cost) < 0)
             return -1;
@@ -464,7 +494,21 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
     user = rl_user_id_utf8(user_id, &user_len);
     if (user == NULL)
         return -1;
-    if (kill_switch_on()) {
+    int disabled = kill_switch_on();
+    if (disabled && out->script == RL_SCRIPT_LEASE) {
+        /* Every lease is granted and nothing is held: an acquired lease has no id (its
+           release sends nothing), a release finds nothing, a renew succeeds. */
+        memset(&out->result, 0, sizeof(out->result));
+        out->disabled = 1;
+        out->result.allowed = out->shape != RL_SHAPE_RELEASE;
+        out->result.now_ms = rl_clock_ms();
+        if (out->shape != RL_SHAPE_RELEASE)
+            out->result.expires_ms = out->result.now_ms + out->lease_ms;
+        if (out->shape == RL_SHAPE_ACQUIRE)
+            out->member[0] = '\0';
+        return warn_kill_switch(state);
+    }
+    if (disabled) {
         /* The tightest window is the one with the smallest limit (ties: the shorter). Nothing
            is logged, so a reservation has no member and its reconcile sends nothing. */
         rl_result *r = &out->result;
@@ -485,10 +529,12 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         r->now_ms = rl_clock_ms();
         r->evaluated = out->windows.count;
         r->found = 0;
+        r->expires_ms = 0;
         forget_scope_names(out);
         return warn_kill_switch(state);
     }
-    if (out->script == RL_SCRIPT_WINDOW && rl_member_uuid4(state->random, out->member) < 0) {
+    if ((out->script == RL_SCRIPT_WINDOW || out->shape == RL_SHAPE_ACQUIRE) &&
+        rl_member_uuid4(state->random, out->member) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
@@ -596,6 +642,14 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     Py_ssize_t size;
     if (d->shape == RL_SHAPE_RECONCILE)
         return PyLong_FromLongLong(r->found);
+    if (d->shape == RL_SHAPE_RELEASE)
+        return PyBool_FromLong(r->allowed);
+    if (d->shape == RL_SHAPE_RENEW)
+        return Py_BuildValue("(NL)", PyBool_FromLong(r->allowed), r->expires_ms);
+    if (d->shape == RL_SHAPE_ACQUIRE)
+        return Py_BuildValue("(NLLLsLL)", PyBool_FromLong(r->allowed), r->remaining,
+                             r->retry_after_s, r->retry_after_ms, r->allowed ? d->member : "",
+                             r->expires_ms, r->now_ms);
     if (d->shape == RL_SHAPE_DETAILED)
         return window_decision(state, w, r);
     size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 10;

@@ -155,6 +155,9 @@ CODEC_METHOD(check_windows, RL_SHAPE_WINDOWS)
 CODEC_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 CODEC_METHOD(reserve, RL_SHAPE_RESERVE)
 CODEC_METHOD(reconcile, RL_SHAPE_RECONCILE)
+CODEC_METHOD(acquire, RL_SHAPE_ACQUIRE)
+CODEC_METHOD(release, RL_SHAPE_RELEASE)
+CODEC_METHOD(renew, RL_SHAPE_RENEW)
 
 static PyMethodDef Codec_methods[] = {
     {"check", (PyCFunction)(void (*)(void))Codec_check, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
@@ -178,6 +181,17 @@ static PyMethodDef Codec_methods[] = {
      "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
      "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final answer 0."},
+    {"acquire", (PyCFunction)(void (*)(void))Codec_acquire,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._acquire's shape)."},
+    {"release", (PyCFunction)(void (*)(void))Codec_release,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "release($self, /, user_id, lease_id)\n--\n\n"
+     "A Request, or the kill switch's final answer False."},
+    {"renew", (PyCFunction)(void (*)(void))Codec_renew, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "renew($self, /, user_id, lease_id, lease_seconds)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._renew's shape)."},
     {NULL, NULL, 0, NULL},
 };
 

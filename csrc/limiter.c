@@ -309,6 +309,29 @@ PyDoc_STRVAR(Limiter_reconcile_doc,
 
 LIMITER_METHOD(reconcile, RL_SHAPE_RECONCILE)
 
+PyDoc_STRVAR(Limiter_acquire_doc,
+"_acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
+"-> (allowed, held, retry_after_s, retry_after_ms, lease_id, expires_at_ms, now_ms)\n\n"
+"Takes one of `limit` concurrent slots of user_id for lease_seconds (lua/lease.lua).\n"
+"RateLimiter.acquire wraps it in a Lease.");
+
+LIMITER_METHOD(acquire, RL_SHAPE_ACQUIRE)
+
+PyDoc_STRVAR(Limiter_release_doc,
+"_release($self, /, user_id, lease_id)\n--\n\n"
+"-> whether the lease was still held\n\n"
+"Gives a lease's slot back (idempotent). RateLimiter.release calls it with a Lease.");
+
+LIMITER_METHOD(release, RL_SHAPE_RELEASE)
+
+PyDoc_STRVAR(Limiter_renew_doc,
+"_renew($self, /, user_id, lease_id, lease_seconds)\n--\n\n"
+"-> (renewed, expires_at_ms)\n\n"
+"Extends a lease that is still held to lease_seconds from now; an expired or released\n"
+"lease is not renewed. RateLimiter.renew calls it with a Lease.");
+
+LIMITER_METHOD(renew, RL_SHAPE_RENEW)
+
 PyDoc_STRVAR(Limiter_close_doc,
 "close($self, /)\n--\n\nCloses every idle connection; connections in use close when their call ends.\n"
 "Later checks raise RateLimiterError. Closing twice is harmless.");
@@ -376,6 +399,12 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reserve_doc},
     {"_reconcile", (PyCFunction)(void (*)(void))Limiter_reconcile,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reconcile_doc},
+    {"_acquire", (PyCFunction)(void (*)(void))Limiter_acquire,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_acquire_doc},
+    {"_release", (PyCFunction)(void (*)(void))Limiter_release,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_release_doc},
+    {"_renew", (PyCFunction)(void (*)(void))Limiter_renew,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_renew_doc},
     {"close", (PyCFunction)Limiter_close, METH_NOARGS, Limiter_close_doc},
     {NULL, NULL, 0, NULL},
 };

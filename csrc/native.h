@@ -94,6 +94,7 @@ typedef struct {
     int evaluated; /* windows the script reached: all on allow, up to `window` on reject */
     long long remaining_of[RL_MAX_WINDOWS]; /* per window, the first `evaluated` */
     long long found;                        /* reconcile: the windows whose entry was found */
+    long long expires_ms; /* leases: the lease's expiry (unix ms), 0 when none was granted */
 } rl_result;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */
@@ -103,12 +104,17 @@ typedef enum {
     RL_SHAPE_DETAILED,  /* check_windows_detailed(): a WindowDecision */
     RL_SHAPE_RESERVE,   /* reserve(): the same, the member, the time, every window's remaining */
     RL_SHAPE_RECONCILE, /* reconcile(): the number of windows whose entry was found */
+    RL_SHAPE_ACQUIRE,   /* acquire(): (allowed, held, retry_after_s, retry_after_ms, lease id,
+                           expires_at_ms, now_ms) */
+    RL_SHAPE_RELEASE,   /* release(): whether the lease was still held */
+    RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. */
 typedef enum {
     RL_SCRIPT_WINDOW,    /* lua/sliding_window.lua: check, check_windows, reserve */
     RL_SCRIPT_RECONCILE, /* lua/reconcile.lua */
+    RL_SCRIPT_LEASE,     /* lua/lease.lua: acquire, release, renew */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -122,6 +128,8 @@ typedef struct {
     char member[RL_MEMBER_LEN + 1]; /* the entry: made here, or reconcile's argument */
     long long score_ms;             /* reconcile: the entry's time */
     long long new_cost;             /* reconcile: the entry's cost from now on (>= 0) */
+    long long lease_limit;          /* acquire: the most concurrent holders */
+    long long lease_ms;             /* acquire, renew: the lease's length */
     int disabled;                   /* the kill switch answered: result is final, no I/O */
     rl_result result;               /* the kill switch's answer when disabled */
     char *command;                  /* formatted EVALSHA (redisFreeCommand), NULL when disabled */

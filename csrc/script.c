@@ -30,6 +30,8 @@ static const struct {
     [RL_SCRIPT_RECONCILE] = {RL_RECONCILE_SHA1, rl_reconcile_source,
                              sizeof(rl_reconcile_source) - 1, rl_reconcile_load_command,
                              sizeof(rl_reconcile_load_command) - 1},
+    [RL_SCRIPT_LEASE] = {RL_LEASE_SHA1, rl_lease_source, sizeof(rl_lease_source) - 1,
+                         rl_lease_load_command, sizeof(rl_lease_load_command) - 1},
 };
 
 const char *
@@ -68,6 +70,20 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 #define RL_KEY_SUFFIXES 12 /* ":tokens" + ":w" */
 #define RL_SCOPE_SUFFIX 8  /* ":scope=" or ":shared" (the name is counted apart) */
 
+/* Writes "{prefix}:{user_id}" at cursor and returns the end: the one place that shapes the
+   user's part of every key (the callers append ":{window_seconds}", ":leases", ...). A
+   shared scope's name takes the user's place in its keys (window_key), through here too. */
+static char *
+write_user_key(char *cursor, const char *prefix, size_t prefix_len, const char *user,
+               size_t user_len)
+{
+    memcpy(cursor, prefix, prefix_len);
+    cursor += prefix_len;
+    *cursor++ = ':';
+    memcpy(cursor, user, user_len);
+    return cursor + user_len;
+}
+
 /* Writes the key of window i of d into out (room: see rl_script_format) and returns its
    length. The one place that names a window's sorted set:
 
@@ -97,11 +113,7 @@ window_key(char *out, const char *prefix, size_t prefix_len, const char *user, s
         owner = scope->name;
         owner_len = scope->name_len;
     }
-    memcpy(cursor, prefix, prefix_len);
-    cursor += prefix_len;
-    *cursor++ = ':';
-    memcpy(cursor, owner, owner_len);
-    cursor += owner_len;
+    cursor = write_user_key(cursor, prefix, prefix_len, owner, owner_len);
     cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
     if (w->tokens[i]) {
         memcpy(cursor, ":tokens", 7);
@@ -125,6 +137,57 @@ window_key(char *out, const char *prefix, size_t prefix_len, const char *user, s
         }
     }
     return (size_t)(cursor - out);
+}
+
+static const char *const lease_ops[] = {
+    [RL_SHAPE_ACQUIRE] = "acquire", [RL_SHAPE_RELEASE] = "release", [RL_SHAPE_RENEW] = "renew"};
+
+/* Formats "EVALSHA sha 1 {prefix}:{user_id}:leases op id now limit lease_ms" (see the
+   header of lua/lease.lua). Returns the length and sets *out, or -1 (out of memory). */
+static long long
+format_lease(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+             const rl_prepared *d, long long now_ms, char **out)
+{
+    char stack_key[RL_STACK_ARENA], *key = stack_key, *end;
+    char now_text[RL_NUMBER_TEXT], limit_text[RL_NUMBER_TEXT], ms_text[RL_NUMBER_TEXT];
+    size_t need = prefix_len + 1 + user_len + 8;
+    const char *argv[9];
+    size_t argvlen[9];
+    long long len;
+
+    *out = NULL;
+    if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
+        return -1;
+    /* Last field "leases": never a window's (a number), "tokens" or "w". */
+    end = write_user_key(key, prefix, prefix_len, user, user_len);
+    memcpy(end, ":leases", 7);
+    end += 7;
+    argv[0] = "EVALSHA";
+    argvlen[0] = 7;
+    argv[1] = rl_script_sha1(RL_SCRIPT_LEASE);
+    argvlen[1] = strlen(argv[1]);
+    argv[2] = "1";
+    argvlen[2] = 1;
+    argv[3] = key;
+    argvlen[3] = (size_t)(end - key);
+    argv[4] = lease_ops[d->shape];
+    argvlen[4] = strlen(argv[4]);
+    argv[5] = d->member;
+    argvlen[5] = strlen(d->member);
+    argvlen[6] = now_ms >= 0 ? (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms) : 0;
+    argv[6] = now_ms >= 0 ? now_text : "";
+    argvlen[7] = (size_t)snprintf(limit_text, sizeof(limit_text), "%lld", d->lease_limit);
+    argv[7] = limit_text;
+    argvlen[8] = (size_t)snprintf(ms_text, sizeof(ms_text), "%lld", d->lease_ms);
+    argv[8] = ms_text;
+    len = redisFormatCommandArgv(out, 9, argv, argvlen);
+    if (key != stack_key)
+        free(key);
+    if (len < 0 || *out == NULL) {
+        *out = NULL;
+        return -1;
+    }
+    return len;
 }
 
 /* Formats "EVALSHA sha 2n key... weights... ARGV..." with hiredis (see the KEYS/ARGV
@@ -156,6 +219,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     int argc = 0;
     long long len;
 
+    if (d->script == RL_SCRIPT_LEASE)
+        return format_lease(prefix, prefix_len, user, user_len, d, now_ms, out);
     *out = NULL;
     if (need > sizeof(stack_arena)) {
         arena = malloc(need);
@@ -320,6 +385,42 @@ decode_reconcile(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     return RL_OK;
 }
 
+/* lua/lease.lua: {ok, held, retry_ms, expires_ms, now_ms}, checked against the request. */
+static rl_status
+decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    long long v[5];
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 5)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the lease script: %s%s, expected an array of 5 "
+                            "integers",
+                            rl_reply_type_name(reply->type),
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
+    for (size_t i = 0; i < 5; i++) {
+        if (integer_at(reply, i, &v[i], err) != RL_OK)
+            return err->kind;
+    }
+    long long ok = v[0], held = v[1], retry_ms = v[2], expires = v[3], now = v[4];
+    int granted = ok == 1 && d->shape != RL_SHAPE_RELEASE;
+    if ((ok != 0 && ok != 1) || held < 0 || now < 0 || (granted && expires <= now) ||
+        (!granted && expires != 0) ||
+        (d->shape == RL_SHAPE_ACQUIRE && ok == 1 && (held < 1 || retry_ms != 0)) ||
+        (d->shape == RL_SHAPE_ACQUIRE && ok == 0 && (held < d->lease_limit || retry_ms < 1)) ||
+        (d->shape != RL_SHAPE_ACQUIRE && retry_ms != 0))
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "the lease script answered values out of range "
+                            "(%lld, %lld, %lld, %lld, %lld)",
+                            ok, held, retry_ms, expires, now);
+    memset(out, 0, sizeof(*out));
+    out->allowed = (int)ok;
+    out->remaining = held;
+    out->retry_after_ms = retry_ms;
+    out->retry_after_s = (retry_ms + 999) / 1000;
+    out->expires_ms = expires;
+    out->now_ms = now;
+    return RL_OK;
+}
+
 rl_status
 rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
@@ -345,6 +446,8 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     }
     if (d->script == RL_SCRIPT_RECONCILE)
         return decode_reconcile(reply, d, out, err);
+    if (d->script == RL_SCRIPT_LEASE)
+        return decode_lease(reply, d, out, err);
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 7)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the rate-limit script: %s%s, expected an array "
@@ -394,6 +497,7 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     out->now_ms = now;
     out->evaluated = (int)evaluated;
     out->found = 0;
+    out->expires_ms = 0;
     return RL_OK;
 }
 

@@ -16,6 +16,7 @@ from ._native import (
 )
 from ._version import __version__
 from .aio import AsyncRateLimiter
+from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
 from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
@@ -31,6 +32,8 @@ __all__ = [
     "Reservation",
     "WindowState",
     "Scope",
+    "Lease",
+    "AsyncLease",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

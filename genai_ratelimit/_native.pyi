@@ -10,6 +10,8 @@ SCRIPT_SHA1: str
 SCRIPT_SOURCE: str
 RECONCILE_SHA1: str
 RECONCILE_SOURCE: str
+LEASE_SHA1: str
+LEASE_SOURCE: str
 HIREDIS_VERSION: str  # "major.minor.patch" of the hiredis headers compiled against
 MAX_WINDOWS: int
 MAX_LIMIT: int
@@ -102,6 +104,12 @@ class Limiter:
         tokens: bool = False,
         scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> int: ...
+    def _acquire(
+        self, user_id: str, limit: int, lease_seconds: int
+    ) -> tuple[bool, int, int, int, str, int, int]: ...  # (allowed, held, retry_after_s,
+    # retry_after_ms, lease_id, expires_at_ms, now_ms)
+    def _release(self, user_id: str, lease_id: str) -> bool: ...
+    def _renew(self, user_id: str, lease_id: str, lease_seconds: int) -> tuple[bool, int]: ...
     def close(self) -> None: ...
     @property
     def key_prefix(self) -> str: ...
@@ -152,6 +160,13 @@ class Codec:
         tokens: bool = False,
         scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> Request | int: ...
+    def acquire(
+        self, user_id: str, limit: int, lease_seconds: int
+    ) -> Request | tuple[bool, int, int, int, str, int, int]: ...
+    def release(self, user_id: str, lease_id: str) -> Request | bool: ...
+    def renew(
+        self, user_id: str, lease_id: str, lease_seconds: int
+    ) -> Request | tuple[bool, int]: ...
 
 @final
 class Pipeline:

@@ -25,6 +25,14 @@ tokens_per_day not below tokens_per_minute:
 A tier without them takes TIER_TOKEN_LIMITS' budget of the same name, else the token budget
 of the file's `free` tier (when it has one), else TIER_TOKEN_LIMITS' free budget.
 
+A tier may also cap its concurrent requests (RateLimit's in-flight leases), an integer >= 1;
+a tier without it has no concurrency limit:
+
+    [free]
+    per_minute = 5
+    per_day = 100
+    max_in_flight = 3
+
 Two more tables are sections, not tiers (so no tier can be named `models` or `upstreams`):
 per-model budgets of each user, beside the tier's, and the caps of upstream providers, shared
 by all users; each takes any of per_minute, per_day, tokens_per_minute, tokens_per_day (at
@@ -69,6 +77,9 @@ __all__ = [
     "validate_scope_budget",
     "scope_sections_of",
     "scope_sections_from_env",
+    "MAX_IN_FLIGHT_KEY",
+    "max_in_flight_of_tiers",
+    "tier_max_in_flight_from_env",
 ]
 
 TIERS_FILE_ENV = "GENAI_RATELIMIT_TIERS"
@@ -78,6 +89,8 @@ TIER_BUDGET_KEYS: dict[str, int] = {"per_minute": 60, "per_day": 86_400}
 # The optional token budget keys of a tiers file -> the key of a token budget table
 # (TIER_TOKEN_LIMITS' shape), in the order of TIER_BUDGET_KEYS.
 TIER_TOKEN_KEYS: dict[str, str] = {"tokens_per_minute": "per_minute", "tokens_per_day": "per_day"}
+# The optional cap on a tier's concurrent requests (in-flight leases).
+MAX_IN_FLIGHT_KEY = "max_in_flight"
 
 
 # The tables of a tiers file that are sections, not tiers.
@@ -104,7 +117,8 @@ def _budget(source: str, tier: str, key: str, value: object) -> int:
 def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, dict[str, int]]:
     """The strict check shared by request and token budgets: a mapping of non-empty tier names
     to tables of exactly {"per_minute": int >= 1, "per_day": int >= 1} (plus, when
-    `token_keys`, optionally both of "tokens_per_minute", "tokens_per_day"), each day budget
+    `token_keys`, optionally both of "tokens_per_minute", "tokens_per_day", and
+    "max_in_flight": int >= 1), each day budget
     not below its minute budget, with a `free` tier. Returns fresh dicts."""
     if not isinstance(data, Mapping):
         raise TierConfigError(f"{source}: expected a table of tiers "
@@ -112,7 +126,8 @@ def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, di
                               f"got {type(data).__name__}")
     if not data:
         raise TierConfigError(f"{source}: no tiers defined")
-    allowed = {**TIER_BUDGET_KEYS, **(TIER_TOKEN_KEYS if token_keys else {})}
+    allowed = {**TIER_BUDGET_KEYS,
+               **({**TIER_TOKEN_KEYS, MAX_IN_FLIGHT_KEY: 0} if token_keys else {})}
     tiers: dict[str, dict[str, int]] = {}
     for tier, budget in data.items():
         if tier in SCOPE_SECTIONS:
@@ -241,6 +256,14 @@ def scope_sections_from_env(environ: Mapping[str, str] | None = None) -> ScopeSe
     return scope_sections_of(data, where)
 
 
+def max_in_flight_of_tiers(data: object, source: str = "tier_limits") -> dict[str, int]:
+    """The concurrency caps a tiers table carries: {tier: max_in_flight} for each tier that
+    gives one (possibly none). Checks `data` as validate_tier_limits does."""
+    tiers = _tier_tables(data, source, token_keys=True)
+    return {tier: budget[MAX_IN_FLIGHT_KEY] for tier, budget in tiers.items()
+            if MAX_IN_FLIGHT_KEY in budget}
+
+
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
@@ -321,3 +344,15 @@ def tier_token_limits_from_env(environ: Mapping[str, str] | None = None) -> dict
     fallback = given.get(DEFAULT_TIER) or TIER_TOKEN_LIMITS[DEFAULT_TIER]
     return {tier: dict(given.get(tier) or TIER_TOKEN_LIMITS.get(tier) or fallback)
             for tier in validate_tier_limits(data, where)}
+
+
+def tier_max_in_flight_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int] | None:
+    """The max_in_flight caps of the file named by GENAI_RATELIMIT_TIERS ({} when it gives
+    none), or None when the variable is unset or empty. Raises TierConfigError as
+    tier_limits_from_env does."""
+    env = os.environ if environ is None else environ
+    value = env.get(TIERS_FILE_ENV, "").strip()
+    if not value:
+        return None
+    data, where = load_tier_config(value, source=f"{TIERS_FILE_ENV}={value}")
+    return max_in_flight_of_tiers(data, where)

@@ -26,6 +26,7 @@ from typing import Any
 from . import _native
 from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
 from ._url import RedisOptions
+from .lease import DEFAULT_LEASE_SECONDS, AsyncLease, Lease, lease_arguments, make_lease
 from .limiter import Clock, limiter_options
 from .reservation import Plan, Reservation, Scope, advance, reconcile_plan, reserve_plan
 
@@ -510,6 +511,38 @@ class AsyncRateLimiter:
             else:
                 call, result = advance(plan, answer)
         return result
+
+    async def acquire(self, user_id: str, limit: int,
+                      lease_seconds: int = DEFAULT_LEASE_SECONDS) -> AsyncLease:
+        """RateLimiter.acquire, awaited: an AsyncLease (`async with` releases it)."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.acquire(user_id, limit, lease_seconds)
+        raw = request if type(request) is tuple else await self._run(request)
+        return make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self)  # type: ignore[return-value]
+
+    async def release(self, lease: Lease) -> bool:
+        """RateLimiter.release, awaited."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        arguments = lease_arguments(lease)
+        if arguments is None:
+            return False
+        request = self._codec.release(*arguments[:2])
+        if type(request) is bool:
+            return request
+        return await self._run(request)  # type: ignore[no-any-return]
+
+    async def renew(self, lease: Lease, lease_seconds: int | None = None) -> bool:
+        """RateLimiter.renew, awaited."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        arguments = lease_arguments(lease, lease_seconds)
+        if arguments is None:
+            return lease.allowed
+        request = self._codec.renew(*arguments)
+        raw = request if type(request) is tuple else await self._run(request)
+        return bool(raw[0])
 
     async def aclose(self) -> None:
         """Closes every connection; pending checks fail. A second call does nothing."""

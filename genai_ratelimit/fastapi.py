@@ -76,6 +76,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 try:
+    import anyio
     from fastapi import HTTPException, Request, Response
     from starlette.concurrency import run_in_threadpool
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -101,8 +102,10 @@ from ._tiers_config import (
     SCOPE_BUDGET_KEYS,
     TIER_BUDGET_KEYS,
     TierConfigError,
+    max_in_flight_of_tiers,
     scope_sections_from_env,
     tier_limits_from_env,
+    tier_max_in_flight_from_env,
     tier_token_limits_from_env,
     validate_scope_budget,
     validate_tier_limits,
@@ -110,6 +113,7 @@ from ._tiers_config import (
 )
 from ._usage import UsageScanner, estimate_openai_tokens, requested_model
 from .aio import AsyncRateLimiter
+from .lease import DEFAULT_LEASE_SECONDS, Lease
 from .limiter import RateLimiter
 from .reservation import Reservation, Resource, WindowState
 from .reservation import Scope as BudgetScope
@@ -122,6 +126,7 @@ __all__ = [
     "TokenRateLimit",
     "Upstream",
     "record_usage",
+    "in_flight_lease",
     "estimate_openai_tokens",
     "rate_limit",
     "Identify",
@@ -293,6 +298,46 @@ class _TokenLedger:
         return found
 
 
+# The in-flight leases of this request (RateLimit's max_in_flight).
+_LEASES_KEY = "genai_ratelimit.leases"
+
+
+class _LeaseLedger:
+    """The in-flight leases of one request, kept in the ASGI scope by the middleware, which
+    releases them once the response is over: before its last body message is passed on
+    (so a client that has read the whole response finds its slot free again), or when the
+    app returns or raises without one (the client disconnected, the route failed, the task
+    was cancelled). Each lease is released once; a worker killed before that leaves its
+    leases to expire after lease_seconds."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        # (key of the limiter's key space and identity, limiter, is async, lease)
+        self.entries: list[tuple[tuple[object, ...], Any, bool, Lease]] = []
+
+    def holds(self, key: tuple[object, ...]) -> bool:
+        return any(entry[0] == key for entry in self.entries)
+
+    async def release_all(self) -> None:
+        """Releases every lease, shielded from cancellation (a cancelled request must still
+        give its slots back). A limiter that cannot answer is logged, not raised: that lease
+        then expires on its own."""
+        entries, self.entries = self.entries, []
+        if not entries:
+            return
+        with anyio.CancelScope(shield=True):
+            for _, limiter, is_async, lease in entries:
+                try:
+                    if is_async:
+                        await limiter.release(lease)
+                    else:
+                        await run_in_threadpool(limiter.release, lease)
+                except RateLimiterError as exc:
+                    logger.warning("could not release the in-flight lease of %r (it expires on its "
+                                   "own within %d s): %s", lease.user_id, lease.lease_seconds, exc)
+
+
 class RateLimitHeadersMiddleware:
     """Pure ASGI middleware: adds the X-RateLimit-* headers of an allowed request to whatever
     response the route produced (StreamingResponse and JSONResponse included). A header the
@@ -310,6 +355,11 @@ class RateLimitHeadersMiddleware:
     budget. Unless the route already called
     record_usage: each request is reconciled at most once. No usage found: the reservation
     stays as it was (never a silent refund).
+
+    It also releases the in-flight leases of RateLimit's max_in_flight: once the response's
+    last body message is due (before it is passed on), or when the app ends without one (a
+    client that disconnected mid-stream, an exception, a cancelled task). max_in_flight
+    needs this middleware.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -323,6 +373,8 @@ class RateLimitHeadersMiddleware:
         scope[_SCOPE_KEY] = decision
         ledger = _TokenLedger(middleware=True)
         scope[_TOKENS_KEY] = ledger
+        leases = _LeaseLedger()
+        scope[_LEASES_KEY] = leases
         scanner: UsageScanner | None = None
         replaced_body = False  # a TokenRateLimit 429 whose body this middleware wrote
 
@@ -343,6 +395,7 @@ class RateLimitHeadersMiddleware:
                     headers += [(b"content-length", str(len(body)).encode()),
                                 (b"content-type", b"application/json")]
                     await send({**message, "headers": headers})
+                    await leases.release_all()
                     await send({"type": "http.response.body", "body": body, "more_body": False})
                     replaced_body = True
                     return
@@ -362,9 +415,15 @@ class RateLimitHeadersMiddleware:
                         if total is not None and not ledger.reported:
                             ledger.reported = True
                             await ledger.reconcile(total)
+                if not message.get("more_body", False):
+                    await leases.release_all()  # the response is complete: its slots are free
             await send(message)
 
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            # No last body message went out (disconnected, failed, cancelled): release now.
+            await leases.release_all()
 
 
 _warned_no_middleware = False
@@ -592,6 +651,23 @@ class RateLimit:
                    decision is one `reserve` over the tier's windows and the request's scopes,
                    and the dependency is an async def; see README "Upstream caps, route and
                    model budgets" for the 429s (X-RateLimit-Scope).
+    max_in_flight  {tier: n}: at most n requests of one identity in flight at once, for the
+                   tiers whose budget (tier_limits, or the tiers file) gives no
+                   "max_in_flight" of its own; a tier with neither has no concurrency limit
+                   (and costs no extra round trip). Needs RateLimitHeadersMiddleware.
+    lease_seconds  how long an in-flight slot stays taken when its release never comes (a
+                   worker killed mid-request): default 300 (DEFAULT_LEASE_SECONDS). A request
+                   that may run longer renews its lease: in_flight_lease(request).renew()
+                   (awaited with an AsyncRateLimiter).
+
+    In-flight slots (max_in_flight): before the windows are decided, the request takes one
+    of its identity's slots (`acquire`, one script execution); the middleware gives it back
+    when the response's last byte is due, or when the client disconnected or the route
+    failed. Refused: 429 with X-RateLimit-Window: concurrent, X-RateLimit-Limit: the cap,
+    and Retry-After: the time until the soonest slot's lease expires, an upper bound (a
+    request that finishes frees its slot sooner). A request refused for concurrency is
+    not counted in the windows. It is enforced in shadow mode too (mode="shadow" lets
+    window refusals through, not requests beyond max_in_flight).
 
     The decision is one `check_windows` call; the WindowDecision it answers carries the
     exact wait (retry_after_ms) that retry-after-ms reports.
@@ -633,6 +709,8 @@ class RateLimit:
         shadow_log_interval: float = 60.0,
         headers: HeaderMode = "contract",
         partition_key_secret: str | bytes | None = None,
+        max_in_flight: Mapping[str, int] | None = None,
+        lease_seconds: int = DEFAULT_LEASE_SECONDS,
         upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
         route_limits: Mapping[str, int] | None = None,
         model_limits: Mapping[str, Mapping[str, int]] | None = None,
@@ -684,12 +762,37 @@ class RateLimit:
             raise TypeError(
                 f"limiter must be a RateLimiter or AsyncRateLimiter, not {type(limiter).__name__}")
         from_file = tier_limits is None
+        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int):
+            raise TypeError(f"lease_seconds must be an int, not {type(lease_seconds).__name__}")
+        if lease_seconds < 1:
+            raise ValueError(f"lease_seconds must be >= 1, got {lease_seconds}")
+        self.lease_seconds = lease_seconds
         if tier_limits is None:
+            tiers_in_flight = tier_max_in_flight_from_env() or {}
             tier_limits = tier_limits_from_env() or TIER_LIMITS
+        else:
+            tiers_in_flight = max_in_flight_of_tiers(tier_limits)
         self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)
         self._scopes = _Scopes(upstream, route_limits, model_limits, from_file,
                                tokens=isinstance(self, TokenRateLimit))
         self._limiter_is_async = limiter is None or _is_async_limiter(limiter)
+        if max_in_flight is not None and not isinstance(max_in_flight, Mapping):
+            raise TypeError(f"max_in_flight must be a mapping of tier to int, not "
+                            f"{type(max_in_flight).__name__}")
+        defaults: dict[str, int] = {}
+        for tier, cap in (max_in_flight or {}).items():
+            if isinstance(cap, bool) or not isinstance(cap, int):
+                raise TypeError(f"max_in_flight[{tier!r}] must be an int, not {type(cap).__name__}")
+            if cap < 1:
+                raise ValueError(f"max_in_flight[{tier!r}] must be >= 1, got {cap}")
+            if tier in self.tier_limits:  # a tier the budget does not know never applies
+                defaults[tier] = cap
+        # Per tier, the most requests of one identity in flight at once (absent: no cap).
+        self.max_in_flight: dict[str, int] = {**defaults, **tiers_in_flight}
+        if self.max_in_flight and limiter is not None and not (
+                callable(getattr(limiter, "acquire", None)) and callable(getattr(limiter, "release", None))):
+            raise TypeError(f"max_in_flight needs a limiter with acquire() and release() "
+                            f"(RateLimiter, AsyncRateLimiter), not {type(limiter).__name__}")
         # Per tier, the (limit, window_seconds) pairs of one check_windows call, shortest first.
         self._windows: dict[str, Windows] = {
             tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items())
@@ -740,11 +843,6 @@ class RateLimit:
             raise TypeError(f"the rate-limit identity must be a non-empty str, got {user_id!r}")
         budget_tier = tier if isinstance(tier, str) and tier in self._windows else DEFAULT_TIER
         return key_identity(user_id, self.namespace), budget_tier
-
-    def _subject(self, request: Request) -> tuple[str, Windows]:
-        """Who is asking and under which budget: (key identity, windows); see key_identity."""
-        identity, tier = self._identity_and_tier(request)
-        return identity, self._windows[tier]
 
     def _counted_key(self, identity: str, windows: Windows) -> tuple[object, ...]:
         """Which keys a check of `identity` would count in: the limiter's Redis and key prefix
@@ -797,6 +895,75 @@ class RateLimit:
         extra += self._ietf_fields(identity, windows, (), [("requests", window_seconds, remaining,
                                                             window_seconds)])
         _record_extra(request, response, extra)
+
+    def _in_flight_slot(self, request: Request, identity: str,
+                        tier: str) -> tuple[int, tuple[object, ...], _LeaseLedger] | None:
+        """(cap, ledger key, ledger) when this request must take an in-flight slot: its tier
+        has a cap and no dependency of this request took one for this identity yet."""
+        cap = self.max_in_flight.get(tier)
+        if cap is None:
+            return None
+        leases = request.scope.get(_LEASES_KEY)
+        if not isinstance(leases, _LeaseLedger):
+            raise RuntimeError(
+                "max_in_flight needs RateLimitHeadersMiddleware, which gives the slot back when "
+                "the response is over: add "
+                "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware)")
+        key = self._counted_key(identity, ((cap, 0),))
+        return None if leases.holds(key) else (cap, key, leases)
+
+    def _hold(self, request: Request, slot: tuple[int, tuple[object, ...], _LeaseLedger],
+              limiter: Any, is_async: bool, lease: Lease) -> None:
+        """Keeps an allowed lease for the middleware to release, or raises the 429."""
+        cap, key, leases = slot
+        if lease.allowed:
+            leases.entries.append((key, limiter, is_async, lease))
+            return
+        retry_ms = lease.retry_after_ms
+        _set_refusal_body(request, error_body(
+            self.error_format, 429, "Rate limit exceeded",
+            f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one of "
+            f"them ends; please try again within {format_duration(retry_ms)}.", "requests"))
+        headers = {
+            **dict(retry_headers(lease.retry_after_s, retry_ms, self.max_client_wait_seconds)),
+            "X-RateLimit-Limit": str(cap),
+            "X-RateLimit-Remaining": "0",
+            "X-RateLimit-Window": "concurrent",
+        }
+        raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
+
+    def _take_slot(self, request: Request, identity: str, tier: str) -> bool:
+        """Blocking: takes an in-flight slot when the tier has a cap. False when Redis could
+        not decide and on_unavailable let the request through (nothing more to decide)."""
+        slot = self._in_flight_slot(request, identity, tier)
+        if slot is None:
+            return True
+        limiter = self.limiter
+        try:
+            lease = limiter.acquire(identity, slot[0], self.lease_seconds)
+        except RateLimiterError as exc:
+            self._unavailable(request, identity, exc)
+            return False
+        self._hold(request, slot, limiter, False, lease)
+        return True
+
+    async def _take_slot_async(self, request: Request, identity: str, tier: str,
+                               is_async: bool) -> bool:
+        """_take_slot for an async dependency (a blocking limiter runs in the threadpool)."""
+        slot = self._in_flight_slot(request, identity, tier)
+        if slot is None:
+            return True
+        limiter = self.limiter
+        try:
+            if is_async:
+                lease = await limiter.acquire(identity, slot[0], self.lease_seconds)
+            else:
+                lease = await run_in_threadpool(limiter.acquire, identity, slot[0], self.lease_seconds)
+        except RateLimiterError as exc:
+            self._unavailable(request, identity, exc)
+            return False
+        self._hold(request, slot, limiter, is_async, lease)
+        return True
 
     def _ietf_fields(self, identity: str, windows: Windows, token_windows: Windows,
                      limits: Sequence[tuple[Resource, int, int, int]]) -> list[tuple[str, str]]:
@@ -922,10 +1089,10 @@ class RateLimit:
         }
         raise HTTPException(status_code=429, detail=detail, headers=headers)
 
-    async def _decide_with_scopes(self, request: Request, response: Response) -> None:
+    async def _decide_with_scopes(self, request: Request, response: Response, user_id: str,
+                                  windows: Windows) -> None:
         """RateLimit with scopes: one reserve over the tier's windows and the request's
         scopes (one check_windows when none applies to this request)."""
-        user_id, windows = self._subject(request)
         scopes = await self._scopes.of(request)
         counted = self._already_counted(request, user_id, windows)
         if not scopes:
@@ -975,7 +1142,10 @@ class RateLimit:
 
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
-        user_id, windows = self._subject(request)
+        user_id, tier = self._identity_and_tier(request)
+        windows = self._windows[tier]
+        if not self._take_slot(request, user_id, tier):
+            return
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
             try:
@@ -991,10 +1161,13 @@ class _AsyncRateLimit(RateLimit):
     """RateLimit over an async limiter: awaited on the event loop, no worker thread."""
 
     async def __call__(self, request: Request, response: Response) -> None:
-        if self._scopes:
-            await self._decide_with_scopes(request, response)
+        user_id, tier = self._identity_and_tier(request)
+        windows = self._windows[tier]
+        if not await self._take_slot_async(request, user_id, tier, self._limiter_is_async):
             return
-        user_id, windows = self._subject(request)
+        if self._scopes:
+            await self._decide_with_scopes(request, response, user_id, windows)
+            return
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
             try:
@@ -1154,6 +1327,8 @@ class TokenRateLimit(RateLimit):
         shadow_log_interval: float = 60.0,
         headers: HeaderMode = "contract",
         partition_key_secret: str | bytes | None = None,
+        max_in_flight: Mapping[str, int] | None = None,
+        lease_seconds: int = DEFAULT_LEASE_SECONDS,
         upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
         route_limits: Mapping[str, int] | None = None,
         model_limits: Mapping[str, Mapping[str, int]] | None = None,
@@ -1175,7 +1350,8 @@ class TokenRateLimit(RateLimit):
                          error_format=error_format, max_client_wait_seconds=max_client_wait_seconds,
                          unavailable_log_interval=unavailable_log_interval, log_user_ids=log_user_ids,
                          mode=mode, shadow_log_interval=shadow_log_interval, headers=headers,
-                         partition_key_secret=partition_key_secret,
+                         partition_key_secret=partition_key_secret, max_in_flight=max_in_flight,
+                         lease_seconds=lease_seconds,
                          upstream=upstream, route_limits=route_limits, model_limits=model_limits)
         default_tokens = token_limits is None
         if token_limits is None:
@@ -1225,6 +1401,8 @@ class TokenRateLimit(RateLimit):
         if self._refuse_if_too_large(request, response, identity, windows, token_windows, tokens,
                                      scopes):
             return  # shadow mode: the route runs, nothing was reserved
+        if not await self._take_slot_async(request, identity, tier, self._is_async):
+            return
         counted = self._already_counted(request, identity, windows)
         # Requests already counted by another dependency of this route: reserve tokens only.
         request_windows: Windows = () if counted is not None else windows
@@ -1377,6 +1555,18 @@ async def record_usage(request: Request, tokens: int) -> int:
                            "(each request is reconciled once)")
     ledger.reported = True
     return await ledger.reconcile(tokens)
+
+
+def in_flight_lease(request: Request) -> Lease | None:
+    """The in-flight lease this request holds (max_in_flight), or None when its tier has no
+    cap (or Redis could not decide and on_unavailable let it through). A stream that may run
+    longer than lease_seconds renews it: `await in_flight_lease(request).renew()` with an
+    AsyncRateLimiter (an AsyncLease), `.renew()` with a RateLimiter. The middleware still
+    releases it when the response is over."""
+    leases = request.scope.get(_LEASES_KEY)
+    if not isinstance(leases, _LeaseLedger) or not leases.entries:
+        return None
+    return leases.entries[0][3]
 
 
 rate_limit: RateLimit = RateLimit()

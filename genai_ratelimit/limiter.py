@@ -12,6 +12,7 @@ from typing import Any, Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
+from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, make_lease
 from .reservation import Plan, Reservation, Scope, advance, reconcile_plan, reserve_plan
 
 __all__ = ["RateLimiter", "limiter_options"]
@@ -172,6 +173,26 @@ class RateLimiter(_native.Limiter):
             else:
                 call, result = advance(plan, answer)
         return result
+
+    def acquire(self, user_id: str, limit: int,
+                lease_seconds: int = DEFAULT_LEASE_SECONDS) -> Lease:
+        """Takes one of user_id's `limit` concurrent slots for lease_seconds, in one script
+        execution: a Lease, allowed or not. Release it when done (`release`, or `with`);
+        one never released expires after lease_seconds."""
+        raw = self._acquire(user_id, limit, lease_seconds)
+        return make_lease(Lease, raw, user_id, limit, lease_seconds, self)
+
+    def release(self, lease: Lease) -> bool:
+        """Gives the lease's slot back. Idempotent. Returns whether it was still held
+        (False once released, expired, or when nothing was held)."""
+        arguments = lease_arguments(lease)
+        return False if arguments is None else self._release(*arguments[:2])
+
+    def renew(self, lease: Lease, lease_seconds: int | None = None) -> bool:
+        """Extends a lease still held to lease_seconds (default: its own) from now. False
+        when it expired or was released: its slot may be someone else's by now."""
+        arguments = lease_arguments(lease, lease_seconds)
+        return lease.allowed if arguments is None else self._renew(*arguments)[0]
 
     def __enter__(self) -> RateLimiter:
         return self

@@ -118,7 +118,8 @@ def run_async(coroutine: Coroutine[Any, Any, T], loop_factory: LoopFactory | Non
 
 class BlockingAsyncLimiter:
     """An AsyncRateLimiter behind the blocking limiter's interface: check(), check_windows(),
-    reserve(), reconcile(), close(), `with`, url, key_prefix, closed, repr(). Each call runs the coroutine to
+    reserve(), reconcile(), acquire(), release(), renew(), close(), `with`, url, key_prefix,
+    closed, repr(). Each call runs the coroutine to
     completion on one loop (made by `loop_factory`) that this adapter keeps for its lifetime,
     so connections are reused between calls exactly as in a long-running service. After each
     call the loop turns once more, so that a transport the call aborted finishes closing its
@@ -167,6 +168,15 @@ class BlockingAsyncLimiter:
 
     def reconcile(self, *args: Any, **kwargs: Any) -> int:
         return self.run(self.inner.reconcile(*args, **kwargs))
+
+    def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.inner.acquire(*args, **kwargs))
+
+    def release(self, *args: Any, **kwargs: Any) -> bool:
+        return self.run(self.inner.release(*args, **kwargs))
+
+    def renew(self, *args: Any, **kwargs: Any) -> bool:
+        return self.run(self.inner.renew(*args, **kwargs))
 
     def close(self) -> None:
         with self._lock:

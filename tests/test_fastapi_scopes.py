@@ -254,3 +254,22 @@ def test_shadow_mode_lets_an_upstream_refusal_through_and_says_so(
     assert through.headers["x-ratelimit-scope"] == "upstream"
     assert "retry-after" not in through.headers
     assert redis_client.zcard(UPSTREAM_KEY) == 1  # the refused request was not logged
+
+
+def test_a_scoped_dependency_takes_its_in_flight_slot_first_and_gives_it_back(
+        limiter: Any, client_for: Any, redis_client: redis.Redis, user_id: str) -> None:
+    client = client_for(RateLimit(limiter, upstream=Upstream("openai/gpt-4o", per_minute=1,
+                                                             models=("gpt-4o",)),
+                                  max_in_flight={"free": 1}))
+    def scripts_run() -> int:
+        return int(redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0))
+
+    client.post("/embed", headers=as_user(user_id + "-warm"))  # every script loaded once
+    before = scripts_run()
+    assert chat(client, user_id).status_code == 200
+    # acquire, the one reserve (tier + upstream), release: three scripts.
+    assert scripts_run() - before == 3
+    assert redis_client.zcard(f"ratelimit:{user_id}:leases") == 0  # released after the response
+    refused = chat(client, user_id + "-b")
+    assert refused.headers["x-ratelimit-scope"] == "upstream"
+    assert redis_client.zcard(f"ratelimit:{user_id}-b:leases") == 0  # a 429 gives it back too

@@ -248,12 +248,8 @@ def scope_sections_of(data: object, source: str) -> ScopeSections:
 def scope_sections_from_env(environ: Mapping[str, str] | None = None) -> ScopeSections | None:
     """The `models` and `upstreams` sections of the file named by GENAI_RATELIMIT_TIERS
     (scope_sections_of), or None when the variable is unset or empty."""
-    env = os.environ if environ is None else environ
-    value = env.get(TIERS_FILE_ENV, "").strip()
-    if not value:
-        return None
-    data, where = load_tier_config(value, source=f"{TIERS_FILE_ENV}={value}")
-    return scope_sections_of(data, where)
+    config = _config_from_env(environ)
+    return None if config is None else scope_sections_of(*config)
 
 
 def max_in_flight_of_tiers(data: object, source: str = "tier_limits") -> dict[str, int]:
@@ -320,6 +316,16 @@ def load_tier_config(path: str | os.PathLike[str], *, source: str | None = None)
     return data, where
 
 
+def _config_from_env(environ: Mapping[str, str] | None) -> tuple[object, str] | None:
+    """The parsed and checked file named by GENAI_RATELIMIT_TIERS and its source name
+    (load_tier_config), or None when the variable is unset or empty."""
+    env = os.environ if environ is None else environ
+    value = env.get(TIERS_FILE_ENV, "").strip()
+    if not value:
+        return None
+    return load_tier_config(value, source=f"{TIERS_FILE_ENV}={value}")
+
+
 def tier_limits_from_env(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, int]] | None:
     """The budgets from the file named by GENAI_RATELIMIT_TIERS, or None when it is unset or
     empty. Raises TierConfigError naming the variable, the file and the problem."""
@@ -335,11 +341,10 @@ def tier_token_limits_from_env(environ: Mapping[str, str] | None = None) -> dict
     or empty. A tier of the file without token keys takes TIER_TOKEN_LIMITS' budget of the
     same name, else the file's free token budget, else TIER_TOKEN_LIMITS' free budget; so
     every tier of the file has one. Raises TierConfigError as tier_limits_from_env does."""
-    env = os.environ if environ is None else environ
-    value = env.get(TIERS_FILE_ENV, "").strip()
-    if not value:
+    config = _config_from_env(environ)
+    if config is None:
         return None
-    data, where = load_tier_config(value, source=f"{TIERS_FILE_ENV}={value}")
+    data, where = config
     given = token_limits_of_tiers(data, where)
     fallback = given.get(DEFAULT_TIER) or TIER_TOKEN_LIMITS[DEFAULT_TIER]
     return {tier: dict(given.get(tier) or TIER_TOKEN_LIMITS.get(tier) or fallback)
@@ -350,9 +355,5 @@ def tier_max_in_flight_from_env(environ: Mapping[str, str] | None = None) -> dic
     """The max_in_flight caps of the file named by GENAI_RATELIMIT_TIERS ({} when it gives
     none), or None when the variable is unset or empty. Raises TierConfigError as
     tier_limits_from_env does."""
-    env = os.environ if environ is None else environ
-    value = env.get(TIERS_FILE_ENV, "").strip()
-    if not value:
-        return None
-    data, where = load_tier_config(value, source=f"{TIERS_FILE_ENV}={value}")
-    return max_in_flight_of_tiers(data, where)
+    config = _config_from_env(environ)
+    return None if config is None else max_in_flight_of_tiers(*config)

@@ -291,6 +291,31 @@ non_negative_int(PyObject *value, const char *name, long long max, long long *ou
     return positive_int(value, name, max, out);
 }
 
+/* reset's SCAN cursor: None (start), or a str of 1 to 20 digits. */
+static int
+parse_cursor(PyObject *value, rl_prepared *d)
+{
+    Py_ssize_t len;
+    const char *text;
+    if (value == NULL || value == Py_None) {
+        memcpy(d->cursor, "0", 2);
+        return 0;
+    }
+    if (!PyUnicode_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "cursor must be a str, not %.100s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    text = PyUnicode_AsUTF8AndSize(value, &len);
+    if (text == NULL)
+        return -1;
+    if (len < 1 || len > 20 || strspn(text, "0123456789") != (size_t)len) {
+        PyErr_Format(PyExc_ValueError, "cursor must be a SCAN cursor (digits), got %R", value);
+        return -1;
+    }
+    memcpy(d->cursor, text, (size_t)len + 1);
+    return 0;
+}
+
 int
 rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                  rl_prepared *d, PyObject **user_id)
@@ -301,22 +326,30 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                                                 "token_windows", "tokens",  "scopes"};
     static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
                                                   "cost",    "tokens",  "scopes"};
+    static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
     static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
     static const char *const release_names[] = {"user_id", "lease_id"};
     static const char *const renew_names[] = {"user_id", "lease_id", "lease_seconds"};
+    static const rl_script_id scripts[] = {
+        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,    [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,  [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
+        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,       [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
+        [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW, [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
+        [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,   [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
+    };
     PyObject *v[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
     long long seconds = 0;
 
     d->shape = shape;
-    d->script = shape == RL_SHAPE_RECONCILE ? RL_SCRIPT_RECONCILE
-                : shape >= RL_SHAPE_ACQUIRE ? RL_SCRIPT_LEASE
-                                            : RL_SCRIPT_WINDOW;
+    d->script = scripts[shape];
     d->windows.count = 0;
     d->nscopes = 0;
     d->member[0] = '\0';
     d->score_ms = 0;
     d->new_cost = 0;
+    d->scan = 0;
+    d->cursor[0] = '\0';
     d->lease_limit = 0;
     d->lease_ms = 0;
     switch (shape) {
@@ -357,14 +390,17 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         break;
     case RL_SHAPE_RESERVE:
-        if (rl_parse_args("reserve", args, nargs, kwnames, reserve_names, 6, 2, 2, v) < 0 ||
+    case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments (no scopes) */
+        if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
+                          reserve_names, shape == RL_SHAPE_PEEK ? 5 : 6, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
             (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
             (v[5] != NULL && add_scopes(d, v[5], -1) < 0) || set_cost(d, v[2], "cost", 0) < 0)
             return -1;
         if (d->windows.count == 0) {
-            PyErr_SetString(PyExc_ValueError, "reserve needs at least one window or token window");
+            PyErr_Format(PyExc_ValueError, "%s needs at least one window or token window",
+                         shape == RL_SHAPE_PEEK ? "peek" : "reserve");
             return -1;
         }
         if (has_token_windows(&d->windows) != (v[4] != NULL)) {
@@ -391,6 +427,24 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             PyErr_SetString(PyExc_ValueError, "reconcile needs at least one window");
             return -1;
         }
+        break;
+    case RL_SHAPE_RESET:
+        if (rl_parse_args("reset", args, nargs, kwnames, reset_names, 4, 2, 1, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || parse_cursor(v[3], d) < 0)
+            return -1;
+        if ((v[1] == NULL || v[1] == Py_None) && (v[2] == NULL || v[2] == Py_None)) {
+            d->scan = 1; /* every window of the user */
+            break;
+        }
+        if (v[3] != NULL && v[3] != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "cursor= goes with windows=None only");
+            return -1;
+        }
+        if ((v[1] != NULL && v[1] != Py_None &&
+             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0) ||
+            (v[2] != NULL && v[2] != Py_None &&
+             add_windows(&d->windows, v[2], "token_windows", 1, 1, 0) < 0))
+            return -1;
         break;
     }
     *user_id = v[0];
@@ -513,6 +567,8 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
            is logged, so a reservation has no member and its reconcile sends nothing. */
         rl_result *r = &out->result;
         int best = 0;
+        if (out->windows.count == 0) /* reset of every window: the result ignores windows */
+            out->windows.limit[0] = out->windows.seconds[0] = 0;
         for (int i = 0; i < out->windows.count; i++) {
             r->remaining_of[i] = out->windows.limit[i];
             if (out->windows.limit[i] < out->windows.limit[best])
@@ -530,6 +586,11 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         r->evaluated = out->windows.count;
         r->found = 0;
         r->expires_ms = 0;
+        memcpy(r->cursor, "0", 2); /* reset: nothing removed, nothing left to scan */
+        for (int i = 0; i < out->windows.count; i++) {
+            r->used_of[i] = 0;
+            r->oldest_of[i] = -1;
+        }
         forget_scope_names(out);
         return warn_kill_switch(state);
     }
@@ -602,6 +663,32 @@ windows_report(const rl_windows *w, const rl_result *r)
     return all;
 }
 
+/* peek: (allowed, remaining, retry_after_s, window_seconds, is_token_window, now_ms,
+   ((limit, window_seconds, is_token_window, used, oldest_ms or None), ...), retry_after_ms). */
+static PyObject *
+peek_object(const rl_windows *w, const rl_result *r)
+{
+    PyObject *all = PyTuple_New(w->count);
+    if (all == NULL)
+        return NULL;
+    for (int i = 0; i < w->count; i++) {
+        PyObject *oldest =
+            r->oldest_of[i] < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(r->oldest_of[i]);
+        PyObject *item = oldest == NULL
+                             ? NULL
+                             : Py_BuildValue("(LLNLN)", w->limit[i], w->seconds[i],
+                                             PyBool_FromLong(w->tokens[i]), r->used_of[i], oldest);
+        if (item == NULL) {
+            Py_DECREF(all);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(all, i, item);
+    }
+    return Py_BuildValue("(OLLLNLNL)", r->allowed ? Py_True : Py_False, r->remaining,
+                         r->retry_after_s, w->seconds[r->window],
+                         PyBool_FromLong(w->tokens[r->window]), r->now_ms, all, r->retry_after_ms);
+}
+
 /* check_windows_detailed's answer: a WindowDecision, which unpacks and compares as
    check_windows' 4-tuple and also carries the exact wait in ms and the decision's time. Returns a new
    reference. */
@@ -642,6 +729,10 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     Py_ssize_t size;
     if (d->shape == RL_SHAPE_RECONCILE)
         return PyLong_FromLongLong(r->found);
+    if (d->shape == RL_SHAPE_RESET)
+        return Py_BuildValue("(Ls)", r->found, r->cursor);
+    if (d->shape == RL_SHAPE_PEEK)
+        return peek_object(w, r);
     if (d->shape == RL_SHAPE_RELEASE)
         return PyBool_FromLong(r->allowed);
     if (d->shape == RL_SHAPE_RENEW)

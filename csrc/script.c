@@ -30,6 +30,10 @@ static const struct {
     [RL_SCRIPT_RECONCILE] = {RL_RECONCILE_SHA1, rl_reconcile_source,
                              sizeof(rl_reconcile_source) - 1, rl_reconcile_load_command,
                              sizeof(rl_reconcile_load_command) - 1},
+    [RL_SCRIPT_PEEK] = {RL_PEEK_SHA1, rl_peek_source, sizeof(rl_peek_source) - 1,
+                        rl_peek_load_command, sizeof(rl_peek_load_command) - 1},
+    [RL_SCRIPT_RESET] = {RL_RESET_SHA1, rl_reset_source, sizeof(rl_reset_source) - 1,
+                         rl_reset_load_command, sizeof(rl_reset_load_command) - 1},
     [RL_SCRIPT_LEASE] = {RL_LEASE_SHA1, rl_lease_source, sizeof(rl_lease_source) - 1,
                          rl_lease_load_command, sizeof(rl_lease_load_command) - 1},
 };
@@ -67,8 +71,23 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 
 #define RL_NUMBER_TEXT 24 /* room for any long long in decimal, with sign and NUL */
 #define RL_STACK_ARENA 4096
-#define RL_KEY_SUFFIXES 12 /* ":tokens" + ":w" */
-#define RL_SCOPE_SUFFIX 8  /* ":scope=" or ":shared" (the name is counted apart) */
+#define RL_KEY_SUFFIXES 12   /* ":tokens" + ":w" */
+#define RL_SCOPE_SUFFIX 8    /* ":scope=" or ":shared" (the name is counted apart) */
+#define RL_SCAN_COUNT "1000" /* reset.lua: keys one SCAN step looks at */
+
+/* Writes text with SCAN's glob characters escaped, then "*". Returns its length. */
+static size_t
+glob_prefix(char *out, const char *text, size_t len)
+{
+    char *cursor = out;
+    for (size_t i = 0; i < len; i++) {
+        if (strchr("*?[]\\", text[i]) != NULL && text[i] != '\0')
+            *cursor++ = '\\';
+        *cursor++ = text[i];
+    }
+    *cursor++ = '*';
+    return (size_t)(cursor - out);
+}
 
 /* Writes "{prefix}:{user_id}" at cursor and returns the end: the one place that shapes the
    user's part of every key (the callers append ":{window_seconds}", ":leases", ...). A
@@ -213,7 +232,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             scope_room = RL_SCOPE_SUFFIX + 3 * d->scopes[k].name_len;
     }
     size_t key_room = prefix_len + 1 + owner_len + RL_NUMBER_TEXT + RL_KEY_SUFFIXES + scope_room;
-    size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT);
+    /* reset.lua's pattern and base (the pattern escapes each byte at most once). */
+    size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT) + 3 * key_room;
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
     int argc = 0;
@@ -250,8 +270,26 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         keylens[w->count + i] = (size_t)(cursor - weights);
     }
     argc += 2 * w->count;
+    if (d->script == RL_SCRIPT_RESET) {
+        /* cursor ("" for the KEYS), pattern, base, count: see lua/reset.lua. */
+        char *base = cursor;
+        char *base_end = write_user_key(base, prefix, prefix_len, user, user_len);
+        *base_end++ = ':';
+        size_t base_len = (size_t)(base_end - base);
+        char *pattern = base + base_len;
+        size_t pattern_len = glob_prefix(pattern, base, base_len);
+        argv[argc] = d->scan ? d->cursor : "";
+        argvlen[argc++] = d->scan ? strlen(d->cursor) : 0;
+        argv[argc] = pattern;
+        argvlen[argc++] = pattern_len;
+        argv[argc] = base;
+        argvlen[argc++] = base_len;
+        argv[argc] = RL_SCAN_COUNT;
+        argvlen[argc++] = strlen(RL_SCAN_COUNT);
+        goto format;
+    }
     argv[argc] = d->member;
-    argvlen[argc++] = RL_MEMBER_LEN;
+    argvlen[argc++] = strlen(d->member); /* "" for peek, which logs nothing */
     if (now_ms >= 0) {
         argvlen[argc] = (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms);
         argv[argc] = now_text;
@@ -286,6 +324,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             }
         }
     }
+format:
     len = redisFormatCommandArgv(out, argc, argv, argvlen);
     if (arena != stack_arena)
         free(arena);
@@ -385,6 +424,57 @@ decode_reconcile(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     return RL_OK;
 }
 
+/* lua/reset.lua: {entries removed, the SCAN cursor to go on from}. */
+static rl_status
+decode_reset(const redisReply *reply, rl_result *out, rl_error *err)
+{
+    const redisReply *cursor;
+    long long removed = 0;
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the reset script: %s, expected an array of an "
+                            "integer and a cursor",
+                            rl_reply_type_name(reply->type));
+    if (integer_at(reply, 0, &removed, err) != RL_OK)
+        return err->kind;
+    cursor = reply->element[1];
+    if (removed < 0 || cursor == NULL || cursor->type != REDIS_REPLY_STRING || cursor->len < 1 ||
+        cursor->len >= sizeof(out->cursor) || strspn(cursor->str, "0123456789") != cursor->len)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "the reset script answered values out of range (%lld entries, "
+                            "a cursor that is %s)",
+                            removed, cursor ? rl_reply_type_name(cursor->type) : "missing");
+    memset(out, 0, sizeof(*out));
+    out->found = removed;
+    memcpy(out->cursor, cursor->str, cursor->len);
+    out->cursor[cursor->len] = '\0';
+    return RL_OK;
+}
+
+/* lua/peek.lua's 8th element: {used, oldest} of every window. */
+static rl_status
+decode_usage(const redisReply *usage, const rl_windows *w, rl_result *out, rl_error *err)
+{
+    if (usage == NULL || usage->type != REDIS_REPLY_ARRAY ||
+        usage->elements != 2 * (size_t)w->count)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the peek script: element 8 is %s, expected an "
+                            "array of %d integers",
+                            usage ? rl_reply_type_name(usage->type) : "missing", 2 * w->count);
+    for (int i = 0; i < w->count; i++) {
+        if (integer_at(usage, 2 * (size_t)i, &out->used_of[i], err) != RL_OK ||
+            integer_at(usage, 2 * (size_t)i + 1, &out->oldest_of[i], err) != RL_OK)
+            return err->kind;
+        if (out->used_of[i] < 0 || out->oldest_of[i] < -1 ||
+            (out->used_of[i] == 0) != (out->oldest_of[i] == -1))
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "the peek script answered a usage out of range (%lld used, "
+                                "oldest %lld)",
+                                out->used_of[i], out->oldest_of[i]);
+    }
+    return RL_OK;
+}
+
 /* lua/lease.lua: {ok, held, retry_ms, expires_ms, now_ms}, checked against the request. */
 static rl_status
 decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
@@ -426,6 +516,7 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
 {
     const rl_windows *w = &d->windows;
     int nwindows = w->count;
+    size_t elements = d->script == RL_SCRIPT_PEEK ? 8 : 7;
     long long v[5] = {0, 0, 0, 0, 0}, retry_ms = 0;
     const redisReply *each;
     if (reply->type == REDIS_REPLY_ERROR) {
@@ -446,9 +537,11 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     }
     if (d->script == RL_SCRIPT_RECONCILE)
         return decode_reconcile(reply, d, out, err);
+    if (d->script == RL_SCRIPT_RESET)
+        return decode_reset(reply, out, err);
     if (d->script == RL_SCRIPT_LEASE)
         return decode_lease(reply, d, out, err);
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 7)
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != elements)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the rate-limit script: %s%s, expected an array "
                             "of 5 integers, an array and an integer",
@@ -498,6 +591,8 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     out->evaluated = (int)evaluated;
     out->found = 0;
     out->expires_ms = 0;
+    if (d->script == RL_SCRIPT_PEEK)
+        return decode_usage(reply->element[7], w, out, err);
     return RL_OK;
 }
 

@@ -13,7 +13,8 @@
   (a pause between chunks, for the demo's long streams).
 - Concurrency: at most 3 requests of a free user in flight at once (20 pro, 100 enterprise):
   a fourth gets 429 with `X-RateLimit-Window: concurrent` until one of them ends.
-- `GET /healthz` is not limited.
+- `GET /healthz` is not limited, nor is `GET /metrics`: the limiter's counters (decisions,
+  refusals by window, Redis latency, fail-opens) for Prometheus to scrape.
 
 Run it (Redis from $REDIS_URL, else redis://localhost:6379/0):
 
@@ -34,10 +35,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, Field
 
 from genai_ratelimit import AsyncRateLimiter
 from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, TokenRateLimit, record_usage
+from genai_ratelimit.metrics import PrometheusCollector
 
 # Demo keys. A real service looks keys up in its database.
 API_KEYS: dict[str, tuple[str, str]] = {
@@ -58,6 +61,10 @@ rate_limit = TokenRateLimit(
     limiter=AsyncRateLimiter(key_prefix=os.environ.get("EXAMPLE_KEY_PREFIX", "ratelimit")),
     max_in_flight={"free": 3, "pro": 20, "enterprise": 100},
 )
+
+# The limiter's counters, read at each scrape (nothing is added to a request's path).
+metrics_registry = CollectorRegistry()
+metrics_registry.register(PrometheusCollector({"chat": rate_limit.limiter}))
 
 app = FastAPI(title="genai-ratelimit example")
 # Puts X-RateLimit-* and OpenAI's x-ratelimit-* on every response, the streamed ones
@@ -158,3 +165,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
 @app.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@app.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus's text format: genai_ratelimit_decisions_total{outcome,window}, ..."""
+    return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)

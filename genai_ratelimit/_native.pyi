@@ -6,10 +6,16 @@ from typing import Any, ClassVar, final
 from _typeshed import structseq
 from typing_extensions import disjoint_base
 
+from genai_ratelimit.metrics import LimiterMetrics
+
 SCRIPT_SHA1: str
 SCRIPT_SOURCE: str
 RECONCILE_SHA1: str
 RECONCILE_SOURCE: str
+PEEK_SHA1: str
+PEEK_SOURCE: str
+RESET_SHA1: str
+RESET_SOURCE: str
 LEASE_SHA1: str
 LEASE_SOURCE: str
 HIREDIS_VERSION: str  # "major.minor.patch" of the hiredis headers compiled against
@@ -52,6 +58,11 @@ class RateLimiterUnavailable(RateLimiterError): ...
 class RateLimiterTimeout(RateLimiterUnavailable, TimeoutError): ...
 class RateLimiterAuthError(RateLimiterUnavailable): ...
 
+# _peek: (allowed, remaining, retry_after_s, window_seconds, is_token_window, now_ms,
+#         ((limit, window_seconds, is_token_window, used, oldest_ms | None), ...),
+#         retry_after_ms)
+_PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, int, int | None], ...], int]
+
 @disjoint_base
 class Limiter:
     def __init__(
@@ -73,6 +84,7 @@ class Limiter:
         ssl_ca_certs: str | None = ...,
         ssl_certfile: str | None = ...,
         ssl_keyfile: str | None = ...,
+        metrics: bool = ...,
     ) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
@@ -104,6 +116,25 @@ class Limiter:
         tokens: bool = False,
         scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> int: ...
+    def _peek(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        token_windows: Sequence[tuple[int, int]] = (),
+        tokens: int | None = None,
+    ) -> _PeekResult: ...
+    def _reset(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]] | None = None,
+        *,
+        token_windows: Sequence[tuple[int, int]] | None = None,
+        cursor: str | None = None,
+    ) -> tuple[int, str]: ...
+    def metrics(self) -> LimiterMetrics: ...
+    def _record_outcome(self, kind: str, /) -> None: ...
     def _acquire(
         self, user_id: str, limit: int, lease_seconds: int
     ) -> tuple[bool, int, int, int, str, int, int]: ...  # (allowed, held, retry_after_s,
@@ -129,7 +160,7 @@ class Request:
 
 @final
 class Codec:
-    def __init__(self, key_prefix: str, *, client_clock: bool = ...) -> None: ...
+    def __init__(self, key_prefix: str, *, client_clock: bool = ..., metrics: bool = ...) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
     ) -> Request | tuple[bool, int, int]: ...
@@ -160,6 +191,25 @@ class Codec:
         tokens: bool = False,
         scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> Request | int: ...
+    def peek(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        token_windows: Sequence[tuple[int, int]] = (),
+        tokens: int | None = None,
+    ) -> Request | _PeekResult: ...
+    def reset(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]] | None = None,
+        *,
+        token_windows: Sequence[tuple[int, int]] | None = None,
+        cursor: str | None = None,
+    ) -> Request | tuple[int, str]: ...
+    def metrics(self) -> LimiterMetrics: ...
+    def _record_outcome(self, kind: str, /) -> None: ...
     def acquire(
         self, user_id: str, limit: int, lease_seconds: int
     ) -> Request | tuple[bool, int, int, int, str, int, int]: ...
@@ -170,7 +220,7 @@ class Codec:
 
 @final
 class Pipeline:
-    def __init__(self, timeout: float) -> None: ...
+    def __init__(self, timeout: float, *, codec: Codec | None = ...) -> None: ...
     def handshake(
         self,
         future: Any,

@@ -1013,6 +1013,9 @@ class RateLimit:
             with self._fail_open_lock:
                 self._fail_open_count += 1
                 count = self._fail_open_count
+            record = getattr(self.limiter, "_record_outcome", None)
+            if record is not None:  # the limiter's metrics count it too
+                record("fail_open")
             self._log_unavailable(f"let through (on_unavailable='allow', fail-open #{count} in all)",
                                   user_id, exc)
             return

@@ -13,7 +13,15 @@ from typing import Any, Literal, TypedDict
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
 from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, make_lease
-from .reservation import Plan, Reservation, Scope, advance, reconcile_plan, reserve_plan
+from .reservation import (
+    Plan,
+    Reservation,
+    Scope,
+    advance,
+    reconcile_plan,
+    reserve_arguments,
+    reserve_plan,
+)
 
 __all__ = ["RateLimiter", "limiter_options"]
 
@@ -39,6 +47,7 @@ class NativeOptions(TypedDict):
     ssl_ca_certs: str | None
     ssl_certfile: str | None
     ssl_keyfile: str | None
+    metrics: bool
 
 
 def _positive_seconds(name: str, value: float) -> float:
@@ -59,6 +68,7 @@ def limiter_options(
     socket_timeout: float,
     clock: str,
     max_connections: int,
+    metrics: bool = True,
 ) -> tuple[RedisOptions, NativeOptions]:
     """Validates the constructor's arguments. Returns the parsed URL and the keyword
     arguments of the C limiter. Shared by the sync and async limiters."""
@@ -92,6 +102,7 @@ def limiter_options(
         ssl_ca_certs=options.ssl_ca_certs if options.tls_trust() not in (None, "system") else None,
         ssl_certfile=options.ssl_certfile,
         ssl_keyfile=options.ssl_keyfile,
+        metrics=bool(metrics),
     )
     return options, native
 
@@ -116,9 +127,10 @@ class RateLimiter(_native.Limiter):
         socket_timeout: float = 1.0,
         clock: Clock = "server",
         max_connections: int = 32,
+        metrics: bool = True,
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
-                                          clock, max_connections)
+                                          clock, max_connections, metrics)
         super().__init__(**native)
         self._options = options
         self._clock = clock
@@ -173,6 +185,30 @@ class RateLimiter(_native.Limiter):
             else:
                 call, result = advance(plan, answer)
         return result
+
+    def peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
+             token_windows: Sequence[tuple[int, int]] = (),
+             tokens: int | None = None) -> tuple[bool, int, int, int]:
+        """What `check_windows(user_id, windows, cost=cost)` (or `reserve` with the same
+        arguments) would answer now: (allowed, remaining, retry_after_s, window_seconds).
+        Writes nothing: one read-only script execution on the server's clock."""
+        return self._peek(user_id, windows,
+                          **reserve_arguments(cost, token_windows, tokens))[:4]
+
+    def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
+              token_windows: Sequence[tuple[int, int]] | None = None) -> int:
+        """Forgets user_id's entries in `windows` (and `token_windows`), given as the
+        (limit, window_seconds) pairs of check_windows: one script execution. With neither,
+        every window of the user, found by SCAN (see README: not atomic). Returns the
+        number of entries removed."""
+        if windows is not None or token_windows is not None:
+            return self._reset(user_id, windows,
+                               token_windows=token_windows)[0]
+        removed, cursor = self._reset(user_id)
+        while cursor != "0":
+            more, cursor = self._reset(user_id, cursor=cursor)
+            removed += more
+        return removed
 
     def acquire(self, user_id: str, limit: int,
                 lease_seconds: int = DEFAULT_LEASE_SECONDS) -> Lease:

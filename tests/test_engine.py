@@ -194,8 +194,14 @@ def test_pipeline_take_replays_marks_decisions_once_and_fails_the_rest():
                                "tokens", "scopes"]),
     (_native.Pipeline.feed, ["self", "data"]),
     (_native.Pipeline.handshake, ["self", "future", "username", "password", "db", "ping"]),
-    (_native.Pipeline, ["timeout"]),
-    (_native.Codec, ["key_prefix", "client_clock"]),
+    (RateLimiter._peek, ["self", "user_id", "windows", "cost", "token_windows", "tokens"]),
+    (RateLimiter._reset, ["self", "user_id", "windows", "token_windows", "cursor"]),
+    (RateLimiter.metrics, ["self"]),
+    (RateLimiter._record_outcome, ["self", "kind"]),
+    (_native.Codec.peek, ["self", "user_id", "windows", "cost", "token_windows", "tokens"]),
+    (_native.Codec.reset, ["self", "user_id", "windows", "token_windows", "cursor"]),
+    (_native.Pipeline, ["timeout", "codec"]),
+    (_native.Codec, ["key_prefix", "client_clock", "metrics"]),
 ])
 def test_c_functions_have_real_signatures(function, parameters):
     assert list(inspect.signature(function).parameters) == parameters

@@ -293,6 +293,34 @@ def test_health_route_is_not_limited(http: httpx.Client, redis_client: redis.Red
     assert redis_client.keys("*") == []
 
 
+def scraped(http: httpx.Client) -> dict[str, float]:
+    """GET /metrics: the value of every sample of the example's limiter, by its text."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for line in response.text.splitlines():
+        if line.startswith("genai_ratelimit_") and 'limiter="chat"' in line:
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_route_counts_the_decisions_it_served(http: httpx.Client,
+                                                      redis_client: redis.Redis) -> None:
+    allowed = 'genai_ratelimit_decisions_total{limiter="chat",outcome="allowed",window=""}'
+    refused = 'genai_ratelimit_decisions_total{limiter="chat",outcome="rejected",window="60"}'
+    round_trips = 'genai_ratelimit_redis_latency_seconds_count{limiter="chat"}'
+    before = scraped(http)
+    statuses = [chat(http, "free", stream=False).status_code for _ in range(6)]
+    after = scraped(http)
+    assert statuses == [200] * 5 + [429]
+    assert after[allowed] - before[allowed] == 5
+    assert after[refused] - before.get(refused, 0) == 1
+    assert after[round_trips] - before[round_trips] >= 6  # + the reconciles
+    assert "X-RateLimit-Remaining" not in http.get("/metrics").headers, "not limited"
+
+
 # --- start-up and Redis down -----------------------------------------------------------------
 
 

@@ -391,3 +391,19 @@ def test_the_kill_switch_allows_scoped_requests_and_writes_nothing(
         r = limiter.reserve(user_id, [(10, 60)], scopes=[upstream(per_minute=1)])
         assert r.allowed and r.member == "" and limiter.reconcile(r, 0) == 0
     assert redis_client.keys("*") == []
+
+
+def test_reset_forgets_a_users_own_scopes_and_never_a_shared_cap(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    route = Scope("route:/v1/chat", windows=[(5, 60)], token_windows=[(500, 60)])
+    cap = upstream(per_minute=30, tokens_per_minute=900)
+    neighbour = Scope("x", windows=[(5, 60)])
+    assert limiter.reserve(user_id, [(10, 60)], token_windows=[(1000, 60)], tokens=7,
+                           scopes=[route, cap]).allowed
+    # A user whose id starts like this one's keys ("<id>:5:scope=x" and "<id>:scope=y").
+    assert limiter.reserve(f"{user_id}:5", [(10, 60)], scopes=[neighbour]).allowed
+    assert limiter.reserve(f"{user_id}:scope=y", [(10, 60)]).allowed
+    others = {k for k in redis_client.keys("*") if not k.decode().startswith(f"ratelimit:{user_id}:6")}
+    assert limiter.reset(user_id) == 4  # the own request and token windows, the route's two
+    assert set(redis_client.keys("*")) == others
+    assert redis_client.zcard(UP_KEY) == 1 and redis_client.zcard(UP_TOKENS) == 1

@@ -70,7 +70,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench bench-weighted bench-leases bench-metrics \
+        install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes bench-metrics \
         metrics-dashboard dist wheel test-wheel clean
 
 help:
@@ -85,6 +85,7 @@ help:
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
 	@echo "make bench-leases   acquire + release (in-flight leases) vs the plain check, sync and async"
+	@echo "make bench-scopes   reserve with an upstream scope (one script, two steps) vs check_windows"
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
 	@echo "make metrics-dashboard  redraws docs/metrics-dashboard.png from a real run"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
@@ -204,7 +205,7 @@ install-hiredis1: deps $(HIREDIS1_VENV)/.created
 # FastAPI over TestClient and uvicorn (the same codec and pipeline the async tests drive),
 # the tiers file, the README examples, packaging, the Docker files, the wheel and the
 # command line (subprocesses).
-HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py \
+HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py test_fastapi_scopes.py \
                  test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
@@ -250,6 +251,10 @@ bench: install
 bench-weighted: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/weighted.py
+
+bench-scopes: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/scopes.py
 
 # In-flight leases: acquire + release vs the plain check, sync and async (one run).
 bench-leases: install

@@ -41,7 +41,7 @@ positive_int(PyObject *value, const char *name, long long max, long long *out)
 }
 
 static int
-add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
+add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens, int scope)
 {
     long long l, s;
     if (w->count >= RL_MAX_WINDOWS) {
@@ -52,7 +52,7 @@ add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
         positive_int(seconds, "window_seconds", RL_MAX_WINDOW_SECONDS, &s) < 0)
         return -1;
     for (int j = 0; j < w->count; j++) {
-        if (w->seconds[j] == s && w->tokens[j] == tokens) {
+        if (w->seconds[j] == s && w->tokens[j] == tokens && w->scope[j] == scope) {
             PyErr_Format(PyExc_ValueError,
                          "%swindow_seconds %lld appears twice: each window needs its own length",
                          tokens ? "token " : "", s);
@@ -60,20 +60,24 @@ add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
         }
     }
     /* Insert keeping the windows sorted, shortest first, requests before tokens for one
-       length (stable otherwise). */
+       length, the user's own before its scopes' (stable otherwise). */
     int i = w->count;
     while (i > 0 &&
-           (w->seconds[i - 1] > s || (w->seconds[i - 1] == s && w->tokens[i - 1] > tokens))) {
+           (w->seconds[i - 1] > s ||
+            (w->seconds[i - 1] == s && (w->tokens[i - 1] > tokens || (w->tokens[i - 1] == tokens &&
+                                                                      w->scope[i - 1] > scope))))) {
         w->seconds[i] = w->seconds[i - 1];
         w->limit[i] = w->limit[i - 1];
         w->cost[i] = w->cost[i - 1];
         w->tokens[i] = w->tokens[i - 1];
+        w->scope[i] = w->scope[i - 1];
         i--;
     }
     w->seconds[i] = s;
     w->limit[i] = l;
     w->cost[i] = 1;
     w->tokens[i] = (unsigned char)tokens;
+    w->scope[i] = (unsigned char)scope;
     w->count++;
     return 0;
 }
@@ -81,7 +85,8 @@ add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
 /* Adds every (limit, window_seconds) pair of `windows` (named `name` in errors) to w.
    An empty sequence is refused unless allow_empty. */
 static int
-add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int allow_empty)
+add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int allow_empty,
+            int scope)
 {
     PyObject *seq;
     Py_ssize_t n;
@@ -116,7 +121,7 @@ add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int 
             goto done;
         }
         if (add_window(w, PySequence_Fast_GET_ITEM(pair, 0), PySequence_Fast_GET_ITEM(pair, 1),
-                       tokens) < 0)
+                       tokens, scope) < 0)
             goto done;
     }
     rc = 0;
@@ -128,8 +133,9 @@ done:
 /* Sets the cost of every window of one resource; a cost no window of it could ever allow
    is refused before any I/O (the caller knows both numbers). */
 static int
-set_cost(rl_windows *w, PyObject *value, const char *name, int tokens)
+set_cost(rl_prepared *d, PyObject *value, const char *name, int tokens)
 {
+    rl_windows *w = &d->windows;
     long long cost = 1;
     if (value != NULL && positive_int(value, name, RL_MAX_LIMIT, &cost) < 0)
         return -1;
@@ -137,12 +143,111 @@ set_cost(rl_windows *w, PyObject *value, const char *name, int tokens)
         if (w->tokens[i] != tokens)
             continue;
         if (cost > w->limit[i]) {
+            if (w->scope[i] == 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s %lld can never be allowed: the %swindow of %lld s allows at most "
+                             "%lld",
+                             name, cost, tokens ? "token " : "", w->seconds[i], w->limit[i]);
+                return -1;
+            }
+            /* PyErr_Format has no %.*s: the name (not NUL-terminated) goes as a str. */
+            const rl_scope *scope = &d->scopes[w->scope[i] - 1];
+            PyObject *shown =
+                PyUnicode_DecodeUTF8(scope->name, (Py_ssize_t)scope->name_len, "replace");
+            if (shown == NULL)
+                return -1;
             PyErr_Format(PyExc_ValueError,
-                         "%s %lld can never be allowed: the %swindow of %lld s allows at most %lld",
-                         name, cost, tokens ? "token " : "", w->seconds[i], w->limit[i]);
+                         "%s %lld can never be allowed: the %swindow of %lld s of scope %R allows "
+                         "at most %lld",
+                         name, cost, tokens ? "token " : "", w->seconds[i], shown, w->limit[i]);
+            Py_DECREF(shown);
             return -1;
         }
         w->cost[i] = cost;
+    }
+    return 0;
+}
+
+/* Adds the windows of `scopes`: a tuple of (name, shared, windows, token_windows) tuples
+   for reserve (reconcile_tokens < 0), of (name, shared, windows) for reconcile, whose
+   windows are then token windows when reconcile_tokens is 1. Tuples only: the names are
+   borrowed (rl_scope) and a tuple cannot drop them while the decision is prepared. */
+static int
+add_scopes(rl_prepared *d, PyObject *scopes, int reconcile_tokens)
+{
+    Py_ssize_t n, size = reconcile_tokens < 0 ? 4 : 3;
+    if (!PyTuple_Check(scopes)) {
+        PyErr_Format(PyExc_TypeError, "scopes must be a tuple, not %.100s",
+                     Py_TYPE(scopes)->tp_name);
+        return -1;
+    }
+    n = PyTuple_GET_SIZE(scopes);
+    if (n > RL_MAX_SCOPES) {
+        PyErr_Format(PyExc_ValueError, "at most %d scopes can be decided at once, got %zd",
+                     RL_MAX_SCOPES, n);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *t = PyTuple_GET_ITEM(scopes, k);
+        Py_ssize_t len;
+        const char *name;
+        int shared;
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != size) {
+            PyErr_Format(PyExc_TypeError, "scopes[%zd] must be a tuple of %zd items, got %.100s", k,
+                         size, Py_TYPE(t)->tp_name);
+            return -1;
+        }
+        if (!PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
+            PyErr_Format(PyExc_TypeError, "a scope's name must be a str, not %.100s",
+                         Py_TYPE(PyTuple_GET_ITEM(t, 0))->tp_name);
+            return -1;
+        }
+        name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(t, 0), &len);
+        if (name == NULL)
+            return -1;
+        if (len == 0 || len > RL_MAX_SCOPE_NAME) {
+            PyErr_Format(PyExc_ValueError,
+                         "a scope's name must hold 1 to %d bytes of UTF-8, got %zd",
+                         RL_MAX_SCOPE_NAME, len);
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (d->scopes[j].name_len == (size_t)len && memcmp(d->scopes[j].name, name, len) == 0) {
+                PyErr_Format(PyExc_ValueError, "scope %R appears twice", PyTuple_GET_ITEM(t, 0));
+                return -1;
+            }
+        }
+        if (!PyBool_Check(PyTuple_GET_ITEM(t, 1))) {
+            PyErr_Format(PyExc_TypeError, "a scope's shared flag must be a bool, not %.100s",
+                         Py_TYPE(PyTuple_GET_ITEM(t, 1))->tp_name);
+            return -1;
+        }
+        shared = PyTuple_GET_ITEM(t, 1) == Py_True;
+        d->scopes[k].name = name;
+        d->scopes[k].name_len = (size_t)len;
+        d->scopes[k].shared = shared;
+        d->nscopes = (int)k + 1;
+        if (reconcile_tokens < 0) {
+            if (add_windows(&d->windows, PyTuple_GET_ITEM(t, 2), "a scope's windows", 0, 1,
+                            (int)k + 1) < 0 ||
+                add_windows(&d->windows, PyTuple_GET_ITEM(t, 3), "a scope's token_windows", 1, 1,
+                            (int)k + 1) < 0)
+                return -1;
+        } else if (add_windows(&d->windows, PyTuple_GET_ITEM(t, 2), "a scope's windows",
+                               reconcile_tokens, 1, (int)k + 1) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* 1 when some window of the decision counts tokens. */
+static int
+has_token_windows(const rl_windows *w)
+{
+    for (int i = 0; i < w->count; i++) {
+        if (w->tokens[i])
+            return 1;
     }
     return 0;
 }
@@ -217,10 +322,10 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
 {
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
     static const char *const windows_names[] = {"user_id", "windows", "cost"};
-    static const char *const reserve_names[] = {"user_id", "windows", "cost", "token_windows",
-                                                "tokens"};
-    static const char *const reconcile_names[] = {"user_id",      "windows", "member",
-                                                  "timestamp_ms", "cost",    "tokens"};
+    static const char *const reserve_names[] = {"user_id",       "windows", "cost",
+                                                "token_windows", "tokens",  "scopes"};
+    static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
+                                                  "cost",    "tokens",  "scopes"};
     static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
     static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
     static const char *const release_names[] = {"user_id", "lease_id"};
@@ -232,13 +337,14 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW, [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
         [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,   [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
     };
-    PyObject *v[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    PyObject *v[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
     long long seconds = 0;
 
     d->shape = shape;
     d->script = scripts[shape];
     d->windows.count = 0;
+    d->nscopes = 0;
     d->member[0] = '\0';
     d->score_ms = 0;
     d->new_cost = 0;
@@ -270,8 +376,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         break;
     case RL_SHAPE_CHECK:
         if (rl_parse_args("check", args, nargs, kwnames, check_names, 4, 3, 3, v) < 0 ||
-            rl_user_id_utf8(v[0], &unused) == NULL || add_window(&d->windows, v[1], v[2], 0) < 0 ||
-            set_cost(&d->windows, v[3], "cost", 0) < 0)
+            rl_user_id_utf8(v[0], &unused) == NULL ||
+            add_window(&d->windows, v[1], v[2], 0, 0) < 0 || set_cost(d, v[3], "cost", 0) < 0)
             return -1;
         break;
     case RL_SHAPE_WINDOWS:
@@ -279,45 +385,48 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         if (rl_parse_args(shape == RL_SHAPE_WINDOWS ? "check_windows" : "check_windows_detailed",
                           args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
-            add_windows(&d->windows, v[1], "windows", 0, 0) < 0 ||
-            set_cost(&d->windows, v[2], "cost", 0) < 0)
+            add_windows(&d->windows, v[1], "windows", 0, 0, 0) < 0 ||
+            set_cost(d, v[2], "cost", 0) < 0)
             return -1;
         break;
     case RL_SHAPE_RESERVE:
-    case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments */
+    case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments (no scopes) */
         if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
-                          reserve_names, 5, 2, 2, v) < 0 ||
+                          reserve_names, shape == RL_SHAPE_PEEK ? 5 : 6, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
-            add_windows(&d->windows, v[1], "windows", 0, 1) < 0 ||
-            (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1) < 0) ||
-            set_cost(&d->windows, v[2], "cost", 0) < 0)
+            add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
+            (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
+            (v[5] != NULL && add_scopes(d, v[5], -1) < 0) || set_cost(d, v[2], "cost", 0) < 0)
             return -1;
         if (d->windows.count == 0) {
             PyErr_Format(PyExc_ValueError, "%s needs at least one window or token window",
                          shape == RL_SHAPE_PEEK ? "peek" : "reserve");
             return -1;
         }
-        if ((v[3] == NULL || PyObject_Length(v[3]) == 0) != (v[4] == NULL)) {
-            if (PyErr_Occurred())
-                return -1;
+        if (has_token_windows(&d->windows) != (v[4] != NULL)) {
             PyErr_SetString(PyExc_ValueError,
                             v[4] == NULL ? "token_windows need tokens= (the estimated tokens)"
                                          : "tokens= needs token_windows to count them in");
             return -1;
         }
-        if (set_cost(&d->windows, v[4], "tokens", 1) < 0)
+        if (set_cost(d, v[4], "tokens", 1) < 0)
             return -1;
         break;
     case RL_SHAPE_RECONCILE:
-        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 6, 5, 5, v) < 0 ||
+        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 7, 5, 5, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL)
             return -1;
         int tokens = v[5] != NULL ? PyObject_IsTrue(v[5]) : 0;
-        if (tokens < 0 || add_windows(&d->windows, v[1], "windows", tokens, 0) < 0 ||
+        if (tokens < 0 || add_windows(&d->windows, v[1], "windows", tokens, v[6] != NULL, 0) < 0 ||
+            (v[6] != NULL && add_scopes(d, v[6], tokens) < 0) ||
             parse_member(v[2], "reservation's", d->member) < 0 ||
             positive_int(v[3], "timestamp_ms", RL_MAX_LIMIT, &d->score_ms) < 0 ||
             non_negative_int(v[4], "cost", RL_MAX_LIMIT, &d->new_cost) < 0)
             return -1;
+        if (d->windows.count == 0) {
+            PyErr_SetString(PyExc_ValueError, "reconcile needs at least one window");
+            return -1;
+        }
         break;
     case RL_SHAPE_RESET:
         if (rl_parse_args("reset", args, nargs, kwnames, reset_names, 4, 2, 1, v) < 0 ||
@@ -332,9 +441,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         }
         if ((v[1] != NULL && v[1] != Py_None &&
-             add_windows(&d->windows, v[1], "windows", 0, 1) < 0) ||
+             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0) ||
             (v[2] != NULL && v[2] != Py_None &&
-             add_windows(&d->windows, v[2], "token_windows", 1, 1) < 0))
+             add_windows(&d->windows, v[2], "token_windows", 1, 1, 0) < 0))
             return -1;
         break;
     }
@@ -412,6 +521,17 @@ rl_log_warning(const char *message)
     return 0;
 }
 
+/* The scope names are borrowed: once the command holds them they are dropped, so no later
+   step (the asyncio Request keeps its rl_prepared) can read a name its str no longer backs. */
+static void
+forget_scope_names(rl_prepared *p)
+{
+    for (int k = 0; k < p->nscopes; k++) {
+        p->scopes[k].name = NULL;
+        p->scopes[k].name_len = 0;
+    }
+}
+
 int
 rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int client_clock,
            PyObject *user_id, rl_prepared *out)
@@ -471,6 +591,7 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
             r->used_of[i] = 0;
             r->oldest_of[i] = -1;
         }
+        forget_scope_names(out);
         return warn_kill_switch(state);
     }
     if ((out->script == RL_SCRIPT_WINDOW || out->shape == RL_SHAPE_ACQUIRE) &&
@@ -480,6 +601,7 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
     }
     out->command_len = rl_script_format(prefix, prefix_len, user, (size_t)user_len, out,
                                         client_clock ? rl_clock_ms() : -1, &out->command);
+    forget_scope_names(out);
     if (out->command_len < 0) {
         out->command = NULL;
         PyErr_NoMemory();
@@ -515,7 +637,8 @@ rl_check_timeout(const char *name, double seconds)
     return 0;
 }
 
-/* (limit, window_seconds, is_token_window, remaining or None) of each window. */
+/* (limit, window_seconds, is_token_window, remaining or None, scope) of each window, where
+   scope is 0 for the user's own windows and k for the k-th of the call's scopes. */
 static PyObject *
 windows_report(const rl_windows *w, const rl_result *r)
 {
@@ -525,11 +648,12 @@ windows_report(const rl_windows *w, const rl_result *r)
     for (int i = 0; i < w->count; i++) {
         PyObject *item;
         if (i < r->evaluated)
-            item = Py_BuildValue("(LLNL)", w->limit[i], w->seconds[i],
-                                 PyBool_FromLong(w->tokens[i]), r->remaining_of[i]);
+            item =
+                Py_BuildValue("(LLNLi)", w->limit[i], w->seconds[i], PyBool_FromLong(w->tokens[i]),
+                              r->remaining_of[i], (int)w->scope[i]);
         else
-            item = Py_BuildValue("(LLNO)", w->limit[i], w->seconds[i],
-                                 PyBool_FromLong(w->tokens[i]), Py_None);
+            item = Py_BuildValue("(LLNOi)", w->limit[i], w->seconds[i],
+                                 PyBool_FromLong(w->tokens[i]), Py_None, (int)w->scope[i]);
         if (item == NULL) {
             Py_DECREF(all);
             return NULL;
@@ -619,7 +743,7 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
                              r->expires_ms, r->now_ms);
     if (d->shape == RL_SHAPE_DETAILED)
         return window_decision(state, w, r);
-    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 9;
+    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 10;
     t = PyTuple_New(size);
     if (t == NULL)
         return NULL;
@@ -638,7 +762,8 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     if (size == 4)
         return t;
     /* reserve: is the deciding window a token window, the member ("" when nothing was
-       logged), the decision's time, every window's report, and the wait in ms. */
+       logged), the decision's time, every window's report, the wait in ms and the deciding
+       window's scope. */
     PyTuple_SET_ITEM(t, 4, PyBool_FromLong(w->tokens[r->window]));
     if ((item = PyUnicode_FromString(r->allowed ? d->member : "")) == NULL)
         goto error;
@@ -652,6 +777,10 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     if ((item = PyLong_FromLongLong(r->retry_after_ms)) == NULL)
         goto error;
     PyTuple_SET_ITEM(t, 8, item);
+    /* The deciding window's scope (0: the user's own). */
+    if ((item = PyLong_FromLong(w->scope[r->window])) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(t, 9, item);
     return t;
 error:
     Py_DECREF(t);

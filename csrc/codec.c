@@ -190,11 +190,13 @@ static PyMethodDef Codec_methods[] = {
      "A Request, or the kill switch's final WindowDecision."},
     {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+     "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
+     "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._reserve's shape)."},
     {"reconcile", (PyCFunction)(void (*)(void))Codec_reconcile,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False)\n--\n\n"
+     "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
+     "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final answer 0."},
     {"peek", (PyCFunction)(void (*)(void))Codec_peek, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"

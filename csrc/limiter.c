@@ -306,19 +306,24 @@ PyDoc_STRVAR(Limiter_check_windows_detailed_doc,
 LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 
 PyDoc_STRVAR(Limiter_reserve_doc,
-"_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+"_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
+"    scopes=())\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, member,\n"
-"    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None), ...),\n"
-"    retry_after_ms)\n\n"
+"    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None, scope), ...),\n"
+"    retry_after_ms, scope)\n\n"
 "One decision over request windows (charged `cost`) and token windows (charged `tokens`),\n"
-"all or nothing. RateLimiter.reserve wraps it in a Reservation.");
+"the user's own and those of `scopes` ((name, shared, windows, token_windows) tuples; a\n"
+"window's scope is 0 for the user's own, k for scopes[k - 1]), all or nothing.\n"
+"RateLimiter.reserve wraps it in a Reservation.");
 
 LIMITER_METHOD(reserve, RL_SHAPE_RESERVE)
 
 PyDoc_STRVAR(Limiter_reconcile_doc,
-"_reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False)\n--\n\n"
+"_reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
+"    scopes=())\n--\n\n"
 "-> the number of windows whose entry was found\n\n"
-"Sets the cost of a reserved entry in every window where it is still present.\n"
+"Sets the cost of a reserved entry in every window where it is still present, the\n"
+"user's own and those of `scopes` ((name, shared, windows) tuples).\n"
 "RateLimiter.reconcile calls it with a Reservation's fields.");
 
 LIMITER_METHOD(reconcile, RL_SHAPE_RECONCILE)

@@ -29,6 +29,8 @@
 #include <openssl/ssl.h>
 
 #define RL_MAX_WINDOWS 32                  /* windows decided by one check */
+#define RL_MAX_SCOPES 8                    /* scopes (besides the user's own) in one decision */
+#define RL_MAX_SCOPE_NAME 256              /* bytes of a scope's name, in UTF-8 */
 #define RL_MEMBER_LEN 36                   /* canonical UUID text, without the NUL */
 #define RL_MAX_REPLY_BYTES 65536           /* a decision's reply is tiny: more is garbage */
 #define RL_MAX_LIMIT 9007199254740991LL    /* 2^53 - 1: exact in Lua's doubles */
@@ -70,7 +72,17 @@ typedef struct {
     long long seconds[RL_MAX_WINDOWS];
     long long cost[RL_MAX_WINDOWS];       /* what this decision costs in the window (>= 1) */
     unsigned char tokens[RL_MAX_WINDOWS]; /* 1: a token window (key suffix ":tokens") */
+    unsigned char scope[RL_MAX_WINDOWS];  /* 0: the user's own; k: scopes[k - 1] */
 } rl_windows;
+
+/* A scope: windows that belong to someone else than the user's own budget. A user's
+   scope (shared 0: a route's or a model's budget) keys under the user; a shared scope
+   (an upstream's caps) keys under its name, the same for every user (see script.c). */
+typedef struct {
+    const char *name; /* UTF-8, borrowed from the caller's str: valid until rl_prepare ends */
+    size_t name_len;
+    int shared;
+} rl_scope;
 
 typedef struct {
     int allowed; /* 1 allow, 0 reject */
@@ -117,7 +129,9 @@ typedef enum {
 typedef struct {
     rl_shape shape;
     rl_script_id script;
-    rl_windows windows;             /* validated, shortest first */
+    rl_windows windows; /* validated, shortest first */
+    int nscopes;        /* entries of scopes[] (names cleared by rl_prepare) */
+    rl_scope scopes[RL_MAX_SCOPES];
     char member[RL_MEMBER_LEN + 1]; /* the entry: made here, or reconcile's argument */
     long long score_ms;             /* reconcile: the entry's time */
     long long new_cost;             /* reconcile: the entry's cost from now on (>= 0) */

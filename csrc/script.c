@@ -72,6 +72,7 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 #define RL_NUMBER_TEXT 24 /* room for any long long in decimal, with sign and NUL */
 #define RL_STACK_ARENA 4096
 #define RL_KEY_SUFFIXES 12   /* ":tokens" + ":w" */
+#define RL_SCOPE_SUFFIX 8    /* ":scope=" or ":shared" (the name is counted apart) */
 #define RL_SCAN_COUNT "1000" /* reset.lua: keys one SCAN step looks at */
 
 /* Writes text with SCAN's glob characters escaped, then "*". Returns its length. */
@@ -89,7 +90,8 @@ glob_prefix(char *out, const char *text, size_t len)
 }
 
 /* Writes "{prefix}:{user_id}" at cursor and returns the end: the one place that shapes the
-   user's part of every key (the callers append ":{window_seconds}", ":leases", ...). */
+   user's part of every key (the callers append ":{window_seconds}", ":leases", ...). A
+   shared scope's name takes the user's place in its keys (window_key), through here too. */
 static char *
 write_user_key(char *cursor, const char *prefix, size_t prefix_len, const char *user,
                size_t user_len)
@@ -99,6 +101,61 @@ write_user_key(char *cursor, const char *prefix, size_t prefix_len, const char *
     *cursor++ = ':';
     memcpy(cursor, user, user_len);
     return cursor + user_len;
+}
+
+/* Writes the key of window i of d into out (room: see rl_script_format) and returns its
+   length. The one place that names a window's sorted set:
+
+     the user's own window    {prefix}:{user_id}:{window_seconds}[:tokens]
+     a scope of the user      {prefix}:{user_id}:{window_seconds}[:tokens]:scope={name}
+     a shared scope           {prefix}:{name}:{window_seconds}[:tokens]:shared
+
+   with ":w" after any of them for its weights. A key reads from its end: the last field is
+   "w" (weights), then "shared", "scope=..." or neither, then "tokens" or not, then the
+   window's digits; what is left after "{prefix}:" is the owner. In "scope=" the name's
+   '%', ':', '{' and '}' are percent-encoded, so it holds no ':' and two names never meet.
+   Every field the reading takes from the end differs between the kinds (digits, "tokens",
+   "scope=...", "shared", "w" are pairwise distinct), so no user id and no scope name can
+   make one kind's key equal another's: a user "openai/gpt-4o" and the shared scope
+   "openai/gpt-4o" differ by ":shared", a user's scope named "shared" is ":scope=shared". */
+static size_t
+window_key(char *out, const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+           const rl_prepared *d, int i)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    const rl_windows *w = &d->windows;
+    const rl_scope *scope = w->scope[i] ? &d->scopes[w->scope[i] - 1] : NULL;
+    const char *owner = user;
+    size_t owner_len = user_len;
+    char *cursor = out;
+    if (scope != NULL && scope->shared) {
+        owner = scope->name;
+        owner_len = scope->name_len;
+    }
+    cursor = write_user_key(cursor, prefix, prefix_len, owner, owner_len);
+    cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
+    if (w->tokens[i]) {
+        memcpy(cursor, ":tokens", 7);
+        cursor += 7;
+    }
+    if (scope != NULL && scope->shared) {
+        memcpy(cursor, ":shared", 7);
+        cursor += 7;
+    } else if (scope != NULL) {
+        memcpy(cursor, ":scope=", 7);
+        cursor += 7;
+        for (size_t j = 0; j < scope->name_len; j++) {
+            unsigned char c = (unsigned char)scope->name[j];
+            if (c == '%' || c == ':' || c == '{' || c == '}') {
+                *cursor++ = '%';
+                *cursor++ = hex[c >> 4];
+                *cursor++ = hex[c & 15];
+            } else {
+                *cursor++ = (char)c;
+            }
+        }
+    }
+    return (size_t)(cursor - out);
 }
 
 static const char *const lease_ops[] = {
@@ -167,7 +224,14 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     char *arena = stack_arena, *cursor;
     char numkeys[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT], score_text[RL_NUMBER_TEXT],
         cost_text[RL_NUMBER_TEXT];
-    size_t key_room = prefix_len + 1 + user_len + RL_NUMBER_TEXT + RL_KEY_SUFFIXES;
+    size_t owner_len = user_len, scope_room = 0;
+    for (int k = 0; k < d->nscopes; k++) {
+        if (d->scopes[k].name_len > owner_len)
+            owner_len = d->scopes[k].name_len;
+        if (RL_SCOPE_SUFFIX + 3 * d->scopes[k].name_len > scope_room)
+            scope_room = RL_SCOPE_SUFFIX + 3 * d->scopes[k].name_len;
+    }
+    size_t key_room = prefix_len + 1 + owner_len + RL_NUMBER_TEXT + RL_KEY_SUFFIXES + scope_room;
     /* reset.lua's pattern and base (the pattern escapes each byte at most once). */
     size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT) + 3 * key_room;
     const char **keys = argv + 3;
@@ -192,15 +256,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d", 2 * w->count);
     argv[argc++] = numkeys;
     for (int i = 0; i < w->count; i++) {
-        /* "{prefix}:{user_id}:{window_seconds}[:tokens]": a token window's key (last field
-           "tokens") is never a request window's. */
         char *key = cursor;
-        cursor = write_user_key(cursor, prefix, prefix_len, user, user_len);
-        cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
-        if (w->tokens[i]) {
-            memcpy(cursor, ":tokens", 7);
-            cursor += 7;
-        }
+        cursor += window_key(cursor, prefix, prefix_len, user, user_len, d, i);
         keys[i] = key;
         keylens[i] = (size_t)(cursor - key);
         /* Its weights: the same key and ":w" (last field "w": never a window's key). */

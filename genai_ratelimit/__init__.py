@@ -18,7 +18,7 @@ from ._version import __version__
 from .aio import AsyncRateLimiter
 from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
-from .reservation import Reservation, WindowState
+from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "WindowDecision",
     "Reservation",
     "WindowState",
+    "Scope",
     "Lease",
     "AsyncLease",
     "TIER_LIMITS",

@@ -42,6 +42,17 @@ class WindowDecision(structseq[Any], tuple[bool, int, int, int]):
     @property
     def timestamp_ms(self) -> int: ...
 
+# A scope of a reserve call: (name, shared, windows, token_windows); of a reconcile call:
+# (name, shared, windows of the reconciled resource).
+_NativeScope = tuple[str, bool, Sequence[tuple[int, int]], Sequence[tuple[int, int]]]
+_NativeReconcileScope = tuple[str, bool, Sequence[tuple[int, int]]]
+# (allowed, remaining, retry_after_s, window_seconds, is_token_window, member, timestamp_ms,
+#  ((limit, window_seconds, is_token_window, remaining, scope), ...), retry_after_ms, scope),
+# where scope is 0 for the user's own windows and k for scopes[k - 1].
+_ReserveTuple = tuple[
+    bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None, int], ...], int, int
+]
+
 class RateLimiterError(Exception): ...
 class RateLimiterUnavailable(RateLimiterError): ...
 class RateLimiterTimeout(RateLimiterUnavailable, TimeoutError): ...
@@ -92,11 +103,8 @@ class Limiter:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> tuple[  # (allowed, remaining, retry_after_s, window_seconds, is_token_window,
-        # member, timestamp_ms, ((limit, window_seconds, is_token_window, remaining), ...),
-        # retry_after_ms)
-        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...], int
-    ]: ...
+        scopes: tuple[_NativeScope, ...] = (),
+    ) -> _ReserveTuple: ...
     def _reconcile(
         self,
         user_id: str,
@@ -106,6 +114,7 @@ class Limiter:
         cost: int,
         *,
         tokens: bool = False,
+        scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> int: ...
     def _peek(
         self,
@@ -169,9 +178,8 @@ class Codec:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> Request | tuple[
-        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...], int
-    ]: ...
+        scopes: tuple[_NativeScope, ...] = (),
+    ) -> Request | _ReserveTuple: ...
     def reconcile(
         self,
         user_id: str,
@@ -181,6 +189,7 @@ class Codec:
         cost: int,
         *,
         tokens: bool = False,
+        scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> Request | int: ...
     def peek(
         self,

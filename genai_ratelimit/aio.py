@@ -29,7 +29,15 @@ from ._url import RedisOptions
 from .lease import DEFAULT_LEASE_SECONDS, AsyncLease, Lease, lease_arguments, make_lease
 from .limiter import Clock, limiter_options
 from .metrics import LimiterMetrics
-from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
+from .reservation import (
+    Plan,
+    Reservation,
+    Scope,
+    advance,
+    reconcile_plan,
+    reserve_arguments,
+    reserve_plan,
+)
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -504,29 +512,45 @@ class AsyncRateLimiter:
             return request
         return await self._run(request)  # type: ignore[no-any-return]
 
+    # RateLimiter._two_step_scopes: shared scopes decided in steps of their own.
+    _two_step_scopes = False
+
     async def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
                       cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
-                      tokens: int | None = None) -> Reservation:
+                      tokens: int | None = None, scopes: Sequence[Scope] = ()) -> Reservation:
         """RateLimiter.reserve, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        request = self._codec.reserve(user_id, windows,
-                                      **reserve_arguments(cost, token_windows, tokens))
-        raw = request if type(request) is tuple else await self._run(request, True)
-        return make_reservation(raw, user_id, cost, tokens)
+        reservation: Reservation = await self._drive(reserve_plan(
+            user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
+        return reservation
 
     async def reconcile(self, reservation: Reservation, actual: int) -> int:
         """RateLimiter.reconcile, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        arguments = reconcile_arguments(reservation, actual)
-        if arguments is None:
-            return 0
-        positional, keywords = arguments
-        request = self._codec.reconcile(*positional, **keywords)
-        if type(request) is int:
-            return request
-        return await self._run(request)  # type: ignore[no-any-return]
+        found: int = await self._drive(reconcile_plan(reservation, actual))
+        return found
+
+    async def _drive(self, plan: Plan) -> Any:
+        """Runs a plan's C calls (reservation.py) on this loop's pipeline."""
+        call, result = advance(plan)
+        while call is not None:
+            name, positional, keywords = call
+            try:
+                if name == "validate":
+                    answer: object = self._codec.reserve(*positional, **keywords)
+                else:
+                    method = self._codec.reserve if name == "reserve" else self._codec.reconcile
+                    request = method(*positional, **keywords)
+                    # A reserve is a decision (the metrics count it), a reconcile is not.
+                    answer = (request if type(request) in (tuple, int)
+                              else await self._run(request, name == "reserve"))
+            except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                call, result = advance(plan, error=exc)
+            else:
+                call, result = advance(plan, answer)
+        return result
 
     async def peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
                    cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),

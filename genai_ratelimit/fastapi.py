@@ -72,6 +72,7 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 try:
@@ -98,20 +99,24 @@ from ._openai_headers import (
     too_large_error_body,
 )
 from ._tiers_config import (
+    SCOPE_BUDGET_KEYS,
     TIER_BUDGET_KEYS,
     TierConfigError,
     max_in_flight_of_tiers,
+    scope_sections_from_env,
     tier_limits_from_env,
     tier_max_in_flight_from_env,
     tier_token_limits_from_env,
+    validate_scope_budget,
     validate_tier_limits,
     validate_token_limits,
 )
-from ._usage import UsageScanner, estimate_openai_tokens
+from ._usage import UsageScanner, estimate_openai_tokens, requested_model
 from .aio import AsyncRateLimiter
 from .lease import DEFAULT_LEASE_SECONDS, Lease
 from .limiter import RateLimiter
 from .reservation import Reservation, Resource, WindowState
+from .reservation import Scope as BudgetScope
 from .tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -119,6 +124,7 @@ __all__ = [
     "RateLimit",
     "RateLimitHeadersMiddleware",
     "TokenRateLimit",
+    "Upstream",
     "record_usage",
     "in_flight_lease",
     "estimate_openai_tokens",
@@ -444,6 +450,146 @@ def _record_allowed(request: Request, response: Response, limit: int, remaining:
         response.headers[name] = value
 
 
+# --- scopes: upstream caps, route and model budgets ----------------------------------------
+
+
+def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool
+              ) -> BudgetScope | None:
+    """The Scope of a budget (SCOPE_BUDGET_KEYS); its token windows only when `tokens` (a
+    RateLimit charges no tokens). None when nothing of it applies."""
+    windows = [(budget[key], seconds) for key, (seconds, is_tokens) in SCOPE_BUDGET_KEYS.items()
+               if key in budget and not is_tokens]
+    token_windows = [(budget[key], seconds)
+                     for key, (seconds, is_tokens) in SCOPE_BUDGET_KEYS.items()
+                     if key in budget and is_tokens and tokens]
+    if not windows and not token_windows:
+        return None
+    return BudgetScope(name, windows=windows, token_windows=token_windows, shared=shared)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An upstream provider's caps (e.g. provider + model), shared by every user: all users
+    together stay below them. Decided in the same script as each user's own budget, so a
+    request the cap refuses costs the user nothing, and one the user's budget refuses costs
+    the cap nothing. Keys: {prefix}:{name}:{window}[:tokens]:shared.
+
+    models: the request `model`s this upstream serves; empty: every request of the
+    dependency. The token caps count in TokenRateLimit only."""
+
+    name: str
+    per_minute: int | None = None
+    per_day: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+    models: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"an Upstream's name must be a non-empty str, got {self.name!r}")
+        validate_scope_budget(self.budget(), "Upstream", repr(self.name))
+        if isinstance(self.models, str) or not all(isinstance(m, str) and m for m in self.models):
+            raise TypeError("models must be a sequence of model names (non-empty str)")
+        object.__setattr__(self, "models", tuple(self.models))
+        BudgetScope(self.name, windows=[(1, 60)])  # the name's own checks (length, UTF-8)
+
+    def budget(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in SCOPE_BUDGET_KEYS
+                if getattr(self, key) is not None}
+
+    def scope(self, tokens: bool = True) -> BudgetScope | None:
+        """Its Scope (shared); the token caps only when `tokens`. None when none applies."""
+        return _scope_of(self.name, self.budget(), True, tokens)
+
+
+UpstreamOf = Callable[[Request], "Upstream | None | Awaitable[Upstream | None]"]
+
+
+class _Scopes:
+    """What a dependency decides besides the user's tier budget: a route budget, per-model
+    budgets (from the request's JSON `model`) and upstream caps (fixed, by model, or from a
+    callable). Built at start-up; `of(request)` gives one request's Scopes."""
+
+    def __init__(self, upstream: Upstream | Sequence[Upstream] | UpstreamOf | None,
+                 route_limits: Mapping[str, int] | None,
+                 model_limits: Mapping[str, Mapping[str, int]] | None,
+                 from_file: bool, tokens: bool) -> None:
+        self.tokens = tokens
+        self.upstreams: tuple[Upstream, ...] = ()
+        self.upstream_of: UpstreamOf | None = None
+        if isinstance(upstream, Upstream):
+            self.upstreams = (upstream,)
+        elif callable(upstream):
+            self.upstream_of = upstream
+        elif upstream is not None:
+            if isinstance(upstream, (str, bytes)) or not isinstance(upstream, Sequence) or \
+                    not all(isinstance(u, Upstream) for u in upstream):
+                raise TypeError("upstream must be an Upstream, a sequence of Upstream or a "
+                                f"callable taking the request, not {type(upstream).__name__}")
+            self.upstreams = tuple(upstream)
+        self.route_budget = (None if route_limits is None else
+                             validate_scope_budget(route_limits, "route_limits", "the route"))
+        self.model_budgets = {
+            str(model): validate_scope_budget(budget, "model_limits", f"model {model!r}")
+            for model, budget in (model_limits or {}).items()}
+        if from_file and upstream is None and model_limits is None:
+            sections = scope_sections_from_env()
+            if sections is not None:
+                models, upstreams = sections
+                self.model_budgets = models
+                self.upstreams = tuple(
+                    Upstream(name, **budget, models=served)
+                    for name, (budget, served) in upstreams.items())
+        names = [u.name for u in self.upstreams]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two upstreams share a name: {sorted(names)}")
+        if not tokens:
+            for what, budget in (("route_limits", self.route_budget),
+                                 *((f"model_limits[{m!r}]", b) for m, b in (model_limits or {}).items())):
+                if budget and any(SCOPE_BUDGET_KEYS[key][1] for key in budget):
+                    raise ValueError(f"{what}: token budgets need TokenRateLimit (a RateLimit "
+                                     "charges no tokens)")
+        self.reads_model = bool(self.model_budgets) or any(u.models for u in self.upstreams)
+
+    def __bool__(self) -> bool:
+        return bool(self.upstreams or self.upstream_of or self.route_budget or self.model_budgets)
+
+    @staticmethod
+    def route_of(request: Request) -> str:
+        """The route's path template (/items/{id}): never the request's own path, which the
+        client chooses (one budget, and one key, per path it invents). "*" when FastAPI
+        matched no route (a dependency always runs on one)."""
+        path = getattr(request.scope.get("route"), "path", None)
+        return path if isinstance(path, str) and path else "*"
+
+    async def of(self, request: Request) -> tuple[BudgetScope, ...]:
+        found: list[BudgetScope | None] = []
+        if self.route_budget:
+            found.append(_scope_of(f"route:{self.route_of(request)}", self.route_budget, False,
+                                   self.tokens))
+        model = requested_model(await request.body()) if self.reads_model else None
+        if model is not None and model in self.model_budgets:
+            found.append(_scope_of(f"model:{model}", self.model_budgets[model], False,
+                                   self.tokens))
+        upstreams = [u for u in self.upstreams if not u.models or model in u.models]
+        if self.upstream_of is not None:
+            chosen = self.upstream_of(request)
+            if inspect.isawaitable(chosen):
+                chosen = await chosen
+            if chosen is not None and not isinstance(chosen, Upstream):
+                raise TypeError(f"upstream(request) must return an Upstream or None, "
+                                f"not {type(chosen).__name__}")
+            if chosen is not None:
+                upstreams.append(chosen)
+        found += [u.scope(self.tokens) for u in upstreams]
+        return tuple(scope for scope in found if scope is not None)
+
+
+def _scope_kind(scope: BudgetScope) -> str:
+    """X-RateLimit-Scope of a refusal by this scope: upstream, route or model."""
+    return "upstream" if scope.shared else scope.name.split(":", 1)[0]
+
+
 # --- the dependency ------------------------------------------------------------------------
 
 
@@ -496,6 +642,17 @@ class RateLimit:
                    the secret of the IETF fields' partition keys (pk), an HMAC of the
                    identity: None reads $GENAI_RATELIMIT_PARTITION_KEY_SECRET, else a random
                    secret of this process (keys then differ between workers).
+    upstream       an Upstream (a provider's caps, shared by every user), a list of them (each
+                   for the request `model`s it lists, or every request), or a callable
+                   upstream(request) -> Upstream | None (sync or async).
+    route_limits   {"per_minute": 2, "per_day": 50}: each user's own budget on the routes of
+                   this instance, beside the tier's (keys: scope=route:<path template>).
+    model_limits   {"gpt-4o": {"per_minute": 20}}: each user's budget per request `model` (read
+                   from the JSON body). TokenRateLimit also takes tokens_per_minute/_day keys.
+                   With any of the three (or the tiers file's [models]/[upstreams]) the
+                   decision is one `reserve` over the tier's windows and the request's scopes,
+                   and the dependency is an async def; see README "Upstream caps, route and
+                   model budgets" for the 429s (X-RateLimit-Scope).
     max_in_flight  {tier: n}: at most n requests of one identity in flight at once, for the
                    tiers whose budget (tier_limits, or the tiers file) gives no
                    "max_in_flight" of its own; a tier with neither has no concurrency limit
@@ -524,7 +681,17 @@ class RateLimit:
 
     def __new__(cls, limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
                 *args: Any, **kwargs: Any) -> RateLimit:
-        if cls is RateLimit and (limiter is None or _is_async_limiter(limiter)):
+        # Scopes may read the body (a model's budget): an async def, the blocking limiter's
+        # calls then in the threadpool.
+        scoped = any(kwargs.get(key) is not None
+                     for key in ("upstream", "route_limits", "model_limits"))
+        if not scoped and (args[:1] or [kwargs.get("tier_limits")])[0] is None:
+            try:
+                sections = scope_sections_from_env()
+            except TierConfigError:
+                sections = None  # __init__ says what is wrong
+            scoped = sections is not None and any(sections)
+        if cls is RateLimit and (limiter is None or _is_async_limiter(limiter) or scoped):
             cls = _AsyncRateLimit
         return super().__new__(cls)
 
@@ -546,6 +713,9 @@ class RateLimit:
         partition_key_secret: str | bytes | None = None,
         max_in_flight: Mapping[str, int] | None = None,
         lease_seconds: int = DEFAULT_LEASE_SECONDS,
+        upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
+        route_limits: Mapping[str, int] | None = None,
+        model_limits: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
         if mode not in ("enforce", "shadow"):
             raise ValueError(f"mode must be 'enforce' or 'shadow', got {mode!r}")
@@ -593,6 +763,7 @@ class RateLimit:
         if limiter is not None and not callable(getattr(limiter, "check_windows", None)):
             raise TypeError(
                 f"limiter must be a RateLimiter or AsyncRateLimiter, not {type(limiter).__name__}")
+        from_file = tier_limits is None
         if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int):
             raise TypeError(f"lease_seconds must be an int, not {type(lease_seconds).__name__}")
         if lease_seconds < 1:
@@ -604,6 +775,9 @@ class RateLimit:
         else:
             tiers_in_flight = max_in_flight_of_tiers(tier_limits)
         self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)
+        self._scopes = _Scopes(upstream, route_limits, model_limits, from_file,
+                               tokens=isinstance(self, TokenRateLimit))
+        self._limiter_is_async = limiter is None or _is_async_limiter(limiter)
         if max_in_flight is not None and not isinstance(max_in_flight, Mapping):
             raise TypeError(f"max_in_flight must be a mapping of tier to int, not "
                             f"{type(max_in_flight).__name__}")
@@ -876,6 +1050,96 @@ class RateLimit:
         return (getattr(decision, "retry_after_ms", decision[2] * 1000),
                 getattr(decision, "timestamp_ms", 0) or _now_ms())
 
+    async def _limiter_call(self, bound: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """bound(...), a limiter's method: awaited, or in the threadpool for a blocking limiter."""
+        if self._limiter_is_async:
+            return await bound(*args, **kwargs)
+        return await run_in_threadpool(lambda: bound(*args, **kwargs))
+
+    def _refuse_scope(self, request: Request, response: Response, identity: str,
+                      reservation: Reservation, requested: int) -> None:
+        """The 429 of a refusal by a scope (detail "Rate limit exceeded", as every 429). An
+        upstream's (shared) message says that the service, not the user, is at capacity; a
+        route's or a model's names that budget. Either carries X-RateLimit-Scope (upstream |
+        route | model) and, in X-RateLimit-Limit/-Window, the refusing window of that scope;
+        the provider families' x-ratelimit-* headers and the IETF fields, which describe the
+        user's own budget, are left out. In shadow mode: recorded as would-refuse."""
+        scope = reservation.scope
+        assert scope is not None
+        resource, window_seconds = reservation.resource, reservation.window_seconds
+        limit = next(w.limit for w in reservation.windows if w.scope == scope
+                     and w.resource == resource and w.window_seconds == window_seconds)
+        retry_ms = reservation.retry_after_ms
+        kind = _scope_kind(scope)
+        # The contract's detail for every 429; the message says whose budget it was.
+        detail = "Rate limit exceeded"
+        if scope.shared:
+            message = (f"The service is at capacity: its upstream {scope.name} allows {limit} "
+                       f"{resource} per {window_name(window_seconds)} for all users together. "
+                       f"This is not your own rate limit. Please try again in "
+                       f"{format_duration(retry_ms)}.")
+        else:
+            message = (f"{refusal_message(resource, window_seconds, limit, requested, retry_ms)} "
+                       f"(the budget of {kind} {scope.name.split(':', 1)[-1]})")
+        refusal = [
+            ("X-RateLimit-Limit", str(limit)),
+            ("X-RateLimit-Remaining", "0"),
+            ("X-RateLimit-Window", window_name(window_seconds)),
+            ("X-RateLimit-Scope", kind),
+            ("X-RateLimit-Resource", resource),
+        ]
+        if self.mode == "shadow":
+            self._would_refuse(request, response, identity, None, limit, window_seconds, message,
+                               refusal)
+            return
+        _set_refusal_body(request, error_body(self.error_format, 429, detail, message, resource))
+        headers = {
+            **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
+            **dict(refusal),
+        }
+        raise HTTPException(status_code=429, detail=detail, headers=headers)
+
+    async def _decide_with_scopes(self, request: Request, response: Response, user_id: str,
+                                  windows: Windows) -> None:
+        """RateLimit with scopes: one reserve over the tier's windows and the request's
+        scopes (one check_windows when none applies to this request)."""
+        scopes = await self._scopes.of(request)
+        counted = self._already_counted(request, user_id, windows)
+        if not scopes:
+            decision = counted
+            if decision is None:
+                try:
+                    decision = await self._limiter_call(self._decide(), user_id, windows)
+                except RateLimiterError as exc:
+                    self._unavailable(request, user_id, exc)
+                    return
+                self._remember(request, user_id, windows, decision)
+            self._apply(request, response, windows, decision, *self._exact(decision),
+                        identity=user_id)
+            return
+        try:
+            reservation: Reservation = await self._limiter_call(
+                self.limiter.reserve, user_id, () if counted is not None else windows,
+                scopes=scopes)
+        except RateLimiterError as exc:
+            self._unavailable(request, user_id, exc)
+            return
+        if not reservation.allowed and reservation.scope is not None:
+            self._refuse_scope(request, response, user_id, reservation, 1)
+            return  # shadow mode: the route runs, nothing was logged
+        if counted is not None:
+            decision, exact = counted, self._exact(counted)
+        elif not reservation.allowed:
+            decision = (False, 0, reservation.retry_after_s, reservation.window_seconds)
+            exact = (reservation.retry_after_ms, reservation.timestamp_ms or _now_ms())
+        else:
+            state = _tightest(reservation.windows, "requests")
+            assert state is not None and state.remaining is not None
+            decision = (True, state.remaining, 0, state.window_seconds)
+            exact = (0, reservation.timestamp_ms or _now_ms())
+            self._remember(request, user_id, windows, decision)
+        self._apply(request, response, windows, decision, *exact, identity=user_id)
+
     def _decide(self) -> Any:
         """The call that decides: check_windows, as the contract says. When it is this package's
         own (not overridden by a subclass or replaced on the instance), its detailed twin, which
@@ -909,7 +1173,11 @@ class _AsyncRateLimit(RateLimit):
     async def __call__(self, request: Request, response: Response) -> None:
         user_id, tier = self._identity_and_tier(request)
         windows = self._windows[tier]
-        if not await self._take_slot_async(request, response, user_id, tier, True):
+        if not await self._take_slot_async(request, response, user_id, tier,
+                                           self._limiter_is_async):
+            return
+        if self._scopes:
+            await self._decide_with_scopes(request, response, user_id, windows)
             return
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
@@ -987,9 +1255,10 @@ _warned_no_token_middleware = False
 
 
 def _tightest(states: Sequence[WindowState], resource: str) -> WindowState | None:
-    """The window of `resource` with the fewest units remaining (ties: the shorter), among
-    those the decision reached."""
-    reached = [w for w in states if w.resource == resource and w.remaining is not None]
+    """The user's own window of `resource` with the fewest units remaining (ties: the
+    shorter), among those the decision reached (scopes' windows left out)."""
+    reached = [w for w in states
+               if w.resource == resource and w.remaining is not None and w.scope is None]
     return min(reached, key=lambda w: (w.remaining, w.window_seconds)) if reached else None
 
 
@@ -1071,6 +1340,9 @@ class TokenRateLimit(RateLimit):
         partition_key_secret: str | bytes | None = None,
         max_in_flight: Mapping[str, int] | None = None,
         lease_seconds: int = DEFAULT_LEASE_SECONDS,
+        upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
+        route_limits: Mapping[str, int] | None = None,
+        model_limits: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
         if limiter is not None and not callable(getattr(limiter, "reserve", None)):
             raise TypeError(f"limiter must be a RateLimiter or AsyncRateLimiter with reserve(), "
@@ -1090,7 +1362,8 @@ class TokenRateLimit(RateLimit):
                          unavailable_log_interval=unavailable_log_interval, log_user_ids=log_user_ids,
                          mode=mode, shadow_log_interval=shadow_log_interval, headers=headers,
                          partition_key_secret=partition_key_secret, max_in_flight=max_in_flight,
-                         lease_seconds=lease_seconds)
+                         lease_seconds=lease_seconds,
+                         upstream=upstream, route_limits=route_limits, model_limits=model_limits)
         default_tokens = token_limits is None
         if token_limits is None:
             token_limits = tier_token_limits_from_env() or TIER_TOKEN_LIMITS
@@ -1135,7 +1408,9 @@ class TokenRateLimit(RateLimit):
         windows, token_windows = self._windows[tier], self.token_windows_of(tier)
         _ledger_of(request).decided = True
         tokens = await self.estimate_tokens(request, tier)
-        if self._refuse_if_too_large(request, response, identity, windows, token_windows, tokens):
+        scopes = await self._scopes.of(request) if self._scopes else ()
+        if self._refuse_if_too_large(request, response, identity, windows, token_windows, tokens,
+                                     scopes):
             return  # shadow mode: the route runs, nothing was reserved
         if not await self._take_slot_async(request, response, identity, tier, self._is_async):
             return
@@ -1143,19 +1418,22 @@ class TokenRateLimit(RateLimit):
         # Requests already counted by another dependency of this route: reserve tokens only.
         request_windows: Windows = () if counted is not None else windows
         limiter = self.limiter
+        arguments: dict[str, Any] = {"cost": 1, "token_windows": token_windows, "tokens": tokens}
+        if scopes:
+            arguments["scopes"] = scopes
         try:
-            if self._is_async:
-                reservation: Reservation = await limiter.reserve(
-                    identity, request_windows, cost=1, token_windows=token_windows, tokens=tokens)
-            else:
-                reservation = await run_in_threadpool(
-                    lambda: limiter.reserve(identity, request_windows, cost=1,
-                                            token_windows=token_windows, tokens=tokens))
+            reservation: Reservation = await self._limiter_call(
+                limiter.reserve, identity, request_windows, **arguments)
         except RateLimiterError as exc:
             self._unavailable(request, identity, exc)
             return
         if not reservation.allowed:
-            self._refuse(request, response, identity, windows, token_windows, reservation, tokens)
+            if reservation.scope is not None:
+                self._refuse_scope(request, response, identity, reservation,
+                                   tokens if reservation.resource == "tokens" else 1)
+            else:
+                self._refuse(request, response, identity, windows, token_windows, reservation,
+                             tokens)
             return  # shadow mode: the route runs, nothing was reserved
         ledger = _ledger_of(request)
         ledger.entries.append((limiter, self._is_async, reservation))
@@ -1180,10 +1458,12 @@ class TokenRateLimit(RateLimit):
         _record_extra(request, response, extra)
 
     def _refuse_if_too_large(self, request: Request, response: Response, identity: str,
-                             windows: Windows, token_windows: Windows, tokens: int) -> bool:
-        """The 429 of an estimate no wait can make fit (above a token window's limit). Returns
-        True when shadow mode let it through instead, False when the estimate fits."""
-        limit, window_seconds = min(token_windows)
+                             windows: Windows, token_windows: Windows, tokens: int,
+                             scopes: Sequence[BudgetScope] = ()) -> bool:
+        """The 429 of an estimate no wait can make fit (above a token window's limit, its
+        scopes' included). Returns True when shadow mode let it through instead, False when
+        the estimate fits."""
+        limit, window_seconds = min([*token_windows, *(w for s in scopes for w in s.token_windows)])
         if tokens <= limit:
             return False
         refusal = [

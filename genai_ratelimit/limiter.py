@@ -8,12 +8,20 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
 from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, make_lease
-from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
+from .reservation import (
+    Plan,
+    Reservation,
+    Scope,
+    advance,
+    reconcile_plan,
+    reserve_arguments,
+    reserve_plan,
+)
 
 __all__ = ["RateLimiter", "limiter_options"]
 
@@ -137,26 +145,46 @@ class RateLimiter(_native.Limiter):
         return (f"{type(self).__name__}({self.url!r}, "
                 f"key_prefix={self.key_prefix!r}, clock={getattr(self, '_clock', None)!r})")
 
+    # Decide shared scopes in steps of their own (see reservation.reserve_plan): for keys
+    # that cannot meet in one script (Redis Cluster slots). Off: one script decides all.
+    _two_step_scopes = False
+
     def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
                 token_windows: Sequence[tuple[int, int]] = (),
-                tokens: int | None = None) -> Reservation:
+                tokens: int | None = None, scopes: Sequence[Scope] = ()) -> Reservation:
         """Decides one request against its request `windows` (each charged `cost`) and its
-        `token_windows` (each charged `tokens`, the estimate) in one script execution, all
-        or nothing, and logs it on allow. `reconcile` corrects the estimate later."""
-        raw = self._reserve(user_id, windows,
-                            **reserve_arguments(cost, token_windows, tokens))
-        return make_reservation(raw, user_id, cost, tokens)
+        `token_windows` (each charged `tokens`, the estimate), and the windows of `scopes`
+        (a route's or model's budget of this user, an upstream's caps shared by all), in one
+        script execution, all or nothing, and logs it on allow. `reconcile` corrects the
+        estimate later."""
+        reservation: Reservation = self._drive(reserve_plan(
+            user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
+        return reservation
 
     def reconcile(self, reservation: Reservation, actual: int) -> int:
         """Sets the reserved entry's cost (its tokens, when it has token windows) to
-        `actual` in every window where it still is: lower refunds, higher charges, 0
-        removes it. Idempotent. Returns the number of windows whose entry was found (0
-        once it has left them all, or when nothing was logged)."""
-        arguments = reconcile_arguments(reservation, actual)
-        if arguments is None:
-            return 0
-        positional, keywords = arguments
-        return self._reconcile(*positional, **keywords)
+        `actual` in every window where it still is, its scopes' included: lower refunds,
+        higher charges, 0 removes it. Idempotent. Returns the number of windows whose entry
+        was found (0 once it has left them all, or when nothing was logged)."""
+        found: int = self._drive(reconcile_plan(reservation, actual))
+        return found
+
+    def _drive(self, plan: Plan) -> Any:
+        """Runs a plan's C calls (reservation.py), blocking."""
+        call, result = advance(plan)
+        while call is not None:
+            name, positional, keywords = call
+            try:
+                if name == "validate":
+                    answer: object = _native.Codec(self.key_prefix).reserve(*positional, **keywords)
+                else:
+                    method = self._reserve if name == "reserve" else self._reconcile
+                    answer = method(*positional, **keywords)
+            except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                call, result = advance(plan, error=exc)
+            else:
+                call, result = advance(plan, answer)
+        return result
 
     def peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
              token_windows: Sequence[tuple[int, int]] = (),

@@ -11,8 +11,10 @@ ARGV[3]    the start of every key of the user, "{prefix}:{user_id}:"
 ARGV[4]    the SCAN step's COUNT
 
 A key found by SCAN is the user's only when what follows ARGV[3] is a window's own
-suffix: "<digits>", "<digits>:tokens", or one of those and ":w" (a user id may hold ':',
-so "ratelimit:a:" also starts user "a:b"'s keys, whose suffix is "b:60").
+suffix: "<digits>", "<digits>:tokens", either followed by ":scope=<name>" (a route's or a
+model's budget of the user; the name holds no ':'), and any of those followed by ":w" (a
+user id may hold ':', so "ratelimit:a:" also starts user "a:b"'s keys, whose suffix is
+"b:60"). A shared scope's keys (":shared", an upstream's caps) are no user's.
 
 Returns {entries removed (the sorted sets' sizes), the cursor to go on from ("0": done)}.
 Not atomic across SCAN steps: an entry logged meanwhile in a key already visited stays.
@@ -32,7 +34,8 @@ if redis.replicate_commands then redis.replicate_commands() end
 local step = redis.call('SCAN', ARGV[1], 'MATCH', ARGV[2], 'COUNT', ARGV[4])
 local base = #ARGV[3]
 for _, key in ipairs(step[2]) do
-  local suffix = string.sub(key, base + 1)
+  -- A user's scope is one of its windows with ":scope=<name>" after it (script.c).
+  local suffix = string.gsub(string.sub(key, base + 1), ':scope=[^:]*', '', 1)
   if string.find(suffix, '^%d+$') or string.find(suffix, '^%d+:tokens$') then
     removed = removed + redis.call('ZCARD', key)
     redis.call('DEL', key)

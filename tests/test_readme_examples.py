@@ -16,6 +16,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 # The sections whose ```python blocks are complete programs.
 SECTIONS = ["## Use", "### Weights, tokens, reserve → reconcile",
+            "### Scopes: upstream caps, route and model budgets",
+            "### Upstream caps, route and model budgets",
             "### Error formats, provider headers and retry hints",
             "### Concurrency: in-flight leases",
             "### Shadow mode: roll a new budget out without refusing",

@@ -70,7 +70,8 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench bench-weighted bench-cluster dist wheel test-wheel clean
+        install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes bench-metrics bench-cluster \
+        metrics-dashboard dist wheel test-wheel clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -84,6 +85,10 @@ help:
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
 	@echo "make bench-cluster  a single node vs a 3-master Redis Cluster, and the slot lookup's cost"
+	@echo "make bench-leases   acquire + release (in-flight leases) vs the plain check, sync and async"
+	@echo "make bench-scopes   reserve with an upstream scope (one script, two steps) vs check_windows"
+	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
+	@echo "make metrics-dashboard  redraws docs/metrics-dashboard.png from a real run"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
@@ -150,7 +155,8 @@ install-debug: deps $(DEBUG_VENV)/.created
 ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
-             test_fastapi_shadow.py test_fastapi_ietf_headers.py
+             test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
+             test_cli.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -198,13 +204,15 @@ install-hiredis1: deps $(HIREDIS1_VENV)/.created
 # The suite but the slow tests, on the extension linked to hiredis 1.x.
 # The files that drive no hiredis path of their own are left to `make test` and test-asan:
 # FastAPI over TestClient and uvicorn (the same codec and pipeline the async tests drive),
-# the tiers file, the README examples, packaging, the Docker files and the wheel.
-HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py \
+# the tiers file, the README examples, packaging, the Docker files, the wheel and the
+# command line (subprocesses).
+HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py test_fastapi_scopes.py \
                  test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
                  test_wheel_install.py test_c_source_lint.py \
-                 test_fastapi_shadow.py test_fastapi_ietf_headers.py
+                 test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
+                 test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 
@@ -244,6 +252,23 @@ bench: install
 bench-weighted: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/weighted.py
+
+bench-scopes: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/scopes.py
+
+# In-flight leases: acquire + release vs the plain check, sync and async (one run).
+bench-leases: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/leases.py
+
+bench-metrics: install
+	$(PY) benchmarks/metrics_overhead.py
+
+# Redraws docs/metrics-dashboard.png from a real run (matplotlib comes with the bench extra).
+metrics-dashboard: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/metrics_dashboard.py
 
 # A single node against a 3-master Redis Cluster (async pipelined, sync), and the slot
 # lookup's share of a call. Starts its own servers.

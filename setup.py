@@ -29,6 +29,9 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = {
     "RL_SCRIPT": HERE / "lua" / "sliding_window.lua",
     "RL_RECONCILE": HERE / "lua" / "reconcile.lua",
+    "RL_PEEK": HERE / "lua" / "peek.lua",
+    "RL_RESET": HERE / "lua" / "reset.lua",
+    "RL_LEASE": HERE / "lua" / "lease.lua",
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 

@@ -41,7 +41,7 @@ positive_int(PyObject *value, const char *name, long long max, long long *out)
 }
 
 static int
-add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
+add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens, int scope)
 {
     long long l, s;
     if (w->count >= RL_MAX_WINDOWS) {
@@ -52,7 +52,7 @@ add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
         positive_int(seconds, "window_seconds", RL_MAX_WINDOW_SECONDS, &s) < 0)
         return -1;
     for (int j = 0; j < w->count; j++) {
-        if (w->seconds[j] == s && w->tokens[j] == tokens) {
+        if (w->seconds[j] == s && w->tokens[j] == tokens && w->scope[j] == scope) {
             PyErr_Format(PyExc_ValueError,
                          "%swindow_seconds %lld appears twice: each window needs its own length",
                          tokens ? "token " : "", s);
@@ -60,20 +60,24 @@ add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
         }
     }
     /* Insert keeping the windows sorted, shortest first, requests before tokens for one
-       length (stable otherwise). */
+       length, the user's own before its scopes' (stable otherwise). */
     int i = w->count;
     while (i > 0 &&
-           (w->seconds[i - 1] > s || (w->seconds[i - 1] == s && w->tokens[i - 1] > tokens))) {
+           (w->seconds[i - 1] > s ||
+            (w->seconds[i - 1] == s && (w->tokens[i - 1] > tokens || (w->tokens[i - 1] == tokens &&
+                                                                      w->scope[i - 1] > scope))))) {
         w->seconds[i] = w->seconds[i - 1];
         w->limit[i] = w->limit[i - 1];
         w->cost[i] = w->cost[i - 1];
         w->tokens[i] = w->tokens[i - 1];
+        w->scope[i] = w->scope[i - 1];
         i--;
     }
     w->seconds[i] = s;
     w->limit[i] = l;
     w->cost[i] = 1;
     w->tokens[i] = (unsigned char)tokens;
+    w->scope[i] = (unsigned char)scope;
     w->count++;
     return 0;
 }
@@ -81,7 +85,8 @@ add_window(rl_windows *w, PyObject *limit, PyObject *seconds, int tokens)
 /* Adds every (limit, window_seconds) pair of `windows` (named `name` in errors) to w.
    An empty sequence is refused unless allow_empty. */
 static int
-add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int allow_empty)
+add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int allow_empty,
+            int scope)
 {
     PyObject *seq;
     Py_ssize_t n;
@@ -116,7 +121,7 @@ add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int 
             goto done;
         }
         if (add_window(w, PySequence_Fast_GET_ITEM(pair, 0), PySequence_Fast_GET_ITEM(pair, 1),
-                       tokens) < 0)
+                       tokens, scope) < 0)
             goto done;
     }
     rc = 0;
@@ -128,8 +133,9 @@ done:
 /* Sets the cost of every window of one resource; a cost no window of it could ever allow
    is refused before any I/O (the caller knows both numbers). */
 static int
-set_cost(rl_windows *w, PyObject *value, const char *name, int tokens)
+set_cost(rl_prepared *d, PyObject *value, const char *name, int tokens)
 {
+    rl_windows *w = &d->windows;
     long long cost = 1;
     if (value != NULL && positive_int(value, name, RL_MAX_LIMIT, &cost) < 0)
         return -1;
@@ -137,9 +143,24 @@ set_cost(rl_windows *w, PyObject *value, const char *name, int tokens)
         if (w->tokens[i] != tokens)
             continue;
         if (cost > w->limit[i]) {
+            if (w->scope[i] == 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "%s %lld can never be allowed: the %swindow of %lld s allows at most "
+                             "%lld",
+                             name, cost, tokens ? "token " : "", w->seconds[i], w->limit[i]);
+                return -1;
+            }
+            /* PyErr_Format has no %.*s: the name (not NUL-terminated) goes as a str. */
+            const rl_scope *scope = &d->scopes[w->scope[i] - 1];
+            PyObject *shown =
+                PyUnicode_DecodeUTF8(scope->name, (Py_ssize_t)scope->name_len, "replace");
+            if (shown == NULL)
+                return -1;
             PyErr_Format(PyExc_ValueError,
-                         "%s %lld can never be allowed: the %swindow of %lld s allows at most %lld",
-                         name, cost, tokens ? "token " : "", w->seconds[i], w->limit[i]);
+                         "%s %lld can never be allowed: the %swindow of %lld s of scope %R allows "
+                         "at most %lld",
+                         name, cost, tokens ? "token " : "", w->seconds[i], shown, w->limit[i]);
+            Py_DECREF(shown);
             return -1;
         }
         w->cost[i] = cost;
@@ -147,21 +168,106 @@ set_cost(rl_windows *w, PyObject *value, const char *name, int tokens)
     return 0;
 }
 
+/* Adds the windows of `scopes`: a tuple of (name, shared, windows, token_windows) tuples
+   for reserve (reconcile_tokens < 0), of (name, shared, windows) for reconcile, whose
+   windows are then token windows when reconcile_tokens is 1. Tuples only: the names are
+   borrowed (rl_scope) and a tuple cannot drop them while the decision is prepared. */
 static int
-parse_member(PyObject *value, char out[RL_MEMBER_LEN + 1])
+add_scopes(rl_prepared *d, PyObject *scopes, int reconcile_tokens)
+{
+    Py_ssize_t n, size = reconcile_tokens < 0 ? 4 : 3;
+    if (!PyTuple_Check(scopes)) {
+        PyErr_Format(PyExc_TypeError, "scopes must be a tuple, not %.100s",
+                     Py_TYPE(scopes)->tp_name);
+        return -1;
+    }
+    n = PyTuple_GET_SIZE(scopes);
+    if (n > RL_MAX_SCOPES) {
+        PyErr_Format(PyExc_ValueError, "at most %d scopes can be decided at once, got %zd",
+                     RL_MAX_SCOPES, n);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *t = PyTuple_GET_ITEM(scopes, k);
+        Py_ssize_t len;
+        const char *name;
+        int shared;
+        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != size) {
+            PyErr_Format(PyExc_TypeError, "scopes[%zd] must be a tuple of %zd items, got %.100s", k,
+                         size, Py_TYPE(t)->tp_name);
+            return -1;
+        }
+        if (!PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
+            PyErr_Format(PyExc_TypeError, "a scope's name must be a str, not %.100s",
+                         Py_TYPE(PyTuple_GET_ITEM(t, 0))->tp_name);
+            return -1;
+        }
+        name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(t, 0), &len);
+        if (name == NULL)
+            return -1;
+        if (len == 0 || len > RL_MAX_SCOPE_NAME) {
+            PyErr_Format(PyExc_ValueError,
+                         "a scope's name must hold 1 to %d bytes of UTF-8, got %zd",
+                         RL_MAX_SCOPE_NAME, len);
+            return -1;
+        }
+        for (Py_ssize_t j = 0; j < k; j++) {
+            if (d->scopes[j].name_len == (size_t)len && memcmp(d->scopes[j].name, name, len) == 0) {
+                PyErr_Format(PyExc_ValueError, "scope %R appears twice", PyTuple_GET_ITEM(t, 0));
+                return -1;
+            }
+        }
+        if (!PyBool_Check(PyTuple_GET_ITEM(t, 1))) {
+            PyErr_Format(PyExc_TypeError, "a scope's shared flag must be a bool, not %.100s",
+                         Py_TYPE(PyTuple_GET_ITEM(t, 1))->tp_name);
+            return -1;
+        }
+        shared = PyTuple_GET_ITEM(t, 1) == Py_True;
+        d->scopes[k].name = name;
+        d->scopes[k].name_len = (size_t)len;
+        d->scopes[k].shared = shared;
+        d->nscopes = (int)k + 1;
+        if (reconcile_tokens < 0) {
+            if (add_windows(&d->windows, PyTuple_GET_ITEM(t, 2), "a scope's windows", 0, 1,
+                            (int)k + 1) < 0 ||
+                add_windows(&d->windows, PyTuple_GET_ITEM(t, 3), "a scope's token_windows", 1, 1,
+                            (int)k + 1) < 0)
+                return -1;
+        } else if (add_windows(&d->windows, PyTuple_GET_ITEM(t, 2), "a scope's windows",
+                               reconcile_tokens, 1, (int)k + 1) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* 1 when some window of the decision counts tokens. */
+static int
+has_token_windows(const rl_windows *w)
+{
+    for (int i = 0; i < w->count; i++) {
+        if (w->tokens[i])
+            return 1;
+    }
+    return 0;
+}
+
+static int
+parse_member(PyObject *value, const char *what, char out[RL_MEMBER_LEN + 1])
 {
     Py_ssize_t len;
     const char *text;
     if (!PyUnicode_Check(value)) {
-        PyErr_Format(PyExc_TypeError, "member must be a str, not %.100s", Py_TYPE(value)->tp_name);
+        PyErr_Format(PyExc_TypeError, "%s must be a str, not %.100s",
+                     what[0] == 'l' ? "lease_id" : "member", Py_TYPE(value)->tp_name);
         return -1;
     }
     text = PyUnicode_AsUTF8AndSize(value, &len);
     if (text == NULL)
         return -1;
     if (len != RL_MEMBER_LEN) {
-        PyErr_Format(PyExc_ValueError, "member must be a reservation's 36-character UUID, got %R",
-                     value);
+        PyErr_Format(PyExc_ValueError, "%s must be a %s 36-character UUID, got %R",
+                     what[0] == 'l' ? "lease_id" : "member", what, value);
         return -1;
     }
     memcpy(out, text, RL_MEMBER_LEN + 1);
@@ -185,31 +291,94 @@ non_negative_int(PyObject *value, const char *name, long long max, long long *ou
     return positive_int(value, name, max, out);
 }
 
+/* reset's SCAN cursor: None (start), or a str of 1 to 20 digits. */
+static int
+parse_cursor(PyObject *value, rl_prepared *d)
+{
+    Py_ssize_t len;
+    const char *text;
+    if (value == NULL || value == Py_None) {
+        memcpy(d->cursor, "0", 2);
+        return 0;
+    }
+    if (!PyUnicode_Check(value)) {
+        PyErr_Format(PyExc_TypeError, "cursor must be a str, not %.100s", Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    text = PyUnicode_AsUTF8AndSize(value, &len);
+    if (text == NULL)
+        return -1;
+    if (len < 1 || len > 20 || strspn(text, "0123456789") != (size_t)len) {
+        PyErr_Format(PyExc_ValueError, "cursor must be a SCAN cursor (digits), got %R", value);
+        return -1;
+    }
+    memcpy(d->cursor, text, (size_t)len + 1);
+    return 0;
+}
+
 int
 rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                  rl_prepared *d, PyObject **user_id)
 {
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
     static const char *const windows_names[] = {"user_id", "windows", "cost"};
-    static const char *const reserve_names[] = {"user_id", "windows", "cost", "token_windows",
-                                                "tokens"};
-    static const char *const reconcile_names[] = {"user_id",      "windows", "member",
-                                                  "timestamp_ms", "cost",    "tokens"};
-    PyObject *v[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    static const char *const reserve_names[] = {"user_id",       "windows", "cost",
+                                                "token_windows", "tokens",  "scopes"};
+    static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
+                                                  "cost",    "tokens",  "scopes"};
+    static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
+    static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
+    static const char *const release_names[] = {"user_id", "lease_id"};
+    static const char *const renew_names[] = {"user_id", "lease_id", "lease_seconds"};
+    static const rl_script_id scripts[] = {
+        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,    [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,  [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
+        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,       [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
+        [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW, [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
+        [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,   [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
+    };
+    PyObject *v[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
+    long long seconds = 0;
 
     d->shape = shape;
-    d->script = shape == RL_SHAPE_RECONCILE ? RL_SCRIPT_RECONCILE : RL_SCRIPT_WINDOW;
+    d->script = scripts[shape];
     d->windows.count = 0;
+    d->nscopes = 0;
     d->member[0] = '\0';
     d->score_ms = 0;
     d->new_cost = 0;
     d->hash_tag = 0; /* the limiter sets it after parsing, in cluster mode */
+    d->scan = 0;
+    d->cursor[0] = '\0';
+    d->lease_limit = 0;
+    d->lease_ms = 0;
     switch (shape) {
+    case RL_SHAPE_ACQUIRE:
+        if (rl_parse_args("acquire", args, nargs, kwnames, acquire_names, 3, 3, 3, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL ||
+            positive_int(v[1], "limit", RL_MAX_LIMIT, &d->lease_limit) < 0 ||
+            positive_int(v[2], "lease_seconds", RL_MAX_WINDOW_SECONDS, &seconds) < 0)
+            return -1;
+        d->lease_ms = seconds * 1000;
+        break;
+    case RL_SHAPE_RELEASE:
+        if (rl_parse_args("release", args, nargs, kwnames, release_names, 2, 2, 2, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || parse_member(v[1], "lease's", d->member) < 0)
+            return -1;
+        break;
+    case RL_SHAPE_RENEW:
+        if (rl_parse_args("renew", args, nargs, kwnames, renew_names, 3, 3, 3, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL ||
+            parse_member(v[1], "lease's", d->member) < 0 ||
+            positive_int(v[2], "lease_seconds", RL_MAX_WINDOW_SECONDS, &seconds) < 0)
+            return -1;
+        d->lease_ms = seconds * 1000;
+        break;
     case RL_SHAPE_CHECK:
         if (rl_parse_args("check", args, nargs, kwnames, check_names, 4, 3, 3, v) < 0 ||
-            rl_user_id_utf8(v[0], &unused) == NULL || add_window(&d->windows, v[1], v[2], 0) < 0 ||
-            set_cost(&d->windows, v[3], "cost", 0) < 0)
+            rl_user_id_utf8(v[0], &unused) == NULL ||
+            add_window(&d->windows, v[1], v[2], 0, 0) < 0 || set_cost(d, v[3], "cost", 0) < 0)
             return -1;
         break;
     case RL_SHAPE_WINDOWS:
@@ -217,41 +386,65 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         if (rl_parse_args(shape == RL_SHAPE_WINDOWS ? "check_windows" : "check_windows_detailed",
                           args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
-            add_windows(&d->windows, v[1], "windows", 0, 0) < 0 ||
-            set_cost(&d->windows, v[2], "cost", 0) < 0)
+            add_windows(&d->windows, v[1], "windows", 0, 0, 0) < 0 ||
+            set_cost(d, v[2], "cost", 0) < 0)
             return -1;
         break;
     case RL_SHAPE_RESERVE:
-        if (rl_parse_args("reserve", args, nargs, kwnames, reserve_names, 5, 2, 2, v) < 0 ||
+    case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments (no scopes) */
+        if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
+                          reserve_names, shape == RL_SHAPE_PEEK ? 5 : 6, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
-            add_windows(&d->windows, v[1], "windows", 0, 1) < 0 ||
-            (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1) < 0) ||
-            set_cost(&d->windows, v[2], "cost", 0) < 0)
+            add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
+            (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
+            (v[5] != NULL && add_scopes(d, v[5], -1) < 0) || set_cost(d, v[2], "cost", 0) < 0)
             return -1;
         if (d->windows.count == 0) {
-            PyErr_SetString(PyExc_ValueError, "reserve needs at least one window or token window");
+            PyErr_Format(PyExc_ValueError, "%s needs at least one window or token window",
+                         shape == RL_SHAPE_PEEK ? "peek" : "reserve");
             return -1;
         }
-        if ((v[3] == NULL || PyObject_Length(v[3]) == 0) != (v[4] == NULL)) {
-            if (PyErr_Occurred())
-                return -1;
+        if (has_token_windows(&d->windows) != (v[4] != NULL)) {
             PyErr_SetString(PyExc_ValueError,
                             v[4] == NULL ? "token_windows need tokens= (the estimated tokens)"
                                          : "tokens= needs token_windows to count them in");
             return -1;
         }
-        if (set_cost(&d->windows, v[4], "tokens", 1) < 0)
+        if (set_cost(d, v[4], "tokens", 1) < 0)
             return -1;
         break;
     case RL_SHAPE_RECONCILE:
-        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 6, 5, 5, v) < 0 ||
+        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 7, 5, 5, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL)
             return -1;
         int tokens = v[5] != NULL ? PyObject_IsTrue(v[5]) : 0;
-        if (tokens < 0 || add_windows(&d->windows, v[1], "windows", tokens, 0) < 0 ||
-            parse_member(v[2], d->member) < 0 ||
+        if (tokens < 0 || add_windows(&d->windows, v[1], "windows", tokens, v[6] != NULL, 0) < 0 ||
+            (v[6] != NULL && add_scopes(d, v[6], tokens) < 0) ||
+            parse_member(v[2], "reservation's", d->member) < 0 ||
             positive_int(v[3], "timestamp_ms", RL_MAX_LIMIT, &d->score_ms) < 0 ||
             non_negative_int(v[4], "cost", RL_MAX_LIMIT, &d->new_cost) < 0)
+            return -1;
+        if (d->windows.count == 0) {
+            PyErr_SetString(PyExc_ValueError, "reconcile needs at least one window");
+            return -1;
+        }
+        break;
+    case RL_SHAPE_RESET:
+        if (rl_parse_args("reset", args, nargs, kwnames, reset_names, 4, 2, 1, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || parse_cursor(v[3], d) < 0)
+            return -1;
+        if ((v[1] == NULL || v[1] == Py_None) && (v[2] == NULL || v[2] == Py_None)) {
+            d->scan = 1; /* every window of the user */
+            break;
+        }
+        if (v[3] != NULL && v[3] != Py_None) {
+            PyErr_SetString(PyExc_ValueError, "cursor= goes with windows=None only");
+            return -1;
+        }
+        if ((v[1] != NULL && v[1] != Py_None &&
+             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0) ||
+            (v[2] != NULL && v[2] != Py_None &&
+             add_windows(&d->windows, v[2], "token_windows", 1, 1, 0) < 0))
             return -1;
         break;
     }
@@ -329,6 +522,49 @@ rl_log_warning(const char *message)
     return 0;
 }
 
+/* The scope names are borrowed: once the command holds them they are dropped, so no later
+   step (the asyncio Request keeps its rl_prepared) can read a name its str no longer backs. */
+static void
+forget_scope_names(rl_prepared *p)
+{
+    for (int k = 0; k < p->nscopes; k++) {
+        p->scopes[k].name = NULL;
+        p->scopes[k].name_len = 0;
+    }
+}
+
+/* Cluster mode: the one hash slot of d's keys, into d->slot. A window's keys carry its
+   owner in their hash tag: the user, or a shared scope's name (write_user_key). One script
+   reaches one slot, so a decision whose owners hash to different slots is refused before
+   any I/O. 0, or -1 with an exception. */
+static int
+cluster_slot(rl_prepared *d, const char *user, size_t user_len)
+{
+    int user_slot = rl_user_slot(user, user_len);
+    d->slot = user_slot;
+    for (int i = 0; i < d->windows.count && user_slot >= 0; i++) {
+        const rl_scope *scope = d->windows.scope[i] ? &d->scopes[d->windows.scope[i] - 1] : NULL;
+        int slot =
+            scope != NULL && scope->shared ? rl_user_slot(scope->name, scope->name_len) : user_slot;
+        if (slot < 0)
+            break;
+        if (i == 0) {
+            d->slot = slot;
+        } else if (slot != d->slot) {
+            PyErr_SetString(PyExc_ValueError,
+                            "on a Redis Cluster one decision's keys must share a hash slot: a "
+                            "shared scope's windows cannot be decided with the user's own or "
+                            "another shared scope's (their keys live in different slots)");
+            return -1;
+        }
+    }
+    if (user_slot < 0 || d->slot < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
 int
 rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int client_clock,
            PyObject *user_id, rl_prepared *out)
@@ -346,15 +582,29 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
     user = rl_user_id_utf8(user_id, &user_len);
     if (user == NULL)
         return -1;
-    if (out->hash_tag && (out->slot = rl_user_slot(user, (size_t)user_len)) < 0) {
-        PyErr_NoMemory();
+    if (out->hash_tag && cluster_slot(out, user, (size_t)user_len) < 0)
         return -1;
+    int disabled = kill_switch_on();
+    if (disabled && out->script == RL_SCRIPT_LEASE) {
+        /* Every lease is granted and nothing is held: an acquired lease has no id (its
+           release sends nothing), a release finds nothing, a renew succeeds. */
+        memset(&out->result, 0, sizeof(out->result));
+        out->disabled = 1;
+        out->result.allowed = out->shape != RL_SHAPE_RELEASE;
+        out->result.now_ms = rl_clock_ms();
+        if (out->shape != RL_SHAPE_RELEASE)
+            out->result.expires_ms = out->result.now_ms + out->lease_ms;
+        if (out->shape == RL_SHAPE_ACQUIRE)
+            out->member[0] = '\0';
+        return warn_kill_switch(state);
     }
-    if (kill_switch_on()) {
+    if (disabled) {
         /* The tightest window is the one with the smallest limit (ties: the shorter). Nothing
            is logged, so a reservation has no member and its reconcile sends nothing. */
         rl_result *r = &out->result;
         int best = 0;
+        if (out->windows.count == 0) /* reset of every window: the result ignores windows */
+            out->windows.limit[0] = out->windows.seconds[0] = 0;
         for (int i = 0; i < out->windows.count; i++) {
             r->remaining_of[i] = out->windows.limit[i];
             if (out->windows.limit[i] < out->windows.limit[best])
@@ -371,14 +621,23 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         r->now_ms = rl_clock_ms();
         r->evaluated = out->windows.count;
         r->found = 0;
+        r->expires_ms = 0;
+        memcpy(r->cursor, "0", 2); /* reset: nothing removed, nothing left to scan */
+        for (int i = 0; i < out->windows.count; i++) {
+            r->used_of[i] = 0;
+            r->oldest_of[i] = -1;
+        }
+        forget_scope_names(out);
         return warn_kill_switch(state);
     }
-    if (out->script == RL_SCRIPT_WINDOW && rl_member_uuid4(state->random, out->member) < 0) {
+    if ((out->script == RL_SCRIPT_WINDOW || out->shape == RL_SHAPE_ACQUIRE) &&
+        rl_member_uuid4(state->random, out->member) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
     out->command_len = rl_script_format(prefix, prefix_len, user, (size_t)user_len, out,
                                         client_clock ? rl_clock_ms() : -1, &out->command);
+    forget_scope_names(out);
     if (out->command_len < 0) {
         out->command = NULL;
         PyErr_NoMemory();
@@ -414,7 +673,8 @@ rl_check_timeout(const char *name, double seconds)
     return 0;
 }
 
-/* (limit, window_seconds, is_token_window, remaining or None) of each window. */
+/* (limit, window_seconds, is_token_window, remaining or None, scope) of each window, where
+   scope is 0 for the user's own windows and k for the k-th of the call's scopes. */
 static PyObject *
 windows_report(const rl_windows *w, const rl_result *r)
 {
@@ -424,11 +684,12 @@ windows_report(const rl_windows *w, const rl_result *r)
     for (int i = 0; i < w->count; i++) {
         PyObject *item;
         if (i < r->evaluated)
-            item = Py_BuildValue("(LLNL)", w->limit[i], w->seconds[i],
-                                 PyBool_FromLong(w->tokens[i]), r->remaining_of[i]);
+            item =
+                Py_BuildValue("(LLNLi)", w->limit[i], w->seconds[i], PyBool_FromLong(w->tokens[i]),
+                              r->remaining_of[i], (int)w->scope[i]);
         else
-            item = Py_BuildValue("(LLNO)", w->limit[i], w->seconds[i],
-                                 PyBool_FromLong(w->tokens[i]), Py_None);
+            item = Py_BuildValue("(LLNOi)", w->limit[i], w->seconds[i],
+                                 PyBool_FromLong(w->tokens[i]), Py_None, (int)w->scope[i]);
         if (item == NULL) {
             Py_DECREF(all);
             return NULL;
@@ -436,6 +697,32 @@ windows_report(const rl_windows *w, const rl_result *r)
         PyTuple_SET_ITEM(all, i, item);
     }
     return all;
+}
+
+/* peek: (allowed, remaining, retry_after_s, window_seconds, is_token_window, now_ms,
+   ((limit, window_seconds, is_token_window, used, oldest_ms or None), ...), retry_after_ms). */
+static PyObject *
+peek_object(const rl_windows *w, const rl_result *r)
+{
+    PyObject *all = PyTuple_New(w->count);
+    if (all == NULL)
+        return NULL;
+    for (int i = 0; i < w->count; i++) {
+        PyObject *oldest =
+            r->oldest_of[i] < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(r->oldest_of[i]);
+        PyObject *item = oldest == NULL
+                             ? NULL
+                             : Py_BuildValue("(LLNLN)", w->limit[i], w->seconds[i],
+                                             PyBool_FromLong(w->tokens[i]), r->used_of[i], oldest);
+        if (item == NULL) {
+            Py_DECREF(all);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(all, i, item);
+    }
+    return Py_BuildValue("(OLLLNLNL)", r->allowed ? Py_True : Py_False, r->remaining,
+                         r->retry_after_s, w->seconds[r->window],
+                         PyBool_FromLong(w->tokens[r->window]), r->now_ms, all, r->retry_after_ms);
 }
 
 /* check_windows_detailed's answer: a WindowDecision, which unpacks and compares as
@@ -478,9 +765,21 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     Py_ssize_t size;
     if (d->shape == RL_SHAPE_RECONCILE)
         return PyLong_FromLongLong(r->found);
+    if (d->shape == RL_SHAPE_RESET)
+        return Py_BuildValue("(Ls)", r->found, r->cursor);
+    if (d->shape == RL_SHAPE_PEEK)
+        return peek_object(w, r);
+    if (d->shape == RL_SHAPE_RELEASE)
+        return PyBool_FromLong(r->allowed);
+    if (d->shape == RL_SHAPE_RENEW)
+        return Py_BuildValue("(NL)", PyBool_FromLong(r->allowed), r->expires_ms);
+    if (d->shape == RL_SHAPE_ACQUIRE)
+        return Py_BuildValue("(NLLLsLL)", PyBool_FromLong(r->allowed), r->remaining,
+                             r->retry_after_s, r->retry_after_ms, r->allowed ? d->member : "",
+                             r->expires_ms, r->now_ms);
     if (d->shape == RL_SHAPE_DETAILED)
         return window_decision(state, w, r);
-    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 9;
+    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 10;
     t = PyTuple_New(size);
     if (t == NULL)
         return NULL;
@@ -499,7 +798,8 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     if (size == 4)
         return t;
     /* reserve: is the deciding window a token window, the member ("" when nothing was
-       logged), the decision's time, every window's report, and the wait in ms. */
+       logged), the decision's time, every window's report, the wait in ms and the deciding
+       window's scope. */
     PyTuple_SET_ITEM(t, 4, PyBool_FromLong(w->tokens[r->window]));
     if ((item = PyUnicode_FromString(r->allowed ? d->member : "")) == NULL)
         goto error;
@@ -513,6 +813,10 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     if ((item = PyLong_FromLongLong(r->retry_after_ms)) == NULL)
         goto error;
     PyTuple_SET_ITEM(t, 8, item);
+    /* The deciding window's scope (0: the user's own). */
+    if ((item = PyLong_FromLong(w->scope[r->window])) == NULL)
+        goto error;
+    PyTuple_SET_ITEM(t, 9, item);
     return t;
 error:
     Py_DECREF(t);

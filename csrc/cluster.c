@@ -171,6 +171,7 @@ node_index(rl_cluster *c, const char *host, size_t host_len, int port)
         return -1;
     }
     node->pool.closed = c->closed;
+    node->pool.metrics = c->metrics;
     c->nodes[c->node_count] = node;
     return c->node_count++;
 }

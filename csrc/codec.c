@@ -86,18 +86,20 @@ typedef struct {
     char *key_prefix; /* UTF-8, owned */
     size_t key_prefix_len;
     int client_clock;
-    int hash_tag; /* cluster: keys carry the user id in a hash tag */
+    int hash_tag;       /* cluster: keys carry the user id in a hash tag */
+    int metrics_on;     /* count into metrics (metrics=True) */
+    rl_metrics metrics; /* the async limiter's counters, updated by its pipelines */
 } CodecObject;
 
 static int
 Codec_init(CodecObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"key_prefix", "client_clock", "hash_tag", NULL};
+    static char *keywords[] = {"key_prefix", "client_clock", "metrics", "hash_tag", NULL};
     const char *prefix;
     Py_ssize_t prefix_len;
-    int client_clock = 0, hash_tag = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s#|$pp", keywords, &prefix, &prefix_len,
-                                     &client_clock, &hash_tag))
+    int client_clock = 0, metrics = 1, hash_tag = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s#|$ppp", keywords, &prefix, &prefix_len,
+                                     &client_clock, &metrics, &hash_tag))
         return -1;
     if (prefix_len == 0) {
         PyErr_SetString(PyExc_ValueError, "key_prefix must not be empty");
@@ -114,6 +116,7 @@ Codec_init(CodecObject *self, PyObject *args, PyObject *kwargs)
     self->key_prefix_len = (size_t)prefix_len;
     self->client_clock = client_clock;
     self->hash_tag = hash_tag;
+    self->metrics_on = metrics;
     return 0;
 }
 
@@ -167,6 +170,23 @@ CODEC_METHOD(check_windows, RL_SHAPE_WINDOWS)
 CODEC_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 CODEC_METHOD(reserve, RL_SHAPE_RESERVE)
 CODEC_METHOD(reconcile, RL_SHAPE_RECONCILE)
+CODEC_METHOD(peek, RL_SHAPE_PEEK)
+CODEC_METHOD(reset, RL_SHAPE_RESET)
+
+static PyObject *
+Codec_get_metrics(CodecObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return rl_metrics_object(&self->metrics, self->metrics_on);
+}
+
+static PyObject *
+Codec_record_outcome(CodecObject *self, PyObject *kind)
+{
+    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, kind);
+}
+CODEC_METHOD(acquire, RL_SHAPE_ACQUIRE)
+CODEC_METHOD(release, RL_SHAPE_RELEASE)
+CODEC_METHOD(renew, RL_SHAPE_RENEW)
 
 static PyMethodDef Codec_methods[] = {
     {"check", (PyCFunction)(void (*)(void))Codec_check, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
@@ -182,17 +202,41 @@ static PyMethodDef Codec_methods[] = {
      "A Request, or the kill switch's final WindowDecision."},
     {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+     "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
+     "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._reserve's shape)."},
     {"reconcile", (PyCFunction)(void (*)(void))Codec_reconcile,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False)\n--\n\n"
+     "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
+     "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final answer 0."},
+    {"peek", (PyCFunction)(void (*)(void))Codec_peek, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._peek's shape)."},
+    {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
+     "A Request, or the kill switch's final tuple (0, '0')."},
+    {"metrics", (PyCFunction)Codec_get_metrics, METH_NOARGS,
+     "metrics($self, /)\n--\n\nThe counters of the async limiter (Limiter.metrics's shape)."},
+    {"_record_outcome", (PyCFunction)Codec_record_outcome, METH_O,
+     "_record_outcome($self, kind, /)\n--\n\n"
+     "Counts 'fail_open', 'shadow', 'unavailable' or 'connection_error'."},
+    {"acquire", (PyCFunction)(void (*)(void))Codec_acquire,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._acquire's shape)."},
+    {"release", (PyCFunction)(void (*)(void))Codec_release,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "release($self, /, user_id, lease_id)\n--\n\n"
+     "A Request, or the kill switch's final answer False."},
+    {"renew", (PyCFunction)(void (*)(void))Codec_renew, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "renew($self, /, user_id, lease_id, lease_seconds)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._renew's shape)."},
     {NULL, NULL, 0, NULL},
 };
 
 static PyType_Slot Codec_slots[] = {
-    {Py_tp_doc, "Codec(key_prefix, *, client_clock=False, hash_tag=False)\n--\n\n"
+    {Py_tp_doc, "Codec(key_prefix, *, client_clock=False, metrics=True, hash_tag=False)\n--\n\n"
                 "Validates checks and formats them, exactly like the blocking Limiter."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, Codec_init},
@@ -215,24 +259,41 @@ PyType_Spec rl_codec_spec = {
    holder a strong reference to the Request whose prepared decision they point into. */
 typedef struct {
     PyObject_HEAD
-    rl_proto proto; /* the engine; proto.reader == NULL before __init__ */
-    double timeout; /* seconds a reply may take */
+    rl_proto proto;     /* the engine; proto.reader == NULL before __init__ */
+    double timeout;     /* seconds a reply may take */
+    CodecObject *codec; /* whose counters this connection updates (owned), or NULL */
 } PipelineObject;
+
+/* The counters of the pipeline's limiter, or NULL when it has none or they are off. */
+static rl_metrics *
+metrics_of(PipelineObject *self)
+{
+    return self->codec != NULL && self->codec->metrics_on ? &self->codec->metrics : NULL;
+}
 
 static int
 Pipeline_init(PipelineObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"timeout", NULL};
+    static char *keywords[] = {"timeout", "codec", NULL};
     double timeout;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "d", keywords, &timeout))
+    PyObject *codec = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "d|$O", keywords, &timeout, &codec))
         return -1;
     if (rl_check_timeout("timeout", timeout) < 0)
         return -1;
+    if (codec == Py_None)
+        codec = NULL;
+    if (codec != NULL && (Py_TYPE(codec)->tp_init != (initproc)Codec_init)) {
+        PyErr_SetString(PyExc_TypeError, "codec must be a Codec");
+        return -1;
+    }
     if (self->proto.reader == NULL && rl_proto_init(&self->proto) < 0) {
         PyErr_NoMemory();
         return -1;
     }
     self->timeout = timeout;
+    Py_XSETREF(self->codec, (CodecObject *)Py_XNewRef(codec));
+    self->proto.metrics = metrics_of(self);
     return 0;
 }
 
@@ -249,6 +310,7 @@ static int
 Pipeline_traverse(PipelineObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
+    Py_VISIT((PyObject *)self->codec);
     for (size_t i = 0; i < rl_proto_pending(&self->proto); i++) {
         const rl_entry *e = rl_proto_entry(&self->proto, i);
         Py_VISIT((PyObject *)e->token);
@@ -277,6 +339,8 @@ static int
 Pipeline_clear(PipelineObject *self)
 {
     drop_entries(self);
+    self->proto.metrics = NULL;
+    Py_CLEAR(self->codec);
     return 0;
 }
 
@@ -288,6 +352,7 @@ Pipeline_dealloc(PipelineObject *self)
     drop_entries(self);
     if (self->proto.reader != NULL)
         rl_proto_clear(&self->proto);
+    Py_CLEAR(self->codec);
     tp->tp_free((PyObject *)self);
     Py_DECREF(tp);
 }
@@ -374,13 +439,16 @@ reply_to_python(const redisReply *r)
 
 /* Hands one completed request to its future and drops the entry's references. */
 static int
-deliver(rl_module_state *state, rl_event *ev)
+deliver(rl_module_state *state, rl_metrics *metrics, rl_event *ev)
 {
     PyObject *future = (PyObject *)ev->entry.token;
     RequestObject *req = (RequestObject *)ev->entry.holder;
     PyObject *value;
     int rc;
     if (ev->status != RL_OK) {
+        if (metrics != NULL && ev->entry.step == RL_STEP_DECISION &&
+            req->prepared.script == RL_SCRIPT_WINDOW)
+            rl_metrics_count(&metrics->unavailable);
         rc = resolve(state, future, rl_exception(state, &ev->error), 1);
     } else {
         switch (ev->entry.step) {
@@ -582,7 +650,7 @@ Pipeline_feed(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
         int fatal = ev.fatal;
         if (fatal)
             err = ev.error;
-        if (deliver(state, &ev) < 0)
+        if (deliver(state, metrics_of(self), &ev) < 0)
             return NULL;
         if (fatal)
             return rl_raise(state, &err);
@@ -603,12 +671,13 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
         PyObject *future = (PyObject *)e.token;
         int rc = 0;
         if (future != NULL) {
-            int replay = 0;
-            if (replays != NULL && e.step == RL_STEP_DECISION) {
+            int replay = 0, waiting = 0; /* waiting: a caller still awaits this decision */
+            if (e.step == RL_STEP_DECISION) {
                 PyObject *done = PyObject_CallMethodNoArgs(future, state->str_done);
                 int is_done = done == NULL ? -1 : PyObject_IsTrue(done);
                 Py_XDECREF(done);
-                if (is_done == 0)
+                waiting = is_done == 0;
+                if (replays != NULL && waiting)
                     replay = rl_proto_replay(RL_ERR_IO, e.decision);
                 if (is_done < 0 || replay < 0) {
                     if (replay < 0)
@@ -624,6 +693,11 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
                     Py_XDECREF(pair);
                 }
             }
+            rl_metrics *metrics = metrics_of(self);
+            if (metrics != NULL && replay == 1)
+                rl_metrics_count(&metrics->replays);
+            else if (metrics != NULL && waiting && e.decision->script == RL_SCRIPT_WINDOW)
+                rl_metrics_count(&metrics->unavailable); /* its caller hears of the failure */
             if (replay != 1) {
                 if (rc < 0) {
                     /* Keep the first error; the future still hears of the broken connection. */
@@ -787,7 +861,9 @@ static PyGetSetDef Pipeline_getset[] = {
 };
 
 static PyType_Slot Pipeline_slots[] = {
-    {Py_tp_doc, "Pipeline(timeout)\n--\n\nThe protocol state of one asyncio connection."},
+    {Py_tp_doc, "Pipeline(timeout, *, codec=None)\n--\n\n"
+                "The protocol state of one asyncio connection; codec: whose counters it "
+                "updates."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, Pipeline_init},
     {Py_tp_dealloc, Pipeline_dealloc},

@@ -722,8 +722,12 @@ rl_call_run(rl_call *call, rl_error *err)
             double connecting;
             st = rl_pool_acquire(pool, &call->conn, call->deadline, &connecting, err);
             call->deadline += connecting;
-            if (st != RL_OK)
+            if (st != RL_OK) {
+                if (pool->metrics != NULL && st != RL_ERR_CLOSED && st != RL_ERR_NOMEM)
+                    rl_metrics_count(&pool->metrics->connection_errors);
                 return st;
+            }
+            call->conn->proto.metrics = pool->metrics;
             st = RL_OK;
             if (call->asking) {
                 /* ASK: this connection may serve the migrating slot for the next command. */
@@ -758,6 +762,8 @@ rl_call_run(rl_call *call, rl_error *err)
             return RL_OK;
         }
         rl_pool_release(pool, conn, 0);
+        if (pool->metrics != NULL)
+            rl_metrics_count(&pool->metrics->connection_errors);
         if (st == RL_ERR_IO)
             rl_pool_drop_idle(pool); /* a server restart broke them all: reconnect afresh */
         int replay = rl_proto_replay(st, call->decision);
@@ -765,6 +771,8 @@ rl_call_run(rl_call *call, rl_error *err)
             return rl_error_set(err, RL_ERR_NOMEM, "out of memory replaying a call");
         if (replay == 0)
             return st;
+        if (pool->metrics != NULL)
+            rl_metrics_count(&pool->metrics->replays);
         /* The connection broke mid-call: the script may or may not have run. Once more on
            a fresh connection, marked, with the same member (proto.c, rl_proto_replay). */
     }

@@ -32,6 +32,8 @@ typedef struct {
     int configured;                /* __init__ ran to completion */
     unsigned long fork_generation; /* rl_fork_generation() at the last call; 0 before */
     rl_random *random;             /* the module's page of randomness (its fork generation) */
+    int metrics_on;                /* count into metrics (constructor's metrics=True) */
+    rl_metrics metrics;            /* this limiter's counters (metrics.c) */
 } LimiterObject;
 
 static rl_module_state *
@@ -104,6 +106,7 @@ configure_cluster(LimiterObject *self, PyObject *nodes, int max_connections,
     c->base = self->pool.config; /* moved: the single-node pool is not used */
     memset(&self->pool.config, 0, sizeof(self->pool.config));
     self->cluster = c;
+    c->metrics = self->pool.metrics; /* every node's pool counts into the limiter's */
     if (rl_cluster_init(c, max_connections, sentinel_master) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         goto error;
@@ -133,29 +136,15 @@ error:
 static int
 Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"host",
-                               "port",
-                               "unix_path",
-                               "db",
-                               "username",
-                               "password",
-                               "connect_timeout",
-                               "socket_timeout",
-                               "key_prefix",
-                               "client_clock",
-                               "max_connections",
-                               "tls",
-                               "ssl_verify",
-                               "ssl_ca_certs",
-                               "ssl_certfile",
-                               "ssl_keyfile",
-                               "cluster_nodes",
-                               "sentinel_master",
-                               NULL};
+    static char *keywords[] = {"host",       "port",          "unix_path",       "db",
+                               "username",   "password",      "connect_timeout", "socket_timeout",
+                               "key_prefix", "client_clock",  "max_connections", "tls",
+                               "ssl_verify", "ssl_ca_certs",  "ssl_certfile",    "ssl_keyfile",
+                               "metrics",    "cluster_nodes", "sentinel_master", NULL};
     const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
     const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
     Py_ssize_t prefix_len = 9;
-    int port = 6379, client_clock = 0, max_connections = 32, tls = 0, ssl_verify = 1;
+    int port = 6379, client_clock = 0, max_connections = 32, tls = 0, ssl_verify = 1, metrics = 1;
     long long db = 0;
     double connect_timeout = 1.0, socket_timeout = 1.0;
     PyObject *cluster_nodes = NULL;
@@ -165,11 +154,11 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_RuntimeError, "a limiter is configured once, by its constructor");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzOz", keywords, &host, &port,
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzpOz", keywords, &host, &port,
                                      &unix_path, &db, &username, &password, &connect_timeout,
                                      &socket_timeout, &prefix, &prefix_len, &client_clock,
                                      &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile,
-                                     &cluster_nodes, &sentinel_master))
+                                     &metrics, &cluster_nodes, &sentinel_master))
         return -1;
     if (host == NULL && unix_path == NULL) {
         PyErr_SetString(PyExc_ValueError, "a host or a unix socket path is needed");
@@ -226,6 +215,8 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
             return -1;
         }
     }
+    self->metrics_on = metrics;
+    self->pool.metrics = metrics ? &self->metrics : NULL;
     if (cluster_nodes != NULL && cluster_nodes != Py_None) {
         if (configure_cluster(self, cluster_nodes, max_connections, sentinel_master) < 0)
             return -1;
@@ -316,6 +307,8 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
     if (warn && rl_log_warning(warning) < 0)
         goto done;
     if (st != RL_OK) {
+        if (self->metrics_on && p->script == RL_SCRIPT_WINDOW)
+            rl_metrics_count(&self->metrics.unavailable);
         rl_raise(state, &err);
         goto done;
     }
@@ -376,22 +369,87 @@ PyDoc_STRVAR(Limiter_check_windows_detailed_doc,
 LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 
 PyDoc_STRVAR(Limiter_reserve_doc,
-"_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+"_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
+"    scopes=())\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, member,\n"
-"    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None), ...),\n"
-"    retry_after_ms)\n\n"
+"    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None, scope), ...),\n"
+"    retry_after_ms, scope)\n\n"
 "One decision over request windows (charged `cost`) and token windows (charged `tokens`),\n"
-"all or nothing. RateLimiter.reserve wraps it in a Reservation.");
+"the user's own and those of `scopes` ((name, shared, windows, token_windows) tuples; a\n"
+"window's scope is 0 for the user's own, k for scopes[k - 1]), all or nothing.\n"
+"RateLimiter.reserve wraps it in a Reservation.");
 
 LIMITER_METHOD(reserve, RL_SHAPE_RESERVE)
 
 PyDoc_STRVAR(Limiter_reconcile_doc,
-"_reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False)\n--\n\n"
+"_reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
+"    scopes=())\n--\n\n"
 "-> the number of windows whose entry was found\n\n"
-"Sets the cost of a reserved entry in every window where it is still present.\n"
+"Sets the cost of a reserved entry in every window where it is still present, the\n"
+"user's own and those of `scopes` ((name, shared, windows) tuples).\n"
 "RateLimiter.reconcile calls it with a Reservation's fields.");
 
 LIMITER_METHOD(reconcile, RL_SHAPE_RECONCILE)
+
+PyDoc_STRVAR(Limiter_peek_doc,
+"_peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+"-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, now_ms,\n"
+"    ((limit, window_seconds, is_token_window, used, oldest_ms|None), ...), retry_after_ms)\n\n"
+"What _reserve (and so check_windows) would answer now, in one read-only script\n"
+"execution that writes nothing. RateLimiter.peek returns its first four fields.");
+
+LIMITER_METHOD(peek, RL_SHAPE_PEEK)
+
+PyDoc_STRVAR(Limiter_reset_doc,
+"_reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
+"-> (entries_removed, next_cursor)\n\n"
+"Deletes the user's keys of the windows given, or with windows=None one SCAN step of\n"
+"all of them from cursor (next_cursor '0': done). RateLimiter.reset loops over it.");
+
+LIMITER_METHOD(reset, RL_SHAPE_RESET)
+
+PyDoc_STRVAR(Limiter_metrics_doc,
+"metrics($self, /)\n--\n\n"
+"The limiter's counters: decisions allowed, rejected (by window), unavailable; fail-open\n"
+"and shadow outcomes; replays; connection errors; Redis round-trip latency buckets.");
+
+static PyObject *
+Limiter_get_metrics(LimiterObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return rl_metrics_object(&self->metrics, self->metrics_on);
+}
+
+PyDoc_STRVAR(Limiter_record_outcome_doc,
+"_record_outcome($self, kind, /)\n--\n\n"
+"Counts an outcome only the caller knows: 'fail_open' or 'shadow' (the FastAPI layer).");
+
+static PyObject *
+Limiter_record_outcome(LimiterObject *self, PyObject *kind)
+{
+    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, kind);
+}
+PyDoc_STRVAR(Limiter_acquire_doc,
+"_acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
+"-> (allowed, held, retry_after_s, retry_after_ms, lease_id, expires_at_ms, now_ms)\n\n"
+"Takes one of `limit` concurrent slots of user_id for lease_seconds (lua/lease.lua).\n"
+"RateLimiter.acquire wraps it in a Lease.");
+
+LIMITER_METHOD(acquire, RL_SHAPE_ACQUIRE)
+
+PyDoc_STRVAR(Limiter_release_doc,
+"_release($self, /, user_id, lease_id)\n--\n\n"
+"-> whether the lease was still held\n\n"
+"Gives a lease's slot back (idempotent). RateLimiter.release calls it with a Lease.");
+
+LIMITER_METHOD(release, RL_SHAPE_RELEASE)
+
+PyDoc_STRVAR(Limiter_renew_doc,
+"_renew($self, /, user_id, lease_id, lease_seconds)\n--\n\n"
+"-> (renewed, expires_at_ms)\n\n"
+"Extends a lease that is still held to lease_seconds from now; an expired or released\n"
+"lease is not renewed. RateLimiter.renew calls it with a Lease.");
+
+LIMITER_METHOD(renew, RL_SHAPE_RENEW)
 
 PyDoc_STRVAR(Limiter_close_doc,
 "close($self, /)\n--\n\nCloses every idle connection; connections in use close when their call ends.\n"
@@ -467,6 +525,18 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reserve_doc},
     {"_reconcile", (PyCFunction)(void (*)(void))Limiter_reconcile,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reconcile_doc},
+    {"_peek", (PyCFunction)(void (*)(void))Limiter_peek,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_peek_doc},
+    {"_reset", (PyCFunction)(void (*)(void))Limiter_reset,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reset_doc},
+    {"metrics", (PyCFunction)Limiter_get_metrics, METH_NOARGS, Limiter_metrics_doc},
+    {"_record_outcome", (PyCFunction)Limiter_record_outcome, METH_O, Limiter_record_outcome_doc},
+    {"_acquire", (PyCFunction)(void (*)(void))Limiter_acquire,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_acquire_doc},
+    {"_release", (PyCFunction)(void (*)(void))Limiter_release,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_release_doc},
+    {"_renew", (PyCFunction)(void (*)(void))Limiter_renew,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_renew_doc},
     {"close", (PyCFunction)Limiter_close, METH_NOARGS, Limiter_close_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -485,8 +555,8 @@ PyDoc_STRVAR(Limiter_doc,
 "Limiter(*, host=None, port=6379, unix_path=None, db=0, username=None, password=None,\n"
 "        connect_timeout=1.0, socket_timeout=1.0, key_prefix='ratelimit',\n"
 "        client_clock=False, max_connections=32, tls=False, ssl_verify=True,\n"
-"        ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None, cluster_nodes=None,\n"
-"        sentinel_master=None)\n--\n\n"
+"        ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None, metrics=True,\n"
+"        cluster_nodes=None, sentinel_master=None)\n--\n\n"
 "The C core of genai_ratelimit.RateLimiter; use that class, which takes a URL.");
 
 static PyType_Slot Limiter_slots[] = {

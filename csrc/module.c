@@ -170,7 +170,10 @@ module_exec(PyObject *module)
         rl_script_id id;
         const char *sha_name, *source_name;
     } exported[] = {{RL_SCRIPT_WINDOW, "SCRIPT_SHA1", "SCRIPT_SOURCE"},
-                    {RL_SCRIPT_RECONCILE, "RECONCILE_SHA1", "RECONCILE_SOURCE"}};
+                    {RL_SCRIPT_RECONCILE, "RECONCILE_SHA1", "RECONCILE_SOURCE"},
+                    {RL_SCRIPT_PEEK, "PEEK_SHA1", "PEEK_SOURCE"},
+                    {RL_SCRIPT_RESET, "RESET_SHA1", "RESET_SOURCE"},
+                    {RL_SCRIPT_LEASE, "LEASE_SHA1", "LEASE_SOURCE"}};
     int rc = -1;
 
     state->kill_switch_warned = 0;

@@ -30,6 +30,8 @@
 
 #define RL_MAX_WINDOWS 32                  /* windows decided by one check */
 #define RL_CLUSTER_SLOTS 16384             /* hash slots of a Redis Cluster */
+#define RL_MAX_SCOPES 8                    /* scopes (besides the user's own) in one decision */
+#define RL_MAX_SCOPE_NAME 256              /* bytes of a scope's name, in UTF-8 */
 #define RL_MEMBER_LEN 36                   /* canonical UUID text, without the NUL */
 #define RL_MAX_REPLY_BYTES 65536           /* a decision's reply is tiny: more is garbage */
 #define RL_MAX_LIMIT 9007199254740991LL    /* 2^53 - 1: exact in Lua's doubles */
@@ -73,7 +75,17 @@ typedef struct {
     long long seconds[RL_MAX_WINDOWS];
     long long cost[RL_MAX_WINDOWS];       /* what this decision costs in the window (>= 1) */
     unsigned char tokens[RL_MAX_WINDOWS]; /* 1: a token window (key suffix ":tokens") */
+    unsigned char scope[RL_MAX_WINDOWS];  /* 0: the user's own; k: scopes[k - 1] */
 } rl_windows;
+
+/* A scope: windows that belong to someone else than the user's own budget. A user's
+   scope (shared 0: a route's or a model's budget) keys under the user; a shared scope
+   (an upstream's caps) keys under its name, the same for every user (see script.c). */
+typedef struct {
+    const char *name; /* UTF-8, borrowed from the caller's str: valid until rl_prepare ends */
+    size_t name_len;
+    int shared;
+} rl_scope;
 
 typedef struct {
     int allowed; /* 1 allow, 0 reject */
@@ -84,7 +96,11 @@ typedef struct {
     long long now_ms;         /* the time the script decided at (the entry's score) */
     int evaluated; /* windows the script reached: all on allow, up to `window` on reject */
     long long remaining_of[RL_MAX_WINDOWS]; /* per window, the first `evaluated` */
-    long long found;                        /* reconcile: the windows whose entry was found */
+    long long found;                        /* reconcile: windows found; reset: entries removed */
+    long long expires_ms; /* leases: the lease's expiry (unix ms), 0 when none was granted */
+    long long used_of[RL_MAX_WINDOWS];   /* peek: every window's used cost */
+    long long oldest_of[RL_MAX_WINDOWS]; /* peek: its oldest entry's time (ms), or -1 */
+    char cursor[24];                     /* reset: the SCAN cursor to go on from ("0": done) */
 } rl_result;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */
@@ -94,12 +110,21 @@ typedef enum {
     RL_SHAPE_DETAILED,  /* check_windows_detailed(): a WindowDecision */
     RL_SHAPE_RESERVE,   /* reserve(): the same, the member, the time, every window's remaining */
     RL_SHAPE_RECONCILE, /* reconcile(): the number of windows whose entry was found */
+    RL_SHAPE_PEEK,      /* _peek(): what a reserve would answer, every window's use; no write */
+    RL_SHAPE_RESET,     /* _reset(): (entries removed, next SCAN cursor) */
+    RL_SHAPE_ACQUIRE,   /* acquire(): (allowed, held, retry_after_s, retry_after_ms, lease id,
+                           expires_at_ms, now_ms) */
+    RL_SHAPE_RELEASE,   /* release(): whether the lease was still held */
+    RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. */
 typedef enum {
     RL_SCRIPT_WINDOW,    /* lua/sliding_window.lua: check, check_windows, reserve */
     RL_SCRIPT_RECONCILE, /* lua/reconcile.lua */
+    RL_SCRIPT_PEEK,      /* lua/peek.lua: read-only */
+    RL_SCRIPT_RESET,     /* lua/reset.lua */
+    RL_SCRIPT_LEASE,     /* lua/lease.lua: acquire, release, renew */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -107,10 +132,16 @@ typedef enum {
 typedef struct {
     rl_shape shape;
     rl_script_id script;
-    rl_windows windows;             /* validated, shortest first */
+    rl_windows windows; /* validated, shortest first */
+    int nscopes;        /* entries of scopes[] (names cleared by rl_prepare) */
+    rl_scope scopes[RL_MAX_SCOPES];
     char member[RL_MEMBER_LEN + 1]; /* the entry: made here, or reconcile's argument */
     long long score_ms;             /* reconcile: the entry's time */
     long long new_cost;             /* reconcile: the entry's cost from now on (>= 0) */
+    int scan;                       /* reset: every window of the user, found by SCAN */
+    char cursor[24];                /* reset with scan: the SCAN cursor to start from */
+    long long lease_limit;          /* acquire: the most concurrent holders */
+    long long lease_ms;             /* acquire, renew: the lease's length */
     int disabled;                   /* the kill switch answered: result is final, no I/O */
     rl_result result;               /* the kill switch's answer when disabled */
     char *command;                  /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
@@ -145,6 +176,7 @@ typedef struct {
     int last;              /* handshake: the step whose success completes it */
     int large;             /* a CLUSTER command: its reply may list every slot */
     double deadline;       /* monotonic seconds by which the reply is due */
+    double sent;           /* decisions: monotonic seconds when queued (metrics on), else 0 */
     void *token;           /* the driver's handle on the waiter; never dereferenced */
     void *holder;          /* the driver's owner of `decision`; never dereferenced */
     rl_prepared *decision; /* decisions: borrowed, kept alive by the driver */
@@ -167,6 +199,39 @@ typedef struct {
     int ping;             /* PING when nothing else is sent (TLS) */
 } rl_handshake;
 
+/* ---------------------------------------------------------------- metrics */
+
+#define RL_LATENCY_BUCKETS 16 /* finite upper bounds; one more bucket counts the rest */
+#define RL_REJECT_SLOTS 16    /* distinct rejecting windows counted apart; more share one */
+
+/* Counters of one limiter, updated with relaxed atomics from any thread (the blocking
+   driver updates them without the GIL) and read with the GIL held (metrics.c). */
+typedef struct {
+    unsigned long long allowed;               /* decisions allowed */
+    unsigned long long unavailable;           /* decisions that raised (Redis unreachable, ...) */
+    unsigned long long fail_open;             /* the FastAPI layer let a request through */
+    unsigned long long shadow;                /* the FastAPI layer let a rejected one through */
+    unsigned long long replays;               /* decisions sent again after a broken connection */
+    unsigned long long connection_errors;     /* connections that failed to open or broke */
+    long long reject_window[RL_REJECT_SLOTS]; /* seconds * 2 + is_token + 1; 0: slot free */
+    unsigned long long rejected[RL_REJECT_SLOTS];
+    unsigned long long rejected_other;                  /* windows beyond the slots */
+    unsigned long long latency[RL_LATENCY_BUCKETS + 1]; /* round trips per bucket */
+    unsigned long long latency_sum_us;                  /* their sum, microseconds */
+} rl_metrics;
+
+/* No GIL needed: relaxed atomic increments. */
+void rl_metrics_count(unsigned long long *counter);
+/* An answered decision of the sliding-window script: allowed, or rejected by its window. */
+void rl_metrics_decision(rl_metrics *m, const rl_prepared *d, const rl_result *r);
+void rl_metrics_latency(rl_metrics *m, double seconds);
+/* GIL held: the counters as a dict (see _native.pyi, LimiterMetrics). New reference. */
+PyObject *rl_metrics_object(rl_metrics *m, int enabled);
+/* GIL held: counts one outcome named by kind ("fail_open", "shadow", "unavailable",
+   "connection_error") in m (NULL: metrics off, the kind is only checked). Returns None (a
+   new reference), or NULL with TypeError or ValueError. */
+PyObject *rl_metrics_record(rl_metrics *m, PyObject *kind);
+
 typedef struct {
     const redisReplyObjectFunctions *defaults; /* hiredis's own reply functions */
     size_t max_elements;                       /* the longest array accepted now */
@@ -188,6 +253,7 @@ typedef struct {
     int info_answered;        /* INFO memory was answered (or refused) */
     char eviction_policy[40]; /* the maxmemory-policy that may evict our keys, or "" */
     long long maxmemory;      /* bytes, from INFO memory */
+    rl_metrics *metrics;      /* the limiter's counters, or NULL (metrics off) */
 } rl_proto;
 
 /* No GIL needed for any of these: they touch no Python object and do no I/O. */
@@ -267,6 +333,7 @@ typedef struct {
     int warning_state;            /* eviction warning: 0 none yet, 1 to log, 2 logged */
     char warning[RL_WARNING_LEN]; /* its text, once warning_state is 1 */
     rl_config config;             /* immutable after init */
+    rl_metrics *metrics;          /* the limiter's counters, or NULL; set before any call */
 } rl_pool;
 
 int rl_config_init(rl_config *cfg, const char *host, int port, const char *unix_path, long long db,
@@ -350,7 +417,8 @@ typedef struct {
     char *master_name;                        /* the sentinels' name of the master, or NULL */
     rl_node *sentinels[RL_CLUSTER_MAX_NODES]; /* the URL's sentinels (no credentials) */
     int sentinel_count;
-    int master; /* index into nodes of the master, -1 before the sentinels were asked */
+    int master;          /* index into nodes of the master, -1 before the sentinels were asked */
+    rl_metrics *metrics; /* the limiter's counters (every node's pool), or NULL */
 } rl_cluster;
 
 /* GIL held: set up (c->base filled first; master_name for a Sentinel set), the URL's seed

@@ -338,7 +338,8 @@ rl_proto_push_decision(rl_proto *p, rl_prepared *d, double deadline, void *token
                   .deadline = deadline,
                   .token = token,
                   .holder = holder,
-                  .decision = d};
+                  .decision = d,
+                  .sent = p->metrics != NULL ? rl_monotonic() : 0};
     if (bytes == NULL)
         return rl_error_set(err, RL_ERR_CLOSED, "the decision has no command (kill switch)");
     return queue(p, bytes, len, &e, err);
@@ -700,6 +701,14 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
             st = rl_script_decode(reply, e.decision, &ev->result, &ev->error);
             freeReplyObject(reply);
             ev->status = st;
+            if (p->metrics != NULL) {
+                /* Counted here, the one path both drivers share: a decision's outcome
+                   once it is answered, and the time since it was queued. */
+                if (e.sent > 0)
+                    rl_metrics_latency(p->metrics, rl_monotonic() - e.sent);
+                if (st == RL_OK)
+                    rl_metrics_decision(p->metrics, e.decision, &ev->result);
+            }
             ev->fatal = st == RL_ERR_PROTOCOL; /* garbage: out of step; an error reply is not */
             break;
         case RL_STEP_COMMAND:

@@ -30,6 +30,12 @@ static const struct {
     [RL_SCRIPT_RECONCILE] = {RL_RECONCILE_SHA1, rl_reconcile_source,
                              sizeof(rl_reconcile_source) - 1, rl_reconcile_load_command,
                              sizeof(rl_reconcile_load_command) - 1},
+    [RL_SCRIPT_PEEK] = {RL_PEEK_SHA1, rl_peek_source, sizeof(rl_peek_source) - 1,
+                        rl_peek_load_command, sizeof(rl_peek_load_command) - 1},
+    [RL_SCRIPT_RESET] = {RL_RESET_SHA1, rl_reset_source, sizeof(rl_reset_source) - 1,
+                         rl_reset_load_command, sizeof(rl_reset_load_command) - 1},
+    [RL_SCRIPT_LEASE] = {RL_LEASE_SHA1, rl_lease_source, sizeof(rl_lease_source) - 1,
+                         rl_lease_load_command, sizeof(rl_lease_load_command) - 1},
 };
 
 const char *
@@ -65,7 +71,143 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 
 #define RL_NUMBER_TEXT 24 /* room for any long long in decimal, with sign and NUL */
 #define RL_STACK_ARENA 4096
-#define RL_KEY_SUFFIXES 12 /* ":tokens" + ":w" */
+#define RL_KEY_SUFFIXES 12   /* ":tokens" + ":w" */
+#define RL_SCOPE_SUFFIX 8    /* ":scope=" or ":shared" (the name is counted apart) */
+#define RL_SCAN_COUNT "1000" /* reset.lua: keys one SCAN step looks at */
+
+/* Writes text with SCAN's glob characters escaped, then "*". Returns its length. */
+static size_t
+glob_prefix(char *out, const char *text, size_t len)
+{
+    char *cursor = out;
+    for (size_t i = 0; i < len; i++) {
+        if (strchr("*?[]\\", text[i]) != NULL && text[i] != '\0')
+            *cursor++ = '\\';
+        *cursor++ = text[i];
+    }
+    *cursor++ = '*';
+    return (size_t)(cursor - out);
+}
+
+/* Writes "{prefix}:{user_id}" at cursor and returns the end (on a Redis Cluster the user
+   id in a hash tag, rl_key_user: "ratelimit:{user_8421}"): the one place that shapes the
+   user's part of every key (the callers append ":{window_seconds}", ":leases", ...). A
+   shared scope's name takes the user's place in its keys (window_key), through here too. */
+static char *
+write_user_key(char *cursor, const char *prefix, size_t prefix_len, const char *user,
+               size_t user_len, int hash_tag)
+{
+    memcpy(cursor, prefix, prefix_len);
+    cursor += prefix_len;
+    *cursor++ = ':';
+    return cursor + rl_key_user(cursor, user, user_len, hash_tag); /* "{user}" on a cluster */
+}
+
+/* Writes the key of window i of d into out (room: see rl_script_format) and returns its
+   length. The one place that names a window's sorted set:
+
+     the user's own window    {prefix}:{user_id}:{window_seconds}[:tokens]
+     a scope of the user      {prefix}:{user_id}:{window_seconds}[:tokens]:scope={name}
+     a shared scope           {prefix}:{name}:{window_seconds}[:tokens]:shared
+
+   with ":w" after any of them for its weights. A key reads from its end: the last field is
+   "w" (weights), then "shared", "scope=..." or neither, then "tokens" or not, then the
+   window's digits; what is left after "{prefix}:" is the owner. In "scope=" the name's
+   '%', ':', '{' and '}' are percent-encoded, so it holds no ':' and two names never meet.
+   Every field the reading takes from the end differs between the kinds (digits, "tokens",
+   "scope=...", "shared", "w" are pairwise distinct), so no user id and no scope name can
+   make one kind's key equal another's: a user "openai/gpt-4o" and the shared scope
+   "openai/gpt-4o" differ by ":shared", a user's scope named "shared" is ":scope=shared". */
+static size_t
+window_key(char *out, const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+           const rl_prepared *d, int i)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    const rl_windows *w = &d->windows;
+    const rl_scope *scope = w->scope[i] ? &d->scopes[w->scope[i] - 1] : NULL;
+    const char *owner = user;
+    size_t owner_len = user_len;
+    char *cursor = out;
+    if (scope != NULL && scope->shared) {
+        owner = scope->name;
+        owner_len = scope->name_len;
+    }
+    cursor = write_user_key(cursor, prefix, prefix_len, owner, owner_len, d->hash_tag);
+    cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
+    if (w->tokens[i]) {
+        memcpy(cursor, ":tokens", 7);
+        cursor += 7;
+    }
+    if (scope != NULL && scope->shared) {
+        memcpy(cursor, ":shared", 7);
+        cursor += 7;
+    } else if (scope != NULL) {
+        memcpy(cursor, ":scope=", 7);
+        cursor += 7;
+        for (size_t j = 0; j < scope->name_len; j++) {
+            unsigned char c = (unsigned char)scope->name[j];
+            if (c == '%' || c == ':' || c == '{' || c == '}') {
+                *cursor++ = '%';
+                *cursor++ = hex[c >> 4];
+                *cursor++ = hex[c & 15];
+            } else {
+                *cursor++ = (char)c;
+            }
+        }
+    }
+    return (size_t)(cursor - out);
+}
+
+static const char *const lease_ops[] = {
+    [RL_SHAPE_ACQUIRE] = "acquire", [RL_SHAPE_RELEASE] = "release", [RL_SHAPE_RENEW] = "renew"};
+
+/* Formats "EVALSHA sha 1 {prefix}:{user_id}:leases op id now limit lease_ms" (see the
+   header of lua/lease.lua). Returns the length and sets *out, or -1 (out of memory). */
+static long long
+format_lease(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+             const rl_prepared *d, long long now_ms, char **out)
+{
+    char stack_key[RL_STACK_ARENA], *key = stack_key, *end;
+    char now_text[RL_NUMBER_TEXT], limit_text[RL_NUMBER_TEXT], ms_text[RL_NUMBER_TEXT];
+    size_t need = prefix_len + 1 + rl_key_user_room(user_len) + 8;
+    const char *argv[9];
+    size_t argvlen[9];
+    long long len;
+
+    *out = NULL;
+    if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
+        return -1;
+    /* Last field "leases": never a window's (a number), "tokens" or "w". */
+    end = write_user_key(key, prefix, prefix_len, user, user_len, d->hash_tag);
+    memcpy(end, ":leases", 7);
+    end += 7;
+    argv[0] = "EVALSHA";
+    argvlen[0] = 7;
+    argv[1] = rl_script_sha1(RL_SCRIPT_LEASE);
+    argvlen[1] = strlen(argv[1]);
+    argv[2] = "1";
+    argvlen[2] = 1;
+    argv[3] = key;
+    argvlen[3] = (size_t)(end - key);
+    argv[4] = lease_ops[d->shape];
+    argvlen[4] = strlen(argv[4]);
+    argv[5] = d->member;
+    argvlen[5] = strlen(d->member);
+    argvlen[6] = now_ms >= 0 ? (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms) : 0;
+    argv[6] = now_ms >= 0 ? now_text : "";
+    argvlen[7] = (size_t)snprintf(limit_text, sizeof(limit_text), "%lld", d->lease_limit);
+    argv[7] = limit_text;
+    argvlen[8] = (size_t)snprintf(ms_text, sizeof(ms_text), "%lld", d->lease_ms);
+    argv[8] = ms_text;
+    len = redisFormatCommandArgv(out, 9, argv, argvlen);
+    if (key != stack_key)
+        free(key);
+    if (len < 0 || *out == NULL) {
+        *out = NULL;
+        return -1;
+    }
+    return len;
+}
 
 size_t
 rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
@@ -109,14 +251,24 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     char *arena = stack_arena, *cursor;
     char numkeys[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT], score_text[RL_NUMBER_TEXT],
         cost_text[RL_NUMBER_TEXT];
-    size_t key_room =
-        prefix_len + 1 + rl_key_user_room(user_len) + RL_NUMBER_TEXT + RL_KEY_SUFFIXES;
-    size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT);
+    size_t owner_len = user_len, scope_room = 0;
+    for (int k = 0; k < d->nscopes; k++) {
+        if (d->scopes[k].name_len > owner_len)
+            owner_len = d->scopes[k].name_len;
+        if (RL_SCOPE_SUFFIX + 3 * d->scopes[k].name_len > scope_room)
+            scope_room = RL_SCOPE_SUFFIX + 3 * d->scopes[k].name_len;
+    }
+    size_t key_room = prefix_len + 1 + rl_key_user_room(owner_len) + RL_NUMBER_TEXT +
+                      RL_KEY_SUFFIXES + scope_room;
+    /* reset.lua's pattern and base (the pattern escapes each byte at most once). */
+    size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT) + 3 * key_room;
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
     int argc = 0;
     long long len;
 
+    if (d->script == RL_SCRIPT_LEASE)
+        return format_lease(prefix, prefix_len, user, user_len, d, now_ms, out);
     *out = NULL;
     if (need > sizeof(stack_arena)) {
         arena = malloc(need);
@@ -132,19 +284,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d", 2 * w->count);
     argv[argc++] = numkeys;
     for (int i = 0; i < w->count; i++) {
-        /* "{prefix}:{user_id}:{window_seconds}[:tokens]": the window is the last numeric ':'
-           field and the prefix is fixed, so distinct user ids never share a key, and a
-           token window's key (last field "tokens") is never a request window's. */
         char *key = cursor;
-        memcpy(cursor, prefix, prefix_len);
-        cursor += prefix_len;
-        *cursor++ = ':';
-        cursor += rl_key_user(cursor, user, user_len, d->hash_tag);
-        cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[i]);
-        if (w->tokens[i]) {
-            memcpy(cursor, ":tokens", 7);
-            cursor += 7;
-        }
+        cursor += window_key(cursor, prefix, prefix_len, user, user_len, d, i);
         keys[i] = key;
         keylens[i] = (size_t)(cursor - key);
         /* Its weights: the same key and ":w" (last field "w": never a window's key). */
@@ -157,8 +298,26 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         keylens[w->count + i] = (size_t)(cursor - weights);
     }
     argc += 2 * w->count;
+    if (d->script == RL_SCRIPT_RESET) {
+        /* cursor ("" for the KEYS), pattern, base, count: see lua/reset.lua. */
+        char *base = cursor;
+        char *base_end = write_user_key(base, prefix, prefix_len, user, user_len, d->hash_tag);
+        *base_end++ = ':';
+        size_t base_len = (size_t)(base_end - base);
+        char *pattern = base + base_len;
+        size_t pattern_len = glob_prefix(pattern, base, base_len);
+        argv[argc] = d->scan ? d->cursor : "";
+        argvlen[argc++] = d->scan ? strlen(d->cursor) : 0;
+        argv[argc] = pattern;
+        argvlen[argc++] = pattern_len;
+        argv[argc] = base;
+        argvlen[argc++] = base_len;
+        argv[argc] = RL_SCAN_COUNT;
+        argvlen[argc++] = strlen(RL_SCAN_COUNT);
+        goto format;
+    }
     argv[argc] = d->member;
-    argvlen[argc++] = RL_MEMBER_LEN;
+    argvlen[argc++] = strlen(d->member); /* "" for peek, which logs nothing */
     if (now_ms >= 0) {
         argvlen[argc] = (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms);
         argv[argc] = now_text;
@@ -193,6 +352,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             }
         }
     }
+format:
     len = redisFormatCommandArgv(out, argc, argv, argvlen);
     if (arena != stack_arena)
         free(arena);
@@ -299,11 +459,99 @@ decode_reconcile(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     return RL_OK;
 }
 
+/* lua/reset.lua: {entries removed, the SCAN cursor to go on from}. */
+static rl_status
+decode_reset(const redisReply *reply, rl_result *out, rl_error *err)
+{
+    const redisReply *cursor;
+    long long removed = 0;
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the reset script: %s, expected an array of an "
+                            "integer and a cursor",
+                            rl_reply_type_name(reply->type));
+    if (integer_at(reply, 0, &removed, err) != RL_OK)
+        return err->kind;
+    cursor = reply->element[1];
+    if (removed < 0 || cursor == NULL || cursor->type != REDIS_REPLY_STRING || cursor->len < 1 ||
+        cursor->len >= sizeof(out->cursor) || strspn(cursor->str, "0123456789") != cursor->len)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "the reset script answered values out of range (%lld entries, "
+                            "a cursor that is %s)",
+                            removed, cursor ? rl_reply_type_name(cursor->type) : "missing");
+    memset(out, 0, sizeof(*out));
+    out->found = removed;
+    memcpy(out->cursor, cursor->str, cursor->len);
+    out->cursor[cursor->len] = '\0';
+    return RL_OK;
+}
+
+/* lua/peek.lua's 8th element: {used, oldest} of every window. */
+static rl_status
+decode_usage(const redisReply *usage, const rl_windows *w, rl_result *out, rl_error *err)
+{
+    if (usage == NULL || usage->type != REDIS_REPLY_ARRAY ||
+        usage->elements != 2 * (size_t)w->count)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the peek script: element 8 is %s, expected an "
+                            "array of %d integers",
+                            usage ? rl_reply_type_name(usage->type) : "missing", 2 * w->count);
+    for (int i = 0; i < w->count; i++) {
+        if (integer_at(usage, 2 * (size_t)i, &out->used_of[i], err) != RL_OK ||
+            integer_at(usage, 2 * (size_t)i + 1, &out->oldest_of[i], err) != RL_OK)
+            return err->kind;
+        if (out->used_of[i] < 0 || out->oldest_of[i] < -1 ||
+            (out->used_of[i] == 0) != (out->oldest_of[i] == -1))
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "the peek script answered a usage out of range (%lld used, "
+                                "oldest %lld)",
+                                out->used_of[i], out->oldest_of[i]);
+    }
+    return RL_OK;
+}
+
+/* lua/lease.lua: {ok, held, retry_ms, expires_ms, now_ms}, checked against the request. */
+static rl_status
+decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    long long v[5];
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 5)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the lease script: %s%s, expected an array of 5 "
+                            "integers",
+                            rl_reply_type_name(reply->type),
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
+    for (size_t i = 0; i < 5; i++) {
+        if (integer_at(reply, i, &v[i], err) != RL_OK)
+            return err->kind;
+    }
+    long long ok = v[0], held = v[1], retry_ms = v[2], expires = v[3], now = v[4];
+    int granted = ok == 1 && d->shape != RL_SHAPE_RELEASE;
+    if ((ok != 0 && ok != 1) || held < 0 || now < 0 || (granted && expires <= now) ||
+        (!granted && expires != 0) ||
+        (d->shape == RL_SHAPE_ACQUIRE && ok == 1 && (held < 1 || retry_ms != 0)) ||
+        (d->shape == RL_SHAPE_ACQUIRE && ok == 0 && (held < d->lease_limit || retry_ms < 1)) ||
+        (d->shape != RL_SHAPE_ACQUIRE && retry_ms != 0))
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "the lease script answered values out of range "
+                            "(%lld, %lld, %lld, %lld, %lld)",
+                            ok, held, retry_ms, expires, now);
+    memset(out, 0, sizeof(*out));
+    out->allowed = (int)ok;
+    out->remaining = held;
+    out->retry_after_ms = retry_ms;
+    out->retry_after_s = (retry_ms + 999) / 1000;
+    out->expires_ms = expires;
+    out->now_ms = now;
+    return RL_OK;
+}
+
 rl_status
 rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     const rl_windows *w = &d->windows;
     int nwindows = w->count;
+    size_t elements = d->script == RL_SCRIPT_PEEK ? 8 : 7;
     long long v[5] = {0, 0, 0, 0, 0}, retry_ms = 0;
     const redisReply *each;
     if (reply->type == REDIS_REPLY_ERROR) {
@@ -329,7 +577,11 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     }
     if (d->script == RL_SCRIPT_RECONCILE)
         return decode_reconcile(reply, d, out, err);
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 7)
+    if (d->script == RL_SCRIPT_RESET)
+        return decode_reset(reply, out, err);
+    if (d->script == RL_SCRIPT_LEASE)
+        return decode_lease(reply, d, out, err);
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != elements)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the rate-limit script: %s%s, expected an array "
                             "of 5 integers, an array and an integer",
@@ -378,6 +630,9 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     out->now_ms = now;
     out->evaluated = (int)evaluated;
     out->found = 0;
+    out->expires_ms = 0;
+    if (d->script == RL_SCRIPT_PEEK)
+        return decode_usage(reply->element[7], w, out, err);
     return RL_OK;
 }
 

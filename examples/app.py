@@ -9,8 +9,12 @@
   reconciled with the usage it reports: the JSON body's `usage`, the stream's final usage
   chunk (when the client asks `stream_options={"include_usage": true}`, as OpenAI does), or
   else `record_usage` called by the stream itself. The fake model writes `max_tokens` tokens
-  when asked for them (a verbose model), else one short sentence.
-- `GET /healthz` is not limited.
+  when asked for them (a verbose model), else one short sentence; `pace_ms` slows it down
+  (a pause between chunks, for the demo's long streams).
+- Concurrency: at most 3 requests of a free user in flight at once (20 pro, 100 enterprise):
+  a fourth gets 429 with `X-RateLimit-Window: concurrent` until one of them ends.
+- `GET /healthz` is not limited, nor is `GET /metrics`: the limiter's counters (decisions,
+  refusals by window, Redis latency, fail-opens) for Prometheus to scrape.
 
 Run it (Redis from $REDIS_URL, else redis://localhost:6379/0):
 
@@ -31,25 +35,36 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, Field
 
 from genai_ratelimit import AsyncRateLimiter
 from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, TokenRateLimit, record_usage
+from genai_ratelimit.metrics import PrometheusCollector
 
 # Demo keys. A real service looks keys up in its database.
 API_KEYS: dict[str, tuple[str, str]] = {
     "sk-demo-free": ("user_free", "free"),
     "sk-demo-pro": ("user_pro", "pro"),
     "sk-demo-enterprise": ("user_enterprise", "enterprise"),
+    "sk-demo-streamer": ("user_streamer", "free"),
 }
 
 # The limiter connects to $REDIS_URL. EXAMPLE_KEY_PREFIX gives `make demo` a fresh namespace
 # on every run; a service keeps the default "ratelimit". Tier budgets: TIER_LIMITS, or the
 # file named by $GENAI_RATELIMIT_TIERS (checked here, at start-up); token budgets:
 # TIER_TOKEN_LIMITS, or that file's tokens_per_minute / tokens_per_day.
+# max_in_flight: concurrent requests per user, per tier (a tiers file's max_in_flight wins);
+# a slot is held until the response's last byte (or the client's disconnect), and a slot
+# whose worker died frees itself after lease_seconds (default 300).
 rate_limit = TokenRateLimit(
     limiter=AsyncRateLimiter(key_prefix=os.environ.get("EXAMPLE_KEY_PREFIX", "ratelimit")),
+    max_in_flight={"free": 3, "pro": 20, "enterprise": 100},
 )
+
+# The limiter's counters, read at each scrape (nothing is added to a request's path).
+metrics_registry = CollectorRegistry()
+metrics_registry.register(PrometheusCollector({"chat": rate_limit.limiter}))
 
 app = FastAPI(title="genai-ratelimit example")
 # Puts X-RateLimit-* and OpenAI's x-ratelimit-* on every response, the streamed ones
@@ -87,6 +102,7 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     stream_options: StreamOptions | None = None
+    pace_ms: int = Field(0, ge=0, le=5_000)  # the fake model's pause between chunks
 
 
 def _fake_completion(request: ChatCompletionRequest) -> list[str]:
@@ -116,7 +132,7 @@ async def _stream_chunks(request: Request, body: ChatCompletionRequest, completi
         text = " ".join(words[start:start + per_chunk])
         yield chunk([{"index": 0, "delta": {"content": text if start == 0 else " " + text},
                       "finish_reason": None}])
-        await asyncio.sleep(0)  # a real model yields between tokens
+        await asyncio.sleep(body.pace_ms / 1000)  # a real model yields between tokens
     yield chunk([{"index": 0, "delta": {}, "finish_reason": "stop"}])
     usage = _usage(body, words)
     if body.stream_options is not None and body.stream_options.include_usage:
@@ -149,3 +165,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest) -> Res
 @app.get("/healthz")
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@app.get("/metrics")
+async def metrics() -> Response:
+    """Prometheus's text format: genai_ratelimit_decisions_total{outcome,window}, ..."""
+    return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,7 +1,8 @@
 """`make demo`: a throwaway redis-server (unless $REDIS_URL is set), the example app under
 uvicorn on a free loopback port, bursts of real HTTP requests, and a table of what came back:
 a free user whose token budget runs out before the request budget does, a request too large
-to ever fit, and a pro user. Stops everything it started and exits 0.
+to ever fit, a pro user, and a free user's fourth concurrent stream refused while three run
+(max_in_flight). Stops everything it started and exits 0.
 
 Each run uses a fresh key prefix, so repeated runs print the same table and a Redis named by
 $REDIS_URL is never flushed (the demo deletes only its own keys)."""
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import uuid
 from contextlib import ExitStack
 
@@ -61,10 +63,60 @@ def fire(client: httpx.Client, api_key: str, count: int,
     return rows, message
 
 
-def print_table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(COLUMNS[i]), *(len(row[i]) for row in rows)) for i in range(len(COLUMNS))]
+STREAMER_KEY = "sk-demo-streamer"
+STREAM_COLUMNS = ("#", "when", "status", "X-RateLimit-Window", "Retry-After")
+
+
+class SlowStream:
+    """One slow streamed completion (pace_ms between chunks) read in a thread of its own:
+    `first_chunk` is set once it is under way."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.status = ""
+        self.window = "-"
+        self.retry_after = "-"
+        self.first_chunk = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        body = {"model": "demo-1", "stream": True, "pace_ms": 150,
+                "messages": [{"role": "user", "content": "Take your time."}]}
+        try:
+            with httpx.Client(base_url=self.base_url, timeout=30.0) as client, client.stream(
+                    "POST", "/v1/chat/completions", json=body,
+                    headers={"Authorization": f"Bearer {STREAMER_KEY}"}) as response:
+                self.status = f"{response.status_code} {response.reason_phrase}"
+                self.window = response.headers.get("X-RateLimit-Window", "-")
+                self.retry_after = response.headers.get("Retry-After", "-")
+                for _ in response.iter_bytes():
+                    self.first_chunk.set()
+        finally:
+            self.first_chunk.set()
+
+
+def concurrency_scene(base_url: str) -> list[tuple[str, ...]]:
+    """Three slow streams of one free user, a fourth while they run (refused: 3 in flight),
+    and a fifth once they have ended (admitted: the slots are free again)."""
+    running = [SlowStream(base_url) for _ in range(3)]
+    for stream in running:
+        stream.first_chunk.wait(30)
+    fourth = SlowStream(base_url)
+    fourth.thread.join(30)
+    for stream in running:
+        stream.thread.join(30)
+    fifth = SlowStream(base_url)
+    fifth.thread.join(30)
+    whens = ["streaming"] * 3 + ["while 3 stream", "after they ended"]
+    return [(str(number), when, stream.status, stream.window, stream.retry_after)
+            for number, (when, stream) in enumerate(zip(whens, [*running, fourth, fifth], strict=True), 1)]
+
+
+def print_table(rows: list[tuple[str, ...]], columns: tuple[str, ...] = COLUMNS) -> None:
+    widths = [max(len(columns[i]), *(len(row[i]) for row in rows)) for i in range(len(columns))]
     line = "  ".join(f"{{:<{w}}}" for w in widths)
-    print(("  " + line.format(*COLUMNS)).rstrip())
+    print(("  " + line.format(*columns)).rstrip())
     print("  " + "  ".join("-" * w for w in widths))
     for row in rows:
         print(("  " + line.format(*row)).rstrip())
@@ -118,6 +170,11 @@ def main() -> int:
                 print_table(rows)
                 if message:
                     print(f"  429 says: {message}")
+        print("\nanother free user (max_in_flight 3): three slow streams at once, a fourth while "
+              "they run, a fifth after:")
+        print_table(concurrency_scene(server.base_url), STREAM_COLUMNS)
+        print("  (Retry-After on the refusal: when the soonest slot's lease expires, an upper "
+              "bound; a stream that ends frees its slot sooner)")
         print("\nStopping the app" + ("." if external_url else " and redis-server."))
     return 0
 

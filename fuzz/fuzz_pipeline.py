@@ -98,6 +98,16 @@ def check_result(future: Future, request_windows: tuple[int, ...], with_window: 
             if type(result) is not int or not 0 <= result <= len(request_windows):
                 raise AssertionError(f"reconcile resolved with {result!r}")
             return
+        if with_window == "acquire":  # (allowed, held, retry_s, retry_ms, lease id, expiry, now)
+            if type(result) is not tuple or len(result) != 7 or type(result[0]) is not bool:
+                raise AssertionError(f"acquire resolved with {result!r}")
+            allowed, held, retry_s, retry_ms, lease_id, expires, now = result
+            if held < 0 or now < 0 or (allowed and (held < 1 or retry_ms != 0 or expires <= now
+                                                    or len(lease_id) != 36)) \
+                    or (not allowed and (held < limit or retry_ms < 1 or lease_id != ""
+                                         or retry_s != -(-retry_ms // 1000))):
+                raise AssertionError(f"lease out of range accepted: {result!r} (limit {limit})")
+            return
         if with_window == "reserve":
             if type(result) is not tuple or len(result) != 9 or type(result[7]) is not tuple \
                     or len(result[7]) != len(request_windows) + 1:
@@ -163,7 +173,10 @@ def TestOneInput(data: bytes) -> None:
         if i < decisions:
             future = Future(flavour, pipeline)
             windows = WINDOW_SECONDS[:nwindows]
-            if i % 5 == 3:
+            if i == 5:
+                request = codec.acquire(f"user-{i}", 3, 60)
+                pushed.append((future, windows, "acquire", 3))
+            elif i % 5 == 3:
                 request = codec.reserve(f"user-{i}", [(5 + i, s) for s in windows],
                                         token_windows=[(RESERVE_TOKEN_LIMIT, windows[0])],
                                         tokens=7)

@@ -16,8 +16,9 @@ from ._native import (
 )
 from ._version import __version__
 from .aio import AsyncRateLimiter
+from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
-from .reservation import Reservation, WindowState
+from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -30,6 +31,9 @@ __all__ = [
     "WindowDecision",
     "Reservation",
     "WindowState",
+    "Scope",
+    "Lease",
+    "AsyncLease",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

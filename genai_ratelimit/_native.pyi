@@ -6,10 +6,18 @@ from typing import Any, ClassVar, final
 from _typeshed import structseq
 from typing_extensions import disjoint_base
 
+from genai_ratelimit.metrics import LimiterMetrics
+
 SCRIPT_SHA1: str
 SCRIPT_SOURCE: str
 RECONCILE_SHA1: str
 RECONCILE_SOURCE: str
+PEEK_SHA1: str
+PEEK_SOURCE: str
+RESET_SHA1: str
+RESET_SOURCE: str
+LEASE_SHA1: str
+LEASE_SOURCE: str
 HIREDIS_VERSION: str  # "major.minor.patch" of the hiredis headers compiled against
 STATUS_CONNECT: int
 STATUS_IO: int
@@ -38,10 +46,26 @@ class WindowDecision(structseq[Any], tuple[bool, int, int, int]):
     @property
     def timestamp_ms(self) -> int: ...
 
+# A scope of a reserve call: (name, shared, windows, token_windows); of a reconcile call:
+# (name, shared, windows of the reconciled resource).
+_NativeScope = tuple[str, bool, Sequence[tuple[int, int]], Sequence[tuple[int, int]]]
+_NativeReconcileScope = tuple[str, bool, Sequence[tuple[int, int]]]
+# (allowed, remaining, retry_after_s, window_seconds, is_token_window, member, timestamp_ms,
+#  ((limit, window_seconds, is_token_window, remaining, scope), ...), retry_after_ms, scope),
+# where scope is 0 for the user's own windows and k for scopes[k - 1].
+_ReserveTuple = tuple[
+    bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None, int], ...], int, int
+]
+
 class RateLimiterError(Exception): ...
 class RateLimiterUnavailable(RateLimiterError): ...
 class RateLimiterTimeout(RateLimiterUnavailable, TimeoutError): ...
 class RateLimiterAuthError(RateLimiterUnavailable): ...
+
+# _peek: (allowed, remaining, retry_after_s, window_seconds, is_token_window, now_ms,
+#         ((limit, window_seconds, is_token_window, used, oldest_ms | None), ...),
+#         retry_after_ms)
+_PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, int, int | None], ...], int]
 
 @disjoint_base
 class Limiter:
@@ -64,6 +88,7 @@ class Limiter:
         ssl_ca_certs: str | None = ...,
         ssl_certfile: str | None = ...,
         ssl_keyfile: str | None = ...,
+        metrics: bool = ...,
         cluster_nodes: Sequence[tuple[str, int]] | None = ...,
         sentinel_master: str | None = ...,
     ) -> None: ...
@@ -84,11 +109,8 @@ class Limiter:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> tuple[  # (allowed, remaining, retry_after_s, window_seconds, is_token_window,
-        # member, timestamp_ms, ((limit, window_seconds, is_token_window, remaining), ...),
-        # retry_after_ms)
-        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...], int
-    ]: ...
+        scopes: tuple[_NativeScope, ...] = (),
+    ) -> _ReserveTuple: ...
     def _reconcile(
         self,
         user_id: str,
@@ -98,7 +120,33 @@ class Limiter:
         cost: int,
         *,
         tokens: bool = False,
+        scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> int: ...
+    def _peek(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        token_windows: Sequence[tuple[int, int]] = (),
+        tokens: int | None = None,
+    ) -> _PeekResult: ...
+    def _reset(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]] | None = None,
+        *,
+        token_windows: Sequence[tuple[int, int]] | None = None,
+        cursor: str | None = None,
+    ) -> tuple[int, str]: ...
+    def metrics(self) -> LimiterMetrics: ...
+    def _record_outcome(self, kind: str, /) -> None: ...
+    def _acquire(
+        self, user_id: str, limit: int, lease_seconds: int
+    ) -> tuple[bool, int, int, int, str, int, int]: ...  # (allowed, held, retry_after_s,
+    # retry_after_ms, lease_id, expires_at_ms, now_ms)
+    def _release(self, user_id: str, lease_id: str) -> bool: ...
+    def _renew(self, user_id: str, lease_id: str, lease_seconds: int) -> tuple[bool, int]: ...
     def close(self) -> None: ...
     @property
     def key_prefix(self) -> str: ...
@@ -121,7 +169,8 @@ class Request:
 @final
 class Codec:
     def __init__(
-        self, key_prefix: str, *, client_clock: bool = ..., hash_tag: bool = ...
+        self, key_prefix: str, *, client_clock: bool = ..., metrics: bool = ...,
+        hash_tag: bool = ...
     ) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
@@ -140,9 +189,8 @@ class Codec:
         cost: int = 1,
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
-    ) -> Request | tuple[
-        bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None], ...], int
-    ]: ...
+        scopes: tuple[_NativeScope, ...] = (),
+    ) -> Request | _ReserveTuple: ...
     def reconcile(
         self,
         user_id: str,
@@ -152,11 +200,38 @@ class Codec:
         cost: int,
         *,
         tokens: bool = False,
+        scopes: tuple[_NativeReconcileScope, ...] = (),
     ) -> Request | int: ...
+    def peek(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        token_windows: Sequence[tuple[int, int]] = (),
+        tokens: int | None = None,
+    ) -> Request | _PeekResult: ...
+    def reset(
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]] | None = None,
+        *,
+        token_windows: Sequence[tuple[int, int]] | None = None,
+        cursor: str | None = None,
+    ) -> Request | tuple[int, str]: ...
+    def metrics(self) -> LimiterMetrics: ...
+    def _record_outcome(self, kind: str, /) -> None: ...
+    def acquire(
+        self, user_id: str, limit: int, lease_seconds: int
+    ) -> Request | tuple[bool, int, int, int, str, int, int]: ...
+    def release(self, user_id: str, lease_id: str) -> Request | bool: ...
+    def renew(
+        self, user_id: str, lease_id: str, lease_seconds: int
+    ) -> Request | tuple[bool, int]: ...
 
 @final
 class Pipeline:
-    def __init__(self, timeout: float) -> None: ...
+    def __init__(self, timeout: float, *, codec: Codec | None = ...) -> None: ...
     def handshake(
         self,
         future: Any,

@@ -24,6 +24,29 @@ tokens_per_day not below tokens_per_minute:
 
 A tier without them takes TIER_TOKEN_LIMITS' budget of the same name, else the token budget
 of the file's `free` tier (when it has one), else TIER_TOKEN_LIMITS' free budget.
+
+A tier may also cap its concurrent requests (RateLimit's in-flight leases), an integer >= 1;
+a tier without it has no concurrency limit:
+
+    [free]
+    per_minute = 5
+    per_day = 100
+    max_in_flight = 3
+
+Two more tables are sections, not tiers (so no tier can be named `models` or `upstreams`):
+per-model budgets of each user, beside the tier's, and the caps of upstream providers, shared
+by all users; each takes any of per_minute, per_day, tokens_per_minute, tokens_per_day (at
+least one; the token keys count in TokenRateLimit only), and an upstream lists the request
+`model`s it serves (none: every request):
+
+    [models."gpt-4o"]                   # each user: 20 gpt-4o requests a minute at most
+    per_minute = 20
+    tokens_per_minute = 40000
+
+    [upstreams."openai/gpt-4o"]         # all users together stay below the provider's caps
+    models = ["gpt-4o", "gpt-4o-2024-08-06"]
+    per_minute = 500
+    tokens_per_minute = 30000
 """
 
 from __future__ import annotations
@@ -49,6 +72,14 @@ __all__ = [
     "load_tier_config",
     "tier_limits_from_env",
     "tier_token_limits_from_env",
+    "SCOPE_SECTIONS",
+    "SCOPE_BUDGET_KEYS",
+    "validate_scope_budget",
+    "scope_sections_of",
+    "scope_sections_from_env",
+    "MAX_IN_FLIGHT_KEY",
+    "max_in_flight_of_tiers",
+    "tier_max_in_flight_from_env",
 ]
 
 TIERS_FILE_ENV = "GENAI_RATELIMIT_TIERS"
@@ -58,6 +89,16 @@ TIER_BUDGET_KEYS: dict[str, int] = {"per_minute": 60, "per_day": 86_400}
 # The optional token budget keys of a tiers file -> the key of a token budget table
 # (TIER_TOKEN_LIMITS' shape), in the order of TIER_BUDGET_KEYS.
 TIER_TOKEN_KEYS: dict[str, str] = {"tokens_per_minute": "per_minute", "tokens_per_day": "per_day"}
+# The optional cap on a tier's concurrent requests (in-flight leases).
+MAX_IN_FLIGHT_KEY = "max_in_flight"
+
+
+# The tables of a tiers file that are sections, not tiers.
+SCOPE_SECTIONS = ("models", "upstreams")
+# The budget keys of a scope (a route's, a model's, an upstream's) -> (window seconds, tokens).
+SCOPE_BUDGET_KEYS: dict[str, tuple[int, bool]] = {
+    "per_minute": (60, False), "per_day": (86_400, False),
+    "tokens_per_minute": (60, True), "tokens_per_day": (86_400, True)}
 
 
 class TierConfigError(ValueError):
@@ -76,7 +117,8 @@ def _budget(source: str, tier: str, key: str, value: object) -> int:
 def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, dict[str, int]]:
     """The strict check shared by request and token budgets: a mapping of non-empty tier names
     to tables of exactly {"per_minute": int >= 1, "per_day": int >= 1} (plus, when
-    `token_keys`, optionally both of "tokens_per_minute", "tokens_per_day"), each day budget
+    `token_keys`, optionally both of "tokens_per_minute", "tokens_per_day", and
+    "max_in_flight": int >= 1), each day budget
     not below its minute budget, with a `free` tier. Returns fresh dicts."""
     if not isinstance(data, Mapping):
         raise TierConfigError(f"{source}: expected a table of tiers "
@@ -84,9 +126,12 @@ def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, di
                               f"got {type(data).__name__}")
     if not data:
         raise TierConfigError(f"{source}: no tiers defined")
-    allowed = {**TIER_BUDGET_KEYS, **(TIER_TOKEN_KEYS if token_keys else {})}
+    allowed = {**TIER_BUDGET_KEYS,
+               **({**TIER_TOKEN_KEYS, MAX_IN_FLIGHT_KEY: 0} if token_keys else {})}
     tiers: dict[str, dict[str, int]] = {}
     for tier, budget in data.items():
+        if tier in SCOPE_SECTIONS:
+            continue
         if not isinstance(tier, str) or not tier.strip():
             raise TierConfigError(f"{source}: tier names must be non-empty strings, got {tier!r}")
         if not isinstance(budget, Mapping):
@@ -146,6 +191,75 @@ def token_limits_of_tiers(data: object, source: str = "tier_limits") -> dict[str
             for tier, budget in tiers.items() if "tokens_per_minute" in budget}
 
 
+def validate_scope_budget(budget: object, source: str, what: str, *,
+                          extra: tuple[str, ...] = ()) -> dict[str, int]:
+    """A scope's budget: a table of some of per_minute, per_day, tokens_per_minute,
+    tokens_per_day (integers >= 1, at least one). Keys in `extra` are left to the caller.
+    Raises TierConfigError naming `source` and `what` (e.g. "model 'gpt-4o'")."""
+    if not isinstance(budget, Mapping):
+        raise TierConfigError(f"{source}: {what} must be a table of budgets (e.g. "
+                              f"{{\"per_minute\": 30}}), got {type(budget).__name__}")
+    unknown = sorted(str(key) for key in budget if key not in SCOPE_BUDGET_KEYS and key not in extra)
+    if unknown:
+        raise TierConfigError(f"{source}: {what}: unknown key(s) {unknown}; allowed: "
+                              f"{sorted([*SCOPE_BUDGET_KEYS, *extra])}")
+    checked = {key: _budget(source, what, key, budget[key])
+               for key in SCOPE_BUDGET_KEYS if key in budget}
+    if not checked:
+        raise TierConfigError(f"{source}: {what} needs at least one of "
+                              f"{', '.join(SCOPE_BUDGET_KEYS)}")
+    return checked
+
+
+ScopeSections = tuple[dict[str, dict[str, int]], dict[str, tuple[dict[str, int], tuple[str, ...]]]]
+
+
+def scope_sections_of(data: object, source: str) -> ScopeSections:
+    """The `models` and `upstreams` sections of a tiers table: ({model: budget},
+    {upstream: (budget, models)}). Raises TierConfigError for a malformed section."""
+    models: dict[str, dict[str, int]] = {}
+    upstreams: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {}
+    if not isinstance(data, Mapping):
+        return models, upstreams
+    for section in SCOPE_SECTIONS:
+        table = data.get(section)
+        if table is None:
+            continue
+        if not isinstance(table, Mapping):
+            raise TierConfigError(f"{source}: [{section}] must be a table of names to budgets, "
+                                  f"got {type(table).__name__}")
+        for name, budget in table.items():
+            what = f"{section[:-1]} {name!r}"
+            if not isinstance(name, str) or not name.strip():
+                raise TierConfigError(f"{source}: [{section}] names must be non-empty strings, "
+                                      f"got {name!r}")
+            checked = validate_scope_budget(budget, source, what,
+                                            extra=("models",) if section == "upstreams" else ())
+            if section == "models":
+                models[name] = checked
+                continue
+            served = budget.get("models", [])
+            if not isinstance(served, list) or not all(isinstance(m, str) and m for m in served):
+                raise TierConfigError(f"{source}: {what}: models must be a list of model names")
+            upstreams[name] = (checked, tuple(served))
+    return models, upstreams
+
+
+def scope_sections_from_env(environ: Mapping[str, str] | None = None) -> ScopeSections | None:
+    """The `models` and `upstreams` sections of the file named by GENAI_RATELIMIT_TIERS
+    (scope_sections_of), or None when the variable is unset or empty."""
+    config = _config_from_env(environ)
+    return None if config is None else scope_sections_of(*config)
+
+
+def max_in_flight_of_tiers(data: object, source: str = "tier_limits") -> dict[str, int]:
+    """The concurrency caps a tiers table carries: {tier: max_in_flight} for each tier that
+    gives one (possibly none). Checks `data` as validate_tier_limits does."""
+    tiers = _tier_tables(data, source, token_keys=True)
+    return {tier: budget[MAX_IN_FLIGHT_KEY] for tier, budget in tiers.items()
+            if MAX_IN_FLIGHT_KEY in budget}
+
+
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for key, value in pairs:
@@ -198,7 +312,18 @@ def load_tier_config(path: str | os.PathLike[str], *, source: str | None = None)
         kind = "JSON" if suffix == ".json" else "TOML"
         raise TierConfigError(f"{where}: invalid {kind}: {exc}") from None
     validate_tier_limits(data, where)
+    scope_sections_of(data, where)
     return data, where
+
+
+def _config_from_env(environ: Mapping[str, str] | None) -> tuple[object, str] | None:
+    """The parsed and checked file named by GENAI_RATELIMIT_TIERS and its source name
+    (load_tier_config), or None when the variable is unset or empty."""
+    env = os.environ if environ is None else environ
+    value = env.get(TIERS_FILE_ENV, "").strip()
+    if not value:
+        return None
+    return load_tier_config(value, source=f"{TIERS_FILE_ENV}={value}")
 
 
 def tier_limits_from_env(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, int]] | None:
@@ -216,12 +341,19 @@ def tier_token_limits_from_env(environ: Mapping[str, str] | None = None) -> dict
     or empty. A tier of the file without token keys takes TIER_TOKEN_LIMITS' budget of the
     same name, else the file's free token budget, else TIER_TOKEN_LIMITS' free budget; so
     every tier of the file has one. Raises TierConfigError as tier_limits_from_env does."""
-    env = os.environ if environ is None else environ
-    value = env.get(TIERS_FILE_ENV, "").strip()
-    if not value:
+    config = _config_from_env(environ)
+    if config is None:
         return None
-    data, where = load_tier_config(value, source=f"{TIERS_FILE_ENV}={value}")
+    data, where = config
     given = token_limits_of_tiers(data, where)
     fallback = given.get(DEFAULT_TIER) or TIER_TOKEN_LIMITS[DEFAULT_TIER]
     return {tier: dict(given.get(tier) or TIER_TOKEN_LIMITS.get(tier) or fallback)
             for tier in validate_tier_limits(data, where)}
+
+
+def tier_max_in_flight_from_env(environ: Mapping[str, str] | None = None) -> dict[str, int] | None:
+    """The max_in_flight caps of the file named by GENAI_RATELIMIT_TIERS ({} when it gives
+    none), or None when the variable is unset or empty. Raises TierConfigError as
+    tier_limits_from_env does."""
+    config = _config_from_env(environ)
+    return None if config is None else max_in_flight_of_tiers(*config)

@@ -56,16 +56,28 @@ def requested_completion_tokens(body: Mapping[str, Any], default_max_tokens: int
     return maximum * (_positive_int(body.get("n")) or 1)
 
 
-def estimate_openai_tokens(body: bytes | Mapping[str, Any], default_max_tokens: int) -> int:
-    """The default token estimate of a request: what it may spend on the completion
-    (requested_completion_tokens) plus the prompt's characters / 4, rounded up; at least 1.
-    A body that is not a JSON object counts as an empty prompt asking for the default."""
+def json_object(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A request body as a JSON object; {} when it is not one."""
     if isinstance(body, (bytes, bytearray)):
         try:
             parsed: object = json.loads(body) if body else None
         except ValueError:
             parsed = None
-        body = parsed if isinstance(parsed, Mapping) else {}
+        return parsed if isinstance(parsed, Mapping) else {}
+    return body
+
+
+def requested_model(body: bytes | Mapping[str, Any]) -> str | None:
+    """The request's `model` (an OpenAI- or Anthropic-shaped body), when it is a non-empty str."""
+    model = json_object(body).get("model")
+    return model if isinstance(model, str) and model else None
+
+
+def estimate_openai_tokens(body: bytes | Mapping[str, Any], default_max_tokens: int) -> int:
+    """The default token estimate of a request: what it may spend on the completion
+    (requested_completion_tokens) plus the prompt's characters / 4, rounded up; at least 1.
+    A body that is not a JSON object counts as an empty prompt asking for the default."""
+    body = json_object(body)
     prompt_tokens = math.ceil(prompt_characters(body) / 4)
     return max(1, prompt_tokens + requested_completion_tokens(body, default_max_tokens))
 

@@ -28,8 +28,18 @@ from . import _native
 from ._cluster import Address, SlotMap, redirect_of
 from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
 from ._url import RedisOptions
+from .lease import DEFAULT_LEASE_SECONDS, AsyncLease, Lease, lease_arguments, make_lease
 from .limiter import Clock, limiter_options
-from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
+from .metrics import LimiterMetrics
+from .reservation import (
+    Plan,
+    Reservation,
+    Scope,
+    advance,
+    reconcile_plan,
+    reserve_arguments,
+    reserve_plan,
+)
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -105,7 +115,7 @@ class _Connection(asyncio.Protocol):
         self.pool = pool
         self.loop = pool.loop
         self.timeout = timeout
-        self.pipeline = _native.Pipeline(timeout)
+        self.pipeline = _native.Pipeline(timeout, codec=pool.limiter._codec)
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self._flush_scheduled = False
@@ -150,6 +160,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self.closed:  # we closed it ourselves and failed its checks already
             return
+        self.pool.limiter._codec._record_outcome("connection_error")
         reason = f": {exc}" if exc else ""
         error = RateLimiterUnavailable(f"connection to Redis lost{reason}")
         # The server may or may not have run the pending decisions. The engine's replay rule
@@ -178,17 +189,19 @@ class _Connection(asyncio.Protocol):
             self._timer = self.loop.call_later(self.timeout, self._on_timer)
         return future
 
-    def command(self, *words: str) -> asyncio.Future[Any]:
-        """Sends any command (the cluster's CLUSTER SHARDS, ASKING); its reply resolves the
-        future: bytes, int, None or a list, or RateLimiterUnavailable for an error reply."""
+    def submit_command(self, words: tuple[str | bytes, ...]) -> asyncio.Future[Any]:
+        """Queues any Redis command; the future gets its reply (Pipeline.push_command)."""
         if self.closed:
             raise RateLimiterUnavailable("connection to Redis lost")
         future = self.loop.create_future()
         self.pipeline.push_command(future, *words)
         self._schedule_flush()
+        self._arm_timer()
+        return future
+
+    def _arm_timer(self) -> None:
         if self._timer is None:
             self._timer = self.loop.call_later(self.timeout, self._on_timer)
-        return future
 
     def resubmit(self, future: asyncio.Future[Any], request: Any, extend: float) -> None:
         """Sends a request again with the future its caller already awaits, within its first
@@ -197,8 +210,7 @@ class _Connection(asyncio.Protocol):
             raise RateLimiterUnavailable("connection to Redis lost")
         self.pipeline.push(future, request, extend)
         self._schedule_flush()
-        if self._timer is None:
-            self._timer = self.loop.call_later(self.timeout, self._on_timer)
+        self._arm_timer()
 
     async def handshake(self, options: RedisOptions) -> None:
         """AUTH / SELECT / PING as the engine queues and judges them (the blocking path
@@ -238,6 +250,8 @@ class _Connection(asyncio.Protocol):
     # -- closing
     def abort(self, exc: Exception) -> None:
         """Fails every pending check with exc and drops the connection (it may be out of step)."""
+        if not self.closed:
+            self.pool.limiter._codec._record_outcome("connection_error")
         transport = self.transport
         self._close(exc)
         if transport is not None:
@@ -398,6 +412,7 @@ class _LoopPool:
         except Exception as exc:  # no connection to be had: the callers hear why
             for future, _ in pairs:
                 if not future.done():
+                    self.limiter._codec._record_outcome("unavailable")
                     future.set_exception(exc)
 
     def discard(self, conn: _Connection) -> None:
@@ -433,16 +448,20 @@ class AsyncRateLimiter:
         socket_timeout: float = 1.0,
         clock: Clock = "server",
         max_connections: int = 4,
+        metrics: bool = True,
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
-                                          clock, max_connections)
+                                          clock, max_connections, metrics)
         self._ssl = _ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock
         cluster = options.mode == "cluster"
-        self._codec = _native.Codec(key_prefix, client_clock=clock == "client", hash_tag=cluster)
+        self._codec = _native.Codec(key_prefix, client_clock=clock == "client",
+                                    metrics=native["metrics"], hash_tag=cluster)
         self._slot_map = (SlotMap(options.nodes, options.tls, options.master_name)
                           if options.mode != "single" else None)
+        # A shared scope's keys hash to the scope's slot, the user's to the user's.
+        self._two_step_scopes = cluster
         self._connect_timeout = float(native["connect_timeout"])
         self._socket_timeout = float(native["socket_timeout"])
         self.max_connections = max_connections
@@ -491,17 +510,18 @@ class AsyncRateLimiter:
         self._last_loop, self._last_pool = loop, pool
         return pool
 
-    async def _run(self, request: Any) -> Any:
-        """Sends one Request of the codec and waits for its answer."""
+    async def _run(self, request: Any, decision: bool = False) -> Any:
+        """Sends one Request of the codec and waits for its answer. decision: a check,
+        counted as unavailable in the metrics when no connection can be had."""
         if self._slot_map is not None:
-            return await self._run_cluster(request)
+            return await self._run_cluster(request, decision)
         pool = self._pool()
         conn = pool.pick()
         if conn is None:
-            conn = await pool.get()
+            conn = await self._connection(pool, decision)
         return await conn.submit(request)
 
-    async def _run_cluster(self, request: Any) -> Any:
+    async def _run_cluster(self, request: Any, decision: bool = False) -> Any:
         """Sends a Request to the node that serves its slot, following the cluster's
         answers within the call's deadline: MOVED (the map is read again), ASK (ASKING, once,
         on the node named), TRYAGAIN, CLUSTERDOWN and dead nodes (a pause, the map read
@@ -526,9 +546,9 @@ class AsyncRateLimiter:
                                                  f"{request.slot} (are all slots assigned?)")
             pool = root.node(address)
             try:
-                conn = pool.pick() or await pool.get()
+                conn = pool.pick() or await self._connection(pool, decision)
                 if ask is not None:
-                    conn.command("ASKING").add_done_callback(_ignore_result)
+                    conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
                     ask = None
                 return await conn.submit(request)
             except RateLimiterTimeout:
@@ -591,17 +611,17 @@ class AsyncRateLimiter:
             try:
                 conn = pool.pick() or await pool.get()
                 if slot_map.master_name is not None:  # Sentinel: where is the master now?
-                    slot_map.install_master(await conn.command(
-                        "SENTINEL", "get-master-addr-by-name", slot_map.master_name), address)
+                    slot_map.install_master(await conn.submit_command(
+                        ("SENTINEL", "get-master-addr-by-name", slot_map.master_name)), address)
                     return
                 shards = True
                 try:
-                    reply = await conn.command("CLUSTER", "SHARDS")
+                    reply = await conn.submit_command(("CLUSTER", "SHARDS"))
                 except RateLimiterUnavailable as exc:
                     if "answered an error" not in str(exc):
                         raise
                     shards = False  # before Redis 7
-                    reply = await conn.command("CLUSTER", "SLOTS")
+                    reply = await conn.submit_command(("CLUSTER", "SLOTS"))
                 slot_map.install(reply, address, shards)
                 return
             except (RateLimiterError, ValueError, LookupError, TypeError) as exc:
@@ -612,6 +632,15 @@ class AsyncRateLimiter:
                         exc, RateLimiterUnavailable):
                     raise  # closed
         raise error
+    async def _connection(self, pool: _LoopPool, decision: bool) -> _Connection:
+        """A new or the least busy connection of pool; counts a decision that cannot
+        have one as unavailable."""
+        try:
+            return await pool.get()
+        except RateLimiterError:
+            if decision:
+                self._codec._record_outcome("unavailable")
+            raise
 
     async def check(self, user_id: str, limit: int, window_seconds: int, *,
                     cost: int = 1) -> tuple[bool, int, int]:
@@ -622,12 +651,12 @@ class AsyncRateLimiter:
         if type(request) is tuple:  # the kill switch answered
             return request
         if self._slot_map is not None:
-            return await self._run_cluster(request)  # type: ignore[no-any-return]
+            return await self._run_cluster(request, True)  # type: ignore[no-any-return]
         # _run's body, inline: the hottest call is spared a coroutine frame.
         pool = self._pool()
         conn = pool.pick()
         if conn is None:
-            conn = await pool.get()
+            conn = await self._connection(pool, True)
         return await conn.submit(request)  # type: ignore[no-any-return]
 
     async def check_windows(self, user_id: str, windows: Any, *,
@@ -639,7 +668,7 @@ class AsyncRateLimiter:
         request = self._codec.check_windows(user_id, windows, cost=cost)
         if type(request) is tuple:
             return request
-        return await self._run(request)  # type: ignore[no-any-return]
+        return await self._run(request, True)  # type: ignore[no-any-return]
 
     async def check_windows_detailed(self, user_id: str, windows: Any, *,
                                      cost: int = 1) -> WindowDecision:
@@ -652,29 +681,128 @@ class AsyncRateLimiter:
             return request
         return await self._run(request)  # type: ignore[no-any-return]
 
+    # RateLimiter._two_step_scopes: shared scopes decided in steps of their own.
+    _two_step_scopes = False
+
     async def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
                       cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
-                      tokens: int | None = None) -> Reservation:
+                      tokens: int | None = None, scopes: Sequence[Scope] = ()) -> Reservation:
         """RateLimiter.reserve, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        request = self._codec.reserve(user_id, windows,
-                                      **reserve_arguments(cost, token_windows, tokens))
-        raw = request if type(request) is tuple else await self._run(request)
-        return make_reservation(raw, user_id, cost, tokens)
+        reservation: Reservation = await self._drive(reserve_plan(
+            user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
+        return reservation
 
     async def reconcile(self, reservation: Reservation, actual: int) -> int:
         """RateLimiter.reconcile, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        arguments = reconcile_arguments(reservation, actual)
+        found: int = await self._drive(reconcile_plan(reservation, actual))
+        return found
+
+    async def _drive(self, plan: Plan) -> Any:
+        """Runs a plan's C calls (reservation.py) on this loop's pipeline."""
+        call, result = advance(plan)
+        while call is not None:
+            name, positional, keywords = call
+            try:
+                if name == "validate":  # a codec without hash tags: steps may span slots
+                    answer: object = _native.Codec(self.key_prefix, metrics=False).reserve(
+                        *positional, **keywords)
+                else:
+                    method = self._codec.reserve if name == "reserve" else self._codec.reconcile
+                    request = method(*positional, **keywords)
+                    # A reserve is a decision (the metrics count it), a reconcile is not.
+                    answer = (request if type(request) in (tuple, int)
+                              else await self._run(request, name == "reserve"))
+            except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                call, result = advance(plan, error=exc)
+            else:
+                call, result = advance(plan, answer)
+        return result
+
+    async def peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
+                   cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
+                   tokens: int | None = None) -> tuple[bool, int, int, int]:
+        """RateLimiter.peek, awaited: what a check would answer now; writes nothing."""
+        raw = await self._peek(user_id, windows, cost=cost, token_windows=token_windows,
+                               tokens=tokens)
+        return raw[:4]  # type: ignore[no-any-return]
+
+    async def _peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
+                    cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
+                    tokens: int | None = None) -> Any:
+        """RateLimiter._peek, awaited: the full answer, every window's use included."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.peek(user_id, windows,
+                                   **reserve_arguments(cost, token_windows, tokens))
+        return request if type(request) is tuple else await self._run(request)
+
+    async def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
+                    token_windows: Sequence[tuple[int, int]] | None = None) -> int:
+        """RateLimiter.reset, awaited: the number of entries removed."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        scan = windows is None and token_windows is None
+        removed, cursor = 0, None
+        while True:
+            request = (self._codec.reset(user_id, cursor=cursor) if scan
+                       else self._codec.reset(user_id, windows, token_windows=token_windows))
+            more, cursor = request if type(request) is tuple else await self._run(request)
+            removed += more
+            if cursor == "0":
+                return removed
+
+    def metrics(self) -> LimiterMetrics:
+        """The limiter's counters (RateLimiter.metrics)."""
+        return self._codec.metrics()
+
+    def _record_outcome(self, kind: str) -> None:
+        """Counts 'fail_open' or 'shadow' (the FastAPI layer's outcomes)."""
+        self._codec._record_outcome(kind)
+
+    async def _command(self, *words: str | bytes) -> Any:
+        """Sends one Redis command (at most 8 words) on the limiter's connections; its
+        reply as bytes, int, None or a list. For the command line (SCAN)."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        pool = self._pool()
+        conn = pool.pick() or await pool.get()
+        return await conn.submit_command(words)
+
+    async def acquire(self, user_id: str, limit: int,
+                      lease_seconds: int = DEFAULT_LEASE_SECONDS) -> AsyncLease:
+        """RateLimiter.acquire, awaited: an AsyncLease (`async with` releases it)."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.acquire(user_id, limit, lease_seconds)
+        raw = request if type(request) is tuple else await self._run(request)
+        return make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self)  # type: ignore[return-value]
+
+    async def release(self, lease: Lease) -> bool:
+        """RateLimiter.release, awaited."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        arguments = lease_arguments(lease)
         if arguments is None:
-            return 0
-        positional, keywords = arguments
-        request = self._codec.reconcile(*positional, **keywords)
-        if type(request) is int:
+            return False
+        request = self._codec.release(*arguments[:2])
+        if type(request) is bool:
             return request
         return await self._run(request)  # type: ignore[no-any-return]
+
+    async def renew(self, lease: Lease, lease_seconds: int | None = None) -> bool:
+        """RateLimiter.renew, awaited."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        arguments = lease_arguments(lease, lease_seconds)
+        if arguments is None:
+            return lease.allowed
+        request = self._codec.renew(*arguments)
+        raw = request if type(request) is tuple else await self._run(request)
+        return bool(raw[0])
 
     async def aclose(self) -> None:
         """Closes every connection; pending checks fail. A second call does nothing."""

@@ -72,9 +72,11 @@ import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 try:
+    import anyio
     from fastapi import HTTPException, Request, Response
     from starlette.concurrency import run_in_threadpool
     from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -91,22 +93,30 @@ from ._openai_headers import (
     ResourceHeaders,
     error_body,
     family_headers,
+    format_duration,
     refusal_message,
     retry_headers,
     too_large_error_body,
 )
 from ._tiers_config import (
+    SCOPE_BUDGET_KEYS,
     TIER_BUDGET_KEYS,
     TierConfigError,
+    max_in_flight_of_tiers,
+    scope_sections_from_env,
     tier_limits_from_env,
+    tier_max_in_flight_from_env,
     tier_token_limits_from_env,
+    validate_scope_budget,
     validate_tier_limits,
     validate_token_limits,
 )
-from ._usage import UsageScanner, estimate_openai_tokens
+from ._usage import UsageScanner, estimate_openai_tokens, requested_model
 from .aio import AsyncRateLimiter
+from .lease import DEFAULT_LEASE_SECONDS, Lease
 from .limiter import RateLimiter
 from .reservation import Reservation, Resource, WindowState
+from .reservation import Scope as BudgetScope
 from .tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -114,7 +124,9 @@ __all__ = [
     "RateLimit",
     "RateLimitHeadersMiddleware",
     "TokenRateLimit",
+    "Upstream",
     "record_usage",
+    "in_flight_lease",
     "estimate_openai_tokens",
     "rate_limit",
     "Identify",
@@ -140,7 +152,9 @@ class AsyncWindowLimiter(Protocol):
     def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> Awaitable[Decision]: ...
 
 
-_WINDOW_NAMES = {60: "minute", 86_400: "day"}
+# 0 is no window length: it stands for the in-flight cap (max_in_flight) in the headers.
+CONCURRENT = 0
+_WINDOW_NAMES = {CONCURRENT: "concurrent", 60: "minute", 86_400: "day"}
 
 
 def window_name(window_seconds: int) -> str:
@@ -286,6 +300,46 @@ class _TokenLedger:
         return found
 
 
+# The in-flight leases of this request (RateLimit's max_in_flight).
+_LEASES_KEY = "genai_ratelimit.leases"
+
+
+class _LeaseLedger:
+    """The in-flight leases of one request, kept in the ASGI scope by the middleware, which
+    releases them once the response is over: before its last body message is passed on
+    (so a client that has read the whole response finds its slot free again), or when the
+    app returns or raises without one (the client disconnected, the route failed, the task
+    was cancelled). Each lease is released once; a worker killed before that leaves its
+    leases to expire after lease_seconds."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self) -> None:
+        # (key of the limiter's key space and identity, limiter, is async, lease)
+        self.entries: list[tuple[tuple[object, ...], Any, bool, Lease]] = []
+
+    def holds(self, key: tuple[object, ...]) -> bool:
+        return any(entry[0] == key for entry in self.entries)
+
+    async def release_all(self) -> None:
+        """Releases every lease, shielded from cancellation (a cancelled request must still
+        give its slots back). A limiter that cannot answer is logged, not raised: that lease
+        then expires on its own."""
+        entries, self.entries = self.entries, []
+        if not entries:
+            return
+        with anyio.CancelScope(shield=True):
+            for _, limiter, is_async, lease in entries:
+                try:
+                    if is_async:
+                        await limiter.release(lease)
+                    else:
+                        await run_in_threadpool(limiter.release, lease)
+                except RateLimiterError as exc:
+                    logger.warning("could not release the in-flight lease of %r (it expires on its "
+                                   "own within %d s): %s", lease.user_id, lease.lease_seconds, exc)
+
+
 class RateLimitHeadersMiddleware:
     """Pure ASGI middleware: adds the X-RateLimit-* headers of an allowed request to whatever
     response the route produced (StreamingResponse and JSONResponse included). A header the
@@ -303,6 +357,11 @@ class RateLimitHeadersMiddleware:
     budget. Unless the route already called
     record_usage: each request is reconciled at most once. No usage found: the reservation
     stays as it was (never a silent refund).
+
+    It also releases the in-flight leases of RateLimit's max_in_flight: once the response's
+    last body message is due (before it is passed on), or when the app ends without one (a
+    client that disconnected mid-stream, an exception, a cancelled task). max_in_flight
+    needs this middleware.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -316,6 +375,8 @@ class RateLimitHeadersMiddleware:
         scope[_SCOPE_KEY] = decision
         ledger = _TokenLedger(middleware=True)
         scope[_TOKENS_KEY] = ledger
+        leases = _LeaseLedger()
+        scope[_LEASES_KEY] = leases
         scanner: UsageScanner | None = None
         replaced_body = False  # a TokenRateLimit 429 whose body this middleware wrote
 
@@ -336,6 +397,7 @@ class RateLimitHeadersMiddleware:
                     headers += [(b"content-length", str(len(body)).encode()),
                                 (b"content-type", b"application/json")]
                     await send({**message, "headers": headers})
+                    await leases.release_all()
                     await send({"type": "http.response.body", "body": body, "more_body": False})
                     replaced_body = True
                     return
@@ -355,9 +417,15 @@ class RateLimitHeadersMiddleware:
                         if total is not None and not ledger.reported:
                             ledger.reported = True
                             await ledger.reconcile(total)
+                if not message.get("more_body", False):
+                    await leases.release_all()  # the response is complete: its slots are free
             await send(message)
 
-        await self.app(scope, receive, send_with_headers)
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            # No last body message went out (disconnected, failed, cancelled): release now.
+            await leases.release_all()
 
 
 _warned_no_middleware = False
@@ -380,6 +448,146 @@ def _record_allowed(request: Request, response: Response, limit: int, remaining:
     decision.offer(limit, remaining, window_seconds)
     for name, value in decision.headers():
         response.headers[name] = value
+
+
+# --- scopes: upstream caps, route and model budgets ----------------------------------------
+
+
+def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool
+              ) -> BudgetScope | None:
+    """The Scope of a budget (SCOPE_BUDGET_KEYS); its token windows only when `tokens` (a
+    RateLimit charges no tokens). None when nothing of it applies."""
+    windows = [(budget[key], seconds) for key, (seconds, is_tokens) in SCOPE_BUDGET_KEYS.items()
+               if key in budget and not is_tokens]
+    token_windows = [(budget[key], seconds)
+                     for key, (seconds, is_tokens) in SCOPE_BUDGET_KEYS.items()
+                     if key in budget and is_tokens and tokens]
+    if not windows and not token_windows:
+        return None
+    return BudgetScope(name, windows=windows, token_windows=token_windows, shared=shared)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An upstream provider's caps (e.g. provider + model), shared by every user: all users
+    together stay below them. Decided in the same script as each user's own budget, so a
+    request the cap refuses costs the user nothing, and one the user's budget refuses costs
+    the cap nothing. Keys: {prefix}:{name}:{window}[:tokens]:shared.
+
+    models: the request `model`s this upstream serves; empty: every request of the
+    dependency. The token caps count in TokenRateLimit only."""
+
+    name: str
+    per_minute: int | None = None
+    per_day: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+    models: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"an Upstream's name must be a non-empty str, got {self.name!r}")
+        validate_scope_budget(self.budget(), "Upstream", repr(self.name))
+        if isinstance(self.models, str) or not all(isinstance(m, str) and m for m in self.models):
+            raise TypeError("models must be a sequence of model names (non-empty str)")
+        object.__setattr__(self, "models", tuple(self.models))
+        BudgetScope(self.name, windows=[(1, 60)])  # the name's own checks (length, UTF-8)
+
+    def budget(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in SCOPE_BUDGET_KEYS
+                if getattr(self, key) is not None}
+
+    def scope(self, tokens: bool = True) -> BudgetScope | None:
+        """Its Scope (shared); the token caps only when `tokens`. None when none applies."""
+        return _scope_of(self.name, self.budget(), True, tokens)
+
+
+UpstreamOf = Callable[[Request], "Upstream | None | Awaitable[Upstream | None]"]
+
+
+class _Scopes:
+    """What a dependency decides besides the user's tier budget: a route budget, per-model
+    budgets (from the request's JSON `model`) and upstream caps (fixed, by model, or from a
+    callable). Built at start-up; `of(request)` gives one request's Scopes."""
+
+    def __init__(self, upstream: Upstream | Sequence[Upstream] | UpstreamOf | None,
+                 route_limits: Mapping[str, int] | None,
+                 model_limits: Mapping[str, Mapping[str, int]] | None,
+                 from_file: bool, tokens: bool) -> None:
+        self.tokens = tokens
+        self.upstreams: tuple[Upstream, ...] = ()
+        self.upstream_of: UpstreamOf | None = None
+        if isinstance(upstream, Upstream):
+            self.upstreams = (upstream,)
+        elif callable(upstream):
+            self.upstream_of = upstream
+        elif upstream is not None:
+            if isinstance(upstream, (str, bytes)) or not isinstance(upstream, Sequence) or \
+                    not all(isinstance(u, Upstream) for u in upstream):
+                raise TypeError("upstream must be an Upstream, a sequence of Upstream or a "
+                                f"callable taking the request, not {type(upstream).__name__}")
+            self.upstreams = tuple(upstream)
+        self.route_budget = (None if route_limits is None else
+                             validate_scope_budget(route_limits, "route_limits", "the route"))
+        self.model_budgets = {
+            str(model): validate_scope_budget(budget, "model_limits", f"model {model!r}")
+            for model, budget in (model_limits or {}).items()}
+        if from_file and upstream is None and model_limits is None:
+            sections = scope_sections_from_env()
+            if sections is not None:
+                models, upstreams = sections
+                self.model_budgets = models
+                self.upstreams = tuple(
+                    Upstream(name, **budget, models=served)
+                    for name, (budget, served) in upstreams.items())
+        names = [u.name for u in self.upstreams]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two upstreams share a name: {sorted(names)}")
+        if not tokens:
+            for what, budget in (("route_limits", self.route_budget),
+                                 *((f"model_limits[{m!r}]", b) for m, b in (model_limits or {}).items())):
+                if budget and any(SCOPE_BUDGET_KEYS[key][1] for key in budget):
+                    raise ValueError(f"{what}: token budgets need TokenRateLimit (a RateLimit "
+                                     "charges no tokens)")
+        self.reads_model = bool(self.model_budgets) or any(u.models for u in self.upstreams)
+
+    def __bool__(self) -> bool:
+        return bool(self.upstreams or self.upstream_of or self.route_budget or self.model_budgets)
+
+    @staticmethod
+    def route_of(request: Request) -> str:
+        """The route's path template (/items/{id}): never the request's own path, which the
+        client chooses (one budget, and one key, per path it invents). "*" when FastAPI
+        matched no route (a dependency always runs on one)."""
+        path = getattr(request.scope.get("route"), "path", None)
+        return path if isinstance(path, str) and path else "*"
+
+    async def of(self, request: Request) -> tuple[BudgetScope, ...]:
+        found: list[BudgetScope | None] = []
+        if self.route_budget:
+            found.append(_scope_of(f"route:{self.route_of(request)}", self.route_budget, False,
+                                   self.tokens))
+        model = requested_model(await request.body()) if self.reads_model else None
+        if model is not None and model in self.model_budgets:
+            found.append(_scope_of(f"model:{model}", self.model_budgets[model], False,
+                                   self.tokens))
+        upstreams = [u for u in self.upstreams if not u.models or model in u.models]
+        if self.upstream_of is not None:
+            chosen = self.upstream_of(request)
+            if inspect.isawaitable(chosen):
+                chosen = await chosen
+            if chosen is not None and not isinstance(chosen, Upstream):
+                raise TypeError(f"upstream(request) must return an Upstream or None, "
+                                f"not {type(chosen).__name__}")
+            if chosen is not None:
+                upstreams.append(chosen)
+        found += [u.scope(self.tokens) for u in upstreams]
+        return tuple(scope for scope in found if scope is not None)
+
+
+def _scope_kind(scope: BudgetScope) -> str:
+    """X-RateLimit-Scope of a refusal by this scope: upstream, route or model."""
+    return "upstream" if scope.shared else scope.name.split(":", 1)[0]
 
 
 # --- the dependency ------------------------------------------------------------------------
@@ -434,6 +642,34 @@ class RateLimit:
                    the secret of the IETF fields' partition keys (pk), an HMAC of the
                    identity: None reads $GENAI_RATELIMIT_PARTITION_KEY_SECRET, else a random
                    secret of this process (keys then differ between workers).
+    upstream       an Upstream (a provider's caps, shared by every user), a list of them (each
+                   for the request `model`s it lists, or every request), or a callable
+                   upstream(request) -> Upstream | None (sync or async).
+    route_limits   {"per_minute": 2, "per_day": 50}: each user's own budget on the routes of
+                   this instance, beside the tier's (keys: scope=route:<path template>).
+    model_limits   {"gpt-4o": {"per_minute": 20}}: each user's budget per request `model` (read
+                   from the JSON body). TokenRateLimit also takes tokens_per_minute/_day keys.
+                   With any of the three (or the tiers file's [models]/[upstreams]) the
+                   decision is one `reserve` over the tier's windows and the request's scopes,
+                   and the dependency is an async def; see README "Upstream caps, route and
+                   model budgets" for the 429s (X-RateLimit-Scope).
+    max_in_flight  {tier: n}: at most n requests of one identity in flight at once, for the
+                   tiers whose budget (tier_limits, or the tiers file) gives no
+                   "max_in_flight" of its own; a tier with neither has no concurrency limit
+                   (and costs no extra round trip). Needs RateLimitHeadersMiddleware.
+    lease_seconds  how long an in-flight slot stays taken when its release never comes (a
+                   worker killed mid-request): default 300 (DEFAULT_LEASE_SECONDS). A request
+                   that may run longer renews its lease: in_flight_lease(request).renew()
+                   (awaited with an AsyncRateLimiter).
+
+    In-flight slots (max_in_flight): before the windows are decided, the request takes one
+    of its identity's slots (`acquire`, one script execution); the middleware gives it back
+    when the response's last byte is due, or when the client disconnected or the route
+    failed. Refused: 429 with X-RateLimit-Window: concurrent, X-RateLimit-Limit: the cap,
+    and Retry-After: the time until the soonest slot's lease expires, an upper bound (a
+    request that finishes frees its slot sooner). A request refused for concurrency is
+    not counted in the windows. In shadow mode a request beyond the cap runs without a slot and
+    is counted, logged and marked as would-refuse like a window refusal.
 
     The decision is one `check_windows` call; the WindowDecision it answers carries the
     exact wait (retry_after_ms) that retry-after-ms reports.
@@ -445,7 +681,17 @@ class RateLimit:
 
     def __new__(cls, limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
                 *args: Any, **kwargs: Any) -> RateLimit:
-        if cls is RateLimit and (limiter is None or _is_async_limiter(limiter)):
+        # Scopes may read the body (a model's budget): an async def, the blocking limiter's
+        # calls then in the threadpool.
+        scoped = any(kwargs.get(key) is not None
+                     for key in ("upstream", "route_limits", "model_limits"))
+        if not scoped and (args[:1] or [kwargs.get("tier_limits")])[0] is None:
+            try:
+                sections = scope_sections_from_env()
+            except TierConfigError:
+                sections = None  # __init__ says what is wrong
+            scoped = sections is not None and any(sections)
+        if cls is RateLimit and (limiter is None or _is_async_limiter(limiter) or scoped):
             cls = _AsyncRateLimit
         return super().__new__(cls)
 
@@ -465,6 +711,11 @@ class RateLimit:
         shadow_log_interval: float = 60.0,
         headers: HeaderMode = "contract",
         partition_key_secret: str | bytes | None = None,
+        max_in_flight: Mapping[str, int] | None = None,
+        lease_seconds: int = DEFAULT_LEASE_SECONDS,
+        upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
+        route_limits: Mapping[str, int] | None = None,
+        model_limits: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
         if mode not in ("enforce", "shadow"):
             raise ValueError(f"mode must be 'enforce' or 'shadow', got {mode!r}")
@@ -512,9 +763,38 @@ class RateLimit:
         if limiter is not None and not callable(getattr(limiter, "check_windows", None)):
             raise TypeError(
                 f"limiter must be a RateLimiter or AsyncRateLimiter, not {type(limiter).__name__}")
+        from_file = tier_limits is None
+        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int):
+            raise TypeError(f"lease_seconds must be an int, not {type(lease_seconds).__name__}")
+        if lease_seconds < 1:
+            raise ValueError(f"lease_seconds must be >= 1, got {lease_seconds}")
+        self.lease_seconds = lease_seconds
         if tier_limits is None:
+            tiers_in_flight = tier_max_in_flight_from_env() or {}
             tier_limits = tier_limits_from_env() or TIER_LIMITS
+        else:
+            tiers_in_flight = max_in_flight_of_tiers(tier_limits)
         self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)
+        self._scopes = _Scopes(upstream, route_limits, model_limits, from_file,
+                               tokens=isinstance(self, TokenRateLimit))
+        self._limiter_is_async = limiter is None or _is_async_limiter(limiter)
+        if max_in_flight is not None and not isinstance(max_in_flight, Mapping):
+            raise TypeError(f"max_in_flight must be a mapping of tier to int, not "
+                            f"{type(max_in_flight).__name__}")
+        defaults: dict[str, int] = {}
+        for tier, cap in (max_in_flight or {}).items():
+            if isinstance(cap, bool) or not isinstance(cap, int):
+                raise TypeError(f"max_in_flight[{tier!r}] must be an int, not {type(cap).__name__}")
+            if cap < 1:
+                raise ValueError(f"max_in_flight[{tier!r}] must be >= 1, got {cap}")
+            if tier in self.tier_limits:  # a tier the budget does not know never applies
+                defaults[tier] = cap
+        # Per tier, the most requests of one identity in flight at once (absent: no cap).
+        self.max_in_flight: dict[str, int] = {**defaults, **tiers_in_flight}
+        if self.max_in_flight and limiter is not None and not (
+                callable(getattr(limiter, "acquire", None)) and callable(getattr(limiter, "release", None))):
+            raise TypeError(f"max_in_flight needs a limiter with acquire() and release() "
+                            f"(RateLimiter, AsyncRateLimiter), not {type(limiter).__name__}")
         # Per tier, the (limit, window_seconds) pairs of one check_windows call, shortest first.
         self._windows: dict[str, Windows] = {
             tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items())
@@ -565,11 +845,6 @@ class RateLimit:
             raise TypeError(f"the rate-limit identity must be a non-empty str, got {user_id!r}")
         budget_tier = tier if isinstance(tier, str) and tier in self._windows else DEFAULT_TIER
         return key_identity(user_id, self.namespace), budget_tier
-
-    def _subject(self, request: Request) -> tuple[str, Windows]:
-        """Who is asking and under which budget: (key identity, windows); see key_identity."""
-        identity, tier = self._identity_and_tier(request)
-        return identity, self._windows[tier]
 
     def _counted_key(self, identity: str, windows: Windows) -> tuple[object, ...]:
         """Which keys a check of `identity` would count in: the limiter's Redis and key prefix
@@ -623,6 +898,80 @@ class RateLimit:
                                                             window_seconds)])
         _record_extra(request, response, extra)
 
+    def _in_flight_slot(self, request: Request, identity: str,
+                        tier: str) -> tuple[int, tuple[object, ...], _LeaseLedger] | None:
+        """(cap, ledger key, ledger) when this request must take an in-flight slot: its tier
+        has a cap and no dependency of this request took one for this identity yet."""
+        cap = self.max_in_flight.get(tier)
+        if cap is None:
+            return None
+        leases = request.scope.get(_LEASES_KEY)
+        if not isinstance(leases, _LeaseLedger):
+            raise RuntimeError(
+                "max_in_flight needs RateLimitHeadersMiddleware, which gives the slot back when "
+                "the response is over: add "
+                "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware)")
+        key = self._counted_key(identity, ((cap, 0),))
+        return None if leases.holds(key) else (cap, key, leases)
+
+    def _hold(self, request: Request, response: Response, identity: str,
+              slot: tuple[int, tuple[object, ...], _LeaseLedger], limiter: Any, is_async: bool,
+              lease: Lease) -> None:
+        """Keeps an allowed lease for the middleware to release, or raises the 429 (in shadow
+        mode: records it as would-refuse and lets the request run without a slot)."""
+        cap, key, leases = slot
+        if lease.allowed:
+            leases.entries.append((key, limiter, is_async, lease))
+            return
+        retry_ms = lease.retry_after_ms
+        message = (f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one "
+                   f"of them ends; please try again within {format_duration(retry_ms)}.")
+        refusal = [("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
+                   ("X-RateLimit-Window", window_name(CONCURRENT))]
+        if self.mode == "shadow":
+            self._would_refuse(request, response, identity, None, cap, CONCURRENT, message, refusal)
+            return
+        _set_refusal_body(request, error_body(self.error_format, 429, "Rate limit exceeded",
+                                              message, "requests"))
+        headers = {
+            **dict(retry_headers(lease.retry_after_s, retry_ms, self.max_client_wait_seconds)),
+            **dict(refusal),
+        }
+        raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
+
+    def _take_slot(self, request: Request, response: Response, identity: str, tier: str) -> bool:
+        """Blocking: takes an in-flight slot when the tier has a cap. False when Redis could
+        not decide and on_unavailable let the request through (nothing more to decide)."""
+        slot = self._in_flight_slot(request, identity, tier)
+        if slot is None:
+            return True
+        limiter = self.limiter
+        try:
+            lease = limiter.acquire(identity, slot[0], self.lease_seconds)
+        except RateLimiterError as exc:
+            self._unavailable(request, identity, exc)
+            return False
+        self._hold(request, response, identity, slot, limiter, False, lease)
+        return True
+
+    async def _take_slot_async(self, request: Request, response: Response, identity: str,
+                               tier: str, is_async: bool) -> bool:
+        """_take_slot for an async dependency (a blocking limiter runs in the threadpool)."""
+        slot = self._in_flight_slot(request, identity, tier)
+        if slot is None:
+            return True
+        limiter = self.limiter
+        try:
+            if is_async:
+                lease = await limiter.acquire(identity, slot[0], self.lease_seconds)
+            else:
+                lease = await run_in_threadpool(limiter.acquire, identity, slot[0], self.lease_seconds)
+        except RateLimiterError as exc:
+            self._unavailable(request, identity, exc)
+            return False
+        self._hold(request, response, identity, slot, limiter, is_async, lease)
+        return True
+
     def _ietf_fields(self, identity: str, windows: Windows, token_windows: Windows,
                      limits: Sequence[tuple[Resource, int, int, int]]) -> list[tuple[str, str]]:
         """RateLimit-Policy (every window of the budget) and RateLimit (`limits`: (resource,
@@ -671,6 +1020,9 @@ class RateLimit:
             with self._fail_open_lock:
                 self._fail_open_count += 1
                 count = self._fail_open_count
+            record = getattr(self.limiter, "_record_outcome", None)
+            if record is not None:  # the limiter's metrics count it too
+                record("fail_open")
             self._log_unavailable(f"let through (on_unavailable='allow', fail-open #{count} in all)",
                                   user_id, exc)
             return
@@ -698,6 +1050,96 @@ class RateLimit:
         return (getattr(decision, "retry_after_ms", decision[2] * 1000),
                 getattr(decision, "timestamp_ms", 0) or _now_ms())
 
+    async def _limiter_call(self, bound: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """bound(...), a limiter's method: awaited, or in the threadpool for a blocking limiter."""
+        if self._limiter_is_async:
+            return await bound(*args, **kwargs)
+        return await run_in_threadpool(lambda: bound(*args, **kwargs))
+
+    def _refuse_scope(self, request: Request, response: Response, identity: str,
+                      reservation: Reservation, requested: int) -> None:
+        """The 429 of a refusal by a scope (detail "Rate limit exceeded", as every 429). An
+        upstream's (shared) message says that the service, not the user, is at capacity; a
+        route's or a model's names that budget. Either carries X-RateLimit-Scope (upstream |
+        route | model) and, in X-RateLimit-Limit/-Window, the refusing window of that scope;
+        the provider families' x-ratelimit-* headers and the IETF fields, which describe the
+        user's own budget, are left out. In shadow mode: recorded as would-refuse."""
+        scope = reservation.scope
+        assert scope is not None
+        resource, window_seconds = reservation.resource, reservation.window_seconds
+        limit = next(w.limit for w in reservation.windows if w.scope == scope
+                     and w.resource == resource and w.window_seconds == window_seconds)
+        retry_ms = reservation.retry_after_ms
+        kind = _scope_kind(scope)
+        # The contract's detail for every 429; the message says whose budget it was.
+        detail = "Rate limit exceeded"
+        if scope.shared:
+            message = (f"The service is at capacity: its upstream {scope.name} allows {limit} "
+                       f"{resource} per {window_name(window_seconds)} for all users together. "
+                       f"This is not your own rate limit. Please try again in "
+                       f"{format_duration(retry_ms)}.")
+        else:
+            message = (f"{refusal_message(resource, window_seconds, limit, requested, retry_ms)} "
+                       f"(the budget of {kind} {scope.name.split(':', 1)[-1]})")
+        refusal = [
+            ("X-RateLimit-Limit", str(limit)),
+            ("X-RateLimit-Remaining", "0"),
+            ("X-RateLimit-Window", window_name(window_seconds)),
+            ("X-RateLimit-Scope", kind),
+            ("X-RateLimit-Resource", resource),
+        ]
+        if self.mode == "shadow":
+            self._would_refuse(request, response, identity, None, limit, window_seconds, message,
+                               refusal)
+            return
+        _set_refusal_body(request, error_body(self.error_format, 429, detail, message, resource))
+        headers = {
+            **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
+            **dict(refusal),
+        }
+        raise HTTPException(status_code=429, detail=detail, headers=headers)
+
+    async def _decide_with_scopes(self, request: Request, response: Response, user_id: str,
+                                  windows: Windows) -> None:
+        """RateLimit with scopes: one reserve over the tier's windows and the request's
+        scopes (one check_windows when none applies to this request)."""
+        scopes = await self._scopes.of(request)
+        counted = self._already_counted(request, user_id, windows)
+        if not scopes:
+            decision = counted
+            if decision is None:
+                try:
+                    decision = await self._limiter_call(self._decide(), user_id, windows)
+                except RateLimiterError as exc:
+                    self._unavailable(request, user_id, exc)
+                    return
+                self._remember(request, user_id, windows, decision)
+            self._apply(request, response, windows, decision, *self._exact(decision),
+                        identity=user_id)
+            return
+        try:
+            reservation: Reservation = await self._limiter_call(
+                self.limiter.reserve, user_id, () if counted is not None else windows,
+                scopes=scopes)
+        except RateLimiterError as exc:
+            self._unavailable(request, user_id, exc)
+            return
+        if not reservation.allowed and reservation.scope is not None:
+            self._refuse_scope(request, response, user_id, reservation, 1)
+            return  # shadow mode: the route runs, nothing was logged
+        if counted is not None:
+            decision, exact = counted, self._exact(counted)
+        elif not reservation.allowed:
+            decision = (False, 0, reservation.retry_after_s, reservation.window_seconds)
+            exact = (reservation.retry_after_ms, reservation.timestamp_ms or _now_ms())
+        else:
+            state = _tightest(reservation.windows, "requests")
+            assert state is not None and state.remaining is not None
+            decision = (True, state.remaining, 0, state.window_seconds)
+            exact = (0, reservation.timestamp_ms or _now_ms())
+            self._remember(request, user_id, windows, decision)
+        self._apply(request, response, windows, decision, *exact, identity=user_id)
+
     def _decide(self) -> Any:
         """The call that decides: check_windows, as the contract says. When it is this package's
         own (not overridden by a subclass or replaced on the instance), its detailed twin, which
@@ -710,7 +1152,10 @@ class RateLimit:
 
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
-        user_id, windows = self._subject(request)
+        user_id, tier = self._identity_and_tier(request)
+        windows = self._windows[tier]
+        if not self._take_slot(request, response, user_id, tier):
+            return
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
             try:
@@ -726,7 +1171,14 @@ class _AsyncRateLimit(RateLimit):
     """RateLimit over an async limiter: awaited on the event loop, no worker thread."""
 
     async def __call__(self, request: Request, response: Response) -> None:
-        user_id, windows = self._subject(request)
+        user_id, tier = self._identity_and_tier(request)
+        windows = self._windows[tier]
+        if not await self._take_slot_async(request, response, user_id, tier,
+                                           self._limiter_is_async):
+            return
+        if self._scopes:
+            await self._decide_with_scopes(request, response, user_id, windows)
+            return
         decision = self._already_counted(request, user_id, windows)
         if decision is None:
             try:
@@ -803,9 +1255,10 @@ _warned_no_token_middleware = False
 
 
 def _tightest(states: Sequence[WindowState], resource: str) -> WindowState | None:
-    """The window of `resource` with the fewest units remaining (ties: the shorter), among
-    those the decision reached."""
-    reached = [w for w in states if w.resource == resource and w.remaining is not None]
+    """The user's own window of `resource` with the fewest units remaining (ties: the
+    shorter), among those the decision reached (scopes' windows left out)."""
+    reached = [w for w in states
+               if w.resource == resource and w.remaining is not None and w.scope is None]
     return min(reached, key=lambda w: (w.remaining, w.window_seconds)) if reached else None
 
 
@@ -885,6 +1338,11 @@ class TokenRateLimit(RateLimit):
         shadow_log_interval: float = 60.0,
         headers: HeaderMode = "contract",
         partition_key_secret: str | bytes | None = None,
+        max_in_flight: Mapping[str, int] | None = None,
+        lease_seconds: int = DEFAULT_LEASE_SECONDS,
+        upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
+        route_limits: Mapping[str, int] | None = None,
+        model_limits: Mapping[str, Mapping[str, int]] | None = None,
     ) -> None:
         if limiter is not None and not callable(getattr(limiter, "reserve", None)):
             raise TypeError(f"limiter must be a RateLimiter or AsyncRateLimiter with reserve(), "
@@ -903,7 +1361,9 @@ class TokenRateLimit(RateLimit):
                          error_format=error_format, max_client_wait_seconds=max_client_wait_seconds,
                          unavailable_log_interval=unavailable_log_interval, log_user_ids=log_user_ids,
                          mode=mode, shadow_log_interval=shadow_log_interval, headers=headers,
-                         partition_key_secret=partition_key_secret)
+                         partition_key_secret=partition_key_secret, max_in_flight=max_in_flight,
+                         lease_seconds=lease_seconds,
+                         upstream=upstream, route_limits=route_limits, model_limits=model_limits)
         default_tokens = token_limits is None
         if token_limits is None:
             token_limits = tier_token_limits_from_env() or TIER_TOKEN_LIMITS
@@ -948,25 +1408,32 @@ class TokenRateLimit(RateLimit):
         windows, token_windows = self._windows[tier], self.token_windows_of(tier)
         _ledger_of(request).decided = True
         tokens = await self.estimate_tokens(request, tier)
-        if self._refuse_if_too_large(request, response, identity, windows, token_windows, tokens):
+        scopes = await self._scopes.of(request) if self._scopes else ()
+        if self._refuse_if_too_large(request, response, identity, windows, token_windows, tokens,
+                                     scopes):
             return  # shadow mode: the route runs, nothing was reserved
+        if not await self._take_slot_async(request, response, identity, tier, self._is_async):
+            return
         counted = self._already_counted(request, identity, windows)
         # Requests already counted by another dependency of this route: reserve tokens only.
         request_windows: Windows = () if counted is not None else windows
         limiter = self.limiter
+        arguments: dict[str, Any] = {"cost": 1, "token_windows": token_windows, "tokens": tokens}
+        if scopes:
+            arguments["scopes"] = scopes
         try:
-            if self._is_async:
-                reservation: Reservation = await limiter.reserve(
-                    identity, request_windows, cost=1, token_windows=token_windows, tokens=tokens)
-            else:
-                reservation = await run_in_threadpool(
-                    lambda: limiter.reserve(identity, request_windows, cost=1,
-                                            token_windows=token_windows, tokens=tokens))
+            reservation: Reservation = await self._limiter_call(
+                limiter.reserve, identity, request_windows, **arguments)
         except RateLimiterError as exc:
             self._unavailable(request, identity, exc)
             return
         if not reservation.allowed:
-            self._refuse(request, response, identity, windows, token_windows, reservation, tokens)
+            if reservation.scope is not None:
+                self._refuse_scope(request, response, identity, reservation,
+                                   tokens if reservation.resource == "tokens" else 1)
+            else:
+                self._refuse(request, response, identity, windows, token_windows, reservation,
+                             tokens)
             return  # shadow mode: the route runs, nothing was reserved
         ledger = _ledger_of(request)
         ledger.entries.append((limiter, self._is_async, reservation))
@@ -991,10 +1458,12 @@ class TokenRateLimit(RateLimit):
         _record_extra(request, response, extra)
 
     def _refuse_if_too_large(self, request: Request, response: Response, identity: str,
-                             windows: Windows, token_windows: Windows, tokens: int) -> bool:
-        """The 429 of an estimate no wait can make fit (above a token window's limit). Returns
-        True when shadow mode let it through instead, False when the estimate fits."""
-        limit, window_seconds = min(token_windows)
+                             windows: Windows, token_windows: Windows, tokens: int,
+                             scopes: Sequence[BudgetScope] = ()) -> bool:
+        """The 429 of an estimate no wait can make fit (above a token window's limit, its
+        scopes' included). Returns True when shadow mode let it through instead, False when
+        the estimate fits."""
+        limit, window_seconds = min([*token_windows, *(w for s in scopes for w in s.token_windows)])
         if tokens <= limit:
             return False
         refusal = [
@@ -1097,6 +1566,18 @@ async def record_usage(request: Request, tokens: int) -> int:
                            "(each request is reconciled once)")
     ledger.reported = True
     return await ledger.reconcile(tokens)
+
+
+def in_flight_lease(request: Request) -> Lease | None:
+    """The in-flight lease this request holds (max_in_flight), or None when its tier has no
+    cap (or Redis could not decide and on_unavailable let it through). A stream that may run
+    longer than lease_seconds renews it: `await in_flight_lease(request).renew()` with an
+    AsyncRateLimiter (an AsyncLease), `.renew()` with a RateLimiter. The middleware still
+    releases it when the response is over."""
+    leases = request.scope.get(_LEASES_KEY)
+    if not isinstance(leases, _LeaseLedger) or not leases.entries:
+        return None
+    return leases.entries[0][3]
 
 
 rate_limit: RateLimit = RateLimit()

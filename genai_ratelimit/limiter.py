@@ -8,11 +8,20 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from typing import Literal, TypedDict
+from typing import Any, Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
-from .reservation import Reservation, make_reservation, reconcile_arguments, reserve_arguments
+from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, make_lease
+from .reservation import (
+    Plan,
+    Reservation,
+    Scope,
+    advance,
+    reconcile_plan,
+    reserve_arguments,
+    reserve_plan,
+)
 
 __all__ = ["RateLimiter", "limiter_options"]
 
@@ -38,6 +47,7 @@ class NativeOptions(TypedDict):
     ssl_ca_certs: str | None
     ssl_certfile: str | None
     ssl_keyfile: str | None
+    metrics: bool
     cluster_nodes: tuple[tuple[str, int], ...] | None
     sentinel_master: str | None
 
@@ -60,6 +70,7 @@ def limiter_options(
     socket_timeout: float,
     clock: str,
     max_connections: int,
+    metrics: bool = True,
 ) -> tuple[RedisOptions, NativeOptions]:
     """Validates the constructor's arguments. Returns the parsed URL and the keyword
     arguments of the C limiter. Shared by the sync and async limiters."""
@@ -96,6 +107,7 @@ def limiter_options(
         ssl_ca_certs=options.ssl_ca_certs if options.tls_trust() not in (None, "system") else None,
         ssl_certfile=options.ssl_certfile,
         ssl_keyfile=options.ssl_keyfile,
+        metrics=bool(metrics),
         cluster_nodes=options.nodes if options.mode != "single" else None,
         sentinel_master=options.master_name,
     )
@@ -122,11 +134,14 @@ class RateLimiter(_native.Limiter):
         socket_timeout: float = 1.0,
         clock: Clock = "server",
         max_connections: int = 32,
+        metrics: bool = True,
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
-                                          clock, max_connections)
+                                          clock, max_connections, metrics)
         super().__init__(**native)
         self._options = options
+        # A shared scope's keys hash to the scope's slot, the user's to the user's.
+        self._two_step_scopes = options.mode == "cluster"
         self._clock = clock
 
     @property
@@ -139,26 +154,90 @@ class RateLimiter(_native.Limiter):
         return (f"{type(self).__name__}({self.url!r}, "
                 f"key_prefix={self.key_prefix!r}, clock={getattr(self, '_clock', None)!r})")
 
+    # Decide shared scopes in steps of their own (see reservation.reserve_plan): for keys
+    # that cannot meet in one script (Redis Cluster slots). Off: one script decides all.
+    _two_step_scopes = False
+
     def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
                 token_windows: Sequence[tuple[int, int]] = (),
-                tokens: int | None = None) -> Reservation:
+                tokens: int | None = None, scopes: Sequence[Scope] = ()) -> Reservation:
         """Decides one request against its request `windows` (each charged `cost`) and its
-        `token_windows` (each charged `tokens`, the estimate) in one script execution, all
-        or nothing, and logs it on allow. `reconcile` corrects the estimate later."""
-        raw = self._reserve(user_id, windows,
-                            **reserve_arguments(cost, token_windows, tokens))
-        return make_reservation(raw, user_id, cost, tokens)
+        `token_windows` (each charged `tokens`, the estimate), and the windows of `scopes`
+        (a route's or model's budget of this user, an upstream's caps shared by all), in one
+        script execution, all or nothing, and logs it on allow. `reconcile` corrects the
+        estimate later."""
+        reservation: Reservation = self._drive(reserve_plan(
+            user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
+        return reservation
 
     def reconcile(self, reservation: Reservation, actual: int) -> int:
         """Sets the reserved entry's cost (its tokens, when it has token windows) to
-        `actual` in every window where it still is: lower refunds, higher charges, 0
-        removes it. Idempotent. Returns the number of windows whose entry was found (0
-        once it has left them all, or when nothing was logged)."""
-        arguments = reconcile_arguments(reservation, actual)
-        if arguments is None:
-            return 0
-        positional, keywords = arguments
-        return self._reconcile(*positional, **keywords)
+        `actual` in every window where it still is, its scopes' included: lower refunds,
+        higher charges, 0 removes it. Idempotent. Returns the number of windows whose entry
+        was found (0 once it has left them all, or when nothing was logged)."""
+        found: int = self._drive(reconcile_plan(reservation, actual))
+        return found
+
+    def _drive(self, plan: Plan) -> Any:
+        """Runs a plan's C calls (reservation.py), blocking."""
+        call, result = advance(plan)
+        while call is not None:
+            name, positional, keywords = call
+            try:
+                if name == "validate":
+                    answer: object = _native.Codec(self.key_prefix).reserve(*positional, **keywords)
+                else:
+                    method = self._reserve if name == "reserve" else self._reconcile
+                    answer = method(*positional, **keywords)
+            except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                call, result = advance(plan, error=exc)
+            else:
+                call, result = advance(plan, answer)
+        return result
+
+    def peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
+             token_windows: Sequence[tuple[int, int]] = (),
+             tokens: int | None = None) -> tuple[bool, int, int, int]:
+        """What `check_windows(user_id, windows, cost=cost)` (or `reserve` with the same
+        arguments) would answer now: (allowed, remaining, retry_after_s, window_seconds).
+        Writes nothing: one read-only script execution on the server's clock."""
+        return self._peek(user_id, windows,
+                          **reserve_arguments(cost, token_windows, tokens))[:4]
+
+    def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
+              token_windows: Sequence[tuple[int, int]] | None = None) -> int:
+        """Forgets user_id's entries in `windows` (and `token_windows`), given as the
+        (limit, window_seconds) pairs of check_windows: one script execution. With neither,
+        every window of the user, found by SCAN (see README: not atomic). Returns the
+        number of entries removed."""
+        if windows is not None or token_windows is not None:
+            return self._reset(user_id, windows,
+                               token_windows=token_windows)[0]
+        removed, cursor = self._reset(user_id)
+        while cursor != "0":
+            more, cursor = self._reset(user_id, cursor=cursor)
+            removed += more
+        return removed
+
+    def acquire(self, user_id: str, limit: int,
+                lease_seconds: int = DEFAULT_LEASE_SECONDS) -> Lease:
+        """Takes one of user_id's `limit` concurrent slots for lease_seconds, in one script
+        execution: a Lease, allowed or not. Release it when done (`release`, or `with`);
+        one never released expires after lease_seconds."""
+        raw = self._acquire(user_id, limit, lease_seconds)
+        return make_lease(Lease, raw, user_id, limit, lease_seconds, self)
+
+    def release(self, lease: Lease) -> bool:
+        """Gives the lease's slot back. Idempotent. Returns whether it was still held
+        (False once released, expired, or when nothing was held)."""
+        arguments = lease_arguments(lease)
+        return False if arguments is None else self._release(*arguments[:2])
+
+    def renew(self, lease: Lease, lease_seconds: int | None = None) -> bool:
+        """Extends a lease still held to lease_seconds (default: its own) from now. False
+        when it expired or was released: its slot may be someone else's by now."""
+        arguments = lease_arguments(lease, lease_seconds)
+        return lease.allowed if arguments is None else self._renew(*arguments)[0]
 
     def __enter__(self) -> RateLimiter:
         return self

@@ -10,13 +10,79 @@ Reservation type and the arguments of the reconcile call."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-__all__ = ["Reservation", "WindowState"]
+__all__ = ["Reservation", "Scope", "WindowState"]
 
 Resource = Literal["requests", "tokens"]
+Windows = tuple[tuple[int, int], ...]
+
+# The most scopes one decision takes (csrc/native.h RL_MAX_SCOPES; the C layer checks it
+# too) and the longest name, in bytes of UTF-8 (RL_MAX_SCOPE_NAME).
+MAX_SCOPES = 8
+MAX_SCOPE_NAME_BYTES = 256
+
+
+def _window_pairs(value: object, what: str) -> Windows:
+    """(limit, window_seconds) pairs as a tuple of int pairs; TypeError/ValueError otherwise."""
+    if isinstance(value, (str, bytes, bytearray)) or not isinstance(value, Sequence):
+        raise TypeError(f"{what} must be a sequence of (limit, window_seconds) pairs, "
+                        f"not {type(value).__name__}")
+    pairs = []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise TypeError(f"{what}[{i}] must be a (limit, window_seconds) pair, "
+                            f"got {type(pair).__name__}")
+        for number in pair:
+            if isinstance(number, bool) or not isinstance(number, int):
+                raise TypeError(f"{what}[{i}] must hold ints, not {type(number).__name__}")
+            if number < 1:
+                raise ValueError(f"{what}[{i}] must hold positive ints, got {tuple(pair)}")
+        pairs.append((pair[0], pair[1]))
+    return tuple(pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """Windows decided together with the user's own, in the same script, all or nothing,
+    that belong to someone else than the user's own budget.
+
+    shared=False: a budget of this user apart from its tier's, e.g. a route's or a model's
+    ("route:/v1/embeddings", "model:gpt-4o"): its keys live under the user
+    ({prefix}:{user_id}:60:scope={name}). shared=True: a budget every user draws from, e.g.
+    an upstream provider's caps ("openai/gpt-4o"): its keys live under the name
+    ({prefix}:{name}:60:shared). A request refused by any window charges nothing anywhere.
+    """
+
+    name: str
+    # Stored as tuples of (limit, window_seconds) tuples, whatever sequences were given.
+    windows: Sequence[tuple[int, int]] = ()
+    token_windows: Sequence[tuple[int, int]] = ()
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"a Scope's name must be a str, not {type(self.name).__name__}")
+        size = len(self.name.encode("utf-8"))  # lone surrogates: UnicodeEncodeError (ValueError)
+        if not 1 <= size <= MAX_SCOPE_NAME_BYTES:
+            raise ValueError(f"a Scope's name must hold 1 to {MAX_SCOPE_NAME_BYTES} bytes of "
+                             f"UTF-8, got {size}")
+        if not isinstance(self.shared, bool):
+            raise TypeError(f"shared must be a bool, not {type(self.shared).__name__}")
+        object.__setattr__(self, "windows", _window_pairs(self.windows, "windows"))
+        object.__setattr__(self, "token_windows",
+                           _window_pairs(self.token_windows, "token_windows"))
+        if not self.windows and not self.token_windows:
+            raise ValueError(f"Scope {self.name!r} needs at least one window or token window")
+
+    def native(self) -> tuple[str, bool, Windows, Windows]:
+        """The C layer's form (csrc/args.c add_scopes)."""
+        return (self.name, self.shared, tuple(self.windows), tuple(self.token_windows))
+
+    def windows_of(self, resource: Resource) -> Sequence[tuple[int, int]]:
+        return self.token_windows if resource == "tokens" else self.windows
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +96,8 @@ class WindowState:
     # was allowed, not taken when it was refused); None for a window the decision never
     # reached (after the window that refused it).
     remaining: int | None
+    # The Scope the window belongs to; None for the user's own windows.
+    scope: Scope | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +105,9 @@ class Reservation:
     """The answer of `reserve`: the decision, and what `reconcile` needs to find its entry.
 
     allowed, remaining, retry_after_s, window_seconds: as check_windows answers them, over
-    every window; `resource` says whether the deciding window counts requests or tokens.
+    every window; `resource` says whether the deciding window counts requests or tokens,
+    `scope` whose window it is (None: the user's own; a Scope with shared=True: a budget
+    shared by every user, such as an upstream's cap).
     """
 
     allowed: bool
@@ -56,12 +126,20 @@ class Reservation:
     # nothing was logged (refused, or RATE_LIMIT_DISABLED): reconcile then sends nothing.
     member: str
     timestamp_ms: int
+    scope: Scope | None = None
+    scopes: tuple[Scope, ...] = ()
+    # Decided in steps (RateLimiter._two_step_scopes): the (member, timestamp_ms) entry of
+    # each shared scope, in the order of `scopes`, each logged by a step of its own.
+    shared_entries: tuple[tuple[str, int], ...] = field(default=(), repr=False)
 
-    def remaining_of(self, resource: Resource) -> int | None:
-        """The fewest units left over the windows of one resource the decision reached,
-        or None when it has none."""
+    def remaining_of(self, resource: Resource, scope: Scope | None | Literal["any"] = "any"
+                     ) -> int | None:
+        """The fewest units left over the windows of one resource the decision reached
+        (of one scope when `scope` is given: None for the user's own), or None when it has
+        none."""
         left = [w.remaining for w in self.windows
-                if w.resource == resource and w.remaining is not None]
+                if w.resource == resource and w.remaining is not None
+                and (scope == "any" or w.scope == scope)]
         return min(left) if left else None
 
     @property
@@ -74,38 +152,174 @@ class Reservation:
 
 
 def windows_of(reservation: Reservation, resource: Resource) -> list[tuple[int, int]]:
-    return [(w.limit, w.window_seconds) for w in reservation.windows if w.resource == resource]
+    """The user's own windows of one resource."""
+    return [(w.limit, w.window_seconds) for w in reservation.windows
+            if w.resource == resource and w.scope is None]
 
 
-def make_reservation(raw: tuple[Any, ...], user_id: str, cost: int,
-                     tokens: int | None) -> Reservation:
-    """A Reservation from the C extension's reserve tuple (see Limiter._reserve)."""
+def _states(report: Sequence[Any], scopes: Sequence[Scope]) -> tuple[WindowState, ...]:
+    return tuple(WindowState(limit, seconds, "tokens" if token else "requests", left,
+                             scopes[index - 1] if index else None)
+                 for limit, seconds, token, left, index in report)
+
+
+def make_reservation(raw: tuple[Any, ...], user_id: str, cost: int, tokens: int | None,
+                     scopes: Sequence[Scope] = ()) -> Reservation:
+    """A Reservation from the C extension's reserve tuple (see Limiter._reserve); `scopes`
+    are the Scopes of that call, in its order."""
     (allowed, remaining, retry, window_seconds, is_tokens, member, timestamp_ms, report,
-     retry_ms) = raw
+     retry_ms, scope_index) = raw
     return Reservation(
         allowed=allowed, remaining=remaining, retry_after_s=retry, retry_after_ms=retry_ms,
         window_seconds=window_seconds,
         resource="tokens" if is_tokens else "requests", user_id=user_id, cost=cost,
-        tokens=tokens,
-        windows=tuple(WindowState(limit, seconds, "tokens" if token else "requests", left)
-                      for limit, seconds, token, left in report),
-        member=member, timestamp_ms=timestamp_ms)
+        tokens=tokens, windows=_states(report, scopes), member=member, timestamp_ms=timestamp_ms,
+        scope=scopes[scope_index - 1] if scope_index else None, scopes=tuple(scopes))
+
+
+def _scope_list(scopes: object) -> tuple[Scope, ...]:
+    if isinstance(scopes, (str, bytes, Scope)) or not isinstance(scopes, Sequence):
+        raise TypeError(f"scopes must be a sequence of Scope, not {type(scopes).__name__}")
+    for scope in scopes:
+        if not isinstance(scope, Scope):
+            raise TypeError(f"scopes must hold Scope objects, not {type(scope).__name__}")
+    if len(scopes) > MAX_SCOPES:
+        raise ValueError(f"at most {MAX_SCOPES} scopes can be decided at once, got {len(scopes)}")
+    return tuple(scopes)
 
 
 def reserve_arguments(cost: int, token_windows: Sequence[tuple[int, int]],
-                      tokens: int | None) -> dict[str, Any]:
+                      tokens: int | None, scopes: Sequence[Scope] = ()) -> dict[str, Any]:
     """The keyword arguments of the C reserve call (validated there)."""
     arguments: dict[str, Any] = {"cost": cost, "token_windows": token_windows}
     if tokens is not None:
         arguments["tokens"] = tokens
+    if scopes:
+        arguments["scopes"] = tuple(scope.native() for scope in scopes)
     return arguments
 
 
-def reconcile_arguments(reservation: Reservation,
-                        actual: int) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The arguments (positional, keyword) of the C reconcile call, or None when there is nothing to
-    reconcile (nothing was logged). The estimate being corrected is the tokens when the
-    reservation has token windows, else the cost of its request windows."""
+# --- one plan for both limiters ---------------------------------------------------------
+#
+# A plan is a generator that yields the C calls of one operation, ("reserve" | "reconcile" |
+# "validate", positional, keywords), is sent each call's answer (or thrown its exception)
+# and returns the operation's result. RateLimiter runs the calls blocking, AsyncRateLimiter
+# awaits them: the two-step logic exists once.
+
+Call = tuple[str, tuple[Any, ...], dict[str, Any]]
+Plan = Generator[Call, Any, Any]
+
+
+def advance(plan: Plan, answer: Any = None,
+            error: BaseException | None = None) -> tuple[Call | None, Any]:
+    """One step of a plan: sends the last call's answer (or throws its error; nothing to
+    start it). Returns (the next call, None), or (None, the plan's result) once it is done."""
+    try:
+        call = plan.throw(error) if error is not None else plan.send(answer)
+    except StopIteration as done:
+        return None, done.value
+    return call, None
+
+
+def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
+                 token_windows: Sequence[tuple[int, int]], tokens: int | None,
+                 scopes: object, two_step: bool) -> Plan:
+    """reserve: one script over every window; or, two_step and some scope shared, one step
+    per shared scope (each lives in its own cluster slot), then the user's own windows and
+    scopes. When a step refuses (or fails), every earlier step is refunded exactly: its
+    entry reconciled to cost 0. Shared scopes go first: a crash between the steps leaves
+    an entry in a shared cap (the provider is protected, a little too much, until it leaves
+    the window), never a charge on the user for a request the cap refused."""
+    chosen = _scope_list(scopes)
+    shared = tuple(s for s in chosen if s.shared)
+    if not two_step or not shared:
+        raw = yield ("reserve", (user_id, windows),
+                     reserve_arguments(cost, token_windows, tokens, chosen))
+        return make_reservation(raw, user_id, cost, tokens, chosen)
+    own = tuple(s for s in chosen if not s.shared)
+    # Everything is validated (no I/O) before the first step writes anything.
+    yield ("validate", (user_id, windows), reserve_arguments(cost, token_windows, tokens, chosen))
+    steps: list[tuple[tuple[Scope, ...], Windows, Windows]] = [((s,), (), ()) for s in shared]
+    if windows or token_windows or own:
+        steps.append((own, tuple(windows), tuple(token_windows)))
+    done: list[Reservation] = []
+    for number, (step_scopes, step_windows, step_token_windows) in enumerate(steps):
+        step_tokens = tokens if step_token_windows or any(s.token_windows for s in step_scopes) \
+            else None
+        try:
+            raw = yield ("reserve", (user_id, step_windows),
+                         reserve_arguments(cost, step_token_windows, step_tokens, step_scopes))
+        except BaseException:
+            yield from _refund_all(done)
+            raise
+        step = make_reservation(raw, user_id, cost, step_tokens, step_scopes)
+        if not step.allowed:
+            yield from _refund_all(done)
+            states = tuple(_unspent(w, cost, tokens) for r in done for w in r.windows)
+            states += step.windows
+            for later_scopes, later_windows, later_token_windows in steps[number + 1:]:
+                states += _unreached(later_windows, later_token_windows, later_scopes)
+            return _with(step, windows=states, scopes=chosen, tokens=tokens)
+        done.append(step)
+    user_step = done[-1] if len(done) > len(shared) else None
+    tightest = min(done, key=lambda r: (r.remaining, r.window_seconds))
+    return _with(tightest, windows=tuple(w for r in done for w in r.windows), scopes=chosen,
+                 tokens=tokens, member=user_step.member if user_step else "",
+                 timestamp_ms=user_step.timestamp_ms if user_step else tightest.timestamp_ms,
+                 shared_entries=tuple((r.member, r.timestamp_ms) for r in done[:len(shared)]))
+
+
+def _unreached(windows: Windows, token_windows: Windows,
+               scopes: Sequence[Scope]) -> tuple[WindowState, ...]:
+    """The windows of a step the decision never reached."""
+    states = [WindowState(limit, seconds, "requests", None) for limit, seconds in windows]
+    states += [WindowState(limit, seconds, "tokens", None) for limit, seconds in token_windows]
+    for scope in scopes:
+        states += [WindowState(limit, seconds, "requests", None, scope)
+                   for limit, seconds in scope.windows]
+        states += [WindowState(limit, seconds, "tokens", None, scope)
+                   for limit, seconds in scope.token_windows]
+    return tuple(states)
+
+
+def _with(reservation: Reservation, **changes: Any) -> Reservation:
+    values = {name: getattr(reservation, name) for name in Reservation.__dataclass_fields__}
+    values.update(changes)
+    return Reservation(**values)
+
+
+def _unspent(state: WindowState, cost: int, tokens: int | None) -> WindowState:
+    """A window of a refunded step: what it had before."""
+    spent = (tokens or 0) if state.resource == "tokens" else cost
+    left = None if state.remaining is None else state.remaining + spent
+    return WindowState(state.limit, state.window_seconds, state.resource, left, state.scope)
+
+
+def _refund_all(steps: Sequence[Reservation]) -> Plan:
+    """Every step's entry back to cost 0 in each of its windows (idempotent). A refund that
+    fails (Redis gone) leaves that entry charged until it leaves its windows: the cost of a
+    crash between the steps (README)."""
+    for step in steps:
+        if not step.member:
+            continue
+        resources: tuple[Resource, ...] = ("requests", "tokens")
+        for resource in resources:
+            own = windows_of(step, resource)
+            scoped = tuple((s.name, s.shared, s.windows_of(resource)) for s in step.scopes
+                           if s.windows_of(resource))
+            if not (own or scoped):
+                continue
+            try:
+                yield ("reconcile", (step.user_id, own, step.member, step.timestamp_ms, 0),
+                       {"tokens": resource == "tokens", "scopes": scoped})
+            except Exception:  # noqa: BLE001 - the refund is best effort by design (see above)
+                pass
+
+
+def reconcile_plan(reservation: Reservation, actual: int) -> Plan:
+    """reconcile: the entry's estimate (its tokens when it has token windows, else its
+    request cost) set to `actual` in the user's windows and its scopes' of that resource;
+    in two calls when it was reserved in two steps. Returns the windows found."""
     if not isinstance(reservation, Reservation):
         raise TypeError(f"reconcile needs a Reservation made by reserve, not "
                         f"{type(reservation).__name__}")
@@ -113,9 +327,23 @@ def reconcile_arguments(reservation: Reservation,
         raise TypeError(f"actual must be an int, not {type(actual).__name__}")
     if actual < 0:
         raise ValueError(f"actual must be >= 0, got {actual}")
-    if not reservation.member:
-        return None
     tokens = any(w.resource == "tokens" for w in reservation.windows)
-    windows = windows_of(reservation, "tokens" if tokens else "requests")
-    return ((reservation.user_id, windows, reservation.member, reservation.timestamp_ms, actual),
-            {"tokens": tokens})
+    resource: Resource = "tokens" if tokens else "requests"
+    own = windows_of(reservation, resource)
+    shared = [s for s in reservation.scopes if s.shared] if reservation.shared_entries else []
+    entries = [(reservation.member, reservation.timestamp_ms, own,
+                [s for s in reservation.scopes if s not in shared])]
+    entries += [(member, timestamp_ms, [], [scope])
+                for (member, timestamp_ms), scope in zip(reservation.shared_entries, shared, strict=True)]
+    found = 0
+    for member, timestamp_ms, windows, scopes in entries:
+        scoped = tuple((s.name, s.shared, s.windows_of(resource)) for s in scopes
+                       if s.windows_of(resource))
+        if not member or not (windows or scoped):
+            continue
+        keywords: dict[str, Any] = {"tokens": tokens}
+        if scoped:
+            keywords["scopes"] = scoped
+        found += yield ("reconcile", (reservation.user_id, windows, member, timestamp_ms, actual),
+                        keywords)
+    return found

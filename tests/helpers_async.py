@@ -118,13 +118,13 @@ def run_async(coroutine: Coroutine[Any, Any, T], loop_factory: LoopFactory | Non
 
 class BlockingAsyncLimiter:
     """An AsyncRateLimiter behind the blocking limiter's interface: check(), check_windows(),
-    reserve(), reconcile(), close(), `with`, url, key_prefix, closed, repr(). Each call runs the coroutine to
-    completion on one loop (made by `loop_factory`) that this adapter keeps for its lifetime,
-    so connections are reused between calls exactly as in a long-running service. After each
-    call the loop turns once more, so that a transport the call aborted finishes closing its
-    socket, as it would on a loop that keeps running. It lets the contract tests (which only
-    call these methods) prove the same behaviour of the async limiter without a copy of each
-    test.
+    reserve(), reconcile(), acquire(), release(), renew(), peek(), reset(), metrics(), close(),
+    `with`, url, key_prefix, closed, repr(). Each call runs the coroutine to completion on one
+    loop (made by `loop_factory`) that this adapter keeps for its lifetime, so connections are
+    reused between calls exactly as in a long-running service. After each call the loop turns
+    once more, so that a transport the call aborted finishes closing its socket, as it would on
+    a loop that keeps running. It lets the contract tests (which only call these methods) prove
+    the same behaviour of the async limiter without a copy of each test.
 
     The arguments after the loop factory are RateLimiter's. Calls from several threads are
     served one at a time: there is one loop."""
@@ -167,6 +167,30 @@ class BlockingAsyncLimiter:
 
     def reconcile(self, *args: Any, **kwargs: Any) -> int:
         return self.run(self.inner.reconcile(*args, **kwargs))
+
+    def acquire(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.inner.acquire(*args, **kwargs))
+
+    def release(self, *args: Any, **kwargs: Any) -> bool:
+        return self.run(self.inner.release(*args, **kwargs))
+
+    def renew(self, *args: Any, **kwargs: Any) -> bool:
+        return self.run(self.inner.renew(*args, **kwargs))
+
+    def peek(self, *args: Any, **kwargs: Any) -> tuple[bool, int, int, int]:
+        return self.run(self.inner.peek(*args, **kwargs))
+
+    def _peek(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.inner._peek(*args, **kwargs))
+
+    def reset(self, *args: Any, **kwargs: Any) -> int:
+        return self.run(self.inner.reset(*args, **kwargs))
+
+    def metrics(self) -> Any:
+        return self.inner.metrics()
+
+    def _record_outcome(self, kind: str) -> None:
+        self.inner._record_outcome(kind)
 
     def close(self) -> None:
         with self._lock:

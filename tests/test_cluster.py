@@ -341,3 +341,28 @@ def test_a_fragmented_slot_map_is_read(make_limiter: LimiterFactory, redis_clust
     finally:
         redis_cluster.flush()
         redis_cluster.wait_ok()
+
+
+def test_every_key_kind_carries_the_hash_tag(make_limiter: LimiterFactory, redis_cluster: Any,
+                                             inspector: Any) -> None:
+    """Leases, peek, reset, a user's scope and a shared scope on a cluster: every key of the
+    user is in the user's slot (never CROSSSLOT); a shared scope's keys carry the scope's
+    name as their tag and are decided in a step of their own."""
+    from genai_ratelimit import Scope
+
+    limiter = make_limiter(redis_cluster.url)
+    lease = limiter.acquire("user_kinds", 2, 60)
+    assert lease.allowed
+    assert inspector.exists("ratelimit:{user_kinds}:leases") == 1
+    assert limiter.release(lease)
+    reservation = limiter.reserve("user_kinds", [(5, 60)], scopes=[
+        Scope("route", [(3, 60)]), Scope("openai", [(100, 60)], shared=True)])
+    assert reservation.allowed
+    assert inspector.zcard("ratelimit:{user_kinds}:60") == 1
+    assert inspector.zcard("ratelimit:{user_kinds}:60:scope=route") == 1
+    assert inspector.zcard("ratelimit:{openai}:60:shared") == 1
+    assert limiter.peek("user_kinds", [(5, 60)])[:2] == (True, 3)
+    assert limiter.reset("user_kinds") >= 2
+    assert inspector.exists("ratelimit:{user_kinds}:60", "ratelimit:{user_kinds}:60:scope=route",
+                            ) == 0
+    assert inspector.zcard("ratelimit:{openai}:60:shared") == 1  # a shared cap is never reset

@@ -10,11 +10,6 @@ loop), and to an AsyncRateLimiter awaited on uvicorn's loop, `--loop asyncio` or
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +20,7 @@ import redis
 
 from genai_ratelimit import TIER_LIMITS
 from helpers_async import loop_factory_of
+from helpers_uvicorn import UvicornServer
 from redis_server import free_port
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -91,71 +87,21 @@ print(f"serving examples/app.py with a {{kind}}", flush=True)
 """
 
 
-class UvicornApp:
-    """examples/app.py served by `python -m uvicorn` in a subprocess on a free loopback port.
-    Runs from a temporary directory so the installed package is imported, not the source tree."""
+class UvicornApp(UvicornServer):
+    """examples/app.py served by `python -m uvicorn` in a subprocess on a free loopback port
+    (helpers_uvicorn.UvicornServer), with the limiter class and loop of a limiter kind."""
 
     def __init__(self, env: dict[str, str], limiter_kind: str) -> None:
-        self.env = {**os.environ, **env}
         self.limiter_class = LIMITER_CLASSES[limiter_kind]
-        self.loop = UVICORN_LOOPS[limiter_kind]
-        self.directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-uvicorn-"))
-        (self.directory / "served_app.py").write_text(
-            SERVED_MODULE.format(examples=str(EXAMPLES), cls=self.limiter_class), encoding="utf-8")
-        self.log_path = self.directory / "uvicorn.log"
-        self.port = 0
-        self.process: subprocess.Popen[bytes] | None = None
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def spawn(self) -> subprocess.Popen[bytes]:
-        self.port = free_port()
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "served_app:app", "--app-dir", str(self.directory),
-                 "--host", "127.0.0.1", "--port", str(self.port), "--no-proxy-headers",
-                 "--no-access-log", "--log-level", "warning",
-                 *(["--loop", self.loop] if self.loop else [])],
-                cwd=self.directory, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        return self.process
+        super().__init__(SERVED_MODULE.format(examples=str(EXAMPLES), cls=self.limiter_class),
+                         env, loop=UVICORN_LOOPS[limiter_kind])
 
     def start(self, timeout: float = 30.0) -> None:
-        for _ in range(5):  # the free port may be taken before uvicorn binds it: try another
-            process = self.spawn()
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and process.poll() is None:
-                try:
-                    if httpx.get(self.base_url + "/healthz", timeout=1.0).status_code == 200:
-                        assert f"serving examples/app.py with a {self.limiter_class}" in self.log()
-                        if self.loop is not None:
-                            served = httpx.get(self.base_url + "/served-loop", timeout=1.0).json()
-                            assert served["module"].split(".")[0] == self.loop, served
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.05)  # readiness polling until /healthz answers, exits, or the deadline
-            self.stop()
-            if "address already in use" not in self.log().lower():
-                break
-        raise RuntimeError(f"uvicorn did not start:\n{self.log()[-3000:]}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        super().start(timeout)
+        assert f"serving examples/app.py with a {self.limiter_class}" in self.log()
+        if self.loop is not None:
+            served = httpx.get(self.base_url + "/served-loop", timeout=1.0).json()
+            assert served["module"].split(".")[0] == self.loop, served
 
 
 def clean_env(**env: str) -> dict[str, str]:
@@ -345,6 +291,34 @@ def test_health_route_is_not_limited(http: httpx.Client, redis_client: redis.Red
         assert response.status_code == 200
         assert "X-RateLimit-Remaining" not in response.headers
     assert redis_client.keys("*") == []
+
+
+def scraped(http: httpx.Client) -> dict[str, float]:
+    """GET /metrics: the value of every sample of the example's limiter, by its text."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for line in response.text.splitlines():
+        if line.startswith("genai_ratelimit_") and 'limiter="chat"' in line:
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples
+
+
+def test_metrics_route_counts_the_decisions_it_served(http: httpx.Client,
+                                                      redis_client: redis.Redis) -> None:
+    allowed = 'genai_ratelimit_decisions_total{limiter="chat",outcome="allowed",window=""}'
+    refused = 'genai_ratelimit_decisions_total{limiter="chat",outcome="rejected",window="60"}'
+    round_trips = 'genai_ratelimit_redis_latency_seconds_count{limiter="chat"}'
+    before = scraped(http)
+    statuses = [chat(http, "free", stream=False).status_code for _ in range(6)]
+    after = scraped(http)
+    assert statuses == [200] * 5 + [429]
+    assert after[allowed] - before[allowed] == 5
+    assert after[refused] - before.get(refused, 0) == 1
+    assert after[round_trips] - before[round_trips] >= 6  # + the reconciles
+    assert "X-RateLimit-Remaining" not in http.get("/metrics").headers, "not limited"
 
 
 # --- start-up and Redis down -----------------------------------------------------------------

@@ -16,7 +16,10 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 # The sections whose ```python blocks are complete programs.
 SECTIONS = ["## Use", "### Weights, tokens, reserve → reconcile",
+            "### Scopes: upstream caps, route and model budgets",
+            "### Upstream caps, route and model budgets",
             "### Error formats, provider headers and retry hints",
+            "### Concurrency: in-flight leases",
             "### Shadow mode: roll a new budget out without refusing",
             "### IETF `RateLimit-Policy` and `RateLimit` headers"]
 
@@ -62,6 +65,12 @@ def test_the_readme_example_runs(heading: str, redis_url: str, redis_client: red
                                 text=True, timeout=60,
                                 env={**os.environ, "REDIS_URL": redis_url})
         assert result.returncode == 0, f"{heading} example {number}:\n{result.stderr}"
+    if "leases" in heading:
+        # Every lease was released (no key is left): the script ran, loaded on NOSCRIPT.
+        from genai_ratelimit import _native
+        assert redis_client.script_exists(_native.LEASE_SHA1) == [True], "never reached Redis"
+        assert redis_client.keys("ratelimit:user_8421:*") == []
+        return
     assert redis_client.keys("ratelimit:user_8421:*"), "the example never reached Redis"
     if "reserve" in heading:
         # It reserved 1,200 tokens and reconciled them to 830.

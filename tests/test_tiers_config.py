@@ -304,3 +304,35 @@ def test_token_limits_are_validated_as_strictly_as_tier_limits(budgets: Any, pro
     with pytest.raises(TierConfigError) as caught:
         validate_token_limits(budgets)
     assert problem in str(caught.value)
+
+
+# --- the [models] and [upstreams] sections ---------------------------------------------------
+
+def test_scope_sections_are_read_and_are_not_tiers() -> None:
+    from genai_ratelimit._tiers_config import scope_sections_of
+
+    data = {"free": {"per_minute": 5, "per_day": 100},
+            "models": {"gpt-4o": {"per_minute": 2, "tokens_per_minute": 900}},
+            "upstreams": {"openai/gpt-4o": {"models": ["gpt-4o"], "per_minute": 30}}}
+    assert validate_tier_limits(data) == {"free": {"per_minute": 5, "per_day": 100}}
+    assert scope_sections_of(data, "f") == (
+        {"gpt-4o": {"per_minute": 2, "tokens_per_minute": 900}},
+        {"openai/gpt-4o": ({"per_minute": 30}, ("gpt-4o",))})
+
+
+@pytest.mark.parametrize("section, problem", [
+    ({"models": []}, "must be a table"),
+    ({"models": {"gpt-4o": {"per_hour": 3}}}, "unknown key"),
+    ({"models": {"gpt-4o": {}}}, "at least one"),
+    ({"models": {"gpt-4o": {"per_minute": 0}}}, "integer >= 1"),
+    ({"models": {"": {"per_minute": 1}}}, "non-empty"),
+    ({"upstreams": {"u": {"per_minute": 1, "models": [""]}}}, "list of model names"),
+    ({"upstreams": {"u": {"per_minute": True}}}, "integer >= 1"),
+])
+def test_malformed_scope_sections_fail_when_the_file_is_read(
+        tmp_path: Path, section: dict[str, Any], problem: str) -> None:
+    tiers = tmp_path / "tiers.json"
+    tiers.write_text(json.dumps({"free": {"per_minute": 5, "per_day": 100}, **section}))
+    with pytest.raises(TierConfigError, match=problem) as caught:
+        load_tier_limits(tiers)
+    assert str(tiers) in str(caught.value)

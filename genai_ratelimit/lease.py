@@ -1,0 +1,117 @@
+"""In-flight leases: at most `limit` concurrent holders per user (lua/lease.lua).
+
+`limiter.acquire(user_id, limit, lease_seconds)` takes one of the user's `limit` slots in ONE
+script execution (atomic on Redis: trim the expired leases, count, admit while the count is
+below the limit) and returns a Lease; `limiter.release(lease)` gives the slot back (ZREM:
+idempotent, a second release finds nothing); `limiter.renew(lease)` extends a lease still
+held to lease_seconds from now (a long stream), and answers False for a lease that expired
+or was released, whose slot may have gone to someone else. A lease that is never released
+(its process killed, its connection lost) expires after lease_seconds: no slot leaks for
+longer than that.
+
+This module holds what the blocking and the asyncio limiter share: the Lease types (frozen,
+like Reservation, with helpers bound to the limiter that made them) and the validation of
+the calls made with a lease."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Lease", "AsyncLease", "DEFAULT_LEASE_SECONDS"]
+
+# The default lease: long enough for a long completion stream; a stream that may run longer
+# renews its lease (Lease.renew) before it expires.
+DEFAULT_LEASE_SECONDS = 300
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The answer of `acquire`.
+
+    allowed        True when a slot was granted (then release it when done).
+    held           the user's leases held after this decision (this one included when allowed).
+    remaining      the slots still free: limit - held (0 when refused).
+    retry_after_s / retry_after_ms
+                   when refused: the wait until the soonest held lease expires. An UPPER
+                   bound: a holder that releases frees its slot sooner. 0 when allowed.
+    lease_id       the lease's UUID4 ("" when refused, or when RATE_LIMIT_DISABLED granted
+                   it without Redis: then release and renew send nothing).
+    expires_at_ms  when the lease expires unless renewed (unix ms, on the deciding clock).
+
+    `with limiter.acquire(...) as lease:` releases it on leaving the block.
+    """
+
+    allowed: bool
+    held: int
+    remaining: int
+    retry_after_s: int
+    retry_after_ms: int
+    lease_id: str
+    expires_at_ms: int
+    user_id: str
+    limit: int
+    lease_seconds: int
+    # The limiter that made it, for the bound helpers; not part of the value.
+    limiter: Any = field(default=None, repr=False, compare=False)
+
+    def release(self) -> bool:
+        """limiter.release(self)."""
+        return bool(self.limiter.release(self))
+
+    def renew(self, lease_seconds: int | None = None) -> bool:
+        """limiter.renew(self, lease_seconds)."""
+        return bool(self.limiter.renew(self, lease_seconds))
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.lease_id:
+            self.limiter.release(self)
+
+
+@dataclass(frozen=True, slots=True)
+class AsyncLease(Lease):
+    """A Lease of an AsyncRateLimiter: its helpers are coroutines, and
+    `async with await limiter.acquire(...) as lease:` releases it on leaving the block."""
+
+    async def release(self) -> bool:  # type: ignore[override]
+        """await limiter.release(self)."""
+        return bool(await self.limiter.release(self))
+
+    async def renew(self, lease_seconds: int | None = None) -> bool:  # type: ignore[override]
+        """await limiter.renew(self, lease_seconds)."""
+        return bool(await self.limiter.renew(self, lease_seconds))
+
+    def __enter__(self) -> Lease:
+        raise TypeError("an AsyncLease is released with `async with`, not `with`")
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self.lease_id:
+            await self.limiter.release(self)
+
+
+def make_lease(cls: type[Lease], raw: tuple[Any, ...], user_id: str, limit: int,
+               lease_seconds: int, limiter: Any) -> Lease:
+    """A Lease from the C extension's acquire tuple (see Limiter._acquire)."""
+    allowed, held, retry_s, retry_ms, lease_id, expires_at_ms, _now_ms = raw
+    return cls(allowed=allowed, held=held, remaining=max(0, limit - held) if allowed else 0,
+               retry_after_s=retry_s, retry_after_ms=retry_ms, lease_id=lease_id,
+               expires_at_ms=expires_at_ms, user_id=user_id, limit=limit,
+               lease_seconds=lease_seconds, limiter=limiter)
+
+
+def lease_arguments(lease: Lease, lease_seconds: int | None = None) -> tuple[Any, ...] | None:
+    """The C release / renew arguments of a lease: (user_id, lease_id[, lease_seconds]), or
+    None when it holds nothing in Redis (refused, or granted by the kill switch)."""
+    if not isinstance(lease, Lease):
+        raise TypeError(f"expected a Lease made by acquire, not {type(lease).__name__}")
+    if not lease.lease_id:
+        return None
+    if lease_seconds is None:
+        return (lease.user_id, lease.lease_id, lease.lease_seconds)
+    return (lease.user_id, lease.lease_id, lease_seconds)

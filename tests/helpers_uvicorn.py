@@ -1,0 +1,88 @@
+"""A uvicorn server in a subprocess for the real-HTTP tests: an app module written from
+source into a temporary directory (so the installed package is imported, not the source
+tree), served on a free loopback port with one or several workers, started until its
+readiness path answers, stopped, or killed with SIGKILL. test_fastapi_server.py's UvicornApp
+(examples/app.py) builds on it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from redis_server import free_port
+
+
+class UvicornServer:
+    """`python -m uvicorn <module>:app` for the module whose source is given."""
+
+    def __init__(self, source: str, env: dict[str, str], *, workers: int = 1,
+                 loop: str | None = None, ready_path: str = "/healthz") -> None:
+        self.env = {**os.environ, **env}
+        self.workers = workers
+        self.loop = loop
+        self.ready_path = ready_path
+        self.directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-uvicorn-"))
+        (self.directory / "served_app.py").write_text(source, encoding="utf-8")
+        self.log_path = self.directory / "uvicorn.log"
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def spawn(self) -> subprocess.Popen[bytes]:
+        self.port = free_port()
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "served_app:app", "--app-dir", str(self.directory),
+                 "--host", "127.0.0.1", "--port", str(self.port), "--no-proxy-headers",
+                 "--no-access-log", "--log-level", "warning",
+                 *(["--workers", str(self.workers)] if self.workers > 1 else []),
+                 *(["--loop", self.loop] if self.loop else [])],
+                cwd=self.directory, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        return self.process
+
+    def start(self, timeout: float = 30.0) -> None:
+        for _ in range(5):  # the free port may be taken before uvicorn binds it: try another
+            process = self.spawn()
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and process.poll() is None:
+                try:
+                    if httpx.get(self.base_url + self.ready_path, timeout=1.0).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.05)  # readiness polling until it answers, exits, or the deadline
+            self.stop()
+            if "address already in use" not in self.log().lower():
+                break
+        raise RuntimeError(f"uvicorn did not start:\n{self.log()[-3000:]}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self, pid: int) -> None:
+        """SIGKILL to one process of the server (a worker): no cleanup code of it runs."""
+        os.kill(pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)

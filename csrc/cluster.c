@@ -667,10 +667,13 @@ rl_routed_call_run(rl_routed_call *rc, rl_error *err)
                     return rl_error_set(err, RL_ERR_IO,
                                         "the Redis Cluster answered MOVED %d times to one call",
                                         RL_CLUSTER_MAX_ATTEMPTS);
+                /* The map again (others may have moved too), then the slot pointed where
+                   MOVED said: the answer of the node that served it a moment ago, newer than
+                   what a node whose gossip lags (a replica, say) may still answer. */
+                (void)refresh(c, rc->deadline, &rc->refresh_error);
                 pthread_mutex_lock(&c->mutex);
                 c->slots[slot] = (short)index;
                 pthread_mutex_unlock(&c->mutex);
-                (void)refresh(c, rc->deadline, &rc->refresh_error); /* others moved too */
                 continue;
             }
             if (strncmp(err->message, "ASK ", 4) == 0 &&

@@ -567,8 +567,10 @@ class AsyncRateLimiter:
                 if moved >= _CLUSTER_MAX_ATTEMPTS:  # nodes that send it back and forth
                     raise RateLimiterUnavailable(f"the Redis Cluster answered MOVED "
                                                  f"{moved} times to one call")
-                slot_map.point(slot, target)  # MOVED: there now; the others may have moved too
+                # The map again (others may have moved too), then the slot pointed where MOVED
+                # said: newer than what a node whose gossip lags (a replica) may answer.
                 await self._try_read_slot_map(root, deadline)
+                slot_map.point(slot, target)
                 continue
             # TRYAGAIN, CLUSTERDOWN, a dead node: give the failover or migration time.
             left = deadline - time.monotonic()

@@ -146,19 +146,24 @@ class RedisCluster(_Started):
         raise RuntimeError("CLUSTER NODES has no line for the node itself")
 
     def assign(self, slots: list[int], owner: RedisServer) -> None:
-        """Hands empty slots to owner on every master (CLUSTER SETSLOT ... NODE), then bumps
-        owner's config epoch so that the replicas accept the change from gossip too."""
+        """Hands empty slots to owner: first to owner itself, whose config epoch is then bumped
+        above every other node's (so its claim wins over the old owner's in gossip: the old
+        owner must not win a node back before it has heard), then to the other masters
+        (CLUSTER SETSLOT ... NODE), the old owner included. Told in another order, a node
+        could be won back by the old owner's gossip and the views of the cluster diverge."""
         import redis
 
         owner_id = self.cli(owner, "cluster", "myid").strip()
-        for node in self.masters():
+        nodes = [owner, *(node for node in self.masters() if node is not owner)]
+        for index, node in enumerate(nodes):
             client = redis.Redis(port=node.port)
             try:
                 for slot in slots:
                     client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", owner_id)
+                if index == 0:
+                    client.execute_command("CLUSTER", "BUMPEPOCH")
             finally:
                 client.close()
-        self.cli(owner, "cluster", "bumpepoch")
 
     def restart_missing(self) -> None:
         """Restarts the killed nodes (they rejoin from their nodes.conf as replicas)."""

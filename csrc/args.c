@@ -546,8 +546,10 @@ cluster_slot(rl_prepared *d, const char *user, size_t user_len)
         const rl_scope *scope = d->windows.scope[i] ? &d->scopes[d->windows.scope[i] - 1] : NULL;
         int slot =
             scope != NULL && scope->shared ? rl_user_slot(scope->name, scope->name_len) : user_slot;
-        if (slot < 0)
+        if (slot < 0) { /* no memory for a long name's tag */
+            d->slot = -1;
             break;
+        }
         if (i == 0) {
             d->slot = slot;
         } else if (slot != d->slot) {

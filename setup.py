@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +35,9 @@ SCRIPTS = {
     "RL_LEASE": HERE / "lua" / "lease.lua",
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
+# A script names the shared files of lua/lib/ it is built on, one "-- include: lib/x.lua"
+# line each; the build prepends them, in that order, to its text.
+INCLUDE_LINE = re.compile(r"^-- include: (\S+)$", re.MULTILINE)
 
 # (pkg-config name, header, libraries)
 SYSTEM_LIBRARIES = [
@@ -147,9 +151,29 @@ def c_string_literal(text: str) -> str:
     return "\n".join(lines) if lines else '    ""'
 
 
+def script_includes(path: Path) -> list[Path]:
+    """The shared files a script of lua/ names in its "-- include:" lines, in order."""
+    text = path.read_text(encoding="utf-8")
+    includes = [path.parent / name for name in INCLUDE_LINE.findall(text)]
+    for included in includes:
+        if not included.is_file():
+            fail(f"{path.relative_to(HERE)} includes {included.relative_to(HERE)}, which is missing")
+        if INCLUDE_LINE.search(included.read_text(encoding="utf-8")):
+            fail(f"{included.relative_to(HERE)} includes another file: only scripts include")
+    return includes
+
+
+def script_text(path: Path) -> str:
+    """What is embedded and sent for a script of lua/: the shared files it includes, in
+    order, then its own text. Its SHA1 is the SHA1 of exactly this."""
+    parts = [included.read_text(encoding="utf-8") for included in script_includes(path)]
+    return "".join(part if part.endswith("\n") else part + "\n" for part in parts) + \
+        path.read_text(encoding="utf-8")
+
+
 def script_definitions(prefix: str, path: Path) -> str:
     """The C definitions of one script: its SHA1, its source and SCRIPT LOAD of it."""
-    source = path.read_text(encoding="utf-8")
+    source = script_text(path)
     sha1 = hashlib.sha1(source.encode("utf-8")).hexdigest()
     name = prefix.lower()
     return (
@@ -225,7 +249,8 @@ def build_extension() -> Extension:
         "genai_ratelimit._native",
         sources=sources,
         depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")]
-        + [f"lua/{path.name}" for path in SCRIPTS.values()],
+        + [f"lua/{path.name}" for path in SCRIPTS.values()]
+        + [f"lua/lib/{path.name}" for path in sorted((HERE / "lua" / "lib").glob("*.lua"))],
         include_dirs=include_dirs,
         library_dirs=library_dirs,
         libraries=libraries,

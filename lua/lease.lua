@@ -1,8 +1,10 @@
+-- include: lib/clock.lua
+-- include: lib/lease.lua
 --[[
 lease.lua - in-flight leases: at most `limit` concurrent holders per user, each slot
 given back by release or, when its holder never comes back (process killed, connection
-lost), by its own expiry. This file is the only copy of the algorithm: the build embeds
-it in the C extension.
+lost), by its own expiry. The build prepends the files named above (lib/lease.lua keeps
+the leases) and embeds the whole in the C extension: the only copy.
 
 KEYS[1]    the user's leases: a sorted set {lease id (UUID4 text) -> expiry, unix ms}
 ARGV[1]    "acquire", "release" or "renew"
@@ -36,56 +38,25 @@ if op ~= 'release' then
   redis.call('ZADD', key, 'XX', 0, '')
 end
 
-local now = tonumber(ARGV[3])
-if not now then
-  if redis.replicate_commands then redis.replicate_commands() end
-  local t = redis.call('TIME')
-  now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
-redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
-
--- The key lives as long as its latest lease.
-local function keep_until_latest()
-  local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
-  if latest then
-    local ttl = tonumber(latest) - now
-    if ttl < 1 then ttl = 1 end
-    redis.call('PEXPIRE', key, ttl)
-  end
-end
+local now = script_now(ARGV[3], true)
+local held = leases(key, now)
 
 if op == 'release' then
-  local removed = redis.call('ZREM', key, id)
-  return {removed, redis.call('ZCARD', key), 0, 0, now}
+  local removed = held.release(id)
+  return {removed, held.count(), 0, 0, now}
 end
 
 local lease_ms = tonumber(ARGV[5])
-local held = redis.call('ZSCORE', key, id)
 
 if op == 'renew' then
-  if not held then
-    return {0, redis.call('ZCARD', key), 0, 0, now}
-  end
-  local expires = now + lease_ms
-  redis.call('ZADD', key, 'XX', expires, id)
-  keep_until_latest()
-  return {1, redis.call('ZCARD', key), 0, expires, now}
+  local expires = held.renew(id, lease_ms)
+  if not expires then return {0, held.count(), 0, 0, now} end
+  return {1, held.count(), 0, expires, now}
 end
 
 -- acquire
-if held then
-  -- The first attempt admitted this very lease (its reply was lost): admitted again.
-  return {1, redis.call('ZCARD', key), 0, tonumber(held), now}
+local answer = held.may_acquire(id, tonumber(ARGV[4]))
+if answer[1] == 0 then
+  return {0, answer[2], answer[3], 0, now}
 end
-local count = redis.call('ZCARD', key)
-if count >= tonumber(ARGV[4]) then
-  local soonest = tonumber(redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2])
-  local wait = soonest - now
-  if wait < 1 then wait = 1 end
-  return {0, count, wait, 0, now}
-end
-local expires = now + lease_ms
-redis.call('ZADD', key, expires, id)
-keep_until_latest()
-return {1, count + 1, 0, expires, now}
+return {1, answer[2], 0, held.take(id, lease_ms, answer), now}

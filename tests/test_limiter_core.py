@@ -306,11 +306,11 @@ def test_key_is_gone_within_window_plus_one_second_after_the_last_allow(limiter,
 
 # ----------------------------------------------------------------------- tiers
 
-def test_script_sha1_is_the_sha1_of_the_lua_file():
+def test_script_sha1_is_the_sha1_of_the_lua_file_with_its_includes():
     from genai_ratelimit import SCRIPT_SHA1
+    from test_lua_build import assembled
 
-    source = (REPO / "lua" / "sliding_window.lua").read_bytes()
-    assert SCRIPT_SHA1 == hashlib.sha1(source).hexdigest()
+    assert SCRIPT_SHA1 == hashlib.sha1(assembled("sliding_window.lua").encode()).hexdigest()
 
 
 def test_tier_limits_are_the_contracts_budgets():

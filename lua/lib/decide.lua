@@ -1,0 +1,76 @@
+--[[
+lib/decide.lua - the decision over a call's windows, the same for every storage: which
+window refuses, what each window has left, how long a refused request waits. Prepended by
+the build (setup.py) to the scripts that decide; it defines functions only and touches no
+key: a storage (lib/zset_log.lua, lib/compact_log.lua) measures the windows.
+
+ARGV[3i], ARGV[3i+1], ARGV[3i+2]  window i's length in ms, limit and this request's cost
+                                  (limit and cost in cost units), i = 1..n.
+
+The reply of a decision, {allowed, remaining, retry_after_s, i, now_ms,
+{remaining per window}, retry_ms}:
+  allow  -> {1, fewest remaining over all windows after this request, 0, index of that
+             window (ties: the shorter), now, {limit - used - cost ...}, 0}
+  reject -> {0, 0, max(1, ceil(wait / 1000)), index of the rejecting window, now,
+             {limit - used of the windows before it ..., 0}, max(1, wait)},
+where wait = stamp + window_ms - now and stamp is the time of the oldest entry whose
+leaving frees enough: the costs of the entries up to it add up to used + cost - limit.
+--]]
+
+-- Window i of the call: its length in ms, its limit, this request's cost in it.
+local function window_of(i)
+  return tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]), tonumber(ARGV[3 * i + 2])
+end
+
+-- The wait until the entry logged at `stamp` leaves a window of window_ms: seconds rounded
+-- up and ms, each at least 1. stamp nil (no entry frees enough: only a cost above the
+-- limit, which the client refuses) waits the whole window.
+local function wait_until_gone(stamp, window_ms, now)
+  local wait = stamp and stamp + window_ms - now or window_ms
+  if wait < 1 then wait = 1 end
+  return math.ceil(wait / 1000), wait
+end
+
+-- Decides windows 1..n in order: used_of(i, window_ms) is window i's used cost at now
+-- (called once per window, in order, never for a window after the refusing one), and
+-- freeing_stamp(i, window_ms, need) the time of the oldest entry of window i whose leaving
+-- frees `need` units (nil: none does). Returns the reply (see the header); nothing is
+-- charged on a refusal, so the windows before it report what they had.
+local function decide(n, now, used_of, freeing_stamp)
+  local fewest, fewest_index = nil, 1
+  local remaining_of = {}
+  for i = 1, n do
+    local window_ms, limit, cost = window_of(i)
+    local used = used_of(i, window_ms)
+    if used + cost > limit then
+      for j = 1, i - 1 do remaining_of[j] = remaining_of[j] + tonumber(ARGV[3 * j + 2]) end
+      remaining_of[i] = 0
+      local need = used + cost - limit
+      local retry, wait = wait_until_gone(freeing_stamp(i, window_ms, need), window_ms, now)
+      return {0, 0, retry, i, now, remaining_of, wait}
+    end
+    local remaining = limit - used - cost
+    remaining_of[i] = remaining
+    if fewest == nil or remaining < fewest then
+      fewest, fewest_index = remaining, i
+    end
+  end
+  return {1, fewest, 0, fewest_index, now, remaining_of, 0}
+end
+
+-- The reply to a replay whose first attempt was allowed and logged: allowed again, with
+-- what every window has left now (never below 0), nothing charged a second time.
+local function decided_before(n, now, used_of)
+  local fewest, fewest_index = nil, 1
+  local remaining_of = {}
+  for i = 1, n do
+    local window_ms, limit = window_of(i)
+    local remaining = limit - used_of(i, window_ms)
+    if remaining < 0 then remaining = 0 end
+    remaining_of[i] = remaining
+    if fewest == nil or remaining < fewest then
+      fewest, fewest_index = remaining, i
+    end
+  end
+  return {1, fewest, 0, fewest_index, now, remaining_of, 0}
+end

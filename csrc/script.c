@@ -71,7 +71,7 @@ rl_prepared_bytes(const rl_prepared *p, size_t *len)
 
 #define RL_NUMBER_TEXT 24 /* room for any long long in decimal, with sign and NUL */
 #define RL_STACK_ARENA 4096
-#define RL_KEY_SUFFIXES 12   /* ":tokens" + ":w" */
+#define RL_KEY_SUFFIXES 12   /* ":tokens" + a companion's (":w", ":t") */
 #define RL_SCOPE_SUFFIX 8    /* ":scope=" or ":shared" (the name is counted apart) */
 #define RL_SCAN_COUNT "1000" /* reset.lua: keys one SCAN step looks at */
 
@@ -110,12 +110,13 @@ write_user_key(char *cursor, const char *prefix, size_t prefix_len, const char *
      a scope of the user      {prefix}:{user_id}:{window_seconds}[:tokens]:scope={name}
      a shared scope           {prefix}:{name}:{window_seconds}[:tokens]:shared
 
-   with ":w" after any of them for its weights. A key reads from its end: the last field is
-   "w" (weights), then "shared", "scope=..." or neither, then "tokens" or not, then the
-   window's digits; what is left after "{prefix}:" is the owner. In "scope=" the name's
-   '%', ':', '{' and '}' are percent-encoded, so it holds no ':' and two names never meet.
-   Every field the reading takes from the end differs between the kinds (digits, "tokens",
-   "scope=...", "shared", "w" are pairwise distinct), so no user id and no scope name can
+   with ":w" after any of them for its weights and ":t" for their running totals. A key
+   reads from its end: the last field is "w" (weights), "t" (totals) or neither, then
+   "shared", "scope=..." or neither, then "tokens" or not, then the window's digits; what
+   is left after "{prefix}:" is the owner. In "scope=" the name's '%', ':', '{' and '}'
+   are percent-encoded, so it holds no ':' and two names never meet. Every field the
+   reading takes from the end differs between the kinds (digits, "tokens", "scope=...",
+   "shared", "w", "t" are pairwise distinct), so no user id and no scope name can
    make one kind's key equal another's: a user "openai/gpt-4o" and the shared scope
    "openai/gpt-4o" differ by ":shared", a user's scope named "shared" is ":scope=shared". */
 static size_t
@@ -236,21 +237,30 @@ rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
     return (size_t)(cursor - out);
 }
 
-/* Formats "EVALSHA sha 2n key... weights... ARGV..." with hiredis (see the KEYS/ARGV
-   headers of lua/sliding_window.lua and lua/reconcile.lua). Returns the command's length
-   and sets *out (free with redisFreeCommand), or -1 when out of memory. now_ms < 0 passes
-   "" so the script reads the server's clock. */
+/* The keys of one window in the sorted-set storage (lib/zset_log.lua): the window's set,
+   its weights and its running totals, in that order in KEYS (every window's set, then
+   every window's weights, then every window's totals). Each is the window's key and a
+   suffix whose last field ("w", "t") is never a window key's own (digits, "tokens",
+   "scope=...", "shared") nor "leases". */
+static const char *const window_keys[] = {"", ":w", ":t"};
+#define RL_KEYS_PER_WINDOW ((int)(sizeof(window_keys) / sizeof(window_keys[0])))
+#define RL_ARGV_MAX (8 + 6 * RL_MAX_WINDOWS)
+
+/* Formats "EVALSHA sha 3n key... weights... totals... ARGV..." with hiredis (see the
+   KEYS/ARGV headers of lua/sliding_window.lua and lua/reconcile.lua). Returns the
+   command's length and sets *out (free with redisFreeCommand), or -1 when out of memory.
+   now_ms < 0 passes "" so the script reads the server's clock. */
 long long
 rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
                  const rl_prepared *d, long long now_ms, char **out)
 {
     const rl_windows *w = &d->windows;
-    const char *argv[7 + 5 * RL_MAX_WINDOWS];
-    size_t argvlen[7 + 5 * RL_MAX_WINDOWS];
+    const char *argv[RL_ARGV_MAX];
+    size_t argvlen[RL_ARGV_MAX];
     char stack_arena[RL_STACK_ARENA];
     char *arena = stack_arena, *cursor;
     char numkeys[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT], score_text[RL_NUMBER_TEXT],
-        cost_text[RL_NUMBER_TEXT];
+        cost_text[RL_NUMBER_TEXT], windows_text[RL_NUMBER_TEXT];
     size_t owner_len = user_len, scope_room = 0;
     for (int k = 0; k < d->nscopes; k++) {
         if (d->scopes[k].name_len > owner_len)
@@ -261,7 +271,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     size_t key_room = prefix_len + 1 + rl_key_user_room(owner_len) + RL_NUMBER_TEXT +
                       RL_KEY_SUFFIXES + scope_room;
     /* reset.lua's pattern and base (the pattern escapes each byte at most once). */
-    size_t need = (size_t)w->count * (2 * key_room + 3 * RL_NUMBER_TEXT) + 3 * key_room;
+    size_t need = (size_t)w->count * (RL_KEYS_PER_WINDOW * key_room + 3 * RL_NUMBER_TEXT) +
+                  3 * key_room;
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
     int argc = 0;
@@ -281,23 +292,25 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc++] = 7;
     argv[argc] = rl_script_sha1(d->script);
     argvlen[argc++] = strlen(argv[1]);
-    argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d", 2 * w->count);
+    argvlen[argc] =
+        (size_t)snprintf(numkeys, sizeof(numkeys), "%d", RL_KEYS_PER_WINDOW * w->count);
     argv[argc++] = numkeys;
     for (int i = 0; i < w->count; i++) {
         char *key = cursor;
-        cursor += window_key(cursor, prefix, prefix_len, user, user_len, d, i);
-        keys[i] = key;
-        keylens[i] = (size_t)(cursor - key);
-        /* Its weights: the same key and ":w" (last field "w": never a window's key). */
-        char *weights = cursor;
-        memcpy(cursor, key, keylens[i]);
-        cursor += keylens[i];
-        memcpy(cursor, ":w", 2);
-        cursor += 2;
-        keys[w->count + i] = weights;
-        keylens[w->count + i] = (size_t)(cursor - weights);
+        size_t key_len = window_key(cursor, prefix, prefix_len, user, user_len, d, i);
+        cursor += key_len;
+        for (int k = 0; k < RL_KEYS_PER_WINDOW; k++) {
+            size_t suffix_len = strlen(window_keys[k]);
+            if (k > 0) { /* a companion: the window's key, then its suffix */
+                memcpy(cursor, key, key_len);
+                memcpy(cursor + key_len, window_keys[k], suffix_len);
+                cursor += key_len + suffix_len;
+            }
+            keys[k * w->count + i] = cursor - key_len - suffix_len;
+            keylens[k * w->count + i] = key_len + suffix_len;
+        }
     }
-    argc += 2 * w->count;
+    argc += RL_KEYS_PER_WINDOW * w->count;
     if (d->script == RL_SCRIPT_RESET) {
         /* cursor ("" for the KEYS), pattern, base, count: see lua/reset.lua. */
         char *base = cursor;
@@ -314,6 +327,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         argvlen[argc++] = base_len;
         argv[argc] = RL_SCAN_COUNT;
         argvlen[argc++] = strlen(RL_SCAN_COUNT);
+        argvlen[argc] = (size_t)snprintf(windows_text, sizeof(windows_text), "%d", w->count);
+        argv[argc++] = windows_text;
         goto format;
     }
     argv[argc] = d->member;

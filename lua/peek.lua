@@ -10,8 +10,9 @@ KEYS, ARGV  exactly sliding_window.lua's (ARGV[1], the member, is ignored, and s
             replay marker: a peek is answered the same however often it is sent).
 
 The trim of sliding_window.lua is not done but accounted for (lib/zset_log.lua's look):
-an entry at or before now - window_ms counts as gone, and so does its weight. So the
-answer equals the one a check with the same windows and costs would give at the same
+an entry at or before now - window_ms counts as gone, and so does its weight. A window
+written by a version that kept no running totals is walked entry by entry (a read-only
+script builds nothing). So the answer equals the one a check with the same windows and costs would give at the same
 instant.
 
 Returns sliding_window.lua's 7 elements, computed the same way (an allow reports every
@@ -21,7 +22,7 @@ used is the cost logged in the window and oldest the time (unix ms) of its oldes
 still in it, or -1 when it is empty.
 --]]
 
-local n = #KEYS / 2
+local n = #KEYS / 3
 local now = script_now(ARGV[2], false)
 local log = zset_log(n, now)
 
@@ -33,6 +34,6 @@ for i = 1, n do
   usage[2 * i] = oldest or -1
 end
 
-local reply = decide(n, now, function(i) return used_of[i] end, log.freeing_stamp)
+local reply = decide(n, now, function(i) return used_of[i] end, log.peek_freeing_stamp)
 reply[8] = usage
 return reply

@@ -7,6 +7,8 @@ prepends the files named above.
 
 KEYS[i]    (i = 1..n) the sorted sets the entry was logged in
 KEYS[n+i]  the weights of KEYS[i] (lib/zset_log.lua)
+KEYS[2n+i] the running totals of KEYS[i]'s weighted entries (lib/zset_log.lua): those
+           after the entry move with its cost (O(weighted entries logged after it))
 ARGV[1]    the entry's member
 ARGV[2]    the entry's score (the reservation's time, unix ms)
 ARGV[3]    the entry's new cost, an integer >= 0 (0 removes the entry)
@@ -24,7 +26,7 @@ Returns the number of windows whose entry was found (0 when it has left them all
 -- The OOM probe of sliding_window.lua: over maxmemory the script fails before any write.
 redis.call('ZADD', KEYS[1], 'XX', 0, '')
 
-local n = #KEYS / 2
+local n = #KEYS / 3
 local now = script_now(ARGV[4], true)
 local log = zset_log(n, now)
 local member, score, cost = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])

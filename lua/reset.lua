@@ -2,29 +2,30 @@
 reset.lua - forgets a user's entries: in the windows named, or in every window of the
 user, found by SCAN one bounded step at a time.
 
-KEYS[i]    (i = 1..n) the sorted sets of the windows to reset (n may be 0)
-KEYS[n+i]  their weights (see sliding_window.lua)
+KEYS[i]    (i = 1..n) the sorted sets of the windows to reset (n may be 0), then their
+           companions (weights, running totals: lib/zset_log.lua), deleted too
 ARGV[1]    "" to reset KEYS; else a SCAN cursor ("0" to start): reset every key of the
            user that one SCAN step (ARGV[1] MATCH ARGV[2] COUNT ARGV[4]) finds
 ARGV[2]    the MATCH pattern of the user's keys: ARGV[3], glob-escaped, then "*"
 ARGV[3]    the start of every key of the user, "{prefix}:{user_id}:"
 ARGV[4]    the SCAN step's COUNT
+ARGV[5]    with ARGV[1] "": n, the number of KEYS that are windows (the others are companions)
 
 A key found by SCAN is the user's only when what follows ARGV[3] is a window's own
 suffix: "<digits>", "<digits>:tokens", either followed by ":scope=<name>" (a route's or a
 model's budget of the user; the name holds no ':'), and any of those followed by ":w" (a
 user id may hold ':', so "ratelimit:a:" also starts user "a:b"'s keys, whose suffix is
-"b:60"). A shared scope's keys (":shared", an upstream's caps) are no user's.
+"b:60"). A window's companions end in ":w" (weights) or ":t" (running totals). A shared
+scope's keys (":shared", an upstream's caps) are no user's.
 
 Returns {entries removed (the sorted sets' sizes), the cursor to go on from ("0": done)}.
 Not atomic across SCAN steps: an entry logged meanwhile in a key already visited stays.
 --]]
 
-local n = #KEYS / 2
 local removed = 0
 
 if ARGV[1] == '' then
-  for i = 1, n do removed = removed + redis.call('ZCARD', KEYS[i]) end
+  for i = 1, tonumber(ARGV[5]) do removed = removed + redis.call('ZCARD', KEYS[i]) end
   if #KEYS > 0 then redis.call('DEL', unpack(KEYS)) end
   return {removed, '0'}
 end
@@ -39,7 +40,7 @@ for _, key in ipairs(step[2]) do
   if string.find(suffix, '^%d+$') or string.find(suffix, '^%d+:tokens$') then
     removed = removed + redis.call('ZCARD', key)
     redis.call('DEL', key)
-  elseif string.find(suffix, '^%d+:w$') or string.find(suffix, '^%d+:tokens:w$') then
+  elseif string.find(suffix, '^%d+:[wt]$') or string.find(suffix, '^%d+:tokens:[wt]$') then
     redis.call('DEL', key)
   end
 end

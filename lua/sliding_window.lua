@@ -9,6 +9,7 @@ windows, the sorted-set log) and embeds the whole in the C extension: the only c
 KEYS[i]    (i = 1..n) one sorted set per window, shortest window first
            (score = request time in unix ms, member = UUID4 text)
 KEYS[n+i]  the weights of KEYS[i] (lib/zset_log.lua)
+KEYS[2n+i] the running totals of KEYS[i]'s weighted entries (lib/zset_log.lua)
 ARGV[1]    the member to add when every window allows
 ARGV[2]    the request time in unix ms, or "" to read the server's clock (TIME)
 ARGV[3i], ARGV[3i+1], ARGV[3i+2]
@@ -32,7 +33,7 @@ anything (see the probe below), rather than admitting requests it cannot log.
 -- the whole script with -OOM, and nothing was written.
 redis.call('ZADD', KEYS[1], 'XX', 0, '')
 
-local n = #KEYS / 2
+local n = #KEYS / 3
 local now = script_now(ARGV[2], true)
 local log = zset_log(n, now)
 

@@ -86,8 +86,8 @@ def emulated_check(client: redis.Redis, key: str, time_argument: str) -> tuple[i
     argument ("" = the server's clock), window_ms and limit."""
     from genai_ratelimit import SCRIPT_SHA1
 
-    reply = client.evalsha(SCRIPT_SHA1, 2, key, f"{key}:w", str(uuid.uuid4()), time_argument,
-                           WINDOW_S * 1000, LIMIT, 1)
+    reply = client.evalsha(SCRIPT_SHA1, 3, key, f"{key}:w", f"{key}:t", str(uuid.uuid4()),
+                           time_argument, WINDOW_S * 1000, LIMIT, 1)
     return tuple(int(v) for v in reply[:4])  # type: ignore[return-value]
 
 
@@ -166,8 +166,8 @@ def test_server_time_enforces_the_exact_window_whatever_the_app_servers_clocks(s
 
 def time_arguments(monitor: Monitor) -> list[str]:
     """ARGV[2] of every EVALSHA of one window seen by MONITOR from the limiter under test:
-    EVALSHA sha 2 key weights member TIME window_ms limit cost."""
-    return [c.args[6] for c in monitor.from_others() if c.name == "EVALSHA"]
+    EVALSHA sha 3 key weights totals member TIME window_ms limit cost."""
+    return [c.args[7] for c in monitor.from_others() if c.name == "EVALSHA"]
 
 
 def test_the_default_clock_sends_no_client_time_to_the_script(make_limiter, redis_url, redis_client,

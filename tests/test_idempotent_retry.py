@@ -145,12 +145,12 @@ def test_replay_marker_without_a_logged_member_decides_normally(redis_client: re
     """When the first attempt never reached the script, the replay is an ordinary decision."""
     redis_client.script_load(_native.SCRIPT_SOURCE)
     key = f"ratelimit:{user_id}:60"
-    reply = redis_client.evalsha(SCRIPT_SHA1, 2, key, f"{key}:w",
+    reply = redis_client.evalsha(SCRIPT_SHA1, 3, key, f"{key}:w", f"{key}:t",
                                  "11111111-1111-4111-8111-111111111111", "", 60000, 2, 1, "1")
     assert reply == [1, 1, 0, 1, reply[4], [1], 0]
     assert redis_client.zcard(key) == 1
     # The same member replayed again is recognised and not logged twice.
-    reply = redis_client.evalsha(SCRIPT_SHA1, 2, key, f"{key}:w",
+    reply = redis_client.evalsha(SCRIPT_SHA1, 3, key, f"{key}:w", f"{key}:t",
                                  "11111111-1111-4111-8111-111111111111", "", 60000, 2, 1, "1")
     assert reply == [1, 1, 0, 1, reply[4], [1], 0]
     assert redis_client.zcard(key) == 1

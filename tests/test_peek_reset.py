@@ -15,7 +15,7 @@ from genai_ratelimit import RateLimiterUnavailable, _native
 from helpers_core import Monitor, wait_until_server_ms
 
 WINDOWS = [(3, 60), (5, 3600)]
-READ_ONLY = {"ZCOUNT", "ZCARD", "ZRANGE", "HGET", "HMGET", "TIME"}
+READ_ONLY = {"ZCOUNT", "ZCARD", "ZRANGE", "ZRANGEBYSCORE", "ZRANK", "ZSCORE", "HGET", "HMGET", "TIME"}
 
 
 def key(user: str, seconds: int, suffix: str = "") -> str:
@@ -148,7 +148,8 @@ def test_reset_frees_the_budget_at_once(limiter: Any, redis_client: redis.Redis,
     assert limiter.check_windows(user_id, WINDOWS)[0] is False
     assert limiter.reset(user_id, WINDOWS) == 4 + 3
     for seconds in (60, 3600):
-        assert redis_client.exists(key(user_id, seconds), key(user_id, seconds, ":w")) == 0
+        assert redis_client.exists(key(user_id, seconds), key(user_id, seconds, ":w"),
+                                   key(user_id, seconds, ":t")) == 0
     assert limiter.check_windows(user_id, WINDOWS) == (True, 2, 0, 60)
 
 
@@ -165,7 +166,7 @@ def test_reset_of_every_window_finds_token_and_weights_keys(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     limiter.reserve(user_id, WINDOWS, cost=2, token_windows=[(100, 60), (1000, 86400)], tokens=9)
     limiter.check_windows(user_id, [(4, 7)])
-    assert len(redis_client.keys(f"ratelimit:{user_id}:*")) == 9
+    assert len(redis_client.keys(f"ratelimit:{user_id}:*")) == 13  # windows, weights, totals
     assert limiter.reset(user_id) == 5
     assert redis_client.keys(f"ratelimit:{user_id}:*") == []
 

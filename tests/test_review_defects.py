@@ -443,7 +443,8 @@ def test_slow_write_and_read_together_stay_within_the_socket_timeout() -> None:
 
 def evalsha(client: redis.Redis, sha: str, keys: list[str], member: str, now_ms: int,
             windows: list[tuple[int, int]], replay: bool = False) -> list[int]:
-    """Runs the script as the limiter does: KEYS shortest window first, then their weights;
+    """Runs the script as the limiter does: KEYS shortest window first, then their weights
+    and their running totals;
     ARGV member, the request time, (window_ms, limit, cost 1) per window, and the optional
     replay marker."""
     argv: list[Any] = [member, now_ms]
@@ -452,7 +453,8 @@ def evalsha(client: redis.Redis, sha: str, keys: list[str], member: str, now_ms:
     if replay:
         argv.append("1")
     weights = [f"{key}:w" for key in keys]
-    return client.evalsha(sha, 2 * len(keys), *keys, *weights, *argv)  # type: ignore[no-any-return]
+    totals = [f"{key}:t" for key in keys]
+    return client.evalsha(sha, 3 * len(keys), *keys, *weights, *totals, *argv)  # type: ignore[no-any-return]
 
 
 def test_replay_finds_its_member_in_the_longest_window_after_the_shortest_expired_it(

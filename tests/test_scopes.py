@@ -59,11 +59,12 @@ def test_each_scope_kind_has_its_own_keys(limiter: Any, redis_client: redis.Redi
     assert r.allowed
     assert sorted(k.decode() for k in redis_client.keys("*")) == sorted([
         f"ratelimit:{user_id}:60", f"ratelimit:{user_id}:60:tokens",
-        f"ratelimit:{user_id}:60:tokens:w",
+        f"ratelimit:{user_id}:60:tokens:w", f"ratelimit:{user_id}:60:tokens:t",
         f"ratelimit:{user_id}:60:scope=route%3A/v1/chat",
         f"ratelimit:{user_id}:60:tokens:scope=route%3A/v1/chat",
         f"ratelimit:{user_id}:60:tokens:scope=route%3A/v1/chat:w",
-        UP_KEY, UP_TOKENS, f"{UP_TOKENS}:w"])
+        f"ratelimit:{user_id}:60:tokens:scope=route%3A/v1/chat:t",
+        UP_KEY, UP_TOKENS, f"{UP_TOKENS}:w", f"{UP_TOKENS}:t"])
     assert cost_of(redis_client, f"ratelimit:{user_id}:60:tokens:scope=route%3A/v1/chat",
                    r.member) == 7
     assert cost_of(redis_client, UP_TOKENS, r.member) == 7

@@ -2,28 +2,47 @@
 lib/zset_log.lua - the sliding-window log kept in sorted sets (storage "zset", the
 default). Prepended by the build (setup.py) to the scripts that name it; functions only.
 
-KEYS[i]    (i = 1..n) window i's sorted set {UUID4 member -> request time, unix ms}
-KEYS[n+i]  its weights: a hash {member -> cost} of its entries whose cost is not 1, and
-           field "" = the sum of (cost - 1) over them. It exists only while such an entry
-           does, so a window of plain entries costs one HGET more.
+KEYS[i]     (i = 1..n) window i's sorted set {UUID4 member -> request time, unix ms}
+KEYS[n+i]   its weights: a hash {member -> cost} of its entries whose cost is not 1, and
+            field "" = the sum of (cost - 1) over them. It exists only while such an entry
+            does, so a window of plain entries costs one HGET more.
+KEYS[2n+i]  its running totals, while the weights exist: a sorted set {member -> the
+            cumulative cost of the window's entries up to and including it, in the set's
+            order} of the weighted entries, and member "" -> the cumulative cost of every
+            entry trimmed so far (the origin is arbitrary; only differences count). Costs
+            are >= 1, so the totals grow with the order, and the entry whose leaving frees
+            `need` units is found by one ZRANGEBYSCORE, not by walking the entries. An
+            entry of cost 1 needs no total of its own: between two weighted entries each
+            adds 1, so its total follows from its rank.
 
 used = ZCARD + the weights' "" field: the sum of the costs in the window. An entry at or
 before now - window_ms has left the window.
+
+The totals are checked before a search uses them (the last weighted entry's total, plus
+one per entry after it, must be the window's whole cost): a window written by an earlier
+version of this library, which kept no totals, gets them built once (O(entries)) by a
+script that may write, and is walked entry by entry by a read-only one (peek).
 --]]
 
--- The log of a call's n windows at `now`: functions over KEYS[i] and KEYS[n + i], with
--- what the last measure of each window found kept for freeing_stamp.
+-- The log of a call's n windows at `now`: functions over KEYS[i], KEYS[n + i] and
+-- KEYS[2n + i], with what the last measure of each window found kept for the search.
 local function zset_log(n, now)
   local log = {}
-  -- Per window measured: the weights' total after the measure, and how many of the first
-  -- entries (by rank) have left the window but are still in the set (peek: 0 after trim).
-  local extra_of, gone_of = {}, {}
+  -- Per window measured: the weights' total of the entries still in the window; how many
+  -- of the first entries (by rank) have left it but are still in the set (0 after a
+  -- trim); the running total up to and including the last of those (the first live
+  -- entry's total is it plus its cost), nil when the window has no totals.
+  local extra_of, gone_of, dead_total_of, checked_of = {}, {}, {}, {}
 
-  -- The weights' total of the `count` entries from rank `from`; removes their weights
-  -- when `drop` (the entries are being trimmed). In batches: Lua's unpack() takes a few
-  -- thousand values at most.
+  local function keys_of(i)
+    return KEYS[i], KEYS[n + i], KEYS[2 * n + i]
+  end
+
+  -- The weights' total of the `count` entries from rank 0; removes their weights when
+  -- `drop` (they are being trimmed). In batches: Lua's unpack() takes a few thousand
+  -- values at most.
   local function weights_of_first(i, count, drop)
-    local key, weights = KEYS[i], KEYS[n + i]
+    local key, weights = keys_of(i)
     local freed = 0
     for from = 0, count - 1, 1000 do
       local last = from + 999
@@ -42,13 +61,73 @@ local function zset_log(n, now)
     return freed
   end
 
+  -- True when window i's totals agree with its set: `base` is the totals' "" and `extra`
+  -- the weights' "" over every entry of the set.
+  local function totals_agree(i, base, extra)
+    local key, _, totals = keys_of(i)
+    if not base then return false end
+    local last = redis.call('ZRANGE', totals, -1, -1, 'WITHSCORES')
+    if last[1] == '' then return extra == 0 end
+    local rank = redis.call('ZRANK', key, last[1])
+    if not rank then return false end
+    local count = redis.call('ZCARD', key)
+    return tonumber(last[2]) + count - 1 - rank == base + count + extra
+  end
+
+  -- Builds window i's totals from its set and weights (O(entries)): the origin is the
+  -- window's first entry. The totals live as long as the set.
+  local function build_totals(i)
+    local key, weights, totals = keys_of(i)
+    redis.call('DEL', totals)
+    local count, total = redis.call('ZCARD', key), 0
+    for from = 0, count - 1, 1000 do
+      local members = redis.call('ZRANGE', key, from, from + 999)
+      local costs = redis.call('HMGET', weights, unpack(members))
+      local add = {}
+      for j = 1, #members do
+        total = total + (tonumber(costs[j]) or 1)
+        if costs[j] then
+          add[#add + 1] = total
+          add[#add + 1] = members[j]
+        end
+      end
+      if #add > 0 then redis.call('ZADD', totals, unpack(add)) end
+    end
+    redis.call('ZADD', totals, 0, '')
+    local ttl = redis.call('PTTL', key)
+    if ttl > 0 then redis.call('PEXPIRE', totals, ttl) end
+  end
+
+  -- The running total of the entry at rank r of window i (r = -1: before the first),
+  -- from the last weighted entry at or before it: a binary search over the totals by
+  -- rank (O(log^2 entries)).
+  local function total_at_rank(i, r)
+    local key, _, totals = keys_of(i)
+    local low, high = 1, redis.call('ZCARD', totals) - 1 -- rank 0 is ""
+    local found, found_rank = nil, nil
+    while low <= high do
+      local middle = math.floor((low + high) / 2)
+      local entry = redis.call('ZRANGE', totals, middle, middle, 'WITHSCORES')
+      local rank = redis.call('ZRANK', key, entry[1])
+      if rank <= r then
+        found, found_rank, low = tonumber(entry[2]), rank, middle + 1
+      else
+        high = middle - 1
+      end
+    end
+    if found then return found + r - found_rank end
+    return tonumber(redis.call('ZSCORE', totals, '')) + r + 1
+  end
+
   -- Drops the entries that left window i; returns its used cost.
   function log.trim(i, window_ms)
-    local key, weights = KEYS[i], KEYS[n + i]
+    local key, weights, totals = keys_of(i)
     local extra = tonumber(redis.call('HGET', weights, ''))
+    local dead_total = nil
     if extra then
       -- Weighted entries may be leaving: take their weight off the total first.
-      local freed = weights_of_first(i, redis.call('ZCOUNT', key, '-inf', now - window_ms), true)
+      local gone = redis.call('ZCOUNT', key, '-inf', now - window_ms)
+      local freed = weights_of_first(i, gone, true)
       if freed > 0 then
         extra = extra - freed
         if extra > 0 then
@@ -58,59 +137,116 @@ local function zset_log(n, now)
           extra = 0
         end
       end
+      dead_total = tonumber(redis.call('ZSCORE', totals, ''))
+      if extra == 0 then
+        redis.call('DEL', totals)
+        dead_total = nil
+      elseif dead_total and gone > 0 then
+        -- The leaving entries' totals are the ones up to the new origin.
+        dead_total = dead_total + gone + freed
+        redis.call('ZREMRANGEBYSCORE', totals, '-inf', dead_total)
+        redis.call('ZADD', totals, dead_total, '')
+      end
     else
       extra = 0
     end
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window_ms)
-    extra_of[i], gone_of[i] = extra, 0
+    extra_of[i], gone_of[i], dead_total_of[i], checked_of[i] = extra, 0, dead_total, false
     return redis.call('ZCARD', key) + extra
   end
 
-  -- Window i as trim would leave it, without writing: {used, oldest entry's time or nil}.
-  -- The entries at or before now - window_ms count as gone, and so do their weights.
+  -- Window i as trim would leave it, without writing: its used cost and its oldest
+  -- entry's time (nil when empty). The entries at or before now - window_ms count as
+  -- gone, and so do their weights.
   function log.look(i, window_ms)
-    local key, weights = KEYS[i], KEYS[n + i]
+    local key, weights, totals = keys_of(i)
     local gone = redis.call('ZCOUNT', key, '-inf', now - window_ms)
     local extra = tonumber(redis.call('HGET', weights, ''))
+    local dead_total = nil
     if extra then
-      extra = extra - weights_of_first(i, gone, false)
+      local base = tonumber(redis.call('ZSCORE', totals, ''))
+      if totals_agree(i, base, extra) then
+        dead_total = base + gone
+        if gone > 0 then dead_total = total_at_rank(i, gone - 1) end
+        extra = extra - (dead_total - base - gone)
+      else
+        extra = extra - weights_of_first(i, gone, false)
+      end
       if extra < 0 then extra = 0 end
     else
       extra = 0
     end
-    extra_of[i], gone_of[i] = extra, gone
+    extra_of[i], gone_of[i], dead_total_of[i], checked_of[i] = extra, gone, dead_total, true
     local oldest = redis.call('ZRANGE', key, gone, gone, 'WITHSCORES')[2]
     return redis.call('ZCARD', key) - gone + extra, oldest and tonumber(oldest)
   end
 
-  -- The time of window i's oldest entry (after the ones gone) whose leaving frees `need`
-  -- units, or nil when none does. Uses what the last trim or look of window i found.
-  function log.freeing_stamp(i, window_ms, need)
-    local key, weights = KEYS[i], KEYS[n + i]
-    local extra, gone = extra_of[i], gone_of[i]
-    local score
-    if extra == 0 then
-      -- Every entry costs 1: the need-th oldest is the one.
-      score = redis.call('ZRANGE', key, gone + need - 1, gone + need - 1, 'WITHSCORES')[2]
-    else
-      local freed, from = 0, gone
-      while not score do
-        local batch = redis.call('ZRANGE', key, from, from + 63, 'WITHSCORES')
-        if #batch == 0 then break end
-        local members = {}
-        for j = 1, #batch, 2 do members[#members + 1] = batch[j] end
-        local costs = redis.call('HMGET', weights, unpack(members))
-        for j = 1, #members do
-          freed = freed + (tonumber(costs[j]) or 1)
-          if freed >= need then
-            score = batch[2 * j]
-            break
-          end
-        end
-        from = from + 64
+  -- The entry freeing `need` units found by walking the live entries 64 at a time: for
+  -- a window whose totals a read-only script cannot build.
+  local function walk_to(i, need)
+    local key, weights = keys_of(i)
+    local freed, from = 0, gone_of[i]
+    while true do
+      local batch = redis.call('ZRANGE', key, from, from + 63, 'WITHSCORES')
+      if #batch == 0 then return nil end
+      local members = {}
+      for j = 1, #batch, 2 do members[#members + 1] = batch[j] end
+      local costs = redis.call('HMGET', weights, unpack(members))
+      for j = 1, #members do
+        freed = freed + (tonumber(costs[j]) or 1)
+        if freed >= need then return tonumber(batch[2 * j]) end
       end
+      from = from + 64
     end
-    return score and tonumber(score)
+  end
+
+  -- The time of window i's oldest entry (after the ones gone) whose leaving frees `need`
+  -- units, or nil when none does. Uses what the last trim or look of window i found;
+  -- `writes`: the script may build totals that are missing.
+  local function freeing_stamp(i, need, writes)
+    local key, _, totals = keys_of(i)
+    local gone = gone_of[i]
+    if extra_of[i] == 0 then
+      -- Every entry costs 1: the need-th oldest is the one.
+      local score = redis.call('ZRANGE', key, gone + need - 1, gone + need - 1, 'WITHSCORES')[2]
+      return score and tonumber(score)
+    end
+    local dead = dead_total_of[i]
+    if dead and not checked_of[i] and not totals_agree(i, dead, extra_of[i]) then
+      dead = nil -- after a trim, which keeps them without checking (look checks them)
+    end
+    if not dead then
+      if not writes then return walk_to(i, need) end
+      build_totals(i) -- the window was trimmed: no entry has left it
+      dead = 0
+    end
+    local target = dead + need
+    local hit = redis.call('ZRANGEBYSCORE', totals, target, '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
+    local before
+    if hit[1] then
+      local index = redis.call('ZRANK', totals, hit[1])
+      before = redis.call('ZRANGE', totals, index - 1, index - 1, 'WITHSCORES')
+    else
+      before = redis.call('ZRANGE', totals, -1, -1, 'WITHSCORES')
+    end
+    -- The entries between `before` and `hit` cost 1 each: the one at `target` is the
+    -- (target - before's total)-th after `before`, unless `hit` comes first.
+    local before_rank = before[1] == '' and -1 or redis.call('ZRANK', key, before[1])
+    local rank = before_rank + target - tonumber(before[2])
+    local bound = hit[1] and redis.call('ZRANK', key, hit[1]) or redis.call('ZCARD', key)
+    if rank < bound then
+      return tonumber(redis.call('ZRANGE', key, rank, rank, 'WITHSCORES')[2])
+    end
+    return hit[1] and tonumber(redis.call('ZSCORE', key, hit[1])) or nil
+  end
+
+  function log.freeing_stamp(i, _, need)
+    return freeing_stamp(i, need, true)
+  end
+
+  -- peek's: never writes (a window without totals is walked).
+  function log.peek_freeing_stamp(i, _, need)
+    return freeing_stamp(i, need, false)
   end
 
   -- True when `member` is logged in window i (a replay whose first attempt counted).
@@ -118,27 +254,72 @@ local function zset_log(n, now)
     return redis.call('ZSCORE', KEYS[i], member) ~= false
   end
 
-  -- Logs `member` at now in window i with `cost`; the keys live window_ms + 1 s.
+  -- Adds `delta` to the totals of window i's weighted entries after the total `after`
+  -- (the entries after one whose cost changed or that came in before them).
+  local function shift_totals_after(i, after, delta)
+    local _, _, totals = keys_of(i)
+    local later = redis.call('ZRANGEBYSCORE', totals, '(' .. after, '+inf')
+    for j = 1, #later do redis.call('ZINCRBY', totals, delta, later[j]) end
+  end
+
+  -- Logs `member` at now in window i with `cost`; the keys live window_ms + 1 s. Called
+  -- after the decision trimmed the window (trim's findings are used).
   function log.add(i, member, cost, window_ms)
+    local key, weights, totals = keys_of(i)
     local seconds = window_ms / 1000 + 1
-    redis.call('ZADD', KEYS[i], now, member)
-    redis.call('EXPIRE', KEYS[i], seconds)
+    local before = dead_total_of[i]
+    local weighted = extra_of[i] > 0
+    redis.call('ZADD', key, now, member)
+    redis.call('EXPIRE', key, seconds)
     if cost ~= 1 then
-      local weights = KEYS[n + i]
       redis.call('HSET', weights, member, cost)
       redis.call('HINCRBY', weights, '', cost - 1)
       redis.call('EXPIRE', weights, seconds)
+      if not weighted then
+        -- The window's first weighted entry: its totals start here (origin 0).
+        redis.call('DEL', totals)
+        redis.call('ZADD', totals, 0, '')
+        before = 0
+      end
     end
+    if not before or not (weighted or cost ~= 1) then return end
+    local rank = redis.call('ZRANK', key, member)
+    local count = redis.call('ZCARD', key)
+    if rank < count - 1 then
+      -- Not the last (the same millisecond as later members, or another client's clock
+      -- behind): the totals after it grow by its cost.
+      local total = total_at_rank(i, rank - 1) + cost
+      shift_totals_after(i, total - cost, cost)
+      if cost ~= 1 then redis.call('ZADD', totals, total, member) end
+    elseif cost ~= 1 then
+      -- The window's cost up to here is the origin plus what the trim left and this cost.
+      redis.call('ZADD', totals, before + count - 1 + extra_of[i] + cost, member)
+    end
+    redis.call('EXPIRE', totals, seconds)
   end
 
   -- Sets the cost of the entry `member` logged at `score` in window i to `cost` (0
   -- removes it), when it is still there with that score and has not left the window.
-  -- Returns 1 when it was, else 0. Setting the same cost twice changes nothing.
+  -- Returns 1 when it was, else 0. Setting the same cost twice changes nothing. The
+  -- totals of the weighted entries after it move by the difference (O(those entries)).
   function log.set_cost(i, member, score, cost, window_ms)
-    local key, weights = KEYS[i], KEYS[n + i]
+    local key, weights, totals = keys_of(i)
     local logged = tonumber(redis.call('ZSCORE', key, member))
     if logged ~= score or score <= now - window_ms then return 0 end
     local old = tonumber(redis.call('HGET', weights, member)) or 1
+    local new = cost == 0 and 0 or cost
+    if new == old then return 1 end
+    local extra = tonumber(redis.call('HGET', weights, '')) or 0
+    -- The entry's running total before the change, when there are totals to keep (a
+    -- window without them, written by an older version, gets them at its next search;
+    -- totals that disagree are rebuilt there too).
+    local rank = redis.call('ZRANK', key, member)
+    local total = nil
+    if extra == 0 then
+      total = rank + 1 -- a window of plain entries: its totals start now, at origin 0
+    elseif redis.call('ZSCORE', totals, '') then
+      total = old ~= 1 and tonumber(redis.call('ZSCORE', totals, member)) or total_at_rank(i, rank)
+    end
     if cost == 0 then
       redis.call('ZREM', key, member)
     end
@@ -150,13 +331,32 @@ local function zset_log(n, now)
       redis.call('HSET', weights, member, cost)
     end
     if delta ~= 0 then
-      local extra = redis.call('HINCRBY', weights, '', delta)
-      if extra <= 0 then redis.call('HDEL', weights, '') end
+      local sum = redis.call('HINCRBY', weights, '', delta)
+      if sum <= 0 then redis.call('HDEL', weights, '') end
+    end
+    if redis.call('EXISTS', weights) == 0 then
+      redis.call('DEL', totals)
+    elseif total then
+      if extra == 0 then
+        redis.call('DEL', totals)
+        redis.call('ZADD', totals, 0, '')
+      end
+      shift_totals_after(i, total, new - old)
+      if old ~= 1 and (new == 0 or new == 1) then
+        redis.call('ZREM', totals, member)
+      elseif old ~= 1 then
+        redis.call('ZINCRBY', totals, new - old, member)
+      elseif new ~= 0 then
+        redis.call('ZADD', totals, total + new - old, member)
+      end
     end
     if redis.call('EXISTS', weights) == 1 then
-      -- Created or grown here: it must live as long as the entries it weighs.
+      -- Created or grown here: they must live as long as the entries they weigh.
       local ttl = redis.call('PTTL', key)
-      if ttl > 0 then redis.call('PEXPIRE', weights, ttl) end
+      if ttl > 0 then
+        redis.call('PEXPIRE', weights, ttl)
+        if redis.call('EXISTS', totals) == 1 then redis.call('PEXPIRE', totals, ttl) end
+      end
     end
     return 1
   end

@@ -33,6 +33,13 @@ SCRIPTS = {
     "RL_PEEK": HERE / "lua" / "peek.lua",
     "RL_RESET": HERE / "lua" / "reset.lua",
     "RL_LEASE": HERE / "lua" / "lease.lua",
+    "RL_COMPACT": HERE / "lua" / "compact_window.lua",
+    "RL_COMPACT_RECONCILE": HERE / "lua" / "compact_reconcile.lua",
+    "RL_COMPACT_PEEK": HERE / "lua" / "compact_peek.lua",
+    "RL_IN_FLIGHT": HERE / "lua" / "reserve_in_flight.lua",
+    "RL_RECONCILE_RELEASE": HERE / "lua" / "reconcile_release.lua",
+    "RL_COMPACT_IN_FLIGHT": HERE / "lua" / "compact_reserve_in_flight.lua",
+    "RL_COMPACT_RECONCILE_RELEASE": HERE / "lua" / "compact_reconcile_release.lua",
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 # A script names the shared files of lua/lib/ it is built on, one "-- include: lib/x.lua"

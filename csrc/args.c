@@ -291,6 +291,27 @@ non_negative_int(PyObject *value, const char *name, long long max, long long *ou
     return positive_int(value, name, max, out);
 }
 
+/* reserve's in_flight=(limit, lease_seconds): the slot taken with the reservation, in the
+   same script (lua/reserve_in_flight.lua). 0, or -1 with an exception. */
+static int
+parse_in_flight(PyObject *value, rl_prepared *d)
+{
+    long long seconds = 0;
+    if (!PyTuple_Check(value) || PyTuple_Size(value) != 2) {
+        PyErr_Format(PyExc_TypeError, "in_flight must be a (limit, lease_seconds) tuple, not %.100s",
+                     Py_TYPE(value)->tp_name);
+        return -1;
+    }
+    if (positive_int(PyTuple_GetItem(value, 0), "in_flight's limit", RL_MAX_LIMIT,
+                     &d->lease_limit) < 0 ||
+        positive_int(PyTuple_GetItem(value, 1), "in_flight's lease_seconds", RL_MAX_WINDOW_SECONDS,
+                     &seconds) < 0)
+        return -1;
+    d->lease_ms = seconds * 1000;
+    d->script = RL_SCRIPT_IN_FLIGHT;
+    return 0;
+}
+
 /* reset's SCAN cursor: None (start), or a str of 1 to 20 digits. */
 static int
 parse_cursor(PyObject *value, rl_prepared *d)
@@ -322,10 +343,11 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
 {
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
     static const char *const windows_names[] = {"user_id", "windows", "cost"};
-    static const char *const reserve_names[] = {"user_id",       "windows", "cost",
-                                                "token_windows", "tokens",  "scopes"};
+    static const char *const reserve_names[] = {"user_id", "windows", "cost",     "token_windows",
+                                                "tokens",  "scopes",  "in_flight"};
     static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
-                                                  "cost",    "tokens",  "scopes"};
+                                                  "cost",    "tokens",  "scopes", "tie",
+                                                  "release"};
     static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
     static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
     static const char *const release_names[] = {"user_id", "lease_id"};
@@ -337,7 +359,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW, [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
         [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,   [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
     };
-    PyObject *v[7] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    PyObject *v[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
     long long seconds = 0;
 
@@ -348,7 +370,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->member[0] = '\0';
     d->score_ms = 0;
     d->new_cost = 0;
-    d->hash_tag = 0; /* the limiter sets it after parsing, in cluster mode */
+    d->tie = 0;
+    d->hash_tag = 0;                /* the limiter sets it after parsing, in cluster mode */
+    d->storage = RL_STORAGE_ZSET; /* and this, for a limiter of the compact storage */
     d->scan = 0;
     d->cursor[0] = '\0';
     d->lease_limit = 0;
@@ -393,7 +417,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     case RL_SHAPE_RESERVE:
     case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments (no scopes) */
         if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
-                          reserve_names, shape == RL_SHAPE_PEEK ? 5 : 6, 2, 2, v) < 0 ||
+                          reserve_names, shape == RL_SHAPE_PEEK ? 5 : 7, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
             (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
@@ -410,11 +434,11 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                                          : "tokens= needs token_windows to count them in");
             return -1;
         }
-        if (set_cost(d, v[4], "tokens", 1) < 0)
+        if (set_cost(d, v[4], "tokens", 1) < 0 || (v[6] != NULL && parse_in_flight(v[6], d) < 0))
             return -1;
         break;
     case RL_SHAPE_RECONCILE:
-        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 7, 5, 5, v) < 0 ||
+        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 9, 5, 5, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL)
             return -1;
         int tokens = v[5] != NULL ? PyObject_IsTrue(v[5]) : 0;
@@ -422,8 +446,16 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             (v[6] != NULL && add_scopes(d, v[6], tokens) < 0) ||
             parse_member(v[2], "reservation's", d->member) < 0 ||
             positive_int(v[3], "timestamp_ms", RL_MAX_LIMIT, &d->score_ms) < 0 ||
-            non_negative_int(v[4], "cost", RL_MAX_LIMIT, &d->new_cost) < 0)
+            non_negative_int(v[4], "cost", RL_MAX_LIMIT, &d->new_cost) < 0 ||
+            (v[7] != NULL && non_negative_int(v[7], "tie", RL_MAX_TIE, &d->tie) < 0))
             return -1;
+        if (v[8] != NULL) {
+            int release = PyObject_IsTrue(v[8]);
+            if (release < 0)
+                return -1;
+            if (release)
+                d->script = RL_SCRIPT_RECONCILE_RELEASE; /* the lease id is the member */
+        }
         if (d->windows.count == 0) {
             PyErr_SetString(PyExc_ValueError, "reconcile needs at least one window");
             return -1;
@@ -613,7 +645,7 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
                 best = i;
         }
         out->disabled = 1;
-        if (out->script == RL_SCRIPT_WINDOW)
+        if (out->script == RL_SCRIPT_WINDOW || out->script == RL_SCRIPT_IN_FLIGHT)
             out->member[0] = '\0';
         r->allowed = 1;
         r->remaining = out->windows.limit[best];
@@ -624,6 +656,13 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         r->evaluated = out->windows.count;
         r->found = 0;
         r->expires_ms = 0;
+        r->tie = 0;
+        /* An in-flight slot is granted and nothing is held (acquire's answer): no lease id. */
+        r->slot = out->script == RL_SCRIPT_IN_FLIGHT ? 1 : out->shape == RL_SHAPE_RESERVE ? -1 : 0;
+        r->slot_held = 0;
+        r->slot_retry_ms = 0;
+        if (r->slot == 1)
+            r->expires_ms = r->now_ms + out->lease_ms;
         memcpy(r->cursor, "0", 2); /* reset: nothing removed, nothing left to scan */
         for (int i = 0; i < out->windows.count; i++) {
             r->used_of[i] = 0;
@@ -632,13 +671,18 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         forget_scope_names(out);
         return warn_kill_switch(state);
     }
-    if ((out->script == RL_SCRIPT_WINDOW || out->shape == RL_SHAPE_ACQUIRE) &&
+    if ((out->script == RL_SCRIPT_WINDOW || out->script == RL_SCRIPT_IN_FLIGHT ||
+         out->shape == RL_SHAPE_ACQUIRE) &&
         rl_member_uuid4(state->random, out->member) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    out->command_len = rl_script_format(prefix, prefix_len, user, (size_t)user_len, out,
-                                        client_clock ? rl_clock_ms() : -1, &out->command);
+    out->script = rl_script_of(out->script, out->storage);
+    long long now_ms = -1; /* the server's clock */
+    if (client_clock)
+        now_ms = state->client_clock_ms >= 0 ? state->client_clock_ms : rl_clock_ms();
+    out->command_len =
+        rl_script_format(prefix, prefix_len, user, (size_t)user_len, out, now_ms, &out->command);
     forget_scope_names(out);
     if (out->command_len < 0) {
         out->command = NULL;
@@ -657,6 +701,34 @@ rl_prepared_clear(rl_prepared *p)
     }
     free(p->replay);
     p->replay = NULL;
+}
+
+PyObject *
+rl_set_client_clock(PyObject *module, PyObject *ms)
+{
+    rl_module_state *state = PyModule_GetState(module);
+    long long value = -1;
+    if (state == NULL)
+        return NULL;
+    if (ms != Py_None && positive_int(ms, "ms", RL_MAX_LIMIT, &value) < 0)
+        return NULL;
+    state->client_clock_ms = value;
+    Py_RETURN_NONE;
+}
+
+int
+rl_parse_storage(const char *name, rl_storage *out)
+{
+    if (name == NULL || strcmp(name, "zset") == 0) {
+        *out = RL_STORAGE_ZSET;
+        return 0;
+    }
+    if (strcmp(name, "compact") == 0) {
+        *out = RL_STORAGE_COMPACT;
+        return 0;
+    }
+    PyErr_Format(PyExc_ValueError, "storage must be 'zset' or 'compact', got '%.100s'", name);
+    return -1;
 }
 
 int
@@ -759,6 +831,20 @@ error:
     return NULL;
 }
 
+/* reserve with in_flight: acquire's tuple (allowed, held, retry_after_s, retry_after_ms,
+   lease_id, expires_at_ms, now_ms) when the slot decided (granted and held now, or refused),
+   None when a window refused the request (no slot is held) or without in_flight. New
+   reference, or NULL. */
+static PyObject *
+slot_object(const rl_prepared *d, const rl_result *r)
+{
+    if (r->slot < 0 || (r->slot == 0 && r->window >= 0))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(NLLLsLL)", PyBool_FromLong(r->slot), r->slot_held,
+                         (r->slot_retry_ms + 999) / 1000, r->slot_retry_ms,
+                         r->slot ? d->member : "", r->expires_ms, r->now_ms);
+}
+
 PyObject *
 rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r)
 {
@@ -766,7 +852,7 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     PyObject *t, *item;
     Py_ssize_t size;
     if (d->shape == RL_SHAPE_RECONCILE)
-        return PyLong_FromLongLong(r->found);
+        return PyLong_FromLongLong(r->found); /* with release: the lease's answer is not told */
     if (d->shape == RL_SHAPE_RESET)
         return Py_BuildValue("(Ls)", r->found, r->cursor);
     if (d->shape == RL_SHAPE_PEEK)
@@ -781,7 +867,7 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
                              r->expires_ms, r->now_ms);
     if (d->shape == RL_SHAPE_DETAILED)
         return window_decision(state, w, r);
-    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 10;
+    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 12;
     t = PyTuple_New(size);
     if (t == NULL)
         return NULL;
@@ -794,7 +880,8 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     PyTuple_SET_ITEM(t, 2, item);
     if (size == 3)
         return t;
-    if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL)
+    /* window -1: an in-flight slot refused it before any window was decided */
+    if ((item = PyLong_FromLongLong(r->window >= 0 ? w->seconds[r->window] : 0)) == NULL)
         goto error;
     PyTuple_SET_ITEM(t, 3, item);
     if (size == 4)
@@ -802,7 +889,7 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     /* reserve: is the deciding window a token window, the member ("" when nothing was
        logged), the decision's time, every window's report, the wait in ms and the deciding
        window's scope. */
-    PyTuple_SET_ITEM(t, 4, PyBool_FromLong(w->tokens[r->window]));
+    PyTuple_SET_ITEM(t, 4, PyBool_FromLong(r->window >= 0 && w->tokens[r->window]));
     if ((item = PyUnicode_FromString(r->allowed ? d->member : "")) == NULL)
         goto error;
     PyTuple_SET_ITEM(t, 5, item);
@@ -816,9 +903,13 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
         goto error;
     PyTuple_SET_ITEM(t, 8, item);
     /* The deciding window's scope (0: the user's own). */
-    if ((item = PyLong_FromLong(w->scope[r->window])) == NULL)
+    if ((item = PyLong_FromLong(r->window >= 0 ? w->scope[r->window] : 0)) == NULL)
         goto error;
     PyTuple_SET_ITEM(t, 9, item);
+    /* The entry's tie (compact storage; 0 otherwise): with its time it names the entry. */
+    if (PyTuple_SetItem(t, 10, PyLong_FromLongLong(r->allowed ? r->tie : 0)) < 0 ||
+        PyTuple_SetItem(t, 11, slot_object(d, r)) < 0)
+        goto error;
     return t;
 error:
     Py_DECREF(t);

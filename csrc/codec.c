@@ -87,6 +87,7 @@ typedef struct {
     size_t key_prefix_len;
     int client_clock;
     int hash_tag;       /* cluster: keys carry the user id in a hash tag */
+    rl_storage storage; /* where the windows are kept (sorted sets or strings) */
     int metrics_on;     /* count into metrics (metrics=True) */
     rl_metrics metrics; /* the async limiter's counters, updated by its pipelines */
 } CodecObject;
@@ -94,12 +95,15 @@ typedef struct {
 static int
 Codec_init(CodecObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"key_prefix", "client_clock", "metrics", "hash_tag", NULL};
-    const char *prefix;
+    static char *keywords[] = {"key_prefix", "client_clock", "metrics", "hash_tag", "storage",
+                               NULL};
+    const char *prefix, *storage = NULL;
     Py_ssize_t prefix_len;
     int client_clock = 0, metrics = 1, hash_tag = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s#|$ppp", keywords, &prefix, &prefix_len,
-                                     &client_clock, &metrics, &hash_tag))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "s#|$pppz", keywords, &prefix, &prefix_len,
+                                     &client_clock, &metrics, &hash_tag, &storage))
+        return -1;
+    if (rl_parse_storage(storage, &self->storage) < 0)
         return -1;
     if (prefix_len == 0) {
         PyErr_SetString(PyExc_ValueError, "key_prefix must not be empty");
@@ -145,6 +149,7 @@ encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject
     if (rl_parse_request(shape, args, nargs, kwnames, &p, &user_id) < 0)
         return NULL;
     p.hash_tag = self->hash_tag;
+    p.storage = self->storage;
     if (rl_prepare(state, self->key_prefix, self->key_prefix_len, self->client_clock, user_id, &p) <
         0)
         return NULL;
@@ -236,7 +241,8 @@ static PyMethodDef Codec_methods[] = {
 };
 
 static PyType_Slot Codec_slots[] = {
-    {Py_tp_doc, "Codec(key_prefix, *, client_clock=False, metrics=True, hash_tag=False)\n--\n\n"
+    {Py_tp_doc, "Codec(key_prefix, *, client_clock=False, metrics=True, hash_tag=False, "
+                "storage='zset')\n--\n\n"
                 "Validates checks and formats them, exactly like the blocking Limiter."},
     {Py_tp_new, PyType_GenericNew},
     {Py_tp_init, Codec_init},
@@ -447,7 +453,7 @@ deliver(rl_module_state *state, rl_metrics *metrics, rl_event *ev)
     int rc;
     if (ev->status != RL_OK) {
         if (metrics != NULL && ev->entry.step == RL_STEP_DECISION &&
-            req->prepared.script == RL_SCRIPT_WINDOW)
+            rl_script_decides(req->prepared.script))
             rl_metrics_count(&metrics->unavailable);
         rc = resolve(state, future, rl_exception(state, &ev->error), 1);
     } else {
@@ -696,7 +702,7 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
             rl_metrics *metrics = metrics_of(self);
             if (metrics != NULL && replay == 1)
                 rl_metrics_count(&metrics->replays);
-            else if (metrics != NULL && waiting && e.decision->script == RL_SCRIPT_WINDOW)
+            else if (metrics != NULL && waiting && rl_script_decides(e.decision->script))
                 rl_metrics_count(&metrics->unavailable); /* its caller hears of the failure */
             if (replay != 1) {
                 if (rc < 0) {

@@ -29,6 +29,7 @@ typedef struct {
     char *key_prefix;    /* UTF-8, owned */
     size_t key_prefix_len;
     int client_clock;              /* 1: the caller's clock; 0: the server's TIME */
+    rl_storage storage;            /* where the windows are kept (sorted sets or strings) */
     int configured;                /* __init__ ran to completion */
     unsigned long fork_generation; /* rl_fork_generation() at the last call; 0 before */
     rl_random *random;             /* the module's page of randomness (its fork generation) */
@@ -140,7 +141,8 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
                                "username",   "password",      "connect_timeout", "socket_timeout",
                                "key_prefix", "client_clock",  "max_connections", "tls",
                                "ssl_verify", "ssl_ca_certs",  "ssl_certfile",    "ssl_keyfile",
-                               "metrics",    "cluster_nodes", "sentinel_master", NULL};
+                               "metrics",    "cluster_nodes", "sentinel_master", "storage",
+                               NULL};
     const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
     const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
     Py_ssize_t prefix_len = 9;
@@ -148,17 +150,20 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
     long long db = 0;
     double connect_timeout = 1.0, socket_timeout = 1.0;
     PyObject *cluster_nodes = NULL;
-    const char *sentinel_master = NULL;
+    const char *sentinel_master = NULL, *storage = NULL;
 
     if (self->configured) {
         PyErr_SetString(PyExc_RuntimeError, "a limiter is configured once, by its constructor");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzpOz", keywords, &host, &port,
-                                     &unix_path, &db, &username, &password, &connect_timeout,
-                                     &socket_timeout, &prefix, &prefix_len, &client_clock,
-                                     &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile,
-                                     &metrics, &cluster_nodes, &sentinel_master))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzpOzz", keywords, &host,
+                                     &port, &unix_path, &db, &username, &password,
+                                     &connect_timeout, &socket_timeout, &prefix, &prefix_len,
+                                     &client_clock, &max_connections, &tls, &ssl_verify, &ca,
+                                     &certfile, &keyfile, &metrics, &cluster_nodes,
+                                     &sentinel_master, &storage))
+        return -1;
+    if (rl_parse_storage(storage, &self->storage) < 0)
         return -1;
     if (host == NULL && unix_path == NULL) {
         PyErr_SetString(PyExc_ValueError, "a host or a unix socket path is needed");
@@ -307,7 +312,7 @@ decide(LimiterObject *self, rl_module_state *state, PyObject *user_id, rl_prepar
     if (warn && rl_log_warning(warning) < 0)
         goto done;
     if (st != RL_OK) {
-        if (self->metrics_on && p->script == RL_SCRIPT_WINDOW)
+        if (self->metrics_on && rl_script_decides(p->script))
             rl_metrics_count(&self->metrics.unavailable);
         rl_raise(state, &err);
         goto done;
@@ -329,6 +334,7 @@ run(LimiterObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject 
     if (rl_parse_request(shape, args, nargs, kwnames, &p, &user_id) < 0)
         return NULL;
     p.hash_tag = self->cluster != NULL && self->cluster->master_name == NULL;
+    p.storage = self->storage;
     return decide(self, state_of(defining_class), user_id, &p);
 }
 
@@ -556,7 +562,7 @@ PyDoc_STRVAR(Limiter_doc,
 "        connect_timeout=1.0, socket_timeout=1.0, key_prefix='ratelimit',\n"
 "        client_clock=False, max_connections=32, tls=False, ssl_verify=True,\n"
 "        ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None, metrics=True,\n"
-"        cluster_nodes=None, sentinel_master=None)\n--\n\n"
+"        cluster_nodes=None, sentinel_master=None, storage='zset')\n--\n\n"
 "The C core of genai_ratelimit.RateLimiter; use that class, which takes a URL.");
 
 static PyType_Slot Limiter_slots[] = {

@@ -62,12 +62,14 @@ reject_counter(rl_metrics *m, long long window)
 void
 rl_metrics_decision(rl_metrics *m, const rl_prepared *d, const rl_result *r)
 {
-    if (d->script != RL_SCRIPT_WINDOW)
+    if (!rl_script_decides(d->script))
         return; /* peek, reset and reconcile are not decisions */
     if (r->allowed) {
         __atomic_fetch_add(&m->allowed, 1, __ATOMIC_RELAXED);
         return;
     }
+    if (r->window < 0)
+        return; /* an in-flight slot refused it, no window: the lease's answer, as acquire's */
     const rl_windows *w = &d->windows;
     long long window = w->seconds[r->window] * 2 + w->tokens[r->window] + 1;
     __atomic_fetch_add(reject_counter(m, window), 1, __ATOMIC_RELAXED);

@@ -107,6 +107,9 @@ rl_raise(rl_module_state *state, const rl_error *err)
 }
 
 static PyMethodDef module_methods[] = {
+    {"_set_client_clock", rl_set_client_clock, METH_O,
+     "_set_client_clock(ms, /)\n--\n\nFor tests: clock='client' limiters read ms (unix ms) "
+     "instead of the system clock until called with None."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -173,10 +176,22 @@ module_exec(PyObject *module)
                     {RL_SCRIPT_RECONCILE, "RECONCILE_SHA1", "RECONCILE_SOURCE"},
                     {RL_SCRIPT_PEEK, "PEEK_SHA1", "PEEK_SOURCE"},
                     {RL_SCRIPT_RESET, "RESET_SHA1", "RESET_SOURCE"},
-                    {RL_SCRIPT_LEASE, "LEASE_SHA1", "LEASE_SOURCE"}};
+                    {RL_SCRIPT_LEASE, "LEASE_SHA1", "LEASE_SOURCE"},
+                    {RL_SCRIPT_COMPACT_WINDOW, "COMPACT_SHA1", "COMPACT_SOURCE"},
+                    {RL_SCRIPT_COMPACT_RECONCILE, "COMPACT_RECONCILE_SHA1",
+                     "COMPACT_RECONCILE_SOURCE"},
+                    {RL_SCRIPT_COMPACT_PEEK, "COMPACT_PEEK_SHA1", "COMPACT_PEEK_SOURCE"},
+                    {RL_SCRIPT_IN_FLIGHT, "IN_FLIGHT_SHA1", "IN_FLIGHT_SOURCE"},
+                    {RL_SCRIPT_RECONCILE_RELEASE, "RECONCILE_RELEASE_SHA1",
+                     "RECONCILE_RELEASE_SOURCE"},
+                    {RL_SCRIPT_COMPACT_IN_FLIGHT, "COMPACT_IN_FLIGHT_SHA1",
+                     "COMPACT_IN_FLIGHT_SOURCE"},
+                    {RL_SCRIPT_COMPACT_RECONCILE_RELEASE, "COMPACT_RECONCILE_RELEASE_SHA1",
+                     "COMPACT_RECONCILE_RELEASE_SOURCE"}};
     int rc = -1;
 
     state->kill_switch_warned = 0;
+    state->client_clock_ms = -1;
     if ((state->random = rl_random_new()) == NULL) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;

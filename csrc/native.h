@@ -101,6 +101,12 @@ typedef struct {
     long long used_of[RL_MAX_WINDOWS];   /* peek: every window's used cost */
     long long oldest_of[RL_MAX_WINDOWS]; /* peek: its oldest entry's time (ms), or -1 */
     char cursor[24];                     /* reset: the SCAN cursor to go on from ("0": done) */
+    long long tie; /* compact storage: the tie of the entry logged (0 otherwise) */
+    int slot;      /* reserve with in_flight: 1 granted, 0 refused (window -1: no window
+                      decided) or nothing held; -1 without in_flight. reconcile with release:
+                      1 when the lease was still held */
+    long long slot_held;     /* in_flight: the user's holders after the decision */
+    long long slot_retry_ms; /* in_flight refused: the wait until the soonest lease expires */
 } rl_result;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */
@@ -118,15 +124,42 @@ typedef enum {
     RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
 } rl_shape;
 
-/* The scripts of lua/, embedded at build time. */
+/* The scripts of lua/, embedded at build time. args.c names a decision's script in the
+   sorted-set storage; rl_prepare swaps in the compact storage's twin (rl_script_of). */
 typedef enum {
-    RL_SCRIPT_WINDOW,    /* lua/sliding_window.lua: check, check_windows, reserve */
-    RL_SCRIPT_RECONCILE, /* lua/reconcile.lua */
-    RL_SCRIPT_PEEK,      /* lua/peek.lua: read-only */
-    RL_SCRIPT_RESET,     /* lua/reset.lua */
-    RL_SCRIPT_LEASE,     /* lua/lease.lua: acquire, release, renew */
+    RL_SCRIPT_WINDOW,            /* lua/sliding_window.lua: check, check_windows, reserve */
+    RL_SCRIPT_RECONCILE,         /* lua/reconcile.lua */
+    RL_SCRIPT_PEEK,              /* lua/peek.lua: read-only */
+    RL_SCRIPT_RESET,             /* lua/reset.lua: either storage's windows */
+    RL_SCRIPT_LEASE,             /* lua/lease.lua: acquire, release, renew */
+    RL_SCRIPT_COMPACT_WINDOW,    /* lua/compact_window.lua */
+    RL_SCRIPT_COMPACT_RECONCILE, /* lua/compact_reconcile.lua */
+    RL_SCRIPT_COMPACT_PEEK,      /* lua/compact_peek.lua: read-only */
+    RL_SCRIPT_IN_FLIGHT,         /* lua/reserve_in_flight.lua: reserve with an in-flight slot */
+    RL_SCRIPT_RECONCILE_RELEASE, /* lua/reconcile_release.lua: reconcile and release */
+    RL_SCRIPT_COMPACT_IN_FLIGHT, /* lua/compact_reserve_in_flight.lua */
+    RL_SCRIPT_COMPACT_RECONCILE_RELEASE, /* lua/compact_reconcile_release.lua */
     RL_SCRIPT_COUNT,
 } rl_script_id;
+
+/* Where a limiter keeps its windows: sorted sets (the default, the contract's key shape)
+   or one string per window (lua/lib/compact_log.lua). */
+typedef enum {
+    RL_STORAGE_ZSET,
+    RL_STORAGE_COMPACT,
+} rl_storage;
+
+/* The script that runs `script` (a sorted-set storage's id) in `storage`. */
+rl_script_id rl_script_of(rl_script_id script, rl_storage storage);
+/* 1 for a decision that logs a request (check, check_windows, reserve), either storage. */
+int rl_script_decides(rl_script_id script);
+/* 1 for a peek (read-only), either storage. */
+int rl_script_peeks(rl_script_id script);
+/* 1 for a reconcile, either storage, with or without a release. */
+int rl_script_reconciles(rl_script_id script);
+/* 1 for a script that also takes or gives back an in-flight slot (its last key: leases). */
+int rl_script_holds_slot(rl_script_id script);
+#define RL_MAX_TIE 65535 /* compact storage: an entry's tie is 2 bytes */
 
 /* One decision, prepared with the GIL held (args.c), then sent by either driver. */
 typedef struct {
@@ -138,10 +171,12 @@ typedef struct {
     char member[RL_MEMBER_LEN + 1]; /* the entry: made here, or reconcile's argument */
     long long score_ms;             /* reconcile: the entry's time */
     long long new_cost;             /* reconcile: the entry's cost from now on (>= 0) */
+    long long tie;                  /* reconcile, compact storage: the entry's tie */
+    rl_storage storage;             /* set before rl_prepare, like hash_tag */
     int scan;                       /* reset: every window of the user, found by SCAN */
     char cursor[24];                /* reset with scan: the SCAN cursor to start from */
-    long long lease_limit;          /* acquire: the most concurrent holders */
-    long long lease_ms;             /* acquire, renew: the lease's length */
+    long long lease_limit; /* acquire, reserve with in_flight: the most concurrent holders */
+    long long lease_ms;    /* acquire, renew, reserve with in_flight: the lease's length */
     int disabled;                   /* the kill switch answered: result is final, no I/O */
     rl_result result;               /* the kill switch's answer when disabled */
     char *command;                  /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
@@ -520,6 +555,7 @@ typedef struct {
     PyObject *Timeout;      /* RateLimiterTimeout */
     PyObject *AuthError;    /* RateLimiterAuthError */
     int kill_switch_warned; /* the kill-switch warning was logged */
+    long long client_clock_ms; /* tests: what clock="client" reads (_set_client_clock), or -1 */
     rl_random *random;      /* UUID4 randomness, wiped in a fork child */
     PyObject *str_done;     /* interned method names for resolving futures */
     PyObject *str_set_result;
@@ -544,6 +580,11 @@ int rl_log_warning(const char *message);
 int rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int client_clock,
                PyObject *user_id, rl_prepared *out);
 void rl_prepared_clear(rl_prepared *p);
+/* _native._set_client_clock(ms | None): module function, METH_O (args.c). */
+PyObject *rl_set_client_clock(PyObject *module, PyObject *ms);
+/* The storage named `name` ("zset", the default when NULL, or "compact") into *out. 0, or
+   -1 with a ValueError. */
+int rl_parse_storage(const char *name, rl_storage *out);
 /* 0 when seconds is a usable timeout (0 < seconds <= RL_MAX_TIMEOUT_SECONDS), else -1
    with a ValueError naming the parameter. */
 int rl_check_timeout(const char *name, double seconds);

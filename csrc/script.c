@@ -36,7 +36,80 @@ static const struct {
                          rl_reset_load_command, sizeof(rl_reset_load_command) - 1},
     [RL_SCRIPT_LEASE] = {RL_LEASE_SHA1, rl_lease_source, sizeof(rl_lease_source) - 1,
                          rl_lease_load_command, sizeof(rl_lease_load_command) - 1},
+    [RL_SCRIPT_COMPACT_WINDOW] = {RL_COMPACT_SHA1, rl_compact_source,
+                                  sizeof(rl_compact_source) - 1, rl_compact_load_command,
+                                  sizeof(rl_compact_load_command) - 1},
+    [RL_SCRIPT_COMPACT_RECONCILE] = {RL_COMPACT_RECONCILE_SHA1, rl_compact_reconcile_source,
+                                     sizeof(rl_compact_reconcile_source) - 1,
+                                     rl_compact_reconcile_load_command,
+                                     sizeof(rl_compact_reconcile_load_command) - 1},
+    [RL_SCRIPT_COMPACT_PEEK] = {RL_COMPACT_PEEK_SHA1, rl_compact_peek_source,
+                                sizeof(rl_compact_peek_source) - 1, rl_compact_peek_load_command,
+                                sizeof(rl_compact_peek_load_command) - 1},
+    [RL_SCRIPT_IN_FLIGHT] = {RL_IN_FLIGHT_SHA1, rl_in_flight_source, sizeof(rl_in_flight_source) - 1,
+                             rl_in_flight_load_command, sizeof(rl_in_flight_load_command) - 1},
+    [RL_SCRIPT_RECONCILE_RELEASE] = {RL_RECONCILE_RELEASE_SHA1, rl_reconcile_release_source,
+                                     sizeof(rl_reconcile_release_source) - 1,
+                                     rl_reconcile_release_load_command,
+                                     sizeof(rl_reconcile_release_load_command) - 1},
+    [RL_SCRIPT_COMPACT_IN_FLIGHT] = {RL_COMPACT_IN_FLIGHT_SHA1, rl_compact_in_flight_source,
+                                     sizeof(rl_compact_in_flight_source) - 1,
+                                     rl_compact_in_flight_load_command,
+                                     sizeof(rl_compact_in_flight_load_command) - 1},
+    [RL_SCRIPT_COMPACT_RECONCILE_RELEASE] = {RL_COMPACT_RECONCILE_RELEASE_SHA1,
+                                             rl_compact_reconcile_release_source,
+                                             sizeof(rl_compact_reconcile_release_source) - 1,
+                                             rl_compact_reconcile_release_load_command,
+                                             sizeof(rl_compact_reconcile_release_load_command) - 1},
 };
+
+rl_script_id
+rl_script_of(rl_script_id script, rl_storage storage)
+{
+    if (storage != RL_STORAGE_COMPACT)
+        return script;
+    switch (script) {
+    case RL_SCRIPT_WINDOW:
+        return RL_SCRIPT_COMPACT_WINDOW;
+    case RL_SCRIPT_RECONCILE:
+        return RL_SCRIPT_COMPACT_RECONCILE;
+    case RL_SCRIPT_PEEK:
+        return RL_SCRIPT_COMPACT_PEEK;
+    case RL_SCRIPT_IN_FLIGHT:
+        return RL_SCRIPT_COMPACT_IN_FLIGHT;
+    case RL_SCRIPT_RECONCILE_RELEASE:
+        return RL_SCRIPT_COMPACT_RECONCILE_RELEASE;
+    default: /* reset reads either storage; leases are sorted sets in both */
+        return script;
+    }
+}
+
+int
+rl_script_decides(rl_script_id script)
+{
+    return script == RL_SCRIPT_WINDOW || script == RL_SCRIPT_COMPACT_WINDOW ||
+           script == RL_SCRIPT_IN_FLIGHT || script == RL_SCRIPT_COMPACT_IN_FLIGHT;
+}
+
+int
+rl_script_peeks(rl_script_id script)
+{
+    return script == RL_SCRIPT_PEEK || script == RL_SCRIPT_COMPACT_PEEK;
+}
+
+int
+rl_script_reconciles(rl_script_id script)
+{
+    return script == RL_SCRIPT_RECONCILE || script == RL_SCRIPT_COMPACT_RECONCILE ||
+           script == RL_SCRIPT_RECONCILE_RELEASE || script == RL_SCRIPT_COMPACT_RECONCILE_RELEASE;
+}
+
+int
+rl_script_holds_slot(rl_script_id script)
+{
+    return script == RL_SCRIPT_IN_FLIGHT || script == RL_SCRIPT_COMPACT_IN_FLIGHT ||
+           script == RL_SCRIPT_RECONCILE_RELEASE || script == RL_SCRIPT_COMPACT_RECONCILE_RELEASE;
+}
 
 const char *
 rl_script_sha1(rl_script_id id)
@@ -237,14 +310,20 @@ rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
     return (size_t)(cursor - out);
 }
 
-/* The keys of one window in the sorted-set storage (lib/zset_log.lua): the window's set,
-   its weights and its running totals, in that order in KEYS (every window's set, then
-   every window's weights, then every window's totals). Each is the window's key and a
-   suffix whose last field ("w", "t") is never a window key's own (digits, "tokens",
-   "scope=...", "shared") nor "leases". */
-static const char *const window_keys[] = {"", ":w", ":t"};
-#define RL_KEYS_PER_WINDOW ((int)(sizeof(window_keys) / sizeof(window_keys[0])))
-#define RL_ARGV_MAX (8 + 6 * RL_MAX_WINDOWS)
+/* The keys of one window, per storage: in the sorted-set storage (lib/zset_log.lua) the
+   window's set, its weights and its running totals, in that order in KEYS (every window's
+   set, then every window's weights, then every window's totals); in the compact storage
+   (lib/compact_log.lua) one string. Each is the window's key and a suffix whose last field
+   ("w", "t", "c") is never a window key's own (digits, "tokens", "scope=...", "shared")
+   nor "leases": a window of one storage never meets one of the other. */
+static const struct {
+    int count;
+    const char *suffix[3];
+} window_keys[] = {
+    [RL_STORAGE_ZSET] = {3, {"", ":w", ":t"}},
+    [RL_STORAGE_COMPACT] = {1, {":c", NULL, NULL}},
+};
+#define RL_ARGV_MAX (12 + 6 * RL_MAX_WINDOWS)
 
 /* Formats "EVALSHA sha 3n key... weights... totals... ARGV..." with hiredis (see the
    KEYS/ARGV headers of lua/sliding_window.lua and lua/reconcile.lua). Returns the
@@ -260,7 +339,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     char stack_arena[RL_STACK_ARENA];
     char *arena = stack_arena, *cursor;
     char numkeys[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT], score_text[RL_NUMBER_TEXT],
-        cost_text[RL_NUMBER_TEXT], windows_text[RL_NUMBER_TEXT];
+        cost_text[RL_NUMBER_TEXT], windows_text[RL_NUMBER_TEXT], tie_text[RL_NUMBER_TEXT],
+        limit_text[RL_NUMBER_TEXT], lease_text[RL_NUMBER_TEXT];
+    const int per_window = window_keys[d->storage].count;
+    const int slot_key = rl_script_holds_slot(d->script); /* the leases key, last */
     size_t owner_len = user_len, scope_room = 0;
     for (int k = 0; k < d->nscopes; k++) {
         if (d->scopes[k].name_len > owner_len)
@@ -271,8 +353,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     size_t key_room = prefix_len + 1 + rl_key_user_room(owner_len) + RL_NUMBER_TEXT +
                       RL_KEY_SUFFIXES + scope_room;
     /* reset.lua's pattern and base (the pattern escapes each byte at most once). */
-    size_t need = (size_t)w->count * (RL_KEYS_PER_WINDOW * key_room + 3 * RL_NUMBER_TEXT) +
-                  3 * key_room;
+    size_t need = (size_t)w->count * (3 * key_room + 3 * RL_NUMBER_TEXT) + 4 * key_room;
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
     int argc = 0;
@@ -293,24 +374,31 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argv[argc] = rl_script_sha1(d->script);
     argvlen[argc++] = strlen(argv[1]);
     argvlen[argc] =
-        (size_t)snprintf(numkeys, sizeof(numkeys), "%d", RL_KEYS_PER_WINDOW * w->count);
+        (size_t)snprintf(numkeys, sizeof(numkeys), "%d", per_window * w->count + slot_key);
     argv[argc++] = numkeys;
     for (int i = 0; i < w->count; i++) {
         char *key = cursor;
         size_t key_len = window_key(cursor, prefix, prefix_len, user, user_len, d, i);
-        cursor += key_len;
-        for (int k = 0; k < RL_KEYS_PER_WINDOW; k++) {
-            size_t suffix_len = strlen(window_keys[k]);
-            if (k > 0) { /* a companion: the window's key, then its suffix */
+        for (int k = 0; k < per_window; k++) {
+            const char *suffix = window_keys[d->storage].suffix[k];
+            size_t suffix_len = strlen(suffix);
+            if (k > 0) /* another key of the window: its key, then its suffix */
                 memcpy(cursor, key, key_len);
-                memcpy(cursor + key_len, window_keys[k], suffix_len);
-                cursor += key_len + suffix_len;
-            }
-            keys[k * w->count + i] = cursor - key_len - suffix_len;
+            memcpy(cursor + key_len, suffix, suffix_len);
+            keys[k * w->count + i] = cursor;
             keylens[k * w->count + i] = key_len + suffix_len;
+            cursor += key_len + suffix_len;
         }
     }
-    argc += RL_KEYS_PER_WINDOW * w->count;
+    argc += per_window * w->count;
+    if (slot_key) { /* "{prefix}:{user_id}:leases", as format_lease names it */
+        char *leases = cursor;
+        cursor = write_user_key(cursor, prefix, prefix_len, user, user_len, d->hash_tag);
+        memcpy(cursor, ":leases", 7);
+        cursor += 7;
+        argv[argc] = leases;
+        argvlen[argc++] = (size_t)(cursor - leases);
+    }
     if (d->script == RL_SCRIPT_RESET) {
         /* cursor ("" for the KEYS), pattern, base, count: see lua/reset.lua. */
         char *base = cursor;
@@ -340,15 +428,17 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         argv[argc] = "";
         argvlen[argc] = 0;
     }
-    if (d->script == RL_SCRIPT_RECONCILE) {
-        /* member, score, cost, now, then each window's length in ms. */
+    if (rl_script_reconciles(d->script)) {
+        /* member, score, cost, now, tie, then each window's length in ms. */
         argvlen[argc + 2] = argvlen[argc];
         argv[argc + 2] = argv[argc];
         argvlen[argc] = (size_t)snprintf(score_text, sizeof(score_text), "%lld", d->score_ms);
         argv[argc] = score_text;
         argvlen[argc + 1] = (size_t)snprintf(cost_text, sizeof(cost_text), "%lld", d->new_cost);
         argv[argc + 1] = cost_text;
-        argc += 3;
+        argvlen[argc + 3] = (size_t)snprintf(tie_text, sizeof(tie_text), "%lld", d->tie);
+        argv[argc + 3] = tie_text;
+        argc += 4;
         for (int i = 0; i < w->count; i++) {
             char *text = cursor;
             cursor += snprintf(cursor, RL_NUMBER_TEXT, "%lld", w->seconds[i] * 1000LL);
@@ -365,6 +455,13 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
                 argv[argc] = text;
                 argvlen[argc++] = (size_t)(cursor - text);
             }
+        }
+        if (slot_key) { /* reserve with in_flight: the slot limit and the lease's length */
+            argvlen[argc] =
+                (size_t)snprintf(limit_text, sizeof(limit_text), "%lld", d->lease_limit);
+            argv[argc++] = limit_text;
+            argvlen[argc] = (size_t)snprintf(lease_text, sizeof(lease_text), "%lld", d->lease_ms);
+            argv[argc++] = lease_text;
         }
     }
 format:
@@ -456,6 +553,25 @@ integer_at(const redisReply *array, size_t i, long long *out, rl_error *err)
                             "expected an integer",
                             i + 1, e ? rl_reply_type_name(e->type) : "missing");
     *out = e->integer;
+    return RL_OK;
+}
+
+/* lua/reconcile_release.lua: {windows found, 1 when the lease was still held}. */
+static rl_status
+decode_reconcile_release(const redisReply *reply, const rl_prepared *d, rl_result *out,
+                         rl_error *err)
+{
+    long long found = -1, released = -1;
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
+        integer_at(reply, 0, &found, err) != RL_OK || integer_at(reply, 1, &released, err) != RL_OK ||
+        found < 0 || found > d->windows.count || (released != 0 && released != 1))
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the reconcile-and-release script: %s, expected "
+                            "{0 to %d, 0 or 1}",
+                            rl_reply_type_name(reply->type), d->windows.count);
+    memset(out, 0, sizeof(*out));
+    out->found = found;
+    out->slot = (int)released;
     return RL_OK;
 }
 
@@ -561,12 +677,87 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
     return RL_OK;
 }
 
+/* lua/reserve_in_flight.lua's 9th element, {granted, holders, wait ms, expiry}, after
+   the decision's own (allowed or refused by a window): granted when the decision allowed,
+   nothing held when a window refused it. */
+static rl_status
+decode_slot(const redisReply *answer, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    long long v[4] = {-1, -1, -1, -1};
+    if (answer == NULL || answer->type != REDIS_REPLY_ARRAY || answer->elements != 4)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the in-flight reserve script: element 9 is %s, "
+                            "expected an array of 4 integers",
+                            answer ? rl_reply_type_name(answer->type) : "missing");
+    for (size_t i = 0; i < 4; i++) {
+        if (integer_at(answer, i, &v[i], err) != RL_OK)
+            return err->kind;
+    }
+    if (v[0] != out->allowed || v[1] < 0 || v[1] > d->lease_limit || v[2] != 0 ||
+        (out->allowed && (v[1] < 1 || v[3] <= out->now_ms || v[3] > out->now_ms + d->lease_ms)) ||
+        (!out->allowed && v[3] != 0))
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "the in-flight reserve script answered a slot out of range "
+                            "(%lld, %lld, %lld, %lld)",
+                            v[0], v[1], v[2], v[3]);
+    out->slot = (int)v[0];
+    out->slot_held = v[1];
+    out->slot_retry_ms = 0;
+    out->expires_ms = v[3];
+    return RL_OK;
+}
+
+/* lua/reserve_in_flight.lua's answer when the slot was refused: no window decided
+   {0, 0, retry_s, 0, now, {}, retry_ms, 0, {0, holders, retry_ms, 0}}. */
+static rl_status
+decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    long long v[5], retry_ms = 0, tie = -1, slot[4] = {-1, -1, -1, -1};
+    const redisReply *each = reply->element[5], *answer = reply->element[8];
+    for (size_t i = 0; i < 5; i++) {
+        if (integer_at(reply, i, &v[i], err) != RL_OK)
+            return err->kind;
+    }
+    if (integer_at(reply, 6, &retry_ms, err) != RL_OK || integer_at(reply, 7, &tie, err) != RL_OK)
+        return err->kind;
+    if (answer == NULL || answer->type != REDIS_REPLY_ARRAY || answer->elements != 4)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the in-flight reserve script: a refused slot "
+                            "without its answer");
+    for (size_t i = 0; i < 4; i++) {
+        if (integer_at(answer, i, &slot[i], err) != RL_OK)
+            return err->kind;
+    }
+    if (v[0] != 0 || v[1] != 0 || v[4] < 0 || retry_ms < 1 ||
+        retry_ms > RL_MAX_WINDOW_SECONDS * 1000 ||
+        v[2] != (retry_ms + 999) / 1000 || tie != 0 || each == NULL ||
+        each->type != REDIS_REPLY_ARRAY || each->elements != 0 || slot[0] != 0 ||
+        slot[1] < d->lease_limit || slot[2] != retry_ms || slot[3] != 0)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "the in-flight reserve script answered a refused slot out of range "
+                            "(%lld, %lld, %lld, %lld ms)",
+                            v[0], v[1], v[2], retry_ms);
+    memset(out, 0, sizeof(*out));
+    out->retry_after_s = v[2];
+    out->retry_after_ms = retry_ms;
+    out->window = -1;
+    out->now_ms = v[4];
+    out->slot = 0;
+    out->slot_held = slot[1];
+    out->slot_retry_ms = retry_ms;
+    return RL_OK;
+}
+
 rl_status
 rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     const rl_windows *w = &d->windows;
     int nwindows = w->count;
-    size_t elements = d->script == RL_SCRIPT_PEEK ? 8 : 7;
+    /* peek: a usage array 8th; the compact storage's decision: the entry's tie 8th; with an
+       in-flight slot: the tie 8th and the slot's answer 9th */
+    int slot = d->script == RL_SCRIPT_IN_FLIGHT || d->script == RL_SCRIPT_COMPACT_IN_FLIGHT;
+    size_t elements =
+        slot ? 9 : rl_script_peeks(d->script) || d->script == RL_SCRIPT_COMPACT_WINDOW ? 8 : 7;
     long long v[5] = {0, 0, 0, 0, 0}, retry_ms = 0;
     const redisReply *each;
     if (reply->type == REDIS_REPLY_ERROR) {
@@ -590,7 +781,10 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
                             "error: %.240s",
                             reply->str ? reply->str : "");
     }
-    if (d->script == RL_SCRIPT_RECONCILE)
+    if (d->script == RL_SCRIPT_RECONCILE_RELEASE ||
+        d->script == RL_SCRIPT_COMPACT_RECONCILE_RELEASE)
+        return decode_reconcile_release(reply, d, out, err);
+    if (rl_script_reconciles(d->script))
         return decode_reconcile(reply, d, out, err);
     if (d->script == RL_SCRIPT_RESET)
         return decode_reset(reply, out, err);
@@ -609,6 +803,8 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     if (integer_at(reply, 6, &retry_ms, err) != RL_OK)
         return err->kind;
     long long allowed = v[0], remaining = v[1], retry = v[2], window = v[3], now = v[4];
+    if (slot && window == 0)
+        return decode_slot_refusal(reply, d, out, err);
     if ((allowed != 0 && allowed != 1) || remaining < 0 || retry < 0 || window < 1 ||
         window > nwindows || now < 0 ||
         (allowed == 1 && (retry != 0 || retry_ms != 0 || remaining >= w->limit[window - 1])) ||
@@ -646,8 +842,20 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     out->evaluated = (int)evaluated;
     out->found = 0;
     out->expires_ms = 0;
-    if (d->script == RL_SCRIPT_PEEK)
+    out->tie = 0;
+    out->slot = -1;
+    if (rl_script_peeks(d->script))
         return decode_usage(reply->element[7], w, out, err);
+    if (elements > 7) {
+        if (integer_at(reply, 7, &out->tie, err) != RL_OK)
+            return err->kind;
+        if (out->tie < 0 || out->tie > RL_MAX_TIE)
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "the rate-limit script answered a tie out of range (%lld)",
+                                out->tie);
+    }
+    if (slot)
+        return decode_slot(reply->element[8], d, out, err);
     return RL_OK;
 }
 

@@ -18,6 +18,20 @@ RESET_SHA1: str
 RESET_SOURCE: str
 LEASE_SHA1: str
 LEASE_SOURCE: str
+COMPACT_SHA1: str
+COMPACT_SOURCE: str
+COMPACT_RECONCILE_SHA1: str
+COMPACT_RECONCILE_SOURCE: str
+COMPACT_PEEK_SHA1: str
+COMPACT_PEEK_SOURCE: str
+IN_FLIGHT_SHA1: str
+IN_FLIGHT_SOURCE: str
+RECONCILE_RELEASE_SHA1: str
+RECONCILE_RELEASE_SOURCE: str
+COMPACT_IN_FLIGHT_SHA1: str
+COMPACT_IN_FLIGHT_SOURCE: str
+COMPACT_RECONCILE_RELEASE_SHA1: str
+COMPACT_RECONCILE_RELEASE_SOURCE: str
 HIREDIS_VERSION: str  # "major.minor.patch" of the hiredis headers compiled against
 STATUS_CONNECT: int
 STATUS_IO: int
@@ -27,6 +41,8 @@ MAX_WINDOWS: int
 MAX_LIMIT: int
 MAX_WINDOW_SECONDS: int
 MAX_TIMEOUT_SECONDS: int
+
+def _set_client_clock(ms: int | None, /) -> None: ...
 
 @final
 class WindowDecision(structseq[Any], tuple[bool, int, int, int]):
@@ -51,10 +67,14 @@ class WindowDecision(structseq[Any], tuple[bool, int, int, int]):
 _NativeScope = tuple[str, bool, Sequence[tuple[int, int]], Sequence[tuple[int, int]]]
 _NativeReconcileScope = tuple[str, bool, Sequence[tuple[int, int]]]
 # (allowed, remaining, retry_after_s, window_seconds, is_token_window, member, timestamp_ms,
-#  ((limit, window_seconds, is_token_window, remaining, scope), ...), retry_after_ms, scope),
-# where scope is 0 for the user's own windows and k for scopes[k - 1].
+#  ((limit, window_seconds, is_token_window, remaining, scope), ...), retry_after_ms, scope,
+#  tie, slot), where scope is 0 for the user's own windows and k for scopes[k - 1], tie names
+# the entry with timestamp_ms in the compact storage (0 in the sorted-set storage), and slot
+# is in_flight's answer (_acquire's tuple) or None.
+_SlotTuple = tuple[bool, int, int, int, str, int, int]
 _ReserveTuple = tuple[
-    bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None, int], ...], int, int
+    bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None, int], ...], int,
+    int, int, _SlotTuple | None
 ]
 
 class RateLimiterError(Exception): ...
@@ -91,6 +111,7 @@ class Limiter:
         metrics: bool = ...,
         cluster_nodes: Sequence[tuple[str, int]] | None = ...,
         sentinel_master: str | None = ...,
+        storage: str | None = ...,
     ) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
@@ -110,6 +131,7 @@ class Limiter:
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
         scopes: tuple[_NativeScope, ...] = (),
+        in_flight: tuple[int, int] | None = None,
     ) -> _ReserveTuple: ...
     def _reconcile(
         self,
@@ -121,6 +143,8 @@ class Limiter:
         *,
         tokens: bool = False,
         scopes: tuple[_NativeReconcileScope, ...] = (),
+        tie: int = 0,
+        release: bool = False,
     ) -> int: ...
     def _peek(
         self,
@@ -170,7 +194,7 @@ class Request:
 class Codec:
     def __init__(
         self, key_prefix: str, *, client_clock: bool = ..., metrics: bool = ...,
-        hash_tag: bool = ...
+        hash_tag: bool = ..., storage: str | None = ...
     ) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
@@ -190,6 +214,7 @@ class Codec:
         token_windows: Sequence[tuple[int, int]] = (),
         tokens: int | None = None,
         scopes: tuple[_NativeScope, ...] = (),
+        in_flight: tuple[int, int] | None = None,
     ) -> Request | _ReserveTuple: ...
     def reconcile(
         self,
@@ -201,6 +226,8 @@ class Codec:
         *,
         tokens: bool = False,
         scopes: tuple[_NativeReconcileScope, ...] = (),
+        tie: int = 0,
+        release: bool = False,
     ) -> Request | int: ...
     def peek(
         self,

@@ -12,6 +12,8 @@ DEFAULT_URL = "redis://localhost:6379/0"
 
 _SSL_CERT_REQS = {"required": "required", "none": "none"}
 _SSL_PARAMS = ("ssl_cert_reqs", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")
+# Where the windows are kept (RateLimiter's storage=): a query parameter of every URL form.
+STORAGES = ("zset", "compact")
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class RedisOptions:
     mode: str = "single"
     nodes: tuple[tuple[str, int], ...] = ()  # cluster seed nodes, or the sentinels
     master_name: str | None = None  # redis+sentinel://: the master the sentinels watch
+    storage: str | None = None  # ?storage=zset|compact; None when the URL does not say
 
     def tls_trust(self) -> str | None:
         """The one TLS trust policy of both limiters (the blocking one applies it with
@@ -120,13 +123,14 @@ def parse_redis_url(url: str) -> RedisOptions:
         if not path:
             raise ValueError("invalid Redis URL: a unix:// URL needs a socket path, "
                              "e.g. unix:///run/redis/redis.sock")
-        unknown = set(single) - {"db", "password", "username"}
+        unknown = set(single) - {"db", "password", "username", "storage"}
         if unknown:
             raise ValueError(f"invalid Redis URL: unknown query parameter(s) {sorted(unknown)} for unix://")
         username = unquote(parts.username) if parts.username else single.get("username") or None
         password = unquote(parts.password) if parts.password is not None else single.get("password")
         db = _parse_db(single.get("db", "0"), "unix://")
-        return RedisOptions(unix_path=path, db=db, username=username, password=password)
+        return RedisOptions(unix_path=path, db=db, username=username, password=password,
+                            storage=_storage(single))
 
     if scheme in ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel"):
         return _parse_multi_host(url.strip(), parts.path, scheme, single)
@@ -158,9 +162,20 @@ def parse_redis_url(url: str) -> RedisOptions:
                         password=password, **_tls_options(single, tls))
 
 
+def _storage(single: dict[str, str]) -> str | None:
+    """The storage= query parameter (every URL form): "zset", "compact", or None."""
+    if "storage" not in single:
+        return None
+    if single["storage"] not in STORAGES:
+        raise ValueError(f"invalid Redis URL: unknown storage {single['storage']!r}; "
+                         "use 'zset' or 'compact'")
+    return single["storage"]
+
+
 def _tls_options(single: dict[str, str], tls: bool) -> dict[str, Any]:
-    """The TLS fields of RedisOptions from the query parameters (shared by every scheme)."""
-    unknown = set(single) - {"db", *_SSL_PARAMS}
+    """The TLS fields of RedisOptions from the query parameters (shared by every scheme),
+    and the storage."""
+    unknown = set(single) - {"db", "storage", *_SSL_PARAMS}
     if unknown:
         raise ValueError(f"invalid Redis URL: unknown query parameter(s) {sorted(unknown)}")
     if not tls and any(name in single for name in _SSL_PARAMS):
@@ -175,6 +190,7 @@ def _tls_options(single: dict[str, str], tls: bool) -> dict[str, Any]:
         "ssl_ca_certs": single.get("ssl_ca_certs") or None,
         "ssl_certfile": single.get("ssl_certfile") or None,
         "ssl_keyfile": single.get("ssl_keyfile") or None,
+        "storage": _storage(single),
     }
 
 

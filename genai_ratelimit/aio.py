@@ -28,8 +28,15 @@ from . import _native
 from ._cluster import Address, SlotMap, redirect_of
 from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
 from ._url import RedisOptions
-from .lease import DEFAULT_LEASE_SECONDS, AsyncLease, Lease, lease_arguments, make_lease
-from .limiter import Clock, limiter_options
+from .lease import (
+    DEFAULT_LEASE_SECONDS,
+    AsyncLease,
+    Lease,
+    lease_arguments,
+    lease_maker,
+    make_lease,
+)
+from .limiter import Clock, Storage, limiter_options
 from .metrics import LimiterMetrics
 from .reservation import (
     Plan,
@@ -449,15 +456,18 @@ class AsyncRateLimiter:
         clock: Clock = "server",
         max_connections: int = 4,
         metrics: bool = True,
+        storage: Storage | None = None,
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
-                                          clock, max_connections, metrics)
+                                          clock, max_connections, metrics, storage)
         self._ssl = _ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock
         cluster = options.mode == "cluster"
         self._codec = _native.Codec(key_prefix, client_clock=clock == "client",
-                                    metrics=native["metrics"], hash_tag=cluster)
+                                    metrics=native["metrics"], hash_tag=cluster,
+                                    storage=native["storage"])
+        self._storage = native["storage"]
         self._slot_map = (SlotMap(options.nodes, options.tls, options.master_name)
                           if options.mode != "single" else None)
         # A shared scope's keys hash to the scope's slot, the user's to the user's.
@@ -483,9 +493,15 @@ class AsyncRateLimiter:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def storage(self) -> str:
+        """RateLimiter.storage: "zset" or "compact"."""
+        return self._storage
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self._options.describe()!r}, "
-                f"key_prefix={self.key_prefix!r}, clock={self._clock!r})")
+                f"key_prefix={self.key_prefix!r}, clock={self._clock!r}, "
+                f"storage={self._storage!r})")
 
     def _warn_once(self, warning: str) -> None:
         """Logs the engine's eviction warning, once per limiter ("" means no hazard)."""
@@ -688,19 +704,22 @@ class AsyncRateLimiter:
 
     async def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
                       cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
-                      tokens: int | None = None, scopes: Sequence[Scope] = ()) -> Reservation:
-        """RateLimiter.reserve, awaited."""
+                      tokens: int | None = None, scopes: Sequence[Scope] = (),
+                      in_flight: tuple[int, int] | None = None) -> Reservation:
+        """RateLimiter.reserve, awaited (its lease is an AsyncLease)."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         reservation: Reservation = await self._drive(reserve_plan(
-            user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
+            user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes,
+            in_flight, lease_maker(AsyncLease, user_id, in_flight, self)))
         return reservation
 
-    async def reconcile(self, reservation: Reservation, actual: int) -> int:
+    async def reconcile(self, reservation: Reservation, actual: int, *,
+                        release: bool = False) -> int:
         """RateLimiter.reconcile, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        found: int = await self._drive(reconcile_plan(reservation, actual))
+        found: int = await self._drive(reconcile_plan(reservation, actual, release))
         return found
 
     async def _drive(self, plan: Plan) -> Any:
@@ -712,6 +731,9 @@ class AsyncRateLimiter:
                 if name == "validate":  # a codec without hash tags: steps may span slots
                     answer: object = _native.Codec(self.key_prefix, metrics=False).reserve(
                         *positional, **keywords)
+                elif name == "release":
+                    request = self._codec.release(*positional)
+                    answer = request if type(request) is bool else await self._run(request)
                 else:
                     method = self._codec.reserve if name == "reserve" else self._codec.reconcile
                     request = method(*positional, **keywords)

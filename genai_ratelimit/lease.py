@@ -105,6 +105,15 @@ def make_lease(cls: type[Lease], raw: tuple[Any, ...], user_id: str, limit: int,
                lease_seconds=lease_seconds, limiter=limiter)
 
 
+def lease_maker(cls: type[Lease], user_id: str, in_flight: tuple[int, int] | None,
+                limiter: Any) -> Any:
+    """reserve(..., in_flight=(limit, lease_seconds)): the maker of its Lease from the C
+    slot tuple (read once the C layer validated in_flight), or None without in_flight."""
+    if in_flight is None:
+        return None
+    return lambda raw: make_lease(cls, raw, user_id, in_flight[0], in_flight[1], limiter)
+
+
 def lease_arguments(lease: Lease, lease_seconds: int | None = None) -> tuple[Any, ...] | None:
     """The C release / renew arguments of a lease: (user_id, lease_id[, lease_seconds]), or
     None when it holds nothing in Redis (refused, or granted by the kill switch)."""

@@ -14,6 +14,8 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .lease import Lease
+
 __all__ = ["Reservation", "Scope", "WindowState"]
 
 Resource = Literal["requests", "tokens"]
@@ -114,7 +116,7 @@ class Reservation:
     remaining: int
     retry_after_s: int
     window_seconds: int
-    resource: Resource
+    resource: Resource | Literal["in_flight"]
     # The same wait in milliseconds, not rounded up to a second (0 when allowed): for
     # clients that can sleep precisely (a `retry-after-ms` header).
     retry_after_ms: int
@@ -128,9 +130,19 @@ class Reservation:
     timestamp_ms: int
     scope: Scope | None = None
     scopes: tuple[Scope, ...] = ()
-    # Decided in steps (RateLimiter._two_step_scopes): the (member, timestamp_ms) entry of
-    # each shared scope, in the order of `scopes`, each logged by a step of its own.
-    shared_entries: tuple[tuple[str, int], ...] = field(default=(), repr=False)
+    # Decided in steps (RateLimiter._two_step_scopes): the (member, timestamp_ms, tie) entry
+    # of each shared scope, in the order of `scopes`, each logged by a step of its own.
+    shared_entries: tuple[tuple[str, int, int], ...] = field(default=(), repr=False)
+    # storage="compact": with timestamp_ms it names the logged entry in its windows (the
+    # compact log keeps no member per entry); 0 in the sorted-set storage.
+    tie: int = 0
+    # reserve(..., in_flight=(limit, lease_seconds)): the in-flight slot taken in the same
+    # script execution. A granted Lease (its lease_id is the entry's member: release it, or
+    # reconcile(..., release=True)) when the request was allowed; a refused Lease when the
+    # slot refused it (then no window was decided: window_seconds 0, resource "in_flight",
+    # every window's remaining None); None when a window refused it (no slot is held) or
+    # without in_flight.
+    lease: Lease | None = field(default=None, compare=False)
 
     def remaining_of(self, resource: Resource, scope: Scope | None | Literal["any"] = "any"
                      ) -> int | None:
@@ -164,17 +176,21 @@ def _states(report: Sequence[Any], scopes: Sequence[Scope]) -> tuple[WindowState
 
 
 def make_reservation(raw: tuple[Any, ...], user_id: str, cost: int, tokens: int | None,
-                     scopes: Sequence[Scope] = ()) -> Reservation:
+                     scopes: Sequence[Scope] = (), lease: Any = None) -> Reservation:
     """A Reservation from the C extension's reserve tuple (see Limiter._reserve); `scopes`
-    are the Scopes of that call, in its order."""
+    are the Scopes of that call, in its order; `lease(raw)` makes the Lease of an in-flight
+    slot from the tuple's last element."""
     (allowed, remaining, retry, window_seconds, is_tokens, member, timestamp_ms, report,
-     retry_ms, scope_index) = raw
+     retry_ms, scope_index, tie, slot) = raw
+    resource: Resource | Literal["in_flight"] = "tokens" if is_tokens else "requests"
+    if slot is not None and not slot[0]:
+        resource = "in_flight"
     return Reservation(
         allowed=allowed, remaining=remaining, retry_after_s=retry, retry_after_ms=retry_ms,
-        window_seconds=window_seconds,
-        resource="tokens" if is_tokens else "requests", user_id=user_id, cost=cost,
+        window_seconds=window_seconds, lease=lease(slot) if slot is not None and lease else None,
+        resource=resource, user_id=user_id, cost=cost,
         tokens=tokens, windows=_states(report, scopes), member=member, timestamp_ms=timestamp_ms,
-        scope=scopes[scope_index - 1] if scope_index else None, scopes=tuple(scopes))
+        scope=scopes[scope_index - 1] if scope_index else None, scopes=tuple(scopes), tie=tie)
 
 
 def _scope_list(scopes: object) -> tuple[Scope, ...]:
@@ -189,13 +205,16 @@ def _scope_list(scopes: object) -> tuple[Scope, ...]:
 
 
 def reserve_arguments(cost: int, token_windows: Sequence[tuple[int, int]],
-                      tokens: int | None, scopes: Sequence[Scope] = ()) -> dict[str, Any]:
+                      tokens: int | None, scopes: Sequence[Scope] = (),
+                      in_flight: tuple[int, int] | None = None) -> dict[str, Any]:
     """The keyword arguments of the C reserve call (validated there)."""
     arguments: dict[str, Any] = {"cost": cost, "token_windows": token_windows}
     if tokens is not None:
         arguments["tokens"] = tokens
     if scopes:
         arguments["scopes"] = tuple(scope.native() for scope in scopes)
+    if in_flight is not None:
+        arguments["in_flight"] = in_flight
     return arguments
 
 
@@ -223,7 +242,8 @@ def advance(plan: Plan, answer: Any = None,
 
 def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
                  token_windows: Sequence[tuple[int, int]], tokens: int | None,
-                 scopes: object, two_step: bool) -> Plan:
+                 scopes: object, two_step: bool, in_flight: tuple[int, int] | None = None,
+                 lease: Any = None) -> Plan:
     """reserve: one script over every window; or, two_step and some scope shared, one step
     per shared scope (each lives in its own cluster slot), then the user's own windows and
     scopes. When a step refuses (or fails), every earlier step is refunded exactly: its
@@ -234,9 +254,12 @@ def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
     shared = tuple(s for s in chosen if s.shared)
     if not two_step or not shared:
         raw = yield ("reserve", (user_id, windows),
-                     reserve_arguments(cost, token_windows, tokens, chosen))
-        return make_reservation(raw, user_id, cost, tokens, chosen)
+                     reserve_arguments(cost, token_windows, tokens, chosen, in_flight))
+        return make_reservation(raw, user_id, cost, tokens, chosen, lease)
     own = tuple(s for s in chosen if not s.shared)
+    if in_flight is not None and not (windows or token_windows or own):
+        raise ValueError("in_flight with shared scopes on a Redis Cluster needs windows of "
+                         "the user's own (the slot is taken in their step)")
     # Everything is validated (no I/O) before the first step writes anything.
     yield ("validate", (user_id, windows), reserve_arguments(cost, token_windows, tokens, chosen))
     steps: list[tuple[tuple[Scope, ...], Windows, Windows]] = [((s,), (), ()) for s in shared]
@@ -246,13 +269,15 @@ def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
     for number, (step_scopes, step_windows, step_token_windows) in enumerate(steps):
         step_tokens = tokens if step_token_windows or any(s.token_windows for s in step_scopes) \
             else None
+        user_step = number == len(shared)
         try:
             raw = yield ("reserve", (user_id, step_windows),
-                         reserve_arguments(cost, step_token_windows, step_tokens, step_scopes))
+                         reserve_arguments(cost, step_token_windows, step_tokens, step_scopes,
+                                           in_flight if user_step else None))
         except BaseException:
             yield from _refund_all(done)
             raise
-        step = make_reservation(raw, user_id, cost, step_tokens, step_scopes)
+        step = make_reservation(raw, user_id, cost, step_tokens, step_scopes, lease)
         if not step.allowed:
             yield from _refund_all(done)
             states = tuple(_unspent(w, cost, tokens) for r in done for w in r.windows)
@@ -264,9 +289,12 @@ def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
     user_step = done[-1] if len(done) > len(shared) else None
     tightest = min(done, key=lambda r: (r.remaining, r.window_seconds))
     return _with(tightest, windows=tuple(w for r in done for w in r.windows), scopes=chosen,
+                 lease=user_step.lease if user_step else None,
                  tokens=tokens, member=user_step.member if user_step else "",
                  timestamp_ms=user_step.timestamp_ms if user_step else tightest.timestamp_ms,
-                 shared_entries=tuple((r.member, r.timestamp_ms) for r in done[:len(shared)]))
+                 tie=user_step.tie if user_step else 0,
+                 shared_entries=tuple((r.member, r.timestamp_ms, r.tie)
+                                      for r in done[:len(shared)]))
 
 
 def _unreached(windows: Windows, token_windows: Windows,
@@ -311,15 +339,18 @@ def _refund_all(steps: Sequence[Reservation]) -> Plan:
                 continue
             try:
                 yield ("reconcile", (step.user_id, own, step.member, step.timestamp_ms, 0),
-                       {"tokens": resource == "tokens", "scopes": scoped})
+                       {"tokens": resource == "tokens", "scopes": scoped, "tie": step.tie})
             except Exception:  # noqa: BLE001 - the refund is best effort by design (see above)
                 pass
 
 
-def reconcile_plan(reservation: Reservation, actual: int) -> Plan:
+def reconcile_plan(reservation: Reservation, actual: int, release: bool = False) -> Plan:
     """reconcile: the entry's estimate (its tokens when it has token windows, else its
     request cost) set to `actual` in the user's windows and its scopes' of that resource;
-    in two calls when it was reserved in two steps. Returns the windows found."""
+    in two calls when it was reserved in two steps. With `release`, the reservation's
+    in-flight slot is given back in the same script execution as the user's own entry
+    (or by a release of its own when that entry has no window to reconcile). Returns the
+    windows found."""
     if not isinstance(reservation, Reservation):
         raise TypeError(f"reconcile needs a Reservation made by reserve, not "
                         f"{type(reservation).__name__}")
@@ -331,19 +362,28 @@ def reconcile_plan(reservation: Reservation, actual: int) -> Plan:
     resource: Resource = "tokens" if tokens else "requests"
     own = windows_of(reservation, resource)
     shared = [s for s in reservation.scopes if s.shared] if reservation.shared_entries else []
-    entries = [(reservation.member, reservation.timestamp_ms, own,
+    entries = [(reservation.member, reservation.timestamp_ms, reservation.tie, own,
                 [s for s in reservation.scopes if s not in shared])]
-    entries += [(member, timestamp_ms, [], [scope])
-                for (member, timestamp_ms), scope in zip(reservation.shared_entries, shared, strict=True)]
+    entries += [(member, timestamp_ms, tie, [], [scope])
+                for (member, timestamp_ms, tie), scope
+                in zip(reservation.shared_entries, shared, strict=True)]
+    lease = reservation.lease
+    releasing = bool(release and lease is not None and lease.lease_id)
     found = 0
-    for member, timestamp_ms, windows, scopes in entries:
+    for number, (member, timestamp_ms, tie, windows, scopes) in enumerate(entries):
         scoped = tuple((s.name, s.shared, s.windows_of(resource)) for s in scopes
                        if s.windows_of(resource))
         if not member or not (windows or scoped):
             continue
-        keywords: dict[str, Any] = {"tokens": tokens}
+        keywords: dict[str, Any] = {"tokens": tokens, "tie": tie}
         if scoped:
             keywords["scopes"] = scoped
+        if releasing and number == 0:  # the user's own entry: its member is the lease id
+            keywords["release"] = True
+            releasing = False
         found += yield ("reconcile", (reservation.user_id, windows, member, timestamp_ms, actual),
                         keywords)
+    if releasing:
+        assert lease is not None
+        yield ("release", (lease.user_id, lease.lease_id), {})
     return found

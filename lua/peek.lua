@@ -9,7 +9,8 @@ The build prepends the files named above, the ones sliding_window.lua decides wi
 KEYS, ARGV  exactly sliding_window.lua's (ARGV[1], the member, is ignored, and so is the
             replay marker: a peek is answered the same however often it is sent).
 
-The trim of sliding_window.lua is not done but accounted for (lib/zset_log.lua's look):
+The trim of sliding_window.lua is not done but accounted for (lib/zset_log.lua's look,
+lib/decide.lua's peek_windows):
 an entry at or before now - window_ms counts as gone, and so does its weight. A window
 written by a version that kept no running totals is walked entry by entry (a read-only
 script builds nothing). So the answer equals the one a check with the same windows and costs would give at the same
@@ -24,16 +25,4 @@ still in it, or -1 when it is empty.
 
 local n = #KEYS / 3
 local now = script_now(ARGV[2], false)
-local log = zset_log(n, now)
-
-local usage, used_of = {}, {}
-for i = 1, n do
-  local used, oldest = log.look(i, tonumber(ARGV[3 * i]))
-  used_of[i] = used
-  usage[2 * i - 1] = used
-  usage[2 * i] = oldest or -1
-end
-
-local reply = decide(n, now, function(i) return used_of[i] end, log.peek_freeing_stamp)
-reply[8] = usage
-return reply
+return peek_windows(n, now, zset_log(n, now))

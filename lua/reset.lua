@@ -1,9 +1,11 @@
+-- include: lib/compact_log.lua
 --[[
 reset.lua - forgets a user's entries: in the windows named, or in every window of the
 user, found by SCAN one bounded step at a time.
 
-KEYS[i]    (i = 1..n) the sorted sets of the windows to reset (n may be 0), then their
-           companions (weights, running totals: lib/zset_log.lua), deleted too
+KEYS[i]    (i = 1..n) the windows to reset (n may be 0): sorted sets (lib/zset_log.lua)
+           or strings (lib/compact_log.lua), then the sorted sets' companions (weights,
+           running totals), deleted too
 ARGV[1]    "" to reset KEYS; else a SCAN cursor ("0" to start): reset every key of the
            user that one SCAN step (ARGV[1] MATCH ARGV[2] COUNT ARGV[4]) finds
 ARGV[2]    the MATCH pattern of the user's keys: ARGV[3], glob-escaped, then "*"
@@ -15,17 +17,25 @@ A key found by SCAN is the user's only when what follows ARGV[3] is a window's o
 suffix: "<digits>", "<digits>:tokens", either followed by ":scope=<name>" (a route's or a
 model's budget of the user; the name holds no ':'), and any of those followed by ":w" (a
 user id may hold ':', so "ratelimit:a:" also starts user "a:b"'s keys, whose suffix is
-"b:60"). A window's companions end in ":w" (weights) or ":t" (running totals). A shared
-scope's keys (":shared", an upstream's caps) are no user's.
+"b:60"). A window's companions end in ":w" (weights) or ":t" (running totals); a compact
+window is its window's key and ":c". Both storages' keys are reset. A shared scope's keys (":shared", an upstream's caps) are no user's.
 
-Returns {entries removed (the sorted sets' sizes), the cursor to go on from ("0": done)}.
+Returns {entries removed (the windows' entries), the cursor to go on from ("0": done)}.
 Not atomic across SCAN steps: an entry logged meanwhile in a key already visited stays.
 --]]
 
 local removed = 0
 
+-- The entries a window holds, whichever storage keeps it.
+local function entries(key)
+  local kind = redis.call('TYPE', key)['ok']
+  if kind == 'zset' then return redis.call('ZCARD', key) end
+  if kind == 'string' then return compact_entries(key) end
+  return 0
+end
+
 if ARGV[1] == '' then
-  for i = 1, tonumber(ARGV[5]) do removed = removed + redis.call('ZCARD', KEYS[i]) end
+  for i = 1, tonumber(ARGV[5]) do removed = removed + entries(KEYS[i]) end
   if #KEYS > 0 then redis.call('DEL', unpack(KEYS)) end
   return {removed, '0'}
 end
@@ -37,8 +47,9 @@ local base = #ARGV[3]
 for _, key in ipairs(step[2]) do
   -- A user's scope is one of its windows with ":scope=<name>" after it (script.c).
   local suffix = string.gsub(string.sub(key, base + 1), ':scope=[^:]*', '', 1)
-  if string.find(suffix, '^%d+$') or string.find(suffix, '^%d+:tokens$') then
-    removed = removed + redis.call('ZCARD', key)
+  if string.find(suffix, '^%d+$') or string.find(suffix, '^%d+:tokens$') or
+      string.find(suffix, '^%d+:c$') or string.find(suffix, '^%d+:tokens:c$') then
+    removed = removed + entries(key)
     redis.call('DEL', key)
   elseif string.find(suffix, '^%d+:[wt]$') or string.find(suffix, '^%d+:tokens:[wt]$') then
     redis.call('DEL', key)

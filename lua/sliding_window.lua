@@ -16,7 +16,8 @@ ARGV[3i], ARGV[3i+1], ARGV[3i+2]
            window length in ms, limit and cost of KEYS[i] (limit and cost in cost units)
 ARGV[3n+3] optional: "1" marks a replay of a call whose reply was lost. If the member is
            already logged in KEYS[n] (the longest window, where it stays longest), the
-           first attempt was allowed and logged: answer allow again, write nothing.
+           first attempt was allowed and logged: answer allow again, write nothing, and
+           report that entry's time (its score) as now_ms.
 
 Returns lib/decide.lua's reply {allowed, remaining, retry_after_s, i, now_ms,
 {remaining per window}, retry_ms}. A rejection writes nothing, and no key after the
@@ -35,18 +36,4 @@ redis.call('ZADD', KEYS[1], 'XX', 0, '')
 
 local n = #KEYS / 3
 local now = script_now(ARGV[2], true)
-local log = zset_log(n, now)
-
-if ARGV[3 * n + 3] == '1' and log.holds(n, ARGV[1]) then
-  -- Already counted by the first attempt: report, write nothing.
-  return decided_before(n, now, log.trim)
-end
-
-local reply = decide(n, now, log.trim, log.freeing_stamp)
-if reply[1] == 1 then
-  for i = 1, n do
-    local window_ms, _, cost = window_of(i)
-    log.add(i, ARGV[1], cost, window_ms)
-  end
-end
-return reply
+return (decide_and_log(n, now, zset_log(n, now), ARGV[3 * n + 3]))

@@ -13,6 +13,11 @@ some kinds only says so, with the reason:
 `pytest --limiter-kinds=sync,asyncio` deselects the other kinds' cases (e.g. under
 valgrind).
 
+The storages: every test that uses `storage`, directly or through `make_limiter` (and so
+`limiter`, `unreachable_limiter`), also runs once per storage, "zset" (sorted sets) and
+"compact" (one string per window), with the same decisions expected of both. A test of the
+sorted sets' own key shape says so: @pytest.mark.storages("zset", reason="...").
+
 Tests marked `wheel` (tests/test_wheel_install.py) check a built distribution and run only
 under `make test-wheel`, which builds it and passes --wheel-dist; elsewhere they are deselected
 (and counted as such in pytest's summary)."""
@@ -88,6 +93,16 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
 # ------------------------------------------------------------------ limiter kinds
 
 KINDS_MARKER = "limiter_kinds"
+STORAGES_MARKER = "storages"
+STORAGES = ("zset", "compact")
+# Modules whose tests read the sorted sets themselves and that other work is reshaping now
+# (the FastAPI layer's rewrite, the cluster and Sentinel router, the command line and
+# metrics, the defects' move): they join the compact storage once they read the windows
+# through tests/helpers_core.py's logged / logged_entries (their decisions are the ones
+# test_storage_equivalence.py compares; the compact storage's cluster keys are in
+# test_compact.py).
+ZSET_ONLY_MODULES = ("test_fastapi", "test_cluster", "test_sentinel", "test_cli", "test_metrics",
+                     "test_tiers_config", "test_review_defects")
 WHEEL_MARKER = "wheel"
 
 
@@ -110,12 +125,27 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", f"{KINDS_MARKER}(*kinds, reason): the limiter kinds this test runs against "
                    f"(default: all of {', '.join(LIMITER_KINDS)}), and why only those")
     config.addinivalue_line(
+        "markers", f"{STORAGES_MARKER}(*storages, reason): the storages this test runs against "
+                   f"(default: all of {', '.join(STORAGES)}), and why only those")
+    config.addinivalue_line(
         "markers", f"{WHEEL_MARKER}: tests of the built wheel and sdist in a Debian root "
                    "(make test-wheel); deselected unless --wheel-dist is given")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """One case per limiter kind for every test that depends on limiter_kind."""
+    """One case per limiter kind for every test that depends on limiter_kind, and one per
+    storage for every test that depends on storage."""
+    if "storage" in metafunc.fixturenames:
+        storages: tuple[str, ...] = STORAGES
+        marker = metafunc.definition.get_closest_marker(STORAGES_MARKER)
+        if marker is not None:
+            if not marker.kwargs.get("reason"):
+                pytest.fail(f"{metafunc.definition.nodeid}: {STORAGES_MARKER}(...) needs a "
+                            "reason=... saying why the other storage does not apply", pytrace=False)
+            storages = tuple(marker.args)
+        elif metafunc.module.__name__.startswith(ZSET_ONLY_MODULES):
+            storages = ("zset",)
+        metafunc.parametrize("storage", storages, indirect=True)
     if "limiter_kind" not in metafunc.fixturenames:
         return
     kinds: tuple[str, ...] = LIMITER_KINDS
@@ -163,12 +193,18 @@ def limiter_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
-def make_limiter(limiter_kind: str) -> Iterator[LimiterFactory]:
+def storage(request: pytest.FixtureRequest) -> str:
+    """The storage under test: "zset" or "compact" (parametrised by pytest_generate_tests)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def make_limiter(limiter_kind: str, storage: str) -> Iterator[LimiterFactory]:
     """make_limiter(url, **options): a limiter of the kind under test with the blocking
     interface (RateLimiter, or the blocking adapter over an AsyncRateLimiter on a loop of the
     kind); make_limiter.native(url, **options): the RateLimiter or AsyncRateLimiter itself.
     Everything it made is closed after the test. See helpers_async.LimiterFactory."""
-    factory = LimiterFactory(limiter_kind)
+    factory = LimiterFactory(limiter_kind, storage)
     try:
         yield factory
     finally:

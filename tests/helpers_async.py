@@ -227,7 +227,8 @@ class BlockingAsyncLimiter:
 
 class LimiterFactory:
     """What the `make_limiter` fixture (tests/conftest.py) gives a test: limiters of one
-    kind, "sync", "asyncio" or "uvloop", made from RateLimiter's arguments.
+    kind, "sync", "asyncio" or "uvloop", and one storage, "zset" or "compact" (passed as
+    storage= unless the test gives one), made from RateLimiter's arguments.
 
     make_limiter(url, **options) has the blocking interface: a RateLimiter, or a
     BlockingAsyncLimiter over an AsyncRateLimiter on a loop of the kind. This is what the
@@ -240,8 +241,9 @@ class LimiterFactory:
 
     close() (the fixture's teardown) closes everything it made or adopted."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, storage: str = "zset") -> None:
         self.kind = kind
+        self.storage = storage
         self.loop_factory = loop_factory_of(kind)  # None for the blocking limiter
         self.async_limiters: list[Any] = []  # native AsyncRateLimiters, made or adopted
         self._blocking: list[Any] = []
@@ -250,7 +252,13 @@ class LimiterFactory:
     def is_async(self) -> bool:
         return self.loop_factory is not None
 
+    def _with_storage(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        if self.storage != "zset":
+            kwargs.setdefault("storage", self.storage)
+        return kwargs
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = self._with_storage(kwargs)
         if self.loop_factory is None:
             from genai_ratelimit import RateLimiter
 
@@ -265,7 +273,7 @@ class LimiterFactory:
             return self(*args, **kwargs)
         from genai_ratelimit import AsyncRateLimiter
 
-        return self.track(AsyncRateLimiter(*args, **kwargs))
+        return self.track(AsyncRateLimiter(*args, **self._with_storage(kwargs)))
 
     def track(self, limiter: Any) -> Any:
         """Closes `limiter`, an AsyncRateLimiter made elsewhere, at the end of the test."""
@@ -280,7 +288,7 @@ class LimiterFactory:
             close_and_collect(limiter, self.loop_factory)
 
     def __repr__(self) -> str:
-        return f"<LimiterFactory {self.kind}>"
+        return f"<LimiterFactory {self.kind} {self.storage}>"
 
 
 class LoopLagProbe:

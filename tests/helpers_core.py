@@ -455,3 +455,75 @@ class RendezvousServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ----------------------------------------------------------------- either storage's log
+
+
+def _compact_value(client: redis.Redis, key: str) -> tuple[dict[str, int], bytes] | None:
+    """The header fields and the entries' bytes of the compact string of window `key`
+    ("<key>:c", lua/lib/compact_log.lua), or None when it is absent."""
+    value = client.get(f"{key}:c")
+    if value is None:
+        return None
+    head = value[:28]
+    fields = {
+        "version": head[0], "S": head[1], "C": head[2], "R": head[3],
+        "base": int.from_bytes(head[4:10], "big"), "head": int.from_bytes(head[10:14], "big"),
+        "tail": int.from_bytes(head[14:18], "big"), "origin": int.from_bytes(head[18:25], "big"),
+        "next_tie": int.from_bytes(head[25:27], "big"), "next_slot": head[27],
+    }
+    return fields, value[fields["head"]:fields["tail"]]
+
+
+def logged(client: redis.Redis, key: str, storage: str | None = None) -> list[tuple[int, int]]:
+    """The (time in unix ms, cost) of every entry window `key` holds, oldest first, in
+    `storage`, or (None) whichever storage keeps it: the sorted set `key` (with its weights
+    "<key>:w") or the compact string "<key>:c"."""
+    compact = _compact_value(client, key) if storage != "zset" else None
+    if compact is None:
+        weights = {m: int(c) for m, c in client.hgetall(f"{key}:w").items() if m != b""}
+        return [(int(score), weights.get(member, 1))
+                for member, score in client.zrange(key, 0, -1, withscores=True)]
+    fields, entries = compact
+    stamp, cost = fields["S"], fields["C"]
+    size = stamp + 2 + cost
+    out, total = [], fields["origin"]
+    for at in range(0, len(entries), size):
+        time_ms = fields["base"] + int.from_bytes(entries[at:at + stamp], "big")
+        running = int.from_bytes(entries[at + stamp + 2:at + size], "big") if cost else total + 1
+        out.append((time_ms, running - total))
+        total = running
+    return out
+
+
+def logged_entries(client: redis.Redis, key: str) -> int:
+    """How many entries window `key` holds, in whichever storage keeps it (ZCARD for the
+    sorted set)."""
+    return len(logged(client, key))
+
+
+def window_exists(client: redis.Redis, key: str) -> bool:
+    """Whether window `key` has a key in Redis, in either storage."""
+    return bool(client.exists(key, f"{key}:c"))
+
+
+def window_ttl(client: redis.Redis, key: str) -> int:
+    """The TTL (s) of window `key`'s key in whichever storage keeps it (-2: none)."""
+    ttl = client.ttl(key)
+    return ttl if ttl != -2 else client.ttl(f"{key}:c")
+
+
+def window_script(storage: str) -> tuple[str, str]:
+    """(SHA1, source) of the script that decides a check in `storage`."""
+    from genai_ratelimit import _native
+
+    if storage == "compact":
+        return _native.COMPACT_SHA1, _native.COMPACT_SOURCE
+    return _native.SCRIPT_SHA1, _native.SCRIPT_SOURCE
+
+# The reason of a test that only the sorted-set storage can pass: its subject is the
+# contract's sorted sets themselves (key names, UUID4 members, scores, the commands a
+# script runs, their TTLs, entries written by hand). tests/test_compact.py holds the
+# compact storage's own tests of the same kind.
+SORTED_SET_SHAPE = "the sorted sets' own key shape, members, scores, commands or TTLs"

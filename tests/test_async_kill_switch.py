@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from helpers_async import LoopFactory, run_async
-from helpers_core import closed_port_url, connections_received, measured_commands
+from helpers_core import closed_port_url, connections_received, logged_entries, measured_commands
 
 # The coroutine API on each event loop: loop_factory is the kind's (tests/conftest.py).
 pytestmark = pytest.mark.limiter_kinds(
@@ -64,7 +64,7 @@ def test_kill_switch_sends_nothing_and_opens_no_connection(
         assert delta == {}
 
     run_async(main(), loop_factory)
-    assert redis_client.zcard(f"ratelimit:{user}:60") == 1
+    assert logged_entries(redis_client, f"ratelimit:{user}:60") == 1
 
 
 ASYNC_WARNING_PROBE = textwrap.dedent("""

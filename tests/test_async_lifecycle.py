@@ -24,7 +24,7 @@ from helpers_async import (
     run_async,
     wait_for_connected_clients,
 )
-from helpers_core import connections_received, measured_commands
+from helpers_core import connections_received, logged_entries, measured_commands
 from test_limiter_concurrency import assert_exactly_limit_allowed
 
 # The coroutine API on each event loop: loop_factory is the kind's (tests/conftest.py).
@@ -253,7 +253,7 @@ def test_two_threads_with_their_own_loops_share_one_limiter_exactly(
                 thread.join(30)
             assert not errors, errors
             assert_exactly_limit_allowed(results[0] + results[1], limit=limit)
-            assert redis_client.zcard(f"ratelimit:{user}:60") == limit
+            assert logged_entries(redis_client, f"ratelimit:{user}:60") == limit
     finally:
         close_and_collect(limiter, loop_factory)
 

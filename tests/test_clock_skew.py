@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from helpers_core import Monitor, server_ms, wait_until_server_ms
+from helpers_core import SORTED_SET_SHAPE, Monitor, server_ms, wait_until_server_ms
 
 WINDOW_S = 2
 LIMIT = 5
@@ -170,6 +170,7 @@ def time_arguments(monitor: Monitor) -> list[str]:
     return [c.args[7] for c in monitor.from_others() if c.name == "EVALSHA"]
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_the_default_clock_sends_no_client_time_to_the_script(make_limiter, redis_url, redis_client,
                                                               user_id):
     with make_limiter(redis_url, connect_timeout=2.0, socket_timeout=2.0) as limiter:
@@ -180,6 +181,7 @@ def test_the_default_clock_sends_no_client_time_to_the_script(make_limiter, redi
     assert time_arguments(monitor) == ["", "", ""]
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_clock_client_sends_the_callers_unix_milliseconds(make_limiter, redis_url, redis_client, user_id):
     with make_limiter(redis_url, connect_timeout=2.0, socket_timeout=2.0, clock="client") as limiter:
         limiter.check(f"{user_id}-warm-up", 10, 60)  # loads the script: one EVALSHA per call after

@@ -14,6 +14,7 @@ import inspect
 from collections.abc import Callable, Iterator
 
 import pytest
+from helpers_core import SORTED_SET_SHAPE
 
 from fake_redis import ScriptedRedis, decision, in_order, parse_command
 from genai_ratelimit import (
@@ -59,6 +60,7 @@ def outcome(make_limiter: LimiterFactory, url: str) -> object:
 
 # ------------------------------------------------------------------ NOSCRIPT reload
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_reload_after_noscript_then_the_decision_on_both_paths(scripted, make_limiter):
     server = scripted({"EVALSHA": [NOSCRIPT, decision(1, 4, 0)], "SCRIPT_LOAD": [SHA_REPLY]})
     assert outcome(make_limiter, server.url()) == (True, 4, 0)
@@ -95,6 +97,7 @@ def test_a_handshake_reply_that_is_not_ok_drops_the_connection(scripted, make_li
     assert not server.saw("EVALSHA")
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_auth_and_select_go_out_together_and_are_judged_in_order(scripted, make_limiter):
     server = scripted({}, EVALSHA=decision(1, 4, 0))
     assert outcome(make_limiter, server.url(password="pw", db=3, username="app")) == (True, 4, 0)

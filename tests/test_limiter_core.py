@@ -14,11 +14,15 @@ import math
 import uuid
 from pathlib import Path
 
+import pytest
 import redis
 
 from helpers_core import (
+    SORTED_SET_SHAPE,
     Monitor,
     connections_received,
+    logged,
+    logged_entries,
     measured_commands,
     retry_after_bounds,
     server_ms,
@@ -38,6 +42,10 @@ def warm_up(limiter) -> None:
 
 
 def members_and_scores(client: redis.Redis, key: str) -> list[tuple[str, int]]:
+    """The window's (member, score) pairs; ("", time) in the compact storage, which keeps
+    no member per entry."""
+    if client.exists(f"{key}:c"):
+        return [("", at) for at, _ in logged(client, key)]
     return [(m.decode(), int(s)) for m, s in client.zrange(key, 0, -1, withscores=True)]
 
 
@@ -51,6 +59,7 @@ def test_check_returns_a_tuple_of_bool_int_int(limiter, user_id):
     assert result == (True, 9, 0)
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_check_sends_exactly_one_evalsha_and_nothing_else(limiter, redis_client, user_id):
     warm_up(limiter)
     with Monitor(redis_client) as monitor:
@@ -61,6 +70,7 @@ def test_check_sends_exactly_one_evalsha_and_nothing_else(limiter, redis_client,
     assert sent[0].args[1] == SCRIPT_SHA1
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_check_executes_the_script_once_per_call(limiter, redis_client, user_id):
     warm_up(limiter)
     with measured_commands(redis_client) as delta:
@@ -86,23 +96,26 @@ def test_first_check_after_an_empty_script_cache_loads_the_script_once(limiter, 
         assert limiter.check(user_id, 10, 60) == (True, 8, 0)
     assert delta.get("script|load") == 1
     assert delta.get("evalsha") == 3
-    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 2
+    assert logged_entries(redis_client, f"ratelimit:{user_id}:60") == 2
 
 
 # ------------------------------------------------------------ what lands in Redis
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_key_is_prefix_user_and_window(limiter, redis_client):
     limiter.check("user_8421", 10, 60)
     assert redis_client.keys("*") == [b"ratelimit:user_8421:60"]
     assert redis_client.type("ratelimit:user_8421:60") == b"zset"
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_key_prefix_option_replaces_the_prefix(make_limiter, redis_url, redis_client):
     with make_limiter(redis_url, key_prefix="myapp") as limiter:
         limiter.check("user_8421", 10, 60)
     assert redis_client.keys("*") == [b"myapp:user_8421:60"]
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_members_are_canonical_uuid4_text(limiter, redis_client, user_id):
     for _ in range(10):
         limiter.check(user_id, 10, 60)
@@ -114,6 +127,7 @@ def test_members_are_canonical_uuid4_text(limiter, redis_client, user_id):
         assert len(member) == 36 and member == str(parsed)  # canonical: lowercase, hyphenated
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_scores_are_the_servers_time_in_unix_milliseconds(limiter, redis_client, user_id):
     before = server_ms(redis_client)
     limiter.check(user_id, 10, 60)
@@ -159,6 +173,7 @@ def test_retry_after_follows_the_oldest_score_read_back_from_redis(limiter, redi
     assert low <= retry_after_s <= high
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_retry_after_rounds_the_oldest_entrys_remaining_life_up(limiter, redis_client, user_id):
     # Entries placed on the server's timeline: the oldest leaves the 10 s window in 2.4 s, the
     # others much later. The honest answer is ceil(2.4) = 3, not 2 (floor or round) and not
@@ -197,6 +212,7 @@ def test_two_rejections_at_different_moments_give_different_retry_after(limiter,
     assert second[2] < first[2]
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_retry_after_a_downgrade_points_at_the_entry_that_frees_a_slot(limiter, redis_client, user_id):
     # 60 entries spread over the last 58.5 s of a 60 s window, then the limit drops to 5:
     # the count falls below 5 only when the 56th oldest entry expires, not the oldest.
@@ -234,6 +250,7 @@ def test_a_downgrade_after_filling_through_the_limiter_rejects_without_writing(
 
 # ------------------------------------------------------ a rejection writes nothing
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_rejection_leaves_members_scores_and_ttl_unchanged(limiter, redis_client, user_id):
     key = f"ratelimit:{user_id}:60"
     for _ in range(3):
@@ -246,6 +263,7 @@ def test_rejection_leaves_members_scores_and_ttl_unchanged(limiter, redis_client
     assert 0 < redis_client.pttl(key) <= 30_000
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_rejection_runs_no_zadd_and_no_expire(limiter, redis_client, user_id):
     for _ in range(3):
         limiter.check(user_id, 3, 60)
@@ -256,6 +274,7 @@ def test_rejection_runs_no_zadd_and_no_expire(limiter, redis_client, user_id):
     assert "expire" not in delta and "pexpire" not in delta
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_allow_runs_one_zadd_and_one_expire(limiter, redis_client, user_id):
     warm_up(limiter)
     with measured_commands(redis_client) as delta:
@@ -274,6 +293,7 @@ def pttl_after_allow(limiter, redis_client, user_id: str, window_seconds: int) -
     return pttl, server_ms(redis_client) - before
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_ttl_after_an_allow_is_at_most_window_plus_one_second(limiter, redis_client, user_id):
     pttl, elapsed = pttl_after_allow(limiter, redis_client, user_id, 60)
     # EXPIRE key 61 ran somewhere in `elapsed`: what is left lies within it of 61 s.
@@ -281,6 +301,7 @@ def test_ttl_after_an_allow_is_at_most_window_plus_one_second(limiter, redis_cli
     assert 0 < redis_client.ttl(f"ratelimit:{user_id}:60") <= 61
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_each_allow_renews_the_ttl(limiter, redis_client, user_id):
     limiter.check(user_id, 10, 60)
     redis_client.pexpire(f"ratelimit:{user_id}:60", 5_000)
@@ -288,6 +309,7 @@ def test_each_allow_renews_the_ttl(limiter, redis_client, user_id):
     assert 61_000 - elapsed <= pttl <= 61_000
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_key_is_gone_within_window_plus_one_second_after_the_last_allow(limiter, redis_client, user_id):
     key = f"ratelimit:{user_id}:1"
     assert limiter.check(user_id, 5, 1)[0] is True
@@ -323,6 +345,7 @@ def test_tier_limits_are_the_contracts_budgets():
     }
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_every_tier_runs_the_same_script(limiter, redis_client):
     from genai_ratelimit import SCRIPT_SHA1, TIER_LIMITS
 
@@ -334,6 +357,7 @@ def test_every_tier_runs_the_same_script(limiter, redis_client):
     assert redis_client.script_exists(SCRIPT_SHA1) == [True]
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_every_tier_uses_the_same_key_shape(limiter, redis_client):
     from genai_ratelimit import TIER_LIMITS
 
@@ -343,6 +367,7 @@ def test_every_tier_uses_the_same_key_shape(limiter, redis_client):
     assert set(redis_client.keys("*")) == expected
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_changing_tier_changes_only_the_budget_consulted(limiter, redis_client, user_id):
     from genai_ratelimit import TIER_LIMITS
 
@@ -366,6 +391,7 @@ def test_check_windows_returns_allowed_remaining_retry_and_window(limiter, user_
     assert result == (True, 4, 0, 60)
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_check_windows_decides_the_shortest_window_first_even_when_given_longest_first(
         limiter, redis_client, user_id):
     minute, day = f"ratelimit:{user_id}:60", f"ratelimit:{user_id}:86400"
@@ -400,6 +426,7 @@ def test_check_windows_minute_rejection_adds_no_entry_to_any_window(limiter, red
     assert (members_and_scores(redis_client, minute), members_and_scores(redis_client, day)) == before
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_check_windows_day_rejection_adds_no_entry_to_the_minute_window(limiter, redis_client, user_id):
     minute, day = f"ratelimit:{user_id}:60", f"ratelimit:{user_id}:86400"
     for _ in range(3):
@@ -412,6 +439,7 @@ def test_check_windows_day_rejection_adds_no_entry_to_the_minute_window(limiter,
     assert delta.get("zadd") == OOM_PROBE_ZADDS and "expire" not in delta
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_check_windows_day_rejection_reports_the_days_honest_retry(limiter, redis_client, user_id):
     day = f"ratelimit:{user_id}:86400"
     now = server_ms(redis_client)
@@ -425,6 +453,7 @@ def test_check_windows_day_rejection_reports_the_days_honest_retry(limiter, redi
     assert low <= result[2] <= high
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_check_windows_allow_adds_the_same_entry_to_every_window(limiter, redis_client, user_id):
     limiter.check_windows(user_id, [(5, 60), (100, 86400), (50, 3600)])
     entries = [members_and_scores(redis_client, f"ratelimit:{user_id}:{w}") for w in (60, 3600, 86400)]
@@ -443,6 +472,7 @@ def test_check_windows_allow_tie_reports_the_shorter_window(limiter, user_id):
     assert limiter.check_windows(user_id, [(5, 60), (5, 3600)]) == (True, 3, 0, 60)
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_check_behaves_like_check_windows_with_one_window(limiter, redis_client):
     # The same sequence through both methods, one user each: the same answers, where a
     # rejection's retry is judged against each key's own oldest entry and the server clock.
@@ -464,4 +494,4 @@ def test_check_behaves_like_check_windows_with_one_window(limiter, redis_client)
         assert check_answer[:2] == windows_answer[:2]
         assert (check_answer[2] == 0) == (windows_answer[2] == 0)
     assert set(redis_client.keys("*")) == {b"ratelimit:user-a:60", b"ratelimit:user-b:60"}
-    assert redis_client.zcard("ratelimit:user-a:60") == redis_client.zcard("ratelimit:user-b:60") == 3
+    assert logged_entries(redis_client, "ratelimit:user-a:60") == logged_entries(redis_client, "ratelimit:user-b:60") == 3

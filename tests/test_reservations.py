@@ -14,7 +14,7 @@ import redis
 
 from genai_ratelimit import Reservation, _native
 from helpers_async import LimiterFactory
-from helpers_core import server_ms
+from helpers_core import SORTED_SET_SHAPE, logged_entries, server_ms
 from test_idempotent_retry import ReplyDroppingProxy, redis_port  # noqa: F401 (a fixture)
 from test_weighted import logged_cost, running_total, wait_until_server_ms
 
@@ -36,6 +36,7 @@ def entry_cost(client: redis.Redis, key: str, member: str) -> int | None:
 
 # ------------------------------------------------------------------------------ reserve
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_reserve_logs_one_entry_in_every_window(limiter: Any, redis_client: redis.Redis,
                                                 user_id: str) -> None:
     before = server_ms(redis_client)
@@ -55,6 +56,7 @@ def test_reserve_logs_one_entry_in_every_window(limiter: Any, redis_client: redi
         assert redis_client.zscore(token_key(user_id, seconds), r.member) == r.timestamp_ms
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_a_request_refused_by_a_token_window_consumes_no_request_budget(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     assert limiter.reserve(user_id, REQUESTS, token_windows=TOKENS, tokens=900).allowed
@@ -62,12 +64,13 @@ def test_a_request_refused_by_a_token_window_consumes_no_request_budget(
     assert (r.allowed, r.resource, r.window_seconds, r.member) == (False, "tokens", 60, "")
     assert r.retry_after_s >= 1
     assert r.remaining_requests == 4, "the request window keeps what it had"
-    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 1
+    assert logged_entries(redis_client, f"ratelimit:{user_id}:60") == 1
     assert running_total(redis_client, token_key(user_id)) == 900
     # The day windows, after the refusing minute window, were never reached.
     assert [w.remaining for w in r.windows if w.window_seconds == 86400] == [None, None]
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_a_request_refused_by_a_request_window_consumes_no_tokens(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     for _ in range(5):
@@ -103,6 +106,7 @@ def test_reserve_with_token_windows_only(limiter: Any, redis_client: redis.Redis
 
 # ---------------------------------------------------------------------------- reconcile
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_a_refund_frees_the_budget_at_once(limiter: Any, redis_client: redis.Redis,
                                            user_id: str) -> None:
     r = limiter.reserve(user_id, REQUESTS, token_windows=TOKENS, tokens=900)
@@ -117,6 +121,7 @@ def test_a_refund_frees_the_budget_at_once(limiter: Any, redis_client: redis.Red
         redis_client, token_key(user_id))
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_an_overage_charges_and_delays_later_requests_by_the_right_time(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     r = limiter.reserve(user_id, token_windows=[(1000, 60)], tokens=100)
@@ -136,6 +141,7 @@ def test_an_overage_charges_and_delays_later_requests_by_the_right_time(
     assert later.retry_after_s == math.ceil(later.retry_after_ms / 1000)
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_reconcile_is_idempotent(limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     r = limiter.reserve(user_id, token_windows=[(1000, 60)], tokens=400)
     limiter.reserve(user_id, token_windows=[(1000, 60)], tokens=7)
@@ -158,6 +164,7 @@ def test_reconcile_to_zero_removes_the_entry(limiter: Any, redis_client: redis.R
     assert limiter.reconcile(r, 50) == 0, "a removed entry is not brought back"
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_reconcile_to_one_leaves_a_plain_entry(limiter: Any, redis_client: redis.Redis,
                                                user_id: str) -> None:
     r = limiter.reserve(user_id, token_windows=[(1000, 60)], tokens=400)
@@ -166,6 +173,7 @@ def test_reconcile_to_one_leaves_a_plain_entry(limiter: Any, redis_client: redis
     assert running_total(redis_client, token_key(user_id)) == 1
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_reconcile_of_a_weighted_request_reservation_corrects_its_cost(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     r = limiter.reserve(user_id, [(100, 60)], cost=30)
@@ -214,6 +222,7 @@ def test_the_kill_switch_reserves_without_redis_and_reconciles_nothing(
 
 # ------------------------------------------------------------------- lost replies
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_a_reserve_whose_reply_was_lost_is_counted_once(
         make_limiter: LimiterFactory, redis_client: redis.Redis, redis_port: int,  # noqa: F811
         user_id: str) -> None:
@@ -226,10 +235,11 @@ def test_a_reserve_whose_reply_was_lost_is_counted_once(
         proxy.close()
     assert len(proxy.dropped_replies) == 1
     assert (r.allowed, r.remaining) == (True, 0)
-    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 1
+    assert logged_entries(redis_client, f"ratelimit:{user_id}:60") == 1
     assert running_total(redis_client, token_key(user_id)) == 100
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_a_reconcile_whose_reply_was_lost_never_charges_twice(
         make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
         redis_port: int, user_id: str) -> None:  # noqa: F811

@@ -18,6 +18,7 @@ import redis
 from genai_ratelimit import RateLimiterUnavailable, Reservation, Scope
 from genai_ratelimit.reservation import reserve_plan
 from helpers_async import LimiterFactory
+from helpers_core import SORTED_SET_SHAPE, logged_entries
 
 UPSTREAM = "openai/gpt-4o"
 
@@ -51,6 +52,7 @@ UP_TOKENS = f"ratelimit:{UPSTREAM}:60:tokens:shared"
 
 # --------------------------------------------------------------------------- the keys
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_each_scope_kind_has_its_own_keys(limiter: Any, redis_client: redis.Redis,
                                           user_id: str) -> None:
     route = Scope("route:/v1/chat", windows=[(5, 60)], token_windows=[(500, 60)])
@@ -87,6 +89,7 @@ ONE = [(1, 60)]
     (("x", (), [Scope("a:b", windows=ONE)]), ("x", (), [Scope("a%3Ab", windows=ONE)])),
     (("x:a", (), [Scope("b", windows=ONE)]), ("x", (), [Scope("a:b", windows=ONE)])),
 ])
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_no_user_id_or_scope_name_can_share_a_key(limiter: Any, redis_client: redis.Redis,
                                                   first: Any, second: Any) -> None:
     """Each pair would share a key in a naive layout: each side fills a one-request budget,
@@ -129,7 +132,7 @@ def test_a_request_the_upstream_refuses_leaves_no_entry_in_the_tenant(
         False, cap, "requests", 60, "")
     assert r.retry_after_s >= 1
     assert redis_client.exists(f"ratelimit:{user_id}:60", f"ratelimit:{user_id}:60:tokens") == 0
-    assert redis_client.zcard(UP_KEY) == 2
+    assert logged_entries(redis_client, UP_KEY) == 2
     # The tenant's windows say untouched (never reached, or all of their budget left).
     own = [w for w in r.windows if w.scope is None]
     assert own and all(w.remaining in (None, w.limit) for w in own)
@@ -157,10 +160,11 @@ def test_a_request_the_tenant_refuses_leaves_the_upstream_untouched(
     assert r.allowed
     r = limiter.reserve(other, [(5, 60)], token_windows=[(50, 60)], tokens=40, scopes=[cap])
     assert not r.allowed and r.resource == "tokens" and r.scope is None
-    assert redis_client.zcard(f"ratelimit:{other}:60") == 1
-    assert redis_client.zcard(UP_KEY) == 2
+    assert logged_entries(redis_client, f"ratelimit:{other}:60") == 1
+    assert logged_entries(redis_client, UP_KEY) == 2
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 @pytest.mark.parametrize("two_step", [False, True])
 def test_reconcile_corrects_the_upstream_token_windows_with_the_tenants(
         limiter: Any, redis_client: redis.Redis, user_id: str, two_step: bool) -> None:
@@ -181,7 +185,7 @@ def test_reconcile_corrects_the_upstream_token_windows_with_the_tenants(
         assert cost_of(redis_client, key, member) == 123, key
     # The request windows kept their one request.
     assert cost_of(redis_client, f"ratelimit:{user_id}:60", r.member) == 1
-    assert redis_client.zcard(UP_KEY) == 1
+    assert logged_entries(redis_client, UP_KEY) == 1
 
 
 # ------------------------------------------------- the issue's test: 3 tenants, cap 30/min
@@ -197,7 +201,7 @@ def check_exactly_30(redis_client: redis.Redis, tenants: list[str],
     assert len(answers) == TENANTS * CALLERS_PER_TENANT * ATTEMPTS_PER_CALLER
     assert len(admitted) == 30
     assert all(r.scope is not None and r.scope.shared for _, r in answers if not r.allowed)
-    assert redis_client.zcard(UP_KEY) == 30
+    assert logged_entries(redis_client, UP_KEY) == 30
     for tenant in tenants:
         logged = entries(redis_client, f"ratelimit:{tenant}:60")
         mine = {r.member for t, r in admitted if t == tenant}
@@ -205,6 +209,7 @@ def check_exactly_30(redis_client: redis.Redis, tenants: list[str],
         assert logged == mine
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 @pytest.mark.parametrize("two_step", [False, True])
 def test_three_tenants_threads_on_one_upstream_capped_at_30_get_exactly_30(
         make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, user_id: str,
@@ -238,6 +243,7 @@ def test_three_tenants_threads_on_one_upstream_capped_at_30_get_exactly_30(
 
 @pytest.mark.limiter_kinds("asyncio", "uvloop", reason="coroutines on one loop; the threads "
                            "test above covers the blocking limiter")
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 @pytest.mark.parametrize("two_step", [False, True])
 def test_three_tenants_coroutines_on_one_upstream_capped_at_30_get_exactly_30(
         make_limiter: LimiterFactory, loop_factory: Any, redis_url: str,
@@ -296,12 +302,13 @@ def test_two_steps_with_two_upstreams_refund_the_first_when_the_second_refuses(
     assert limiter.reserve(user_id, [(9, 60)], scopes=[a, b]).allowed
     r = limiter.reserve(user_id, [(9, 60)], scopes=[a, b])
     assert not r.allowed and r.scope == b
-    assert redis_client.zcard("ratelimit:provider-a:60:shared") == 1
-    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 1
+    assert logged_entries(redis_client, "ratelimit:provider-a:60:shared") == 1
+    assert logged_entries(redis_client, f"ratelimit:{user_id}:60") == 1
 
 
 @pytest.mark.limiter_kinds("sync", reason="the plan is one object for both limiters: driven "
                             "here by hand with the blocking calls")
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_a_crash_between_the_steps_costs_one_entry_in_the_upstream_only(
         make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
         user_id: str) -> None:
@@ -316,7 +323,7 @@ def test_a_crash_between_the_steps_costs_one_entry_in_the_upstream_only(
     assert name == "reserve" and positional == (user_id, ())
     native._reserve(*positional, **keywords)
     plan.close()  # the crash: the second step never runs, the first is never refunded
-    assert redis_client.zcard(UP_KEY) == 1
+    assert logged_entries(redis_client, UP_KEY) == 1
     assert 0 < redis_client.ttl(UP_KEY) <= 61
     assert not redis_client.keys(f"ratelimit:{user_id}*")
 
@@ -337,7 +344,7 @@ def test_a_failing_second_step_is_refunded_and_raises(
     assert limiter._reconcile(*refund[1], **refund[2]) == 1
     with pytest.raises(RateLimiterUnavailable, match="went away"):
         plan.send(1)
-    assert redis_client.zcard(UP_KEY) == 0
+    assert logged_entries(redis_client, UP_KEY) == 0
 
 
 # ----------------------------------------------------------------- errors before any I/O
@@ -407,4 +414,4 @@ def test_reset_forgets_a_users_own_scopes_and_never_a_shared_cap(
     others = {k for k in redis_client.keys("*") if not k.decode().startswith(f"ratelimit:{user_id}:6")}
     assert limiter.reset(user_id) == 4  # the own request and token windows, the route's two
     assert set(redis_client.keys("*")) == others
-    assert redis_client.zcard(UP_KEY) == 1 and redis_client.zcard(UP_TOKENS) == 1
+    assert logged_entries(redis_client, UP_KEY) == 1 and logged_entries(redis_client, UP_TOKENS) == 1

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers_core import SORTED_SET_SHAPE
 import redis
 
 from genai_ratelimit import RateLimiterAuthError, RateLimiterUnavailable
@@ -79,6 +80,7 @@ def _run(make_limiter: LimiterFactory, url: str, user: str, calls: int = 3) -> l
         return [limiter.check(user, 2, 60) for _ in range(calls)]
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_tls_with_ca_file_limits_exactly(make_limiter: LimiterFactory, tls_server: RedisServer,
                                          certificates: Path, user_id: str) -> None:
     url = f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"

@@ -16,7 +16,7 @@ import redis
 
 from genai_ratelimit import RateLimiterError
 from helpers_async import LimiterFactory, run_async
-from helpers_core import Monitor, server_ms
+from helpers_core import SORTED_SET_SHAPE, Monitor, logged_entries, server_ms
 
 
 def logged_cost(client: redis.Redis, key: str) -> int:
@@ -33,18 +33,20 @@ def running_total(client: redis.Redis, key: str) -> int:
 
 # --------------------------------------------------------------- cost=1 is today's check
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_cost_one_logs_exactly_what_a_plain_check_logs(limiter: Any, redis_client: redis.Redis,
                                                        user_id: str) -> None:
     assert limiter.check(user_id, 3, 60, cost=1) == (True, 2, 0)
     assert limiter.check(user_id, 3, 60) == (True, 1, 0)
     key = f"ratelimit:{user_id}:60"
-    assert redis_client.zcard(key) == 2
+    assert logged_entries(redis_client, key) == 2
     assert not redis_client.exists(f"{key}:w"), "plain entries must not create the weights hash"
     assert sorted(redis_client.keys(f"ratelimit:{user_id}*")) == [key.encode()]
 
 
 # ------------------------------------------------------------------ weighted decisions
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_weighted_checks_admit_while_the_cost_fits(limiter: Any, redis_client: redis.Redis,
                                                    user_id: str) -> None:
     results = [limiter.check(user_id, 100, 60, cost=7) for _ in range(15)]
@@ -54,6 +56,7 @@ def test_weighted_checks_admit_while_the_cost_fits(limiter: Any, redis_client: r
     assert logged_cost(redis_client, key) == 98 == running_total(redis_client, key)
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_plain_and_weighted_checks_share_one_budget(limiter: Any, redis_client: redis.Redis,
                                                     user_id: str) -> None:
     assert limiter.check(user_id, 10, 60, cost=6) == (True, 4, 0)
@@ -63,6 +66,7 @@ def test_plain_and_weighted_checks_share_one_budget(limiter: Any, redis_client: 
     assert logged_cost(redis_client, f"ratelimit:{user_id}:60") == 10
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_every_window_is_charged_the_cost(limiter: Any, redis_client: redis.Redis,
                                           user_id: str) -> None:
     assert limiter.check_windows(user_id, [(20, 60), (50, 3600)], cost=8) == (True, 12, 0, 60)
@@ -100,6 +104,7 @@ def test_cost_is_keyword_only(unreachable_limiter: Any) -> None:
 
 # -------------------------------------------------------------- the retry for weights
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_retry_after_waits_for_the_entries_whose_costs_free_enough(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     """Entries of costs 5, 1, 30, 2 in a 60-unit window (used 38); a request of cost 40 needs
@@ -119,6 +124,7 @@ def test_retry_after_waits_for_the_entries_whose_costs_free_enough(
     assert logged_cost(redis_client, key) == 38, "a rejection writes nothing"
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_retry_after_of_plain_entries_is_unchanged(limiter: Any, redis_client: redis.Redis,
                                                    user_id: str) -> None:
     key = f"ratelimit:{user_id}:60"
@@ -144,6 +150,7 @@ def wait_until_server_ms(client: redis.Redis, deadline_ms: int) -> None:
     pytest.fail("the server's clock did not reach the deadline within 5 s")
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_entries_leaving_the_window_take_their_weight_with_them(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     key = f"ratelimit:{user_id}:1"
@@ -157,6 +164,7 @@ def test_entries_leaving_the_window_take_their_weight_with_them(
     assert int(redis_client.hget(f"{key}:w", "")) == 8
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_the_weights_hash_lives_as_long_as_its_window(limiter: Any, redis_client: redis.Redis,
                                                       user_id: str) -> None:
     key = f"ratelimit:{user_id}:60"
@@ -165,6 +173,7 @@ def test_the_weights_hash_lives_as_long_as_its_window(limiter: Any, redis_client
     assert 0 < redis_client.ttl(key) <= 61
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_a_window_of_many_entries_is_trimmed_in_batches(limiter: Any, redis_client: redis.Redis,
                                                         user_id: str) -> None:
     """2,500 weighted entries leave at once (more than Lua's unpack takes in one call)."""
@@ -175,13 +184,14 @@ def test_a_window_of_many_entries_is_trimmed_in_batches(limiter: Any, redis_clie
     redis_client.zadd(key, members)
     redis_client.hset(f"{key}:w", mapping={**{m: 3 for m in members}, "": 2 * 2500})
     assert limiter.check(user_id, 10, 60, cost=4) == (True, 6, 0)
-    assert redis_client.zcard(key) == 1
+    assert logged_entries(redis_client, key) == 1
     assert redis_client.hlen(f"{key}:w") == 2 and redis_client.hget(f"{key}:w", "") == b"3"
     assert running_total(redis_client, key) == 4 == logged_cost(redis_client, key)
 
 
 # ---------------------------------------------------------------- exact under concurrency
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_fifty_callers_of_cost_seven_against_a_limit_of_one_hundred_admit_exactly_fourteen(
         make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
         user_id: str) -> None:
@@ -220,6 +230,7 @@ def test_fifty_callers_of_cost_seven_against_a_limit_of_one_hundred_admit_exactl
 
 # ------------------------------------------------------------------------- token keys
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 @pytest.mark.parametrize("user", ["u", "u:60", "u:60:tokens", "60", "tokens", "u:w", "ns:x:60"])
 def test_token_windows_never_share_a_key_with_request_windows(
         limiter: Any, redis_client: redis.Redis, user_id: str, user: str) -> None:
@@ -234,7 +245,7 @@ def test_token_windows_never_share_a_key_with_request_windows(
         assert limiter.check(other, 1, 60) == (True, 0, 0)
     keys = sorted(redis_client.keys(f"ratelimit:{user_id}*"))
     assert len(keys) == len(set(keys))
-    assert redis_client.zcard(f"ratelimit:{base}:60") == 1
+    assert logged_entries(redis_client, f"ratelimit:{base}:60") == 1
     assert running_total(redis_client, f"ratelimit:{base}:60:tokens") == 10
 
 
@@ -275,6 +286,7 @@ def freeing_wait_ms(entries: list[tuple[str, int, int]], need: int, window_ms: i
     return window_ms
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_a_refusal_on_a_weighted_window_finds_its_entry_in_a_few_commands(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     """The entry whose leaving frees enough is found by a search on the running totals, not
@@ -295,6 +307,7 @@ def test_a_refusal_on_a_weighted_window_finds_its_entry_in_a_few_commands(
                                                           decision.timestamp_ms)
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_peek_on_a_window_without_totals_walks_it_and_writes_nothing(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     key = f"ratelimit:{user_id}:3600"
@@ -306,6 +319,7 @@ def test_peek_on_a_window_without_totals_walks_it_and_writes_nothing(
     assert not redis_client.exists(f"{key}:t"), "a read-only script built the totals"
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_totals_that_disagree_with_the_window_are_rebuilt_before_a_search(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
     """Written by an older process during a rolling upgrade, say: the search notices."""

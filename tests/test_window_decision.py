@@ -9,6 +9,7 @@ import pickle
 from typing import Any
 
 import pytest
+from helpers_core import SORTED_SET_SHAPE
 import redis
 
 from genai_ratelimit import WindowDecision
@@ -16,6 +17,7 @@ from genai_ratelimit import WindowDecision
 WINDOWS = [(2, 60), (100, 86_400)]
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_an_allowed_decision_is_the_contract_tuple_with_names(limiter: Any, user_id: str,
                                                                redis_client: redis.Redis) -> None:
     decision = limiter.check_windows_detailed(user_id, WINDOWS)
@@ -43,6 +45,7 @@ def test_a_refusal_carries_the_exact_wait_behind_the_rounded_one(
     assert refused.retry_after_s == max(1, -(-refused.retry_after_ms // 1000))
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_it_is_check_windows_answer_and_check_windows_stays_a_plain_tuple(
         limiter: Any, user_id: str, redis_client: redis.Redis) -> None:
     plain = limiter.check_windows(user_id, WINDOWS)

@@ -74,3 +74,48 @@ local function decided_before(n, now, used_of)
   end
   return {1, fewest, 0, fewest_index, now, remaining_of, 0}
 end
+
+-- A decision that logs (sliding_window.lua, compact_window.lua), over `log`, a storage of
+-- lib/zset_log.lua or lib/compact_log.lua. ARGV[1] is the member to log, `marker` the
+-- call's replay marker: a replay whose first attempt was allowed and logged in KEYS[n]
+-- (the longest window, where it stays longest) is allowed again, logging nothing, and
+-- reports that entry's time. On allow every window logs the entry with its cost. Returns
+-- the reply and the entry's tie (lib/compact_log.lua; 0 for sorted sets).
+local function decide_and_log(n, now, log, marker)
+  if marker == '1' then
+    local at, tie = log.logged(n, ARGV[1])
+    if at then
+      local reply = decided_before(n, at, log.trim)
+      log.flush()
+      return reply, tie
+    end
+  end
+  local reply = decide(n, now, log.trim, log.freeing_stamp)
+  local tie = 0
+  if reply[1] == 1 then
+    tie = log.tie()
+    for i = 1, n do
+      local window_ms, _, cost = window_of(i)
+      log.add(i, ARGV[1], cost, window_ms, tie)
+    end
+  end
+  log.flush()
+  return reply, tie
+end
+
+-- What decide_and_log would answer now, without writing (peek.lua, compact_peek.lua): the
+-- windows' trims accounted for, not done. The reply has an 8th element, {used_1, oldest_1,
+-- ..., used_n, oldest_n}: every window's used cost and its oldest entry's time (unix ms),
+-- or -1 when it is empty.
+local function peek_windows(n, now, log)
+  local usage, used_of = {}, {}
+  for i = 1, n do
+    local used, oldest = log.look(i, tonumber(ARGV[3 * i]))
+    used_of[i] = used
+    usage[2 * i - 1] = used
+    usage[2 * i] = oldest or -1
+  end
+  local reply = decide(n, now, function(i) return used_of[i] end, log.peek_freeing_stamp)
+  reply[8] = usage
+  return reply
+end

@@ -249,10 +249,19 @@ local function zset_log(n, now)
     return freeing_stamp(i, need, false)
   end
 
-  -- True when `member` is logged in window i (a replay whose first attempt counted).
-  function log.holds(i, member)
-    return redis.call('ZSCORE', KEYS[i], member) ~= false
+  -- When `member` is logged in window i (a replay whose first attempt counted): its time
+  -- and tie (always 0 here: members tell entries apart); else nil.
+  function log.logged(i, member)
+    local at = redis.call('ZSCORE', KEYS[i], member)
+    if at then return tonumber(at), 0 end
+    return nil
   end
+
+  -- The tie of a decision's entries: none here (lib/compact_log.lua needs one).
+  function log.tie() return 0 end
+
+  -- Nothing is kept for later here: every change was written when it was made.
+  function log.flush() end
 
   -- Adds `delta` to the totals of window i's weighted entries after the total `after`
   -- (the entries after one whose cost changed or that came in before them).
@@ -299,10 +308,11 @@ local function zset_log(n, now)
   end
 
   -- Sets the cost of the entry `member` logged at `score` in window i to `cost` (0
-  -- removes it), when it is still there with that score and has not left the window.
+  -- removes it), when it is still there with that score and has not left the window (the
+  -- tie, a compact log's, is not needed).
   -- Returns 1 when it was, else 0. Setting the same cost twice changes nothing. The
   -- totals of the weighted entries after it move by the difference (O(those entries)).
-  function log.set_cost(i, member, score, cost, window_ms)
+  function log.set_cost(i, member, score, _, cost, window_ms)
     local key, weights, totals = keys_of(i)
     local logged = tonumber(redis.call('ZSCORE', key, member))
     if logged ~= score or score <= now - window_ms then return 0 end

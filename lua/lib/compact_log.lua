@@ -1,0 +1,410 @@
+--[[
+lib/compact_log.lua - the sliding-window log kept in one Redis string per window (storage
+"compact"). Prepended by the build (setup.py) to the scripts that name it; functions only.
+
+Admitted requests are logged in time order, so a window is a sorted sequence of fixed-width
+entries: the window's edge, its used cost and the entry whose leaving frees enough are
+binary searches (GETRANGE), the entries that left are dropped by moving a head offset, and
+the string is rewritten (compacted) only when it runs out of room or is mostly dead.
+
+The value, layout version 1 (integers big-endian, unsigned):
+  0   1 B  version (1); another version is refused, never misread
+  1   1 B  S: the width of an entry's time (4, 5 or 6 bytes, from the window's length)
+  2   1 B  C: the width of an entry's running total (0: every entry costs 1; else 6 or 7)
+  3   1 B  R: slots of the replay table (0, or REPLAY_SLOTS in a decision's longest window)
+  4   6 B  base: an entry's time is base + its stored time, unix ms
+  10  4 B  head: byte offset of the first entry (the ones before it have left)
+  14  4 B  tail: byte offset past the last entry (room follows, up to the string's end)
+  18  7 B  origin: the running total before the first entry (C > 0; 0 otherwise)
+  25  2 B  next tie: the tie the next entry may take at the least
+  27  1 B  next slot of the replay table
+  28  16R  the replay table: R slots of {request id: the first 8 bytes of its UUID4,
+           its time (6 B, unix ms), its tie (2 B)}, the most recent admissions
+  28+16R   entries, each {time - base (S B), tie (2 B), running total (C B)}, sorted by
+           (time, tie); the running total includes the entry's own cost
+An entry is identified by (time, tie): one decision logs one entry in each of its windows,
+all with the same tie, larger than any tie its windows hold, so no two entries of a window
+share both (65,536 admissions of one window in one millisecond would wrap the tie).
+--]]
+
+local COMPACT_VERSION = 1
+local HEADER = '>BBBBI6I4I4I7I2B'
+local HEADER_SIZE = 28
+local REPLAY_SLOTS = 8
+local SLOT_SIZE = 16
+local TIE_LIMIT = 65536
+local BATCH = 1000 -- entries decoded at once (Lua's unpack takes a few thousand values)
+
+-- The width of an entry's stored time for a window of window_ms: room for four windows
+-- from the base (4 bytes up to 12 days, 5 up to 8 years, 6 beyond).
+local function stamp_width(window_ms)
+  if window_ms * 4 < 2 ^ 32 then return 4 end
+  if window_ms * 4 < 2 ^ 40 then return 5 end
+  return 6
+end
+
+-- Room for `count` entries and those to come: an eighth more, at least 4.
+local function capacity_for(count)
+  return count + math.max(4, math.ceil(count / 8))
+end
+
+-- The parsed header of the string at `key`, or {exists = false}. An unknown layout
+-- version is an error reply (never misread).
+local function compact_header(key)
+  local bytes = redis.call('GETRANGE', key, 0, HEADER_SIZE - 1)
+  local st = {key = key, exists = #bytes > 0}
+  if not st.exists then return st end
+  local version = string.byte(bytes, 1)
+  if #bytes < HEADER_SIZE or version ~= COMPACT_VERSION then
+    error({err = 'genai-ratelimit: ' .. key .. ' holds an unknown compact layout (version ' ..
+      tostring(version) .. ', ' .. #bytes .. ' header bytes)'})
+  end
+  local _
+  _, st.S, st.C, st.R, st.base, st.head, st.tail, st.origin, st.next_tie, st.next_slot =
+    struct.unpack(HEADER, bytes)
+  st.E = st.S + 2 + st.C
+  st.data = HEADER_SIZE + SLOT_SIZE * st.R
+  st.count = (st.tail - st.head) / st.E
+  st.one = 'I' .. st.S .. 'I2' .. (st.C > 0 and 'I' .. st.C or '')
+  return st
+end
+
+-- The number of entries the string at `key` holds (reset's count), 0 when it is absent.
+local function compact_entries(key)
+  local st = compact_header(key)
+  return st.exists and st.count or 0
+end
+
+-- The compact log of a call's n windows (KEYS[1..n]) at `now`.
+local function compact_log(n, now)
+  local log = {}
+  local state = {} -- per window: its header, as loaded and changed, and the last measure
+
+  -- Entries k .. k + count - 1 (0 = the first after head): their values, flat.
+  local function read(st, k, count)
+    local from = st.head + k * st.E
+    local bytes = redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
+    return {struct.unpack('>' .. string.rep(st.one, count), bytes)}
+  end
+
+  -- The values per entry in read's answer.
+  local function width(st) return st.C > 0 and 3 or 2 end
+
+  -- Entry k's {stored time, tie, running total or nil}.
+  local function entry(st, k)
+    local v = read(st, k, 1)
+    return v[1], v[2], st.C > 0 and v[3] or nil
+  end
+
+  -- The first k in [lo, hi) whose entry makes pred(time, tie, total) true (pred is false
+  -- then true along the entries), or hi: a binary search down to 32 entries, read at once.
+  local function first_where(st, lo, hi, pred)
+    while hi - lo > 32 do
+      local middle = math.floor((lo + hi) / 2)
+      if pred(entry(st, middle)) then hi = middle else lo = middle + 1 end
+    end
+    if lo >= hi then return hi end
+    local v, w = read(st, lo, hi - lo), width(st)
+    for j = 0, hi - lo - 1 do
+      if pred(v[j * w + 1], v[j * w + 2], v[j * w + 3]) then return lo + j end
+    end
+    return hi
+  end
+
+  -- As first_where over [0, count), for an answer expected near 0 (the entries that left
+  -- a window since the last call): probes 0, 1, 2, 4, ... first.
+  local function first_from_start(st, pred)
+    local lo, probe = 0, 0
+    while probe < st.count do
+      if pred(entry(st, probe)) then return first_where(st, lo, probe, pred) end
+      lo = probe + 1
+      probe = probe == 0 and 1 or probe * 2
+    end
+    return first_where(st, lo, st.count, pred)
+  end
+
+  -- Entry k's running total; k = -1: the origin.
+  local function total_at(st, k)
+    if k < 0 then return st.origin end
+    local _, _, total = entry(st, k)
+    return total
+  end
+
+  -- Entries from .. from + count - 1, packed again with `delta` added to their running
+  -- totals (in batches).
+  local function repack(st, from, count, delta)
+    local parts, w = {}, width(st)
+    for part = from, from + count - 1, BATCH do
+      local size = math.min(BATCH, from + count - part)
+      local v = read(st, part, size)
+      table.remove(v) -- unpack's next position
+      if st.C > 0 then
+        for j = 3, #v, w do v[j] = v[j] + delta end
+      end
+      parts[#parts + 1] = struct.pack('>' .. string.rep(st.one, size), unpack(v))
+    end
+    return table.concat(parts)
+  end
+
+  local function save_header(st)
+    redis.call('SETRANGE', st.key, 0, struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R,
+      st.base, st.head, st.tail, st.origin, st.next_tie, st.next_slot))
+  end
+
+  -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table
+  -- `table_bytes`, the entries `entries` (raw, in st's layout) and room for `room` more.
+  local function rewrite(st, table_bytes, entries, room)
+    st.E = st.S + 2 + st.C
+    st.one = 'I' .. st.S .. 'I2' .. (st.C > 0 and 'I' .. st.C or '')
+    st.data = HEADER_SIZE + SLOT_SIZE * st.R
+    st.head = st.data
+    st.tail = st.data + #entries
+    st.count = #entries / st.E
+    redis.call('SET', st.key, struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R, st.base,
+      st.head, st.tail, st.origin, st.next_tie, st.next_slot) .. table_bytes .. entries ..
+      string.rep('\0', room * st.E), 'KEEPTTL')
+    st.exists = true
+  end
+
+  local function replay_table(st)
+    if st.R == 0 then return '' end
+    return redis.call('GETRANGE', st.key, HEADER_SIZE, st.data - 1)
+  end
+
+  -- Copies the entries to a fresh string with room for capacity_for(count + extra): drops
+  -- the ones that left and what was room, as memory copies.
+  local function compact(st, extra)
+    local entries = ''
+    if st.count > 0 then entries = redis.call('GETRANGE', st.key, st.head, st.tail - 1) end
+    rewrite(st, replay_table(st), entries, capacity_for(st.count + extra) - st.count)
+  end
+
+  -- Rewrites every entry in a new layout (O(entries) in Lua: rare): the stored times
+  -- against `base`, the running totals `C` bytes wide with the origin moved to 0 (C > 0;
+  -- from a window of cost-1 entries, their totals are 1, 2, ...), the replay table with
+  -- `slots` slots. `extra`: room to keep for entries about to come.
+  local function relayout(st, base, C, slots, extra)
+    local table_bytes = replay_table(st)
+    if slots > st.R then table_bytes = table_bytes .. string.rep('\0', SLOT_SIZE * (slots - st.R)) end
+    local S, shift, out = st.S, st.base - base, {}
+    local new_one = 'I' .. S .. 'I2' .. (C > 0 and 'I' .. C or '')
+    local w = width(st)
+    for from = 0, st.count - 1, BATCH do
+      local count = math.min(BATCH, st.count - from)
+      local v, packed = read(st, from, count), {}
+      for j = 0, count - 1 do
+        packed[#packed + 1] = v[j * w + 1] + shift
+        packed[#packed + 1] = v[j * w + 2]
+        if C > 0 then
+          packed[#packed + 1] = st.C > 0 and v[j * w + 3] - st.origin or from + j + 1
+        end
+      end
+      out[#out + 1] = struct.pack('>' .. string.rep(new_one, count), unpack(packed))
+    end
+    st.base, st.C, st.R, st.origin = base, C, slots, 0
+    local entries = table.concat(out)
+    rewrite(st, table_bytes, entries, capacity_for(st.count + extra) - st.count)
+  end
+
+  -- Window i's entries that left by now dropped (header only; the string is compacted
+  -- when most of it is dead). Returns its used cost; the window's state is kept.
+  function log.trim(i, window_ms)
+    local st = compact_header(KEYS[i])
+    state[i] = st
+    st.gone, st.dead_total = 0, nil
+    if not st.exists or st.count == 0 then return 0 end
+    local edge = now - window_ms - st.base -- a stored time at or before it has left
+    local k = first_from_start(st, function(at) return at > edge end)
+    if k > 0 then
+      st.origin = st.C > 0 and total_at(st, k - 1) or 0
+      st.head, st.count = st.head + k * st.E, st.count - k
+      if st.count == 0 then st.head, st.tail = st.data, st.data end
+      st.dirty = true
+      -- Mostly dead or room: a copy of what is left, with room for an eighth more.
+      local size = redis.call('STRLEN', st.key)
+      if size - st.data > 2 * st.E * capacity_for(st.count) + 64 then
+        compact(st, 0)
+        st.dirty = false
+      end
+    end
+    st.dead_total = st.origin
+    if st.count == 0 then return 0 end
+    if st.C == 0 then return st.count end
+    return total_at(st, st.count - 1) - st.origin
+  end
+
+  -- Window i as trim would leave it, without writing: its used cost and its oldest entry's
+  -- time (nil when empty).
+  function log.look(i, window_ms)
+    local st = compact_header(KEYS[i])
+    state[i] = st
+    st.gone, st.dead_total = 0, st.origin
+    if not st.exists or st.count == 0 then return 0, nil end
+    local edge = now - window_ms - st.base
+    local k = first_from_start(st, function(at) return at > edge end)
+    st.gone = k
+    if k == st.count then return 0, nil end
+    local at = entry(st, k)
+    if st.C == 0 then return st.count - k, st.base + at end
+    st.dead_total = total_at(st, k - 1)
+    return total_at(st, st.count - 1) - st.dead_total, st.base + at
+  end
+
+  -- The time of window i's oldest entry (after the ones gone) whose leaving frees `need`
+  -- units, or nil when none does: the need-th entry, or a search on the running totals.
+  function log.freeing_stamp(i, _, need)
+    local st = state[i]
+    local k
+    if st.C == 0 then
+      k = st.gone + need - 1
+    else
+      local target = st.dead_total + need
+      k = first_where(st, st.gone, st.count, function(_, _, total) return total >= target end)
+    end
+    if k >= st.count then return nil end
+    return st.base + entry(st, k)
+  end
+  log.peek_freeing_stamp = log.freeing_stamp
+
+  -- The tie a decision over windows 1..n (measured) gives its entries: above every tie
+  -- they hold.
+  function log.tie()
+    local tie = 0
+    for i = 1, n do
+      local st = state[i]
+      if st.exists and st.next_tie > tie then tie = st.next_tie end
+    end
+    return tie
+  end
+
+  -- A request id's 8 bytes (the first 16 hex digits of its UUID4 text).
+  local function request_id(member)
+    local hex = string.sub(member, 1, 8) .. string.sub(member, 10, 13) .. string.sub(member, 15, 18)
+    return struct.pack('>I4I4', tonumber(string.sub(hex, 1, 8), 16), tonumber(string.sub(hex, 9, 16), 16))
+  end
+
+  -- When `member` is in window i's replay table (its first attempt was allowed): the
+  -- time and tie it was logged with; else nil.
+  function log.logged(i, member)
+    local st = compact_header(KEYS[i])
+    if not st.exists or st.R == 0 then return nil end
+    local slots, id = replay_table(st), request_id(member)
+    for s = 0, st.R - 1 do
+      if string.sub(slots, s * SLOT_SIZE + 1, s * SLOT_SIZE + 8) == id then
+        local at, tie = struct.unpack('>I6I2', string.sub(slots, s * SLOT_SIZE + 9, s * SLOT_SIZE + 16))
+        return at, tie
+      end
+    end
+    return nil
+  end
+
+  -- Logs an entry at now with `cost` and `tie` in window i (after its trim), recording
+  -- `member` in its replay table when it is the decision's longest window (i = n). The key
+  -- lives window_ms + 1 s.
+  function log.add(i, member, cost, window_ms, tie)
+    local st = state[i]
+    local slots = i == n and REPLAY_SLOTS or 0
+    if not st.exists then
+      st.S, st.C, st.R = stamp_width(window_ms), cost ~= 1 and 6 or 0, slots
+      st.base, st.origin, st.next_tie, st.next_slot = now - window_ms, 0, 0, 0
+      rewrite(st, string.rep('\0', SLOT_SIZE * slots), '', capacity_for(1))
+    end
+    if slots < st.R then slots = st.R end
+    local at = now - st.base
+    local base = st.base
+    if at < 0 or at >= 256 ^ st.S then
+      -- Out of the stored times' range (a clock far behind, or years of a busy window):
+      -- the base moves to the oldest entry, less a window.
+      local oldest = st.count > 0 and st.base + entry(st, 0) or now
+      base = math.min(oldest, now) - window_ms
+    end
+    -- Running totals from the first entry of another cost on; none again once a window
+    -- that held such entries is empty and this entry costs 1.
+    local C = st.C
+    if cost ~= 1 and C == 0 then C = 6 end
+    if cost == 1 and st.count == 0 then C = 0 end
+    if C ~= st.C or slots > st.R or base ~= st.base then
+      relayout(st, base, C, slots, 1)
+      at = now - st.base
+    end
+    -- Its place: after every entry at or before now (its tie is above theirs).
+    local k = st.count
+    if k > 0 and st.base + entry(st, k - 1) > now then
+      k = first_where(st, 0, st.count, function(t) return t > at end)
+    end
+    local total = nil
+    if st.C > 0 then
+      total = total_at(st, k - 1) + cost
+      if total + (k < st.count and total_at(st, st.count - 1) - total_at(st, k - 1) or 0) >= 256 ^ st.C then
+        relayout(st, st.base, 7, st.R, 1)
+        total = total_at(st, k - 1) + cost
+      end
+    end
+    if st.tail + st.E > redis.call('STRLEN', st.key) then compact(st, 1) end
+    local bytes = struct.pack('>' .. st.one, at, tie, total)
+    if k < st.count then
+      -- Another clock behind: the later entries move one place up, their totals by cost.
+      bytes = bytes .. repack(st, k, st.count - k, cost)
+    end
+    redis.call('SETRANGE', st.key, st.head + k * st.E, bytes)
+    st.tail, st.count = st.tail + st.E, st.count + 1
+    st.next_tie = (tie + 1) % TIE_LIMIT
+    if i == n then
+      local slot = struct.pack('>I6I2', now, tie)
+      redis.call('SETRANGE', st.key, HEADER_SIZE + SLOT_SIZE * st.next_slot, request_id(member) .. slot)
+      st.next_slot = (st.next_slot + 1) % st.R
+    end
+    save_header(st)
+    st.dirty = false
+    redis.call('EXPIRE', st.key, window_ms / 1000 + 1)
+  end
+
+  -- Writes the headers that trims changed (a refused decision keeps its trims).
+  function log.flush()
+    for i = 1, n do
+      local st = state[i]
+      if st and st.dirty then
+        save_header(st)
+        st.dirty = false
+      end
+    end
+  end
+
+  -- Sets the cost of the entry logged at `at` (unix ms) with `tie` in window i to `cost`
+  -- (0 removes it; its member is not needed), when it is still there and has not left
+  -- the window: 1, else 0. The running totals after it move by the difference (O(entries
+  -- after it)); setting the same cost twice changes nothing.
+  function log.set_cost(i, _, at, tie, cost, window_ms)
+    local st = compact_header(KEYS[i])
+    if not st.exists or at <= now - window_ms then return 0 end
+    local stored = at - st.base
+    local k = first_where(st, 0, st.count, function(t, e)
+      return t > stored or (t == stored and e >= tie)
+    end)
+    if k >= st.count then return 0 end
+    local t, e = entry(st, k)
+    if t ~= stored or e ~= tie then return 0 end
+    local old = st.C > 0 and total_at(st, k) - total_at(st, k - 1) or 1
+    if cost == old then return 1 end
+    if cost ~= 0 and st.C == 0 then relayout(st, st.base, 6, st.R, 0) end
+    local delta = cost - old
+    if st.C > 0 and total_at(st, st.count - 1) + delta >= 256 ^ st.C then
+      relayout(st, st.base, 7, st.R, 0)
+    end
+    local from = cost == 0 and k + 1 or k
+    local bytes = ''
+    if from < st.count and st.C == 0 then
+      bytes = redis.call('GETRANGE', st.key, st.head + from * st.E, st.tail - 1)
+    elseif from < st.count then
+      bytes = repack(st, from, st.count - from, delta)
+    end
+    if bytes ~= '' then redis.call('SETRANGE', st.key, st.head + k * st.E, bytes) end
+    if cost == 0 then
+      st.tail, st.count = st.tail - st.E, st.count - 1
+      save_header(st)
+    end
+    return 1
+  end
+
+  return log
+end

@@ -1,0 +1,176 @@
+"""The compact storage's own shape (lua/lib/compact_log.lua): one string per window under the
+window's key and ":c", its TTL, its versioned layout, the OOM refusal, the replay table, a
+switch of storage, hash tags on a cluster. Its decisions are the suite's, run over both
+storages (tests/conftest.py), and test_storage_equivalence.py's."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from genai_ratelimit import RateLimiter, RateLimiterUnavailable, _native
+from helpers_async import LimiterFactory
+from helpers_core import logged, server_ms
+from redis_cluster import RedisCluster
+from redis_server import RedisServer
+
+
+@pytest.fixture
+def compact(make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> Any:
+    """A limiter of the kind under test, storage="compact", on a clean database."""
+    return make_limiter(redis_url, storage="compact")
+
+
+@pytest.mark.storages("compact", reason="the compact storage's own key shape")
+def test_a_window_is_one_string_named_by_its_key_and_c(compact: Any, redis_client: redis.Redis,
+                                                       user_id: str) -> None:
+    compact.check_windows(user_id, [(5, 60), (100, 86400)], cost=2)
+    assert sorted(redis_client.keys(f"ratelimit:{user_id}*")) == [
+        f"ratelimit:{user_id}:60:c".encode(), f"ratelimit:{user_id}:86400:c".encode()]
+    for seconds in (60, 86400):
+        key = f"ratelimit:{user_id}:{seconds}:c"
+        assert redis_client.type(key) == b"string"
+        assert seconds < redis_client.pttl(key) <= seconds * 1000 + 1000
+        assert redis_client.getrange(key, 0, 0) == b"\x01"  # layout version 1
+    assert [cost for _, cost in logged(redis_client, f"ratelimit:{user_id}:60")] == [2]
+
+
+@pytest.mark.storages("compact", reason="the compact storage's own layout")
+def test_a_value_of_an_unknown_layout_version_is_refused_never_misread(
+        compact: Any, redis_client: redis.Redis, user_id: str) -> None:
+    compact.check(user_id, 5, 60)
+    key = f"ratelimit:{user_id}:60:c"
+    value = redis_client.get(key)
+    redis_client.set(key, b"\x02" + value[1:])
+    with pytest.raises(RateLimiterUnavailable, match="unknown compact layout"):
+        compact.check(user_id, 5, 60)
+    assert redis_client.get(key) == b"\x02" + value[1:]
+
+
+@pytest.mark.storages("compact", reason="the compact storage's OOM probe")
+@pytest.mark.limiter_kinds("sync", reason="the probe is the script's; one driver shows it")
+def test_over_maxmemory_the_compact_script_is_refused_before_any_write(
+        make_limiter: LimiterFactory) -> None:
+    """The trim had an entry to drop: still nothing is written (the probe, SETRANGE key 0 "",
+    is refused first)."""
+    with RedisServer("--maxmemory", "8mb", "--maxmemory-policy", "noeviction") as server:
+        client = redis.Redis.from_url(server.url)
+        limiter = make_limiter(server.url, clock="client", storage="compact")
+        now = int(time.time() * 1000)
+        try:
+            _native._set_client_clock(now - 120_000)
+            limiter.check("full", 10, 60)
+            _native._set_client_clock(now - 1_000)
+            limiter.check("full", 10, 60)
+            _native._set_client_clock(now)
+            for i in range(4000):
+                try:
+                    client.set(f"ballast:{i}", b"x" * 65536)
+                except redis.exceptions.OutOfMemoryError:
+                    break
+            # Over the limit for sure (the refused SET's own bytes no longer count).
+            client.config_set("maxmemory", client.info("memory")["used_memory"] - 65536)
+            before = client.get("ratelimit:full:60:c")
+            with pytest.raises(RateLimiterUnavailable, match="out of memory"):
+                limiter.check("full", 10, 60)
+            assert client.get("ratelimit:full:60:c") == before
+        finally:
+            _native._set_client_clock(None)
+            client.close()
+
+
+def test_switching_storage_starts_a_fresh_window(make_limiter: LimiterFactory, redis_url: str,
+                                                 redis_client: redis.Redis, user_id: str,
+                                                 storage: str) -> None:
+    """The storages keep their windows under different keys: a limiter switched to the other
+    storage sees none of the first one's entries, and the first one's stay until they leave
+    (or the keys expire)."""
+    other = "zset" if storage == "compact" else "compact"
+    first = make_limiter(redis_url)
+    assert [first.check(user_id, 2, 60)[0] for _ in range(3)] == [True, True, False]
+    switched = make_limiter(redis_url, storage=other)
+    assert switched.check(user_id, 2, 60) == (True, 1, 0)
+    assert first.check(user_id, 2, 60)[0] is False
+
+
+def test_a_url_names_the_storage(make_limiter: LimiterFactory, redis_url: str,
+                                 redis_client: redis.Redis, user_id: str) -> None:
+    limiter = make_limiter(f"{redis_url}?storage=compact", storage=None)
+    assert limiter.check(user_id, 2, 60) == (True, 1, 0)
+    assert redis_client.exists(f"ratelimit:{user_id}:60:c")
+    with pytest.raises(ValueError, match="contradicts"):
+        make_limiter(f"{redis_url}?storage=compact", storage="zset")
+    with pytest.raises(ValueError, match="storage"):
+        make_limiter(f"{redis_url}?storage=list")
+
+
+@pytest.mark.storages("compact", reason="the compact storage's replay table")
+def test_a_replay_is_recognised_while_its_id_is_among_the_last_eight(
+        redis_client: redis.Redis, user_id: str) -> None:
+    """The replay table holds a window's 8 latest admissions: a replay after more than 8
+    other admissions of that window is decided again (and counted if allowed)."""
+    sha = redis_client.script_load(_native.COMPACT_SOURCE)
+    key = f"ratelimit:{user_id}:60:c"
+    now = server_ms(redis_client)
+
+    def run(member: str, at: int, replay: bool = False) -> list[Any]:
+        argv: list[Any] = [member, at, 60_000, 100, 1] + (["1"] if replay else [])
+        return redis_client.evalsha(sha, 1, key, *argv)  # type: ignore[no-any-return]
+
+    first = str(uuid.uuid4())
+    assert run(first, now)[:2] == [1, 99]
+    for n in range(7):
+        run(str(uuid.uuid4()), now + 1 + n)
+    replayed = run(first, now + 100, replay=True)
+    assert replayed[:2] == [1, 92] and replayed[4] == now  # counted once, its own time
+    run(str(uuid.uuid4()), now + 200)  # the ninth: `first` leaves the table
+    assert run(first, now + 300, replay=True)[:2] == [1, 90]  # decided again: counted twice
+    assert len(logged(redis_client, f"ratelimit:{user_id}:60")) == 10
+
+
+def test_cluster_keys_carry_the_user_in_a_hash_tag_in_both_storages(
+        make_limiter: LimiterFactory, redis_cluster: RedisCluster, storage: str) -> None:
+    from redis.cluster import RedisCluster as ClusterClient
+
+    limiter = make_limiter(redis_cluster.url)
+    assert limiter.check_windows("user_8421", [(5, 60), (50, 3600)]) == (True, 4, 0, 60)
+    reservation = limiter.reserve("user_8421", [(5, 60)], token_windows=[(900, 60)], tokens=30)
+    assert limiter.reconcile(reservation, 10) == 1
+    suffix = ":c" if storage == "compact" else ""
+    inspector = ClusterClient(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    try:
+        for key in (f"ratelimit:{{user_8421}}:60{suffix}", f"ratelimit:{{user_8421}}:3600{suffix}",
+                    f"ratelimit:{{user_8421}}:60:tokens{suffix}"):
+            assert inspector.exists(key), key
+    finally:
+        inspector.close()
+    assert limiter.peek("user_8421", [(5, 60)]) == (True, 2, 0, 60)
+    assert limiter.reset("user_8421") == 4
+
+
+@pytest.mark.storages("compact", reason="the compact storage's layout changes")
+@pytest.mark.limiter_kinds("sync", reason="the layout is the script's; one driver shows it")
+def test_a_window_turns_weighted_and_back_to_plain_when_it_empties(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        user_id: str) -> None:
+    limiter: RateLimiter = make_limiter(redis_url, clock="client", storage="compact")
+    key = f"ratelimit:{user_id}:1:c"
+    now = server_ms(redis_client)
+    try:
+        for n in range(10):
+            _native._set_client_clock(now + n)
+            limiter.check(user_id, 100, 1)
+        assert redis_client.getrange(key, 2, 2) == b"\x00"  # plain: no running totals
+        _native._set_client_clock(now + 20)
+        assert limiter.check(user_id, 100, 1, cost=5) == (True, 85, 0)
+        assert redis_client.getrange(key, 2, 2) == b"\x06"  # weighted: 6-byte totals
+        assert [cost for _, cost in logged(redis_client, f"ratelimit:{user_id}:1")] == [1] * 10 + [5]
+        _native._set_client_clock(now + 5_000)
+        assert limiter.check(user_id, 100, 1) == (True, 99, 0)
+        assert [cost for _, cost in logged(redis_client, f"ratelimit:{user_id}:1")] == [1]
+    finally:
+        _native._set_client_clock(None)

@@ -1,0 +1,124 @@
+"""A capped, token-limited request in one round trip in and one out: reserve(...,
+in_flight=(limit, lease_seconds)) takes the user's in-flight slot and reserves requests and
+tokens in ONE script execution, all or nothing (a refused slot reserves nothing, a refused
+window holds no slot); reconcile(..., release=True) reconciles and gives the slot back in
+ONE script execution. Every limiter kind, both storages (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import redis
+
+from helpers_core import Monitor, logged
+
+WINDOWS = [(10, 60)]
+TOKENS = [(1_000, 60)]
+
+
+def leases(client: redis.Redis, user: str) -> list[str]:
+    return [m.decode() for m in client.zrange(f"ratelimit:{user}:leases", 0, -1)]
+
+
+def scripts_run(monitor: Monitor) -> list[str]:
+    return [c.name for c in monitor.from_others() if c.name in ("EVALSHA", "EVAL")]
+
+
+def warm_up(limiter: Any, user_id: str) -> None:
+    """Every script of the test loaded, on another user: no NOSCRIPT round in the record."""
+    other = f"warm-{user_id}"
+    limiter.check(other, 5, 60)
+    lease = limiter.acquire(other, 2, 30)
+    limiter.release(lease)
+    for in_flight in (None, (2, 30)):
+        r = limiter.reserve(other, WINDOWS, token_windows=TOKENS, tokens=1, in_flight=in_flight)
+        limiter.reconcile(r, 1, release=in_flight is not None)
+    limiter.reconcile(r, 2)
+
+
+def test_one_script_execution_takes_the_slot_and_reserves(limiter: Any, redis_client: redis.Redis,
+                                                          user_id: str) -> None:
+    warm_up(limiter, user_id)
+    with Monitor(redis_client) as monitor:
+        r = limiter.reserve(user_id, WINDOWS, token_windows=TOKENS, tokens=300, in_flight=(2, 30))
+    assert scripts_run(monitor) == ["EVALSHA"]
+    assert (r.allowed, r.remaining_tokens, r.remaining_requests) == (True, 700, 9)
+    assert r.lease is not None and r.lease.allowed and r.lease.held == 1
+    assert r.lease.lease_id == r.member and r.lease.limit == 2 and r.lease.lease_seconds == 30
+    assert r.timestamp_ms < r.lease.expires_at_ms <= r.timestamp_ms + 30_000
+    assert leases(redis_client, user_id) == [r.member]
+    assert logged(redis_client, f"ratelimit:{user_id}:60:tokens") == [(r.timestamp_ms, 300)]
+
+
+def test_a_refused_slot_reserves_nothing(limiter: Any, redis_client: redis.Redis,
+                                         user_id: str) -> None:
+    held = limiter.acquire(user_id, 1, 30)
+    r = limiter.reserve(user_id, WINDOWS, token_windows=TOKENS, tokens=300, in_flight=(1, 30))
+    assert (r.allowed, r.resource, r.window_seconds, r.remaining) == (False, "in_flight", 0, 0)
+    assert r.lease is not None and not r.lease.allowed and r.lease.lease_id == ""
+    assert 1 <= r.retry_after_ms <= 30_000 and r.retry_after_s == r.lease.retry_after_s
+    assert all(w.remaining is None for w in r.windows) and r.member == ""
+    assert logged(redis_client, f"ratelimit:{user_id}:60") == []
+    assert logged(redis_client, f"ratelimit:{user_id}:60:tokens") == []
+    assert leases(redis_client, user_id) == [held.lease_id]
+    assert limiter.reconcile(r, 10, release=True) == 0  # nothing held, nothing sent
+
+
+def test_a_refused_window_holds_no_slot(limiter: Any, redis_client: redis.Redis,
+                                        user_id: str) -> None:
+    r = limiter.reserve(user_id, WINDOWS, token_windows=TOKENS, tokens=900, in_flight=(5, 30))
+    refused = limiter.reserve(user_id, WINDOWS, token_windows=TOKENS, tokens=200,
+                              in_flight=(5, 30))
+    assert (refused.allowed, refused.resource, refused.window_seconds) == (False, "tokens", 60)
+    assert refused.lease is None
+    assert leases(redis_client, user_id) == [r.member]
+    assert len(logged(redis_client, f"ratelimit:{user_id}:60")) == 1
+
+
+def test_reconcile_with_release_is_one_script_execution(limiter: Any, redis_client: redis.Redis,
+                                                        user_id: str) -> None:
+    warm_up(limiter, user_id)
+    r = limiter.reserve(user_id, WINDOWS, token_windows=TOKENS, tokens=300, in_flight=(2, 30))
+    with Monitor(redis_client) as monitor:
+        assert limiter.reconcile(r, 120, release=True) == 1
+    assert scripts_run(monitor) == ["EVALSHA"]
+    assert leases(redis_client, user_id) == []
+    assert logged(redis_client, f"ratelimit:{user_id}:60:tokens") == [(r.timestamp_ms, 120)]
+    assert limiter.release(r.lease) is False  # given back already
+    assert limiter.reconcile(r, 120, release=True) == 1  # a replay changes nothing
+
+
+def test_the_separate_calls_stay_and_count_four_round_trips(limiter: Any, redis_client: redis.Redis,
+                                                            user_id: str) -> None:
+    """What the combined calls save: a capped, token-limited request is acquire, reserve,
+    reconcile and release when made of the separate calls, two scripts when combined."""
+    warm_up(limiter, user_id)
+    with Monitor(redis_client) as separate:
+        lease = limiter.acquire(user_id, 2, 30)
+        r = limiter.reserve(user_id, WINDOWS, token_windows=TOKENS, tokens=300)
+        limiter.reconcile(r, 100)
+        limiter.release(lease)
+    with Monitor(redis_client) as combined:
+        r = limiter.reserve(user_id, WINDOWS, token_windows=TOKENS, tokens=300, in_flight=(2, 30))
+        limiter.reconcile(r, 100, release=True)
+    assert (len(scripts_run(separate)), len(scripts_run(combined))) == (4, 2)
+    assert leases(redis_client, user_id) == []
+
+
+def test_in_flight_is_checked_before_any_io(unreachable_limiter: Any) -> None:
+    with pytest.raises(TypeError, match="in_flight"):
+        unreachable_limiter.reserve("u", WINDOWS, in_flight=5)
+    with pytest.raises(ValueError, match="in_flight's limit"):
+        unreachable_limiter.reserve("u", WINDOWS, in_flight=(0, 30))
+    with pytest.raises(ValueError, match="lease_seconds"):
+        unreachable_limiter.reserve("u", WINDOWS, in_flight=(1, 0))
+
+
+def test_under_the_kill_switch_the_slot_is_granted_and_nothing_is_held(
+        unreachable_limiter: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "1")
+    r = unreachable_limiter.reserve("u", WINDOWS, token_windows=TOKENS, tokens=5,
+                                    in_flight=(1, 30))
+    assert r.allowed and r.lease is not None and r.lease.allowed and r.lease.lease_id == ""
+    assert unreachable_limiter.reconcile(r, 1, release=True) == 0

@@ -1,0 +1,133 @@
+"""The two storages decide alike, to the millisecond: random sequences of checks, weighted
+checks, reserves (requests and tokens), reconciles, peeks and resets, on two users, with a
+client clock that jumps forward and back, fed to a limiter of each storage. Every answer,
+retry_after_ms and timestamp included, is the same; after each step both logs hold the same
+(time, cost) entries.
+
+The client clock is set through _native._set_client_clock, so a run decides at the times
+the example names (as app servers whose clocks disagree would)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from genai_ratelimit import RateLimiter, _native
+from helpers_core import logged, server_ms
+
+USERS = ("alice", "bob")
+KEY_PREFIX = {"zset": "rz", "compact": "rc"}
+WINDOWS = ((4, 1), (12, 5), (40, 30))
+TOKEN_WINDOWS = ((300, 5), (1_000, 30))
+
+# One step: (time move in ms, operation, its arguments).
+moves = st.one_of(st.integers(0, 400), st.integers(0, 6_000), st.integers(-800, 0))
+windows = st.lists(st.sampled_from(WINDOWS), min_size=1, max_size=3, unique=True)
+steps = st.lists(st.tuples(moves, st.sampled_from(USERS), st.one_of(
+    st.tuples(st.just("check"), st.sampled_from(WINDOWS), st.integers(1, 4)),
+    st.tuples(st.just("windows"), windows, st.integers(1, 4)),
+    st.tuples(st.just("reserve"), windows, st.integers(1, 300)),
+    st.tuples(st.just("reconcile"), st.integers(0, 40), st.integers(0, 400)),
+    st.tuples(st.just("peek"), windows, st.integers(1, 4)),
+    st.tuples(st.just("reset"), st.booleans()),
+)), min_size=1, max_size=40)
+
+
+@pytest.fixture(scope="module")
+def pair(redis_url: str) -> Iterator[tuple[RateLimiter, RateLimiter]]:
+    # Prefixes of their own: a reset of every window forgets both storages' keys of a user.
+    zset = RateLimiter(redis_url, clock="client", storage="zset", key_prefix="rz")
+    compact = RateLimiter(redis_url, clock="client", storage="compact", key_prefix="rc")
+    try:
+        yield zset, compact
+    finally:
+        _native._set_client_clock(None)
+        zset.close()
+        compact.close()
+
+
+def answer(limiter: RateLimiter, prefix: str, user: str, operation: tuple[Any, ...],
+           reservations: list[Any]) -> Any:
+    """What one limiter answers to one step (reservations: this limiter's, in order)."""
+    name = operation[0]
+    user = f"{prefix}:{user}"
+    if name == "check":
+        (limit, seconds), cost = operation[1], operation[2]
+        return limiter.check(user, limit, seconds, cost=min(cost, limit))
+    if name == "windows":
+        cost = min(operation[2], min(limit for limit, _ in operation[1]))
+        decision = limiter.check_windows_detailed(user, operation[1], cost=cost)
+        return tuple(decision) + (decision.retry_after_ms, decision.timestamp_ms)
+    if name == "reserve":
+        tokens = min(operation[2], min(limit for limit, _ in TOKEN_WINDOWS))
+        res = limiter.reserve(user, operation[1], token_windows=TOKEN_WINDOWS, tokens=tokens)
+        reservations.append(res)
+        return (res.allowed, res.remaining, res.retry_after_s, res.retry_after_ms,
+                res.window_seconds, res.resource, res.timestamp_ms,
+                [(w.limit, w.window_seconds, w.resource, w.remaining) for w in res.windows])
+    if name == "reconcile":
+        if not reservations:
+            return None
+        return limiter.reconcile(reservations[operation[1] % len(reservations)], operation[2])
+    if name == "peek":
+        cost = min(operation[2], min(limit for limit, _ in operation[1]))
+        return limiter._peek(user, operation[1], cost=cost)
+    if operation[1]:
+        return limiter.reset(user)
+    return limiter.reset(user, list(WINDOWS), token_windows=list(TOKEN_WINDOWS))
+
+
+def logs(client: redis.Redis, prefix: str, storage: str) -> dict[str, list[tuple[int, int]]]:
+    """Every window's (time, cost) entries in one storage (its limiter's key prefix), sorted:
+    entries of one millisecond are in member order in a sorted set and in arrival order in
+    a compact log, which no decision tells apart (the same times, the same sums)."""
+    return {f"{user}:{seconds}{kind}":
+            sorted(logged(client, f"{KEY_PREFIX[storage]}:{prefix}:{user}:{seconds}{kind}", storage))
+            for user in USERS for _, seconds in WINDOWS + TOKEN_WINDOWS
+            for kind in ("", ":tokens")}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=steps)
+def test_both_storages_answer_every_call_alike(pair: tuple[RateLimiter, RateLimiter],
+                                               redis_client: redis.Redis,
+                                               steps: list[tuple[int, str, tuple[Any, ...]]]) -> None:
+    zset, compact = pair
+    prefix = uuid.uuid4().hex[:12]
+    now = server_ms(redis_client)
+    held: dict[str, list[Any]] = {"zset": [], "compact": []}
+    for number, (move, user, operation) in enumerate(steps):
+        now += move
+        _native._set_client_clock(now)
+        expected = answer(zset, prefix, user, operation, held["zset"])
+        got = answer(compact, prefix, user, operation, held["compact"])
+        assert got == expected, f"step {number} at {now}: {operation} of {user}"
+        assert logs(redis_client, prefix, "compact") == logs(redis_client, prefix, "zset"), number
+    _native._set_client_clock(None)
+
+
+def test_the_logs_of_both_storages_hold_the_same_entries(pair: tuple[RateLimiter, RateLimiter],
+                                                         redis_client: redis.Redis) -> None:
+    """The same calls leave the same (time, cost) entries in both storages' windows."""
+    zset, compact = pair
+    user = f"u{uuid.uuid4().hex[:8]}"
+    now = server_ms(redis_client)
+    reservations: dict[str, Any] = {}
+    for step in range(30):
+        _native._set_client_clock(now + step * 97 - (step % 4) * 150)
+        for name, limiter in (("zset", zset), ("compact", compact)):
+            limiter.check_windows(user, [(10, 5), (40, 30)], cost=1 + step % 3)
+            res = limiter.reserve(user, [(20, 5)], token_windows=[(500, 30)], tokens=10 + step)
+            if step % 5 == 4 and name in reservations:
+                limiter.reconcile(reservations[name], step % 3 * 20)
+            reservations[name] = res
+    _native._set_client_clock(None)
+    for key in ("5", "30", "5:tokens", "30:tokens"):
+        assert sorted(logged(redis_client, f"rz:{user}:{key}", "zset")) == \
+            sorted(logged(redis_client, f"rc:{user}:{key}", "compact")), key

@@ -56,6 +56,8 @@ def main() -> int:
     parser.add_argument("--max-seconds", type=float, default=300.0)
     parser.add_argument("--users", type=int, default=10_000,
                         help="the population the last column sizes (default 10,000)")
+    parser.add_argument("--storage", choices=("zset", "compact"), default="zset",
+                        help="the limiter's storage (compact: one string per window, '<key>:c')")
     args = parser.parse_args()
     deadline = time.monotonic() + args.max_seconds
     target = RedisTarget.start_own()
@@ -65,7 +67,7 @@ def main() -> int:
         baseline = admin.info("memory")["used_memory"]
         rows: list[list[str]] = []
         started = time.monotonic()
-        with RateLimiter(target.url, key_prefix="ratelimit") as limiter:
+        with RateLimiter(target.url, key_prefix="ratelimit", storage=args.storage) as limiter:
             for tier, budget in TIER_LIMITS.items():
                 user = f"{tier}_user"
                 total = 0
@@ -73,7 +75,13 @@ def main() -> int:
                     limit = budget[name]
                     fill(limiter, user, limit, window, deadline)
                     key = f"ratelimit:{user}:{window}"
-                    entries = admin.zcard(key)
+                    if args.storage == "compact":
+                        key += ":c"
+                        value = admin.getrange(key, 0, 27)
+                        entries = (int.from_bytes(value[14:18], "big") -
+                                   int.from_bytes(value[10:14], "big")) // (2 + value[1] + value[2])
+                    else:
+                        entries = admin.zcard(key)
                     if entries != limit:
                         raise SystemExit(f"memory_per_tier: {key} holds {entries}, not {limit}")
                     usage = admin.memory_usage(key, samples=0)
@@ -87,7 +95,8 @@ def main() -> int:
     finally:
         target.close()
 
-    print(f"Redis {version}, default zset encodings; filled by RateLimiter.check in {elapsed:.1f} s;"
+    print(f"Redis {version}, storage={args.storage!r} (default zset encodings); filled by "
+          f"RateLimiter.check in {elapsed:.1f} s;"
           f" used_memory grew by {human(used)} for the 6 keys.\n")
     print("| tier | key | entries | encoding | MEMORY USAGE | per entry |")
     print("| --- | --- | ---: | --- | ---: | ---: |")

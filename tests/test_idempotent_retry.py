@@ -22,7 +22,7 @@ import redis
 from fake_redis import read_commands
 from genai_ratelimit import SCRIPT_SHA1, RateLimiterUnavailable, _native
 from helpers_async import LimiterFactory
-from helpers_core import logged_entries, window_script
+from helpers_core import logged, logged_entries, window_script
 
 
 def reply_end(buf: bytes | bytearray, pos: int = 0) -> int | None:
@@ -171,3 +171,24 @@ def test_second_lost_reply_raises_unavailable(make_limiter: LimiterFactory, redi
     assert len(proxy.dropped_replies) == 2
     # Both attempts reached the script, yet the request is logged once.
     assert logged_entries(redis_client, f"ratelimit:{user_id}:60") == 1
+
+
+def test_a_replayed_reserve_names_its_first_entry_so_reconcile_finds_it(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, redis_port: int,
+        user_id: str, storage: str) -> None:
+    """The replay answers with the time (and tie) the first attempt logged, not its own: the
+    Reservation names the entry that is in Redis (before, its time was the replay's, and
+    reconcile found nothing)."""
+    redis_client.script_load(window_script(storage)[1])
+    proxy = ReplyDroppingProxy(redis_port, drop=1)
+    try:
+        with make_limiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            r = limiter.reserve(user_id, token_windows=[(1000, 60)], tokens=100)
+    finally:
+        proxy.close()
+    assert len(proxy.dropped_replies) == 1 and r.allowed
+    [(at, cost)] = logged(redis_client, f"ratelimit:{user_id}:60:tokens")
+    assert (r.timestamp_ms, cost) == (at, 100)
+    with make_limiter(redis_url) as limiter:
+        assert limiter.reconcile(r, 40) == 1
+    assert logged(redis_client, f"ratelimit:{user_id}:60:tokens") == [(at, 40)]

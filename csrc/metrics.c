@@ -142,9 +142,8 @@ rl_metrics_object(rl_metrics *m, int enabled)
         PyObject *pair = i < RL_LATENCY_BUCKETS
                              ? Py_BuildValue("(dK)", (double)latency_bounds_us[i] / 1e6, n)
                              : Py_BuildValue("(OK)", Py_None, n);
-        if (pair == NULL)
+        if (pair == NULL || PyTuple_SetItem(item, i, pair) < 0)
             goto error;
-        PyTuple_SET_ITEM(item, i, pair);
         latency_count += n;
     }
     if (PyDict_SetItemString(d, "latency_buckets", item) < 0)
@@ -176,7 +175,7 @@ rl_metrics_record(rl_metrics *m, PyObject *kind)
         {"connection_error", offsetof(rl_metrics, connection_errors)},
     };
     if (!PyUnicode_Check(kind)) {
-        PyErr_Format(PyExc_TypeError, "kind must be a str, not %.100s", Py_TYPE(kind)->tp_name);
+        rl_type_error(kind, "kind must be a str, not ");
         return NULL;
     }
     for (size_t i = 0; i < sizeof(kinds) / sizeof(kinds[0]); i++) {

@@ -14,7 +14,9 @@ redis-server on a free loopback port; every contender writes under a prefix of i
 
 Printed: per contender the medians over rounds of calls/s, p50 and client CPU per call; the
 ratio of calls/s to the raw C loop of the same round (sequential for sync and async @1,
-pipelined depth 64 for async @64); and this build's calls/s over BASE's, round by round.
+pipelined depth 64 for async @64); and this build's calls/s and CPU per call over BASE's,
+round by round (then the median and range). On a loaded machine quote CPU per call: calls/s
+is then set by the scheduler more than by the client.
 """
 
 from __future__ import annotations
@@ -200,14 +202,14 @@ def report(rows: dict[str, list[Sample]], args: argparse.Namespace, load_before:
           f"{load_before} at the start, {load_average()} at the end")
     print()
     print("| contender | calls/s | p50 µs | CPU µs/call | calls/s ÷ raw C loop | "
-          f"{args.this_name} ÷ {args.base_name} (calls/s) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+          f"{args.this_name} ÷ {args.base_name}: calls/s | CPU µs/call |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, samples in rows.items():
         cells = [f"{statistics.median(s.calls_per_s for s in samples):,.0f}",
                  f"{statistics.median(s.p50_us for s in samples):.1f}",
                  f"{statistics.median(s.cpu_us_per_call for s in samples):.1f}"]
         if name.startswith("raw"):
-            cells += ["–", "–"]
+            cells += ["–", "–", "–"]
         else:
             raw = pipe if "@ 64" in name else seq
             cells.append(ratio_cell([s.calls_per_s / r.calls_per_s
@@ -216,8 +218,10 @@ def report(rows: dict[str, list[Sample]], args: argparse.Namespace, load_before:
                 base = rows[name.replace(f"[{args.this_name}]", f"[{args.base_name}]")]
                 cells.append(ratio_cell([s.calls_per_s / b.calls_per_s
                                          for s, b in zip(samples, base, strict=True)]))
+                cells.append(ratio_cell([s.cpu_us_per_call / b.cpu_us_per_call
+                                         for s, b in zip(samples, base, strict=True)]))
             else:
-                cells.append("–")
+                cells += ["–", "–"]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

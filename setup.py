@@ -23,6 +23,7 @@ import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 # Each script of lua/ and the prefix of its C names (RL_SCRIPT_SHA1, rl_script_source, ...).
@@ -248,4 +249,22 @@ def build_extension() -> Extension:
     )
 
 
-setup(ext_modules=[build_extension()], options={"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}})
+class BuildExtension(build_ext):
+    """build_ext that leaves one _native in the build directory: a tree built before the
+    Limited API still holds _native.cpython-3XX-*.so there, which the wheel would pack
+    beside _native.abi3.so (and Python would import first)."""
+
+    def run(self) -> None:
+        for ext in self.extensions:
+            built = Path(self.build_lib) / self.get_ext_filename(ext.name)
+            for stale in built.parent.glob(ext.name.rpartition(".")[2] + ".*.so"):
+                if stale.name != built.name:
+                    stale.unlink()
+        super().run()
+
+
+setup(
+    ext_modules=[build_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}},
+)

@@ -34,6 +34,10 @@ SCRIPTS = {
     "RL_LEASE": HERE / "lua" / "lease.lua",
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
+# The oldest CPython whose stable ABI the extension uses (Py_LIMITED_API), and the wheel's
+# tag for it.
+LIMITED_API = "0x030A0000"
+LIMITED_API_TAG = "cp310"
 
 # (pkg-config name, header, libraries)
 SYSTEM_LIBRARIES = [
@@ -224,6 +228,11 @@ def build_extension() -> Extension:
     return Extension(
         "genai_ratelimit._native",
         sources=sources,
+        # The Limited API of CPython 3.10: the extension is _native.abi3.so and the wheel
+        # cp310-abi3, one build for 3.10 and every later CPython. csrc/native.h refuses a
+        # build without this exact define.
+        define_macros=[("Py_LIMITED_API", LIMITED_API)],
+        py_limited_api=True,
         depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")]
         + [f"lua/{path.name}" for path in SCRIPTS.values()],
         include_dirs=include_dirs,
@@ -239,4 +248,4 @@ def build_extension() -> Extension:
     )
 
 
-setup(ext_modules=[build_extension()])
+setup(ext_modules=[build_extension()], options={"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}})

@@ -397,13 +397,12 @@ rl_metrics_record(rl_metrics *m, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *kind = args[0];
     if (!PyUnicode_Check(kind)) {
-        PyErr_Format(PyExc_TypeError, "kind must be a str, not %R", (PyObject *)Py_TYPE(kind));
+        rl_type_error(kind, "kind must be a str, not ");
         return NULL;
     }
     if (nargs == 2) {
         if (!PyLong_Check(args[1]) || PyBool_Check(args[1])) {
-            PyErr_Format(PyExc_TypeError, "count must be an int, not %R",
-                         (PyObject *)Py_TYPE(args[1]));
+            rl_type_error(args[1], "count must be an int, not ");
             return NULL;
         }
         count = PyLong_AsLongLong(args[1]);

@@ -18,6 +18,11 @@
 #ifndef GENAI_RATELIMIT_NATIVE_H
 #define GENAI_RATELIMIT_NATIVE_H
 
+/* The Limited API of CPython 3.10 (setup.py defines it): one abi3 wheel serves 3.10 and
+   every later CPython. Nothing outside it may be used, and no build may leave it out. */
+#if !defined(Py_LIMITED_API) || Py_LIMITED_API != 0x030A0000
+#error "genai_ratelimit._native is built with Py_LIMITED_API=0x030A0000 (see setup.py)"
+#endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -608,5 +613,27 @@ PyObject *rl_result_object(rl_module_state *state, const rl_prepared *d, const r
    optional one not given). 0 / -1. */
 int rl_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                   const char *const *names, int n, int positional, int required, PyObject **out);
+
+/* ------------------------------------- the Limited API's gaps (limited.c, GIL held) */
+
+/* Raises TypeError: the printf-style text, then the name of obj's type (as tp_name would
+   give it), e.g. rl_type_error(v, "%s must be an int, not ", name). Returns NULL. */
+PyObject *rl_type_error(PyObject *obj, const char *format, ...);
+
+/* PySequence_Fast_GET_ITEM / _GET_SIZE, which read struct fields the Limited API hides:
+   for the list or tuple PySequence_Fast returned (or a list or tuple checked as such).
+   The item is borrowed, as the macro's was. */
+static inline PyObject *
+rl_seq_item(PyObject *list_or_tuple, Py_ssize_t i)
+{
+    return PyList_Check(list_or_tuple) ? PyList_GetItem(list_or_tuple, i)
+                                       : PyTuple_GetItem(list_or_tuple, i);
+}
+
+static inline Py_ssize_t
+rl_seq_size(PyObject *list_or_tuple)
+{
+    return PyList_Check(list_or_tuple) ? PyList_Size(list_or_tuple) : PyTuple_Size(list_or_tuple);
+}
 
 #endif

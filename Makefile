@@ -112,11 +112,16 @@ venv: deps $(VENV)/.created
 install: venv
 	GENAI_RATELIMIT_WERROR=1 $(PIP) install -q --no-build-isolation ".[test]"
 
+# tests/test_metrics.py runs `promtool check metrics` (Debian's prometheus package).
+PROMTOOL = @command -v promtool >/dev/null || bash scripts/ensure-debian-packages.sh prometheus
+
 test: install
+	$(PROMTOOL)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The suite without the slow tests (the real 61-second wait, the sdist round trip).
 test-fast: install
+	$(PROMTOOL)
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
 # ------------------------------------------------------------ memory and C safety
@@ -158,13 +163,14 @@ ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
              test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
-             test_cli.py
+             test_cli.py test_metrics_workers.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
 # run-test-*: the suite of test-* on the build its install-* left, without installing (so that
 # .ci/run can build everything first, then run suites side by side without two builds racing).
 run-test-asan:
+	$(PROMTOOL)
 	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(ASAN_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
 
@@ -214,11 +220,13 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py t
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
                  test_wheel_install.py test_c_source_lint.py \
                  test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
-                 test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py
+                 test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py \
+                 test_metrics_workers.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 
 run-test-hiredis1:
+	$(PROMTOOL)
 	$(HIREDIS1_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(HIREDIS1_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
 

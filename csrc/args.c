@@ -217,6 +217,7 @@ add_scopes(rl_prepared *d, PyObject *scopes, int reconcile_tokens)
         d->scopes[k].name = name;
         d->scopes[k].name_len = (size_t)len;
         d->scopes[k].shared = shared;
+        d->scopes[k].kind = rl_metrics_scope_kind(name, (size_t)len, shared);
         d->nscopes = (int)k + 1;
         if (reconcile_tokens < 0) {
             if (add_windows(&d->windows, PyTuple_GetItem(t, 2), "a scope's windows", 0, 1,
@@ -381,9 +382,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         break;
     case RL_SHAPE_RESERVE:
-    case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments (no scopes) */
+    case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments */
         if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
-                          reserve_names, shape == RL_SHAPE_PEEK ? 5 : 6, 2, 2, v) < 0 ||
+                          reserve_names, 6, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
             (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||

@@ -182,9 +182,9 @@ Codec_get_metrics(CodecObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 static PyObject *
-Codec_record_outcome(CodecObject *self, PyObject *kind)
+Codec_record_outcome(CodecObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, kind);
+    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, args, nargs);
 }
 CODEC_METHOD(acquire, RL_SHAPE_ACQUIRE)
 CODEC_METHOD(release, RL_SHAPE_RELEASE)
@@ -213,16 +213,17 @@ static PyMethodDef Codec_methods[] = {
      "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final answer 0."},
     {"peek", (PyCFunction)(void (*)(void))Codec_peek, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+     "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
+     "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._peek's shape)."},
     {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (0, '0')."},
     {"metrics", (PyCFunction)Codec_get_metrics, METH_NOARGS,
      "metrics($self, /)\n--\n\nThe counters of the async limiter (Limiter.metrics's shape)."},
-    {"_record_outcome", (PyCFunction)Codec_record_outcome, METH_O,
-     "_record_outcome($self, kind, /)\n--\n\n"
-     "Counts 'fail_open', 'shadow', 'unavailable' or 'connection_error'."},
+    {"_record_outcome", (PyCFunction)(void (*)(void))Codec_record_outcome, METH_FASTCALL,
+     "_record_outcome($self, kind, count=1, /)\n--\n\n"
+     "Counts what only the caller knows (Limiter._record_outcome's kinds)."},
     {"acquire", (PyCFunction)(void (*)(void))Codec_acquire,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"

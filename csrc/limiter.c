@@ -401,7 +401,8 @@ PyDoc_STRVAR(Limiter_reconcile_doc,
 LIMITER_METHOD(reconcile, RL_SHAPE_RECONCILE)
 
 PyDoc_STRVAR(Limiter_peek_doc,
-"_peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+"_peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
+"    scopes=())\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, now_ms,\n"
 "    ((limit, window_seconds, is_token_window, used, oldest_ms|None), ...), retry_after_ms)\n\n"
 "What _reserve (and so check_windows) would answer now, in one read-only script\n"
@@ -429,13 +430,14 @@ Limiter_get_metrics(LimiterObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 PyDoc_STRVAR(Limiter_record_outcome_doc,
-"_record_outcome($self, kind, /)\n--\n\n"
-"Counts an outcome only the caller knows: 'fail_open' or 'shadow' (the FastAPI layer).");
+"_record_outcome($self, kind, count=1, /)\n--\n\n"
+"Counts what only the caller knows: 'fail_open' or 'shadow' (the FastAPI layer), a\n"
+"reservation's 'reserved_tokens', a reconcile's 'charged_tokens' and 'refunded_tokens'.");
 
 static PyObject *
-Limiter_record_outcome(LimiterObject *self, PyObject *kind)
+Limiter_record_outcome(LimiterObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, kind);
+    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, args, nargs);
 }
 PyDoc_STRVAR(Limiter_acquire_doc,
 "_acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
@@ -539,7 +541,8 @@ static PyMethodDef Limiter_methods[] = {
     {"_reset", (PyCFunction)(void (*)(void))Limiter_reset,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reset_doc},
     {"metrics", (PyCFunction)Limiter_get_metrics, METH_NOARGS, Limiter_metrics_doc},
-    {"_record_outcome", (PyCFunction)Limiter_record_outcome, METH_O, Limiter_record_outcome_doc},
+    {"_record_outcome", (PyCFunction)(void (*)(void))Limiter_record_outcome, METH_FASTCALL,
+     Limiter_record_outcome_doc},
     {"_acquire", (PyCFunction)(void (*)(void))Limiter_acquire,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_acquire_doc},
     {"_release", (PyCFunction)(void (*)(void))Limiter_release,

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import redis  # noqa: E402
 from benchlib import RedisTarget, admin_client  # noqa: E402
 from genai_ratelimit import TIER_LIMITS, RateLimiter  # noqa: E402
 
@@ -63,6 +64,7 @@ def main() -> int:
     target = RedisTarget.start_own()
     try:
         admin = admin_client(target)
+        raw = redis.Redis.from_url(target.url)  # bytes: the compact header is binary
         version = admin.info("server")["redis_version"]
         baseline = admin.info("memory")["used_memory"]
         rows: list[list[str]] = []
@@ -77,7 +79,7 @@ def main() -> int:
                     key = f"ratelimit:{user}:{window}"
                     if args.storage == "compact":
                         key += ":c"
-                        value = admin.getrange(key, 0, 27)
+                        value = raw.getrange(key, 0, 50)
                         entries = (int.from_bytes(value[14:18], "big") -
                                    int.from_bytes(value[10:14], "big")) // (2 + value[1] + value[2])
                     else:

@@ -466,12 +466,11 @@ def _compact_value(client: redis.Redis, key: str) -> tuple[dict[str, int], bytes
     value = client.get(f"{key}:c")
     if value is None:
         return None
-    head = value[:28]
+    head = value[:51]
     fields = {
         "version": head[0], "S": head[1], "C": head[2], "R": head[3],
         "base": int.from_bytes(head[4:10], "big"), "head": int.from_bytes(head[10:14], "big"),
-        "tail": int.from_bytes(head[14:18], "big"), "origin": int.from_bytes(head[18:25], "big"),
-        "next_tie": int.from_bytes(head[25:27], "big"), "next_slot": head[27],
+        "tail": int.from_bytes(head[14:18], "big"), "origin": int.from_bytes(head[22:29], "big"),
     }
     return fields, value[fields["head"]:fields["tail"]]
 

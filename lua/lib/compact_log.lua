@@ -5,7 +5,10 @@ lib/compact_log.lua - the sliding-window log kept in one Redis string per window
 Admitted requests are logged in time order, so a window is a sorted sequence of fixed-width
 entries: the window's edge, its used cost and the entry whose leaving frees enough are
 binary searches (GETRANGE), the entries that left are dropped by moving a head offset, and
-the string is rewritten (compacted) only when it runs out of room or is mostly dead.
+the string is rewritten (compacted) only when it runs out of room or is mostly dead. The
+header keeps what an allowed call needs (the first and last entries' times, the running
+total, the room), so one is a read of the header, a write of the entry, a write of the
+header and an EXPIRE.
 
 The value, layout version 1 (integers big-endian, unsigned):
   0   1 B  version (1); another version is refused, never misread
@@ -14,13 +17,17 @@ The value, layout version 1 (integers big-endian, unsigned):
   3   1 B  R: slots of the replay table (0, or REPLAY_SLOTS in a decision's longest window)
   4   6 B  base: an entry's time is base + its stored time, unix ms
   10  4 B  head: byte offset of the first entry (the ones before it have left)
-  14  4 B  tail: byte offset past the last entry (room follows, up to the string's end)
-  18  7 B  origin: the running total before the first entry (C > 0; 0 otherwise)
-  25  2 B  next tie: the tie the next entry may take at the least
-  27  1 B  next slot of the replay table
-  28  16R  the replay table: R slots of {request id: the first 8 bytes of its UUID4,
+  14  4 B  tail: byte offset past the last entry (room follows)
+  18  4 B  size: the string's length (the room ends there)
+  22  7 B  origin: the running total before the first entry (C > 0; 0 otherwise)
+  29  7 B  total: the running total of the last entry (origin when empty; C > 0)
+  36  6 B  first: the first entry's time, unix ms (when there is one)
+  42  6 B  last: the last entry's time, unix ms (when there is one)
+  48  2 B  next tie: the tie the next entry may take at the least
+  50  1 B  next slot of the replay table
+  51  16R  the replay table: R slots of {request id: the first 8 bytes of its UUID4,
            its time (6 B, unix ms), its tie (2 B)}, the most recent admissions
-  28+16R   entries, each {time - base (S B), tie (2 B), running total (C B)}, sorted by
+  51+16R   entries, each {time - base (S B), tie (2 B), running total (C B)}, sorted by
            (time, tie); the running total includes the entry's own cost
 An entry is identified by (time, tie): one decision logs one entry in each of its windows,
 all with the same tie, larger than any tie its windows hold, so no two entries of a window
@@ -28,8 +35,8 @@ share both (65,536 admissions of one window in one millisecond would wrap the ti
 --]]
 
 local COMPACT_VERSION = 1
-local HEADER = '>BBBBI6I4I4I7I2B'
-local HEADER_SIZE = 28
+local HEADER = '>BBBBI6I4I4I4I7I7I6I6I2B'
+local HEADER_SIZE = 51
 local REPLAY_SLOTS = 8
 local SLOT_SIZE = 16
 local TIE_LIMIT = 65536
@@ -48,10 +55,10 @@ local function capacity_for(count)
   return count + math.max(4, math.ceil(count / 8))
 end
 
--- The parsed header of the string at `key`, or {exists = false}. An unknown layout
--- version is an error reply (never misread).
+-- The parsed header (and replay table) of the string at `key`, or {exists = false}. An
+-- unknown layout version is an error reply (never misread).
 local function compact_header(key)
-  local bytes = redis.call('GETRANGE', key, 0, HEADER_SIZE - 1)
+  local bytes = redis.call('GETRANGE', key, 0, HEADER_SIZE + REPLAY_SLOTS * SLOT_SIZE - 1)
   local st = {key = key, exists = #bytes > 0}
   if not st.exists then return st end
   local version = string.byte(bytes, 1)
@@ -60,12 +67,13 @@ local function compact_header(key)
       tostring(version) .. ', ' .. #bytes .. ' header bytes)'})
   end
   local _
-  _, st.S, st.C, st.R, st.base, st.head, st.tail, st.origin, st.next_tie, st.next_slot =
-    struct.unpack(HEADER, bytes)
+  _, st.S, st.C, st.R, st.base, st.head, st.tail, st.size, st.origin, st.total, st.first,
+    st.last, st.next_tie, st.next_slot = struct.unpack(HEADER, bytes)
   st.E = st.S + 2 + st.C
   st.data = HEADER_SIZE + SLOT_SIZE * st.R
   st.count = (st.tail - st.head) / st.E
   st.one = 'I' .. st.S .. 'I2' .. (st.C > 0 and 'I' .. st.C or '')
+  st.table = string.sub(bytes, HEADER_SIZE + 1, st.data)
   return st
 end
 
@@ -111,21 +119,23 @@ local function compact_log(n, now)
     return hi
   end
 
-  -- As first_where over [0, count), for an answer expected near 0 (the entries that left
-  -- a window since the last call): probes 0, 1, 2, 4, ... first.
+  -- As first_where over [1, count), for an answer expected near the start (the entries
+  -- that left a window since the last call; the first one is known to have left): probes
+  -- 1, 2, 4, ... first.
   local function first_from_start(st, pred)
-    local lo, probe = 0, 0
+    local lo, probe = 1, 1
     while probe < st.count do
       if pred(entry(st, probe)) then return first_where(st, lo, probe, pred) end
       lo = probe + 1
-      probe = probe == 0 and 1 or probe * 2
+      probe = probe * 2
     end
     return first_where(st, lo, st.count, pred)
   end
 
-  -- Entry k's running total; k = -1: the origin.
+  -- Entry k's running total; k = -1: the origin; k = count - 1: the header's total.
   local function total_at(st, k)
     if k < 0 then return st.origin end
+    if k == st.count - 1 then return st.total end
     local _, _, total = entry(st, k)
     return total
   end
@@ -146,29 +156,32 @@ local function compact_log(n, now)
     return table.concat(parts)
   end
 
-  local function save_header(st)
-    redis.call('SETRANGE', st.key, 0, struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R,
-      st.base, st.head, st.tail, st.origin, st.next_tie, st.next_slot))
+  local function header_bytes(st)
+    return struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R, st.base, st.head, st.tail,
+      st.size, st.origin, st.total, st.first, st.last, st.next_tie, st.next_slot)
   end
 
-  -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table
-  -- `table_bytes`, the entries `entries` (raw, in st's layout) and room for `room` more.
-  local function rewrite(st, table_bytes, entries, room)
+  -- Writes the header, and the replay table when it changed (it follows the header).
+  local function save_header(st)
+    local bytes = header_bytes(st)
+    if st.table_dirty then bytes = bytes .. st.table end
+    redis.call('SETRANGE', st.key, 0, bytes)
+    st.dirty, st.table_dirty = false, false
+  end
+
+  -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
+  -- entries `entries` (raw, in st's layout) and room for `room` more.
+  local function rewrite(st, entries, room)
     st.E = st.S + 2 + st.C
     st.one = 'I' .. st.S .. 'I2' .. (st.C > 0 and 'I' .. st.C or '')
     st.data = HEADER_SIZE + SLOT_SIZE * st.R
     st.head = st.data
     st.tail = st.data + #entries
     st.count = #entries / st.E
-    redis.call('SET', st.key, struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R, st.base,
-      st.head, st.tail, st.origin, st.next_tie, st.next_slot) .. table_bytes .. entries ..
+    st.size = st.tail + room * st.E
+    redis.call('SET', st.key, header_bytes(st) .. st.table .. entries ..
       string.rep('\0', room * st.E), 'KEEPTTL')
-    st.exists = true
-  end
-
-  local function replay_table(st)
-    if st.R == 0 then return '' end
-    return redis.call('GETRANGE', st.key, HEADER_SIZE, st.data - 1)
+    st.exists, st.dirty, st.table_dirty = true, false, false
   end
 
   -- Copies the entries to a fresh string with room for capacity_for(count + extra): drops
@@ -176,7 +189,7 @@ local function compact_log(n, now)
   local function compact(st, extra)
     local entries = ''
     if st.count > 0 then entries = redis.call('GETRANGE', st.key, st.head, st.tail - 1) end
-    rewrite(st, replay_table(st), entries, capacity_for(st.count + extra) - st.count)
+    rewrite(st, entries, capacity_for(st.count + extra) - st.count)
   end
 
   -- Rewrites every entry in a new layout (O(entries) in Lua: rare): the stored times
@@ -184,10 +197,9 @@ local function compact_log(n, now)
   -- from a window of cost-1 entries, their totals are 1, 2, ...), the replay table with
   -- `slots` slots. `extra`: room to keep for entries about to come.
   local function relayout(st, base, C, slots, extra)
-    local table_bytes = replay_table(st)
-    if slots > st.R then table_bytes = table_bytes .. string.rep('\0', SLOT_SIZE * (slots - st.R)) end
-    local S, shift, out = st.S, st.base - base, {}
-    local new_one = 'I' .. S .. 'I2' .. (C > 0 and 'I' .. C or '')
+    if slots > st.R then st.table = st.table .. string.rep('\0', SLOT_SIZE * (slots - st.R)) end
+    local shift, out = st.base - base, {}
+    local new_one = 'I' .. st.S .. 'I2' .. (C > 0 and 'I' .. C or '')
     local w = width(st)
     for from = 0, st.count - 1, BATCH do
       local count = math.min(BATCH, st.count - from)
@@ -201,36 +213,35 @@ local function compact_log(n, now)
       end
       out[#out + 1] = struct.pack('>' .. string.rep(new_one, count), unpack(packed))
     end
+    st.total = C == 0 and 0 or st.C > 0 and st.total - st.origin or st.count
     st.base, st.C, st.R, st.origin = base, C, slots, 0
-    local entries = table.concat(out)
-    rewrite(st, table_bytes, entries, capacity_for(st.count + extra) - st.count)
+    rewrite(st, table.concat(out), capacity_for(st.count + extra) - st.count)
   end
 
-  -- Window i's entries that left by now dropped (header only; the string is compacted
-  -- when most of it is dead). Returns its used cost; the window's state is kept.
+  -- Window i's entries that left by now dropped (the header, written by flush or add; the
+  -- string is compacted when most of it is dead). Returns its used cost.
   function log.trim(i, window_ms)
     local st = compact_header(KEYS[i])
     state[i] = st
     st.gone, st.dead_total = 0, nil
     if not st.exists or st.count == 0 then return 0 end
-    local edge = now - window_ms - st.base -- a stored time at or before it has left
-    local k = first_from_start(st, function(at) return at > edge end)
-    if k > 0 then
+    if st.first <= now - window_ms then
+      local edge = now - window_ms - st.base -- a stored time at or before it has left
+      local k = first_from_start(st, function(at) return at > edge end)
       st.origin = st.C > 0 and total_at(st, k - 1) or 0
       st.head, st.count = st.head + k * st.E, st.count - k
-      if st.count == 0 then st.head, st.tail = st.data, st.data end
+      if st.count == 0 then
+        st.head, st.tail = st.data, st.data
+      else
+        st.first = st.base + entry(st, 0)
+      end
       st.dirty = true
       -- Mostly dead or room: a copy of what is left, with room for an eighth more.
-      local size = redis.call('STRLEN', st.key)
-      if size - st.data > 2 * st.E * capacity_for(st.count) + 64 then
-        compact(st, 0)
-        st.dirty = false
-      end
+      if st.size - st.data > 2 * st.E * capacity_for(st.count) + 64 then compact(st, 0) end
     end
     st.dead_total = st.origin
-    if st.count == 0 then return 0 end
     if st.C == 0 then return st.count end
-    return total_at(st, st.count - 1) - st.origin
+    return st.total - st.origin
   end
 
   -- Window i as trim would leave it, without writing: its used cost and its oldest entry's
@@ -240,14 +251,15 @@ local function compact_log(n, now)
     state[i] = st
     st.gone, st.dead_total = 0, st.origin
     if not st.exists or st.count == 0 then return 0, nil end
-    local edge = now - window_ms - st.base
-    local k = first_from_start(st, function(at) return at > edge end)
-    st.gone = k
-    if k == st.count then return 0, nil end
-    local at = entry(st, k)
-    if st.C == 0 then return st.count - k, st.base + at end
-    st.dead_total = total_at(st, k - 1)
-    return total_at(st, st.count - 1) - st.dead_total, st.base + at
+    if st.first <= now - window_ms then
+      local edge = now - window_ms - st.base
+      st.gone = first_from_start(st, function(at) return at > edge end)
+      if st.gone == st.count then return 0, nil end
+      st.dead_total = total_at(st, st.gone - 1)
+    end
+    local oldest = st.gone == 0 and st.first or st.base + entry(st, st.gone)
+    if st.C == 0 then return st.count - st.gone, oldest end
+    return st.total - st.dead_total, oldest
   end
 
   -- The time of window i's oldest entry (after the ones gone) whose leaving frees `need`
@@ -288,10 +300,10 @@ local function compact_log(n, now)
   function log.logged(i, member)
     local st = compact_header(KEYS[i])
     if not st.exists or st.R == 0 then return nil end
-    local slots, id = replay_table(st), request_id(member)
+    local id = request_id(member)
     for s = 0, st.R - 1 do
-      if string.sub(slots, s * SLOT_SIZE + 1, s * SLOT_SIZE + 8) == id then
-        local at, tie = struct.unpack('>I6I2', string.sub(slots, s * SLOT_SIZE + 9, s * SLOT_SIZE + 16))
+      if string.sub(st.table, s * SLOT_SIZE + 1, s * SLOT_SIZE + 8) == id then
+        local at, tie = struct.unpack('>I6I2', string.sub(st.table, s * SLOT_SIZE + 9, s * SLOT_SIZE + 16))
         return at, tie
       end
     end
@@ -306,8 +318,9 @@ local function compact_log(n, now)
     local slots = i == n and REPLAY_SLOTS or 0
     if not st.exists then
       st.S, st.C, st.R = stamp_width(window_ms), cost ~= 1 and 6 or 0, slots
-      st.base, st.origin, st.next_tie, st.next_slot = now - window_ms, 0, 0, 0
-      rewrite(st, string.rep('\0', SLOT_SIZE * slots), '', capacity_for(1))
+      st.base, st.origin, st.total, st.first, st.last = now - window_ms, 0, 0, 0, 0
+      st.next_tie, st.next_slot, st.table = 0, 0, string.rep('\0', SLOT_SIZE * slots)
+      rewrite(st, '', capacity_for(1))
     end
     if slots < st.R then slots = st.R end
     local at = now - st.base
@@ -315,7 +328,7 @@ local function compact_log(n, now)
     if at < 0 or at >= 256 ^ st.S then
       -- Out of the stored times' range (a clock far behind, or years of a busy window):
       -- the base moves to the oldest entry, less a window.
-      local oldest = st.count > 0 and st.base + entry(st, 0) or now
+      local oldest = st.count > 0 and st.first or now
       base = math.min(oldest, now) - window_ms
     end
     -- Running totals from the first entry of another cost on; none again once a window
@@ -327,35 +340,34 @@ local function compact_log(n, now)
       relayout(st, base, C, slots, 1)
       at = now - st.base
     end
+    if st.C > 0 and st.total + cost >= 256 ^ st.C then
+      relayout(st, st.base, 7, st.R, 1) -- the totals outgrow their bytes
+    end
     -- Its place: after every entry at or before now (its tie is above theirs).
     local k = st.count
-    if k > 0 and st.base + entry(st, k - 1) > now then
+    if k > 0 and st.last > now then
       k = first_where(st, 0, st.count, function(t) return t > at end)
     end
-    local total = nil
-    if st.C > 0 then
-      total = total_at(st, k - 1) + cost
-      if total + (k < st.count and total_at(st, st.count - 1) - total_at(st, k - 1) or 0) >= 256 ^ st.C then
-        relayout(st, st.base, 7, st.R, 1)
-        total = total_at(st, k - 1) + cost
-      end
-    end
-    if st.tail + st.E > redis.call('STRLEN', st.key) then compact(st, 1) end
+    local total = st.C > 0 and total_at(st, k - 1) + cost or nil
+    if st.tail + st.E > st.size then compact(st, 1) end
     local bytes = struct.pack('>' .. st.one, at, tie, total)
     if k < st.count then
       -- Another clock behind: the later entries move one place up, their totals by cost.
       bytes = bytes .. repack(st, k, st.count - k, cost)
     end
     redis.call('SETRANGE', st.key, st.head + k * st.E, bytes)
-    st.tail, st.count = st.tail + st.E, st.count + 1
+    if st.count == 0 or now < st.first then st.first = now end
+    if st.count == 0 or now > st.last then st.last = now end
+    st.tail, st.count, st.total = st.tail + st.E, st.count + 1, st.total + (total and cost or 0)
     st.next_tie = (tie + 1) % TIE_LIMIT
     if i == n then
-      local slot = struct.pack('>I6I2', now, tie)
-      redis.call('SETRANGE', st.key, HEADER_SIZE + SLOT_SIZE * st.next_slot, request_id(member) .. slot)
+      local s = st.next_slot * SLOT_SIZE
+      st.table = string.sub(st.table, 1, s) .. request_id(member) .. struct.pack('>I6I2', now, tie) ..
+        string.sub(st.table, s + SLOT_SIZE + 1)
       st.next_slot = (st.next_slot + 1) % st.R
+      st.table_dirty = true
     end
     save_header(st)
-    st.dirty = false
     redis.call('EXPIRE', st.key, window_ms / 1000 + 1)
   end
 
@@ -363,10 +375,7 @@ local function compact_log(n, now)
   function log.flush()
     for i = 1, n do
       local st = state[i]
-      if st and st.dirty then
-        save_header(st)
-        st.dirty = false
-      end
+      if st and st.dirty then save_header(st) end
     end
   end
 
@@ -376,7 +385,7 @@ local function compact_log(n, now)
   -- after it)); setting the same cost twice changes nothing.
   function log.set_cost(i, _, at, tie, cost, window_ms)
     local st = compact_header(KEYS[i])
-    if not st.exists or at <= now - window_ms then return 0 end
+    if not st.exists or st.count == 0 or at <= now - window_ms then return 0 end
     local stored = at - st.base
     local k = first_where(st, 0, st.count, function(t, e)
       return t > stored or (t == stored and e >= tie)
@@ -388,7 +397,7 @@ local function compact_log(n, now)
     if cost == old then return 1 end
     if cost ~= 0 and st.C == 0 then relayout(st, st.base, 6, st.R, 0) end
     local delta = cost - old
-    if st.C > 0 and total_at(st, st.count - 1) + delta >= 256 ^ st.C then
+    if st.C > 0 and st.total + delta >= 256 ^ st.C then
       relayout(st, st.base, 7, st.R, 0)
     end
     local from = cost == 0 and k + 1 or k
@@ -399,10 +408,13 @@ local function compact_log(n, now)
       bytes = repack(st, from, st.count - from, delta)
     end
     if bytes ~= '' then redis.call('SETRANGE', st.key, st.head + k * st.E, bytes) end
+    if st.C > 0 then st.total = st.total + delta end
     if cost == 0 then
       st.tail, st.count = st.tail - st.E, st.count - 1
-      save_header(st)
+      if st.count > 0 and k == 0 then st.first = st.base + entry(st, 0) end
+      if st.count > 0 and k == st.count then st.last = st.base + entry(st, st.count - 1) end
     end
+    save_header(st)
     return 1
   end
 

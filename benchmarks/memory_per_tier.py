@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import redis  # noqa: E402
+
 from benchlib import RedisTarget, admin_client  # noqa: E402
 from genai_ratelimit import TIER_LIMITS, RateLimiter  # noqa: E402
 

@@ -100,7 +100,8 @@ def server_us(admin: Any, call: Any, count: int) -> float:
     return (after[1] - before[1]) / max(1, after[0] - before[0])
 
 
-def timing_rows(target: RedisTarget, admin: Any, rounds: int, big: int) -> dict[str, list[tuple[float, float]]]:
+def timing_rows(target: RedisTarget, admin: Any, rounds: int,
+                big: int) -> dict[str, list[tuple[float, float]]]:
     limiters = {s: RateLimiter(target.url, storage=s, key_prefix=f"time-{s}", max_connections=1)
                 for s in STORAGES}
     half: dict[str, int] = {}
@@ -111,10 +112,11 @@ def timing_rows(target: RedisTarget, admin: Any, rounds: int, big: int) -> dict[
         half[storage] = sum(2 + n % 49 for n in range(big)) // 2
         print("  filled", storage, file=sys.stderr)
     kinds = {
-        "allow (1,000 entries)": lambda l, s: l.check("thousand", 10**12, DAY),
-        "reject (limit reached)": lambda l, s: l.check("full", 1000, DAY),
-        "allow with a trim (2 s window, sliding)": lambda l, s: l.check("slide", 10**6, 2),
-        f"weighted refusal ({big:,} entries)": lambda l, s: l.check("whale", half[s], DAY, cost=7),
+        "allow (1,000 entries)": lambda lim, s: lim.check("thousand", 10**12, DAY),
+        "reject (limit reached)": lambda lim, s: lim.check("full", 1000, DAY),
+        "allow with a trim (2 s window, sliding)": lambda lim, s: lim.check("slide", 10**6, 2),
+        f"weighted refusal ({big:,} entries)":
+            lambda lim, s: lim.check("whale", half[s], DAY, cost=7),
     }
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in kinds}
     for round_index in range(rounds):
@@ -123,7 +125,8 @@ def timing_rows(target: RedisTarget, admin: Any, rounds: int, big: int) -> dict[
             measured = {}
             for storage in order:
                 limiter = limiters[storage]
-                measured[storage] = server_us(admin, lambda: kind(limiter, storage), 300)
+                measured[storage] = server_us(
+                    admin, lambda k=kind, lim=limiter, s=storage: k(lim, s), 300)
             rows[name].append((measured["zset"], measured["compact"]))
     for limiter in limiters.values():
         limiter.close()

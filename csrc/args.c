@@ -335,9 +335,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const windows_names[] = {"user_id", "windows", "cost"};
     static const char *const reserve_names[] = {"user_id", "windows", "cost",     "token_windows",
                                                 "tokens",  "scopes",  "in_flight"};
-    static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
-                                                  "cost",    "tokens",  "scopes", "tie",
-                                                  "release"};
+    static const char *const reconcile_names[] = {"user_id",      "windows", "member",
+                                                  "timestamp_ms", "cost",    "tokens",
+                                                  "scopes",       "tie",     "release"};
     static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
     static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
     static const char *const release_names[] = {"user_id", "lease_id"};
@@ -361,7 +361,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->score_ms = 0;
     d->new_cost = 0;
     d->tie = 0;
-    d->hash_tag = 0;                /* the limiter sets it after parsing, in cluster mode */
+    d->hash_tag = 0;              /* the limiter sets it after parsing, in cluster mode */
     d->storage = RL_STORAGE_ZSET; /* and this, for a limiter of the compact storage */
     d->scan = 0;
     d->cursor[0] = '\0';

@@ -96,8 +96,8 @@ typedef struct {
 static int
 Codec_init(CodecObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"key_prefix", "client_clock", "metrics", "hash_tag", "storage",
-                               NULL};
+    static char *keywords[] = {"key_prefix", "client_clock", "metrics",
+                               "hash_tag",   "storage",      NULL};
     const char *prefix, *storage = NULL;
     Py_ssize_t prefix_len;
     int client_clock = 0, metrics = 1, hash_tag = 0;
@@ -210,12 +210,12 @@ static PyMethodDef Codec_methods[] = {
     {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
-     "    scopes=())\n--\n\n"
+     "    scopes=(), in_flight=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._reserve's shape)."},
     {"reconcile", (PyCFunction)(void (*)(void))Codec_reconcile,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
-     "    scopes=())\n--\n\n"
+     "    scopes=(), tie=0, release=False)\n--\n\n"
      "A Request, or the kill switch's final answer 0."},
     {"peek", (PyCFunction)(void (*)(void))Codec_peek, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"

@@ -165,11 +165,10 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzpOzz", keywords, &host,
-                                     &port, &unix_path, &db, &username, &password,
-                                     &connect_timeout, &socket_timeout, &prefix, &prefix_len,
-                                     &client_clock, &max_connections, &tls, &ssl_verify, &ca,
-                                     &certfile, &keyfile, &metrics, &cluster_nodes,
-                                     &sentinel_master, &storage))
+                                     &port, &unix_path, &db, &username, &password, &connect_timeout,
+                                     &socket_timeout, &prefix, &prefix_len, &client_clock,
+                                     &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile,
+                                     &metrics, &cluster_nodes, &sentinel_master, &storage))
         return -1;
     if (rl_parse_storage(storage, &self->storage) < 0)
         return -1;
@@ -385,23 +384,26 @@ LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 
 PyDoc_STRVAR(Limiter_reserve_doc,
 "_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
-"    scopes=())\n--\n\n"
+"    scopes=(), in_flight=None)\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, member,\n"
 "    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None, scope), ...),\n"
-"    retry_after_ms, scope)\n\n"
+"    retry_after_ms, scope, tie, slot)\n\n"
 "One decision over request windows (charged `cost`) and token windows (charged `tokens`),\n"
 "the user's own and those of `scopes` ((name, shared, windows, token_windows) tuples; a\n"
-"window's scope is 0 for the user's own, k for scopes[k - 1]), all or nothing.\n"
+"window's scope is 0 for the user's own, k for scopes[k - 1]), all or nothing. tie names\n"
+"the entry in the compact storage. in_flight=(limit, lease_seconds) takes an in-flight\n"
+"slot in the same script: slot is _acquire's tuple, or None (a window refused; no slot).\n"
 "RateLimiter.reserve wraps it in a Reservation.");
 
 LIMITER_METHOD(reserve, RL_SHAPE_RESERVE)
 
 PyDoc_STRVAR(Limiter_reconcile_doc,
 "_reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
-"    scopes=())\n--\n\n"
+"    scopes=(), tie=0, release=False)\n--\n\n"
 "-> the number of windows whose entry was found\n\n"
 "Sets the cost of a reserved entry in every window where it is still present, the\n"
-"user's own and those of `scopes` ((name, shared, windows) tuples).\n"
+"user's own and those of `scopes` ((name, shared, windows) tuples); release=True also\n"
+"gives back the in-flight lease whose id is the member, in the same script.\n"
 "RateLimiter.reconcile calls it with a Reservation's fields.");
 
 LIMITER_METHOD(reconcile, RL_SHAPE_RECONCILE)

@@ -107,8 +107,8 @@ typedef struct {
     long long used_of[RL_MAX_WINDOWS];   /* peek: every window's used cost */
     long long oldest_of[RL_MAX_WINDOWS]; /* peek: its oldest entry's time (ms), or -1 */
     char cursor[24];                     /* reset: the SCAN cursor to go on from ("0": done) */
-    long long tie; /* compact storage: the tie of the entry logged (0 otherwise) */
-    int slot;      /* reserve with in_flight: 1 granted, 0 refused (window -1: no window
+    long long tie;           /* compact storage: the tie of the entry logged (0 otherwise) */
+    int slot;                /* reserve with in_flight: 1 granted, 0 refused (window -1: no window
                       decided) or nothing held; -1 without in_flight. reconcile with release:
                       1 when the lease was still held */
     long long slot_held;     /* in_flight: the user's holders after the decision */
@@ -183,9 +183,9 @@ typedef struct {
     char cursor[24];                /* reset with scan: the SCAN cursor to start from */
     long long lease_limit; /* acquire, reserve with in_flight: the most concurrent holders */
     long long lease_ms;    /* acquire, renew, reserve with in_flight: the lease's length */
-    int disabled;                   /* the kill switch answered: result is final, no I/O */
-    rl_result result;               /* the kill switch's answer when disabled */
-    char *command;                  /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
+    int disabled;          /* the kill switch answered: result is final, no I/O */
+    rl_result result;      /* the kill switch's answer when disabled */
+    char *command;         /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
     long long command_len;
     char *replay; /* the command with the replay marker (malloc), once replayed */
     size_t replay_len;
@@ -609,14 +609,14 @@ typedef struct {
     PyTypeObject *PipelineType;
     /* check_windows_detailed's answer (a struct sequence) */
     PyTypeObject *WindowDecisionType;
-    PyObject *Error;        /* RateLimiterError */
-    PyObject *Unavailable;  /* RateLimiterUnavailable */
-    PyObject *Timeout;      /* RateLimiterTimeout */
-    PyObject *AuthError;    /* RateLimiterAuthError */
-    int kill_switch_warned; /* the kill-switch warning was logged */
+    PyObject *Error;           /* RateLimiterError */
+    PyObject *Unavailable;     /* RateLimiterUnavailable */
+    PyObject *Timeout;         /* RateLimiterTimeout */
+    PyObject *AuthError;       /* RateLimiterAuthError */
+    int kill_switch_warned;    /* the kill-switch warning was logged */
     long long client_clock_ms; /* tests: what clock="client" reads (_set_client_clock), or -1 */
-    rl_random *random;      /* UUID4 randomness, wiped in a fork child */
-    PyObject *str_done;     /* interned method names for resolving futures */
+    rl_random *random;         /* UUID4 randomness, wiped in a fork child */
+    PyObject *str_done;        /* interned method names for resolving futures */
     PyObject *str_set_result;
     PyObject *str_set_exception;
 } rl_module_state;

@@ -36,9 +36,8 @@ static const struct {
                          rl_reset_load_command, sizeof(rl_reset_load_command) - 1},
     [RL_SCRIPT_LEASE] = {RL_LEASE_SHA1, rl_lease_source, sizeof(rl_lease_source) - 1,
                          rl_lease_load_command, sizeof(rl_lease_load_command) - 1},
-    [RL_SCRIPT_COMPACT_WINDOW] = {RL_COMPACT_SHA1, rl_compact_source,
-                                  sizeof(rl_compact_source) - 1, rl_compact_load_command,
-                                  sizeof(rl_compact_load_command) - 1},
+    [RL_SCRIPT_COMPACT_WINDOW] = {RL_COMPACT_SHA1, rl_compact_source, sizeof(rl_compact_source) - 1,
+                                  rl_compact_load_command, sizeof(rl_compact_load_command) - 1},
     [RL_SCRIPT_COMPACT_RECONCILE] = {RL_COMPACT_RECONCILE_SHA1, rl_compact_reconcile_source,
                                      sizeof(rl_compact_reconcile_source) - 1,
                                      rl_compact_reconcile_load_command,
@@ -46,8 +45,9 @@ static const struct {
     [RL_SCRIPT_COMPACT_PEEK] = {RL_COMPACT_PEEK_SHA1, rl_compact_peek_source,
                                 sizeof(rl_compact_peek_source) - 1, rl_compact_peek_load_command,
                                 sizeof(rl_compact_peek_load_command) - 1},
-    [RL_SCRIPT_IN_FLIGHT] = {RL_IN_FLIGHT_SHA1, rl_in_flight_source, sizeof(rl_in_flight_source) - 1,
-                             rl_in_flight_load_command, sizeof(rl_in_flight_load_command) - 1},
+    [RL_SCRIPT_IN_FLIGHT] = {RL_IN_FLIGHT_SHA1, rl_in_flight_source,
+                             sizeof(rl_in_flight_source) - 1, rl_in_flight_load_command,
+                             sizeof(rl_in_flight_load_command) - 1},
     [RL_SCRIPT_RECONCILE_RELEASE] = {RL_RECONCILE_RELEASE_SHA1, rl_reconcile_release_source,
                                      sizeof(rl_reconcile_release_source) - 1,
                                      rl_reconcile_release_load_command,
@@ -563,8 +563,9 @@ decode_reconcile_release(const redisReply *reply, const rl_prepared *d, rl_resul
 {
     long long found = -1, released = -1;
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
-        integer_at(reply, 0, &found, err) != RL_OK || integer_at(reply, 1, &released, err) != RL_OK ||
-        found < 0 || found > d->windows.count || (released != 0 && released != 1))
+        integer_at(reply, 0, &found, err) != RL_OK ||
+        integer_at(reply, 1, &released, err) != RL_OK || found < 0 || found > d->windows.count ||
+        (released != 0 && released != 1))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the reconcile-and-release script: %s, expected "
                             "{0 to %d, 0 or 1}",
@@ -729,9 +730,8 @@ decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *ou
             return err->kind;
     }
     if (v[0] != 0 || v[1] != 0 || v[4] < 0 || retry_ms < 1 ||
-        retry_ms > RL_MAX_WINDOW_SECONDS * 1000 ||
-        v[2] != (retry_ms + 999) / 1000 || tie != 0 || each == NULL ||
-        each->type != REDIS_REPLY_ARRAY || each->elements != 0 || slot[0] != 0 ||
+        retry_ms > RL_MAX_WINDOW_SECONDS * 1000 || v[2] != (retry_ms + 999) / 1000 || tie != 0 ||
+        each == NULL || each->type != REDIS_REPLY_ARRAY || each->elements != 0 || slot[0] != 0 ||
         slot[1] < d->lease_limit || slot[2] != retry_ms || slot[3] != 0)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "the in-flight reserve script answered a refused slot out of range "
@@ -756,8 +756,9 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     /* peek: a usage array 8th; the compact storage's decision: the entry's tie 8th; with an
        in-flight slot: the tie 8th and the slot's answer 9th */
     int slot = d->script == RL_SCRIPT_IN_FLIGHT || d->script == RL_SCRIPT_COMPACT_IN_FLIGHT;
-    size_t elements =
-        slot ? 9 : rl_script_peeks(d->script) || d->script == RL_SCRIPT_COMPACT_WINDOW ? 8 : 7;
+    size_t elements = slot                                                                  ? 9
+                      : rl_script_peeks(d->script) || d->script == RL_SCRIPT_COMPACT_WINDOW ? 8
+                                                                                            : 7;
     long long v[5] = {0, 0, 0, 0, 0}, retry_ms = 0;
     const redisReply *each;
     if (reply->type == REDIS_REPLY_ERROR) {

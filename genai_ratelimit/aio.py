@@ -735,8 +735,8 @@ class AsyncRateLimiter:
                     answer: object = _native.Codec(self.key_prefix, metrics=False).reserve(
                         *positional, **keywords)
                 elif name == "release":
-                    request = self._codec.release(*positional)
-                    answer = request if type(request) is bool else await self._run(request)
+                    release = self._codec.release(*positional)
+                    answer = release if type(release) is bool else await self._run(release)
                 else:
                     method = self._codec.reserve if name == "reserve" else self._codec.reconcile
                     request = method(*positional, **keywords)

@@ -116,7 +116,7 @@ class Reservation:
     remaining: int
     retry_after_s: int
     window_seconds: int
-    resource: Resource | Literal["in_flight"]
+    resource: Resource
     # The same wait in milliseconds, not rounded up to a second (0 when allowed): for
     # clients that can sleep precisely (a `retry-after-ms` header).
     retry_after_ms: int
@@ -139,9 +139,9 @@ class Reservation:
     # reserve(..., in_flight=(limit, lease_seconds)): the in-flight slot taken in the same
     # script execution. A granted Lease (its lease_id is the entry's member: release it, or
     # reconcile(..., release=True)) when the request was allowed; a refused Lease when the
-    # slot refused it (then no window was decided: window_seconds 0, resource "in_flight",
-    # every window's remaining None); None when a window refused it (no slot is held) or
-    # without in_flight.
+    # slot refused it (then no window was decided: window_seconds 0, resource "requests",
+    # every window's remaining None, the lease's wait); None when a window refused it (no
+    # slot is held) or without in_flight.
     lease: Lease | None = field(default=None, compare=False)
 
     def remaining_of(self, resource: Resource, scope: Scope | None | Literal["any"] = "any"
@@ -182,9 +182,7 @@ def make_reservation(raw: tuple[Any, ...], user_id: str, cost: int, tokens: int 
     slot from the tuple's last element."""
     (allowed, remaining, retry, window_seconds, is_tokens, member, timestamp_ms, report,
      retry_ms, scope_index, tie, slot) = raw
-    resource: Resource | Literal["in_flight"] = "tokens" if is_tokens else "requests"
-    if slot is not None and not slot[0]:
-        resource = "in_flight"
+    resource: Resource = "tokens" if is_tokens else "requests"
     return Reservation(
         allowed=allowed, remaining=remaining, retry_after_s=retry, retry_after_ms=retry_ms,
         window_seconds=window_seconds, lease=lease(slot) if slot is not None and lease else None,
@@ -269,11 +267,11 @@ def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
     for number, (step_scopes, step_windows, step_token_windows) in enumerate(steps):
         step_tokens = tokens if step_token_windows or any(s.token_windows for s in step_scopes) \
             else None
-        user_step = number == len(shared)
+        own_step = number == len(shared)
         try:
             raw = yield ("reserve", (user_id, step_windows),
                          reserve_arguments(cost, step_token_windows, step_tokens, step_scopes,
-                                           in_flight if user_step else None))
+                                           in_flight if own_step else None))
         except BaseException:
             yield from _refund_all(done)
             raise

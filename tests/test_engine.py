@@ -14,7 +14,6 @@ import inspect
 from collections.abc import Callable, Iterator
 
 import pytest
-from helpers_core import SORTED_SET_SHAPE
 
 from fake_redis import ScriptedRedis, decision, in_order, parse_command
 from genai_ratelimit import (
@@ -26,6 +25,7 @@ from genai_ratelimit import (
     _native,
 )
 from helpers_async import LimiterFactory
+from helpers_core import SORTED_SET_SHAPE
 
 NOSCRIPT = b"-NOSCRIPT No matching script. Please use EVAL.\r\n"
 SHA_REPLY = b"$40\r\n" + SCRIPT_SHA1.encode() + b"\r\n"

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import pytest
 import redis
-from helpers_core import SORTED_SET_SHAPE, logged_entries
 
 from fake_redis import (
     Behaviour,
@@ -35,6 +34,7 @@ from fake_redis import (
     decision,
     open_fds,
 )
+from helpers_core import SORTED_SET_SHAPE, logged_entries
 
 TIMEOUT = 0.5  # connect_timeout and socket_timeout of every limiter here
 MARGIN = 0.5   # slack for a loaded machine on top of the timeout

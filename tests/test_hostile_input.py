@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 import redis
-from helpers_core import SORTED_SET_SHAPE, logged_entries
 
 from fake_redis import FakeRedis, Silence
+from helpers_core import SORTED_SET_SHAPE, logged_entries
 
 MAX_LIMIT = 2**53 - 1
 YEAR = 365 * 24 * 3600

@@ -55,7 +55,7 @@ def test_a_refused_slot_reserves_nothing(limiter: Any, redis_client: redis.Redis
                                          user_id: str) -> None:
     held = limiter.acquire(user_id, 1, 30)
     r = limiter.reserve(user_id, WINDOWS, token_windows=TOKENS, tokens=300, in_flight=(1, 30))
-    assert (r.allowed, r.resource, r.window_seconds, r.remaining) == (False, "in_flight", 0, 0)
+    assert (r.allowed, r.resource, r.window_seconds, r.remaining) == (False, "requests", 0, 0)
     assert r.lease is not None and not r.lease.allowed and r.lease.lease_id == ""
     assert 1 <= r.retry_after_ms <= 30_000 and r.retry_after_s == r.lease.retry_after_s
     assert all(w.remaining is None for w in r.windows) and r.member == ""

@@ -13,7 +13,13 @@ import logging
 import pytest
 import redis
 
-from helpers_core import SORTED_SET_SHAPE, PasswordRedisServer, closed_port_url, logged_entries, measured_commands
+from helpers_core import (
+    SORTED_SET_SHAPE,
+    PasswordRedisServer,
+    closed_port_url,
+    logged_entries,
+    measured_commands,
+)
 
 BAD_USER_IDS = [
     pytest.param("", ValueError, id="empty"),

@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 import redis
-from helpers_core import SORTED_SET_SHAPE, logged_entries
 
 from genai_ratelimit import RateLimiter
+from helpers_core import SORTED_SET_SHAPE, logged_entries
 
 
 def _members(client: redis.Redis, key: str) -> list[str]:

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers_core import SORTED_SET_SHAPE
 import redis
 
 from genai_ratelimit import RateLimiterAuthError, RateLimiterUnavailable
 from helpers_async import LimiterFactory
+from helpers_core import SORTED_SET_SHAPE
 from redis_server import RedisServer, free_port
 
 PASSWORD = "tls-s3cret-pw"

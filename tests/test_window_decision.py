@@ -9,10 +9,10 @@ import pickle
 from typing import Any
 
 import pytest
-from helpers_core import SORTED_SET_SHAPE
 import redis
 
 from genai_ratelimit import WindowDecision
+from helpers_core import SORTED_SET_SHAPE
 
 WINDOWS = [(2, 60), (100, 86_400)]
 

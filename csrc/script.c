@@ -729,10 +729,10 @@ decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *ou
         if (integer_at(answer, i, &slot[i], err) != RL_OK)
             return err->kind;
     }
-    if (v[0] != 0 || v[1] != 0 || v[4] < 0 || retry_ms < 1 ||
+    if (v[0] != 0 || v[1] != 0 || v[4] < 0 || v[4] > RL_MAX_LIMIT || retry_ms < 1 ||
         retry_ms > RL_MAX_WINDOW_SECONDS * 1000 || v[2] != (retry_ms + 999) / 1000 || tie != 0 ||
         each == NULL || each->type != REDIS_REPLY_ARRAY || each->elements != 0 || slot[0] != 0 ||
-        slot[1] < d->lease_limit || slot[2] != retry_ms || slot[3] != 0)
+        slot[1] < d->lease_limit || slot[1] > RL_MAX_LIMIT || slot[2] != retry_ms || slot[3] != 0)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "the in-flight reserve script answered a refused slot out of range "
                             "(%lld, %lld, %lld, %lld ms)",

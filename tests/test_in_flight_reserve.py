@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from helpers_core import Monitor, logged
+from helpers_core import GarbageServer, Monitor, logged
 
 WINDOWS = [(10, 60)]
 TOKENS = [(1_000, 60)]
@@ -122,3 +122,55 @@ def test_under_the_kill_switch_the_slot_is_granted_and_nothing_is_held(
                                     in_flight=(1, 30))
     assert r.allowed and r.lease is not None and r.lease.allowed and r.lease.lease_id == ""
     assert unreachable_limiter.reconcile(r, 1, release=True) == 0
+
+
+SLOT_REFUSED = b"*9\r\n:0\r\n:0\r\n:1\r\n:0\r\n:5\r\n*0\r\n:1000\r\n:0\r\n*4\r\n:0\r\n:%b\r\n:1000\r\n:0\r\n"
+ALLOWED = (b"*9\r\n:1\r\n:9\r\n:0\r\n:1\r\n:5\r\n*1\r\n:9\r\n:0\r\n:%b\r\n"
+           b"*4\r\n:1\r\n:1\r\n:0\r\n:%b\r\n")
+
+
+@pytest.mark.parametrize("reply", [
+    SLOT_REFUSED % b"9223372036854775807",           # absurd holders
+    SLOT_REFUSED % b"0",                              # refused below the limit
+    ALLOWED % (b"70000", b"20000"),                   # a tie beyond 2 bytes
+    ALLOWED % (b"0", b"9223372036854775807"),         # an expiry beyond the lease
+    ALLOWED % (b"0", b"4"),                           # an expiry before now
+    b"*9\r\n:0\r\n:0\r\n:1\r\n:0\r\n:-5\r\n*0\r\n:1000\r\n:0\r\n*4\r\n:0\r\n:1\r\n:1000\r\n:0\r\n",
+], ids=["absurd-holders", "refused-below-limit", "tie", "expiry-beyond", "expiry-before",
+        "negative-now"])
+@pytest.mark.storages("zset", reason="the reply decoding is the same for both scripts")
+def test_an_absurd_in_flight_reply_is_unavailable_never_a_decision(make_limiter: Any,
+                                                                   reply: bytes) -> None:
+    from genai_ratelimit import RateLimiterUnavailable
+
+    with GarbageServer(reply) as server:
+        limiter = make_limiter(server.url, connect_timeout=0.5, socket_timeout=0.5)
+        with pytest.raises(RateLimiterUnavailable):
+            limiter.reserve("u", [(10, 60)], in_flight=(1, 30))
+
+
+@pytest.mark.parametrize("reply", [b"*2\r\n:5\r\n:1\r\n", b"*2\r\n:1\r\n:2\r\n", b":1\r\n"],
+                         ids=["found-beyond-windows", "released-2", "not-an-array"])
+@pytest.mark.storages("zset", reason="the reply decoding is the same for both scripts")
+def test_an_absurd_reconcile_and_release_reply_is_unavailable(make_limiter: Any,
+                                                              reply: bytes) -> None:
+    from genai_ratelimit import RateLimiterUnavailable
+
+    with GarbageServer(reply) as server:
+        limiter = make_limiter(server.url, connect_timeout=0.5, socket_timeout=0.5)
+        with pytest.raises(RateLimiterUnavailable):
+            limiter.reconcile(_reservation("u"), 1, release=True)
+
+
+def _reservation(user: str) -> Any:
+    """A Reservation with a held lease, as reserve(..., in_flight=...) makes one."""
+    from genai_ratelimit import Reservation, WindowState
+    from genai_ratelimit.lease import Lease
+
+    member = "0a1b2c3d-4e5f-4a6b-8c7d-0e1f2a3b4c5d"
+    lease = Lease(allowed=True, held=1, remaining=0, retry_after_s=0, retry_after_ms=0,
+                  lease_id=member, expires_at_ms=10, user_id=user, limit=1, lease_seconds=30)
+    return Reservation(allowed=True, remaining=9, retry_after_s=0, window_seconds=60,
+                       resource="requests", retry_after_ms=0, user_id=user, cost=1, tokens=None,
+                       windows=(WindowState(10, 60, "requests", 9),), member=member,
+                       timestamp_ms=5, lease=lease)

@@ -4,14 +4,12 @@
 -- include: lib/set_cost.lua
 -- include: lib/in_flight.lua
 --[[
-compact_reconcile_release.lua - reconcile and release in one script execution (storage "compact"):
-the slot of lease ARGV[1] given back, then the entry's cost set (lib/in_flight.lua).
+compact_reconcile_release.lua - reconcile_release.lua for the compact storage: the slot of
+lease ARGV[1] given back, then the entry's cost set (lib/in_flight.lua).
 
 KEYS       compact_reconcile.lua's, then the user's leases (lease.lua's KEYS[1])
 ARGV       compact_reconcile.lua's (lib/set_cost.lua); the member is the lease id
-
-Returns {windows whose entry was found, 1 when the lease was still held}. No OOM probe:
-the release comes first and only frees memory.
+Returns    reconcile_release.lua's {windows found, 1 when the lease was still held}
 --]]
 
 local n = #KEYS - 1

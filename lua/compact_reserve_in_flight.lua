@@ -5,18 +5,13 @@
 -- include: lib/set_cost.lua
 -- include: lib/in_flight.lua
 --[[
-compact_reserve_in_flight.lua - reserve with an in-flight slot, in one script execution (storage
-"compact"): the user's slot (lease.lua's acquire, the lease id being the entry's member) and
-compact_window.lua's decision, all or nothing (lib/in_flight.lua).
+compact_reserve_in_flight.lua - reserve_in_flight.lua for the compact storage: the user's
+in-flight slot and compact_window.lua's decision in one script execution, all or nothing
+(lib/in_flight.lua).
 
 KEYS       compact_window.lua's KEYS[1..n], then the user's leases (lease.lua's KEYS[1])
-ARGV[1..3n+2]  the decision's (the member is also the lease id)
-ARGV[3n+3] the most concurrent holders; ARGV[3n+4] the lease's length in ms
-ARGV[3n+5] optional: "1" marks a replay after a lost reply
-
-Returns the decision's 7 elements, the entry's tie (0 in the sorted-set storage) and
-{slot granted 1/0, holders, ms until the soonest lease expires when refused, the lease's
-expiry}. A refused slot decides no window: element 4 (the window) is 0.
+ARGV       reserve_in_flight.lua's
+Returns    reserve_in_flight.lua's 9 elements (the 8th, the entry's tie, names it here)
 --]]
 
 -- The OOM probe of the decision's script: over maxmemory nothing is written.

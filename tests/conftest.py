@@ -132,29 +132,27 @@ def pytest_configure(config: pytest.Config) -> None:
                    "(make test-wheel); deselected unless --wheel-dist is given")
 
 
+def marked(metafunc: pytest.Metafunc, name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    """The values a test's `name` marker names (it must say why), else `default`."""
+    marker = metafunc.definition.get_closest_marker(name)
+    if marker is None:
+        return default
+    if not marker.kwargs.get("reason"):
+        pytest.fail(f"{metafunc.definition.nodeid}: {name}({', '.join(marker.args)}) needs a "
+                    "reason=... saying why the others do not apply", pytrace=False)
+    return tuple(marker.args)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """One case per limiter kind for every test that depends on limiter_kind, and one per
     storage for every test that depends on storage."""
     if "storage" in metafunc.fixturenames:
-        storages: tuple[str, ...] = STORAGES
-        marker = metafunc.definition.get_closest_marker(STORAGES_MARKER)
-        if marker is not None:
-            if not marker.kwargs.get("reason"):
-                pytest.fail(f"{metafunc.definition.nodeid}: {STORAGES_MARKER}(...) needs a "
-                            "reason=... saying why the other storage does not apply", pytrace=False)
-            storages = tuple(marker.args)
-        elif metafunc.module.__name__.startswith(ZSET_ONLY_MODULES):
-            storages = ("zset",)
+        zset_only = metafunc.module.__name__.startswith(ZSET_ONLY_MODULES)
+        storages = marked(metafunc, STORAGES_MARKER, ("zset",) if zset_only else STORAGES)
         metafunc.parametrize("storage", storages, indirect=True)
     if "limiter_kind" not in metafunc.fixturenames:
         return
-    kinds: tuple[str, ...] = LIMITER_KINDS
-    marker = metafunc.definition.get_closest_marker(KINDS_MARKER)
-    if marker is not None:
-        if not marker.kwargs.get("reason"):
-            pytest.fail(f"{metafunc.definition.nodeid}: {KINDS_MARKER}({', '.join(marker.args)}) "
-                        "needs a reason=... saying why the other kinds do not apply", pytrace=False)
-        kinds = tuple(marker.args)
+    kinds = marked(metafunc, KINDS_MARKER, LIMITER_KINDS)
     if "loop_factory" in metafunc.fixturenames and not set(kinds) <= set(ASYNC_KINDS):
         pytest.fail(f"{metafunc.definition.nodeid} takes loop_factory, which only the async "
                     f"kinds have: mark it {KINDS_MARKER}({', '.join(map(repr, ASYNC_KINDS))}, "

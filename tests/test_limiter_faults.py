@@ -26,6 +26,7 @@ from helpers_core import (
     logged_entries,
     measured_commands,
     run_lined_up,
+    window_script,
 )
 
 MARGIN = 0.5  # seconds of slack on top of a configured timeout
@@ -201,16 +202,13 @@ def test_close_while_threads_are_checking_neither_crashes_nor_hangs(limiter_for,
 
 # ---------------------------------------------------------------------- recovery
 
-@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
-def test_script_flush_is_recovered_transparently(limiter, redis_client, user_id):
-    from genai_ratelimit import SCRIPT_SHA1
-
+def test_script_flush_is_recovered_transparently(limiter, redis_client, user_id, storage):
     assert limiter.check(user_id, 10, 60) == (True, 9, 0)
     redis_client.script_flush()
     with measured_commands(redis_client) as delta:
         assert limiter.check(user_id, 10, 60) == (True, 8, 0)
     assert delta.get("script|load") == 1
-    assert redis_client.script_exists(SCRIPT_SHA1) == [True]
+    assert redis_client.script_exists(window_script(storage)[0]) == [True]
     assert logged_entries(redis_client, f"ratelimit:{user_id}:60") == 2
 
 

@@ -115,7 +115,9 @@ def test_a_limiter_test_is_collected_once_per_kind_and_a_sync_only_one_once() ->
     assert completed.returncode == 0, completed.stdout + completed.stderr
     ids = {line.split("::", 1)[1] for line in completed.stdout.splitlines() if "::" in line}
     kinds = [param.values[0] for param in limiter_kind_params()]
-    assert {f"test_script_flush_is_recovered_transparently[{kind}]" for kind in kinds} <= ids
+    assert {f"test_script_flush_is_recovered_transparently[{storage}-{kind}]"
+            for kind in kinds for storage in ("zset", "compact")} <= ids
     forks = {i for i in ids if i.startswith("test_fork_child_does_not_close_the_parents_connection")}
-    assert forks == {"test_fork_child_does_not_close_the_parents_connection[sync]"}
+    assert forks == {f"test_fork_child_does_not_close_the_parents_connection[{storage}-sync]"
+                     for storage in ("zset", "compact")}
     assert "test_exception_hierarchy" in ids  # no limiter: collected once, without a kind

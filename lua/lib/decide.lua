@@ -31,13 +31,22 @@ local function wait_until_gone(stamp, window_ms, now)
   return math.ceil(wait / 1000), wait
 end
 
+-- The allowed reply over windows 1..n whose remaining units are remaining_of[i]: the
+-- fewest remaining, and that window's index (ties: the shorter, the first).
+local function allowed_reply(n, now, remaining_of)
+  local fewest_index = 1
+  for i = 2, n do
+    if remaining_of[i] < remaining_of[fewest_index] then fewest_index = i end
+  end
+  return {1, remaining_of[fewest_index], 0, fewest_index, now, remaining_of, 0}
+end
+
 -- Decides windows 1..n in order: used_of(i, window_ms) is window i's used cost at now
 -- (called once per window, in order, never for a window after the refusing one), and
 -- freeing_stamp(i, window_ms, need) the time of the oldest entry of window i whose leaving
 -- frees `need` units (nil: none does). Returns the reply (see the header); nothing is
 -- charged on a refusal, so the windows before it report what they had.
 local function decide(n, now, used_of, freeing_stamp)
-  local fewest, fewest_index = nil, 1
   local remaining_of = {}
   for i = 1, n do
     local window_ms, limit, cost = window_of(i)
@@ -49,30 +58,20 @@ local function decide(n, now, used_of, freeing_stamp)
       local retry, wait = wait_until_gone(freeing_stamp(i, window_ms, need), window_ms, now)
       return {0, 0, retry, i, now, remaining_of, wait}
     end
-    local remaining = limit - used - cost
-    remaining_of[i] = remaining
-    if fewest == nil or remaining < fewest then
-      fewest, fewest_index = remaining, i
-    end
+    remaining_of[i] = limit - used - cost
   end
-  return {1, fewest, 0, fewest_index, now, remaining_of, 0}
+  return allowed_reply(n, now, remaining_of)
 end
 
 -- The reply to a replay whose first attempt was allowed and logged: allowed again, with
 -- what every window has left now (never below 0), nothing charged a second time.
 local function decided_before(n, now, used_of)
-  local fewest, fewest_index = nil, 1
   local remaining_of = {}
   for i = 1, n do
     local window_ms, limit = window_of(i)
-    local remaining = limit - used_of(i, window_ms)
-    if remaining < 0 then remaining = 0 end
-    remaining_of[i] = remaining
-    if fewest == nil or remaining < fewest then
-      fewest, fewest_index = remaining, i
-    end
+    remaining_of[i] = math.max(0, limit - used_of(i, window_ms))
   end
-  return {1, fewest, 0, fewest_index, now, remaining_of, 0}
+  return allowed_reply(n, now, remaining_of)
 end
 
 -- A decision that logs (sliding_window.lua, compact_window.lua), over `log`, a storage of

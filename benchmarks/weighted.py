@@ -91,7 +91,9 @@ def main() -> int:
         prefill(admin, "ratelimit:whale:86400", args.entries)
         half = prefill(admin, "ratelimit:shark:86400", args.entries) // 2
         half_tokens = prefill(admin, "ratelimit:shark:86400:tokens", args.entries) // 2
-        limiter = RateLimiter(target.url, max_connections=1)
+        # A long timeout: the first refusal on a prefilled window builds its running totals
+        # (the warm-up calls absorb it).
+        limiter = RateLimiter(target.url, max_connections=1, socket_timeout=30)
         fresh = iter(range(10**9))
         held: list[Any] = []
 

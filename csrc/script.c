@@ -694,7 +694,9 @@ decode_slot(const redisReply *answer, const rl_prepared *d, rl_result *out, rl_e
         if (integer_at(answer, i, &v[i], err) != RL_OK)
             return err->kind;
     }
-    if (v[0] != out->allowed || v[1] < 0 || v[1] > d->lease_limit || v[2] != 0 ||
+    /* holders: at most the limit for this call's own slot, but others may hold theirs under
+       a larger one; only an absurd count is malformed */
+    if (v[0] != out->allowed || v[1] < 0 || v[1] > RL_MAX_LIMIT || v[2] != 0 ||
         (out->allowed && (v[1] < 1 || v[3] <= out->now_ms || v[3] > out->now_ms + d->lease_ms)) ||
         (!out->allowed && v[3] != 0))
         return rl_error_set(err, RL_ERR_PROTOCOL,

@@ -4,8 +4,8 @@ reset.lua - forgets a user's entries: in the windows named, or in every window o
 user, found by SCAN one bounded step at a time.
 
 KEYS[i]    (i = 1..n) the windows to reset (n may be 0): sorted sets (lib/zset_log.lua)
-           or strings (lib/compact_log.lua), then the sorted sets' companions (weights,
-           running totals), deleted too
+           or strings named "...:c" (lib/compact_log.lua), then the sorted sets'
+           companions (weights, running totals), deleted too
 ARGV[1]    "" to reset KEYS; else a SCAN cursor ("0" to start): reset every key of the
            user that one SCAN step (ARGV[1] MATCH ARGV[2] COUNT ARGV[4]) finds
 ARGV[2]    the MATCH pattern of the user's keys: ARGV[3], glob-escaped, then "*"
@@ -26,12 +26,11 @@ Not atomic across SCAN steps: an entry logged meanwhile in a key already visited
 
 local removed = 0
 
--- The entries a window holds, whichever storage keeps it.
+-- The entries a window holds, whichever storage keeps it (a compact window's key ends in
+-- ":c", which no sorted-set window's does).
 local function entries(key)
-  local kind = redis.call('TYPE', key)['ok']
-  if kind == 'zset' then return redis.call('ZCARD', key) end
-  if kind == 'string' then return compact_entries(key) end
-  return 0
+  if string.sub(key, -2) == ':c' then return compact_entries(key) end
+  return redis.call('ZCARD', key)
 end
 
 if ARGV[1] == '' then

@@ -78,7 +78,7 @@ local function zset_log(n, now)
   -- window's first entry. The totals live as long as the set.
   local function build_totals(i)
     local key, weights, totals = keys_of(i)
-    redis.call('DEL', totals)
+    redis.call('ZREMRANGEBYRANK', totals, 0, -1)
     local count, total = redis.call('ZCARD', key), 0
     for from = 0, count - 1, 1000 do
       local members = redis.call('ZRANGE', key, from, from + 999)
@@ -139,7 +139,7 @@ local function zset_log(n, now)
       end
       dead_total = tonumber(redis.call('ZSCORE', totals, ''))
       if extra == 0 then
-        redis.call('DEL', totals)
+        redis.call('ZREMRANGEBYRANK', totals, 0, -1)
         dead_total = nil
       elseif dead_total and gone > 0 then
         -- The leaving entries' totals are the ones up to the new origin.
@@ -286,7 +286,7 @@ local function zset_log(n, now)
       redis.call('EXPIRE', weights, seconds)
       if not weighted then
         -- The window's first weighted entry: its totals start here (origin 0).
-        redis.call('DEL', totals)
+        redis.call('ZREMRANGEBYRANK', totals, 0, -1)
         redis.call('ZADD', totals, 0, '')
         before = 0
       end
@@ -345,10 +345,10 @@ local function zset_log(n, now)
       if sum <= 0 then redis.call('HDEL', weights, '') end
     end
     if redis.call('EXISTS', weights) == 0 then
-      redis.call('DEL', totals)
+      redis.call('ZREMRANGEBYRANK', totals, 0, -1)
     elseif total then
       if extra == 0 then
-        redis.call('DEL', totals)
+        redis.call('ZREMRANGEBYRANK', totals, 0, -1)
         redis.call('ZADD', totals, 0, '')
       end
       shift_totals_after(i, total, new - old)

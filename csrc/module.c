@@ -232,6 +232,9 @@ module_exec(PyObject *module)
         add_long_long(module, "MAX_LIMIT", RL_MAX_LIMIT) < 0 ||
         add_long_long(module, "MAX_WINDOW_SECONDS", RL_MAX_WINDOW_SECONDS) < 0 ||
         add_long_long(module, "MAX_TIMEOUT_SECONDS", (long long)RL_MAX_TIMEOUT_SECONDS) < 0 ||
+        /* The bounds of a script's reply (native.h), for the tests and the fuzzer's model. */
+        add_long_long(module, "MAX_UNIX_MS", RL_MAX_UNIX_MS) < 0 ||
+        add_long_long(module, "MAX_CLOCK_SKEW_MS", RL_MAX_CLOCK_SKEW_MS) < 0 ||
         /* The _rl_status of an exception whose call a cluster may send elsewhere. */
         PyModule_AddIntConstant(module, "STATUS_CONNECT", RL_ERR_CONNECT) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_IO", RL_ERR_IO) < 0 ||

@@ -44,6 +44,18 @@
 #define RL_MAX_WINDOW_SECONDS 3153600000LL /* 100 years of 365 days */
 #define RL_MAX_TIMEOUT_SECONDS 86400.0     /* timeouts: one day at most (no overflow) */
 
+/* What the scripts of lua/ can answer: rl_script_decode holds every integer of a reply to
+   these before it computes anything from it; outside them a reply is malformed. A count
+   (remaining, held, used, removed) is 0 to RL_MAX_LIMIT (Lua's doubles hold no more
+   exactly); a time (now, an expiry, an entry's) a unix ms from 1970 to the end of year 9999
+   (as far as Python's datetime goes); a wait at most its window (for a lease: the longest
+   lease) plus RL_MAX_CLOCK_SKEW_MS, since an entry may carry a time ahead of the deciding
+   clock (clock="client" with app servers apart, or a server clock stepped back); a SCAN
+   cursor an unsigned 64-bit number. */
+#define RL_MAX_UNIX_MS 253402300799999LL /* 9999-12-31T23:59:59.999Z */
+#define RL_MAX_CLOCK_SKEW_MS 86400000LL  /* one day */
+#define RL_MAX_CURSOR_DIGITS 20          /* 18446744073709551615 */
+
 /* ---------------------------------------------------------------- decisions */
 
 typedef struct {

@@ -27,6 +27,8 @@ MAX_WINDOWS: int
 MAX_LIMIT: int
 MAX_WINDOW_SECONDS: int
 MAX_TIMEOUT_SECONDS: int
+MAX_UNIX_MS: int
+MAX_CLOCK_SKEW_MS: int
 
 @final
 class WindowDecision(structseq[Any], tuple[bool, int, int, int]):

@@ -212,7 +212,9 @@ def build_extension() -> Extension:
     if os.environ.get("GENAI_RATELIMIT_WERROR") == "1":
         compile_args.append("-Werror")
     if os.environ.get("GENAI_RATELIMIT_DEBUG") == "1" or os.environ.get("GENAI_RATELIMIT_SANITIZE") == "1":
-        compile_args += ["-O0", "-g3", "-fno-omit-frame-pointer"]
+        # RL_DEBUG_HOOKS: the failure injection and the wipe check the tests drive (see
+        # csrc/base.h); never in a release build or a wheel.
+        compile_args += ["-O0", "-g3", "-fno-omit-frame-pointer", "-DRL_DEBUG_HOOKS=1"]
     else:
         compile_args += ["-O2"]
     if os.environ.get("GENAI_RATELIMIT_SANITIZE") == "1":

@@ -9,6 +9,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -29,6 +30,20 @@ rl_wipe(void *buf, size_t len)
     if (buf != NULL && len > 0)
         explicit_bzero(buf, len);
 }
+
+#ifdef RL_DEBUG_HOOKS
+void
+rl_check_wiped(const void *buf, size_t len, const char *what)
+{
+    if (buf != NULL && memmem(buf, len, RL_WIPE_CANARY, sizeof(RL_WIPE_CANARY) - 1) != NULL) {
+        fprintf(stderr,
+                "genai_ratelimit: %s that held a password was freed without being wiped "
+                "(the wipe canary is still in it)\n",
+                what);
+        abort();
+    }
+}
+#endif
 
 long long
 rl_clock_ms(void)

@@ -43,6 +43,17 @@ rl_status rl_error_set(rl_error *err, rl_status kind, const char *fmt, ...)
 /* Wipes memory that held a secret, in a way the optimiser keeps (explicit_bzero). */
 void rl_wipe(void *buf, size_t len);
 
+/* Called right before a buffer that may have held a secret is freed, with the extent of
+   it ever written. Debug and sanitized builds (RL_DEBUG_HOOKS) abort, naming `what`, when
+   RL_WIPE_CANARY is still in it: a password holding the canary (the tests' own) shows
+   every wipe that was left out. Release builds: nothing. */
+#ifdef RL_DEBUG_HOOKS
+#define RL_WIPE_CANARY "genai-ratelimit-wipe-canary"
+void rl_check_wiped(const void *buf, size_t len, const char *what);
+#else
+#define rl_check_wiped(buf, len, what) ((void)0)
+#endif
+
 /* ------------------------------------------------------------------- clocks */
 
 long long rl_clock_ms(void); /* unix time in milliseconds */

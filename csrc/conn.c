@@ -84,7 +84,9 @@ rl_config_clear(rl_config *cfg)
         SSL_CTX_free(cfg->ssl_ctx);
     if (cfg->password != NULL) {
         /* Do not leave the secret lying in freed memory. */
-        rl_wipe(cfg->password, strlen(cfg->password));
+        size_t len = strlen(cfg->password);
+        rl_wipe(cfg->password, len);
+        rl_check_wiped(cfg->password, len, "a copy of the password");
         free(cfg->password);
     }
     memset(cfg, 0, sizeof(*cfg));

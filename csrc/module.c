@@ -106,7 +106,27 @@ rl_raise(rl_module_state *state, const rl_error *err)
     return NULL;
 }
 
+#ifdef RL_DEBUG_HOOKS
+/* Debug and sanitized builds: runs the wipe check on bytes, so the tests can see that it
+   fires (it aborts the process when the canary is in them). */
+static PyObject *
+debug_check_wiped(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    char *data;
+    Py_ssize_t len;
+    if (PyBytes_AsStringAndSize(arg, &data, &len) < 0)
+        return NULL;
+    rl_check_wiped(data, (size_t)len, "a buffer handed to _debug_check_wiped");
+    Py_RETURN_NONE;
+}
+#endif
+
 static PyMethodDef module_methods[] = {
+#ifdef RL_DEBUG_HOOKS
+    {"_debug_check_wiped", debug_check_wiped, METH_O,
+     "_debug_check_wiped(data, /)\n--\n\nDebug builds: aborts when the bytes hold the wipe "
+     "canary."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -241,6 +261,11 @@ module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "STATUS_SERVER", RL_ERR_SERVER) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_REDIRECT", RL_ERR_REDIRECT) < 0)
         goto done;
+#ifdef RL_DEBUG_HOOKS
+    /* Debug and sanitized builds: what rl_check_wiped looks for (tests/test_secret_wipe.py). */
+    if (PyModule_AddStringConstant(module, "_debug_wipe_canary", RL_WIPE_CANARY) < 0)
+        goto done;
+#endif
     rc = 0;
 done:
     Py_XDECREF(bases);

@@ -232,12 +232,14 @@ typedef struct {
     rl_entry *ring;          /* FIFO of replies due, in send order */
     size_t capacity, head, count;
     size_t unsent; /* trailing entries whose bytes are still in `out` */
-    char *out;     /* bytes queued for writing */
-    size_t out_len, out_capacity;
-    int sensitive;   /* out holds a password: wiped once written or dropped */
-    int failed;      /* a fatal error was reported: the connection is done */
-    long long db;    /* the database the handshake selects, for messages */
-    int load_failed; /* the last SCRIPT LOAD was refused: load_error says why */
+    char *out;     /* bytes queued: out[out_start, out_len) are still to be written */
+    size_t out_start, out_len, out_capacity;
+    size_t out_touched;  /* bytes of out ever written (what rl_check_wiped looks at) */
+    int sensitive;       /* out holds a password: wiped once all written, or dropped */
+    int fail_allocation; /* debug builds: the n-th allocation from now fails (0: none) */
+    int failed;          /* a fatal error was reported: the connection is done */
+    long long db;        /* the database the handshake selects, for messages */
+    int load_failed;     /* the last SCRIPT LOAD was refused: load_error says why */
     rl_error load_error;
     int info_answered;        /* INFO memory was answered (or refused) */
     char eviction_policy[40]; /* the maxmemory-policy that may evict our keys, or "" */

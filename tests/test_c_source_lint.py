@@ -254,6 +254,15 @@ def test_the_extension_exports_only_its_init_function():
     assert exported == ["PyInit__native"], f"{so.name} exports {exported}"
 
 
+@pytest.mark.parametrize("switches, hooks", [
+    ({}, False), ({"GENAI_RATELIMIT_DEBUG": "1"}, True), ({"GENAI_RATELIMIT_SANITIZE": "1"}, True),
+], ids=["release", "debug", "sanitize"])
+def test_only_the_debug_and_sanitized_builds_compile_the_test_hooks(switches, hooks):
+    """RL_DEBUG_HOOKS (failure injection, the wipe check) never reaches a release build."""
+    flags = list(extension_config(**switches)["extra_compile_args"])  # type: ignore[arg-type]
+    assert ("-DRL_DEBUG_HOOKS=1" in flags) == hooks, flags
+
+
 @pytest.mark.parametrize("switches", [{}, {"GENAI_RATELIMIT_DEBUG": "1"}],
                          ids=["release", "debug"])
 def test_every_c_file_compiles_with_wall_wextra_werror(switches, tmp_path):

@@ -75,7 +75,7 @@ static PyType_Slot Request_slots[] = {
 PyType_Spec rl_request_spec = {
     .name = "genai_ratelimit._native.Request",
     .basicsize = sizeof(RequestObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Request_slots,
 };
 
@@ -248,7 +248,7 @@ static PyType_Slot Codec_slots[] = {
 PyType_Spec rl_codec_spec = {
     .name = "genai_ratelimit._native.Codec",
     .basicsize = sizeof(CodecObject),
-    .flags = Py_TPFLAGS_DEFAULT,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Codec_slots,
 };
 
@@ -910,6 +910,6 @@ static PyType_Slot Pipeline_slots[] = {
 PyType_Spec rl_pipeline_spec = {
     .name = "genai_ratelimit._native.Pipeline",
     .basicsize = sizeof(PipelineObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Pipeline_slots,
 };

@@ -3,8 +3,12 @@
  * the one place where a C-level rl_error becomes a Python exception (rl_raise).
  *
  * GIL contract: everything here runs with the GIL held.
- * State: no static PyObject*; the exceptions, the types and the process id live in the
- * module state. PyInit__native is the only exported symbol (-fvisibility=hidden).
+ * State: no static PyObject*; the exceptions, the types, the interned method names and the
+ * page of randomness (which also tells a fork child apart, member.c) live in the module
+ * state, so every interpreter that imports the module has its own (see module_slots).
+ * Every type is immutable (Py_TPFLAGS_IMMUTABLETYPE), but WindowDecision, a struct sequence
+ * that the C API gives no such flag. PyInit__native is the only exported symbol
+ * (-fvisibility=hidden).
  */
 #include "native.h"
 
@@ -52,7 +56,10 @@ rl_exception(rl_module_state *state, const rl_error *err)
     PyObject *type;
     switch (err->kind) {
     case RL_ERR_NOMEM:
-        return PyObject_CallOneArg(PyExc_MemoryError, Py_None);
+        /* CPython's own MemoryError (preallocated: making one may need memory), set as the
+           current exception: the caller takes it from there (resolve() in codec.c does). */
+        PyErr_NoMemory();
+        return NULL;
     case RL_ERR_TIMEOUT:
         type = state->Timeout;
         break;
@@ -320,6 +327,13 @@ module_free(void *module)
 
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
+#ifdef Py_mod_multiple_interpreters
+    /* CPython 3.12+: every import has its module state and no C state is shared, so the
+       module loads in subinterpreters that share the main interpreter's GIL; a GIL of its
+       own per interpreter is not claimed (not tested). A build for the 3.10 Limited API
+       cannot name the slot, and 3.12+ then defaults to the same. */
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_SUPPORTED},
+#endif
     {0, NULL},
 };
 

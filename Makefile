@@ -9,7 +9,7 @@
 #   make fuzz           atheris on the reply decoder and the argument validation
 #
 # Style and types: `make lint` (ruff, clang-format, mypy --strict, stubtest on the extension,
-# hadolint on examples/Dockerfile).
+# hadolint on examples/Dockerfile, abi3audit on the extension).
 # Against hiredis 1.x (the system's is Debian's 0.14; 1.x is built from source into build/):
 #   make test-hiredis1  the suite but the slow tests and the FastAPI/packaging files, linked to
 #                       hiredis 1.x  (.venv-hiredis1)
@@ -71,6 +71,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
         install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes bench-metrics bench-cluster \
+        bench-builds \
         metrics-dashboard dist wheel test-wheel clean
 
 help:
@@ -88,13 +89,14 @@ help:
 	@echo "make bench-leases   acquire + release (in-flight leases) vs the plain check, sync and async"
 	@echo "make bench-scopes   reserve with an upstream scope (one script, two steps) vs check_windows"
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
+	@echo "make bench-builds BASE=<rev>  the check rows of a git revision's build beside this tree's"
 	@echo "make metrics-dashboard  redraws docs/metrics-dashboard.png from a real run"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
 	@echo "make dist           the same as make wheel"
 	@echo "make lint           ruff, clang-format --dry-run, mypy --strict, stubtest of the C extension,"
-	@echo "                    hadolint of examples/Dockerfile"
+	@echo "                    hadolint of examples/Dockerfile, abi3audit of the extension"
 
 deps:
 	@PYTHON=$(PYTHON) bash scripts/ensure-system-deps.sh
@@ -110,11 +112,16 @@ venv: deps $(VENV)/.created
 install: venv
 	GENAI_RATELIMIT_WERROR=1 $(PIP) install -q --no-build-isolation ".[test]"
 
+# tests/test_metrics.py runs `promtool check metrics` (Debian's prometheus package).
+PROMTOOL = @command -v promtool >/dev/null || bash scripts/ensure-debian-packages.sh prometheus
+
 test: install
+	$(PROMTOOL)
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The suite without the slow tests (the real 61-second wait, the sdist round trip).
 test-fast: install
+	$(PROMTOOL)
 	$(VENV)/bin/pytest -m "not slow" $(PYTEST_ARGS)
 
 # ------------------------------------------------------------ memory and C safety
@@ -156,13 +163,14 @@ ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
              test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
-             test_cli.py
+             test_cli.py test_metrics_workers.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
 # run-test-*: the suite of test-* on the build its install-* left, without installing (so that
 # .ci/run can build everything first, then run suites side by side without two builds racing).
 run-test-asan:
+	$(PROMTOOL)
 	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(ASAN_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
 
@@ -212,11 +220,13 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py t
                  test_readme_examples.py test_packaging.py test_examples_docker.py \
                  test_wheel_install.py test_c_source_lint.py \
                  test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
-                 test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py
+                 test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py \
+                 test_metrics_workers.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 
 run-test-hiredis1:
+	$(PROMTOOL)
 	$(HIREDIS1_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
 	  $(foreach f,$(HIREDIS1_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
 
@@ -265,6 +275,31 @@ bench-leases: install
 bench-metrics: install
 	$(PY) benchmarks/metrics_overhead.py
 
+# Two builds side by side in one run (benchmarks/builds.py): the check rows (sync, async @1
+# and @64) of BASE, a git revision (its `git archive`), and of this tree, each built into a
+# fresh venv of its own under build/bench-builds/ holding nothing else, each beside the raw
+# hiredis C loop; the driver (its Redis, the raw client) runs in .venv. Identical venvs
+# matter: what else a process imported changes when glibc raises its mmap threshold, which
+# moves an asyncio check by ~40% (asyncio's 256 KiB read buffer is mmapped and unmapped on
+# every read until then).
+BASE ?=
+BENCH_BUILDS = build/bench-builds
+bench-builds: install
+	@test -n "$(BASE)" || { echo "usage: make bench-builds BASE=<git revision>" >&2; exit 2; }
+	rm -rf $(BENCH_BUILDS) && mkdir -p $(BENCH_BUILDS)/base/src
+	git archive "$(BASE)" | tar -x -C $(BENCH_BUILDS)/base/src
+	for build in base this; do \
+	  $(PYTHON) -m venv $(BENCH_BUILDS)/$$build/venv && \
+	  $(BENCH_BUILDS)/$$build/venv/bin/python -m pip install -q --upgrade pip setuptools wheel \
+	  || exit 1; done
+	cd $(BENCH_BUILDS)/base/src && GENAI_RATELIMIT_WERROR=1 ../venv/bin/python -m pip install -q \
+	  --no-build-isolation --no-deps .
+	GENAI_RATELIMIT_WERROR=1 $(BENCH_BUILDS)/this/venv/bin/python -m pip install -q \
+	  --no-build-isolation --no-deps .
+	$(PY) benchmarks/builds.py \
+	  --base $(BENCH_BUILDS)/base/venv/bin/python --base-name "$(BASE)" \
+	  --this $(BENCH_BUILDS)/this/venv/bin/python --this-name "this tree"
+
 # Redraws docs/metrics-dashboard.png from a real run (matplotlib comes with the bench extra).
 metrics-dashboard: install
 	$(PIP) install -q ".[bench]"
@@ -294,6 +329,8 @@ wheel: venv
 	  build/wheel-raw/genai_ratelimit-*.whl
 	cp build/wheel-raw/genai_ratelimit-*.tar.gz $(WHEEL_DIR)/
 	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*.whl
+	$(PIP) install -q "abi3audit==0.0.26"
+	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*.whl
 	@ls -l $(WHEEL_DIR)/genai_ratelimit-*
 
 # tests/test_wheel_install.py on what `make wheel` left in WHEEL_DIR. The Debian root is
@@ -332,6 +369,9 @@ lint: install
 	echo "--- clang-format"; clang-format --dry-run --Werror $(LINT_C_SOURCES) || status=1; \
 	echo "--- mypy --strict"; $(PY) -m mypy --strict || status=1; \
 	echo "--- hadolint examples/Dockerfile"; $(VENV)/bin/hadolint --no-color examples/Dockerfile || status=1; \
+	echo "--- abi3audit (the installed extension: stable ABI of 3.10 only)"; \
+	  $(VENV)/bin/abi3audit --strict --summary --assume-minimum-abi3 3.10 \
+	    "$$($(PY) scripts/native_build.py path)" || status=1; \
 	echo "--- stubtest genai_ratelimit._native"; mkdir -p build/stubtest && \
 	  (cd build/stubtest && $(abspath $(PY)) -m mypy.stubtest \
 	    --mypy-config-file $(CURDIR)/pyproject.toml genai_ratelimit._native) || status=1; \

@@ -23,6 +23,7 @@ import sysconfig
 from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 # Each script of lua/ and the prefix of its C names (RL_SCRIPT_SHA1, rl_script_source, ...).
@@ -34,6 +35,10 @@ SCRIPTS = {
     "RL_LEASE": HERE / "lua" / "lease.lua",
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
+# The oldest CPython whose stable ABI the extension uses (Py_LIMITED_API), and the wheel's
+# tag for it.
+LIMITED_API = "0x030A0000"
+LIMITED_API_TAG = "cp310"
 
 # (pkg-config name, header, libraries)
 SYSTEM_LIBRARIES = [
@@ -228,6 +233,11 @@ def build_extension() -> Extension:
     return Extension(
         "genai_ratelimit._native",
         sources=sources,
+        # The Limited API of CPython 3.10: the extension is _native.abi3.so and the wheel
+        # cp310-abi3, one build for 3.10 and every later CPython. csrc/native.h refuses a
+        # build without this exact define.
+        define_macros=[("Py_LIMITED_API", LIMITED_API)],
+        py_limited_api=True,
         depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")]
         + [f"lua/{path.name}" for path in SCRIPTS.values()],
         include_dirs=include_dirs,
@@ -243,4 +253,22 @@ def build_extension() -> Extension:
     )
 
 
-setup(ext_modules=[build_extension()])
+class BuildExtension(build_ext):
+    """build_ext that leaves one _native in the build directory: a tree built before the
+    Limited API still holds _native.cpython-3XX-*.so there, which the wheel would pack
+    beside _native.abi3.so (and Python would import first)."""
+
+    def run(self) -> None:
+        for ext in self.extensions:
+            built = Path(self.build_lib) / self.get_ext_filename(ext.name)
+            for stale in built.parent.glob(ext.name.rpartition(".")[2] + ".*.so"):
+                if stale.name != built.name:
+                    stale.unlink()
+        super().run()
+
+
+setup(
+    ext_modules=[build_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": LIMITED_API_TAG}},
+)

@@ -21,8 +21,7 @@ positive_int(PyObject *value, const char *name, long long max, long long *out)
     int overflow = 0;
     long long v;
     if (!PyLong_Check(value) || PyBool_Check(value)) {
-        PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", name,
-                     Py_TYPE(value)->tp_name);
+        rl_type_error(value, "%s must be an int, not ", name);
         return -1;
     }
     v = PyLong_AsLongLongAndOverflow(value, &overflow);
@@ -93,15 +92,14 @@ add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int 
     int rc = -1;
     if (PyUnicode_Check(windows) || PyBytes_Check(windows) || PyByteArray_Check(windows) ||
         !PySequence_Check(windows)) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s must be a sequence of (limit, window_seconds) pairs, not %.100s", name,
-                     Py_TYPE(windows)->tp_name);
+        rl_type_error(windows, "%s must be a sequence of (limit, window_seconds) pairs, not ",
+                      name);
         return -1;
     }
     seq = PySequence_Fast(windows, "windows must be a sequence of (limit, window_seconds) pairs");
     if (seq == NULL)
         return -1;
-    n = PySequence_Fast_GET_SIZE(seq);
+    n = rl_seq_size(seq);
     if (n == 0 && !allow_empty) {
         PyErr_Format(PyExc_ValueError, "%s must hold at least one (limit, window_seconds) pair",
                      name);
@@ -113,15 +111,12 @@ add_windows(rl_windows *w, PyObject *windows, const char *name, int tokens, int 
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *pair = PySequence_Fast_GET_ITEM(seq, i); /* borrowed */
-        if (!(PyTuple_Check(pair) || PyList_Check(pair)) || PySequence_Fast_GET_SIZE(pair) != 2) {
-            PyErr_Format(PyExc_TypeError,
-                         "%s[%zd] must be a (limit, window_seconds) pair, got %.100s", name, i,
-                         Py_TYPE(pair)->tp_name);
+        PyObject *pair = rl_seq_item(seq, i); /* borrowed */
+        if (!(PyTuple_Check(pair) || PyList_Check(pair)) || rl_seq_size(pair) != 2) {
+            rl_type_error(pair, "%s[%zd] must be a (limit, window_seconds) pair, got ", name, i);
             goto done;
         }
-        if (add_window(w, PySequence_Fast_GET_ITEM(pair, 0), PySequence_Fast_GET_ITEM(pair, 1),
-                       tokens, scope) < 0)
+        if (add_window(w, rl_seq_item(pair, 0), rl_seq_item(pair, 1), tokens, scope) < 0)
             goto done;
     }
     rc = 0;
@@ -177,32 +172,29 @@ add_scopes(rl_prepared *d, PyObject *scopes, int reconcile_tokens)
 {
     Py_ssize_t n, size = reconcile_tokens < 0 ? 4 : 3;
     if (!PyTuple_Check(scopes)) {
-        PyErr_Format(PyExc_TypeError, "scopes must be a tuple, not %.100s",
-                     Py_TYPE(scopes)->tp_name);
+        rl_type_error(scopes, "scopes must be a tuple, not ");
         return -1;
     }
-    n = PyTuple_GET_SIZE(scopes);
+    n = PyTuple_Size(scopes);
     if (n > RL_MAX_SCOPES) {
         PyErr_Format(PyExc_ValueError, "at most %d scopes can be decided at once, got %zd",
                      RL_MAX_SCOPES, n);
         return -1;
     }
     for (Py_ssize_t k = 0; k < n; k++) {
-        PyObject *t = PyTuple_GET_ITEM(scopes, k);
+        PyObject *t = PyTuple_GetItem(scopes, k);
         Py_ssize_t len;
         const char *name;
         int shared;
-        if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != size) {
-            PyErr_Format(PyExc_TypeError, "scopes[%zd] must be a tuple of %zd items, got %.100s", k,
-                         size, Py_TYPE(t)->tp_name);
+        if (!PyTuple_Check(t) || PyTuple_Size(t) != size) {
+            rl_type_error(t, "scopes[%zd] must be a tuple of %zd items, got ", k, size);
             return -1;
         }
-        if (!PyUnicode_Check(PyTuple_GET_ITEM(t, 0))) {
-            PyErr_Format(PyExc_TypeError, "a scope's name must be a str, not %.100s",
-                         Py_TYPE(PyTuple_GET_ITEM(t, 0))->tp_name);
+        if (!PyUnicode_Check(PyTuple_GetItem(t, 0))) {
+            rl_type_error(PyTuple_GetItem(t, 0), "a scope's name must be a str, not ");
             return -1;
         }
-        name = PyUnicode_AsUTF8AndSize(PyTuple_GET_ITEM(t, 0), &len);
+        name = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(t, 0), &len);
         if (name == NULL)
             return -1;
         if (len == 0 || len > RL_MAX_SCOPE_NAME) {
@@ -213,27 +205,27 @@ add_scopes(rl_prepared *d, PyObject *scopes, int reconcile_tokens)
         }
         for (Py_ssize_t j = 0; j < k; j++) {
             if (d->scopes[j].name_len == (size_t)len && memcmp(d->scopes[j].name, name, len) == 0) {
-                PyErr_Format(PyExc_ValueError, "scope %R appears twice", PyTuple_GET_ITEM(t, 0));
+                PyErr_Format(PyExc_ValueError, "scope %R appears twice", PyTuple_GetItem(t, 0));
                 return -1;
             }
         }
-        if (!PyBool_Check(PyTuple_GET_ITEM(t, 1))) {
-            PyErr_Format(PyExc_TypeError, "a scope's shared flag must be a bool, not %.100s",
-                         Py_TYPE(PyTuple_GET_ITEM(t, 1))->tp_name);
+        if (!PyBool_Check(PyTuple_GetItem(t, 1))) {
+            rl_type_error(PyTuple_GetItem(t, 1), "a scope's shared flag must be a bool, not ");
             return -1;
         }
-        shared = PyTuple_GET_ITEM(t, 1) == Py_True;
+        shared = PyTuple_GetItem(t, 1) == Py_True;
         d->scopes[k].name = name;
         d->scopes[k].name_len = (size_t)len;
         d->scopes[k].shared = shared;
+        d->scopes[k].kind = rl_metrics_scope_kind(name, (size_t)len, shared);
         d->nscopes = (int)k + 1;
         if (reconcile_tokens < 0) {
-            if (add_windows(&d->windows, PyTuple_GET_ITEM(t, 2), "a scope's windows", 0, 1,
+            if (add_windows(&d->windows, PyTuple_GetItem(t, 2), "a scope's windows", 0, 1,
                             (int)k + 1) < 0 ||
-                add_windows(&d->windows, PyTuple_GET_ITEM(t, 3), "a scope's token_windows", 1, 1,
+                add_windows(&d->windows, PyTuple_GetItem(t, 3), "a scope's token_windows", 1, 1,
                             (int)k + 1) < 0)
                 return -1;
-        } else if (add_windows(&d->windows, PyTuple_GET_ITEM(t, 2), "a scope's windows",
+        } else if (add_windows(&d->windows, PyTuple_GetItem(t, 2), "a scope's windows",
                                reconcile_tokens, 1, (int)k + 1) < 0) {
             return -1;
         }
@@ -258,8 +250,7 @@ parse_member(PyObject *value, const char *what, char out[RL_MEMBER_LEN + 1])
     Py_ssize_t len;
     const char *text;
     if (!PyUnicode_Check(value)) {
-        PyErr_Format(PyExc_TypeError, "%s must be a str, not %.100s",
-                     what[0] == 'l' ? "lease_id" : "member", Py_TYPE(value)->tp_name);
+        rl_type_error(value, "%s must be a str, not ", what[0] == 'l' ? "lease_id" : "member");
         return -1;
     }
     text = PyUnicode_AsUTF8AndSize(value, &len);
@@ -302,7 +293,7 @@ parse_cursor(PyObject *value, rl_prepared *d)
         return 0;
     }
     if (!PyUnicode_Check(value)) {
-        PyErr_Format(PyExc_TypeError, "cursor must be a str, not %.100s", Py_TYPE(value)->tp_name);
+        rl_type_error(value, "cursor must be a str, not ");
         return -1;
     }
     text = PyUnicode_AsUTF8AndSize(value, &len);
@@ -391,9 +382,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         break;
     case RL_SHAPE_RESERVE:
-    case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments (no scopes) */
+    case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments */
         if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
-                          reserve_names, shape == RL_SHAPE_PEEK ? 5 : 6, 2, 2, v) < 0 ||
+                          reserve_names, 6, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
             (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
@@ -457,11 +448,10 @@ rl_user_id_utf8(PyObject *user_id, Py_ssize_t *len)
 {
     const char *text;
     if (!PyUnicode_Check(user_id)) {
-        PyErr_Format(PyExc_TypeError, "user_id must be a str, not %.100s",
-                     Py_TYPE(user_id)->tp_name);
+        rl_type_error(user_id, "user_id must be a str, not ");
         return NULL;
     }
-    if (PyUnicode_GET_LENGTH(user_id) == 0) {
+    if (PyUnicode_GetLength(user_id) == 0) {
         PyErr_SetString(PyExc_ValueError, "user_id must not be empty");
         return NULL;
     }
@@ -692,11 +682,10 @@ windows_report(const rl_windows *w, const rl_result *r)
         else
             item = Py_BuildValue("(LLNOi)", w->limit[i], w->seconds[i],
                                  PyBool_FromLong(w->tokens[i]), Py_None, (int)w->scope[i]);
-        if (item == NULL) {
+        if (item == NULL || PyTuple_SetItem(all, i, item) < 0) {
             Py_DECREF(all);
             return NULL;
         }
-        PyTuple_SET_ITEM(all, i, item);
     }
     return all;
 }
@@ -716,11 +705,10 @@ peek_object(const rl_windows *w, const rl_result *r)
                              ? NULL
                              : Py_BuildValue("(LLNLN)", w->limit[i], w->seconds[i],
                                              PyBool_FromLong(w->tokens[i]), r->used_of[i], oldest);
-        if (item == NULL) {
+        if (item == NULL || PyTuple_SetItem(all, i, item) < 0) {
             Py_DECREF(all);
             return NULL;
         }
-        PyTuple_SET_ITEM(all, i, item);
     }
     return Py_BuildValue("(OLLLNLNL)", r->allowed ? Py_True : Py_False, r->remaining,
                          r->retry_after_s, w->seconds[r->window],
@@ -737,22 +725,22 @@ window_decision(rl_module_state *state, const rl_windows *w, const rl_result *r)
     PyObject *item;
     if (t == NULL)
         return NULL;
-    PyStructSequence_SET_ITEM(t, 0, Py_NewRef(r->allowed ? Py_True : Py_False));
+    PyStructSequence_SetItem(t, 0, Py_NewRef(r->allowed ? Py_True : Py_False));
     if ((item = PyLong_FromLongLong(r->remaining)) == NULL)
         goto error;
-    PyStructSequence_SET_ITEM(t, 1, item);
+    PyStructSequence_SetItem(t, 1, item);
     if ((item = PyLong_FromLongLong(r->retry_after_s)) == NULL)
         goto error;
-    PyStructSequence_SET_ITEM(t, 2, item);
+    PyStructSequence_SetItem(t, 2, item);
     if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL)
         goto error;
-    PyStructSequence_SET_ITEM(t, 3, item);
+    PyStructSequence_SetItem(t, 3, item);
     if ((item = PyLong_FromLongLong(r->retry_after_ms)) == NULL)
         goto error;
-    PyStructSequence_SET_ITEM(t, 4, item);
+    PyStructSequence_SetItem(t, 4, item);
     if ((item = PyLong_FromLongLong(r->now_ms)) == NULL)
         goto error;
-    PyStructSequence_SET_ITEM(t, 5, item);
+    PyStructSequence_SetItem(t, 5, item);
     return t;
 error:
     Py_DECREF(t);
@@ -785,40 +773,37 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     t = PyTuple_New(size);
     if (t == NULL)
         return NULL;
-    PyTuple_SET_ITEM(t, 0, Py_NewRef(r->allowed ? Py_True : Py_False));
-    if ((item = PyLong_FromLongLong(r->remaining)) == NULL)
+    /* PyTuple_SetItem steals item even when it fails (it cannot on a fresh tuple). */
+    if (PyTuple_SetItem(t, 0, Py_NewRef(r->allowed ? Py_True : Py_False)) < 0)
         goto error;
-    PyTuple_SET_ITEM(t, 1, item);
-    if ((item = PyLong_FromLongLong(r->retry_after_s)) == NULL)
+    if ((item = PyLong_FromLongLong(r->remaining)) == NULL || PyTuple_SetItem(t, 1, item) < 0)
         goto error;
-    PyTuple_SET_ITEM(t, 2, item);
+    if ((item = PyLong_FromLongLong(r->retry_after_s)) == NULL || PyTuple_SetItem(t, 2, item) < 0)
+        goto error;
     if (size == 3)
         return t;
-    if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL)
+    if ((item = PyLong_FromLongLong(w->seconds[r->window])) == NULL ||
+        PyTuple_SetItem(t, 3, item) < 0)
         goto error;
-    PyTuple_SET_ITEM(t, 3, item);
     if (size == 4)
         return t;
     /* reserve: is the deciding window a token window, the member ("" when nothing was
        logged), the decision's time, every window's report, the wait in ms and the deciding
        window's scope. */
-    PyTuple_SET_ITEM(t, 4, PyBool_FromLong(w->tokens[r->window]));
-    if ((item = PyUnicode_FromString(r->allowed ? d->member : "")) == NULL)
+    if (PyTuple_SetItem(t, 4, PyBool_FromLong(w->tokens[r->window])) < 0)
         goto error;
-    PyTuple_SET_ITEM(t, 5, item);
-    if ((item = PyLong_FromLongLong(r->now_ms)) == NULL)
+    if ((item = PyUnicode_FromString(r->allowed ? d->member : "")) == NULL ||
+        PyTuple_SetItem(t, 5, item) < 0)
         goto error;
-    PyTuple_SET_ITEM(t, 6, item);
-    if ((item = windows_report(w, r)) == NULL)
+    if ((item = PyLong_FromLongLong(r->now_ms)) == NULL || PyTuple_SetItem(t, 6, item) < 0)
         goto error;
-    PyTuple_SET_ITEM(t, 7, item);
-    if ((item = PyLong_FromLongLong(r->retry_after_ms)) == NULL)
+    if ((item = windows_report(w, r)) == NULL || PyTuple_SetItem(t, 7, item) < 0)
         goto error;
-    PyTuple_SET_ITEM(t, 8, item);
+    if ((item = PyLong_FromLongLong(r->retry_after_ms)) == NULL || PyTuple_SetItem(t, 8, item) < 0)
+        goto error;
     /* The deciding window's scope (0: the user's own). */
-    if ((item = PyLong_FromLong(w->scope[r->window])) == NULL)
+    if ((item = PyLong_FromLong(w->scope[r->window])) == NULL || PyTuple_SetItem(t, 9, item) < 0)
         goto error;
-    PyTuple_SET_ITEM(t, 9, item);
     return t;
 error:
     Py_DECREF(t);
@@ -840,9 +825,9 @@ rl_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObje
     for (Py_ssize_t i = 0; i < nargs; i++)
         out[i] = args[i];
     if (kwnames != NULL) {
-        Py_ssize_t nkw = PyTuple_GET_SIZE(kwnames);
+        Py_ssize_t nkw = PyTuple_Size(kwnames);
         for (Py_ssize_t k = 0; k < nkw; k++) {
-            PyObject *key = PyTuple_GET_ITEM(kwnames, k);
+            PyObject *key = PyTuple_GetItem(kwnames, k);
             int found = -1;
             for (int i = 0; i < n; i++) {
                 if (PyUnicode_CompareWithASCIIString(key, names[i]) == 0) {

@@ -31,7 +31,8 @@ Request_dealloc(RequestObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     rl_prepared_clear(&self->prepared);
-    tp->tp_free((PyObject *)self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(self);
     Py_DECREF(tp);
 }
 
@@ -105,13 +106,13 @@ Codec_init(CodecObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_ValueError, "key_prefix must not be empty");
         return -1;
     }
-    char *copy = PyMem_RawMalloc((size_t)prefix_len + 1);
+    char *copy = PyMem_Malloc((size_t)prefix_len + 1);
     if (copy == NULL) {
         PyErr_NoMemory();
         return -1;
     }
     memcpy(copy, prefix, (size_t)prefix_len + 1);
-    PyMem_RawFree(self->key_prefix);
+    PyMem_Free(self->key_prefix);
     self->key_prefix = copy;
     self->key_prefix_len = (size_t)prefix_len;
     self->client_clock = client_clock;
@@ -124,8 +125,9 @@ static void
 Codec_dealloc(CodecObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
-    PyMem_RawFree(self->key_prefix);
-    tp->tp_free((PyObject *)self);
+    PyMem_Free(self->key_prefix);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(self);
     Py_DECREF(tp);
 }
 
@@ -180,9 +182,9 @@ Codec_get_metrics(CodecObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 static PyObject *
-Codec_record_outcome(CodecObject *self, PyObject *kind)
+Codec_record_outcome(CodecObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, kind);
+    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, args, nargs);
 }
 CODEC_METHOD(acquire, RL_SHAPE_ACQUIRE)
 CODEC_METHOD(release, RL_SHAPE_RELEASE)
@@ -211,16 +213,17 @@ static PyMethodDef Codec_methods[] = {
      "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final answer 0."},
     {"peek", (PyCFunction)(void (*)(void))Codec_peek, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+     "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
+     "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._peek's shape)."},
     {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (0, '0')."},
     {"metrics", (PyCFunction)Codec_get_metrics, METH_NOARGS,
      "metrics($self, /)\n--\n\nThe counters of the async limiter (Limiter.metrics's shape)."},
-    {"_record_outcome", (PyCFunction)Codec_record_outcome, METH_O,
-     "_record_outcome($self, kind, /)\n--\n\n"
-     "Counts 'fail_open', 'shadow', 'unavailable' or 'connection_error'."},
+    {"_record_outcome", (PyCFunction)(void (*)(void))Codec_record_outcome, METH_FASTCALL,
+     "_record_outcome($self, kind, count=1, /)\n--\n\n"
+     "Counts what only the caller knows (Limiter._record_outcome's kinds)."},
     {"acquire", (PyCFunction)(void (*)(void))Codec_acquire,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
@@ -283,7 +286,7 @@ Pipeline_init(PipelineObject *self, PyObject *args, PyObject *kwargs)
         return -1;
     if (codec == Py_None)
         codec = NULL;
-    if (codec != NULL && (Py_TYPE(codec)->tp_init != (initproc)Codec_init)) {
+    if (codec != NULL && PyType_GetSlot(Py_TYPE(codec), Py_tp_init) != (void *)Codec_init) {
         PyErr_SetString(PyExc_TypeError, "codec must be a Codec");
         return -1;
     }
@@ -292,7 +295,9 @@ Pipeline_init(PipelineObject *self, PyObject *args, PyObject *kwargs)
         return -1;
     }
     self->timeout = timeout;
-    Py_XSETREF(self->codec, (CodecObject *)Py_XNewRef(codec));
+    PyObject *old = (PyObject *)self->codec;
+    self->codec = (CodecObject *)Py_XNewRef(codec);
+    Py_XDECREF(old);
     self->proto.metrics = metrics_of(self);
     return 0;
 }
@@ -353,7 +358,8 @@ Pipeline_dealloc(PipelineObject *self)
     if (self->proto.reader != NULL)
         rl_proto_clear(&self->proto);
     Py_CLEAR(self->codec);
-    tp->tp_free((PyObject *)self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(self);
     Py_DECREF(tp);
 }
 
@@ -382,7 +388,7 @@ resolve(rl_module_state *state, PyObject *future, PyObject *value, int is_except
         Py_DECREF(value);
         return 0;
     }
-    done = PyObject_CallMethodNoArgs(future, state->str_done);
+    done = PyObject_CallMethodObjArgs(future, state->str_done, NULL);
     if (done == NULL) {
         Py_DECREF(value);
         return -1;
@@ -393,9 +399,9 @@ resolve(rl_module_state *state, PyObject *future, PyObject *value, int is_except
         Py_DECREF(value);
         return already < 0 ? -1 : 0;
     }
-    /* OneArg, not CallMethod("O"): a tuple result must not be spread into arguments. */
-    res = PyObject_CallMethodOneArg(
-        future, is_exception ? state->str_set_exception : state->str_set_result, value);
+    /* ObjArgs, not CallMethod("O"): a tuple result must not be spread into arguments. */
+    res = PyObject_CallMethodObjArgs(
+        future, is_exception ? state->str_set_exception : state->str_set_result, value, NULL);
     Py_DECREF(value);
     if (res == NULL)
         return -1;
@@ -422,11 +428,10 @@ reply_to_python(const redisReply *r)
             return NULL;
         for (size_t i = 0; i < r->elements; i++) {
             PyObject *item = reply_to_python(r->element[i]);
-            if (item == NULL) {
+            if (item == NULL || PyList_SetItem(list, (Py_ssize_t)i, item) < 0) {
                 Py_DECREF(list);
                 return NULL;
             }
-            PyList_SET_ITEM(list, (Py_ssize_t)i, item);
         }
         return list;
     }
@@ -521,7 +526,7 @@ Pipeline_push(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
     rl_module_state *state = PyType_GetModuleState(defining_class);
     rl_error err = {RL_OK, ""};
     double extend = 0;
-    if (nargs < 2 || nargs > 3 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+    if (nargs < 2 || nargs > 3 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
         PyErr_SetString(PyExc_TypeError, "push(future, request, extend=0.0) takes 2 or 3 "
                                          "positional arguments");
         return NULL;
@@ -565,7 +570,7 @@ Pipeline_push_command(PipelineObject *self, PyTypeObject *defining_class, PyObje
     const char *argv[8];
     size_t argvlen[8];
     rl_error err = {RL_OK, ""};
-    if (nargs < 2 || nargs > 9 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+    if (nargs < 2 || nargs > 9 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
         PyErr_SetString(PyExc_TypeError, "push_command(future, *words) takes 1 to 8 command words");
         return NULL;
     }
@@ -574,15 +579,16 @@ Pipeline_push_command(PipelineObject *self, PyTypeObject *defining_class, PyObje
     for (Py_ssize_t i = 1; i < nargs; i++) {
         Py_ssize_t n;
         if (PyBytes_Check(args[i])) {
-            argv[i - 1] = PyBytes_AS_STRING(args[i]);
-            n = PyBytes_GET_SIZE(args[i]);
+            char *bytes;
+            if (PyBytes_AsStringAndSize(args[i], &bytes, &n) < 0)
+                return NULL;
+            argv[i - 1] = bytes;
         } else if (PyUnicode_Check(args[i])) {
             argv[i - 1] = PyUnicode_AsUTF8AndSize(args[i], &n);
             if (argv[i - 1] == NULL)
                 return NULL;
         } else {
-            PyErr_Format(PyExc_TypeError, "command words must be str or bytes, not %.100s",
-                         Py_TYPE(args[i])->tp_name);
+            rl_type_error(args[i], "command words must be str or bytes, not ");
             return NULL;
         }
         argvlen[i - 1] = (size_t)n;
@@ -624,26 +630,45 @@ PyDoc_STRVAR(Pipeline_feed_doc,
 "connection is out of step (garbage, a reply nobody asked for, a refused handshake): the\n"
 "caller must then fail_all() and close the connection.");
 
+/* A bytes copy of a bytes-like object (bytearray, memoryview, ...), or NULL with the
+   TypeError a non-buffer gets. New reference. */
+static PyObject *
+bytes_of(PyObject *obj)
+{
+    PyObject *view = PyMemoryView_FromObject(obj);
+    if (view == NULL)
+        return NULL;
+    PyObject *copy = PyBytes_FromObject(view);
+    Py_DECREF(view);
+    return copy;
+}
+
 static PyObject *
 Pipeline_feed(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
               Py_ssize_t nargs, PyObject *kwnames)
 {
     rl_module_state *state = PyType_GetModuleState(defining_class);
-    Py_buffer view;
     rl_error err = {RL_OK, ""};
     size_t out_before, out_after;
 
-    if (nargs != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+    if (nargs != 1 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
         PyErr_SetString(PyExc_TypeError, "feed(data) takes 1 positional argument");
         return NULL;
     }
     if (!ready(self))
         return NULL;
     (void)rl_proto_output(&self->proto, &out_before);
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0)
+    /* bytes (what asyncio hands data_received) is read in place; another bytes-like
+       object is copied into bytes first: the Limited API of 3.10 has no buffer protocol. */
+    PyObject *data = PyBytes_Check(args[0]) ? Py_NewRef(args[0]) : bytes_of(args[0]);
+    char *buf;
+    Py_ssize_t len;
+    if (data == NULL || PyBytes_AsStringAndSize(data, &buf, &len) < 0) {
+        Py_XDECREF(data);
         return NULL;
-    rl_status st = rl_proto_feed(&self->proto, view.buf, (size_t)view.len, &err);
-    PyBuffer_Release(&view);
+    }
+    rl_status st = rl_proto_feed(&self->proto, buf, (size_t)len, &err);
+    Py_DECREF(data);
     if (st != RL_OK)
         return rl_raise(state, &err);
     for (;;) {
@@ -679,7 +704,7 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
         if (future != NULL) {
             int replay = 0, waiting = 0; /* waiting: a caller still awaits this decision */
             if (e.step == RL_STEP_DECISION) {
-                PyObject *done = PyObject_CallMethodNoArgs(future, state->str_done);
+                PyObject *done = PyObject_CallMethodObjArgs(future, state->str_done, NULL);
                 int is_done = done == NULL ? -1 : PyObject_IsTrue(done);
                 Py_XDECREF(done);
                 waiting = is_done == 0;
@@ -737,7 +762,7 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
 static int
 one_exception(const char *name, Py_ssize_t nargs, PyObject *kwnames, PyObject *const *args)
 {
-    if (nargs != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames) != 0)) {
+    if (nargs != 1 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
         PyErr_Format(PyExc_TypeError, "%s(exception) takes 1 positional argument", name);
         return -1;
     }

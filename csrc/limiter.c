@@ -59,14 +59,21 @@ free_cluster(LimiterObject *self)
 static rl_module_state *
 state_of_type(PyTypeObject *type)
 {
-    PyObject *mro = type->tp_mro;
-    for (Py_ssize_t i = 0; mro != NULL && i < PyTuple_GET_SIZE(mro); i++) {
-        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, i);
-        if (base->tp_dealloc == (destructor)Limiter_dealloc)
-            return (rl_module_state *)PyType_GetModuleState(base);
+    rl_module_state *state = NULL;
+    PyObject *mro = PyObject_GetAttrString((PyObject *)type, "__mro__");
+    if (mro == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; PyTuple_Check(mro) && i < PyTuple_Size(mro); i++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GetItem(mro, i);
+        if (PyType_GetSlot(base, Py_tp_dealloc) == (void *)Limiter_dealloc) {
+            state = (rl_module_state *)PyType_GetModuleState(base);
+            break;
+        }
     }
-    PyErr_SetString(PyExc_TypeError, "not a Limiter type");
-    return NULL;
+    Py_DECREF(mro);
+    if (state == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "not a Limiter type");
+    return state;
 }
 
 static PyObject *
@@ -75,7 +82,8 @@ Limiter_new(PyTypeObject *type, PyObject *Py_UNUSED(args), PyObject *Py_UNUSED(k
     rl_module_state *state = state_of_type(type);
     if (state == NULL)
         return NULL;
-    LimiterObject *self = (LimiterObject *)type->tp_alloc(type, 0);
+    allocfunc tp_alloc = (allocfunc)PyType_GetSlot(type, Py_tp_alloc);
+    LimiterObject *self = (LimiterObject *)tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->random = state->random;
@@ -93,7 +101,7 @@ configure_cluster(LimiterObject *self, PyObject *nodes, int max_connections,
     PyObject *seq = PySequence_Fast(nodes, "cluster_nodes must be a sequence of (host, port)");
     if (seq == NULL)
         return -1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = rl_seq_size(seq);
     if (n < 1 || n > RL_CLUSTER_MAX_NODES) {
         PyErr_Format(PyExc_ValueError, "cluster_nodes needs 1 to %d nodes", RL_CLUSTER_MAX_NODES);
         goto error;
@@ -114,8 +122,8 @@ configure_cluster(LimiterObject *self, PyObject *nodes, int max_connections,
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *host;
         int port;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seq, i),
-                              "si;cluster_nodes holds (host, port) pairs", &host, &port))
+        if (!PyArg_ParseTuple(rl_seq_item(seq, i), "si;cluster_nodes holds (host, port) pairs",
+                              &host, &port))
             goto error;
         if (port < 1 || port > 65535) {
             PyErr_Format(PyExc_ValueError, "port must be between 1 and 65535, got %d", port);
@@ -236,7 +244,8 @@ Limiter_dealloc(LimiterObject *self)
     rl_config_clear(&self->pool.config);
     free_cluster(self);
     free(self->key_prefix);
-    tp->tp_free((PyObject *)self);
+    freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+    tp_free(self);
     Py_DECREF(tp);
 }
 
@@ -392,7 +401,8 @@ PyDoc_STRVAR(Limiter_reconcile_doc,
 LIMITER_METHOD(reconcile, RL_SHAPE_RECONCILE)
 
 PyDoc_STRVAR(Limiter_peek_doc,
-"_peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None)\n--\n\n"
+"_peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
+"    scopes=())\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, now_ms,\n"
 "    ((limit, window_seconds, is_token_window, used, oldest_ms|None), ...), retry_after_ms)\n\n"
 "What _reserve (and so check_windows) would answer now, in one read-only script\n"
@@ -420,13 +430,14 @@ Limiter_get_metrics(LimiterObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 PyDoc_STRVAR(Limiter_record_outcome_doc,
-"_record_outcome($self, kind, /)\n--\n\n"
-"Counts an outcome only the caller knows: 'fail_open' or 'shadow' (the FastAPI layer).");
+"_record_outcome($self, kind, count=1, /)\n--\n\n"
+"Counts what only the caller knows: 'fail_open' or 'shadow' (the FastAPI layer), a\n"
+"reservation's 'reserved_tokens', a reconcile's 'charged_tokens' and 'refunded_tokens'.");
 
 static PyObject *
-Limiter_record_outcome(LimiterObject *self, PyObject *kind)
+Limiter_record_outcome(LimiterObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, kind);
+    return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, args, nargs);
 }
 PyDoc_STRVAR(Limiter_acquire_doc,
 "_acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
@@ -530,7 +541,8 @@ static PyMethodDef Limiter_methods[] = {
     {"_reset", (PyCFunction)(void (*)(void))Limiter_reset,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reset_doc},
     {"metrics", (PyCFunction)Limiter_get_metrics, METH_NOARGS, Limiter_metrics_doc},
-    {"_record_outcome", (PyCFunction)Limiter_record_outcome, METH_O, Limiter_record_outcome_doc},
+    {"_record_outcome", (PyCFunction)(void (*)(void))Limiter_record_outcome, METH_FASTCALL,
+     Limiter_record_outcome_doc},
     {"_acquire", (PyCFunction)(void (*)(void))Limiter_acquire,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_acquire_doc},
     {"_release", (PyCFunction)(void (*)(void))Limiter_release,

@@ -77,7 +77,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
                            err->message);
         if (text == NULL)
             return NULL;
-        exc = PyObject_CallOneArg(state->Unavailable, text);
+        exc = PyObject_CallFunctionObjArgs(state->Unavailable, text, NULL);
         Py_DECREF(text);
         return with_status(exc, err->kind);
     }
@@ -94,7 +94,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
     PyObject *message = PyUnicode_DecodeUTF8(text, (Py_ssize_t)strlen(text), "replace");
     if (message == NULL)
         return NULL;
-    PyObject *exc = PyObject_CallOneArg(type, message);
+    PyObject *exc = PyObject_CallFunctionObjArgs(type, message, NULL);
     Py_DECREF(message);
     return with_status(exc, err->kind);
 }

@@ -22,6 +22,11 @@
 #ifndef GENAI_RATELIMIT_NATIVE_H
 #define GENAI_RATELIMIT_NATIVE_H
 
+/* The Limited API of CPython 3.10 (setup.py defines it): one abi3 wheel serves 3.10 and
+   every later CPython. Nothing outside it may be used, and no build may leave it out. */
+#if !defined(Py_LIMITED_API) || Py_LIMITED_API != 0x030A0000
+#error "genai_ratelimit._native is built with Py_LIMITED_API=0x030A0000 (see setup.py)"
+#endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -74,6 +79,7 @@ typedef struct {
     const char *name; /* UTF-8, borrowed from the caller's str: valid until rl_prepare ends */
     size_t name_len;
     int shared;
+    int kind; /* metrics: RL_SCOPE_ROUTE, _MODEL, _UPSTREAM or _OTHER (rl_metrics_scope_kind) */
 } rl_scope;
 
 typedef struct {
@@ -165,7 +171,9 @@ typedef struct {
     int last;              /* handshake: the step whose success completes it */
     int large;             /* a CLUSTER command: its reply may list every slot */
     double deadline;       /* monotonic seconds by which the reply is due */
-    double sent;           /* decisions: monotonic seconds when queued (metrics on), else 0 */
+    double sent;           /* decisions, commands: monotonic seconds when queued (metrics
+                              on), else 0 */
+    int op;                /* metrics: the RL_OP_* whose latency the round trip counts in */
     void *token;           /* the driver's handle on the waiter; never dereferenced */
     void *holder;          /* the driver's owner of `decision`; never dereferenced */
     rl_prepared *decision; /* decisions: borrowed, kept alive by the driver */
@@ -191,35 +199,86 @@ typedef struct {
 /* ---------------------------------------------------------------- metrics */
 
 #define RL_LATENCY_BUCKETS 16 /* finite upper bounds; one more bucket counts the rest */
-#define RL_REJECT_SLOTS 16    /* distinct rejecting windows counted apart; more share one */
+#define RL_REJECT_SLOTS 32    /* distinct rejecting windows counted apart; more share "other" */
+
+/* What a round trip was for: the `op` label of the latency histogram. The scripts' ops
+   first (a decision's shape, rl_metrics_op), then the plain commands. */
+typedef enum {
+    RL_OP_CHECK,
+    RL_OP_CHECK_WINDOWS,
+    RL_OP_CHECK_WINDOWS_DETAILED,
+    RL_OP_RESERVE,
+    RL_OP_RECONCILE,
+    RL_OP_PEEK,
+    RL_OP_RESET,
+    RL_OP_ACQUIRE,
+    RL_OP_RELEASE,
+    RL_OP_RENEW,
+    RL_OP_PING,    /* PING sent as a command: the first op that runs no script */
+    RL_OP_COMMAND, /* any other command: SCAN, CLUSTER SHARDS, ASKING, ... */
+    RL_OP_COUNT,
+} rl_op;
+
+/* Whose window refused: the `scope` label. A scope's kind is read from its name once, when
+   the decision is prepared (names are not kept). */
+typedef enum {
+    RL_SCOPE_USER,     /* the user's own windows */
+    RL_SCOPE_ROUTE,    /* a scope of the user named "route:..." */
+    RL_SCOPE_MODEL,    /* a scope of the user named "model:..." */
+    RL_SCOPE_UPSTREAM, /* a shared scope (an upstream's caps) */
+    RL_SCOPE_OTHER,    /* a scope of the user with any other name */
+    RL_SCOPE_KINDS,
+} rl_scope_kind;
+
+typedef struct {
+    unsigned long long count[RL_LATENCY_BUCKETS + 1]; /* round trips per bucket (not cumulative) */
+    unsigned long long sum_ns;                        /* their sum, nanoseconds */
+} rl_latency;
 
 /* Counters of one limiter, updated with relaxed atomics from any thread (the blocking
    driver updates them without the GIL) and read with the GIL held (metrics.c). */
 typedef struct {
-    unsigned long long allowed;               /* decisions allowed */
-    unsigned long long unavailable;           /* decisions that raised (Redis unreachable, ...) */
-    unsigned long long fail_open;             /* the FastAPI layer let a request through */
-    unsigned long long shadow;                /* the FastAPI layer let a rejected one through */
-    unsigned long long replays;               /* decisions sent again after a broken connection */
-    unsigned long long connection_errors;     /* connections that failed to open or broke */
-    long long reject_window[RL_REJECT_SLOTS]; /* seconds * 2 + is_token + 1; 0: slot free */
+    unsigned long long allowed;           /* decisions allowed */
+    unsigned long long unavailable;       /* decisions that raised (Redis unreachable, ...) */
+    unsigned long long fail_open;         /* the FastAPI layer let a request through */
+    unsigned long long shadow;            /* the FastAPI layer let a rejected one through */
+    unsigned long long replays;           /* decisions sent again after a broken connection */
+    unsigned long long connection_errors; /* connections that failed to open or broke */
+    unsigned long long reserved_tokens;   /* token estimates of admitted reservations */
+    unsigned long long charged_tokens;    /* tokens reconcile set as used */
+    unsigned long long refunded_tokens;   /* estimate - used, when reconcile lowered it */
+    unsigned long long leases_acquired;   /* acquire answered: a slot was taken */
+    unsigned long long leases_refused;    /* acquire answered: every slot was held */
+    unsigned long long leases_released;   /* release answered: the lease was still held */
+    unsigned long long releases_not_held; /* release answered: it had expired or gone */
+    /* Rejections by window: slot i counts the window whose key is reject_window[i], that
+       is ((seconds * 2 + is_token) * RL_SCOPE_KINDS + scope kind) + 1; 0: slot free. */
+    long long reject_window[RL_REJECT_SLOTS];
     unsigned long long rejected[RL_REJECT_SLOTS];
-    unsigned long long rejected_other;                  /* windows beyond the slots */
-    unsigned long long latency[RL_LATENCY_BUCKETS + 1]; /* round trips per bucket */
-    unsigned long long latency_sum_us;                  /* their sum, microseconds */
+    unsigned long long rejected_other[2][RL_SCOPE_KINDS]; /* beyond the slots: [is_token][scope] */
+    rl_latency latency[RL_OP_COUNT];                      /* round trips by op */
 } rl_metrics;
 
 /* No GIL needed: relaxed atomic increments. */
 void rl_metrics_count(unsigned long long *counter);
-/* An answered decision of the sliding-window script: allowed, or rejected by its window. */
+/* An answered script: a decision allowed or rejected (and by which window), a lease taken
+   or refused, released or not held. Other scripts count nothing here. */
 void rl_metrics_decision(rl_metrics *m, const rl_prepared *d, const rl_result *r);
-void rl_metrics_latency(rl_metrics *m, double seconds);
-/* GIL held: the counters as a dict (see _native.pyi, LimiterMetrics). New reference. */
+/* A round trip of `op` (RL_OP_*) that took `seconds`. */
+void rl_metrics_latency(rl_metrics *m, int op, double seconds);
+/* The op of a decision's round trip, and of a command's (argv[0]). */
+int rl_metrics_op(rl_shape shape);
+int rl_metrics_command_op(const char *name, size_t len);
+/* The scope label of a scope (rl_scope_kind). */
+int rl_metrics_scope_kind(const char *name, size_t len, int shared);
+/* GIL held: the counters as a dict (see genai_ratelimit/metrics.py, LimiterMetrics). New
+   reference. */
 PyObject *rl_metrics_object(rl_metrics *m, int enabled);
-/* GIL held: counts one outcome named by kind ("fail_open", "shadow", "unavailable",
-   "connection_error") in m (NULL: metrics off, the kind is only checked). Returns None (a
-   new reference), or NULL with TypeError or ValueError. */
-PyObject *rl_metrics_record(rl_metrics *m, PyObject *kind);
+/* GIL held: the _record_outcome(kind, count=1) method: adds count to the counter named by
+   kind ("fail_open", "shadow", "unavailable", "connection_error", "reserved_tokens",
+   "charged_tokens", "refunded_tokens") in m (NULL: metrics off, the arguments are only
+   checked). Returns None (a new reference), or NULL with TypeError or ValueError. */
+PyObject *rl_metrics_record(rl_metrics *m, PyObject *const *args, Py_ssize_t nargs);
 
 typedef struct {
     const redisReplyObjectFunctions *defaults; /* hiredis's own reply functions */
@@ -543,5 +602,27 @@ PyObject *rl_result_object(rl_module_state *state, const rl_prepared *d, const r
    optional one not given). 0 / -1. */
 int rl_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                   const char *const *names, int n, int positional, int required, PyObject **out);
+
+/* ------------------------------------- the Limited API's gaps (limited.c, GIL held) */
+
+/* Raises TypeError: the printf-style text, then the name of obj's type (as tp_name would
+   give it), e.g. rl_type_error(v, "%s must be an int, not ", name). Returns NULL. */
+PyObject *rl_type_error(PyObject *obj, const char *format, ...);
+
+/* PySequence_Fast_GET_ITEM / _GET_SIZE, which read struct fields the Limited API hides:
+   for the list or tuple PySequence_Fast returned (or a list or tuple checked as such).
+   The item is borrowed, as the macro's was. */
+static inline PyObject *
+rl_seq_item(PyObject *list_or_tuple, Py_ssize_t i)
+{
+    return PyList_Check(list_or_tuple) ? PyList_GetItem(list_or_tuple, i)
+                                       : PyTuple_GetItem(list_or_tuple, i);
+}
+
+static inline Py_ssize_t
+rl_seq_size(PyObject *list_or_tuple)
+{
+    return PyList_Check(list_or_tuple) ? PyList_Size(list_or_tuple) : PyTuple_Size(list_or_tuple);
+}
 
 #endif

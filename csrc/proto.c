@@ -421,7 +421,8 @@ rl_proto_push_decision(rl_proto *p, rl_prepared *d, double deadline, void *token
                   .token = token,
                   .holder = holder,
                   .decision = d,
-                  .sent = p->metrics != NULL ? rl_monotonic() : 0};
+                  .sent = p->metrics != NULL ? rl_monotonic() : 0,
+                  .op = rl_metrics_op(d->shape)};
     if (bytes == NULL)
         return rl_error_set(err, RL_ERR_CLOSED, "the decision has no command (kill switch)");
     return queue(p, bytes, len, &e, err);
@@ -431,7 +432,11 @@ rl_status
 rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
                       double deadline, void *token, rl_error *err)
 {
-    rl_entry e = {.step = RL_STEP_COMMAND, .deadline = deadline, .token = token};
+    rl_entry e = {.step = RL_STEP_COMMAND,
+                  .deadline = deadline,
+                  .token = token,
+                  .sent = p->metrics != NULL ? rl_monotonic() : 0,
+                  .op = argc > 0 ? rl_metrics_command_op(argv[0], argvlen[0]) : RL_OP_COMMAND};
     e.large = argc > 0 && argvlen[0] == 7 && strncasecmp(argv[0], "CLUSTER", 7) == 0;
     return queue_words(p, argc, argv, argvlen, &e, err);
 }
@@ -782,7 +787,7 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
                 /* Counted here, the one path both drivers share: a decision's outcome
                    once it is answered, and the time since it was queued. */
                 if (e.sent > 0)
-                    rl_metrics_latency(p->metrics, rl_monotonic() - e.sent);
+                    rl_metrics_latency(p->metrics, e.op, rl_monotonic() - e.sent);
                 if (st == RL_OK)
                     rl_metrics_decision(p->metrics, e.decision, &ev->result);
             }
@@ -790,6 +795,8 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
             break;
         case RL_STEP_COMMAND:
         default:
+            if (p->metrics != NULL && e.sent > 0) /* the command's round trip, by its op */
+                rl_metrics_latency(p->metrics, e.op, rl_monotonic() - e.sent);
             if (reply->type == REDIS_REPLY_ERROR) {
                 st = rl_error_set(&ev->error, is_auth_refusal(reply) ? RL_ERR_AUTH : RL_ERR_SERVER,
                                   "Redis answered an error: %.240s", reply->str);

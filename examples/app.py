@@ -169,5 +169,5 @@ async def healthz() -> dict[str, str]:
 
 @app.get("/metrics")
 async def metrics() -> Response:
-    """Prometheus's text format: genai_ratelimit_decisions_total{outcome,window}, ..."""
+    """Prometheus's text format: genai_ratelimit_decisions_total{limiter,outcome}, ..."""
     return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)

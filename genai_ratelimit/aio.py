@@ -30,11 +30,12 @@ from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailabl
 from ._url import RedisOptions
 from .lease import DEFAULT_LEASE_SECONDS, AsyncLease, Lease, lease_arguments, make_lease
 from .limiter import Clock, limiter_options
-from .metrics import LimiterMetrics
+from .metrics import LimiterMetrics, count_reconcile, count_reservation
 from .reservation import (
     Plan,
     Reservation,
     Scope,
+    _scope_list,
     advance,
     reconcile_plan,
     reserve_arguments,
@@ -712,6 +713,7 @@ class AsyncRateLimiter:
             raise RateLimiterError("the rate limiter is closed")
         reservation: Reservation = await self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
+        count_reservation(self._codec._record_outcome, reservation)
         return reservation
 
     async def reconcile(self, reservation: Reservation, actual: int) -> int:
@@ -719,6 +721,7 @@ class AsyncRateLimiter:
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         found: int = await self._drive(reconcile_plan(reservation, actual))
+        count_reconcile(self._codec._record_outcome, reservation, actual, found)
         return found
 
     async def _drive(self, plan: Plan) -> Any:
@@ -744,20 +747,20 @@ class AsyncRateLimiter:
 
     async def peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
                    cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
-                   tokens: int | None = None) -> tuple[bool, int, int, int]:
+                   tokens: int | None = None,
+                   scopes: Sequence[Scope] = ()) -> tuple[bool, int, int, int]:
         """RateLimiter.peek, awaited: what a check would answer now; writes nothing."""
-        raw = await self._peek(user_id, windows, cost=cost, token_windows=token_windows,
-                               tokens=tokens)
+        raw = await self._peek(user_id, windows, **reserve_arguments(
+            cost, token_windows, tokens, _scope_list(scopes)))
         return raw[:4]  # type: ignore[no-any-return]
 
-    async def _peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
-                    cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
-                    tokens: int | None = None) -> Any:
-        """RateLimiter._peek, awaited: the full answer, every window's use included."""
+    async def _peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (),
+                    **arguments: Any) -> Any:
+        """RateLimiter._peek, awaited, with its keyword arguments (scopes in their native
+        form): the full answer, every window's use included."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        request = self._codec.peek(user_id, windows,
-                                   **reserve_arguments(cost, token_windows, tokens))
+        request = self._codec.peek(user_id, windows, **arguments)
         return request if type(request) is tuple else await self._run(request)
 
     async def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
@@ -779,9 +782,9 @@ class AsyncRateLimiter:
         """The limiter's counters (RateLimiter.metrics)."""
         return self._codec.metrics()
 
-    def _record_outcome(self, kind: str) -> None:
-        """Counts 'fail_open' or 'shadow' (the FastAPI layer's outcomes)."""
-        self._codec._record_outcome(kind)
+    def _record_outcome(self, kind: str, count: int = 1) -> None:
+        """Counts what only the caller knows (RateLimiter._record_outcome's kinds)."""
+        self._codec._record_outcome(kind, count)
 
     async def _command(self, *words: str | bytes) -> Any:
         """Sends one Redis command (at most 8 words) on the limiter's connections; its

@@ -1,17 +1,27 @@
 """The command line: `python -m genai_ratelimit` (or `genai-ratelimit`), for the people who
-operate a limiter: why was a user refused and when may they retry, reset a quota, who is
-closest to their limit, and a quick manual decision.
+operate a limiter: why was a user refused and when may they retry, what a user holds in
+flight and in its route / model budgets, how full an upstream's shared cap is, reset a
+quota, who is closest to their limits, and a quick manual decision.
 
-    genai-ratelimit inspect USER [--tier T]     every window: used, limit, oldest entry, retry
+    genai-ratelimit inspect USER [--tier T] [--upstream NAME]...
+                                            every budget of a user: windows (requests and
+                                            tokens), route / model scopes, in-flight leases,
+                                            namespaces; upstream caps (writes nothing)
     genai-ratelimit reset USER [--window S]...  forget the user's entries (all windows by default)
-    genai-ratelimit top [--tier T] [-n N]       users closest to their limits (bounded SCAN)
-    genai-ratelimit check USER [--tier T]       one real decision (logged when allowed)
+    genai-ratelimit top [--tier T | --tier USER=T]... [-n N] [--max-keys K]
+                                            users closest to their limits, by the fullest of
+                                            their request and token windows (bounded SCAN of
+                                            every master)
+    genai-ratelimit check USER [--tier T] [--cost N] [--tokens N]
+                                            one real decision (logged when allowed)
 
-Redis: --url, else $REDIS_URL, else redis://localhost:6379/0. Budgets: --tiers FILE, else the
-file $GENAI_RATELIMIT_TIERS names, else TIER_LIMITS and TIER_TOKEN_LIMITS.
+Options go before or after the command. Redis: --url, else $REDIS_URL, else
+redis://localhost:6379/0. Budgets: --tiers FILE, else the file $GENAI_RATELIMIT_TIERS names,
+else TIER_LIMITS and TIER_TOKEN_LIMITS. --json: JSON instead of a table (every command).
 
 Exit codes: 0 done (check: allowed), 1 check refused, 2 usage or configuration error (a bad
-URL or tiers file, an unknown tier), 3 Redis unavailable (unreachable, timed out, refused).
+URL or tiers file, an unknown tier, a command the Redis ACL user may not run), 3 Redis
+unavailable (unreachable, timed out, refused).
 """
 
 from __future__ import annotations
@@ -20,16 +30,49 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
+from . import _native
+from ._cluster import SlotMap
+from ._keyspace import (
+    SCAN_COUNT,
+    Identity,
+    KeyName,
+    ScanReport,
+    glob_escape,
+    identity_of,
+    masters_in,
+    masters_of,
+    node_url,
+    parse_key,
+    quoted,
+    read_leases,
+    scan,
+    shown,
+    tagged,
+    user_key_pattern,
+)
 from ._native import RateLimiterError
-from ._tiers_config import TIERS_FILE_ENV, TierConfigError, load_tier_config, token_limits_of_tiers
+from ._tiers_config import (
+    SCOPE_BUDGET_KEYS,
+    SCOPE_SECTIONS,
+    TIERS_FILE_ENV,
+    TierConfigError,
+    load_tier_config,
+    max_in_flight_of_tiers,
+    scope_sections_of,
+    token_limits_of_tiers,
+)
+from ._url import RedisOptions, parse_redis_url
 from .aio import AsyncRateLimiter
 from .limiter import RateLimiter
-from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
+from .reservation import Scope
+from .tiers import DEFAULT_TIER, TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = ["main"]
 
@@ -37,39 +80,92 @@ EXIT_OK, EXIT_REFUSED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 
 # Budget key -> window length in seconds (the FastAPI dependencies' windows).
 WINDOW_OF = {"per_minute": 60, "per_day": 86_400}
-# top: keys one SCAN step looks at. The client takes replies of at most 64 elements.
-SCAN_COUNT = "10"
-TOP_PEEKS_AT_ONCE = 64
+# Peeks sent at once (top): pipelined on the limiter's connections.
+PEEKS_AT_ONCE = 64
+# A window whose limit the command line does not know (a namespace's, a route's): peeked
+# with the largest limit, so that what it reports is what the window holds.
+UNKNOWN_LIMIT = _native.MAX_LIMIT
+OPERATOR_ACL = "README.md, \"An operator's ACL user\""
+
+Windows = list[tuple[int, int]]
+# Windows whose limit may be unknown (None): a route's, a namespace's, an upstream's
+# without a [upstreams] table.
+Known = list[tuple[int | None, int]]
+# (window_seconds, is_token_window) -> limit, None when unknown.
+Limits = dict[tuple[int, bool], int | None]
 
 
 class UsageError(Exception):
     """A configuration problem the user must fix: exit 2."""
 
 
-def _budgets(args: argparse.Namespace) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """The tier's (limit, window_seconds) request and token windows."""
+# ------------------------------------------------------------------------------ budgets
+
+@dataclass
+class Budgets:
+    """What the tiers file (or the defaults) says."""
+
+    requests: dict[str, dict[str, int]]  # tier -> {"per_minute": n, "per_day": n}
+    tokens: dict[str, dict[str, int]]  # tier -> token budget (TIER_TOKEN_LIMITS' shape)
+    max_in_flight: dict[str, int] = field(default_factory=dict)
+    models: dict[str, dict[str, int]] = field(default_factory=dict)  # model -> scope budget
+    upstreams: dict[str, dict[str, int]] = field(default_factory=dict)  # name -> scope budget
+
+    def tier(self, name: str) -> str:
+        if name not in self.requests:
+            raise UsageError(f"unknown tier {name!r}: one of {', '.join(sorted(self.requests))}")
+        return name
+
+    def windows(self, tier: str) -> tuple[Windows, Windows]:
+        """The tier's (limit, window_seconds) request and token windows."""
+        request_budget = self.requests[tier]
+        token_budget = self.tokens.get(tier) or self.tokens.get(DEFAULT_TIER) or {}
+        return ([(request_budget[k], s) for k, s in WINDOW_OF.items()],
+                [(token_budget[k], s) for k, s in WINDOW_OF.items() if k in token_budget])
+
+
+def _budgets(args: argparse.Namespace) -> Budgets:
     path = args.tiers or os.environ.get(TIERS_FILE_ENV) or None
-    if path:
-        try:
-            data, where = load_tier_config(path)
-            requests: dict[str, dict[str, int]] = dict(data)  # type: ignore[call-overload]
-            tokens = token_limits_of_tiers(data, where)
-        except TierConfigError as exc:
-            raise UsageError(str(exc)) from None
-    else:
-        requests, tokens = TIER_LIMITS, TIER_TOKEN_LIMITS
-    if args.tier not in requests:
-        raise UsageError(f"unknown tier {args.tier!r}: one of {', '.join(sorted(requests))}")
-    request_budget = requests[args.tier]
-    token_budget = tokens.get(args.tier) or tokens.get("free") or {}
-    return ([(request_budget[k], s) for k, s in WINDOW_OF.items()],
-            [(token_budget[k], s) for k, s in WINDOW_OF.items() if k in token_budget])
+    if not path:
+        return Budgets(dict(TIER_LIMITS), dict(TIER_TOKEN_LIMITS))
+    try:
+        data, where = load_tier_config(path)
+        tables: dict[str, Any] = dict(data)  # type: ignore[call-overload]
+        models, upstreams = scope_sections_of(data, where)
+        return Budgets({t: b for t, b in tables.items() if t not in SCOPE_SECTIONS},
+                       token_limits_of_tiers(data, where), max_in_flight_of_tiers(data, where),
+                       models, {name: budget for name, (budget, _) in upstreams.items()})
+    except TierConfigError as exc:
+        raise UsageError(str(exc)) from None
 
 
-def _limiter_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {"key_prefix": args.key_prefix, "connect_timeout": args.timeout,
-            "socket_timeout": args.timeout}
+def _scope_limits(budget: dict[str, int]) -> Limits:
+    """A scope budget's limits by (window_seconds, is_token_window)."""
+    return {(seconds, tokens): budget[key] for key, (seconds, tokens) in SCOPE_BUDGET_KEYS.items()
+            if key in budget}
 
+
+def _split(limits: Limits) -> tuple[Known, Known]:
+    """Limits as (limit, seconds) request and token windows, shortest first."""
+    windows = sorted(limits)
+    return ([(limits[w], w[0]) for w in windows if not w[1]],
+            [(limits[w], w[0]) for w in windows if w[1]])
+
+
+def _user_tiers(args: argparse.Namespace, budgets: Budgets) -> tuple[str, dict[str, str]]:
+    """--tier T (everyone's) and --tier USER=T (one user's, by the app's user id or the key's
+    id): (the default tier, {user: tier})."""
+    default, named = DEFAULT_TIER, {}
+    for value in args.tier or []:
+        user, equals, tier = value.rpartition("=")
+        if equals:
+            named[user] = budgets.tier(tier)
+        else:
+            default = budgets.tier(value)
+    return default, named
+
+
+# ------------------------------------------------------------------------------ output
 
 def _time(ms: int | None) -> str:
     if ms is None:
@@ -78,146 +174,477 @@ def _time(ms: int | None) -> str:
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
 
 
-def _window_name(seconds: int, tokens: bool) -> str:
-    return f"{seconds} s{' tokens' if tokens else ''}"
-
-
-def _print_table(rows: list[list[str]], out: TextIO) -> None:
+def _print_table(rows: list[list[str]], out: TextIO, left: int = 2) -> None:
+    """Columns padded; the first `left` ones to the left, the others to the right."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
-        out.write("  ".join(cell.ljust(w) if i in (0, 1) else cell.rjust(w)
+        out.write("  ".join(cell.ljust(w) if i < left else cell.rjust(w)
                             for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip() + "\n")
 
 
-# ------------------------------------------------------------------------------ commands
-
-def inspect(args: argparse.Namespace, out: TextIO) -> int:
-    """Each window of the user's tier: used, limit, remaining after one more request, the
-    oldest entry still in it and when a request would be allowed again. Writes nothing."""
-    requests, tokens = _budgets(args)
-    rows = []
-    with RateLimiter(args.url, **_limiter_options(args)) as limiter:
-        # One peek per window: each answers for that window alone (a peek of all stops
-        # at the first refusing window, as a check does).
-        for windows, is_tokens in [(requests, False), (tokens, True)]:
-            for limit, seconds in windows:
-                if is_tokens:
-                    peek = limiter._peek(args.user, (), token_windows=[(limit, seconds)], tokens=1)
-                else:
-                    peek = limiter._peek(args.user, [(limit, seconds)])
-                allowed, remaining, retry, _, _, now, usage, _ = peek
-                used, oldest = usage[0][3], usage[0][4]
-                rows.append({"window_seconds": seconds, "tokens": is_tokens, "used": used,
-                             "limit": limit, "remaining": remaining, "allowed": allowed,
-                             "oldest_ms": oldest, "retry_after_s": retry, "now_ms": now})
-    if args.json:
-        json.dump({"user": args.user, "tier": args.tier, "windows": rows}, out)
-        out.write("\n")
-        return EXIT_OK
-    server_now = rows[0]["now_ms"] if rows else None
-    out.write(f"user {args.user!r}, tier {args.tier}, Redis time {_time(server_now)}\n")
-    table = [["window", "resource", "used", "limit", "oldest entry (UTC)", "retry after"]]
-    for r in rows:
-        table.append([f"{r['window_seconds']} s", "tokens" if r["tokens"] else "requests",
-                      str(r["used"]), str(r["limit"]), _time(r["oldest_ms"]),
-                      f"{r['retry_after_s']} s" if not r["allowed"] else "-"])
-    _print_table(table, out)
+def _json(value: Any, out: TextIO) -> int:
+    json.dump(value, out)
+    out.write("\n")
     return EXIT_OK
 
 
+def _resource(tokens: bool) -> str:
+    return "tokens" if tokens else "requests"
+
+
+def _retry(window: dict[str, Any]) -> str:
+    return f"{window['retry_after_s']} s" if window.get("retry_after_s") else "-"
+
+
+def _limit(window: dict[str, Any]) -> str:
+    return "?" if window["limit"] is None else str(window["limit"])
+
+
+# ------------------------------------------------------------------------------ limiters
+
+def _options(args: argparse.Namespace) -> dict[str, Any]:
+    return {"key_prefix": args.key_prefix, "connect_timeout": args.timeout,
+            "socket_timeout": args.timeout}
+
+
+def _redis_options(args: argparse.Namespace) -> RedisOptions:
+    url = args.url or os.environ.get("REDIS_URL") or "redis://localhost:6379/0"
+    args.url = url
+    return parse_redis_url(url)
+
+
+@dataclass
+class Masters:
+    """The limiter (it routes peeks on a cluster), a limiter per master (SCAN, the raw
+    read) and the cluster's slot map."""
+
+    limiter: AsyncRateLimiter
+    nodes: dict[tuple[str, int] | None, AsyncRateLimiter]  # None: the URL's single node
+    slot_map: SlotMap | None
+
+    @property
+    def scanned(self) -> list[tuple[str, Any]]:
+        """(name, SCAN-able command) of every master."""
+        return [("" if address is None else f"{address[0]}:{address[1]}", node._command)
+                for address, node in self.nodes.items()]
+
+    async def scan(self, pattern: str, max_keys: int) -> ScanReport:
+        return await scan(self.scanned, pattern, max_keys)
+
+    async def aclose(self) -> None:
+        for node in self.nodes.values():
+            if node is not self.limiter:
+                await node.aclose()
+        await self.limiter.aclose()
+
+
+async def _masters(args: argparse.Namespace, options: RedisOptions) -> Masters:
+    limiter = AsyncRateLimiter(args.url, **_options(args))
+    try:
+        slot_map = await masters_of(limiter._command, options)
+    except BaseException:
+        await limiter.aclose()
+        raise
+    if slot_map is None:
+        return Masters(limiter, {None: limiter}, None)
+    nodes: dict[tuple[str, int] | None, AsyncRateLimiter] = {
+        address: AsyncRateLimiter(node_url(args.url, address[0], address[1], options.db),
+                                  **_options(args))
+        for address in masters_in(slot_map)}
+    return Masters(limiter, nodes, slot_map)
+
+
+def _window_row(peek: Sequence[Any], limit: int | None, scope: str | None) -> dict[str, Any]:
+    """The one window of a peek as a JSON-able row: used, limit (None: unknown), what would
+    remain after one more request (or token), the oldest entry, and the wait when full."""
+    _, seconds, tokens, used, oldest = peek[6][0]
+    return {"window_seconds": seconds, "resource": _resource(tokens), "tokens": tokens,
+            "scope": scope, "used": used, "limit": limit,
+            "remaining": None if limit is None else peek[1], "allowed": peek[0],
+            "oldest_ms": oldest, "retry_after_s": peek[2], "now_ms": peek[5]}
+
+
+async def _peek_windows(limiter: AsyncRateLimiter, user: str, requests: Known, tokens: Known,
+                        scope: tuple[str, bool] | None = None) -> list[dict[str, Any]]:
+    """One peek per window (each answers for that window alone: a peek of several stops at
+    the first that refuses, as a check does); `scope`: (name, shared), the windows are that
+    scope's."""
+    rows = []
+    for windows, is_tokens in ((requests, False), (tokens, True)):
+        for limit, seconds in windows:
+            one = [(limit if limit is not None else UNKNOWN_LIMIT, seconds)]
+            arguments: dict[str, Any] = {"tokens": 1} if is_tokens else {}
+            if scope is not None:
+                native = Scope(scope[0], windows=[] if is_tokens else one,
+                               token_windows=one if is_tokens else [], shared=scope[1])
+                peek = await limiter._peek(user, [], scopes=(native.native(),), **arguments)
+            elif is_tokens:
+                peek = await limiter._peek(user, (), token_windows=one, **arguments)
+            else:
+                peek = await limiter._peek(user, one)
+            rows.append(_window_row(peek, limit, scope[0] if scope is not None else None))
+    return rows
+
+
+# ------------------------------------------------------------------------------ inspect
+
+def inspect(args: argparse.Namespace, out: TextIO) -> int:
+    """Every budget of a user, as Redis holds it now. Writes nothing."""
+    budgets = _budgets(args)
+    default, named = _user_tiers(args, budgets)
+    identity = identity_of(args.user)
+    tier = named.get(identity.user, named.get(args.user, default))
+    report = asyncio.run(_inspect(args, budgets, tier, identity))
+    if args.json:
+        return _json(report, out)
+    out.write(f"user {quoted(args.user)}{_identity_text(identity)}, tier {tier}, Redis time "
+              f"{_time(report['now_ms'])}\n")
+    table = [["window", "resource", "scope", "used", "limit", "oldest entry (UTC)", "retry after"]]
+    for w in report["windows"] + report["scopes"]:
+        table.append([f"{w['window_seconds']} s", w["resource"], shown(w["scope"] or "-"),
+                      str(w["used"]), _limit(w), _time(w["oldest_ms"]), _retry(w)])
+    _print_table(table, out, left=3)
+    leases = report["leases"]
+    cap = "no cap" if leases["max_in_flight"] is None else f"of {leases['max_in_flight']}"
+    soonest = f", soonest expiry {_time(leases['expires_ms'][0])}" if leases["expires_ms"] else ""
+    out.write(f"in flight: {leases['held']} ({cap}){soonest}\n")
+    for upstream in report["upstreams"]:
+        out.write(f"upstream {quoted(upstream['name'])} (shared by every user):\n")
+        _print_table([["window", "resource", "used", "limit", "oldest entry (UTC)", "retry after"]]
+                     + [[f"{w['window_seconds']} s", w["resource"], str(w["used"]), _limit(w),
+                         _time(w["oldest_ms"]), _retry(w)] for w in upstream["windows"]], out)
+    for namespace in report["namespaces"]:
+        windows = ", ".join(f"{w['window_seconds']} s {w['resource']} {w['used']}"
+                            for w in namespace["windows"])
+        out.write(f"namespace {quoted(namespace['namespace'])}: {windows} (its budget is the "
+                  "app's: used only)\n")
+    out.write(_scan_line(report["scan"]))
+    return EXIT_OK
+
+
+async def _inspect(args: argparse.Namespace, budgets: Budgets, tier: str,
+                   identity: Identity) -> dict[str, Any]:
+    options = _redis_options(args)
+    hash_tag = options.mode == "cluster"
+    masters = await _masters(args, options)
+    try:
+        limiter = masters.limiter
+        requests, tokens = budgets.windows(tier)
+        windows = await _peek_windows(limiter, args.user, list(requests), list(tokens))
+        now = windows[0]["now_ms"]
+        # The user's other keys, found by one SCAN: its scopes, the same id in namespaces.
+        found = await masters.scan(user_key_pattern(args.key_prefix, args.user, hash_tag, True),
+                                   args.max_keys)
+        keys = [k for k in (parse_key(n, args.key_prefix, hash_tag) for n in found.keys)
+                if k is not None]
+        scope_rows: list[dict[str, Any]] = []
+        for name, limits in _scopes_of([k for k in keys if k.owner == args.user], budgets):
+            scope_rows += await _peek_windows(limiter, args.user, *_split(limits), (name, False))
+        leases = await _leases(args, masters, hash_tag, now)
+        upstreams, scans = [], [found]
+        for name in args.upstream:
+            limits, upstream_scan = await _upstream_limits(args, masters, budgets, name, hash_tag)
+            scans.append(upstream_scan)
+            upstreams.append({"name": name, "windows": await _peek_windows(
+                limiter, name, *_split(limits), (name, True))})
+        namespaces = await _namespaces_of(limiter, args.user, keys)
+    finally:
+        await masters.aclose()
+    return {"user": args.user, "identity": _identity_json(identity), "tier": tier,
+            "now_ms": now, "windows": windows, "scopes": scope_rows,
+            "leases": {**leases, "max_in_flight": budgets.max_in_flight.get(tier)},
+            "upstreams": upstreams, "namespaces": namespaces, "scan": _scan_json(*scans)}
+
+
+def _scopes_of(keys: list[KeyName], budgets: Budgets) -> list[tuple[str, Limits]]:
+    """The user's scopes found in its keys, each with its windows' limits where the tiers
+    file gives them (a model's; a route's budget lives in the app: unknown)."""
+    found: dict[str, Limits] = {}
+    for key in keys:
+        if key.kind == "scope" and key.scope is not None:
+            found.setdefault(key.scope, {})[(key.seconds, key.tokens)] = None
+    scopes = []
+    for name in sorted(found):
+        model = budgets.models.get(name[len("model:"):]) if name.startswith("model:") else None
+        scopes.append((name, found[name] | _scope_limits(model or {})))
+    return scopes
+
+
+async def _upstream_limits(args: argparse.Namespace, masters: Masters, budgets: Budgets,
+                           name: str, hash_tag: bool) -> tuple[Limits, ScanReport]:
+    """An upstream's windows: the tiers file's, and any other its keys show."""
+    limits = _scope_limits(budgets.upstreams.get(name, {}))
+    found = await masters.scan(user_key_pattern(args.key_prefix, name, hash_tag), args.max_keys)
+    for key in (parse_key(k, args.key_prefix, hash_tag) for k in found.keys):
+        if key is not None and key.kind == "shared" and key.owner == name:
+            limits.setdefault((key.seconds, key.tokens), None)
+    if not limits:
+        raise UsageError(f"no upstream {name!r}: not in the tiers file's [upstreams] and no key "
+                         "of it in Redis")
+    return limits, found
+
+
+async def _leases(args: argparse.Namespace, masters: Masters, hash_tag: bool,
+                  now_ms: int) -> dict[str, Any]:
+    """The user's in-flight leases, read on the master that holds their key."""
+    key = f"{args.key_prefix}:{tagged(args.user, hash_tag)}:leases"
+    node = masters.nodes.get(None)
+    if node is None and masters.slot_map is not None:
+        if masters.slot_map.master_name is None:  # a cluster: the master of the key's slot
+            slot = int(await masters.limiter._command("CLUSTER", "KEYSLOT", key))
+            node = masters.nodes.get(masters.slot_map.destination(slot))
+        else:
+            node = next(iter(masters.nodes.values()))
+    if node is None:
+        raise RateLimiterError(f"no master of the cluster serves {key!r}")
+    held, expires = await read_leases(node._command, key, now_ms)
+    return {"key": key, "held": held, "expires_ms": expires}
+
+
+async def _namespaces_of(limiter: AsyncRateLimiter, user: str,
+                         keys: list[KeyName]) -> list[dict[str, Any]]:
+    """The same user id's windows in each namespace its keys show (used only: a namespace's
+    budget lives in the app)."""
+    found: dict[str, Limits] = {}
+    for key in keys:
+        identity = identity_of(key.owner)
+        if key.kind == "window" and identity.namespace is not None and \
+                key.owner == f"ns:{identity.namespace}:{user}":
+            found.setdefault(key.owner, {})[(key.seconds, key.tokens)] = None
+    result = []
+    for owner in sorted(found):
+        rows = await _peek_windows(limiter, owner, *_split(found[owner]))
+        result.append({"namespace": identity_of(owner).namespace, "user": owner, "windows": rows})
+    return result
+
+
+def _identity_text(identity: Identity) -> str:
+    """What the FastAPI layer's identity means, when it is more than the id itself."""
+    who = (f"anonymous client {quoted(identity.user)}" if identity.kind == "anonymous"
+           else f"user id {quoted(identity.user)}")
+    if identity.namespace is not None:
+        return f" ({who} in namespace {quoted(identity.namespace)})"
+    return f" ({who})" if identity.user != identity.key else ""
+
+
+def _identity_json(identity: Identity) -> dict[str, Any]:
+    return {"user": identity.user, "kind": identity.kind, "namespace": identity.namespace}
+
+
+def _scan_json(*reports: ScanReport) -> dict[str, Any]:
+    first = reports[0]
+    return {"masters": first.masters, "count": SCAN_COUNT,
+            "max_calls_per_master": first.max_calls_per_master,
+            "calls": sum(r.calls for r in reports), "keys": sum(len(r.keys) for r in reports),
+            "complete": all(r.complete for r in reports)}
+
+
+def _scan_line(scan_report: dict[str, Any]) -> str:
+    masters = len(scan_report["masters"])
+    state = ("complete" if scan_report["complete"] else
+             "INCOMPLETE: raise --max-keys to see every key")
+    return (f"({scan_report['keys']} keys found by {scan_report['calls']} SCAN calls of COUNT "
+            f"{scan_report['count']} on {masters} master{'s' if masters != 1 else ''}, at most "
+            f"{scan_report['max_calls_per_master']} per master per pattern; {state})\n")
+
+
+# ------------------------------------------------------------------------------ reset
+
 def reset(args: argparse.Namespace, out: TextIO) -> int:
     """Forgets the user's entries: the windows named, or every window of the user."""
-    with RateLimiter(args.url, **_limiter_options(args)) as limiter:
+    with RateLimiter(args.url, **_options(args)) as limiter:
         if args.window:
             removed = limiter.reset(args.user, [(1, s) for s in args.window],
                                     token_windows=[(1, s) for s in args.window])
         else:
             removed = limiter.reset(args.user)
+    if args.json:
+        return _json({"user": args.user, "windows": args.window or None, "removed": removed}, out)
     what = ", ".join(f"{s} s" for s in args.window) if args.window else "every window"
-    out.write(f"reset {args.user!r} ({what}): {removed} entries removed\n")
+    out.write(f"reset {quoted(args.user)} ({what}): {removed} entries removed\n")
     return EXIT_OK
 
 
+# ------------------------------------------------------------------------------ check
+
 def check(args: argparse.Namespace, out: TextIO) -> int:
-    """One real decision against the tier's request windows: logged when allowed."""
-    requests, _ = _budgets(args)
-    with RateLimiter(args.url, **_limiter_options(args)) as limiter:
-        allowed, remaining, retry, window = limiter.check_windows(args.user, requests,
-                                                                  cost=args.cost)
+    """One real decision against the tier's request windows (and its token windows with
+    --tokens): logged when allowed."""
+    budgets = _budgets(args)
+    default, named = _user_tiers(args, budgets)
+    tier = named.get(identity_of(args.user).user, named.get(args.user, default))
+    requests, tokens = budgets.windows(tier)
+    with RateLimiter(args.url, **_options(args)) as limiter:
+        if args.tokens is None:
+            allowed, remaining, retry, window = limiter.check_windows(args.user, requests,
+                                                                      cost=args.cost)
+            resource = "requests"
+        else:
+            if not tokens:
+                raise UsageError(f"tier {tier!r} has no token budget")
+            r = limiter.reserve(args.user, requests, cost=args.cost, token_windows=tokens,
+                                tokens=args.tokens)
+            allowed, remaining, retry, window, resource = (r.allowed, r.remaining,
+                                                           r.retry_after_s, r.window_seconds,
+                                                           r.resource)
     if args.json:
-        json.dump({"allowed": allowed, "remaining": remaining, "retry_after_s": retry,
-                   "window_seconds": window}, out)
-        out.write("\n")
+        _json({"allowed": allowed, "remaining": remaining, "retry_after_s": retry,
+               "window_seconds": window, "resource": resource, "tier": tier}, out)
     elif allowed:
-        out.write(f"allowed: {remaining} left in the {window} s window\n")
+        out.write(f"allowed: {remaining} {resource} left in the {window} s window\n")
     else:
-        out.write(f"refused by the {window} s window: retry after {retry} s\n")
+        out.write(f"refused by the {window} s {resource} window: retry after {retry} s\n")
     return EXIT_OK if allowed else EXIT_REFUSED
 
 
-def _glob_escape(text: str) -> str:
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-def _user_of(key: str, prefix: str, seconds: set[int]) -> str | None:
-    """The user id of a request window key "{prefix}:{user}:{seconds}", or None."""
-    if not key.startswith(prefix + ":"):
-        return None
-    user, _, window = key[len(prefix) + 1:].rpartition(":")
-    if not user or not window.isdigit() or int(window) not in seconds:
-        return None
-    return user
-
-
-async def _top(args: argparse.Namespace, requests: list[tuple[int, int]]) -> tuple[list[Any], int]:
-    """Finds users by SCAN (at most --max-keys keys examined), then peeks each."""
-    seconds = {s for _, s in requests}
-    users: set[str] = set()
-    examined = 0
-    async with AsyncRateLimiter(args.url, **_limiter_options(args)) as limiter:
-        cursor = b"0"
-        pattern = _glob_escape(args.key_prefix) + ":*"
-        while examined < args.max_keys:
-            cursor, keys = await limiter._command("SCAN", cursor, "MATCH", pattern,
-                                                  "COUNT", SCAN_COUNT)
-            examined += len(keys)
-            for key in keys:
-                user = _user_of(key.decode("utf-8", errors="replace"), args.key_prefix, seconds)
-                if user is not None:
-                    users.add(user)
-            if cursor == b"0":
-                break
-        ordered = sorted(users)
-        peeks: list[Any] = []
-        for start in range(0, len(ordered), TOP_PEEKS_AT_ONCE):
-            batch = ordered[start:start + TOP_PEEKS_AT_ONCE]
-            peeks += await asyncio.gather(*(limiter._peek(u, requests) for u in batch))
-    ranked = []
-    for user, peek in zip(ordered, peeks, strict=True):
-        usage = peek[6]
-        limit, window, _, used, _ = max(usage, key=lambda w: (w[3] / w[0], -w[1]))
-        ranked.append({"user": user, "window_seconds": window, "used": used, "limit": limit,
-                       "fraction": used / limit, "retry_after_s": peek[2]})
-    ranked.sort(key=lambda r: (-r["fraction"], r["user"]))
-    return ranked[:args.count], examined
-
+# ------------------------------------------------------------------------------ top
 
 def top(args: argparse.Namespace, out: TextIO) -> int:
-    """The users closest to their limits, among the keys one bounded SCAN examines."""
-    requests, _ = _budgets(args)
-    ranked, examined = asyncio.run(_top(args, requests))
+    """The users closest to their limits, among the keys a bounded SCAN finds."""
+    budgets = _budgets(args)
+    default, named = _user_tiers(args, budgets)
+    report = asyncio.run(_top(args, budgets, default, named))
     if args.json:
-        json.dump({"users": ranked, "keys_examined": examined}, out)
-        out.write("\n")
-        return EXIT_OK
-    table = [["user", "window", "used", "limit", "use", "retry after"]]
-    for r in ranked:
-        table.append([r["user"], f"{r['window_seconds']} s", str(r["used"]), str(r["limit"]),
-                      f"{100 * r['fraction']:.0f}%",
-                      f"{r['retry_after_s']} s" if r["retry_after_s"] else "-"])
-    _print_table(table, out)
-    out.write(f"({examined} keys examined, tier {args.tier} budgets)\n")
+        return _json(report, out)
+    users = report["users"]
+    out.write(f"users closest to their limits ({len(users)} shown; default tier {default}):\n")
+    table = [["user", "kind", "tier", "fullest window", "used", "limit", "use", "retry after"]]
+    for u in users:
+        table.append([shown(u["user"]), u["kind"], u["tier"],
+                      f"{u['window_seconds']} s {u['resource']}", str(u["used"]), str(u["limit"]),
+                      f"{100 * u['fraction']:.0f}%", _retry(u)])
+    _print_table(table, out, left=4)
+    for namespace in report["namespaces"]:
+        out.write(f"namespace {quoted(namespace['namespace'])} (its budget is the app's: used "
+                  "only; the most used first):\n")
+        rows = [["user", "kind", "shortest window", "used"]]
+        rows += [[shown(u["user"]), u["kind"], f"{u['window_seconds']} s {u['resource']}",
+                  str(u["used"])] for u in namespace["users"]]
+        _print_table(rows, out, left=3)
+    if report["upstreams"]:
+        out.write("upstream caps (shared by every user):\n")
+        rows = [["upstream", "window", "used", "limit", "use"]]
+        for u in report["upstreams"]:
+            for w in u["windows"]:
+                rows.append([shown(u["name"]), f"{w['window_seconds']} s {w['resource']}",
+                             str(w["used"]), _limit(w),
+                             "-" if w["limit"] is None else f"{100 * w['used'] / w['limit']:.0f}%"])
+        _print_table(rows, out)
+    out.write(_scan_line(report["scan"]))
     return EXIT_OK
+
+
+async def _top(args: argparse.Namespace, budgets: Budgets, default: str,
+               named: dict[str, str]) -> dict[str, Any]:
+    options = _redis_options(args)
+    hash_tag = options.mode == "cluster"
+    masters = await _masters(args, options)
+    try:
+        found = await masters.scan(glob_escape(args.key_prefix) + ":*", args.max_keys)
+        owners: dict[str, Limits] = {}  # user -> the own windows its keys show
+        shared: dict[str, Limits] = {}  # upstream -> its windows
+        for key in (parse_key(k, args.key_prefix, hash_tag) for k in found.keys):
+            if key is None or not _usable(key.owner):
+                continue
+            if key.kind == "shared":
+                shared.setdefault(key.owner, {})[(key.seconds, key.tokens)] = None
+                continue
+            windows = owners.setdefault(key.owner, {})  # a user, whatever key shows it
+            if key.kind == "window":
+                windows[(key.seconds, key.tokens)] = None
+        plain: list[str] = []
+        spaced: list[str] = []
+        for owner in sorted(owners):
+            (spaced if identity_of(owner).namespace is not None else plain).append(owner)
+        users = await _rank_users(masters.limiter, plain, budgets, default, named)
+        namespaces = await _rank_namespaces(masters.limiter, spaced, owners)
+        upstreams = await _upstream_rows(masters.limiter, shared, budgets)
+    finally:
+        await masters.aclose()
+    return {"users": users[:args.count], "namespaces": namespaces, "upstreams": upstreams,
+            "scan": _scan_json(found), "keys_examined": len(found.keys)}
+
+
+def _usable(owner: str) -> bool:
+    """An id the limiter can be asked about (valid UTF-8, no lone surrogate)."""
+    try:
+        owner.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+async def _gathered(calls: list[Any]) -> list[Any]:
+    """Awaits coroutines PEEKS_AT_ONCE at a time (pipelined on the limiter's connections)."""
+    results: list[Any] = []
+    for start in range(0, len(calls), PEEKS_AT_ONCE):
+        results += await asyncio.gather(*calls[start:start + PEEKS_AT_ONCE])
+    return results
+
+
+async def _rank_users(limiter: AsyncRateLimiter, users: list[str], budgets: Budgets,
+                      default: str, named: dict[str, str]) -> list[dict[str, Any]]:
+    """Each user judged by its tier's budgets: one peek of its request and token windows
+    (the 8th answer gives every window's use), ranked by the fullest window."""
+    tiers = [named.get(identity_of(u).user, named.get(u, default)) for u in users]
+
+    async def peek(user: str, tier: str) -> Any:
+        requests, tokens = budgets.windows(tier)
+        if tokens:
+            return await limiter._peek(user, requests, token_windows=tokens, tokens=1)
+        return await limiter._peek(user, requests)
+
+    peeks = await _gathered([peek(u, t) for u, t in zip(users, tiers, strict=True)])
+    ranked = []
+    for user, tier, answer in zip(users, tiers, peeks, strict=True):
+        identity = identity_of(user)
+        fullest = max(answer[6], key=lambda w: (w[3] / w[0], -w[1]))
+        limit, seconds, tokens, used, _ = fullest
+        ranked.append({"user": user, "id": identity.user, "kind": identity.kind, "tier": tier,
+                       "tier_from": "named" if tier != default or user in named
+                       or identity.user in named else "default",
+                       "window_seconds": seconds, "resource": _resource(tokens), "used": used,
+                       "limit": limit, "fraction": used / limit, "retry_after_s": answer[2],
+                       "windows": [{"window_seconds": s, "resource": _resource(t), "used": n,
+                                    "limit": lim} for lim, s, t, n, _ in answer[6]]})
+    ranked.sort(key=lambda r: (-r["fraction"], r["user"]))
+    return ranked
+
+
+async def _rank_namespaces(limiter: AsyncRateLimiter, users: list[str],
+                           windows: dict[str, Limits]) -> list[dict[str, Any]]:
+    """The users of each namespace, by what they used in the shortest window their keys
+    show (the limits are the app's)."""
+    chosen = {u: min(windows[u]) for u in users if windows[u]}
+
+    async def peek(user: str) -> Any:
+        seconds, tokens = chosen[user]
+        if tokens:
+            return await limiter._peek(user, (), token_windows=[(UNKNOWN_LIMIT, seconds)], tokens=1)
+        return await limiter._peek(user, [(UNKNOWN_LIMIT, seconds)])
+
+    peeks = await _gathered([peek(u) for u in chosen])
+    by_namespace: dict[str, list[dict[str, Any]]] = {}
+    for user, answer in zip(chosen, peeks, strict=True):
+        identity = identity_of(user)
+        _, seconds, tokens, used, _ = answer[6][0]
+        assert identity.namespace is not None
+        by_namespace.setdefault(identity.namespace, []).append(
+            {"user": user, "id": identity.user, "kind": identity.kind, "window_seconds": seconds,
+             "resource": _resource(tokens), "used": used})
+    return [{"namespace": name, "users": sorted(rows, key=lambda r: (-r["used"], r["user"]))}
+            for name, rows in sorted(by_namespace.items())]
+
+
+async def _upstream_rows(limiter: AsyncRateLimiter, shared: dict[str, Limits],
+                         budgets: Budgets) -> list[dict[str, Any]]:
+    """Each upstream cap the keys show: its windows, with the tiers file's limits."""
+    rows = []
+    for name in sorted(shared):
+        limits = shared[name] | _scope_limits(budgets.upstreams.get(name, {}))
+        rows.append({"name": name, "windows": await _peek_windows(limiter, name, *_split(limits),
+                                                                  (name, True))})
+    return rows
 
 
 # ---------------------------------------------------------------------------------- main
@@ -229,40 +656,94 @@ def _positive(text: str) -> int:
     return value
 
 
+def _global_options(p: argparse.ArgumentParser, defaults: bool) -> None:
+    """The options every command takes, before or after it. On the commands their defaults
+    are SUPPRESS, so a value given before the command is not overwritten."""
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    p.add_argument("--url", default=default(None),
+                   help="Redis URL (default: $REDIS_URL, else redis://localhost:6379/0)")
+    p.add_argument("--key-prefix", default=default("ratelimit"),
+                   help="key prefix (default: ratelimit)")
+    p.add_argument("--tiers", default=default(None),
+                   help=f"tiers file, JSON or TOML (default: ${TIERS_FILE_ENV}, else TIER_LIMITS)")
+    p.add_argument("--timeout", type=float, default=default(2.0),
+                   help="connect and reply timeout, seconds (default: 2)")
+    p.add_argument("--json", action="store_true", default=default(False),
+                   help="print JSON instead of a table")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="genai-ratelimit", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Exit codes: 0 done, 1 check refused, 2 usage or "
-                                       "configuration error, 3 Redis unavailable.")
-    p.add_argument("--url", default=None,
-                   help="Redis URL (default: $REDIS_URL, else redis://localhost:6379/0)")
-    p.add_argument("--key-prefix", default="ratelimit", help="key prefix (default: ratelimit)")
-    p.add_argument("--tiers", default=None,
-                   help=f"tiers file, JSON or TOML (default: ${TIERS_FILE_ENV}, else TIER_LIMITS)")
-    p.add_argument("--timeout", type=float, default=2.0,
-                   help="connect and reply timeout, seconds (default: 2)")
+                                epilog="Options go before or after the command. Exit codes: 0 "
+                                       "done, 1 check refused, 2 usage or configuration error "
+                                       "(a command the Redis ACL user may not run too), 3 "
+                                       "Redis unavailable.")
+    _global_options(p, True)
     sub = p.add_subparsers(dest="command", required=True)
+    tier_help = ("the tier whose budgets apply (default: free); repeatable as USER=TIER for "
+                 "one user's tier (by the app's user id or the key's id)")
 
     def command(name: str, help: str, user: bool = True, tier: bool = True) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help)
         if user:
-            c.add_argument("user", help="the user id (exactly as the app passes it)")
+            c.add_argument("user", help="the user id the limiter was given (FastAPI: 'ip:HOST' "
+                                        "for an anonymous client, 'ns:NAME:ID' in a namespace)")
         if tier:
-            c.add_argument("--tier", default="free", help="the tier whose budgets apply (default: free)")
-        c.add_argument("--json", action="store_true", help="print JSON instead of a table")
+            c.add_argument("--tier", action="append", default=[], metavar="TIER|USER=TIER",
+                           help=tier_help)
+        _global_options(c, False)
         return c
 
-    command("inspect", "each window of a user: used, limit, oldest entry, retry (writes nothing)")
+    max_keys_help = ("SCAN bound: at most ceil(MAX_KEYS / (10 x masters)) SCAN calls of COUNT "
+                     "10 per master, so about MAX_KEYS keys in all (default 10000)")
+    c = command("inspect", "every budget of a user: request and token windows, route / model "
+                           "scopes, in-flight leases, namespaces, and upstream caps (writes "
+                           "nothing)")
+    c.add_argument("--upstream", action="append", default=[], metavar="NAME",
+                   help="also show this upstream's shared cap; repeatable")
+    c.add_argument("--max-keys", type=_positive, default=10_000, help=max_keys_help)
     c = command("reset", "forget a user's entries (every window unless --window)", tier=False)
     c.add_argument("--window", type=_positive, action="append", default=[], metavar="SECONDS",
                    help="only this window (request and token keys); repeatable")
-    c = command("top", "the users closest to their limits (bounded SCAN)", user=False)
+    c = command("top", "the users closest to their limits, by the fullest of their request "
+                       "and token windows (bounded SCAN of every master)", user=False)
     c.add_argument("-n", "--count", type=_positive, default=10, help="users to show (default 10)")
-    c.add_argument("--max-keys", type=_positive, default=10_000,
-                   help="stop the SCAN after this many keys (default 10000)")
+    c.add_argument("--max-keys", type=_positive, default=10_000, help=max_keys_help)
     c = command("check", "one real decision for a user (logged when allowed); exit 1 if refused")
     c.add_argument("--cost", type=_positive, default=1, help="what the request costs (default 1)")
+    c.add_argument("--tokens", type=_positive, default=None,
+                   help="decide the tier's token windows too, for this many tokens (a reserve)")
     return p
+
+
+# An ACL refusal: of a command sent, or of one inside a script (its SHA1 and line).
+_NOPERM = re.compile(r"NOPERM|no permissions|can't run this command")
+_NOPERM_COMMAND = re.compile(r"'([A-Za-z|]+)' command")
+_SCRIPT_LINE = re.compile(r"script: ([0-9a-f]{40}), on @user_script:(\d+)")
+_REDIS_CALL = re.compile(r"redis\.call\('([A-Za-z]+)'")
+
+
+def refused_command(message: str) -> str | None:
+    """The command a Redis ACL refused, from its error message: named by Redis, or found on
+    the script's line (a script's refusal names only the line)."""
+    if not _NOPERM.search(message):
+        return None
+    named = _NOPERM_COMMAND.search(message)
+    if named is not None:
+        return named[1].lower()
+    at = _SCRIPT_LINE.search(message)
+    if at is not None:
+        for name in dir(_native):
+            if name.endswith("_SHA1") and getattr(_native, name) == at[1]:
+                source = getattr(_native, name[:-5] + "_SOURCE").splitlines()
+                line = int(at[2])
+                call = _REDIS_CALL.search(source[line - 1]) if 0 < line <= len(source) else None
+                if call is not None:
+                    return call[1].lower()
+    return "a command"
 
 
 def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
@@ -275,6 +756,11 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         print(f"genai-ratelimit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except RateLimiterError as exc:
+        refused = refused_command(str(exc))
+        if refused is not None:
+            print(f"genai-ratelimit: error: the Redis ACL user may not run {refused!r}, which "
+                  f"{args.command} needs (see {OPERATOR_ACL}): {exc}", file=sys.stderr)
+            return EXIT_USAGE
         print(f"genai-ratelimit: Redis unavailable: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except (ValueError, TypeError) as exc:  # a malformed URL, a bad user id

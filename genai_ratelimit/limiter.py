@@ -13,10 +13,12 @@ from typing import Any, Literal, TypedDict
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
 from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, make_lease
+from .metrics import count_reconcile, count_reservation
 from .reservation import (
     Plan,
     Reservation,
     Scope,
+    _scope_list,
     advance,
     reconcile_plan,
     reserve_arguments,
@@ -168,6 +170,7 @@ class RateLimiter(_native.Limiter):
         estimate later."""
         reservation: Reservation = self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes))
+        count_reservation(self._record_outcome, reservation)
         return reservation
 
     def reconcile(self, reservation: Reservation, actual: int) -> int:
@@ -176,6 +179,7 @@ class RateLimiter(_native.Limiter):
         higher charges, 0 removes it. Idempotent. Returns the number of windows whose entry
         was found (0 once it has left them all, or when nothing was logged)."""
         found: int = self._drive(reconcile_plan(reservation, actual))
+        count_reconcile(self._record_outcome, reservation, actual, found)
         return found
 
     def _drive(self, plan: Plan) -> Any:
@@ -197,12 +201,14 @@ class RateLimiter(_native.Limiter):
 
     def peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
              token_windows: Sequence[tuple[int, int]] = (),
-             tokens: int | None = None) -> tuple[bool, int, int, int]:
+             tokens: int | None = None,
+             scopes: Sequence[Scope] = ()) -> tuple[bool, int, int, int]:
         """What `check_windows(user_id, windows, cost=cost)` (or `reserve` with the same
-        arguments) would answer now: (allowed, remaining, retry_after_s, window_seconds).
-        Writes nothing: one read-only script execution on the server's clock."""
+        arguments, scopes included) would answer now: (allowed, remaining, retry_after_s,
+        window_seconds). Writes nothing: one read-only script execution on the server's
+        clock."""
         return self._peek(user_id, windows,
-                          **reserve_arguments(cost, token_windows, tokens))[:4]
+                          **reserve_arguments(cost, token_windows, tokens, _scope_list(scopes)))[:4]
 
     def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
               token_windows: Sequence[tuple[int, int]] | None = None) -> int:

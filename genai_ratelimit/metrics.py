@@ -1,5 +1,5 @@
 """Exports the limiters' counters (`limiter.metrics()`, kept in C: nothing is added to a
-check's path) to Prometheus and to OpenTelemetry. Both read the counters when scraped.
+check's path) to Prometheus and to OpenTelemetry.
 
     from prometheus_client import REGISTRY
     from genai_ratelimit.metrics import PrometheusCollector
@@ -8,25 +8,62 @@ check's path) to Prometheus and to OpenTelemetry. Both read the counters when sc
     from genai_ratelimit.metrics import instrument_otel
     instrument_otel({"api": limiter})          # the global MeterProvider's meter
 
-What is exported (label `limiter`: the name given to each limiter):
-    genai_ratelimit_decisions_total{outcome, window}   outcome: allowed, rejected (window:
-        the rejecting window, "60", "86400", "60:tokens"), unavailable, fail_open, shadow
-    genai_ratelimit_replays_total                       decisions sent again after a broken
-                                                        connection (counted once by the script)
-    genai_ratelimit_connection_errors_total             connections that failed to open or broke
-    genai_ratelimit_redis_latency_seconds               histogram of script round trips
+What is exported: FAMILIES below, the one list both exporters read, so a Prometheus label
+and an OpenTelemetry attribute are the same name with the same values. Every family has the
+label `limiter` (the name given to each limiter); every other label takes its values from a
+fixed set or from the first 32 distinct rejecting windows of a limiter (later ones are
+counted as window_seconds="other"): no user id, no scope name, so the number of series is
+bounded whatever the traffic. No label is ever empty.
+
+Several processes (uvicorn --workers N, gunicorn): `PrometheusCollector(..., directory=DIR)`
+in every worker. Each worker writes its counters to DIR (a file per process, every
+`interval` seconds and at exit) and a scrape of any worker sums every file: the totals of
+all workers, those that died included (see README, "Several workers").
 
 Needs the `prometheus` extra (prometheus_client) or the `otel` extra (opentelemetry-api).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Protocol, TypedDict
+import atexit
+import json
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, TypedDict
 
-__all__ = ["LimiterMetrics", "PrometheusCollector", "instrument_otel", "decision_counts"]
+__all__ = [
+    "LimiterMetrics",
+    "LatencyHistogram",
+    "Family",
+    "FAMILIES",
+    "LATENCY_BUCKETS",
+    "PrometheusCollector",
+    "instrument_otel",
+    "samples",
+    "merge_snapshots",
+]
 
 NAMESPACE = "genai_ratelimit"
+
+# The upper bounds (seconds) of the latency histogram's finite buckets (csrc/metrics.c).
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                   0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# The `op` of a round trip: a limiter method's name, "ping", or "command" (SCAN, CLUSTER ...).
+OPS = ("check", "check_windows", "check_windows_detailed", "reserve", "reconcile", "peek",
+       "reset", "acquire", "release", "renew", "ping", "command")
+
+
+class LatencyHistogram(TypedDict):
+    """The round trips of one op: each bucket's own count (not cumulative)."""
+
+    buckets: tuple[tuple[float | None, int], ...]  # (upper bound s | None for the rest, count)
+    sum_s: float
+    count: int
 
 
 class LimiterMetrics(TypedDict):
@@ -36,15 +73,135 @@ class LimiterMetrics(TypedDict):
     enabled: bool  # False when built with metrics=False: then every count stays 0
     allowed: int  # decisions allowed (check, check_windows, reserve)
     rejected: int  # decisions rejected, all windows
-    rejected_by_window: dict[str, int]  # "60", "86400", "60:tokens" (token windows), "other"
+    # Rejections by the window that refused: (window_seconds | None, resource, scope, count),
+    # resource "requests" | "tokens", scope "user" | "route" | "model" | "upstream" | "other";
+    # window_seconds None: beyond the first 32 distinct windows.
+    rejections: tuple[tuple[int | None, str, str, int], ...]
+    rejected_by_window: dict[str, int]  # "60", "86400", "60:tokens" (every scope), "other"
     unavailable: int  # decisions that raised (Redis unreachable, timed out, garbage)
     fail_open: int  # requests the FastAPI layer let through with Redis unavailable
     shadow: int  # rejections the FastAPI layer let through in shadow mode
+    reserved_tokens: int  # token estimates of admitted reservations (reserve)
+    charged_tokens: int  # tokens reconcile set as used (each reconcile that found its entry)
+    refunded_tokens: int  # estimate - used, when reconcile lowered the estimate
+    leases_acquired: int  # acquire took a slot
+    leases_refused: int  # acquire found every slot held
+    leases_released: int  # release gave back a slot still held
+    releases_not_held: int  # release of a lease that had expired or was released already
     replays: int  # decisions sent again after a broken connection
     connection_errors: int  # connections that could not open or broke mid-call
+    latency_by_op: dict[str, LatencyHistogram]  # every op of OPS
+    # The script round trips (every op but ping and command) together:
     latency_buckets: tuple[tuple[float | None, int], ...]  # (upper bound s | None, count)
     latency_sum_s: float  # the sum of the round trips counted in the buckets
-    latency_count: int  # script round trips (decisions, peeks, resets, reconciles)
+    latency_count: int  # script round trips (decisions, peeks, resets, reconciles, leases)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One exported metric. Prometheus: `genai_ratelimit_<name>` (+ `_total` for a
+    counter); OpenTelemetry: `genai_ratelimit.<name with dots>`, with `unit`."""
+
+    name: str
+    kind: Literal["counter", "histogram"]
+    labels: tuple[str, ...]  # besides `limiter`
+    help: str
+    unit: str  # OpenTelemetry's unit (UCUM); Prometheus's is in the name
+    otel_name: str
+
+
+def _family(name: str, kind: Literal["counter", "histogram"], labels: tuple[str, ...],
+            help: str, unit: str, otel_name: str) -> Family:
+    return Family(name, kind, labels, help, unit, f"{NAMESPACE}.{otel_name}")
+
+
+DECISIONS = _family("decisions", "counter", ("outcome",),
+                    "Rate-limit decisions (check, check_windows, reserve) by outcome: allowed, "
+                    "rejected, unavailable (Redis could not decide).", "{decision}", "decisions")
+REJECTIONS = _family("rejections", "counter", ("window_seconds", "resource", "scope"),
+                     "Rejected decisions by the window that refused: its length (or other), "
+                     "resource (requests, tokens) and scope (user, route, model, upstream, "
+                     "other).", "{decision}", "rejections")
+RESERVED_TOKENS = _family("reserved_tokens", "counter", (),
+                          "Token estimates of the reservations admitted.", "{token}",
+                          "tokens.reserved")
+CHARGED_TOKENS = _family("charged_tokens", "counter", (),
+                         "Tokens reconcile set as used.", "{token}", "tokens.charged")
+REFUNDED_TOKENS = _family("refunded_tokens", "counter", (),
+                          "Tokens given back by reconcile (estimate minus used).", "{token}",
+                          "tokens.refunded")
+LEASE_ACQUISITIONS = _family("lease_acquisitions", "counter", ("outcome",),
+                             "In-flight lease acquisitions by outcome: acquired, refused.",
+                             "{lease}", "lease.acquisitions")
+LEASE_RELEASES = _family("lease_releases", "counter", ("outcome",),
+                         "Lease releases by outcome: released (the slot was held), not_held "
+                         "(it had expired or was released already).", "{lease}",
+                         "lease.releases")
+FAIL_OPEN = _family("fail_open_requests", "counter", (),
+                    "Requests the FastAPI layer let through while Redis could not decide "
+                    "(on_unavailable='allow').", "{request}", "fail_open.requests")
+SHADOW = _family("shadow_would_refuse_requests", "counter", (),
+                 "Requests a shadow-mode dependency let through that its budget refused.",
+                 "{request}", "shadow.would_refuse.requests")
+REPLAYS = _family("replays", "counter", (), "Decisions sent again after a broken connection.",
+                  "{decision}", "replays")
+CONNECTION_ERRORS = _family("connection_errors", "counter", (),
+                            "Redis connections that failed to open or broke.", "{connection}",
+                            "connection_errors")
+LATENCY = _family("redis_latency_seconds", "histogram", ("op",),
+                  "Round trips to Redis by op (a limiter method, ping, or command).", "s",
+                  "redis.latency")
+
+FAMILIES: tuple[Family, ...] = (DECISIONS, REJECTIONS, RESERVED_TOKENS, CHARGED_TOKENS,
+                                REFUNDED_TOKENS, LEASE_ACQUISITIONS, LEASE_RELEASES, FAIL_OPEN,
+                                SHADOW, REPLAYS, CONNECTION_ERRORS, LATENCY)
+
+# A sample: (family, label values in the family's order, value). A histogram's value is
+# its LatencyHistogram.
+Sample = tuple[Family, tuple[str, ...], Any]
+
+
+def samples(snapshot: LimiterMetrics) -> Iterator[Sample]:
+    """Every sample of one limiter's metrics() snapshot: the one reading of a snapshot that
+    both exporters share. A histogram of an op never used is left out."""
+    for outcome in ("allowed", "rejected", "unavailable"):
+        yield DECISIONS, (outcome,), snapshot[outcome]
+    for seconds, resource, scope, count in sorted(snapshot["rejections"],
+                                                  key=lambda r: (r[0] is None, r[0] or 0, r[1:])):
+        yield REJECTIONS, ("other" if seconds is None else str(seconds), resource, scope), count
+    yield RESERVED_TOKENS, (), snapshot["reserved_tokens"]
+    yield CHARGED_TOKENS, (), snapshot["charged_tokens"]
+    yield REFUNDED_TOKENS, (), snapshot["refunded_tokens"]
+    yield LEASE_ACQUISITIONS, ("acquired",), snapshot["leases_acquired"]
+    yield LEASE_ACQUISITIONS, ("refused",), snapshot["leases_refused"]
+    yield LEASE_RELEASES, ("released",), snapshot["leases_released"]
+    yield LEASE_RELEASES, ("not_held",), snapshot["releases_not_held"]
+    yield FAIL_OPEN, (), snapshot["fail_open"]
+    yield SHADOW, (), snapshot["shadow"]
+    yield REPLAYS, (), snapshot["replays"]
+    yield CONNECTION_ERRORS, (), snapshot["connection_errors"]
+    for op in OPS:
+        histogram = snapshot["latency_by_op"].get(op)
+        if histogram is not None and histogram["count"] > 0:
+            yield LATENCY, (op,), histogram
+
+
+def count_reservation(record: Callable[[str, int], None], reservation: Any) -> None:
+    """Counts an admitted reservation's token estimate (reserve; nothing when refused, when
+    the kill switch answered, or without token windows)."""
+    if reservation.allowed and reservation.tokens and (reservation.member
+                                                       or reservation.shared_entries):
+        record("reserved_tokens", reservation.tokens)
+
+
+def count_reconcile(record: Callable[[str, int], None], reservation: Any, actual: int,
+                    found: int) -> None:
+    """Counts a reconcile that found its entry: `actual` tokens charged, and the estimate's
+    excess refunded (token reservations only)."""
+    if found and reservation.tokens is not None:
+        record("charged_tokens", actual)
+        if reservation.tokens > actual:
+            record("refunded_tokens", reservation.tokens - actual)
 
 
 class _Measured(Protocol):
@@ -58,37 +215,185 @@ def _named(limiters: Mapping[str, _Measured] | _Measured) -> dict[str, _Measured
     else:
         named = {"default": limiters}
     for name, limiter in named.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a limiter's name must be a non-empty str, got {name!r}")
         if not callable(getattr(limiter, "metrics", None)):
             raise TypeError(f"limiter {name!r} has no metrics(): pass a RateLimiter or an "
                             f"AsyncRateLimiter, not {type(limiter).__name__}")
     return named
 
 
-def decision_counts(snapshot: LimiterMetrics) -> Iterator[tuple[str, str, int]]:
-    """(outcome, window, count) of every decision counter in a metrics() snapshot; window
-    is "" except for rejections."""
-    yield "allowed", "", snapshot["allowed"]
-    for window, count in sorted(snapshot["rejected_by_window"].items()):
-        yield "rejected", window, count
-    for outcome in ("unavailable", "fail_open", "shadow"):
-        yield outcome, "", snapshot[outcome]
-
-
-def _cumulative(snapshot: LimiterMetrics) -> list[tuple[str, int]]:
-    """The latency buckets as Prometheus's cumulative (le, count) pairs, "+Inf" last."""
-    out, total = [], 0
-    for bound, count in snapshot["latency_buckets"]:
+def _cumulative(histogram: LatencyHistogram) -> list[tuple[str, float]]:
+    """The buckets as Prometheus's cumulative (le, count) pairs, "+Inf" last."""
+    out: list[tuple[str, float]] = []
+    total = 0
+    for bound, count in histogram["buckets"]:
         total += count
         out.append(("+Inf" if bound is None else repr(bound), total))
     return out
 
 
+# ------------------------------------------------------------------ several processes
+
+def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
+    """The sum of several metrics() snapshots (of one limiter in several processes): every
+    counter added, rejections by their labels, histograms bucket by bucket."""
+    merged: dict[str, Any] = {"enabled": any(s["enabled"] for s in snapshots)}
+    rejections: dict[tuple[int | None, str, str], int] = {}
+    by_window: dict[str, int] = {}
+    ops: dict[str, LatencyHistogram] = {}
+
+    def add_histogram(total: LatencyHistogram | None, more: LatencyHistogram) -> LatencyHistogram:
+        if total is None:
+            return {"buckets": tuple((b, n) for b, n in more["buckets"]), "sum_s": more["sum_s"],
+                    "count": more["count"]}
+        return {"buckets": tuple((b, n + m) for (b, n), (_, m) in
+                                 zip(total["buckets"], more["buckets"], strict=True)),
+                "sum_s": total["sum_s"] + more["sum_s"], "count": total["count"] + more["count"]}
+
+    scripts: LatencyHistogram | None = None
+    for s in snapshots:
+        for key, value in s.items():
+            if isinstance(value, int) and not isinstance(value, bool):
+                merged[key] = merged.get(key, 0) + value
+        for seconds, resource, scope, count in s["rejections"]:
+            rejections[(seconds, resource, scope)] = rejections.get((seconds, resource, scope), 0) + count
+        for window, count in s["rejected_by_window"].items():
+            by_window[window] = by_window.get(window, 0) + count
+        for op, histogram in s["latency_by_op"].items():
+            ops[op] = add_histogram(ops.get(op), histogram)
+        scripts = add_histogram(scripts, {"buckets": s["latency_buckets"],
+                                          "sum_s": s["latency_sum_s"], "count": s["latency_count"]})
+    merged["rejections"] = tuple((w, r, sc, n) for (w, r, sc), n in rejections.items())
+    merged["rejected_by_window"] = by_window
+    merged["latency_by_op"] = ops
+    if scripts is not None:
+        merged["latency_buckets"], merged["latency_sum_s"] = scripts["buckets"], scripts["sum_s"]
+    return merged  # type: ignore[return-value]
+
+
+def _from_json(snapshot: dict[str, Any]) -> LimiterMetrics:
+    """A snapshot read back from JSON: its lists as the tuples metrics() gives."""
+    snapshot["rejections"] = tuple(tuple(r) for r in snapshot["rejections"])
+    snapshot["latency_buckets"] = tuple(tuple(b) for b in snapshot["latency_buckets"])
+    for histogram in snapshot["latency_by_op"].values():
+        histogram["buckets"] = tuple(tuple(b) for b in histogram["buckets"])
+    return snapshot  # type: ignore[return-value]
+
+
+def _call_if_alive(ref: weakref.ref[_Directory], method: str) -> None:
+    directory = ref()
+    if directory is not None:
+        getattr(directory, method)()
+
+
+def _write_every(ref: weakref.ref[_Directory], stopped: threading.Event) -> None:
+    """The writer thread: the directory's file every interval until stopped (or the
+    collector is gone). It holds the collector only while it writes."""
+    while True:
+        directory = ref()
+        if directory is None:
+            return
+        interval = directory.interval
+        del directory
+        if stopped.wait(interval):
+            return
+        directory = ref()
+        if directory is None:
+            return
+        try:
+            directory.write()
+        except OSError:
+            pass  # a full or vanished directory: the next tick or scrape tries again
+        del directory
+
+
+class _Directory:
+    """The counters of this process's limiters in DIR/genai-ratelimit-<pid>.json, rewritten
+    every `interval` seconds by a daemon thread, at each scrape and at exit (atomically:
+    written aside, then renamed); and the sum of every process's file."""
+
+    PREFIX = "genai-ratelimit-"
+
+    def __init__(self, directory: str | os.PathLike[str], interval: float,
+                 limiters: dict[str, _Measured]) -> None:
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not interval > 0:
+            raise ValueError(f"interval must be a positive number of seconds, got {interval!r}")
+        self.path = Path(directory)
+        if not self.path.is_dir():
+            raise ValueError(f"the metrics directory {str(self.path)!r} does not exist: create it "
+                             "(empty) before the workers start")
+        self.interval = float(interval)
+        self.limiters = limiters
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self._start()
+        # At exit and in a forked child (a new pid: a file and a writer of its own), for as
+        # long as the collector lives: held weakly, so a dropped collector is not kept.
+        ref = weakref.ref(self)
+        atexit.register(_call_if_alive, ref, "final_write")
+        os.register_at_fork(after_in_child=lambda: _call_if_alive(ref, "_start"))
+
+    def _start(self) -> None:
+        """Starts the writer of this process; it stops with close() or the process."""
+        self.stopped = threading.Event()
+        thread = threading.Thread(target=_write_every, args=(weakref.ref(self), self.stopped),
+                                  name="genai-ratelimit-metrics", daemon=True)
+        thread.start()
+
+    def close(self) -> None:
+        """Stops the writer after one last write."""
+        self.stopped.set()
+        self.final_write()
+
+    def final_write(self) -> None:
+        try:
+            self.write()
+        except OSError:
+            pass  # the directory is gone: nothing to keep the counts in
+
+    def file(self) -> Path:
+        return self.path / f"{self.PREFIX}{os.getpid()}.json"
+
+    def write(self) -> None:
+        snapshots = {name: limiter.metrics() for name, limiter in self.limiters.items()}
+        data = json.dumps({"version": 1, "pid": os.getpid(), "limiters": snapshots})
+        target = self.file()
+        aside = target.with_suffix(f".{threading.get_ident()}.tmp")
+        with self.lock:
+            aside.write_text(data, encoding="utf-8")
+            os.replace(aside, target)
+
+    def totals(self) -> dict[str, LimiterMetrics]:
+        """Every process's counters, summed per limiter name; this process's fresh."""
+        self.write()
+        found: dict[str, list[LimiterMetrics]] = {}
+        for path in sorted(self.path.glob(f"{self.PREFIX}*.json")):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue  # removed meanwhile, or not ours
+            if not isinstance(data, dict) or data.get("version") != 1:
+                continue
+            for name, snapshot in data["limiters"].items():
+                found.setdefault(name, []).append(_from_json(snapshot))
+        return {name: merge_snapshots(snapshots) for name, snapshots in found.items()}
+
+
+# --------------------------------------------------------------------------- Prometheus
+
 class PrometheusCollector:
     """A prometheus_client collector of one or more limiters (a mapping name -> limiter,
-    or one limiter, named "default"). Register it once: REGISTRY.register(collector)."""
+    or one limiter, named "default"). Register it once: REGISTRY.register(collector).
+
+    directory: several processes (uvicorn --workers, gunicorn) export together: each writes
+    its counters there every `interval` seconds (and at exit), and every scrape sums the
+    files of all of them. The directory must exist and be emptied when the service starts
+    (its files are the totals since then, dead workers' included)."""
 
     def __init__(self, limiters: Mapping[str, _Measured] | _Measured, *,
-                 namespace: str = NAMESPACE) -> None:
+                 namespace: str = NAMESPACE, directory: str | os.PathLike[str] | None = None,
+                 interval: float = 1.0) -> None:
         try:
             import prometheus_client  # noqa: F401
         except ImportError as exc:
@@ -96,85 +401,146 @@ class PrometheusCollector:
                               "pip install 'genai-ratelimit[prometheus]'") from exc
         self._limiters = _named(limiters)
         self._namespace = namespace
+        self._directory = None if directory is None else _Directory(directory, interval,
+                                                                    self._limiters)
+
+    def close(self) -> None:
+        """With a directory: writes this process's counters a last time and stops its
+        writer (it stops with the process too). Otherwise nothing."""
+        if self._directory is not None:
+            self._directory.close()
 
     def describe(self) -> list[Any]:
         """Nothing up front: the families are made from the counters at each scrape."""
         return []
 
+    def snapshots(self) -> dict[str, LimiterMetrics]:
+        """{name: counters}: this process's, or every process's sum with a directory."""
+        if self._directory is not None:
+            return self._directory.totals()
+        return {name: limiter.metrics() for name, limiter in self._limiters.items()}
+
     def collect(self) -> Iterable[Any]:
         from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
-        ns = self._namespace
-        decisions = CounterMetricFamily(
-            f"{ns}_decisions", "Rate-limit decisions by outcome (and the rejecting window).",
-            labels=["limiter", "outcome", "window"])
-        replays = CounterMetricFamily(
-            f"{ns}_replays", "Decisions sent again after a broken connection.", labels=["limiter"])
-        errors = CounterMetricFamily(
-            f"{ns}_connection_errors", "Redis connections that failed to open or broke.",
-            labels=["limiter"])
-        latency = HistogramMetricFamily(
-            f"{ns}_redis_latency_seconds", "Round trips of the limiter's scripts to Redis.",
-            labels=["limiter"])
-        for name, limiter in self._limiters.items():
-            snapshot = limiter.metrics()
-            for outcome, window, count in decision_counts(snapshot):
-                decisions.add_metric([name, outcome, window], count)
-            replays.add_metric([name], snapshot["replays"])
-            errors.add_metric([name], snapshot["connection_errors"])
-            latency.add_metric([name], _cumulative(snapshot), snapshot["latency_sum_s"])
-        return [decisions, replays, errors, latency]
+        made: dict[str, Any] = {}
+        for family in FAMILIES:
+            name = f"{self._namespace}_{family.name}"
+            labels = ["limiter", *family.labels]
+            made[family.name] = (CounterMetricFamily(name, family.help, labels=labels)
+                                 if family.kind == "counter"
+                                 else HistogramMetricFamily(name, family.help, labels=labels))
+        for limiter_name, snapshot in self.snapshots().items():
+            for family, values, value in samples(snapshot):
+                metric = made[family.name]
+                if family.kind == "histogram":
+                    metric.add_metric([limiter_name, *values], _cumulative(value), value["sum_s"])
+                else:
+                    metric.add_metric([limiter_name, *values], value)
+        return list(made.values())
 
 
-def instrument_otel(limiters: Mapping[str, _Measured] | _Measured, *,
-                    meter: Any = None) -> list[Any]:
-    """Registers observable counters for the limiters on an OpenTelemetry meter (default:
-    the global MeterProvider's meter "genai_ratelimit"). OpenTelemetry has no observable
-    histogram: the latency is exported as two counters, its buckets (attribute `le`, each
-    bucket's own count) and its sum in seconds. Returns the instruments."""
-    if meter is None:
-        try:
-            from opentelemetry import metrics as otel_metrics
-        except ImportError as exc:
-            raise ImportError("instrument_otel needs opentelemetry-api: "
-                              "pip install 'genai-ratelimit[otel]'") from exc
-        meter = otel_metrics.get_meter(NAMESPACE)
-    from opentelemetry.metrics import Observation
+# ------------------------------------------------------------------------ OpenTelemetry
 
+# The limiter methods timed (and traced) by instrument_otel: the op label is the name.
+_TIMED = ("check", "check_windows", "check_windows_detailed", "reserve", "reconcile", "peek",
+          "reset", "acquire", "release", "renew", "ping")
+
+
+def instrument_otel(limiters: Mapping[str, _Measured] | _Measured, *, meter: Any = None,
+                    tracer: Any = None, spans: bool = False) -> list[Any]:
+    """Reports the limiters to OpenTelemetry (needs opentelemetry-api, the `otel` extra):
+
+    - every counter of FAMILIES as an observable counter on `meter` (default: the global
+      MeterProvider's meter "genai_ratelimit"), read at each collection, with the same
+      attributes as the Prometheus labels;
+    - the latency as a Histogram (`genai_ratelimit.redis.latency`, seconds, explicit bucket
+      boundaries LATENCY_BUCKETS, attributes limiter and op): each call of a limiter's
+      methods (check ... renew, ping) is timed around its Redis round trips;
+    - with spans=True (or a tracer), a CLIENT span around each of those calls, named
+      "genai_ratelimit <op>" (default tracer: the global TracerProvider's "genai_ratelimit").
+
+    The calls are timed by wrapping the methods of each limiter object (instance attributes;
+    the class is untouched, a limiter not instrumented pays nothing). Instrumenting a limiter
+    again replaces its wrappers. Returns the instruments."""
+    try:
+        from opentelemetry import metrics as otel_metrics
+        from opentelemetry.metrics import Observation
+    except ImportError as exc:
+        raise ImportError("instrument_otel needs opentelemetry-api: "
+                          "pip install 'genai-ratelimit[otel]'") from exc
     named = _named(limiters)
+    if meter is None:
+        meter = otel_metrics.get_meter(NAMESPACE)
+    if tracer is None and spans:
+        from opentelemetry import trace
 
-    def observe(read: Callable[[str, LimiterMetrics], Iterable[tuple[float, dict[str, str]]]]
-                ) -> Callable[[Any], Iterable[Any]]:
+        tracer = trace.get_tracer(NAMESPACE)
+
+    def observe(family: Family) -> Callable[[Any], Iterable[Any]]:
         def callback(options: Any) -> Iterable[Any]:
             for name, limiter in named.items():
-                for value, attributes in read(name, limiter.metrics()):
-                    yield Observation(value, {"limiter": name, **attributes})
+                for sample_family, values, value in samples(limiter.metrics()):
+                    if sample_family is family:
+                        yield Observation(value, {"limiter": name,
+                                                  **dict(zip(family.labels, values, strict=True))})
         return callback
 
-    def decisions(name: str, s: LimiterMetrics) -> Iterable[tuple[float, dict[str, str]]]:
-        for outcome, window, count in decision_counts(s):
-            yield count, {"outcome": outcome, "window": window}
+    instruments = [meter.create_observable_counter(family.otel_name, callbacks=[observe(family)],
+                                                   unit=family.unit, description=family.help)
+                   for family in FAMILIES if family.kind == "counter"]
+    try:
+        histogram = meter.create_histogram(
+            LATENCY.otel_name, unit=LATENCY.unit, description=LATENCY.help,
+            explicit_bucket_boundaries_advisory=list(LATENCY_BUCKETS))
+    except TypeError:  # opentelemetry-api before 1.23: no advisory; the SDK's View sets them
+        histogram = meter.create_histogram(LATENCY.otel_name, unit=LATENCY.unit,
+                                           description=LATENCY.help)
+    instruments.append(histogram)
+    for name, limiter in named.items():
+        for op in _TIMED:
+            method = getattr(type(limiter), op, None)
+            if method is not None:
+                setattr(limiter, op, _timed(limiter, method, op, histogram, tracer,
+                                            {"limiter": name, "op": op}))
+    return instruments
 
-    def buckets(name: str, s: LimiterMetrics) -> Iterable[tuple[float, dict[str, str]]]:
-        for bound, count in s["latency_buckets"]:
-            yield count, {"le": "+Inf" if bound is None else repr(bound)}
 
-    return [
-        meter.create_observable_counter(
-            f"{NAMESPACE}.decisions", callbacks=[observe(decisions)], unit="{decision}",
-            description="Rate-limit decisions by outcome (and the rejecting window)."),
-        meter.create_observable_counter(
-            f"{NAMESPACE}.replays", callbacks=[observe(lambda n, s: [(s["replays"], {})])],
-            unit="{decision}", description="Decisions sent again after a broken connection."),
-        meter.create_observable_counter(
-            f"{NAMESPACE}.connection_errors",
-            callbacks=[observe(lambda n, s: [(s["connection_errors"], {})])],
-            unit="{connection}", description="Redis connections that failed to open or broke."),
-        meter.create_observable_counter(
-            f"{NAMESPACE}.redis.latency.buckets", callbacks=[observe(buckets)],
-            unit="{round_trip}", description="Script round trips to Redis per latency bucket."),
-        meter.create_observable_counter(
-            f"{NAMESPACE}.redis.latency.sum",
-            callbacks=[observe(lambda n, s: [(s["latency_sum_s"], {})])], unit="s",
-            description="The sum of the script round trips to Redis."),
-    ]
+def _timed(limiter: Any, method: Callable[..., Any], op: str, histogram: Any, tracer: Any,
+           attributes: dict[str, str]) -> Callable[..., Any]:
+    """The bound method, timed into histogram (and traced when tracer is given)."""
+    import inspect
+
+    bound = method.__get__(limiter, type(limiter))
+    span_name = f"{NAMESPACE} {op}"
+    span_attributes = {"db.system": "redis", "genai_ratelimit.limiter": attributes["limiter"],
+                       "genai_ratelimit.op": op}
+
+    def span() -> Any:
+        from opentelemetry.trace import SpanKind
+
+        return tracer.start_as_current_span(span_name, kind=SpanKind.CLIENT,
+                                            attributes=span_attributes)
+
+    if inspect.iscoroutinefunction(method):
+        async def timed_async(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                if tracer is None:
+                    return await bound(*args, **kwargs)
+                with span():
+                    return await bound(*args, **kwargs)
+            finally:
+                histogram.record(time.perf_counter() - started, attributes)
+        return timed_async
+
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            if tracer is None:
+                return bound(*args, **kwargs)
+            with span():
+                return bound(*args, **kwargs)
+        finally:
+            histogram.record(time.perf_counter() - started, attributes)
+    return timed

@@ -13,7 +13,9 @@ import re
 import sys
 from pathlib import Path
 
-OURS = re.compile(r"_native\.cpython|/csrc/|\((?:args|codec|conn|limiter|member|module|script)\.c:\d+\)")
+# The extension (_native.abi3.so: the stable-ABI build) or a frame in one of csrc/'s files.
+CSRC_FILES = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "csrc").glob("*.c"))
+OURS = re.compile(r"_native\.(?:abi3|cpython)|/csrc/|\((?:" + "|".join(CSRC_FILES) + r")\.c:\d+\)")
 RECORD_START = re.compile(r"^==\d+== (\S[^\n]* are definitely lost in loss record [\d,]+ of [\d,]+)$")
 ERROR_SUMMARY = re.compile(r"ERROR SUMMARY: ([\d,]+) errors from ([\d,]+) contexts")
 COMMAND = re.compile(r"^==\d+== Command: (.*)$")

@@ -189,8 +189,8 @@ class BlockingAsyncLimiter:
     def metrics(self) -> Any:
         return self.inner.metrics()
 
-    def _record_outcome(self, kind: str) -> None:
-        self.inner._record_outcome(kind)
+    def _record_outcome(self, kind: str, *count: int) -> None:
+        self.inner._record_outcome(kind, *count)
 
     def close(self) -> None:
         with self._lock:

@@ -284,3 +284,58 @@ def test_every_c_file_compiles_with_wall_wextra_werror(switches, tmp_path):
         if result.returncode != 0 or result.stderr.strip():
             failures.append(f"{source}:\n{result.stderr}")
     assert not failures, "\n".join(failures)
+
+
+
+# ------------------------------------------------------- the Limited API (abi3, 3.10+)
+
+LIMITED_API = ["Py_LIMITED_API", "0x030A0000"]
+
+
+def compile_snippet(tmp_path: Path, code: str,
+                    macros: list[list[str | None]]) -> subprocess.CompletedProcess[str]:
+    """Compiles `code` as setup.py compiles csrc/ (its flags and include directories, csrc/
+    too), with -Werror and the given (name, value) macros instead of setup.py's."""
+    config = extension_config()
+    flags = list(config["extra_compile_args"])  # type: ignore[arg-type]
+    compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    includes = [f"-I{d}" for d in [sysconfig.get_paths()["include"], str(CSRC),
+                                   *config["include_dirs"]]]  # type: ignore[misc]
+    defines = [f"-D{name}" if value is None else f"-D{name}={value}" for name, value in macros]
+    source = tmp_path / "snippet.c"
+    source.write_text(code)
+    return subprocess.run([*compiler, "-fPIC", *flags, "-Werror", *includes, *defines, "-c",
+                           str(source), "-o", str(tmp_path / "snippet.o")],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_extension_is_built_against_the_limited_api_of_python_3_10():
+    config = extension_config()
+    assert config["define_macros"] == [LIMITED_API], (
+        f"setup.py must define {LIMITED_API} (one abi3 wheel for 3.10+): {config['define_macros']}")
+    so = installed_extension()
+    assert so.name == "_native.abi3.so", f"{so.name} is not a stable-ABI extension"
+
+
+@pytest.mark.parametrize("call", [
+    "PyTuple_GET_ITEM(o, 0)",              # a macro reading the tuple's fields
+    "Py_TYPE(o)->tp_name",                 # PyTypeObject is opaque
+    "PyUnicode_AsUTF8(o)",                 # not in the stable ABI (AsUTF8AndSize is)
+    "_PyObject_GetDictPtr(o)",             # a private function
+])
+def test_a_call_outside_the_limited_api_does_not_compile_with_setup_py_s_macros(tmp_path, call):
+    code = ("#define PY_SSIZE_T_CLEAN\n#include <Python.h>\n"
+            f"const void *rl_snippet(PyObject *o) {{ return (const void *)({call}); }}\n")
+    assert compile_snippet(tmp_path, code, []).returncode == 0, f"{call} is not C API at all"
+    macros = extension_config()["define_macros"]
+    result = compile_snippet(tmp_path, code, macros)  # type: ignore[arg-type]
+    assert result.returncode != 0, f"{call} compiled with setup.py's macros {macros}"
+
+
+def test_native_h_refuses_a_build_without_the_limited_api_of_3_10(tmp_path):
+    code = '#include "native.h"\nint rl_snippet(void) { return 0; }\n'
+    assert compile_snippet(tmp_path, code, [LIMITED_API]).returncode == 0
+    for macros in ([], [["Py_LIMITED_API", "0x030C0000"]]):
+        result = compile_snippet(tmp_path, code, macros)
+        assert result.returncode != 0 and "Py_LIMITED_API=0x030A0000" in result.stderr, (
+            macros, result.stderr)

@@ -15,10 +15,13 @@ from typing import Any
 import pytest
 import redis
 
-from genai_ratelimit import RateLimiter
-from helpers_core import Monitor, closed_port_url
+from genai_ratelimit import RateLimiter, Scope
+from genai_ratelimit._keyspace import KeyName
+from helpers_core import Monitor, closed_port_url, measured_commands
+from redis_server import RedisServer
 
 TIMEOUT = 30
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -41,13 +44,14 @@ def test_check_exits_0_while_allowed_and_1_once_refused(redis_url: str, redis_cl
     assert codes == [0, 0, 0, 0, 0, 1]  # the free tier: 5 a minute
     refused = run("--url", redis_url, "check", user_id)
     assert refused.returncode == 1
-    assert refused.stdout.startswith("refused by the 60 s window: retry after ")
+    assert refused.stdout.startswith("refused by the 60 s requests window: retry after ")
     assert redis_client.zcard(f"ratelimit:{user_id}:60") == 5
 
 
 def test_check_json_and_tier(redis_url: str, user_id: str) -> None:
     assert run_json("--url", redis_url, "check", user_id, "--tier", "pro", "--cost", "3") == {
-        "allowed": True, "remaining": 57, "retry_after_s": 0, "window_seconds": 60}
+        "allowed": True, "remaining": 57, "retry_after_s": 0, "window_seconds": 60,
+        "resource": "requests", "tier": "pro"}
 
 
 def test_inspect_shows_each_window_as_redis_holds_it(redis_url: str, redis_client: redis.Redis,
@@ -72,10 +76,11 @@ def test_inspect_shows_each_window_as_redis_holds_it(redis_url: str, redis_clien
     assert table.returncode == 0
     lines = table.stdout.splitlines()
     assert lines[0].startswith(f"user {user_id!r}, tier free, Redis time ")
-    assert lines[1].split() == ["window", "resource", "used", "limit", "oldest", "entry", "(UTC)",
-                                "retry", "after"]
-    assert lines[2].split()[:4] == ["60", "s", "requests", "5"]
-    assert lines[2].split()[-2:] == [str(minute["retry_after_s"]), "s"]
+    assert lines[1].split() == ["window", "resource", "scope", "used", "limit", "oldest", "entry",
+                                "(UTC)", "retry", "after"]
+    assert lines[2].split()[:5] == ["60", "s", "requests", "-", "5"]
+    retry, unit = lines[2].split()[-2:]  # a second later than the JSON's, at most
+    assert unit == "s" and minute["retry_after_s"] - 1 <= int(retry) <= minute["retry_after_s"]
 
 
 def test_reset_frees_every_window_or_the_ones_named(redis_url: str, redis_client: redis.Redis,
@@ -109,14 +114,29 @@ def test_top_ranks_users_by_their_closest_window_with_scan_only(
     assert "SCAN" in names and "KEYS" not in names
 
 
-def test_top_stops_after_max_keys(redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+def test_top_bounds_its_scan_calls_by_max_keys(redis_url: str, redis_client: redis.Redis,
+                                               user_id: str) -> None:
+    """Mostly keys of another prefix (a shared Redis): before, only the limiter's keys
+    counted against --max-keys, so the SCAN went through the whole keyspace (issue 24:
+    19,271 SCAN calls for --max-keys 1000). Now the calls themselves are bounded."""
     with redis_client.pipeline(transaction=False) as pipe:
-        for i in range(500):
+        for i in range(3000):
+            pipe.set(f"other-app:{user_id}-{i}", "x")
+        for i in range(40):
             pipe.zadd(f"ratelimit:{user_id}-{i}:60", {"m": 1})
         pipe.execute()
-    report = run_json("--url", redis_url, "top", "--max-keys", "50")
-    assert 50 <= report["keys_examined"] < 50 + 64
-    assert len(report["users"]) == 10
+    with measured_commands(redis_client) as commands:
+        report = run_json("--url", redis_url, "top", "--max-keys", "50")
+    assert commands["scan"] == report["scan"]["calls"] == report["scan"]["max_calls_per_master"] == 5
+    assert report["scan"]["complete"] is False
+    assert report["keys_examined"] <= 5 * 20
+    done = run("--url", redis_url, "top", "--max-keys", "50")
+    assert "5 SCAN calls of COUNT 10 on 1 master, at most 5 per master" in done.stdout
+    assert "INCOMPLETE: raise --max-keys" in done.stdout
+    with measured_commands(redis_client) as commands:
+        report = run_json("--url", redis_url, "top", "--max-keys", "100000")
+    assert report["scan"]["complete"] is True and commands["scan"] == report["scan"]["calls"]
+    assert len(report["users"]) == 10 and report["keys_examined"] == 40
 
 
 def test_url_from_the_environment_and_a_tiers_file(redis_url: str, tmp_path: Path,
@@ -168,3 +188,306 @@ def test_the_console_script_is_installed() -> None:
                           timeout=TIMEOUT)
     assert done.returncode == 0
     assert "inspect" in done.stdout and "Exit codes" in done.stdout
+
+
+# ------------------------------------------------------------------ options, every command
+
+def test_options_go_before_or_after_the_command(redis_url: str, tmp_path: Path,
+                                                user_id: str) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text("[free]\nper_minute = 1\nper_day = 2\n[gold]\nper_minute = 3\nper_day = 4\n")
+    after = run("check", user_id, "--tier", "gold", "--url", redis_url, "--tiers", str(tiers),
+                "--json")
+    assert after.returncode == 0, after.stderr
+    assert json.loads(after.stdout)["remaining"] == 2
+    before = run("--url", redis_url, "--json", "--tiers", str(tiers), "check", user_id, "--tier",
+                 "gold")
+    assert json.loads(before.stdout)["remaining"] == 1
+    mixed = run("--url", redis_url, "inspect", user_id, "--tiers", str(tiers), "--tier", "gold",
+                "--json")
+    assert json.loads(mixed.stdout)["windows"][0]["used"] == 2
+    assert run("top", "--url", redis_url, "--json").returncode == 0
+    assert run("reset", user_id, "--key-prefix", "ratelimit", "--url", redis_url).returncode == 0
+
+
+def test_every_command_answers_json(redis_url: str, redis_client: redis.Redis,
+                                    user_id: str) -> None:
+    assert run_json("--url", redis_url, "check", user_id)["allowed"] is True
+    assert run_json("--url", redis_url, "inspect", user_id)["windows"][0]["used"] == 1
+    assert run_json("--url", redis_url, "top")["users"][0]["user"] == user_id
+    assert run_json("--url", redis_url, "reset", user_id) == {"user": user_id, "windows": None,
+                                                               "removed": 2}
+    assert run_json("--url", redis_url, "reset", user_id, "--window", "60") == {
+        "user": user_id, "windows": [60], "removed": 0}
+
+
+def test_check_tokens_decides_the_token_windows_too(redis_url: str, redis_client: redis.Redis,
+                                                    user_id: str) -> None:
+    first = run_json("--url", redis_url, "check", user_id, "--tokens", "6000")
+    assert (first["allowed"], first["resource"], first["remaining"]) == (True, "requests", 4)
+    refused = run("--url", redis_url, "check", user_id, "--tokens", "6000")  # 12,000 > 10,000/min
+    assert refused.returncode == 1
+    assert refused.stdout.startswith("refused by the 60 s tokens window: retry after ")
+    assert redis_client.zcard(f"ratelimit:{user_id}:60:tokens") == 1
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 1, "a refusal charges nothing"
+
+
+# ------------------------------------------------------------------------------ inspect
+
+TIERS_WITH_SCOPES = """\
+[free]
+per_minute = 5
+per_day = 100
+tokens_per_minute = 10000
+tokens_per_day = 100000
+max_in_flight = 3
+
+[models."gpt-4o"]
+per_minute = 4
+tokens_per_minute = 2000
+
+[upstreams."openai/gpt-4o"]
+models = ["gpt-4o"]
+per_minute = 10
+tokens_per_minute = 30000
+"""
+
+
+def gateway_traffic(url: str, user: str) -> tuple[Any, Any]:
+    """What a gateway built from the README leaves in Redis for one user: a reservation of
+    requests and tokens with its route's and its model's budgets and the upstream's shared
+    cap, reconciled; two requests in flight; the same user in a namespace."""
+    upstream = Scope("openai/gpt-4o", windows=[(10, 60)], token_windows=[(30000, 60)],
+                     shared=True)
+    route = Scope("route:/v1/chat/completions", windows=[(2, 60)])
+    model = Scope("model:gpt-4o", windows=[(4, 60)], token_windows=[(2000, 60)])
+    limiter = RateLimiter(url)
+    with limiter:
+        for estimate, actual in ((1500, 900), (800, 700)):
+            r = limiter.reserve(user, [(5, 60), (100, 86400)],
+                                token_windows=[(10000, 60), (100000, 86400)], tokens=estimate,
+                                scopes=[route, model, upstream])
+            assert r.allowed
+            limiter.reconcile(r, actual)
+        leases = limiter.acquire(user, 3), limiter.acquire(user, 3)
+        limiter.check_windows(f"ns:images:{user}", [(2, 60)])
+    return leases
+
+
+def test_inspect_shows_tokens_scopes_leases_namespaces_and_an_upstream_cap(
+        redis_url: str, redis_client: redis.Redis, tmp_path: Path, user_id: str) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text(TIERS_WITH_SCOPES)
+    leases = gateway_traffic(redis_url, user_id)
+    before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+    report = run_json("--url", redis_url, "--tiers", str(tiers), "inspect", user_id,
+                      "--upstream", "openai/gpt-4o")
+    assert {k: redis_client.dump(k) for k in redis_client.keys("*")} == before, "writes nothing"
+    own = {(w["window_seconds"], w["resource"]): (w["used"], w["limit"]) for w in report["windows"]}
+    assert own == {(60, "requests"): (2, 5), (86400, "requests"): (2, 100),
+                   (60, "tokens"): (1600, 10000), (86400, "tokens"): (1600, 100000)}
+    scopes = {(w["scope"], w["window_seconds"], w["resource"]): (w["used"], w["limit"])
+              for w in report["scopes"]}
+    assert scopes == {("model:gpt-4o", 60, "requests"): (2, 4),
+                      ("model:gpt-4o", 60, "tokens"): (1600, 2000),
+                      ("route:/v1/chat/completions", 60, "requests"): (2, None)}
+    route = [w for w in report["scopes"] if w["scope"].startswith("route:")][0]
+    assert (route["allowed"], route["retry_after_s"]) == (True, 0)
+    assert report["leases"]["held"] == 2 and report["leases"]["max_in_flight"] == 3
+    assert sorted(report["leases"]["expires_ms"]) == sorted(lease.expires_at_ms for lease in leases)
+    [upstream] = report["upstreams"]
+    assert [(w["window_seconds"], w["resource"], w["used"], w["limit"])
+            for w in upstream["windows"]] == [(60, "requests", 2, 10), (60, "tokens", 1600, 30000)]
+    assert [(n["namespace"], [(w["window_seconds"], w["used"]) for w in n["windows"]])
+            for n in report["namespaces"]] == [("images", [(60, 1)])]
+    assert report["scan"]["complete"] is True
+
+    text = run("--url", redis_url, "--tiers", str(tiers), "inspect", user_id, "--upstream",
+               "openai/gpt-4o")
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.splitlines()
+    assert any(line.split()[:6] == ["60", "s", "tokens", "model:gpt-4o", "1600", "2000"]
+               for line in lines), text.stdout
+    assert any(line.split()[:6] == ["60", "s", "requests", "route:/v1/chat/completions", "2", "?"]
+               for line in lines), text.stdout
+    assert "in flight: 2 (of 3), soonest expiry " in text.stdout
+    assert "upstream 'openai/gpt-4o' (shared by every user):" in text.stdout
+    assert "namespace 'images': 60 s requests 1 (its budget is the app's: used only)" in text.stdout
+
+
+def test_inspect_a_full_upstream_cap_says_when_it_frees(redis_url: str, redis_client: redis.Redis,
+                                                        tmp_path: Path, user_id: str) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text(TIERS_WITH_SCOPES.replace("per_minute = 10\n", "per_minute = 2\n"))
+    gateway_traffic(redis_url, user_id)
+    report = run_json("--url", redis_url, "--tiers", str(tiers), "inspect", user_id,
+                      "--upstream", "openai/gpt-4o")
+    requests = report["upstreams"][0]["windows"][0]
+    assert (requests["used"], requests["limit"], requests["allowed"]) == (2, 2, False)
+    assert 1 <= requests["retry_after_s"] <= 60
+    missing = run("--url", redis_url, "inspect", user_id, "--upstream", "nobody")
+    assert (missing.returncode, "no upstream 'nobody'" in missing.stderr) == (2, True)
+
+
+# ---------------------------------------------------------------------------------- top
+
+def test_top_ranks_by_the_fullest_of_requests_and_tokens_with_each_users_tier(
+        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    tokens, heavy, pro, busy = (f"{user_id}-{n}" for n in ("tokens", "heavy", "pro", "busy"))
+    with RateLimiter(redis_url) as limiter:
+        for _ in range(3):  # 3 of 5 requests (60%), 9,000 of 10,000 tokens (90%)
+            limiter.reserve(tokens, [(5, 60)], token_windows=[(10000, 60)], tokens=3000)
+        for _ in range(4):  # 4 of 5 requests (80%)
+            limiter.check_windows(busy, [(5, 60), (100, 86400)])
+        for _ in range(50):  # 50 of pro's 60 requests (83%): 1000% of free's
+            limiter.check_windows(pro, [(60, 60), (5000, 86400)])
+        limiter.check(heavy, 5, 60)
+    report = run_json("--url", redis_url, "top", "--tier", f"{pro}=pro")
+    ranked = [(u["user"], u["tier"], u["window_seconds"], u["resource"], u["used"], u["limit"])
+              for u in report["users"]]
+    assert ranked == [(tokens, "free", 60, "tokens", 9000, 10000),
+                      (pro, "pro", 60, "requests", 50, 60),
+                      (busy, "free", 60, "requests", 4, 5),
+                      (heavy, "free", 60, "requests", 1, 5)]
+    assert [u["tier_from"] for u in report["users"]] == ["default", "named", "default", "default"]
+    text = run("--url", redis_url, "top", "--tier", f"{pro}=pro").stdout.splitlines()
+    assert text[1].split() == ["user", "kind", "tier", "fullest", "window", "used", "limit", "use",
+                               "retry", "after"]
+    assert text[2].split()[:8] == [tokens, "user", "free", "60", "s", "tokens", "9000", "10000"]
+    assert run("--url", redis_url, "top", "--tier", "gold").returncode == 2
+
+
+def test_top_separates_namespaces_anonymous_clients_and_upstream_caps(
+        redis_url: str, redis_client: redis.Redis, tmp_path: Path, user_id: str) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text(TIERS_WITH_SCOPES)
+    gateway_traffic(redis_url, user_id)
+    with RateLimiter(redis_url) as limiter:
+        limiter.check_windows("ip:203.0.113.7", [(5, 60), (100, 86400)])
+        limiter.check_windows("user:ip:10.0.0.1", [(5, 60), (100, 86400)])  # an escaped id
+        for _ in range(3):
+            limiter.check_windows(f"ns:budget-0123456789ab:{user_id}", [(7, 60)])
+    report = run_json("--url", redis_url, "--tiers", str(tiers), "top")
+    kinds = {u["user"]: (u["kind"], u["id"]) for u in report["users"]}
+    assert kinds == {user_id: ("user", user_id), "ip:203.0.113.7": ("anonymous", "203.0.113.7"),
+                     "user:ip:10.0.0.1": ("user", "ip:10.0.0.1")}
+    namespaces = {n["namespace"]: [(u["id"], u["used"]) for u in n["users"]]
+                  for n in report["namespaces"]}
+    assert namespaces == {"budget-0123456789ab": [(user_id, 3)], "images": [(user_id, 1)]}
+    [upstream] = report["upstreams"]
+    assert upstream["name"] == "openai/gpt-4o"
+    assert [(w["window_seconds"], w["resource"], w["used"], w["limit"]) for w in upstream["windows"]] == [
+        (60, "requests", 2, 10), (60, "tokens", 1600, 30000)]
+    text = run("--url", redis_url, "--tiers", str(tiers), "top").stdout
+    assert "namespace 'images' (its budget is the app's: used only; the most used first):" in text
+    assert "upstream caps (shared by every user):" in text
+
+
+def test_top_scans_every_master_of_a_cluster(redis_cluster: Any, user_id: str) -> None:
+    users = [f"{user_id}-{n}" for n in range(30)]
+    with RateLimiter(redis_cluster.url) as limiter:
+        for n, user in enumerate(users):
+            for _ in range(1 + n % 5):
+                limiter.check_windows(user, [(5, 60), (100, 86400)])
+        limiter.reserve(users[0], [(9, 3600)], scopes=[Scope("route:/v1/x", windows=[(3, 60)])])
+        limiter.acquire(users[1], 2)
+    report = run_json("--url", redis_cluster.url, "top", "-n", "30")
+    assert len(report["scan"]["masters"]) == 3 and report["scan"]["complete"] is True
+    found = {u["user"]: u["used"] for u in report["users"]}
+    assert found == {user: 1 + n % 5 for n, user in enumerate(users)}, "every user, its real use"
+    inspected = run_json("--url", redis_cluster.url, "inspect", users[1])
+    assert inspected["leases"]["held"] == 1 and inspected["windows"][0]["used"] == 2
+    scoped = run_json("--url", redis_cluster.url, "inspect", users[0])
+    assert [(w["scope"], w["used"]) for w in scoped["scopes"]] == [("route:/v1/x", 1)]
+
+
+def test_ids_with_control_characters_are_escaped_on_the_terminal(
+        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    evil = f"{user_id}\x1b[2J\x1b]0;owned\x07\u202eroot\\"
+    with RateLimiter(redis_url) as limiter:
+        limiter.check_windows(evil, [(5, 60), (100, 86400)])
+    escaped = f"{user_id}\\x1b[2J\\x1b]0;owned\\x07\\u202eroot\\\\"
+    for command in (["top"], ["inspect", evil], ["reset", evil]):
+        done = run("--url", redis_url, *command)
+        assert done.returncode == 0, done.stderr
+        assert not any(c in done.stdout for c in "\x1b\x07\u202e"), (command, done.stdout)
+        assert escaped in done.stdout, (command, done.stdout)
+    with RateLimiter(redis_url) as limiter:
+        limiter.check(evil, 5, 60)
+    assert run_json("--url", redis_url, "top")["users"][0]["user"] == evil  # JSON: exact
+
+
+def test_identity_of_reads_what_the_fastapi_layer_writes() -> None:
+    from genai_ratelimit._keyspace import identity_of
+    from genai_ratelimit.fastapi import Anonymous, key_identity
+
+    for user, namespace in [("alice", None), ("ip:1.2.3.4", None), ("user:x", "images"),
+                            ("ns:a:b", None), ("a:b:c", "budget-0123456789ab")]:
+        identity = identity_of(key_identity(user, namespace))
+        assert (identity.user, identity.kind, identity.namespace) == (user, "user", namespace)
+    anonymous = identity_of(key_identity(Anonymous("203.0.113.7"), "images"))  # type: ignore[arg-type]
+    assert (anonymous.user, anonymous.kind, anonymous.namespace) == ("203.0.113.7", "anonymous",
+                                                                      "images")
+
+
+@pytest.mark.parametrize("hash_tag", [False, True], ids=["single", "cluster"])
+def test_every_key_kind_is_read_back_from_its_name(hash_tag: bool) -> None:
+    """The names csrc/script.c writes (as Redis shows them in a MONITOR of a real run,
+    test_top_scans_every_master_of_a_cluster covers the cluster's), read back."""
+    from genai_ratelimit._keyspace import parse_key, tagged
+
+    def name(owner: str, suffix: str) -> str:
+        return f"ratelimit:{tagged(owner, hash_tag)}:{suffix}"
+
+    user = "a:b{c}%d"
+    assert parse_key(name(user, "60"), "ratelimit", hash_tag) == KeyName("window", user, 60)
+    assert parse_key(name(user, "86400:tokens:w"), "ratelimit", hash_tag) == KeyName(
+        "window", user, 86400, True, weights=True)
+    assert parse_key(name("openai/gpt-4o", "60:tokens:shared:w"), "ratelimit", hash_tag) == KeyName(
+        "shared", "openai/gpt-4o", 60, True, weights=True)
+    assert parse_key(name(user, "60:tokens:scope=model%3Agpt-4o"), "ratelimit",
+                     hash_tag) == KeyName("scope", user, 60, True, "model:gpt-4o")
+    assert parse_key(name("openai/gpt-4o", "60:shared"), "ratelimit", hash_tag) == KeyName(
+        "shared", "openai/gpt-4o", 60)
+    assert parse_key(name(user, "leases"), "ratelimit", hash_tag) == KeyName("leases", user)
+    for other in ("ratelimit", "ratelimit:", "other:a:60", name(user, "x"), name(user, "0"),
+                  name(user, "60:scope="), "ratelimitx:a:60"):
+        assert parse_key(other, "ratelimit", hash_tag) is None, other
+
+
+# ------------------------------------------------------------------------------- ACL
+
+def readme_acl_line(user: str) -> list[str]:
+    lines = [line for line in README.read_text(encoding="utf-8").splitlines()
+             if line.startswith(f"ACL SETUSER {user} ")]
+    assert len(lines) == 1, f"README.md must hold one ACL line for {user}, found {len(lines)}"
+    return lines[0].split()
+
+
+def acl_url(server: RedisServer, words: list[str]) -> str:
+    admin = redis.Redis.from_url(server.url)
+    try:
+        admin.execute_command(*[">secret" if w == ">CHANGE-ME" else w for w in words])  # type: ignore[no-untyped-call]
+    finally:
+        admin.close()
+    return f"redis://{words[2]}:secret@127.0.0.1:{server.port}/0"
+
+
+def test_the_operators_acl_line_runs_every_command_and_the_apps_names_what_it_lacks(
+        private_redis: RedisServer, user_id: str) -> None:
+    operator = acl_url(private_redis, readme_acl_line("ratelimit-operator"))
+    app = acl_url(private_redis, readme_acl_line("ratelimiter"))
+    with RateLimiter(app) as limiter:
+        limiter.acquire(user_id, 2)
+    for command in (["check", user_id], ["inspect", user_id], ["top"], ["reset", user_id],
+                    ["reset", user_id, "--window", "60"], ["check", user_id, "--tokens", "9"]):
+        done = run("--url", operator, *command)
+        assert done.returncode == 0, (command, done.stderr)
+    assert run("--url", app, "check", user_id).returncode == 0
+    for command, refused in ((["top"], "scan"), (["inspect", user_id], "scan"),
+                             (["reset", user_id, "--window", "60"], "del"),
+                             (["reset", user_id], "scan")):
+        done = run("--url", app, *command)
+        assert done.returncode == 2, (command, done.stderr)
+        assert done.stderr.startswith(f"genai-ratelimit: error: the Redis ACL user may not run "
+                                      f"'{refused}', which {command[0]} needs"), done.stderr

@@ -41,7 +41,7 @@ def test_compose_builds_the_app_from_the_repository_root_with_the_example_docker
 
 def test_every_file_the_dockerfile_copies_is_in_the_context_or_made_by_make_wheel() -> None:
     context = EXAMPLES.parent
-    wheel = f"genai_ratelimit-{genai_ratelimit.__version__}-cp311-cp311-manylinux_2_34_x86_64.whl"
+    wheel = f"genai_ratelimit-{genai_ratelimit.__version__}-cp310-abi3-manylinux_2_34_x86_64.whl"
     for arguments in dockerfile("COPY"):
         *sources, _ = shlex.split(arguments)
         for source in sources:

@@ -7,6 +7,8 @@ redis-server, real faults (a closed port, a proxy that loses a reply).
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
 from typing import Any
 
 import pytest
@@ -15,10 +17,17 @@ from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 
-from genai_ratelimit import AsyncRateLimiter, RateLimiter, RateLimiterUnavailable, _native
-from genai_ratelimit.metrics import PrometheusCollector, instrument_otel
+from genai_ratelimit import AsyncRateLimiter, RateLimiter, RateLimiterUnavailable, Scope, _native
+from genai_ratelimit.metrics import (
+    FAMILIES,
+    LATENCY_BUCKETS,
+    OPS,
+    PrometheusCollector,
+    instrument_otel,
+    merge_snapshots,
+)
 from helpers_async import LimiterFactory, LoopFactory, run_async
-from helpers_core import run_lined_up
+from helpers_core import closed_port_url, run_lined_up
 from test_idempotent_retry import ReplyDroppingProxy, redis_port  # noqa: F401 (a fixture)
 
 ZERO_COUNTS = {"allowed": 0, "rejected": 0, "unavailable": 0, "fail_open": 0, "shadow": 0,
@@ -129,11 +138,18 @@ def test_record_outcome_counts_the_fastapi_layers_outcomes(unreachable_limiter: 
     unreachable_limiter._record_outcome("fail_open")
     unreachable_limiter._record_outcome("shadow")
     unreachable_limiter._record_outcome("shadow")
+    unreachable_limiter._record_outcome("reserved_tokens", 250)
     with pytest.raises(ValueError, match="kind must be"):
         unreachable_limiter._record_outcome("allowed")
     with pytest.raises(TypeError):
         unreachable_limiter._record_outcome(1)
-    assert counts(unreachable_limiter.metrics()) == {**ZERO_COUNTS, "fail_open": 1, "shadow": 2}
+    with pytest.raises(ValueError, match="count must be >= 0"):
+        unreachable_limiter._record_outcome("charged_tokens", -1)
+    with pytest.raises(TypeError, match="count must be an int"):
+        unreachable_limiter._record_outcome("charged_tokens", True)
+    m = unreachable_limiter.metrics()
+    assert counts(m) == {**ZERO_COUNTS, "fail_open": 1, "shadow": 2}
+    assert (m["reserved_tokens"], m["charged_tokens"]) == (250, 0)
 
 
 @pytest.mark.limiter_kinds("sync", reason="the FastAPI layer is tested with both elsewhere; "
@@ -181,48 +197,405 @@ def test_shadow_mode_in_the_fastapi_layer_is_counted(limiter: Any, user_id: str)
     assert dependency.shadow_count == 2
 
 
+# ------------------------------------------------------------------ what is counted, by what
+
+def test_each_round_trip_counts_in_the_latency_of_its_op(limiter: Any, user_id: str) -> None:
+    limiter.check(user_id, 5, 60)
+    limiter.check_windows(user_id, [(5, 60)])
+    limiter.check_windows(user_id, [(5, 60)])
+    limiter.check_windows_detailed(user_id, [(5, 60)])
+    reservation = limiter.reserve(user_id, [(5, 3600)])
+    limiter.reconcile(reservation, 1)
+    limiter.peek(user_id, [(5, 60)])
+    limiter.reset(user_id, [(5, 60)])
+    lease = limiter.acquire(user_id, 2)
+    limiter.renew(lease)
+    limiter.release(lease)
+    m = limiter.metrics()
+    assert set(m["latency_by_op"]) == set(OPS)
+    assert {op: h["count"] for op, h in m["latency_by_op"].items() if h["count"]} == {
+        "check": 1, "check_windows": 2, "check_windows_detailed": 1, "reserve": 1,
+        "reconcile": 1, "peek": 1, "reset": 1, "acquire": 1, "renew": 1, "release": 1}
+    for histogram in m["latency_by_op"].values():
+        assert sum(n for _, n in histogram["buckets"]) == histogram["count"]
+        assert [b for b, _ in histogram["buckets"]] == [*LATENCY_BUCKETS, None]
+    assert_latency_consistent(m, 11)  # every script round trip, as before ops had their own
+
+
+def test_rejections_say_the_window_resource_and_scope_that_refused(limiter: Any,
+                                                                   user_id: str) -> None:
+    upstream = Scope("openai/gpt-4o", windows=[(1, 60)], shared=True)
+    route = Scope("route:/v1/chat", windows=[(1, 3600)])
+    model = Scope("model:gpt-4o", token_windows=[(10, 60)])
+    other = Scope("batch", windows=[(1, 120)])
+    own = f"{user_id}-own"
+    for scope in (upstream, route, other):
+        assert limiter.reserve(f"{user_id}-{scope.name}", [(9, 60)], scopes=[scope]).allowed
+        assert not limiter.reserve(f"{user_id}-{scope.name}", [(9, 60)], scopes=[scope]).allowed
+    assert limiter.reserve(user_id, [(9, 60)], scopes=[model], tokens=8,
+                           token_windows=[(100, 60)]).allowed
+    assert not limiter.reserve(user_id, [(9, 60)], scopes=[model], tokens=8,
+                               token_windows=[(100, 60)]).allowed
+    assert limiter.reserve(own, [(9, 60)], token_windows=[(5, 86400)], tokens=5).allowed
+    assert not limiter.reserve(own, [(9, 60)], token_windows=[(5, 86400)], tokens=1).allowed
+    assert limiter.check(own, 1, 30)[0] and not limiter.check(own, 1, 30)[0]
+    m = limiter.metrics()
+    assert sorted(m["rejections"], key=repr) == sorted([
+        (60, "requests", "upstream", 1), (3600, "requests", "route", 1),
+        (120, "requests", "other", 1), (60, "tokens", "model", 1),
+        (86400, "tokens", "user", 1), (30, "requests", "user", 1)], key=repr)
+    assert m["rejected"] == 6 == sum(r[3] for r in m["rejections"])
+    assert m["rejected_by_window"] == {"60": 1, "3600": 1, "120": 1, "60:tokens": 1,
+                                      "86400:tokens": 1, "30": 1}
+
+
+def test_windows_beyond_the_first_32_share_window_seconds_other(limiter: Any,
+                                                                user_id: str) -> None:
+    for seconds in range(1, 41):
+        assert limiter.check(user_id, 1, seconds)[0]
+        assert not limiter.check(user_id, 1, seconds)[0]
+    m = limiter.metrics()
+    named = [r for r in m["rejections"] if r[0] is not None]
+    assert len(named) == 32 and all(r[3] == 1 for r in named)
+    assert [r for r in m["rejections"] if r[0] is None] == [(None, "requests", "user", 8)]
+    assert m["rejected_by_window"]["other"] == 8 and m["rejected"] == 40
+
+
+def test_tokens_reserved_charged_and_refunded(limiter: Any, user_id: str) -> None:
+    windows, tokens = [(10, 60)], [(1000, 60)]
+    first = limiter.reserve(user_id, windows, token_windows=tokens, tokens=600)
+    second = limiter.reserve(user_id, windows, token_windows=tokens, tokens=300)
+    refused = limiter.reserve(user_id, windows, token_windows=tokens, tokens=200)
+    plain = limiter.reserve(user_id, windows)  # no token windows: no tokens to count
+    assert (first.allowed, second.allowed, refused.allowed, plain.allowed) == (True, True, False,
+                                                                               True)
+    assert limiter.reconcile(first, 450) == 1   # 450 charged, 150 refunded
+    assert limiter.reconcile(second, 380) == 1  # 380 charged, an overage: nothing refunded
+    assert limiter.reconcile(refused, 10) == 0  # nothing was logged: nothing counted
+    assert limiter.reconcile(plain, 1) == 1     # a request reservation: no tokens
+    m = limiter.metrics()
+    assert (m["reserved_tokens"], m["charged_tokens"], m["refunded_tokens"]) == (900, 830, 150)
+
+
+def test_the_kill_switch_reserves_no_tokens(limiter: Any, user_id: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "1")
+    reservation = limiter.reserve(user_id, [(1, 60)], token_windows=[(10, 60)], tokens=5)
+    assert reservation.allowed and reservation.member == ""
+    assert limiter.reconcile(reservation, 3) == 0
+    m = limiter.metrics()
+    assert (m["reserved_tokens"], m["charged_tokens"], m["refunded_tokens"]) == (0, 0, 0)
+
+
+def test_leases_acquired_refused_released_and_not_held(limiter: Any, user_id: str) -> None:
+    held = limiter.acquire(user_id, 1)
+    refused = limiter.acquire(user_id, 1)
+    assert held.allowed and not refused.allowed
+    assert limiter.release(held) is True
+    assert limiter.release(held) is False  # already given back
+    m = limiter.metrics()
+    assert (m["leases_acquired"], m["leases_refused"], m["leases_released"],
+            m["releases_not_held"]) == (1, 1, 1, 1)
+    assert (m["allowed"], m["rejected"]) == (0, 0), "leases are not window decisions"
+
+
 # ------------------------------------------------------------------------------- export
 
-def test_prometheus_collector_exports_the_counters(redis_url: str, redis_client: redis.Redis,
-                                                   user_id: str) -> None:
-    with RateLimiter(redis_url) as limiter:
-        for _ in range(3):
-            limiter.check_windows(user_id, [(2, 60), (10, 3600)])
-        registry = CollectorRegistry()
-        registry.register(PrometheusCollector({"api": limiter}))
-        text = generate_latest(registry).decode()
-    lines = set(text.splitlines())
-    assert 'genai_ratelimit_decisions_total{limiter="api",outcome="allowed",window=""} 2.0' in lines
-    assert 'genai_ratelimit_decisions_total{limiter="api",outcome="rejected",window="60"} 1.0' in lines
-    assert 'genai_ratelimit_replays_total{limiter="api"} 0.0' in lines
-    assert 'genai_ratelimit_redis_latency_seconds_count{limiter="api"} 3.0' in lines
-    assert 'genai_ratelimit_redis_latency_seconds_bucket{le="+Inf",limiter="api"} 3.0' in lines
+def exposition(**limiters: Any) -> str:
+    registry = CollectorRegistry()
+    registry.register(PrometheusCollector(limiters))
+    return generate_latest(registry).decode()
 
 
-def test_otel_instruments_report_the_counters(redis_url: str, redis_client: redis.Redis,
-                                              user_id: str) -> None:
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
+def sample_lines(text: str) -> dict[str, float]:
+    """{'name{labels}': value} of every sample of a text exposition."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def series(text: str) -> set[str]:
+    return set(sample_lines(text))
+
+
+def varied_workload(limiter: Any, user: str) -> None:
+    """Allowed and rejected decisions over request and token windows and every kind of
+    scope, a reconcile, leases, a peek and a reset: every family gets samples."""
+    upstream = Scope("openai/gpt-4o", windows=[(1, 60)], shared=True)
+    route = Scope("route:/v1/chat", windows=[(1, 60)])
+    reservations = []
+    for _ in range(2):  # the second of each is refused
+        limiter.check_windows(user, [(1, 60), (10, 86400)])
+        reservations.append(limiter.reserve(user, [(9, 3600)], token_windows=[(100, 60)],
+                                            tokens=60))
+        limiter.reserve(f"{user}-up", [(9, 3600)], scopes=[upstream])
+        limiter.reserve(f"{user}-route", [(9, 3600)], scopes=[route])
+    limiter.reconcile(reservations[0], 10)
+    lease = limiter.acquire(user, 1)
+    limiter.acquire(user, 1)
+    limiter.release(lease)
+    limiter.peek(user, [(1, 60)])
+    limiter.reset(f"{user}-x", [(1, 60)])
+
+
+@pytest.mark.limiter_kinds("sync", reason="the exporter reads metrics(); both kinds give one shape")
+def test_prometheus_collector_exports_every_family(limiter: Any, user_id: str) -> None:
+    varied_workload(limiter, user_id)
+    samples = sample_lines(exposition(api=limiter))
+    m = limiter.metrics()
+    assert samples['genai_ratelimit_decisions_total{limiter="api",outcome="allowed"}'] == m["allowed"]
+    assert samples['genai_ratelimit_decisions_total{limiter="api",outcome="rejected"}'] == 4
+    assert samples['genai_ratelimit_rejections_total{limiter="api",resource="requests",'
+                   'scope="user",window_seconds="60"}'] == 1
+    assert samples['genai_ratelimit_rejections_total{limiter="api",resource="tokens",'
+                   'scope="user",window_seconds="60"}'] == 1
+    assert samples['genai_ratelimit_rejections_total{limiter="api",resource="requests",'
+                   'scope="upstream",window_seconds="60"}'] == 1
+    assert samples['genai_ratelimit_rejections_total{limiter="api",resource="requests",'
+                   'scope="route",window_seconds="60"}'] == 1
+    assert samples['genai_ratelimit_reserved_tokens_total{limiter="api"}'] == 60
+    assert samples['genai_ratelimit_charged_tokens_total{limiter="api"}'] == 10
+    assert samples['genai_ratelimit_refunded_tokens_total{limiter="api"}'] == 50
+    assert samples['genai_ratelimit_lease_acquisitions_total{limiter="api",outcome="refused"}'] == 1
+    assert samples['genai_ratelimit_lease_releases_total{limiter="api",outcome="released"}'] == 1
+    assert samples['genai_ratelimit_redis_latency_seconds_count{limiter="api",op="reserve"}'] == 6
+    assert samples['genai_ratelimit_redis_latency_seconds_bucket{le="+Inf",limiter="api",'
+                   'op="check_windows"}'] == 2
+    assert not any('op="check"' in name for name in samples), "an op never used has no series"
+
+
+def test_the_exposition_follows_prometheus_naming_and_label_rules(redis_url: str,
+                                                                  redis_client: redis.Redis,
+                                                                  user_id: str) -> None:
     with RateLimiter(redis_url) as limiter:
-        limiter.check(user_id, 1, 60)
-        limiter.check(user_id, 1, 60)
-        instrument_otel({"api": limiter}, meter=provider.get_meter("test"))
-        data = reader.get_metrics_data()
+        varied_workload(limiter, user_id)
+        text = exposition(api=limiter)
+    allowed_values = {"outcome": {"allowed", "rejected", "unavailable", "acquired", "refused",
+                                  "released", "not_held"},
+                      "resource": {"requests", "tokens"},
+                      "scope": {"user", "route", "model", "upstream", "other"},
+                      "op": set(OPS), "limiter": {"api"}}
+    types = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            types[name] = kind
+    assert len(types) == len(FAMILIES)
+    for name, kind in types.items():
+        assert name.startswith("genai_ratelimit_")
+        assert name.endswith("_total") if kind == "counter" else name.endswith("_seconds"), name
+    for sample in series(text):
+        labels = dict(pair.split("=", 1) for pair in sample[sample.index("{") + 1:-1].split(","))
+        for label, quoted in labels.items():
+            value = quoted.strip('"')
+            assert value, f"an empty label value in {sample}"
+            if label == "window_seconds":
+                assert value.isdigit() or value == "other", sample
+            elif label != "le":
+                assert value in allowed_values[label], sample
+
+
+def test_promtool_check_metrics_accepts_the_real_exposition(redis_url: str,
+                                                            redis_client: redis.Redis,
+                                                            user_id: str) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool is missing: Debian's `prometheus` package has it (make test "
+                    "installs it: scripts/ensure-debian-packages.sh prometheus)")
+    with RateLimiter(redis_url) as limiter:
+        varied_workload(limiter, user_id)
+        text = exposition(api=limiter, second=limiter)
+
+    def check(text: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                              text=True, timeout=30)
+
+    done = check(text)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", ""), done
+    # The same promtool finds what it is there to find: a counter named without _total.
+    bad = check("# HELP genai_ratelimit_decisions Decisions.\n"
+                "# TYPE genai_ratelimit_decisions counter\ngenai_ratelimit_decisions 1\n")
+    assert bad.returncode != 0 and "_total" in bad.stdout + bad.stderr
+
+
+@pytest.mark.limiter_kinds("sync", "asyncio", reason="one limiter of each kind; the uvloop "
+                                                     "kind counts in the same C")
+def test_ten_thousand_users_make_no_more_series(make_limiter: LimiterFactory, redis_url: str,
+                                                redis_client: redis.Redis, user_id: str) -> None:
+    # A generous timeout: 100 users' calls queue on few connections, on a loaded machine
+    # (or under ASan) a call may wait more than the default second for its turn.
+    native = make_limiter.native(redis_url, socket_timeout=30.0)
+    runner = asyncio.new_event_loop() if make_limiter.is_async else None
+
+    async def one_user(user: str) -> None:
+        await native.check_windows(user, [(1, 60), (5, 86400)])
+        await native.check_windows(user, [(1, 60), (5, 86400)])  # refused by the 60 s window
+        reservation = await native.reserve(user, [(9, 60)], token_windows=[(10, 60)], tokens=9)
+        await native.reconcile(reservation, 4)
+
+    async def many_users(users: range) -> None:
+        await asyncio.gather(*(one_user(f"{user_id}-{n}") for n in users))
+
+    def decide(users: range) -> None:
+        if runner is None:
+            for n in users:
+                user = f"{user_id}-{n}"
+                native.check_windows(user, [(1, 60), (5, 86400)])
+                native.check_windows(user, [(1, 60), (5, 86400)])
+                native.reconcile(native.reserve(user, [(9, 60)], token_windows=[(10, 60)],
+                                                tokens=9), 4)
+            return
+        for start in range(users.start, users.stop, 100):  # batches of concurrent users
+            batch = range(start, min(start + 100, users.stop))
+            runner.run_until_complete(many_users(batch))
+
+    try:
+        decide(range(10))
+        before = series(exposition(api=native))
+        decide(range(10, 10_000))
+        after_text = exposition(api=native)
+    finally:
+        if runner is not None:
+            runner.run_until_complete(native.aclose())
+            runner.close()
+    assert series(after_text) == before
+    samples = sample_lines(after_text)
+    assert samples['genai_ratelimit_decisions_total{limiter="api",outcome="rejected"}'] == 10_000
+    assert samples['genai_ratelimit_reserved_tokens_total{limiter="api"}'] == 90_000
+    assert samples['genai_ratelimit_refunded_tokens_total{limiter="api"}'] == 50_000
+
+
+def test_snapshots_of_several_processes_add_up(limiter: Any, user_id: str) -> None:
+    varied_workload(limiter, user_id)
+    one = limiter.metrics()
+    both = merge_snapshots([one, one])
+    assert both["allowed"] == 2 * one["allowed"] and both["rejected"] == 2 * one["rejected"]
+    assert sorted(both["rejections"]) == sorted((w, r, s, 2 * n) for w, r, s, n in one["rejections"])
+    reserve = both["latency_by_op"]["reserve"]
+    assert reserve["count"] == 2 * one["latency_by_op"]["reserve"]["count"]
+    assert [n for _, n in reserve["buckets"]] == [
+        2 * n for _, n in one["latency_by_op"]["reserve"]["buckets"]]
+    assert both["latency_count"] == 2 * one["latency_count"]
+
+
+# ------------------------------------------------------------------------ OpenTelemetry
+
+def otel_points(reader: InMemoryMetricReader) -> dict[tuple[str, tuple[tuple[str, Any], ...]], Any]:
     points = {}
+    data = reader.get_metrics_data()
     for resource in data.resource_metrics:
         for scope in resource.scope_metrics:
             for metric in scope.metrics:
                 for point in metric.data.data_points:
-                    points[(metric.name, tuple(sorted(point.attributes.items())))] = point.value
-    provider.shutdown()
+                    points[(metric.name, tuple(sorted(point.attributes.items())))] = point
+    return points
+
+
+def test_otel_reports_every_counter_with_the_prometheus_labels(redis_url: str,
+                                                               redis_client: redis.Redis,
+                                                               user_id: str) -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        with RateLimiter(redis_url) as limiter:
+            instrument_otel({"api": limiter}, meter=provider.get_meter("test"))
+            varied_workload(limiter, user_id)
+            points = otel_points(reader)
+            prometheus = sample_lines(exposition(api=limiter))
+    finally:
+        provider.shutdown()
     api = ("limiter", "api")
-    assert points[("genai_ratelimit.decisions",
-                   (api, ("outcome", "allowed"), ("window", "")))] == 1
-    assert points[("genai_ratelimit.decisions",
-                   (api, ("outcome", "rejected"), ("window", "60")))] == 1
-    assert points[("genai_ratelimit.connection_errors", (api,))] == 0
-    assert sum(v for (name, _), v in points.items()
-               if name == "genai_ratelimit.redis.latency.buckets") == 2
+    assert points[("genai_ratelimit.decisions", (api, ("outcome", "rejected")))].value == 4
+    assert points[("genai_ratelimit.rejections", (api, ("resource", "tokens"), ("scope", "user"),
+                                                  ("window_seconds", "60")))].value == 1
+    assert points[("genai_ratelimit.tokens.refunded", (api,))].value == 50
+    # Every Prometheus counter sample is an OpenTelemetry point with the same labels and value.
+    by_prometheus_name = {f"genai_ratelimit_{f.name}_total": f.otel_name for f in FAMILIES
+                          if f.kind == "counter"}
+    counters = 0
+    for sample, value in prometheus.items():
+        name, _, labels = sample.partition("{")
+        if name not in by_prometheus_name:
+            continue
+        attributes = tuple(sorted((k, v.strip('"')) for k, v in
+                                  (pair.split("=", 1) for pair in labels[:-1].split(","))))
+        assert points[(by_prometheus_name[name], attributes)].value == value, sample
+        counters += 1
+    assert counters >= 15
+
+
+@pytest.mark.limiter_kinds("sync", "asyncio", reason="the wrapper of a blocking and of a "
+                                                     "coroutine method")
+def test_otel_latency_is_a_histogram_with_explicit_buckets_per_op(limiter: Any,
+                                                                  user_id: str) -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        # The AsyncRateLimiter itself behind the blocking adapter: its methods get wrapped.
+        instrument_otel({"api": getattr(limiter, "inner", limiter)},
+                        meter=provider.get_meter("test"))
+        for _ in range(3):
+            limiter.check(user_id, 5, 60)
+        limiter.reserve(user_id, [(5, 60)])
+        limiter.peek(user_id, [(5, 60)])
+        points = otel_points(reader)
+    finally:
+        provider.shutdown()
+    check = points[("genai_ratelimit.redis.latency", (("limiter", "api"), ("op", "check")))]
+    assert type(check).__name__ == "HistogramDataPoint"
+    assert tuple(check.explicit_bounds) == LATENCY_BUCKETS
+    assert (check.count, sum(check.bucket_counts)) == (3, 3)
+    assert 0 < check.sum < 3.0
+    assert points[("genai_ratelimit.redis.latency",
+                   (("limiter", "api"), ("op", "reserve")))].count == 1
+    assert points[("genai_ratelimit.redis.latency", (("limiter", "api"), ("op", "peek")))].count == 1
+
+
+def test_otel_spans_around_each_call_nest_and_record_failures(
+        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import SpanKind, StatusCode
+
+    exporter = InMemorySpanExporter()
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = tracer_provider.get_tracer("test")
+    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+    down = RateLimiter(closed_port_url(), connect_timeout=0.3, socket_timeout=0.3)
+    try:
+        async def served() -> None:
+            async with AsyncRateLimiter(redis_url) as limiter:
+                instrument_otel({"async": limiter}, meter=meter_provider.get_meter("t"),
+                                tracer=tracer)
+                with tracer.start_as_current_span("request"):
+                    await asyncio.gather(limiter.check(user_id, 5, 60),
+                                         limiter.check_windows(user_id, [(5, 60)]))
+
+        asyncio.run(served())
+        instrument_otel({"down": down}, meter=meter_provider.get_meter("t"), tracer=tracer)
+        with pytest.raises(RateLimiterUnavailable):
+            down.check(user_id, 5, 60)
+    finally:
+        down.close()
+        meter_provider.shutdown()
+    spans = {span.name: span for span in exporter.get_finished_spans()
+             if span.attributes.get("genai_ratelimit.limiter") != "down"}
+    parent = spans["request"]
+    for name in ("genai_ratelimit check", "genai_ratelimit check_windows"):
+        span = spans[name]
+        assert span.kind is SpanKind.CLIENT
+        assert span.parent is not None and span.parent.span_id == parent.context.span_id
+        assert dict(span.attributes) == {"db.system": "redis", "genai_ratelimit.limiter": "async",
+                                         "genai_ratelimit.op": name.split()[1]}
+    failed = [s for s in exporter.get_finished_spans()
+              if s.attributes.get("genai_ratelimit.limiter") == "down"]
+    assert len(failed) == 1 and failed[0].status.status_code is StatusCode.ERROR
+    assert failed[0].events[0].name == "exception"
 
 
 def test_exporters_refuse_what_has_no_metrics() -> None:
@@ -230,3 +603,5 @@ def test_exporters_refuse_what_has_no_metrics() -> None:
         PrometheusCollector({"api": object()})  # type: ignore[dict-item]
     with pytest.raises(TypeError, match="no metrics"):
         instrument_otel(object())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="non-empty str"):
+        PrometheusCollector({"": object()})  # type: ignore[dict-item]

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from genai_ratelimit import RateLimiterUnavailable, _native
+from genai_ratelimit import RateLimiterUnavailable, Scope, _native
 from helpers_core import Monitor, wait_until_server_ms
 
 WINDOWS = [(3, 60), (5, 3600)]
@@ -33,7 +33,8 @@ def assert_peek_matches_reserve(limiter: Any, user: str, windows: list[tuple[int
     """Peeks, then reserves with the same arguments: the same decision and deciding window,
     the same remaining, and on a refusal the same moment at which the refusing window frees
     enough (now + wait: the two calls run a few ms apart)."""
-    peek = limiter._peek(user, windows, **arguments)
+    native = {**arguments, "scopes": tuple(s.native() for s in arguments.get("scopes", ()))}
+    peek = limiter._peek(user, windows, **native)
     r = limiter.reserve(user, windows, **arguments)
     assert (peek[0], peek[1], peek[3], peek[4]) == (
         r.allowed, r.remaining, r.window_seconds, r.resource == "tokens")
@@ -93,6 +94,26 @@ def test_peek_never_writes(limiter: Any, redis_client: redis.Redis, user_id: str
     for k, (value, ttl) in after.items():
         assert value == before[k][0], k
         assert 0 <= before[k][1] - ttl < 5000, "peek must not refresh a TTL"
+
+
+def test_peek_with_scopes_answers_what_reserve_with_them_answers(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    """A route's budget of the user and an upstream's shared cap, peeked like reserve
+    decides them (read-only: the keys are untouched), then each scope alone."""
+    route = Scope("route:/v1/chat", windows=[(2, 60)])
+    upstream = Scope(f"{user_id}-upstream", windows=[(3, 60)], token_windows=[(50, 60)],
+                     shared=True)
+    for estimate in (10, 20, 15, 5):
+        before = snapshot(redis_client, user_id)
+        assert_peek_matches_reserve(limiter, user_id, [(9, 60)], scopes=[route, upstream],
+                                    token_windows=[(100, 60)], tokens=estimate)
+        assert snapshot(redis_client, user_id).keys() >= before.keys()
+    usage = limiter._peek(user_id, [], scopes=(route.native(),))[6]
+    assert usage[0][:4] == (2, 60, False, 2)
+    shared = limiter._peek("anyone", [], scopes=(upstream.native(),), tokens=1)[6]
+    assert [u[:4] for u in shared] == [(3, 60, False, 2), (50, 60, True, 30)]  # 10 + 20 in
+    assert limiter.peek("anyone", scopes=[upstream], tokens=20)[0] is True
+    assert limiter.peek("anyone", scopes=[upstream], tokens=21)[:2] == (False, 0)
 
 
 def test_peek_counts_entries_that_left_the_window_as_gone_without_trimming(

@@ -1,0 +1,258 @@
+"""What the command line reads of Redis besides the limiter's own scripts: the names of the
+limiter's keys (found with SCAN on every master, a bounded number of calls), what each name
+says (whose key, which window, which scope), the identity the FastAPI layer wrote into it,
+and the one raw read of a value, a user's in-flight leases (no script reads them back).
+
+Windows themselves are always read through the limiter's peek (whatever the storage), never
+here. The key grammar is csrc/script.c's (window_key, write_user_key, format_lease), read
+from the end of the name:
+
+    {prefix}:{owner}:{seconds}[:tokens][:scope={name} | :shared][:w]
+    {prefix}:{owner}:leases
+
+On a Redis Cluster the owner is a hash tag, "{owner}" with '%', '{' and '}' percent-encoded.
+The owner is a user id (the FastAPI layer's identity: "ip:<host>", "user:<id>" or the id,
+behind "ns:<namespace>:" in a namespace) or, for ":shared", a shared scope's name."""
+
+from __future__ import annotations
+
+import math
+import re
+import unicodedata
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from ._cluster import SlotMap
+from ._url import RedisOptions
+
+__all__ = ["KeyName", "Identity", "ScanReport", "parse_key", "identity_of", "shown", "quoted",
+           "glob_escape", "tagged", "user_key_pattern", "scan", "masters_of", "masters_in",
+           "node_url", "read_leases", "SCAN_COUNT", "scan_calls_per_master"]
+
+# SCAN's COUNT: the limiter's connections take replies of at most 64 elements, and a step
+# of COUNT 10 returns about 10 keys (a few more while Redis rehashes).
+SCAN_COUNT = 10
+# A FastAPI namespace (genai_ratelimit.fastapi: 1 to 64 of A-Z a-z 0-9 _ . -).
+_NAMESPACE = re.compile(r"ns:([A-Za-z0-9_.\-]{1,64}):(.*)", re.DOTALL)
+_PERCENT = re.compile(r"%([0-9A-F]{2})")
+
+Kind = Literal["window", "scope", "shared", "leases"]
+
+
+@dataclass(frozen=True)
+class KeyName:
+    """What one key's name says."""
+
+    kind: Kind  # a user's own window, a user's scope window, a shared scope's window, leases
+    owner: str  # the user id (identity) of the key, or a shared scope's name
+    seconds: int = 0  # the window's length (0 for leases)
+    tokens: bool = False  # a token window
+    scope: str | None = None  # a user's scope name ("route:/v1/chat", "model:gpt-4o")
+    weights: bool = False  # the window's weights hash ("<window key>:w"), not its entries
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A user id as the FastAPI layer writes it into keys (fastapi.key_identity): an
+    anonymous client "ip:<host>", an id escaped as "user:<id>", or the id itself, each
+    possibly in a namespace, "ns:<namespace>:<identity>"."""
+
+    key: str  # the id the limiter was given
+    user: str  # the app's user id, or the client's host when anonymous
+    kind: Literal["user", "anonymous"]
+    namespace: str | None
+
+
+def identity_of(key: str) -> Identity:
+    """The reading of fastapi.key_identity's output (tests/test_cli.py checks the two agree)."""
+    namespace = None
+    rest = key
+    match = _NAMESPACE.fullmatch(key)
+    if match is not None:
+        namespace, rest = match[1], match[2]
+    if rest.startswith("ip:"):
+        return Identity(key, rest[3:], "anonymous", namespace)
+    if rest.startswith("user:"):
+        return Identity(key, rest[5:], "user", namespace)
+    return Identity(key, rest, "user", namespace)
+
+
+def _percent_decoded(text: str) -> str:
+    return _PERCENT.sub(lambda m: chr(int(m[1], 16)), text)
+
+
+def parse_key(name: str, prefix: str, hash_tag: bool) -> KeyName | None:
+    """What a key's name says, or None for a name that is not one of the limiter's."""
+    if not name.startswith(prefix + ":"):
+        return None
+    rest = name[len(prefix) + 1:]
+    owner: str | None = None
+    if hash_tag:  # "{owner}:suffix": the tag ends at the first '}' (its own are encoded)
+        end = rest.find("}")
+        if not rest.startswith("{") or end < 0 or rest[end + 1:end + 2] != ":":
+            return None
+        owner, rest = _percent_decoded(rest[1:end]), rest[end + 2:]
+    if rest == "leases" or rest.endswith(":leases"):
+        found = owner if owner is not None else rest[:-len(":leases")]
+        return KeyName("leases", found) if found and (owner is None or rest == "leases") else None
+    weights = rest.endswith(":w")
+    rest = rest[:-2] if weights else rest
+    shared = rest.endswith(":shared")
+    rest = rest[:-7] if shared else rest
+    scope = None
+    marker = rest.rfind(":scope=")
+    if not shared and marker >= 0 and ":" not in rest[marker + 7:]:
+        scope, rest = _percent_decoded(rest[marker + 7:]), rest[:marker]
+        if not scope:
+            return None
+    tokens = rest.endswith(":tokens")
+    rest = rest[:-7] if tokens else rest
+    if owner is None:
+        owner, _, digits = rest.rpartition(":")
+        if not owner:
+            return None
+    else:
+        digits = rest
+    if not digits.isdigit() or not digits.isascii() or int(digits) < 1:
+        return None
+    kind: Kind = "shared" if shared else "scope" if scope is not None else "window"
+    return KeyName(kind, owner, int(digits), tokens, scope, weights)
+
+
+def shown(text: str) -> str:
+    """text for a terminal: control and format characters (ESC, bidi overrides, line
+    separators), bytes that were not UTF-8 and the backslash itself escaped, so an id
+    can neither move the cursor nor pass for another."""
+    out = []
+    for char in text:
+        code = ord(char)
+        if char == "\\":
+            out.append("\\\\")
+        elif 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8 (surrogateescape)
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif unicodedata.category(char) in ("Cc", "Cf", "Cs", "Zl", "Zp", "Co"):
+            out.append(f"\\x{code:02x}" if code < 0x100 else
+                       f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def quoted(text: str) -> str:
+    """shown(text) between single quotes, for an id inside a sentence."""
+    return f"'{shown(text)}'"
+
+
+def glob_escape(text: str) -> str:
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def tagged(owner: str, hash_tag: bool) -> str:
+    """An owner as its keys spell it: on a cluster, the hash tag (csrc/script.c rl_key_user)."""
+    if not hash_tag:
+        return owner
+    return "{" + "".join(f"%{ord(c):02X}" if c in "%{}" else c for c in owner) + "}"
+
+
+def user_key_pattern(prefix: str, owner: str, hash_tag: bool, namespaces: bool = False) -> str:
+    """The SCAN MATCH pattern of an owner's keys, "{prefix}:{owner}:*"; with namespaces, of
+    the same owner's keys in any namespace too, "{prefix}:*{owner}:*" (a wider pattern:
+    parse_key and identity_of then keep the exact ones)."""
+    any_namespace = "*" if namespaces else ""
+    if hash_tag:
+        inner = glob_escape(tagged(owner, True)[1:-1])
+        return f"{glob_escape(prefix)}:\\{{{any_namespace}{inner}\\}}:*"
+    return f"{glob_escape(prefix)}:{any_namespace}{glob_escape(owner)}:*"
+
+
+# --------------------------------------------------------------------------------- SCAN
+
+Command = Callable[..., Awaitable[Any]]
+
+
+@dataclass
+class ScanReport:
+    """What a bounded SCAN of every master found."""
+
+    keys: list[str] = field(default_factory=list)
+    masters: list[str] = field(default_factory=list)  # "host:port", or "" for the URL's node
+    calls: int = 0  # SCAN calls sent, all masters together
+    max_calls_per_master: int = 0
+    complete: bool = True  # every master's cursor came back to 0 within its calls
+
+
+def scan_calls_per_master(max_keys: int, masters: int) -> int:
+    """The bound: --max-keys shared by the masters, SCAN_COUNT keys a call."""
+    return max(1, math.ceil(max_keys / (SCAN_COUNT * max(1, masters))))
+
+
+async def scan(nodes: Sequence[tuple[str, Command]], pattern: str, max_keys: int) -> ScanReport:
+    """SCAN ... MATCH pattern COUNT 10 on each node (a master's `_command`), at most
+    scan_calls_per_master calls each; the keys as text (bytes that are not UTF-8 kept as
+    surrogate escapes)."""
+    report = ScanReport(max_calls_per_master=scan_calls_per_master(max_keys, len(nodes)))
+    for name, command in nodes:
+        report.masters.append(name)
+        cursor: bytes = b"0"
+        for _ in range(report.max_calls_per_master):
+            cursor, keys = await command("SCAN", cursor, "MATCH", pattern, "COUNT", str(SCAN_COUNT))
+            report.calls += 1
+            report.keys += [k.decode("utf-8", "surrogateescape") for k in keys]
+            if cursor == b"0":
+                break
+        else:
+            report.complete = False
+    return report
+
+
+def node_url(url: str, host: str, port: int, db: int) -> str:
+    """A cluster's or a Sentinel set's URL (redis+cluster://, rediss+sentinel://, ...)
+    pointed at one node: the same credentials and TLS options, one host, the database."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.split("+", 1)[0]
+    credentials = parts.netloc.rpartition("@")[0]
+    shown_host = f"[{host}]" if ":" in host else host
+    netloc = f"{credentials}@{shown_host}:{port}" if credentials else f"{shown_host}:{port}"
+    return urlunsplit((scheme, netloc, f"/{db}", parts.query, ""))
+
+
+async def masters_of(command: Command, options: RedisOptions) -> SlotMap | None:
+    """The slot map of a Redis Cluster (from CLUSTER SHARDS, or CLUSTER SLOTS before
+    Redis 7), or of the master the sentinels name; None for a single node."""
+    if options.mode == "single":
+        return None
+    slot_map = SlotMap(options.nodes, options.tls, options.master_name)
+    if options.mode == "sentinel":
+        slot_map.install_master(await command("SENTINEL", "get-master-addr-by-name",
+                                              options.master_name), options.nodes[0])
+        return slot_map
+    try:
+        slot_map.install(await command("CLUSTER", "SHARDS"), options.nodes[0], True)
+    except Exception as exc:  # noqa: BLE001 - before Redis 7: CLUSTER SLOTS
+        if "answered an error" not in str(exc) or "NOPERM" in str(exc):
+            raise
+        slot_map.install(await command("CLUSTER", "SLOTS"), options.nodes[0], False)
+    return slot_map
+
+
+def masters_in(slot_map: SlotMap) -> list[tuple[str, int]]:
+    """Every master of a slot map, once."""
+    if slot_map.master_name is not None:
+        return [slot_map.master] if slot_map.master is not None else []
+    return sorted({address for address in slot_map.slots if address is not None})
+
+
+# ---------------------------------------------------------------------- the raw read
+
+async def read_leases(command: Command, key: str, now_ms: int,
+                      shown_at_most: int = 16) -> tuple[int, list[int]]:
+    """A user's in-flight leases (lua/lease.lua's sorted set {lease id: expiry ms}), read as
+    the script would count them at now_ms: (held, the soonest expiries, at most
+    shown_at_most). The only value the command line reads without a script: no script
+    reads leases back."""
+    held = int(await command("ZCOUNT", key, f"({now_ms}", "+inf"))
+    reply = await command("ZRANGEBYSCORE", key, f"({now_ms}", "+inf", "WITHSCORES", "LIMIT", "0",
+                          str(shown_at_most))
+    return held, [int(float(reply[i])) for i in range(1, len(reply), 2)]

@@ -248,12 +248,16 @@ def build_extension() -> Extension:
     if os.environ.get("GENAI_RATELIMIT_WERROR") == "1":
         compile_args.append("-Werror")
     if os.environ.get("GENAI_RATELIMIT_DEBUG") == "1" or os.environ.get("GENAI_RATELIMIT_SANITIZE") == "1":
-        compile_args += ["-O0", "-g3", "-fno-omit-frame-pointer"]
+        # RL_DEBUG_HOOKS: the failure injection and the wipe check the tests drive (see
+        # csrc/base.h); never in a release build or a wheel.
+        compile_args += ["-O0", "-g3", "-fno-omit-frame-pointer", "-DRL_DEBUG_HOOKS=1"]
     else:
         compile_args += ["-O2"]
     if os.environ.get("GENAI_RATELIMIT_SANITIZE") == "1":
         sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
-        compile_args += sanitize
+        # Python's CFLAGS carry -fwrapv, which defines signed overflow and so turns UBSan's
+        # signed-integer-overflow check off: the sanitized build wants it on.
+        compile_args += sanitize + ["-fno-wrapv"]
         link_args += sanitize
 
     sources = sorted(str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.c"))

@@ -76,7 +76,7 @@ static PyType_Slot Request_slots[] = {
 PyType_Spec rl_request_spec = {
     .name = "genai_ratelimit._native.Request",
     .basicsize = sizeof(RequestObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Request_slots,
 };
 
@@ -257,7 +257,7 @@ static PyType_Slot Codec_slots[] = {
 PyType_Spec rl_codec_spec = {
     .name = "genai_ratelimit._native.Codec",
     .basicsize = sizeof(CodecObject),
-    .flags = Py_TPFLAGS_DEFAULT,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Codec_slots,
 };
 
@@ -507,13 +507,15 @@ Pipeline_handshake(PipelineObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     rl_handshake h = {username, password, db, ping};
-    /* The token's reference is taken first and given back when nothing was queued. */
+    /* The engine queues every step or none. The last step waited for holds the future:
+       the one reference it takes, given back when nothing (or nothing waited for) was
+       queued. */
     Py_INCREF(future);
     int steps = rl_proto_handshake(&self->proto, &h, rl_monotonic() + self->timeout, future, &err);
     if (steps <= 0)
         Py_DECREF(future);
     if (steps < 0)
-        return PyErr_NoMemory();
+        return rl_raise(PyType_GetModuleState(Py_TYPE(self)), &err);
     return PyBool_FromLong(steps > 0);
 }
 
@@ -605,7 +607,10 @@ Pipeline_push_command(PipelineObject *self, PyTypeObject *defining_class, PyObje
 }
 
 PyDoc_STRVAR(Pipeline_take_doc,
-"take($self, /)\n--\n\nThe bytes queued since the last take() (to be written now), or None.");
+"take($self, /)\n--\n\n"
+"The bytes queued since the last take() (to be written now), or None. A bytearray when\n"
+"they hold a password (the handshake's AUTH): the caller wipes it once the transport is\n"
+"done with it (aio.py: when the handshake's last reply came, or the connection is lost).");
 
 static PyObject *
 Pipeline_take(PipelineObject *self, PyObject *Py_UNUSED(ignored))
@@ -616,7 +621,8 @@ Pipeline_take(PipelineObject *self, PyObject *Py_UNUSED(ignored))
     const char *out = rl_proto_output(&self->proto, &len);
     if (len == 0)
         Py_RETURN_NONE;
-    PyObject *data = PyBytes_FromStringAndSize(out, (Py_ssize_t)len);
+    PyObject *data = self->proto.sensitive ? PyByteArray_FromStringAndSize(out, (Py_ssize_t)len)
+                                           : PyBytes_FromStringAndSize(out, (Py_ssize_t)len);
     if (data == NULL)
         return NULL;
     rl_proto_consume(&self->proto, len);
@@ -862,6 +868,29 @@ Pipeline_get_pending(PipelineObject *self, void *Py_UNUSED(closure))
     return PyLong_FromSize_t(self->proto.reader != NULL ? rl_proto_pending(&self->proto) : 0);
 }
 
+#ifdef RL_DEBUG_HOOKS
+PyDoc_STRVAR(Pipeline_debug_fail_allocation_doc,
+"_debug_fail_allocation($self, n, /)\n--\n\n"
+"Debug and sanitized builds only: the n-th allocation of the engine from now fails as if\n"
+"memory ran out (0: none), so that the tests can drive every out-of-memory path.");
+
+static PyObject *
+Pipeline_debug_fail_allocation(PipelineObject *self, PyObject *arg)
+{
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    if (n < 0 || n > 1000000) {
+        PyErr_SetString(PyExc_ValueError, "n must be between 0 and 1000000");
+        return NULL;
+    }
+    if (!ready(self))
+        return NULL;
+    self->proto.fail_allocation = (int)n;
+    Py_RETURN_NONE;
+}
+#endif
+
 static PyMethodDef Pipeline_methods[] = {
     {"handshake", (PyCFunction)(void (*)(void))Pipeline_handshake, METH_VARARGS | METH_KEYWORDS,
      Pipeline_handshake_doc},
@@ -879,6 +908,10 @@ static PyMethodDef Pipeline_methods[] = {
     {"oldest_deadline", (PyCFunction)Pipeline_oldest_deadline, METH_NOARGS,
      Pipeline_oldest_deadline_doc},
     {"idle_is_stale", (PyCFunction)Pipeline_idle_is_stale, METH_O, Pipeline_idle_is_stale_doc},
+#ifdef RL_DEBUG_HOOKS
+    {"_debug_fail_allocation", (PyCFunction)Pipeline_debug_fail_allocation, METH_O,
+     Pipeline_debug_fail_allocation_doc},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -908,6 +941,6 @@ static PyType_Slot Pipeline_slots[] = {
 PyType_Spec rl_pipeline_spec = {
     .name = "genai_ratelimit._native.Pipeline",
     .basicsize = sizeof(PipelineObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Pipeline_slots,
 };

@@ -33,7 +33,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,24 +43,6 @@
 
 #include <openssl/err.h>
 #include <openssl/x509v3.h>
-
-rl_status
-rl_error_set(rl_error *err, rl_status kind, const char *fmt, ...)
-{
-    va_list ap;
-    err->kind = kind;
-    va_start(ap, fmt);
-    vsnprintf(err->message, sizeof(err->message), fmt, ap);
-    va_end(ap);
-    return kind;
-}
-
-void
-rl_wipe(void *buf, size_t len)
-{
-    if (buf != NULL && len > 0)
-        explicit_bzero(buf, len);
-}
 
 /* ------------------------------------------------------------------ config */
 
@@ -103,7 +84,9 @@ rl_config_clear(rl_config *cfg)
         SSL_CTX_free(cfg->ssl_ctx);
     if (cfg->password != NULL) {
         /* Do not leave the secret lying in freed memory. */
-        rl_wipe(cfg->password, strlen(cfg->password));
+        size_t len = strlen(cfg->password);
+        rl_wipe(cfg->password, len);
+        rl_check_wiped(cfg->password, len, "a copy of the password");
         free(cfg->password);
     }
     memset(cfg, 0, sizeof(*cfg));
@@ -165,16 +148,6 @@ rl_config_tls(rl_config *cfg, int verify, const char *ca_file, const char *cert_
     cfg->tls_verify = verify;
     cfg->ssl_ctx = ctx;
     return RL_OK;
-}
-
-/* ------------------------------------------------------------------- clock */
-
-double
-rl_monotonic(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
 static struct timeval

@@ -593,6 +593,6 @@ PyType_Spec rl_limiter_spec = {
     .name = "genai_ratelimit._native.Limiter",
     .basicsize = sizeof(LimiterObject),
     .itemsize = 0,
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_IMMUTABLETYPE,
     .slots = Limiter_slots,
 };

@@ -1,6 +1,6 @@
 /*
- * member.c - the sorted-set member of a request (a fresh UUID4 in canonical text) and the
- * millisecond clock used with clock="client". Pure C, no Python objects.
+ * member.c - the sorted-set member of a request: a fresh UUID4 in canonical text, from a
+ * page of kernel randomness that also tells a fork child apart. Pure C, no Python objects.
  *
  * libuuid's uuid_generate_random() costs about 2 us and six syscalls per id here, more
  * than everything else a check does on the client. So ids come from a page of kernel
@@ -21,7 +21,6 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/random.h>
-#include <time.h>
 #include <unistd.h>
 #include <uuid.h>
 
@@ -133,12 +132,4 @@ rl_member_uuid4(rl_random *r, char out[RL_MEMBER_LEN + 1])
     id[8] = (unsigned char)((id[8] & 0x3f) | 0x80); /* RFC 4122 variant */
     uuid_unparse_lower(id, out);
     return 0;
-}
-
-long long
-rl_clock_ms(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (long long)ts.tv_sec * 1000LL + (long long)(ts.tv_nsec / 1000000L);
 }

@@ -3,8 +3,12 @@
  * the one place where a C-level rl_error becomes a Python exception (rl_raise).
  *
  * GIL contract: everything here runs with the GIL held.
- * State: no static PyObject*; the exceptions, the types and the process id live in the
- * module state. PyInit__native is the only exported symbol (-fvisibility=hidden).
+ * State: no static PyObject*; the exceptions, the types, the interned method names and the
+ * page of randomness (which also tells a fork child apart, member.c) live in the module
+ * state, so every interpreter that imports the module has its own (see module_slots).
+ * Every type is immutable (Py_TPFLAGS_IMMUTABLETYPE), but WindowDecision, a struct sequence
+ * that the C API gives no such flag. PyInit__native is the only exported symbol
+ * (-fvisibility=hidden).
  */
 #include "native.h"
 
@@ -52,7 +56,10 @@ rl_exception(rl_module_state *state, const rl_error *err)
     PyObject *type;
     switch (err->kind) {
     case RL_ERR_NOMEM:
-        return PyObject_CallFunctionObjArgs(PyExc_MemoryError, Py_None, NULL);
+        /* CPython's own MemoryError (preallocated: making one may need memory), set as the
+           current exception: the caller takes it from there (resolve() in codec.c does). */
+        PyErr_NoMemory();
+        return NULL;
     case RL_ERR_TIMEOUT:
         type = state->Timeout;
         break;
@@ -106,10 +113,30 @@ rl_raise(rl_module_state *state, const rl_error *err)
     return NULL;
 }
 
+#ifdef RL_DEBUG_HOOKS
+/* Debug and sanitized builds: runs the wipe check on bytes, so the tests can see that it
+   fires (it aborts the process when the canary is in them). */
+static PyObject *
+debug_check_wiped(PyObject *Py_UNUSED(module), PyObject *arg)
+{
+    char *data;
+    Py_ssize_t len;
+    if (PyBytes_AsStringAndSize(arg, &data, &len) < 0)
+        return NULL;
+    rl_check_wiped(data, (size_t)len, "a buffer handed to _debug_check_wiped");
+    Py_RETURN_NONE;
+}
+#endif
+
 static PyMethodDef module_methods[] = {
     {"_set_client_clock", rl_set_client_clock, METH_O,
      "_set_client_clock(ms, /)\n--\n\nFor tests: clock='client' limiters read ms (unix ms) "
      "instead of the system clock until called with None."},
+#ifdef RL_DEBUG_HOOKS
+    {"_debug_check_wiped", debug_check_wiped, METH_O,
+     "_debug_check_wiped(data, /)\n--\n\nDebug builds: aborts when the bytes hold the wipe "
+     "canary."},
+#endif
     {NULL, NULL, 0, NULL},
 };
 
@@ -245,12 +272,20 @@ module_exec(PyObject *module)
         add_long_long(module, "MAX_LIMIT", RL_MAX_LIMIT) < 0 ||
         add_long_long(module, "MAX_WINDOW_SECONDS", RL_MAX_WINDOW_SECONDS) < 0 ||
         add_long_long(module, "MAX_TIMEOUT_SECONDS", (long long)RL_MAX_TIMEOUT_SECONDS) < 0 ||
+        /* The bounds of a script's reply (native.h), for the tests and the fuzzer's model. */
+        add_long_long(module, "MAX_UNIX_MS", RL_MAX_UNIX_MS) < 0 ||
+        add_long_long(module, "MAX_CLOCK_SKEW_MS", RL_MAX_CLOCK_SKEW_MS) < 0 ||
         /* The _rl_status of an exception whose call a cluster may send elsewhere. */
         PyModule_AddIntConstant(module, "STATUS_CONNECT", RL_ERR_CONNECT) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_IO", RL_ERR_IO) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_SERVER", RL_ERR_SERVER) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_REDIRECT", RL_ERR_REDIRECT) < 0)
         goto done;
+#ifdef RL_DEBUG_HOOKS
+    /* Debug and sanitized builds: what rl_check_wiped looks for (tests/test_secret_wipe.py). */
+    if (PyModule_AddStringConstant(module, "_debug_wipe_canary", RL_WIPE_CANARY) < 0)
+        goto done;
+#endif
     rc = 0;
 done:
     Py_XDECREF(bases);
@@ -305,6 +340,13 @@ module_free(void *module)
 
 static PyModuleDef_Slot module_slots[] = {
     {Py_mod_exec, module_exec},
+#ifdef Py_mod_multiple_interpreters
+    /* CPython 3.12+: every import has its module state and no C state is shared, so the
+       module loads in subinterpreters that share the main interpreter's GIL; a GIL of its
+       own per interpreter is not claimed (not tested). A build for the 3.10 Limited API
+       cannot name the slot, and 3.12+ then defaults to the same. */
+    {Py_mod_multiple_interpreters, Py_MOD_MULTIPLE_INTERPRETERS_SUPPORTED},
+#endif
     {0, NULL},
 };
 

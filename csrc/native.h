@@ -1,10 +1,14 @@
 /*
- * native.h - the one private header of genai_ratelimit._native.
+ * native.h - the private header of genai_ratelimit._native (base.h, the ground floor,
+ * is included from here).
  *
  * Layers: args.c prepares a decision (GIL held); proto.c is the protocol engine of one
  * connection, with no I/O in it (handshake steps, the request FIFO, NOSCRIPT reload, the
  * replay rule, reply classification); conn.c drives it over blocking sockets for the
- * Limiter (limiter.c), codec.c wraps it for the asyncio Protocol in aio.py.
+ * Limiter (limiter.c), codec.c wraps it for the asyncio Protocol in aio.py. Calls only go
+ * down a floor, never up: conn.c -> proto.c -> script.c -> base.c (errors, wipe, clocks),
+ * and base.c calls no other room (tests/test_c_source_lint.py checks that the rooms'
+ * calls form no circle).
  *
  * Two error conventions that never mix:
  *   - code that runs without the GIL (conn.c, the I/O half of script.c) returns an
@@ -33,6 +37,8 @@
 #include <hiredis.h>
 #include <openssl/ssl.h>
 
+#include "base.h" /* errors, wipe, clocks: the floor every room stands on */
+
 #define RL_MAX_WINDOWS 32                  /* windows decided by one check */
 #define RL_CLUSTER_SLOTS 16384             /* hash slots of a Redis Cluster */
 #define RL_MAX_SCOPES 8                    /* scopes (besides the user's own) in one decision */
@@ -43,34 +49,17 @@
 #define RL_MAX_WINDOW_SECONDS 3153600000LL /* 100 years of 365 days */
 #define RL_MAX_TIMEOUT_SECONDS 86400.0     /* timeouts: one day at most (no overflow) */
 
-/* ------------------------------------------------------------------ errors */
-
-typedef enum {
-    RL_OK = 0,
-    RL_ERR_CONNECT,     /* no connection could be opened */
-    RL_ERR_TIMEOUT,     /* a deadline passed before the server answered */
-    RL_ERR_IO,          /* the connection broke in the middle of a call */
-    RL_ERR_PROTOCOL,    /* the server sent something that is not a decision */
-    RL_ERR_SERVER,      /* the server answered with an error reply */
-    RL_ERR_AUTH,        /* authentication failed, or the server wants a password */
-    RL_ERR_CLOSED,      /* the limiter was closed */
-    RL_ERR_NOMEM,       /* malloc failed */
-    RL_ERR_INTERRUPTED, /* a signal interrupted blocking I/O: check signals, then resume */
-    RL_ERR_REDIRECT,    /* a cluster answer: MOVED, ASK, TRYAGAIN or CLUSTERDOWN; the
-                           message is the server's text (nothing ran) */
-} rl_status;
-
-typedef struct {
-    rl_status kind;    /* what went wrong (RL_OK when nothing did) */
-    char message[320]; /* for people; never contains a password */
-} rl_error;
-
-/* Fills err and returns kind. printf-style message. */
-rl_status rl_error_set(rl_error *err, rl_status kind, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-/* Wipes memory that held a secret, in a way the optimiser keeps (explicit_bzero). */
-void rl_wipe(void *buf, size_t len);
+/* What the scripts of lua/ can answer: rl_script_decode holds every integer of a reply to
+   these before it computes anything from it; outside them a reply is malformed. A count
+   (remaining, held, used, removed) is 0 to RL_MAX_LIMIT (Lua's doubles hold no more
+   exactly); a time (now, an expiry, an entry's) a unix ms from 1970 to the end of year 9999
+   (as far as Python's datetime goes); a wait at most its window (for a lease: the longest
+   lease) plus RL_MAX_CLOCK_SKEW_MS, since an entry may carry a time ahead of the deciding
+   clock (clock="client" with app servers apart, or a server clock stepped back); a SCAN
+   cursor an unsigned 64-bit number. */
+#define RL_MAX_UNIX_MS 253402300799999LL /* 9999-12-31T23:59:59.999Z */
+#define RL_MAX_CLOCK_SKEW_MS 86400000LL  /* one day */
+#define RL_MAX_CURSOR_DIGITS 20          /* 18446744073709551615 */
 
 /* ---------------------------------------------------------------- decisions */
 
@@ -337,12 +326,14 @@ typedef struct {
     rl_entry *ring;          /* FIFO of replies due, in send order */
     size_t capacity, head, count;
     size_t unsent; /* trailing entries whose bytes are still in `out` */
-    char *out;     /* bytes queued for writing */
-    size_t out_len, out_capacity;
-    int sensitive;   /* out holds a password: wiped once written or dropped */
-    int failed;      /* a fatal error was reported: the connection is done */
-    long long db;    /* the database the handshake selects, for messages */
-    int load_failed; /* the last SCRIPT LOAD was refused: load_error says why */
+    char *out;     /* bytes queued: out[out_start, out_len) are still to be written */
+    size_t out_start, out_len, out_capacity;
+    size_t out_touched;  /* bytes of out ever written (what rl_check_wiped looks at) */
+    int sensitive;       /* out holds a password: wiped once all written, or dropped */
+    int fail_allocation; /* debug builds: the n-th allocation from now fails (0: none) */
+    int failed;          /* a fatal error was reported: the connection is done */
+    long long db;        /* the database the handshake selects, for messages */
+    int load_failed;     /* the last SCRIPT LOAD was refused: load_error says why */
     rl_error load_error;
     int info_answered;        /* INFO memory was answered (or refused) */
     char eviction_policy[40]; /* the maxmemory-policy that may evict our keys, or "" */
@@ -588,7 +579,7 @@ const char *rl_script_sha1(rl_script_id id);
 const char *rl_script_source_text(rl_script_id id, size_t *len);
 const char *rl_script_load_text(rl_script_id id, size_t *len);
 
-/* ----------------------------------------------------------- member, clock */
+/* ------------------------------------------------------------------ member */
 
 typedef struct rl_random rl_random; /* a page of kernel randomness */
 rl_random *rl_random_new(void);     /* NULL with errno on failure */
@@ -597,8 +588,6 @@ void rl_random_free(rl_random *page);
 unsigned long rl_fork_generation(rl_random *r);
 /* Canonical lowercase UUID4 text. 0, or -1 with errno when getrandom failed. GIL held. */
 int rl_member_uuid4(rl_random *page, char out[RL_MEMBER_LEN + 1]);
-long long rl_clock_ms(void); /* unix time in milliseconds */
-double rl_monotonic(void);   /* seconds, for deadlines */
 
 /* -------------------------------------------------------- module (GIL held) */
 

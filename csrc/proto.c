@@ -162,6 +162,20 @@ rl_reader_error(const redisReader *reader)
 
 /* ------------------------------------------------------------------ engine */
 
+/* Frees the output buffer, wiped first while it holds a password. */
+static void
+free_output(rl_proto *p)
+{
+    if (p->out == NULL)
+        return;
+    if (p->sensitive)
+        rl_wipe(p->out, p->out_len);
+    rl_check_wiped(p->out, p->out_touched, "the output buffer");
+    free(p->out);
+    p->out = NULL;
+    p->out_start = p->out_len = p->out_capacity = p->out_touched = 0;
+}
+
 int
 rl_proto_init(rl_proto *p)
 {
@@ -175,13 +189,24 @@ rl_proto_clear(rl_proto *p)
 {
     if (p->reader != NULL)
         redisReaderFree(p->reader);
-    if (p->out != NULL) {
-        if (p->sensitive)
-            rl_wipe(p->out, p->out_len);
-        free(p->out);
-    }
+    free_output(p);
     free(p->ring);
     memset(p, 0, sizeof(*p));
+}
+
+/* 1 when the allocation about to be made must fail: in debug and sanitized builds
+   (RL_DEBUG_HOOKS), the n-th from when a test set p->fail_allocation to n (Pipeline.
+   _debug_fail_allocation), so that every out-of-memory path can be driven; else never. */
+static int
+allocation_fails(rl_proto *p)
+{
+#ifdef RL_DEBUG_HOOKS
+    if (p->fail_allocation > 0 && --p->fail_allocation == 0)
+        return 1;
+#else
+    (void)p;
+#endif
+    return 0;
 }
 
 /* Makes room for n more entries. 0, or -1 when out of memory (nothing changed). */
@@ -193,7 +218,7 @@ reserve_entries(rl_proto *p, size_t n)
     size_t cap = p->capacity ? p->capacity * 2 : 16;
     while (cap < p->count + n)
         cap *= 2;
-    rl_entry *ring = malloc(cap * sizeof(rl_entry));
+    rl_entry *ring = allocation_fails(p) ? NULL : malloc(cap * sizeof(rl_entry));
     if (ring == NULL)
         return -1;
     for (size_t i = 0; i < p->count; i++)
@@ -205,25 +230,25 @@ reserve_entries(rl_proto *p, size_t n)
     return 0;
 }
 
-/* Makes room for len more output bytes. 0, or -1 when out of memory (nothing changed). */
+/* Makes room for len more output bytes. 0, or -1 when out of memory (nothing changed). A
+   new buffer takes only the bytes still to be written; the old one is wiped and freed. */
 static int
 reserve_output(rl_proto *p, size_t len)
 {
     if (p->out_len + len <= p->out_capacity)
         return 0;
+    size_t live = p->out_len - p->out_start;
     size_t cap = p->out_capacity ? p->out_capacity : 1024;
-    while (cap < p->out_len + len)
+    while (cap < live + len)
         cap *= 2;
-    char *grown = malloc(cap);
+    char *grown = allocation_fails(p) ? NULL : malloc(cap);
     if (grown == NULL)
         return -1;
-    if (p->out != NULL) {
-        memcpy(grown, p->out, p->out_len);
-        if (p->sensitive)
-            rl_wipe(p->out, p->out_len);
-        free(p->out);
-    }
+    if (live > 0)
+        memcpy(grown, p->out + p->out_start, live);
+    free_output(p);
     p->out = grown;
+    p->out_len = p->out_touched = live;
     p->out_capacity = cap;
     return 0;
 }
@@ -238,41 +263,75 @@ queue(rl_proto *p, const char *bytes, size_t len, const rl_entry *e, rl_error *e
         return rl_error_set(err, RL_ERR_NOMEM, "out of memory queueing a command");
     memcpy(p->out + p->out_len, bytes, len);
     p->out_len += len;
+    if (p->out_len > p->out_touched)
+        p->out_touched = p->out_len;
     p->ring[(p->head + p->count) % p->capacity] = *e;
     p->count++;
     p->unsent++;
     return RL_OK;
 }
 
-/* Formats argv and queues it; the formatted copy is wiped (it may hold a password). */
+/* Formats argv as a RESP command into *out (hiredis's allocation): its length, or -1 when
+   out of memory (*out NULL). */
+static long long
+format_words(rl_proto *p, int argc, const char **argv, const size_t *argvlen, char **out)
+{
+    *out = NULL;
+    long long len = allocation_fails(p) ? -1 : redisFormatCommandArgv(out, argc, argv, argvlen);
+    if (len < 0 || *out == NULL) {
+        if (*out != NULL)
+            redisFreeCommand(*out);
+        *out = NULL;
+        return -1;
+    }
+    return len;
+}
+
+/* Frees a formatted command, wiped first: it may be AUTH's, holding the password. */
+static void
+drop_formatted(char *command, long long len)
+{
+    if (command == NULL)
+        return;
+    rl_wipe(command, (size_t)len);
+    rl_check_wiped(command, (size_t)len, "a formatted command");
+    redisFreeCommand(command);
+}
+
+/* Formats argv and queues it, or nothing. */
 static rl_status
 queue_words(rl_proto *p, int argc, const char **argv, const size_t *argvlen, const rl_entry *e,
             rl_error *err)
 {
-    char *command = NULL;
-    long long len = redisFormatCommandArgv(&command, argc, argv, argvlen);
-    if (len < 0 || command == NULL)
+    char *command;
+    long long len = format_words(p, argc, argv, argvlen, &command);
+    if (len < 0)
         return rl_error_set(err, RL_ERR_NOMEM, "out of memory formatting a command");
     rl_status st = queue(p, command, (size_t)len, e, err);
-    rl_wipe(command, (size_t)len);
-    redisFreeCommand(command);
+    drop_formatted(command, len);
     return st;
 }
 
 int
 rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *token, rl_error *err)
 {
+    /* At most AUTH, SELECT, INFO memory, PING. All are formatted and given room first, then
+       queued together: either every step is queued or none is, so a failure never leaves
+       a step (and the token of the last) behind. */
+    enum { MAX_STEPS = 4 };
+    char *command[MAX_STEPS] = {NULL, NULL, NULL, NULL};
+    long long len[MAX_STEPS] = {0, 0, 0, 0};
+    rl_entry entry[MAX_STEPS];
     const char *argv[3];
     size_t argvlen[3];
     char dbtext[24];
-    int steps = 0;
-    rl_entry e = {.deadline = deadline};
+    int n = 0, waited = 0, last = -1, rc = -1;
+    size_t total = 0;
 
-    /* Only the last step carries the token: it completes the handshake. A step before it
-       that fails reports a fatal event without a token; the driver then fails what is
-       left, the last step included. */
-    int steps_total =
-        (h->password != NULL) + (h->db != 0) + (h->password == NULL && h->db == 0 && h->ping);
+    if (p->failed) {
+        rl_error_set(err, RL_ERR_IO, "the connection to Redis failed already");
+        return -1;
+    }
     if (h->password != NULL) {
         int argc = 0;
         argv[argc] = "AUTH";
@@ -283,26 +342,20 @@ rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *to
         }
         argv[argc] = h->password;
         argvlen[argc++] = strlen(h->password);
-        e.step = RL_STEP_AUTH;
-        e.last = steps + 1 == steps_total;
-        e.token = e.last ? token : NULL;
-        p->sensitive = 1;
-        if (queue_words(p, argc, argv, argvlen, &e, err) != RL_OK)
-            return -1;
-        steps++;
+        entry[n] = (rl_entry){.step = RL_STEP_AUTH, .deadline = deadline};
+        if ((len[n] = format_words(p, argc, argv, argvlen, &command[n])) < 0)
+            goto nomem;
+        n++;
     }
     if (h->db != 0) {
-        p->db = h->db;
-        argvlen[1] = (size_t)snprintf(dbtext, sizeof(dbtext), "%lld", h->db);
         argv[0] = "SELECT";
         argvlen[0] = 6;
         argv[1] = dbtext;
-        e.step = RL_STEP_SELECT;
-        e.last = 1;
-        e.token = token;
-        if (queue_words(p, 2, argv, argvlen, &e, err) != RL_OK)
-            return -1;
-        steps++;
+        argvlen[1] = (size_t)snprintf(dbtext, sizeof(dbtext), "%lld", h->db);
+        entry[n] = (rl_entry){.step = RL_STEP_SELECT, .deadline = deadline};
+        if ((len[n] = format_words(p, 2, argv, argvlen, &command[n])) < 0)
+            goto nomem;
+        n++;
     }
     /* Not a step anyone waits for: no round trip is added. A server that refuses INFO (an
        ACL without +info) only goes without the eviction warning. */
@@ -310,22 +363,51 @@ rl_proto_handshake(rl_proto *p, const rl_handshake *h, double deadline, void *to
     argvlen[0] = 4;
     argv[1] = "memory";
     argvlen[1] = 6;
-    rl_entry info = {.step = RL_STEP_INFO, .deadline = deadline};
-    if (queue_words(p, 2, argv, argvlen, &info, err) != RL_OK)
-        return -1;
-    if (steps == 0 && h->ping) {
+    entry[n] = (rl_entry){.step = RL_STEP_INFO, .deadline = deadline};
+    if ((len[n] = format_words(p, 2, argv, argvlen, &command[n])) < 0)
+        goto nomem;
+    n++;
+    if (h->password == NULL && h->db == 0 && h->ping) {
         /* A TLS 1.3 server sends its session tickets after the handshake; one round trip
            now reads them, so an idle pooled connection never looks readable (stale). */
         argv[0] = "PING";
         argvlen[0] = 4;
-        e.step = RL_STEP_PING;
-        e.last = 1;
-        e.token = token;
-        if (queue_words(p, 1, argv, argvlen, &e, err) != RL_OK)
-            return -1;
-        steps++;
+        entry[n] = (rl_entry){.step = RL_STEP_PING, .deadline = deadline};
+        if ((len[n] = format_words(p, 1, argv, argvlen, &command[n])) < 0)
+            goto nomem;
+        n++;
     }
-    return steps;
+    /* Only the last step waited for carries the token: it completes the handshake. A step
+       before it that fails reports a fatal event without a token; the driver then fails
+       what is left, the last step included. */
+    for (int i = 0; i < n; i++) {
+        total += (size_t)len[i];
+        if (entry[i].step != RL_STEP_INFO) {
+            waited++;
+            last = i;
+        }
+    }
+    if (last >= 0) {
+        entry[last].last = 1;
+        entry[last].token = token;
+    }
+    if (reserve_entries(p, (size_t)n) < 0 || reserve_output(p, total) < 0)
+        goto nomem;
+    if (h->password != NULL)
+        p->sensitive = 1; /* set before the bytes go in: every later wipe sees it */
+    p->db = h->db;
+    for (int i = 0; i < n; i++) {
+        rl_status st = queue(p, command[i], (size_t)len[i], &entry[i], err);
+        (void)st; /* the room is there: queue cannot fail now */
+    }
+    rc = waited;
+    goto done;
+nomem:
+    rl_error_set(err, RL_ERR_NOMEM, "out of memory queueing the connection's handshake");
+done:
+    for (int i = 0; i < MAX_STEPS; i++)
+        drop_formatted(command[i], len[i]);
+    return rc;
 }
 
 rl_status
@@ -362,31 +444,25 @@ rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *ar
 const char *
 rl_proto_output(const rl_proto *p, size_t *len)
 {
-    *len = p->out_len;
-    return p->out;
+    *len = p->out_len - p->out_start;
+    return p->out != NULL ? p->out + p->out_start : NULL;
 }
 
 void
 rl_proto_consume(rl_proto *p, size_t written)
 {
-    if (written >= p->out_len) {
-        if (p->sensitive)
-            rl_wipe(p->out, p->out_len);
-        p->out_len = 0;
-        p->unsent = 0; /* every queued entry's bytes are on their way */
-        p->sensitive = 0;
-        if (p->out_capacity > 65536) {
-            /* A burst grew the buffer: give the memory back. */
-            free(p->out);
-            p->out = NULL;
-            p->out_capacity = 0;
-        }
-        return;
-    }
-    memmove(p->out, p->out + written, p->out_len - written);
+    size_t left = p->out_len - p->out_start;
+    p->out_start += written < left ? written : left;
+    if (p->out_start < p->out_len)
+        return; /* the rest goes out with the next write; nothing is moved */
+    /* All written: the buffer is used again from its start. A password in it goes now. */
     if (p->sensitive)
-        rl_wipe(p->out + p->out_len - written, written);
-    p->out_len -= written;
+        rl_wipe(p->out, p->out_len);
+    p->sensitive = 0;
+    p->out_start = p->out_len = 0;
+    p->unsent = 0; /* every queued entry's bytes are on their way */
+    if (p->out_capacity > 65536)
+        free_output(p); /* a burst grew the buffer: give the memory back */
 }
 
 rl_status
@@ -421,7 +497,8 @@ rl_proto_pop(rl_proto *p, rl_entry *out)
         /* Nothing is waiting for the queued bytes any more. */
         if (p->sensitive)
             rl_wipe(p->out, p->out_len);
-        p->out_len = 0;
+        p->sensitive = 0;
+        p->out_start = p->out_len = 0;
         p->unsent = 0;
     }
     return 1;

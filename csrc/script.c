@@ -556,20 +556,45 @@ integer_at(const redisReply *array, size_t i, long long *out, rl_error *err)
     return RL_OK;
 }
 
+/* RL_OK when the integer `what` that the `script` script answered lies in [min, max] (what
+   that script can answer: see RL_MAX_UNIX_MS), else a malformed reply naming the integer
+   and its range. Every integer of a reply passes here before anything is computed from
+   it, so no arithmetic below can overflow. */
+static rl_status
+within(const char *script, const char *what, long long value, long long min, long long max,
+       rl_error *err)
+{
+    if (value >= min && value <= max)
+        return RL_OK;
+    return rl_error_set(err, RL_ERR_PROTOCOL,
+                        "the %s script answered %s = %lld, out of range (%lld to %lld): not a "
+                        "reply this script can give",
+                        script, what, value, min, max);
+}
+
+/* The rounded-up seconds of a wait in ms (bounded by the caller: no overflow). */
+static long long
+ceil_seconds(long long ms)
+{
+    return (ms + 999) / 1000;
+}
+
 /* lua/reconcile_release.lua: {windows found, 1 when the lease was still held}. */
 static rl_status
 decode_reconcile_release(const redisReply *reply, const rl_prepared *d, rl_result *out,
                          rl_error *err)
 {
     long long found = -1, released = -1;
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2 ||
-        integer_at(reply, 0, &found, err) != RL_OK ||
-        integer_at(reply, 1, &released, err) != RL_OK || found < 0 || found > d->windows.count ||
-        (released != 0 && released != 1))
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 2)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the reconcile-and-release script: %s, expected "
-                            "{0 to %d, 0 or 1}",
-                            rl_reply_type_name(reply->type), d->windows.count);
+                            "an array of 2 integers",
+                            rl_reply_type_name(reply->type));
+    if (integer_at(reply, 0, &found, err) != RL_OK ||
+        integer_at(reply, 1, &released, err) != RL_OK ||
+        within("reconcile-and-release", "found", found, 0, d->windows.count, err) != RL_OK ||
+        within("reconcile-and-release", "released", released, 0, 1, err) != RL_OK)
+        return err->kind;
     memset(out, 0, sizeof(*out));
     out->found = found;
     out->slot = (int)released;
@@ -580,15 +605,27 @@ decode_reconcile_release(const redisReply *reply, const rl_prepared *d, rl_resul
 static rl_status
 decode_reconcile(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
-    if (reply->type != REDIS_REPLY_INTEGER || reply->integer < 0 ||
-        reply->integer > d->windows.count)
+    if (reply->type != REDIS_REPLY_INTEGER)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the reconcile script: %s, expected an integer "
                             "from 0 to %d",
                             rl_reply_type_name(reply->type), d->windows.count);
+    if (within("reconcile", "found", reply->integer, 0, d->windows.count, err) != RL_OK)
+        return err->kind;
     memset(out, 0, sizeof(*out));
     out->found = reply->integer;
     return RL_OK;
+}
+
+/* 1 when text (len bytes) is the decimal text of an unsigned 64-bit number: a SCAN
+   cursor, which the next reset sends back. */
+static int
+is_cursor(const char *text, size_t len)
+{
+    static const char max_text[] = "18446744073709551615";
+    if (len < 1 || len > RL_MAX_CURSOR_DIGITS || strspn(text, "0123456789") < len)
+        return 0;
+    return len < RL_MAX_CURSOR_DIGITS || memcmp(text, max_text, RL_MAX_CURSOR_DIGITS) <= 0;
 }
 
 /* lua/reset.lua: {entries removed, the SCAN cursor to go on from}. */
@@ -602,15 +639,18 @@ decode_reset(const redisReply *reply, rl_result *out, rl_error *err)
                             "unexpected reply to the reset script: %s, expected an array of an "
                             "integer and a cursor",
                             rl_reply_type_name(reply->type));
-    if (integer_at(reply, 0, &removed, err) != RL_OK)
+    if (integer_at(reply, 0, &removed, err) != RL_OK ||
+        within("reset", "removed", removed, 0, RL_MAX_LIMIT, err) != RL_OK)
         return err->kind;
     cursor = reply->element[1];
-    if (removed < 0 || cursor == NULL || cursor->type != REDIS_REPLY_STRING || cursor->len < 1 ||
-        cursor->len >= sizeof(out->cursor) || strspn(cursor->str, "0123456789") != cursor->len)
+    if (cursor == NULL || cursor->type != REDIS_REPLY_STRING ||
+        !is_cursor(cursor->str, cursor->len))
         return rl_error_set(err, RL_ERR_PROTOCOL,
-                            "the reset script answered values out of range (%lld entries, "
-                            "a cursor that is %s)",
-                            removed, cursor ? rl_reply_type_name(cursor->type) : "missing");
+                            "the reset script answered a cursor that is %s%s, out of range: "
+                            "expected 1 to %d digits (an unsigned 64-bit SCAN cursor)",
+                            cursor ? rl_reply_type_name(cursor->type) : "missing",
+                            cursor && cursor->type == REDIS_REPLY_STRING ? " of other text" : "",
+                            RL_MAX_CURSOR_DIGITS);
     memset(out, 0, sizeof(*out));
     out->found = removed;
     memcpy(out->cursor, cursor->str, cursor->len);
@@ -629,15 +669,19 @@ decode_usage(const redisReply *usage, const rl_windows *w, rl_result *out, rl_er
                             "array of %d integers",
                             usage ? rl_reply_type_name(usage->type) : "missing", 2 * w->count);
     for (int i = 0; i < w->count; i++) {
-        if (integer_at(usage, 2 * (size_t)i, &out->used_of[i], err) != RL_OK ||
-            integer_at(usage, 2 * (size_t)i + 1, &out->oldest_of[i], err) != RL_OK)
+        long long used, oldest;
+        if (integer_at(usage, 2 * (size_t)i, &used, err) != RL_OK ||
+            integer_at(usage, 2 * (size_t)i + 1, &oldest, err) != RL_OK ||
+            within("peek", "used", used, 0, RL_MAX_LIMIT, err) != RL_OK ||
+            within("peek", "oldest", oldest, -1, RL_MAX_UNIX_MS, err) != RL_OK)
             return err->kind;
-        if (out->used_of[i] < 0 || out->oldest_of[i] < -1 ||
-            (out->used_of[i] == 0) != (out->oldest_of[i] == -1))
+        if ((used == 0) != (oldest == -1))
             return rl_error_set(err, RL_ERR_PROTOCOL,
                                 "the peek script answered a usage out of range (%lld used, "
-                                "oldest %lld)",
-                                out->used_of[i], out->oldest_of[i]);
+                                "oldest %lld): an empty window has no oldest entry",
+                                used, oldest);
+        out->used_of[i] = used;
+        out->oldest_of[i] = oldest;
     }
     return RL_OK;
 }
@@ -646,6 +690,9 @@ decode_usage(const redisReply *usage, const rl_windows *w, rl_result *out, rl_er
 static rl_status
 decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
+    static const char name[] = "lease";
+    /* A refusal waits for the soonest expiry: a lease of any caller, so the longest. */
+    const long long longest_wait = RL_MAX_WINDOW_SECONDS * 1000 + RL_MAX_CLOCK_SKEW_MS;
     long long v[5];
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 5)
         return rl_error_set(err, RL_ERR_PROTOCOL,
@@ -658,10 +705,20 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
             return err->kind;
     }
     long long ok = v[0], held = v[1], retry_ms = v[2], expires = v[3], now = v[4];
+    if (within(name, "ok", ok, 0, 1, err) != RL_OK ||
+        within(name, "held", held, 0, RL_MAX_LIMIT, err) != RL_OK ||
+        within(name, "now", now, 0, RL_MAX_UNIX_MS, err) != RL_OK ||
+        within(name, "retry_ms", retry_ms, 0, longest_wait, err) != RL_OK)
+        return err->kind;
     int granted = ok == 1 && d->shape != RL_SHAPE_RELEASE;
-    if ((ok != 0 && ok != 1) || held < 0 || now < 0 || (granted && expires <= now) ||
-        (!granted && expires != 0) ||
-        (d->shape == RL_SHAPE_ACQUIRE && ok == 1 && (held < 1 || retry_ms != 0)) ||
+    /* A granted lease expires after now, within its length (a replayed acquire answers the
+       first attempt's expiry, stamped by a clock that may have been ahead). */
+    if (granted && within(name, "expires_ms", expires, now + 1,
+                          now + d->lease_ms + RL_MAX_CLOCK_SKEW_MS, err) != RL_OK)
+        return err->kind;
+    if (!granted && within(name, "expires_ms", expires, 0, 0, err) != RL_OK)
+        return err->kind;
+    if ((d->shape == RL_SHAPE_ACQUIRE && ok == 1 && (held < 1 || retry_ms != 0)) ||
         (d->shape == RL_SHAPE_ACQUIRE && ok == 0 && (held < d->lease_limit || retry_ms < 1)) ||
         (d->shape != RL_SHAPE_ACQUIRE && retry_ms != 0))
         return rl_error_set(err, RL_ERR_PROTOCOL,
@@ -672,7 +729,7 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
     out->allowed = (int)ok;
     out->remaining = held;
     out->retry_after_ms = retry_ms;
-    out->retry_after_s = (retry_ms + 999) / 1000;
+    out->retry_after_s = ceil_seconds(retry_ms);
     out->expires_ms = expires;
     out->now_ms = now;
     return RL_OK;
@@ -680,10 +737,12 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
 
 /* lua/reserve_in_flight.lua's 9th element, {granted, holders, wait ms, expiry}, after
    the decision's own (allowed or refused by a window): granted when the decision allowed,
-   nothing held when a window refused it. */
+   nothing held when a window refused it. Holders: at most this call's limit for its own
+   slot, but others may hold theirs under a larger one; only an absurd count is malformed. */
 static rl_status
 decode_slot(const redisReply *answer, const rl_prepared *d, rl_result *out, rl_error *err)
 {
+    const char *name = "in-flight reserve";
     long long v[4] = {-1, -1, -1, -1};
     if (answer == NULL || answer->type != REDIS_REPLY_ARRAY || answer->elements != 4)
         return rl_error_set(err, RL_ERR_PROTOCOL,
@@ -694,15 +753,13 @@ decode_slot(const redisReply *answer, const rl_prepared *d, rl_result *out, rl_e
         if (integer_at(answer, i, &v[i], err) != RL_OK)
             return err->kind;
     }
-    /* holders: at most the limit for this call's own slot, but others may hold theirs under
-       a larger one; only an absurd count is malformed */
-    if (v[0] != out->allowed || v[1] < 0 || v[1] > RL_MAX_LIMIT || v[2] != 0 ||
-        (out->allowed && (v[1] < 1 || v[3] <= out->now_ms || v[3] > out->now_ms + d->lease_ms)) ||
-        (!out->allowed && v[3] != 0))
-        return rl_error_set(err, RL_ERR_PROTOCOL,
-                            "the in-flight reserve script answered a slot out of range "
-                            "(%lld, %lld, %lld, %lld)",
-                            v[0], v[1], v[2], v[3]);
+    if (within(name, "granted", v[0], out->allowed, out->allowed, err) != RL_OK ||
+        within(name, "holders", v[1], out->allowed, RL_MAX_LIMIT, err) != RL_OK ||
+        within(name, "a granted slot's wait", v[2], 0, 0, err) != RL_OK ||
+        (out->allowed &&
+         within(name, "expiry", v[3], out->now_ms + 1, out->now_ms + d->lease_ms, err) != RL_OK) ||
+        (!out->allowed && within(name, "expiry", v[3], 0, 0, err) != RL_OK))
+        return err->kind;
     out->slot = (int)v[0];
     out->slot_held = v[1];
     out->slot_retry_ms = 0;
@@ -715,6 +772,7 @@ decode_slot(const redisReply *answer, const rl_prepared *d, rl_result *out, rl_e
 static rl_status
 decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
+    const char *name = "in-flight reserve";
     long long v[5], retry_ms = 0, tie = -1, slot[4] = {-1, -1, -1, -1};
     const redisReply *each = reply->element[5], *answer = reply->element[8];
     for (size_t i = 0; i < 5; i++) {
@@ -723,22 +781,27 @@ decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *ou
     }
     if (integer_at(reply, 6, &retry_ms, err) != RL_OK || integer_at(reply, 7, &tie, err) != RL_OK)
         return err->kind;
-    if (answer == NULL || answer->type != REDIS_REPLY_ARRAY || answer->elements != 4)
+    if (answer == NULL || answer->type != REDIS_REPLY_ARRAY || answer->elements != 4 ||
+        each == NULL || each->type != REDIS_REPLY_ARRAY || each->elements != 0)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the in-flight reserve script: a refused slot "
-                            "without its answer");
+                            "with window reports, or without its answer");
     for (size_t i = 0; i < 4; i++) {
         if (integer_at(answer, i, &slot[i], err) != RL_OK)
             return err->kind;
     }
-    if (v[0] != 0 || v[1] != 0 || v[4] < 0 || v[4] > RL_MAX_LIMIT || retry_ms < 1 ||
-        retry_ms > RL_MAX_WINDOW_SECONDS * 1000 || v[2] != (retry_ms + 999) / 1000 || tie != 0 ||
-        each == NULL || each->type != REDIS_REPLY_ARRAY || each->elements != 0 || slot[0] != 0 ||
-        slot[1] < d->lease_limit || slot[1] > RL_MAX_LIMIT || slot[2] != retry_ms || slot[3] != 0)
-        return rl_error_set(err, RL_ERR_PROTOCOL,
-                            "the in-flight reserve script answered a refused slot out of range "
-                            "(%lld, %lld, %lld, %lld ms)",
-                            v[0], v[1], v[2], retry_ms);
+    if (within(name, "allowed", v[0], 0, 0, err) != RL_OK ||
+        within(name, "remaining", v[1], 0, 0, err) != RL_OK ||
+        within(name, "now", v[4], 0, RL_MAX_UNIX_MS, err) != RL_OK ||
+        within(name, "retry_ms", retry_ms, 1, RL_MAX_WINDOW_SECONDS * 1000, err) != RL_OK ||
+        within(name, "retry_after_s", v[2], ceil_seconds(retry_ms), ceil_seconds(retry_ms), err) !=
+            RL_OK ||
+        within(name, "tie", tie, 0, 0, err) != RL_OK ||
+        within(name, "granted", slot[0], 0, 0, err) != RL_OK ||
+        within(name, "holders", slot[1], d->lease_limit, RL_MAX_LIMIT, err) != RL_OK ||
+        within(name, "the slot's wait", slot[2], retry_ms, retry_ms, err) != RL_OK ||
+        within(name, "expiry", slot[3], 0, 0, err) != RL_OK)
+        return err->kind;
     memset(out, 0, sizeof(*out));
     out->retry_after_s = v[2];
     out->retry_after_ms = retry_ms;
@@ -750,9 +813,12 @@ decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *ou
     return RL_OK;
 }
 
-rl_status
-rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+/* lua/sliding_window.lua (and peek.lua's first 7): {allowed, remaining, retry_after_s,
+   window, now, {remaining per window}, retry_ms}, checked against the request's windows. */
+static rl_status
+decode_window(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
+    const char *name = rl_script_peeks(d->script) ? "peek" : "rate-limit";
     const rl_windows *w = &d->windows;
     int nwindows = w->count;
     /* peek: a usage array 8th; the compact storage's decision: the entry's tie 8th; with an
@@ -763,6 +829,86 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
                                                                                             : 7;
     long long v[5] = {0, 0, 0, 0, 0}, retry_ms = 0;
     const redisReply *each;
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != elements)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the rate-limit script: %s%s, expected an array "
+                            "of 5 integers, an array and an integer",
+                            rl_reply_type_name(reply->type),
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
+    for (size_t i = 0; i < 5; i++) {
+        if (integer_at(reply, i, &v[i], err) != RL_OK)
+            return err->kind;
+    }
+    if (integer_at(reply, 6, &retry_ms, err) != RL_OK)
+        return err->kind;
+    long long allowed = v[0], remaining = v[1], retry = v[2], window = v[3], now = v[4];
+    if (slot && window == 0)
+        return decode_slot_refusal(reply, d, out, err);
+    if (within(name, "allowed", allowed, 0, 1, err) != RL_OK ||
+        within(name, "window", window, 1, nwindows, err) != RL_OK ||
+        within(name, "now", now, 0, RL_MAX_UNIX_MS, err) != RL_OK)
+        return err->kind;
+    long long limit = w->limit[window - 1];
+    if (allowed) {
+        if (within(name, "remaining", remaining, 0, limit - 1, err) != RL_OK ||
+            within(name, "retry_after_s", retry, 0, 0, err) != RL_OK ||
+            within(name, "retry_ms", retry_ms, 0, 0, err) != RL_OK)
+            return err->kind;
+    } else {
+        /* The wait until enough of the window's entries leave it: at most the window, and
+           the skew of the clock that stamped them. retry_after_s is that wait rounded up. */
+        long long longest_wait = w->seconds[window - 1] * 1000 + RL_MAX_CLOCK_SKEW_MS;
+        if (within(name, "remaining", remaining, 0, 0, err) != RL_OK ||
+            within(name, "retry_ms", retry_ms, 1, longest_wait, err) != RL_OK ||
+            within(name, "retry_after_s", retry, ceil_seconds(retry_ms), ceil_seconds(retry_ms),
+                   err) != RL_OK)
+            return err->kind;
+    }
+    /* Every window's remaining on allow; on reject the windows up to the rejecting one. */
+    each = reply->element[5];
+    size_t evaluated = allowed ? (size_t)nwindows : (size_t)window;
+    if (each == NULL || each->type != REDIS_REPLY_ARRAY || each->elements != evaluated)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the rate-limit script: element 6 is %s, "
+                            "expected an array of %zu integers",
+                            each ? rl_reply_type_name(each->type) : "missing", evaluated);
+    for (size_t i = 0; i < evaluated; i++) {
+        long long r = 0;
+        if (integer_at(each, i, &r, err) != RL_OK)
+            return err->kind;
+        /* On allow no window has fewer left than the fewest reported; on reject a window
+           before the rejecting one has up to its limit (the request's cost given back). */
+        if (within(name, "a window's remaining", r, allowed ? remaining : 0,
+                   allowed ? w->limit[i] - 1 : w->limit[i], err) != RL_OK)
+            return err->kind;
+        out->remaining_of[i] = r;
+    }
+    out->allowed = (int)allowed;
+    out->remaining = remaining;
+    out->retry_after_s = retry;
+    out->retry_after_ms = retry_ms;
+    out->window = (int)(window - 1);
+    out->now_ms = now;
+    out->evaluated = (int)evaluated;
+    out->found = 0;
+    out->expires_ms = 0;
+    out->tie = 0;
+    out->slot = -1;
+    if (rl_script_peeks(d->script))
+        return decode_usage(reply->element[7], w, out, err);
+    if (elements > 7) {
+        if (integer_at(reply, 7, &out->tie, err) != RL_OK ||
+            within(name, "tie", out->tie, 0, RL_MAX_TIE, err) != RL_OK)
+            return err->kind;
+    }
+    if (slot)
+        return decode_slot(reply->element[8], d, out, err);
+    return RL_OK;
+}
+
+rl_status
+rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
     if (reply->type == REDIS_REPLY_ERROR) {
         if (rl_reply_is_error(reply, "NOAUTH") || rl_reply_is_error(reply, "WRONGPASS"))
             return rl_error_set(err, RL_ERR_AUTH,
@@ -784,82 +930,20 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
                             "error: %.240s",
                             reply->str ? reply->str : "");
     }
-    if (d->script == RL_SCRIPT_RECONCILE_RELEASE ||
-        d->script == RL_SCRIPT_COMPACT_RECONCILE_RELEASE)
+    switch (d->script) {
+    case RL_SCRIPT_RECONCILE_RELEASE:
+    case RL_SCRIPT_COMPACT_RECONCILE_RELEASE:
         return decode_reconcile_release(reply, d, out, err);
-    if (rl_script_reconciles(d->script))
+    case RL_SCRIPT_RECONCILE:
+    case RL_SCRIPT_COMPACT_RECONCILE:
         return decode_reconcile(reply, d, out, err);
-    if (d->script == RL_SCRIPT_RESET)
+    case RL_SCRIPT_RESET:
         return decode_reset(reply, out, err);
-    if (d->script == RL_SCRIPT_LEASE)
+    case RL_SCRIPT_LEASE:
         return decode_lease(reply, d, out, err);
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != elements)
-        return rl_error_set(err, RL_ERR_PROTOCOL,
-                            "unexpected reply to the rate-limit script: %s%s, expected an array "
-                            "of 5 integers, an array and an integer",
-                            rl_reply_type_name(reply->type),
-                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
-    for (size_t i = 0; i < 5; i++) {
-        if (integer_at(reply, i, &v[i], err) != RL_OK)
-            return err->kind;
+    default:
+        return decode_window(reply, d, out, err);
     }
-    if (integer_at(reply, 6, &retry_ms, err) != RL_OK)
-        return err->kind;
-    long long allowed = v[0], remaining = v[1], retry = v[2], window = v[3], now = v[4];
-    if (slot && window == 0)
-        return decode_slot_refusal(reply, d, out, err);
-    if ((allowed != 0 && allowed != 1) || remaining < 0 || retry < 0 || window < 1 ||
-        window > nwindows || now < 0 ||
-        (allowed == 1 && (retry != 0 || retry_ms != 0 || remaining >= w->limit[window - 1])) ||
-        (allowed == 0 && (retry < 1 || remaining != 0 || retry_ms < 1 || retry_ms > retry * 1000 ||
-                          retry_ms <= (retry - 1) * 1000)))
-        return rl_error_set(err, RL_ERR_PROTOCOL,
-                            "the rate-limit script answered values out of range "
-                            "(%lld, %lld, %lld, %lld)",
-                            allowed, remaining, retry, window);
-    /* Every window's remaining on allow; on reject the windows up to the rejecting one. */
-    each = reply->element[5];
-    size_t evaluated = allowed ? (size_t)nwindows : (size_t)window;
-    if (each == NULL || each->type != REDIS_REPLY_ARRAY || each->elements != evaluated)
-        return rl_error_set(err, RL_ERR_PROTOCOL,
-                            "unexpected reply to the rate-limit script: element 6 is %s, "
-                            "expected an array of %zu integers",
-                            each ? rl_reply_type_name(each->type) : "missing", evaluated);
-    for (size_t i = 0; i < evaluated; i++) {
-        long long r = 0;
-        if (integer_at(each, i, &r, err) != RL_OK)
-            return err->kind;
-        if (r < 0 || r >= w->limit[i] + (allowed ? 0 : 1) || (allowed && r < remaining))
-            return rl_error_set(err, RL_ERR_PROTOCOL,
-                                "the rate-limit script answered a remaining out of range "
-                                "(%lld for a limit of %lld)",
-                                r, w->limit[i]);
-        out->remaining_of[i] = r;
-    }
-    out->allowed = (int)allowed;
-    out->remaining = remaining;
-    out->retry_after_s = retry;
-    out->retry_after_ms = retry_ms;
-    out->window = (int)(window - 1);
-    out->now_ms = now;
-    out->evaluated = (int)evaluated;
-    out->found = 0;
-    out->expires_ms = 0;
-    out->tie = 0;
-    out->slot = -1;
-    if (rl_script_peeks(d->script))
-        return decode_usage(reply->element[7], w, out, err);
-    if (elements > 7) {
-        if (integer_at(reply, 7, &out->tie, err) != RL_OK)
-            return err->kind;
-        if (out->tie < 0 || out->tie > RL_MAX_TIE)
-            return rl_error_set(err, RL_ERR_PROTOCOL,
-                                "the rate-limit script answered a tie out of range (%lld)",
-                                out->tie);
-    }
-    if (slot)
-        return decode_slot(reply->element[8], d, out, err);
-    return RL_OK;
 }
 
 /* The same command with the script's trailing replay marker ("1"): "*N\r\n..." becomes

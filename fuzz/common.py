@@ -50,6 +50,59 @@ TOLERATED = ((UnicodeDecodeError,) if "non-utf8-message" in KNOWN_BUGS else ()) 
     (MemoryError,) if "feed-after-error" in KNOWN_BUGS else ())
 
 
+# ------------------------------------------------------------------ the integer model
+#
+# A reply's integers: what the scripts can answer (the bounds of csrc/native.h, read from
+# the module) and everything a server could send instead. RESP integers cover the whole of
+# int64 and beyond: hiredis refuses a text that is not a signed 64-bit decimal ("Bad integer
+# value": more than 19 digits, overflowing, leading zeros, '+', empty), so only values in
+# int64 ever reach the decoder, which holds each to its bounds before any arithmetic.
+LLONG_MIN, LLONG_MAX = -(2**63), 2**63 - 1
+MAX_LIMIT = _native.MAX_LIMIT
+MAX_UNIX_MS = _native.MAX_UNIX_MS
+SKEW_MS = _native.MAX_CLOCK_SKEW_MS
+LONGEST_LEASE_WAIT_MS = _native.MAX_WINDOW_SECONDS * 1000 + SKEW_MS
+NOW_MS = 1_767_225_600_000  # 2026-01-01, the time of a plausible reply
+# Values at and around every bound the decoder holds integers to, and the edges of the
+# types they pass through (Lua's doubles, int32, int64, uint64).
+EDGES = (0, 1, 999, 1000, 60_000, 3_600_000, SKEW_MS, 60_000 + SKEW_MS, 3_600_000 + SKEW_MS,
+         86_400_000 + SKEW_MS, LONGEST_LEASE_WAIT_MS, MAX_LIMIT, MAX_UNIX_MS, NOW_MS, 2**31,
+         2**32, 2**53, 2**62, LLONG_MAX // 1000, LLONG_MAX, 2**64 - 1)
+MALFORMED_INTEGERS = (b"", b"-", b"+5", b"007", b"-0", b"00", b" 5", b"5 ", b"1e3", b"0x10",
+                      b"1.5", b"\xd9\xa1", b"9" * 19, b"9" * 20, b"-" + b"9" * 20,
+                      b"18446744073709551616", b"-9223372036854775809", b"9223372036854775808")
+
+
+@atheris.instrument_func
+def integer_text(fdp: atheris.FuzzedDataProvider, typical: tuple[int, ...] = ()) -> bytes:
+    """The text of a RESP integer (":<text>\r\n" is the caller's): half the time one of
+    `typical` (values a well-formed reply holds, so that mutations stay near valid
+    replies), else anything: an edge +-2, a small number, any int64, a number beyond int64
+    (20 to 40 digits, either sign), a plausible time, or a text that is no integer."""
+    if typical and fdp.ConsumeBool():
+        return b"%d" % fdp.PickValueInList(list(typical))
+    kind = fdp.ConsumeIntInRange(0, 6)
+    if kind == 0:
+        sign = -1 if fdp.ConsumeBool() else 1
+        return b"%d" % (sign * fdp.PickValueInList(list(EDGES)) + fdp.ConsumeIntInRange(-2, 2))
+    if kind == 1:
+        return b"%d" % fdp.ConsumeIntInRange(-3, 3)
+    if kind == 2:
+        return b"%d" % fdp.ConsumeIntInRange(LLONG_MIN, LLONG_MAX)
+    if kind == 3:
+        value = fdp.ConsumeIntInRange(2**63, 10**40 - 1)
+        return b"%d" % (-value if fdp.ConsumeBool() else value)
+    if kind == 4:
+        return b"%d" % (NOW_MS + fdp.ConsumeIntInRange(-10**7, 10**7))
+    if kind == 5:
+        return fdp.PickValueInList(list(MALFORMED_INTEGERS))
+    return b"%d" % fdp.ConsumeInt(9)  # +-2**71
+
+
+def ceil_seconds(ms: int) -> int:
+    return -(-ms // 1000)
+
+
 class HostileError(Exception):
     """Raised by a hostile future's set_result/set_exception: must propagate out of feed()."""
 

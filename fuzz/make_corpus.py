@@ -1,8 +1,10 @@
 """Writes the seed corpus in fuzz/corpus/ (committed; rerun after changing an input layout).
 
-pipeline/: raw-mode inputs (see fuzz_pipeline.py for the two header bytes) holding what a
-server really answers: decisions, NOSCRIPT then the SHA then a decision, error replies,
-statuses for handshake commands, a few broken ones, and RESP3 values in those places.
+pipeline/: raw-mode inputs (fuzz/layout.py: three header bytes) holding what a server really
+answers: a reply of every kind (fuzz/layout.py KINDS), well formed and with integers out of
+what the script can answer or out of int64, NOSCRIPT then the SHA then a decision, error
+replies, statuses for handshake commands, a few broken ones, and RESP3 values in those
+places.
 Structured-mode and arguments/ seeds are short random-looking byte strings: their bytes are
 choices, not text.
 """
@@ -12,8 +14,13 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
+
+from layout import KINDS, head
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+LLONG_MAX, LLONG_MIN = 2**63 - 1, -(2**63)
+NOW = 1_767_225_600_000
 
 
 def decision(allowed: int, remaining: int, retry: int, window: int) -> bytes:
@@ -23,13 +30,30 @@ def decision(allowed: int, remaining: int, retry: int, window: int) -> bytes:
             + b":%d\r\n" % (retry * 1000))
 
 
-def head(decisions: int, commands: int = 0, structured: bool = False, windows: int = 1,
-         chunk: int = 0, client_clock: bool = False, some_done: bool = False,
-         hostile: bool = False) -> bytes:
-    b0 = (decisions | (8 if structured else 0) | (commands << 4) | (64 if some_done else 0)
-          | (128 if hostile else 0))
-    b1 = (windows - 1) | (4 if client_clock else 0) | (chunk << 3)
-    return bytes([b0, b1])
+def resp(value: object) -> bytes:
+    """RESP2 text of an int, bytes (a bulk string) or a list of those; a str is put as is
+    (an integer's text that is no int64, for hiredis to refuse)."""
+    if isinstance(value, list):
+        return b"*%d\r\n" % len(value) + b"".join(resp(v) for v in value)
+    if isinstance(value, bytes):
+        return b"$%d\r\n%s\r\n" % (len(value), value)
+    if isinstance(value, str):
+        return b":" + value.encode() + b"\r\n"
+    return b":%d\r\n" % value  # type: ignore[str-format]
+
+
+def window(allowed: int = 1, remaining: int = 4, retry: int = 0, index: int = 1, now: object = NOW,
+           each: list[object] | None = None, retry_ms: object = 0,
+           usage: list[object] | None = None) -> bytes:
+    """sliding_window.lua's reply (peek.lua's with usage), any element replaceable."""
+    items: list[object] = [allowed, remaining, retry, index, now,
+                           [remaining] if each is None else each, retry_ms]
+    return resp(items + ([usage] if usage is not None else []))
+
+
+def lease(ok: int = 1, held: int = 1, retry_ms: object = 0, expires: object = NOW + 60_000,
+          now: object = NOW) -> bytes:
+    return resp([ok, held, retry_ms, expires, now])
 
 
 SHA = b"$40\r\n" + b"0" * 40 + b"\r\n"  # the real SHA is read at run time; any 40 bytes do
@@ -69,6 +93,49 @@ PIPELINE = {
     "utf8-error-reply-cut-mid-character": head(1) + b"-ERR " + b"x" * 235 + "\u00e9".encode() + b"\r\n",
 }
 
+# Every reply kind, well formed and with the integers that once went unchecked (issue 21:
+# retry_ms = 2**63 - 1 made a lease with retry_after_s -9223372036854774) or that no int64
+# holds (hiredis refuses those texts).
+PIPELINE.update({
+    "check-refused-retry-2p62": head(1) + window(0, 0, 2**62, 1, NOW, [0], 2**62),
+    "check-refused-retry-292-million-years": head(1) + window(0, 0, 9223372036854775, 1, NOW, [0],
+                                                             9223372036854775000),
+    "check-now-llong-max": head(1) + window(now=LLONG_MAX),
+    "check-now-llong-min": head(1) + window(now=LLONG_MIN),
+    "check-now-20-digits": head(1) + window(now="18446744073709551617"),
+    "check-now-40-digits": head(1) + window(now="-" + "9" * 40),
+    "check-remaining-leading-zeros": head(1) + window(remaining="004"),
+    "weighted-refused": head(1, first="weighted") + window(0, 0, 60, 1, NOW, [0], 59_001),
+    "detailed-allowed": head(1, first="detailed") + window(),
+    "detailed-now-after-year-9999": head(1, first="detailed") + window(now=253402300800000),
+    "reserve-allowed": head(1, first="reserve") + window(each=[4, 999]),
+    "reserve-refused-retry-ms-llong-max": head(1, first="reserve")
+    + window(0, 0, LLONG_MAX // 1000 + 1, 1, NOW, [0], LLONG_MAX),
+    "scopes-allowed": head(1, first="scopes") + window(each=[4, 4]),
+    "scopes-remaining-llong-max": head(1, first="scopes") + window(each=[4, LLONG_MAX]),
+    "reconcile-found": head(1, first="reconcile") + resp(1),
+    "reconcile-found-llong-max": head(1, first="reconcile") + resp(LLONG_MAX),
+    "peek-allowed": head(1, first="peek") + window(usage=[1, NOW - 1000]),
+    "peek-used-llong-max": head(1, first="peek") + window(usage=[LLONG_MAX, NOW - 1000]),
+    "peek-oldest-llong-min": head(1, first="peek") + window(usage=[1, LLONG_MIN]),
+    "reset-removed": head(1, first="reset") + resp([2, b"0"]),
+    "reset-removed-llong-max": head(1, first="reset") + resp([LLONG_MAX, b"0"]),
+    "scan-cursor-at-2p64": head(1, first="scan") + resp([0, b"18446744073709551615"]),
+    "scan-cursor-past-2p64": head(1, first="scan") + resp([0, b"18446744073709551616"]),
+    "scan-cursor-21-digits": head(1, first="scan") + resp([0, b"1" * 21]),
+    "acquire-allowed": head(1, first="acquire") + lease(),
+    "acquire-refused": head(1, first="acquire") + lease(0, 3, 1500, 0),
+    "acquire-refused-retry-ms-llong-max": head(1, first="acquire") + lease(0, 3, LLONG_MAX, 0),
+    "acquire-expires-llong-max": head(1, first="acquire") + lease(expires=LLONG_MAX),
+    "acquire-retry-ms-20-digits": head(1, first="acquire") + lease(0, 3, "99999999999999999999", 0),
+    "release-held": head(1, first="release") + lease(1, 0, 0, 0),
+    "release-now-llong-max": head(1, first="release") + lease(1, 0, 0, 0, LLONG_MAX),
+    "renew-held": head(1, first="renew") + lease(),
+    "renew-expires-llong-max": head(1, first="renew") + lease(expires=LLONG_MAX),
+    "every-kind-allowed": head(7, first="reconcile") + resp(1) + window(usage=[1, NOW])
+    + resp([2, b"0"]) + resp([0, b"0"]) + lease() + lease(1, 0, 0, 0) + lease(),
+})
+
 # RESP3 values, which hiredis 1.x parses (0.14 calls their type bytes a protocol error) and
 # our reader refuses on every version: as the decision, inside it, as the reply to a
 # handshake command, and as SCRIPT LOAD's reply after a NOSCRIPT.
@@ -95,11 +162,15 @@ for _name, _value in RESP3.items():
 
 def main() -> None:
     rng = random.Random(6)
+    shutil.rmtree(os.path.join(HERE, "corpus", "pipeline"), ignore_errors=True)
+    os.makedirs(os.path.join(HERE, "corpus", "pipeline"))
     for name, data in PIPELINE.items():
         with open(os.path.join(HERE, "corpus", "pipeline", name), "wb") as f:
             f.write(data)
+    firsts = random.Random(7)  # apart, so that the seeds of arguments/ stay what they were
     for i in range(6):  # structured mode: header + choices
-        data = head(rng.randint(0, 7), rng.randint(0, 3), structured=True, windows=rng.randint(1, 4))
+        data = head(rng.randint(0, 7), rng.randint(0, 3), structured=True, windows=rng.randint(1, 4),
+                    first=firsts.choice(KINDS))
         data += bytes(rng.randrange(256) for _ in range(rng.randint(16, 96)))
         with open(os.path.join(HERE, "corpus", "pipeline", f"structured-{i}"), "wb") as f:
             f.write(data)

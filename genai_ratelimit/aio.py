@@ -130,6 +130,9 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._fd = -1  # polled while idle (usable()); -1: not polled
         self._info_due = True  # until INFO memory's answer was looked at
+        # The handshake's bytes when they hold AUTH's password (Pipeline.take gives those as
+        # a bytearray): zeroed once the transport is done with them (_wipe_secret).
+        self._secret: bytearray | None = None
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -163,9 +166,20 @@ class _Connection(asyncio.Protocol):
             self._schedule_flush()
         if self._info_due and (warning := self.pipeline.eviction_warning) is not None:
             self._info_due = False
+            # INFO went out last, in the handshake's write: the server read all of it.
+            self._wipe_secret()
             self.pool.limiter._warn_once(warning)
 
+    def _wipe_secret(self) -> None:
+        """Zeroes the handshake's bytes, which hold AUTH's password, once no one reads them
+        any more: the server answered the last command they carried, or the connection is
+        gone. Not sooner: a transport may still hold them (a memoryview of the unsent rest)."""
+        if self._secret is not None:
+            self._secret[:] = bytes(len(self._secret))
+            self._secret = None
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._wipe_secret()
         if self.closed:  # we closed it ourselves and failed its checks already
             return
         self.pool.limiter._codec._record_outcome("connection_error")
@@ -241,6 +255,10 @@ class _Connection(asyncio.Protocol):
         data = self.pipeline.take()
         if data is not None and not self.closed and self.transport is not None:
             self.transport.write(data)
+        if type(data) is bytearray:  # the handshake's AUTH, with the password
+            self._secret = data
+            if self.closed or self.transport is None:
+                self._wipe_secret()
 
     # -- deadlines: replies come in order, so the oldest pending one expires first
     def _on_timer(self) -> None:

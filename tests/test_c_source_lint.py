@@ -1,6 +1,8 @@
 """Lints the C source in csrc/ against the house rules (docs: style.md, practices 1, 2, 13):
 every file opens with a comment saying what it is for, no Python object lives in a static
-variable (module state instead), the built extension exports PyInit__native and nothing
+variable (module state instead), the rooms' calls only go down a floor (no file calls a
+function of a file that calls back into it, directly or around a circle; base.c calls no
+room and includes base.h only), the built extension exports PyInit__native and nothing
 else, and every file compiles warning-free with -Wall -Wextra -Werror in the release and the
 debug configuration of setup.py."""
 
@@ -75,6 +77,54 @@ def python_object_statics(source: str) -> list[str]:
             else:
                 statement.append(ch)
     return found
+
+
+def exported_functions(source: str) -> set[str]:
+    """The rl_* functions a file defines for the others: a name at the start of a line
+    followed by "(" (the house style puts the return type on the line above), whose
+    return type line does not say static."""
+    code = strip_comments_and_literals(source)
+    found = set()
+    for match in re.finditer(r"^(rl_\w+)\(", code, re.M):
+        before = code[:match.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        if "static" not in before.split():
+            found.add(match.group(1))
+    return found
+
+
+def calls_between_rooms(sources: dict[str, str]) -> dict[str, dict[str, set[str]]]:
+    """{file: {other file: the functions of other file it calls}}, over the files given
+    ({name: source}); macros and a file's own functions are left out."""
+    owner = {name: path for path, source in sources.items() for name in exported_functions(source)}
+    graph: dict[str, dict[str, set[str]]] = {path: {} for path in sources}
+    for path, source in sources.items():
+        code = strip_comments_and_literals(source)
+        for match in re.finditer(r"\b(rl_\w+)\s*\(", code):
+            callee = owner.get(match.group(1))
+            if callee is not None and callee != path:
+                graph[path].setdefault(callee, set()).add(match.group(1))
+    return graph
+
+
+def call_circles(graph: dict[str, dict[str, set[str]]]) -> list[list[str]]:
+    """Every circle of the graph, each once (as the files met in order), by a depth-first
+    search from every file."""
+    circles: list[list[str]] = []
+    seen: set[frozenset[str]] = set()
+
+    def walk(path: list[str]) -> None:
+        for callee in sorted(graph[path[-1]]):
+            if callee == path[0]:
+                key = frozenset(path)
+                if key not in seen:
+                    seen.add(key)
+                    circles.append(path + [callee])
+            elif callee not in path and callee > path[0]:
+                walk(path + [callee])
+
+    for start in sorted(graph):
+        walk([start])
+    return circles
 
 
 def installed_extension() -> Path:
@@ -158,6 +208,42 @@ def test_no_python_object_lives_in_a_static_variable(path):
                        f"storage: {found}")
 
 
+def test_the_call_checker_finds_a_circle_and_names_the_calls():
+    sources = {
+        "conn.c": "int\nrl_conn_run(void)\n{\n    return rl_proto_next() + rl_wipe();\n}\n",
+        "proto.c": "int\nrl_proto_next(void)\n{\n    return rl_wipe();\n}\n"
+                   "static int\nrl_proto_local(void)\n{\n    return rl_conn_run();\n}\n",
+        "base.c": "void\nrl_wipe(void)\n{\n}\n",
+    }
+    graph = calls_between_rooms(sources)
+    assert graph == {"conn.c": {"proto.c": {"rl_proto_next"}, "base.c": {"rl_wipe"}},
+                     "proto.c": {"base.c": {"rl_wipe"}, "conn.c": {"rl_conn_run"}},
+                     "base.c": {}}
+    assert call_circles(graph) == [["conn.c", "proto.c", "conn.c"]]
+    del sources["proto.c"]
+    assert call_circles(calls_between_rooms(sources)) == []
+
+
+def test_the_rooms_calls_only_go_down_a_floor():
+    """conn.c -> proto.c -> script.c -> base.c: no room calls a room that calls it back,
+    directly or around a circle (proto.c and script.c once called conn.c for errors, wipes
+    and clocks, which now live in base.c)."""
+    graph = calls_between_rooms({p.name: p.read_text(encoding="utf-8") for p in C_FILES})
+    circles = call_circles(graph)
+    detail = ["; ".join(f"{a} calls {b} ({', '.join(sorted(graph[a][b]))})"
+                        for a, b in zip(circle, circle[1:], strict=False))
+              for circle in circles]
+    assert not circles, "the rooms call each other in a circle: " + " | ".join(detail)
+    assert graph["base.c"] == {}, f"base.c must call no other room: {graph['base.c']}"
+
+
+def test_the_base_room_sees_no_floor_above_it():
+    for name in ("base.c", "base.h"):
+        includes = re.findall(r'^\s*#\s*include\s+"([^"]+)"', (CSRC / name).read_text(), re.M)
+        assert includes == ([] if name == "base.h" else ["base.h"]), (
+            f"{name} includes {includes}: the ground floor must not see the rooms above it")
+
+
 def test_the_extension_exports_only_its_init_function():
     nm = shutil.which("nm")
     assert nm, "nm (binutils) is needed to list the extension's exported symbols"
@@ -166,6 +252,15 @@ def test_the_extension_exports_only_its_init_function():
                              text=True, check=True).stdout
     exported = sorted(line.split()[-1] for line in listing.splitlines() if line.strip())
     assert exported == ["PyInit__native"], f"{so.name} exports {exported}"
+
+
+@pytest.mark.parametrize("switches, hooks", [
+    ({}, False), ({"GENAI_RATELIMIT_DEBUG": "1"}, True), ({"GENAI_RATELIMIT_SANITIZE": "1"}, True),
+], ids=["release", "debug", "sanitize"])
+def test_only_the_debug_and_sanitized_builds_compile_the_test_hooks(switches, hooks):
+    """RL_DEBUG_HOOKS (failure injection, the wipe check) never reaches a release build."""
+    flags = list(extension_config(**switches)["extra_compile_args"])  # type: ignore[arg-type]
+    assert ("-DRL_DEBUG_HOOKS=1" in flags) == hooks, flags
 
 
 @pytest.mark.parametrize("switches", [{}, {"GENAI_RATELIMIT_DEBUG": "1"}],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -175,6 +176,73 @@ def test_pipeline_take_replays_marks_decisions_once_and_fails_the_rest():
         pipeline.take()
         assert pipeline.take_replays(lost) == []
         assert decision_future.exception() is lost
+    finally:
+        loop.close()
+
+
+# ----------------------------------------------------- out of memory (debug builds)
+
+HOOKS_MISSING = ("this build has no failure-injection hook (Pipeline._debug_fail_allocation): "
+                 "only the debug and sanitized builds do (make install-debug / install-asan, "
+                 "which test-valgrind and test-asan run)")
+needs_hooks = pytest.mark.skipif(not hasattr(_native.Pipeline, "_debug_fail_allocation"),
+                                 reason=HOOKS_MISSING)
+
+
+@needs_hooks
+def test_a_handshake_that_runs_out_of_memory_queues_nothing_and_holds_its_future_once():
+    """The handshake (AUTH, SELECT, INFO memory) queues all its steps or none: each of its
+    allocations fails in turn, and each time nothing is queued, nothing is to be written,
+    the future's reference count is what it was (the caller keeps the only reference it
+    gave), and the same pipeline then completes a handshake whose future resolves once."""
+    loop = asyncio.new_event_loop()
+    try:
+        failures = 0
+        for n in range(1, 20):
+            pipeline = _native.Pipeline(1.0)
+            future = loop.create_future()
+            references = sys.getrefcount(future)
+            pipeline._debug_fail_allocation(n)
+            try:
+                queued = pipeline.handshake(future, username="app", password="pw", db=4)
+            except MemoryError:
+                failures += 1
+                assert pipeline.pending == 0 and pipeline.take() is None, f"allocation {n}"
+                assert sys.getrefcount(future) == references, f"allocation {n}"
+                assert pipeline.handshake(future, username="app", password="pw", db=4) is True
+            else:
+                assert queued is True
+                break
+            finally:
+                pipeline._debug_fail_allocation(0)
+            sent = pipeline.take()
+            assert sent is not None and parse_command(sent)[0] == [b"AUTH", b"app", b"pw"]
+            assert pipeline.pending == 3
+            pipeline.feed(b"+OK\r\n+OK\r\n-NOPERM no INFO\r\n")
+            assert future.done() and future.result() is None and pipeline.pending == 0
+            del pipeline
+            assert sys.getrefcount(future) == references, f"allocation {n}: after the pipeline"
+        else:
+            pytest.fail("the handshake never succeeded")
+        assert failures >= 5, f"only {failures} of the handshake's allocations failed in turn"
+    finally:
+        loop.close()
+
+
+@needs_hooks
+def test_a_decision_that_runs_out_of_memory_queues_nothing_and_holds_its_future_once():
+    loop = asyncio.new_event_loop()
+    try:
+        request = _native.Codec("engine").check("u", 5, 60)
+        for n in (1, 2):
+            pipeline = _native.Pipeline(1.0)
+            future = loop.create_future()
+            references = (sys.getrefcount(future), sys.getrefcount(request))
+            pipeline._debug_fail_allocation(n)
+            with pytest.raises(MemoryError):
+                pipeline.push(future, request)
+            assert pipeline.pending == 0 and pipeline.take() is None
+            assert (sys.getrefcount(future), sys.getrefcount(request)) == references
     finally:
         loop.close()
 

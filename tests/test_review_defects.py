@@ -13,8 +13,7 @@
 - a blocking call stays within socket_timeout across signals (EINTR) and a slow write, and
   a signal handler that raises interrupts the call with its exception (PEP 475);
 - the script's replay marker looks for the member in the longest window, where it lives
-  longest;
-- secrets are wiped with explicit_bzero, which the optimiser may not elide.
+  longest.
 
 Real servers and real faults only (see tests/helpers_defects.py)."""
 
@@ -23,7 +22,6 @@ from __future__ import annotations
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
 import uuid
@@ -47,19 +45,13 @@ from helpers_core import PasswordRedisServer, connections_received, run_lined_up
 from helpers_defects import (
     SignalDriver,
     SlowReader,
-    blank_comments_and_literals,
-    call_arguments,
     check_in_child,
-    comment_text_by_line,
     fork_and_report,
-    function_bodies,
     make_ca,
     make_server_certificate,
 )
 from redis_server import RedisServer, free_port
 
-REPO = Path(__file__).resolve().parent.parent
-CSRC = REPO / "csrc"
 
 def check_once(make_limiter: LimiterFactory, url: str, *, connect_timeout: float,
                socket_timeout: float, user: str = "handshake-user") -> tuple[bool, int, int]:
@@ -479,79 +471,3 @@ def test_replay_finds_its_member_in_the_longest_window_after_the_shortest_expire
         f"the replay of a request the hour window still counts was answered {reply}: the "
         "script looked for it in the shortest window only")
     assert [redis_client.zrange(key, 0, -1, withscores=True) for key in keys] == state
-
-
-# =============================================================== 5. wiping secrets
-
-_SECRET = re.compile(r"(?i)password|passwd|secret|credential|auth")
-
-
-def installed_extension() -> Path:
-    import genai_ratelimit._native as native
-
-    path = Path(native.__file__)
-    assert path.parent != REPO / "genai_ratelimit", (
-        f"the tests import the extension from the source tree ({path}), not the installed package")
-    return path
-
-
-def test_the_extension_wipes_with_explicit_bzero() -> None:
-    nm = shutil.which("nm")
-    assert nm, "nm (binutils) is needed to list the extension's imported symbols"
-    listing = subprocess.run([nm, "-D", "--undefined-only", str(installed_extension())],
-                             capture_output=True, text=True, check=True, timeout=60).stdout
-    imported = {line.split()[-1].split("@")[0] for line in listing.splitlines() if line.strip()}
-    assert imported & {"explicit_bzero", "__explicit_bzero_chk"}, (
-        "the extension does not import explicit_bzero: a memset before free() may be elided")
-
-
-def memsets_on_secrets(path: Path) -> list[str]:
-    """memset() calls whose target names a secret, or that a comment on the same line or
-    the line above says wipes one."""
-    source = path.read_text(encoding="utf-8")
-    code = blank_comments_and_literals(source)
-    comments = comment_text_by_line(source)
-    found = []
-    for match in re.finditer(r"\bmemset\s*\(", code):
-        line = source.count("\n", 0, match.start()) + 1
-        target = call_arguments(code, match.end() - 1)[0]
-        nearby = comments.get(line, "") + comments.get(line - 1, "")
-        if _SECRET.search(target) or re.search(r"(?i)password|secret|credential", nearby):
-            found.append(f"{path.name}:{line}: memset({target}, ...)")
-    return found
-
-
-def test_no_memset_wipes_a_secret() -> None:
-    found = [hit for path in sorted(CSRC.glob("*.[ch]")) for hit in memsets_on_secrets(path)]
-    assert not found, ("memset before free is a dead store the optimiser may remove; wipe "
-                       "secrets with explicit_bzero: " + "; ".join(found))
-
-
-def unwiped_frees_in_auth_functions(path: Path) -> list[str]:
-    """In every function that formats an AUTH command: buffers freed (free,
-    redisFreeCommand) without an explicit_bzero of the same buffer before it."""
-    source = path.read_text(encoding="utf-8")
-    code = blank_comments_and_literals(source)
-    with_literals = blank_comments_and_literals(source, keep_literals=True)
-    found = []
-    for start, end in function_bodies(code):
-        if '"AUTH"' not in with_literals[start:end]:
-            continue
-        body = code[start:end]
-        for match in re.finditer(r"\b(free|redisFreeCommand|hi_free)\s*\(", body):
-            freed = call_arguments(body, match.end() - 1)[0]
-            wiped = re.search(r"\bexplicit_bzero\s*\(\s*" + re.escape(freed) + r"\s*,",
-                              body[:match.start()])
-            if not wiped:
-                line = source.count("\n", 0, start + match.start()) + 1
-                found.append(f"{path.name}:{line}: {match.group(1)}({freed}) without "
-                             "explicit_bzero before it")
-    return found
-
-
-def test_buffers_that_held_an_auth_command_are_wiped_before_they_are_freed() -> None:
-    found = [hit for path in sorted(CSRC.glob("*.c"))
-             for hit in unwiped_frees_in_auth_functions(path)]
-    assert any('"AUTH"' in blank_comments_and_literals(p.read_text(), keep_literals=True)
-               for p in CSRC.glob("*.c")), "no C function formats an AUTH command any more"
-    assert not found, "; ".join(found)

@@ -18,7 +18,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from genai_ratelimit import RateLimiter, _native
+from genai_ratelimit import RateLimiter, RateLimiterUnavailable, _native
 from helpers_core import logged, server_ms
 
 USERS = ("alice", "bob")
@@ -26,8 +26,11 @@ KEY_PREFIX = {"zset": "rz", "compact": "rc"}
 WINDOWS = ((4, 1), (12, 5), (40, 30))
 TOKEN_WINDOWS = ((300, 5), (1_000, 30))
 
-# One step: (time move in ms, operation, its arguments).
-moves = st.one_of(st.integers(0, 400), st.integers(0, 6_000), st.integers(-800, 0))
+DAY = 86_400_000
+# One step: (time move in ms, operation, its arguments). Now and then a clock months away
+# (a compact window's stored times then move to a new base, or widen).
+moves = st.one_of(st.integers(0, 400), st.integers(0, 6_000), st.integers(-800, 0),
+                  st.sampled_from([60 * DAY, -60 * DAY, 400 * DAY, -400 * DAY]))
 windows = st.lists(st.sampled_from(WINDOWS), min_size=1, max_size=3, unique=True)
 steps = st.lists(st.tuples(moves, st.sampled_from(USERS), st.one_of(
     st.tuples(st.just("check"), st.sampled_from(WINDOWS), st.integers(1, 4)),
@@ -83,6 +86,17 @@ def answer(limiter: RateLimiter, prefix: str, user: str, operation: tuple[Any, .
     return limiter.reset(user, list(WINDOWS), token_windows=list(TOKEN_WINDOWS))
 
 
+def outcome(limiter: RateLimiter, prefix: str, user: str, operation: tuple[Any, ...],
+            reservations: list[Any]) -> Any:
+    """answer(), or the error it raised: a clock months behind an entry makes a wait longer
+    than the C layer believes a script can answer (RL_MAX_CLOCK_SKEW_MS), and both storages
+    must be refused alike."""
+    try:
+        return answer(limiter, prefix, user, operation, reservations)
+    except RateLimiterUnavailable as exc:
+        return ("unavailable", str(exc).split("script answered", 1)[-1])
+
+
 def logs(client: redis.Redis, prefix: str, storage: str) -> dict[str, list[tuple[int, int]]]:
     """Every window's (time, cost) entries in one storage (its limiter's key prefix), sorted:
     entries of one millisecond are in member order in a sorted set and in arrival order in
@@ -105,10 +119,28 @@ def test_both_storages_answer_every_call_alike(pair: tuple[RateLimiter, RateLimi
     for number, (move, user, operation) in enumerate(steps):
         now += move
         _native._set_client_clock(now)
-        expected = answer(zset, prefix, user, operation, held["zset"])
-        got = answer(compact, prefix, user, operation, held["compact"])
+        expected = outcome(zset, prefix, user, operation, held["zset"])
+        got = outcome(compact, prefix, user, operation, held["compact"])
         assert got == expected, f"step {number} at {now}: {operation} of {user}"
         assert logs(redis_client, prefix, "compact") == logs(redis_client, prefix, "zset"), number
+    _native._set_client_clock(None)
+
+
+def test_clocks_months_and_years_apart_keep_both_storages_alike(
+        pair: tuple[RateLimiter, RateLimiter], redis_client: redis.Redis) -> None:
+    """A compact window stores times 4 bytes wide for a short window (49 days from its base):
+    entries a client clock logged 60 days ahead stay while another clock, 400 days behind,
+    logs; the window moves its base and widens its times (it lost the future entries before)."""
+    zset, compact = pair
+    user = f"u{uuid.uuid4().hex[:8]}"
+    now = server_ms(redis_client)
+    for window in ((3, 60), (5, 2_592_000)):
+        for offset in (0, 1, 2, 60 * DAY, 60 * DAY + 1, -400 * DAY, -400 * DAY + 5, 3, 60 * DAY + 2):
+            _native._set_client_clock(now + offset)
+            expected = zset.check_windows_detailed(user, [window])
+            got = compact.check_windows_detailed(user, [window])
+            assert (tuple(got), got.retry_after_ms) == (tuple(expected), expected.retry_after_ms), \
+                (window, offset)
     _native._set_client_clock(None)
 
 

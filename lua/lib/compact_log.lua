@@ -193,13 +193,14 @@ local function compact_log(n, now)
   end
 
   -- Rewrites every entry in a new layout (O(entries) in Lua: rare): the stored times
-  -- against `base`, the running totals `C` bytes wide with the origin moved to 0 (C > 0;
-  -- from a window of cost-1 entries, their totals are 1, 2, ...), the replay table with
-  -- `slots` slots. `extra`: room to keep for entries about to come.
-  local function relayout(st, base, C, slots, extra)
+  -- `S` bytes wide against `base`, the running totals `C` bytes wide with the origin moved
+  -- to 0 (C > 0; from a window of cost-1 entries, their totals are 1, 2, ...), the replay
+  -- table with `slots` slots. `extra`: room to keep for entries about to come.
+  local function relayout(st, base, C, slots, extra, S)
+    S = S or st.S
     if slots > st.R then st.table = st.table .. string.rep('\0', SLOT_SIZE * (slots - st.R)) end
     local shift, out = st.base - base, {}
-    local new_one = 'I' .. st.S .. 'I2' .. (C > 0 and 'I' .. C or '')
+    local new_one = 'I' .. S .. 'I2' .. (C > 0 and 'I' .. C or '')
     local w = width(st)
     for from = 0, st.count - 1, BATCH do
       local count = math.min(BATCH, st.count - from)
@@ -214,7 +215,7 @@ local function compact_log(n, now)
       out[#out + 1] = struct.pack('>' .. string.rep(new_one, count), unpack(packed))
     end
     st.total = C == 0 and 0 or st.C > 0 and st.total - st.origin or st.count
-    st.base, st.C, st.R, st.origin = base, C, slots, 0
+    st.base, st.S, st.C, st.R, st.origin = base, S, C, slots, 0
     rewrite(st, table.concat(out), capacity_for(st.count + extra) - st.count)
   end
 
@@ -331,13 +332,17 @@ local function compact_log(n, now)
       local oldest = st.count > 0 and st.first or now
       base = math.min(oldest, now) - window_ms
     end
+    -- Clocks years apart (or a window that never empties for years) need wider times.
+    local S = st.S
+    local newest = st.count > 0 and math.max(st.last, now) or now
+    while newest - base >= 256 ^ S and S < 6 do S = S + 1 end
     -- Running totals from the first entry of another cost on; none again once a window
     -- that held such entries is empty and this entry costs 1.
     local C = st.C
     if cost ~= 1 and C == 0 then C = 6 end
     if cost == 1 and st.count == 0 then C = 0 end
-    if C ~= st.C or slots > st.R or base ~= st.base then
-      relayout(st, base, C, slots, 1)
+    if C ~= st.C or slots > st.R or base ~= st.base or S ~= st.S then
+      relayout(st, base, C, slots, 1, S)
       at = now - st.base
     end
     if st.C > 0 and st.total + cost >= 256 ^ st.C then

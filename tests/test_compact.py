@@ -174,3 +174,18 @@ def test_a_window_turns_weighted_and_back_to_plain_when_it_empties(
         assert [cost for _, cost in logged(redis_client, f"ratelimit:{user_id}:1")] == [1]
     finally:
         _native._set_client_clock(None)
+
+
+@pytest.mark.parametrize("url", [
+    "redis://h:6379/0?storage=compact", "rediss://h:6380/1?storage=compact",
+    "unix:///run/redis.sock?db=2&storage=compact", "redis+cluster://h1:7000,h2:7001/?storage=compact",
+    "redis+sentinel://s1:26379,s2:26380/mymaster/0?storage=compact",
+])
+def test_every_url_form_names_the_storage(url: str) -> None:
+    from genai_ratelimit._url import parse_redis_url
+
+    assert parse_redis_url(url).storage == "compact"
+    assert parse_redis_url(url.replace("compact", "zset")).storage == "zset"
+    assert parse_redis_url(url.split("?")[0]).storage is None
+    with pytest.raises(ValueError, match="unknown storage"):
+        parse_redis_url(url.replace("compact", "list"))

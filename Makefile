@@ -362,7 +362,7 @@ DOCS_SITE ?= build/site
 docs: venv
 	$(PY) scripts/native_build.py requirements docs > $(VENV)/docs-requirements.txt
 	$(PIP) install -q -r $(VENV)/docs-requirements.txt
-	$(VENV)/bin/mkdocs build --strict --clean --site-dir $(DOCS_SITE)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean --site-dir $(DOCS_SITE)
 	@echo "docs: $$(find $(DOCS_SITE) -name index.html | wc -l) pages in $(DOCS_SITE)"
 
 # ---------------------------------------------------------------------- lint

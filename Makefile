@@ -165,7 +165,7 @@ ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
              test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
-             test_cli.py test_metrics_workers.py
+             test_cli.py test_metrics_workers.py test_docs_examples.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -214,7 +214,7 @@ install-hiredis1: deps $(HIREDIS1_VENV)/.created
 # The suite but the slow tests, on the extension linked to hiredis 1.x.
 # The files that drive no hiredis path of their own are left to `make test` and test-asan:
 # FastAPI over TestClient and uvicorn (the same codec and pipeline the async tests drive),
-# the tiers file, the README examples, packaging, the Docker files, the wheel and the
+# the tiers file, the README's and the docs' examples, packaging, the Docker files, the wheel and the
 # command line (subprocesses).
 HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py test_fastapi_scopes.py \
                  test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
@@ -223,7 +223,7 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py t
                  test_wheel_install.py test_c_source_lint.py \
                  test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
                  test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py \
-                 test_metrics_workers.py
+                 test_metrics_workers.py test_docs_examples.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 

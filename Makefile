@@ -158,8 +158,8 @@ install-debug: deps $(DEBUG_VENV)/.created
 # The suite but the slow tests, under ASan + UBSan (both fatal). pytest runs from the
 # venv's script, so the source tree (no .so, or a stale one) is never imported.
 # Left to `make test`: the files whose work happens in other processes (uvicorn servers and the
-# SDK clients, packaging builds, the README examples' interpreters) or in no C at all; the
-# FastAPI paths in this process (TestClient) stay under ASan, but for shadow mode and the IETF
+# SDK clients, packaging builds, the interpreters of the README's and the docs' examples) or in
+# no C at all; the FastAPI paths in this process (TestClient) stay under ASan, but for shadow mode and the IETF
 # headers, which call the limiters exactly as test_fastapi.py and test_fastapi_tokens.py do.
 ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
@@ -214,8 +214,8 @@ install-hiredis1: deps $(HIREDIS1_VENV)/.created
 # The suite but the slow tests, on the extension linked to hiredis 1.x.
 # The files that drive no hiredis path of their own are left to `make test` and test-asan:
 # FastAPI over TestClient and uvicorn (the same codec and pipeline the async tests drive),
-# the tiers file, the README's and the docs' examples, packaging, the Docker files, the wheel and the
-# command line (subprocesses).
+# the tiers file, the README's and the docs' examples, packaging, the Docker files, the wheel
+# and the command line (subprocesses).
 HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py test_fastapi_scopes.py \
                  test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \

@@ -16,11 +16,12 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 import redis
+import tomllib
+
 from helpers_docs import DOCS, README, ROOT, CodeBlock, code_blocks, pages
 
 DOC_PAGES = sorted(DOCS.glob("*.md"))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import redis
+
 from helpers_docs import README, CodeBlock, code_blocks, python_blocks
 
 BLOCKS = [block for block in code_blocks(README) if block.language == "python"]

@@ -123,3 +123,16 @@ def test_the_user_guides_name_no_private_attribute() -> None:
             continue
         found = private.findall(page.read_text(encoding="utf-8"))
         assert not found, f"{page.name} names private attributes: {found}"
+
+
+def test_the_cli_reference_is_what_help_prints() -> None:
+    """docs/cli.md's reference section is the parser's own --help of every command
+    (scripts/cli_reference.py --write remakes it), whitespace aside."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import cli_reference
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    page = cli_reference.page_section((DOCS / "cli.md").read_text(encoding="utf-8"))
+    assert " ".join(page.split()) == " ".join(cli_reference.section().split()), (
+        "docs/cli.md's reference is stale: run .venv/bin/python scripts/cli_reference.py --write")

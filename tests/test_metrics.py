@@ -107,6 +107,21 @@ def test_unreachable_redis_counts_unavailable_decisions_and_connection_errors(
     assert_latency_consistent(m, 0)
 
 
+def test_every_decision_method_counts_unavailable_when_redis_is_unreachable(
+        unreachable_limiter: Any) -> None:
+    # The FastAPI layer decides with check_windows_detailed: an outage must count there too.
+    calls = [lambda: unreachable_limiter.check("u", 5, 60),
+             lambda: unreachable_limiter.check_windows("u", [(5, 60)]),
+             lambda: unreachable_limiter.check_windows_detailed("u", [(5, 60)]),
+             lambda: unreachable_limiter.reserve("u", [(5, 60)])]
+    for n, call in enumerate(calls, 1):
+        with pytest.raises(RateLimiterUnavailable):
+            call()
+        assert unreachable_limiter.metrics()["unavailable"] == n
+    assert counts(unreachable_limiter.metrics()) == {**ZERO_COUNTS, "unavailable": 4,
+                                                     "connection_errors": 4}
+
+
 def test_a_lost_reply_counts_one_replay_and_one_decision(make_limiter: LimiterFactory,
                                                          redis_client: redis.Redis,
                                                          redis_port: int, user_id: str) -> None:

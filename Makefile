@@ -112,8 +112,11 @@ venv: deps $(VENV)/.created
 install: venv
 	GENAI_RATELIMIT_WERROR=1 $(PIP) install -q --no-build-isolation ".[test]"
 
-# tests/test_metrics.py runs `promtool check metrics` (Debian's prometheus package).
-PROMTOOL = @command -v promtool >/dev/null || bash scripts/ensure-debian-packages.sh prometheus
+# tests/test_metrics.py runs `promtool check metrics`; tests/test_dashboard.py runs a real
+# `prometheus` scraping a gateway, and `promtool check rules` / `test rules` (Debian's
+# prometheus package has both).
+PROMTOOL = @command -v promtool >/dev/null && command -v prometheus >/dev/null \
+  || bash scripts/ensure-debian-packages.sh prometheus
 
 test: install
 	$(PROMTOOL)
@@ -163,7 +166,7 @@ ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
              test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
-             test_cli.py test_metrics_workers.py
+             test_cli.py test_metrics_workers.py test_dashboard.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -221,7 +224,7 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py t
                  test_wheel_install.py test_c_source_lint.py \
                  test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
                  test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py \
-                 test_metrics_workers.py
+                 test_metrics_workers.py test_dashboard.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 

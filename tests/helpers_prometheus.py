@@ -18,15 +18,13 @@ from the same scrape).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,8 +56,8 @@ class PrometheusServer:
     """One `prometheus` process scraping `targets` every SCRAPE_INTERVAL_S, evaluating the
     rules files given at the same pace."""
 
-    def __init__(self, targets: list[str], rule_files: list[Path] = (),  # type: ignore[assignment]
-                 job: str = "gateway", scrape_interval_s: float = SCRAPE_INTERVAL_S) -> None:
+    def __init__(self, targets: list[str], rule_files: Sequence[Path] = (), job: str = "gateway",
+                 scrape_interval_s: float = SCRAPE_INTERVAL_S) -> None:
         self.binary = binary("prometheus")
         self.directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-prometheus-"))
         self.config = {
@@ -141,23 +139,6 @@ class PrometheusServer:
                 return result
             time.sleep(0.25)  # the next scrape or rule evaluation, bounded by the deadline
 
-    def scrapes_of(self, job: str) -> float:
-        """How many scrapes of `job` the TSDB holds (count_over_time of `up`)."""
-        result = self.query(f'sum(count_over_time(up{{job="{job}"}}[1h]))')
-        return float(result[0]["value"][1]) if result else 0.0
-
-    def wait_for_scrapes(self, job: str, more_than: float, timeout: float = 30.0) -> float:
-        """Waits (bounded) until the TSDB holds more than `more_than` successful scrapes."""
-        expr = f'sum(count_over_time(up{{job="{job}"}}[1h]) * on() group_left() (0 * up{{job="{job}"}} + 1))'
-        del expr
-        deadline = time.monotonic() + timeout
-        while True:
-            result = self.query(f'sum(sum_over_time(up{{job="{job}"}}[1h]))')
-            seen = float(result[0]["value"][1]) if result else 0.0
-            if seen > more_than or time.monotonic() >= deadline:
-                return seen
-            time.sleep(0.25)  # the next scrape, bounded by the deadline
-
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -188,7 +169,6 @@ class PromQLError(RuntimeError):
 GATEWAY_APP = '''
 import asyncio
 import math
-import os
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -214,7 +194,8 @@ embeddings = AsyncRateLimiter(os.environ["DOWN_URL"], connect_timeout=0.2, socke
 
 chat = TokenRateLimit(limiter=gateway, tier_limits=TIERS, token_limits=TOKENS, identify=identify,
                       namespace="chat", max_in_flight={"free": 2, "pro": 20},
-                      upstream=Upstream("openai/gpt-4o", per_minute=int(os.environ["UPSTREAM_RPM"])))
+                      upstream=Upstream("openai/gpt-4o", per_minute=int(os.environ["UPSTREAM_RPM"]),
+                                        models=("gpt-4o",)))
 beta = RateLimit(limiter=gateway, identify=identify, namespace="beta", mode="shadow",
                  tier_limits={"free": {"per_minute": 2, "per_day": 1000},
                               "pro": {"per_minute": 2, "per_day": 1000}})
@@ -272,7 +253,7 @@ class Gateway:
     """GATEWAY_APP under uvicorn (`workers` processes sharing one metrics directory)."""
 
     def __init__(self, redis_url: str, down_url: str, *, workers: int = 2,
-                 upstream_rpm: int = 60) -> None:
+                 upstream_rpm: int = 30) -> None:
         self.metrics_dir = Path(tempfile.mkdtemp(prefix="genai-ratelimit-metrics-"))
         self.server = UvicornServer(GATEWAY_APP, {"REDIS_URL": redis_url, "DOWN_URL": down_url,
                                                   "METRICS_DIR": str(self.metrics_dir),
@@ -305,10 +286,13 @@ class Gateway:
 @dataclass
 class Traffic:
     """Sends the gateway's requests and counts the answers: {(route, status, why): n}, `why`
-    the 429's X-RateLimit-Window (and -Scope / -Resource) or the shadow header."""
+    the 429's X-RateLimit-Window/-Resource/-Scope, or "shadow" for a shadow would-refuse.
+    `held` keeps the wall-clock (start, end) of each time a user's in-flight slots were all
+    held."""
 
     base_url: str
     answers: dict[tuple[str, int, str], int] = field(default_factory=dict)
+    held: list[tuple[float, float]] = field(default_factory=list)
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=30.0)
@@ -323,40 +307,64 @@ class Traffic:
         key = (route, response.status_code, why)
         self.answers[key] = self.answers.get(key, 0) + 1
 
-    def chat(self, client: httpx.Client, user: str, tier: str, max_tokens: int = 100) -> int:
+    def total(self, route: str, status: int | None = None, why: str | None = None) -> int:
+        return sum(n for (r, s, w), n in self.answers.items()
+                   if r == route and status in (None, s) and why in (None, w))
+
+    def decisions(self) -> dict[str, int]:
+        """{limiter: decisions made} as the limiter counts them: a request refused for
+        concurrency is refused before any window decides it."""
+        chat = self.total("chat") + self.total("chat-stream") - self.total("chat", 429, "concurrent//")
+        return {"gateway": chat + self.total("beta"), "embeddings": self.total("embeddings")}
+
+    def chat(self, client: httpx.Client, user: str, tier: str, max_tokens: int = 100,
+             model: str = "gpt-4o-mini") -> int:
         response = client.post("/v1/chat/completions", headers={"x-user": user, "x-tier": tier},
-                               json={"messages": [{"role": "user", "content": "hi" * 20}],
-                                     "max_tokens": max_tokens})
+                               json={"model": model, "max_tokens": max_tokens,
+                                     "messages": [{"role": "user", "content": "hi" * 20}]})
         self.count("chat", response)
         return response.status_code
 
     def users(self, prefix: str, tier: str, users: int, each: int, max_tokens: int = 100,
-              threads: int = 4) -> None:
+              model: str = "gpt-4o-mini", threads: int = 4) -> None:
         """`users` users of `tier` send `each` chat requests (in parallel across users)."""
         def one(n: int) -> None:
             with self.client() as client:
                 for _ in range(each):
-                    self.chat(client, f"{prefix}{n}", tier, max_tokens)
+                    self.chat(client, f"{prefix}{n}", tier, max_tokens, model)
 
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(one, range(users)))
 
-    def concurrent_streams(self, user: str, held: int, hold_s: float) -> None:
-        """`held` streams of one free user open at once (its cap), then one more: refused
-        (429 concurrent) while they are held."""
+    def big_token_requests(self, user: str) -> None:
+        """Two 2,500-token estimates of one free user (3,000 a minute): the second refused."""
         with self.client() as client:
-            streams = []
+            for _ in range(2):
+                self.chat(client, user, "free", max_tokens=2500)
+
+    def concurrent_streams(self, user: str, held: int, hold_s: float) -> None:
+        """`held` streams of one free user open at once (its cap), then one more request:
+        refused (429 concurrent). Each stream ends `hold_s` after its first chunk; `held`
+        gets the span when every slot surely was taken: from the last stream's headers to
+        the first one's end, less half a second for the server having started earlier."""
+        with self.client() as client:
+            streams, responses, opened = [], [], []
             try:
                 for _ in range(held):
                     stream = client.stream(
                         "POST", "/v1/chat/completions", headers={"x-user": user, "x-tier": "free"},
-                        json={"messages": [{"role": "user", "content": "long"}],
-                              "max_tokens": 40, "stream": True, "hold_s": hold_s})
+                        json={"model": "gpt-4o-mini", "max_tokens": 40, "stream": True,
+                              "hold_s": hold_s, "messages": [{"role": "user", "content": "long"}]})
                     response = stream.__enter__()
+                    opened.append(time.time())
                     streams.append(stream)
+                    responses.append(response)
                     self.count("chat-stream", response)
                     assert response.status_code == 200, response.read()
                 self.chat(client, user, "free")  # every slot held: 429 concurrent
+                self.held.append((opened[-1], opened[0] + hold_s - 0.5))
+                for response in responses:
+                    response.read()  # to its end: the slot is given back
             finally:
                 for stream in streams:
                     stream.__exit__(None, None, None)
@@ -371,20 +379,17 @@ class Traffic:
             for _ in range(each):
                 self.count("embeddings", client.post("/v1/embeddings", headers={"x-user": user}))
 
-    def everything(self) -> None:
-        """One of each: what test_dashboard.py drives (a few hundred requests)."""
-        self.users("free-", "free", users=4, each=7)           # 5 allowed, 2 minute refusals
-        self.chat_big_tokens("tokens-big")                     # a token refusal
-        self.concurrent_streams("streamer", held=2, hold_s=2.0)  # a concurrency refusal
-        self.shadow("shadowed", each=4)                        # 2 would-refuse
-        self.fail_open("offline", each=3)                      # 3 fail-open
-        self.users("pro-", "pro", users=10, each=5)            # the upstream cap refuses some
-
-    def chat_big_tokens(self, user: str) -> None:
-        """Two 2,500-token estimates of one free user (3,000 a minute): the second refused."""
-        with self.client() as client:
-            for _ in range(2):
-                self.chat(client, user, "free", max_tokens=2500)
+    def round(self, n: int, hold_s: float = 3.0) -> None:
+        """One of each, with users of round `n` (new budgets every round): 4 free users x 7
+        (2 refused each by the minute window), a token refusal, a concurrency refusal, 2
+        shadow would-refuse, 3 fail-open, and 10 pro users x 5 on the gpt-4o upstream cap
+        (it refuses what passes 30 a minute: 20 in the first round, all 50 in the next)."""
+        self.users(f"r{n}-free-", "free", users=4, each=7)
+        self.big_token_requests(f"r{n}-tokens")
+        self.concurrent_streams(f"r{n}-streamer", held=2, hold_s=hold_s)
+        self.shadow(f"r{n}-shadowed", each=4)
+        self.fail_open(f"r{n}-offline", each=3)
+        self.users(f"r{n}-pro-", "pro", users=10, each=5, model="gpt-4o")
 
 
 # ----------------------------------------------------------------------------- the dashboard
@@ -434,11 +439,3 @@ def grafana_expr(expr: str, rate_interval: str = "30s", values: dict[str, str] |
         return values.get(name, ".+")
 
     return re.sub(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)", variable, expr)
-
-
-def urlencoded(expr: str) -> str:
-    return urllib.parse.quote(expr, safe="")
-
-
-def env_without_proxies() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}

@@ -72,7 +72,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
         install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes bench-metrics bench-cluster \
         bench-builds \
-        metrics-dashboard dist wheel test-wheel clean
+        metrics-dashboard dashboard-pictures dist wheel test-wheel clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -91,6 +91,8 @@ help:
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
 	@echo "make bench-builds BASE=<rev>  the check rows of a git revision's build beside this tree's"
 	@echo "make metrics-dashboard  redraws docs/metrics-dashboard.png from a real run"
+	@echo "make dashboard-pictures redraws docs/operations-dashboard.png: the Grafana dashboard's"
+	@echo "                    panels queried on a real Prometheus scraping a real gateway"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
@@ -307,6 +309,13 @@ bench-builds: install
 metrics-dashboard: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/metrics_dashboard.py
+
+# Redraws docs/operations-dashboard.png: every panel of dashboards/genai-ratelimit.json, its
+# PromQL answered by a real Prometheus that scraped a real gateway for about two minutes.
+dashboard-pictures: install
+	$(PROMTOOL)
+	$(PIP) install -q "matplotlib>=3.5"
+	$(PY) benchmarks/dashboard_pictures.py
 
 # A single node against a 3-master Redis Cluster (async pipelined, sync), and the slot
 # lookup's share of a call. Starts its own servers.

@@ -7,7 +7,8 @@ from the same scrape).
   HTTP API's instant and range queries; every wait bounded by a deadline.
 - `GATEWAY_APP`: a FastAPI gateway under uvicorn (2 workers, the metrics directory): a
   TokenRateLimit with tiers, token budgets, in-flight caps and a shared upstream cap, a
-  shadow-mode RateLimit, and a fail-open RateLimit on a Redis that is not there.
+  shadow-mode RateLimit (limiter "gateway"), and a fail-open RateLimit on a Redis of its own
+  (limiter "embeddings": the test gives it a closed port, the pictures a Redis they stall).
 - `Traffic`: the requests that give every dashboard panel something to show (allowed,
   refused by the minute window, by tokens, by the upstream cap and by concurrency, shadow
   would-refuse, fail-open), each counted as it is answered.
@@ -169,6 +170,7 @@ class PromQLError(RuntimeError):
 GATEWAY_APP = '''
 import asyncio
 import math
+import os
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -189,8 +191,11 @@ def identify(request: Request) -> tuple[str, str]:
     return request.headers["x-user"], request.headers.get("x-tier", "free")
 
 
-gateway = AsyncRateLimiter(os.environ["REDIS_URL"])
-embeddings = AsyncRateLimiter(os.environ["DOWN_URL"], connect_timeout=0.2, socket_timeout=0.2)
+TIMEOUT_S = float(os.environ["TIMEOUT_S"])
+gateway = AsyncRateLimiter(os.environ["REDIS_URL"], connect_timeout=TIMEOUT_S,
+                           socket_timeout=TIMEOUT_S)
+embeddings = AsyncRateLimiter(os.environ["EMBEDDINGS_REDIS_URL"], connect_timeout=TIMEOUT_S,
+                              socket_timeout=TIMEOUT_S)
 
 chat = TokenRateLimit(limiter=gateway, tier_limits=TIERS, token_limits=TOKENS, identify=identify,
                       namespace="chat", max_in_flight={"free": 2, "pro": 20},
@@ -252,13 +257,13 @@ async def healthz() -> dict[str, str]:
 class Gateway:
     """GATEWAY_APP under uvicorn (`workers` processes sharing one metrics directory)."""
 
-    def __init__(self, redis_url: str, down_url: str, *, workers: int = 2,
-                 upstream_rpm: int = 30) -> None:
+    def __init__(self, redis_url: str, embeddings_redis_url: str, *, workers: int = 2,
+                 upstream_rpm: int = 30, timeout_s: float = 0.5) -> None:
         self.metrics_dir = Path(tempfile.mkdtemp(prefix="genai-ratelimit-metrics-"))
-        self.server = UvicornServer(GATEWAY_APP, {"REDIS_URL": redis_url, "DOWN_URL": down_url,
-                                                  "METRICS_DIR": str(self.metrics_dir),
-                                                  "UPSTREAM_RPM": str(upstream_rpm)},
-                                    workers=workers)
+        self.server = UvicornServer(GATEWAY_APP, {
+            "REDIS_URL": redis_url, "EMBEDDINGS_REDIS_URL": embeddings_redis_url,
+            "METRICS_DIR": str(self.metrics_dir), "UPSTREAM_RPM": str(upstream_rpm),
+            "TIMEOUT_S": str(timeout_s)}, workers=workers)
 
     @property
     def target(self) -> str:

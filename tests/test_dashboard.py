@@ -12,20 +12,25 @@ the values the traffic made. Every wait polls Prometheus with a deadline.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
 
 from genai_ratelimit.metrics import FAMILIES
 from helpers_core import closed_port_url
 from helpers_prometheus import (
     DASHBOARD,
+    ROOT,
     RULES,
     RULES_TEST,
     Dashboard,
@@ -360,3 +365,35 @@ def test_the_traffic_sets_off_the_alerts_it_should(scraped: Scraped) -> None:
         time.sleep(0.25)  # the next rule evaluation, bounded by the deadline
     assert EXPECTED_ALERTS <= seen, seen
     assert ("GenAIRateLimitLeasesExpiring", "gateway") not in seen
+
+
+# ------------------------------------------------------------------------------- the docs
+
+DOCS = ROOT / "docs" / "operations-dashboard.md"
+
+
+def test_the_docs_page_example_runs(redis_url: str, redis_client: redis.Redis,
+                                    tmp_path: Path) -> None:
+    blocks = re.findall(r"^```python\n(.*?)^```$", DOCS.read_text(encoding="utf-8"),
+                        re.MULTILINE | re.DOTALL)
+    assert blocks
+    for number, block in enumerate(blocks):
+        script = tmp_path / f"example_{number}.py"
+        script.write_text(block, encoding="utf-8")
+        done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "REDIS_URL": redis_url})
+        assert done.returncode == 0, done.stderr
+    assert "reserved_tokens_total" in done.stdout
+    assert redis_client.keys("ratelimit:ns:docs-ops:*"), "the example never reached Redis"
+
+
+def test_the_docs_page_names_every_family_alert_and_record() -> None:
+    text = DOCS.read_text(encoding="utf-8")
+    for family in FAMILIES:
+        name = f"genai_ratelimit_{family.name}" + ("_total" if family.kind == "counter" else "")
+        assert f"`{name}`" in text, name
+    for rule in rules():
+        assert f"`{rule.get('alert') or rule.get('record')}`" in text, rule
+    for panel in Dashboard().panels():
+        if panel["type"] != "row":
+            assert panel["title"].split(":")[0] in text, panel["title"]

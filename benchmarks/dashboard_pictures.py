@@ -219,11 +219,18 @@ def main() -> int:
         end = time.time()
         prometheus.wait_for(f'timestamp(up{{job="gateway"}}) > {end + 1:.3f}', bool)
         drawn = draw(prometheus, start, end, PHASES, Path(args.out))
+        totals = {}
+        for name in ("lease_acquisitions_total", "lease_releases_total",
+                     "connection_errors_total", "decisions_total", "replays_total"):
+            for series in prometheus.query(f'genai_ratelimit_{name}{{limiter="gateway"}}'):
+                outcome = series["metric"].get("outcome", "")
+                totals[f"{name}{'{' + outcome + '}' if outcome else ''}"] = series["value"][1]
     print(f"{args.out}: {end - start:.0f} s, client errors {load.errors}")
     for (route, status, why), n in sorted(traffic.answers.items()):
         print(f"  {route:12} {status} {why or '-':28} {n}")
     for line in drawn:
         print(f"  {line}")
+    print("  gateway totals: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     return 0
 
 

@@ -73,7 +73,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
         install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes bench-metrics bench-cluster \
         bench-builds \
-        metrics-dashboard dist wheel test-wheel docs clean
+        metrics-dashboard dashboard-pictures dist wheel test-wheel docs clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -92,6 +92,8 @@ help:
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
 	@echo "make bench-builds BASE=<rev>  the check rows of a git revision's build beside this tree's"
 	@echo "make metrics-dashboard  redraws docs/metrics-dashboard.png from a real run"
+	@echo "make dashboard-pictures redraws docs/operations-dashboard.png: the Grafana dashboard's"
+	@echo "                    panels queried on a real Prometheus scraping a real gateway"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
@@ -114,8 +116,11 @@ venv: deps $(VENV)/.created
 install: venv
 	GENAI_RATELIMIT_WERROR=1 $(PIP) install -q --no-build-isolation ".[test]"
 
-# tests/test_metrics.py runs `promtool check metrics` (Debian's prometheus package).
-PROMTOOL = @command -v promtool >/dev/null || bash scripts/ensure-debian-packages.sh prometheus
+# tests/test_metrics.py runs `promtool check metrics`; tests/test_dashboard.py runs a real
+# `prometheus` scraping a gateway, and `promtool check rules` / `test rules` (Debian's
+# prometheus package has both).
+PROMTOOL = @command -v promtool >/dev/null && command -v prometheus >/dev/null \
+  || bash scripts/ensure-debian-packages.sh prometheus
 
 test: install
 	$(PROMTOOL)
@@ -165,7 +170,7 @@ ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
              test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
-             test_cli.py test_metrics_workers.py test_docs_examples.py
+             test_cli.py test_metrics_workers.py test_docs_examples.py test_dashboard.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -223,7 +228,7 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py t
                  test_wheel_install.py test_c_source_lint.py \
                  test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
                  test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py \
-                 test_metrics_workers.py test_docs_examples.py
+                 test_metrics_workers.py test_docs_examples.py test_dashboard.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 
@@ -306,6 +311,13 @@ bench-builds: install
 metrics-dashboard: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/metrics_dashboard.py
+
+# Redraws docs/operations-dashboard.png: every panel of dashboards/genai-ratelimit.json, its
+# PromQL answered by a real Prometheus that scraped a real gateway for about two minutes.
+dashboard-pictures: install
+	$(PROMTOOL)
+	$(PIP) install -q "matplotlib>=3.5"
+	$(PY) benchmarks/dashboard_pictures.py
 
 # A single node against a 3-master Redis Cluster (async pipelined, sync), and the slot
 # lookup's share of a call. Starts its own servers.

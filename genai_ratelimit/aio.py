@@ -716,7 +716,7 @@ class AsyncRateLimiter:
         request = self._codec.check_windows_detailed(user_id, windows, cost=cost)
         if type(request) is WindowDecision:  # the kill switch answered
             return request
-        return await self._run(request)  # type: ignore[no-any-return]
+        return await self._run(request, True)  # type: ignore[no-any-return]
 
     # RateLimiter._two_step_scopes: shared scopes decided in steps of their own.
     _two_step_scopes = False

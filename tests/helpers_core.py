@@ -264,6 +264,47 @@ def closed_port_url() -> str:
     return f"redis://127.0.0.1:{free_port()}/0"
 
 
+# A user name and password pieces that appear nowhere else in a message: a password holding
+# an unencoded '/', '?', '#', '&' or '@' splits there, and any piece, or the user name, in an
+# error would be a leak.
+USERINFO_PIECES = ("uZer7", "Pa55", "w0rd", "40417", "Secret9", "x9q")
+
+
+def unencoded_password_urls(port: int) -> list[tuple[str, str]]:
+    """(id, URL) of every URL form (redis, rediss, cluster, Sentinel, unix) with a password
+    holding an unencoded delimiter, its host a loopback port nothing listens on (or a
+    socket path that does not exist): whatever the parser makes of it, no error may show a
+    USERINFO_PIECES piece."""
+    host = f"127.0.0.1:{port}"
+    return [
+        ("redis-slash", f"redis://:Pa55/w0rd@{host}/0"),
+        ("redis-slash-no-port", "redis://:Pa55/w0rd@localhost"),
+        ("redis-user-slash", f"redis://uZer7:Pa55/w0rd@{host}"),
+        ("redis-slash-digits", f"redis://uZer7:40417/w0rd@{host}"),  # its head reads as a port
+        ("redis-at", f"redis://uZer7:Secret9@x9q@{host}/0"),
+        ("redis-at-then-slash", f"redis://uZer7:Secret9@x9q/w0rd@{host}/0"),
+        ("redis-question", f"redis://uZer7:Pa55?w0rd@{host}"),
+        ("redis-hash", f"redis://uZer7:Pa55#w0rd@{host}"),
+        ("redis-hash-digits", f"redis://uZer7:40417#w0rd@{host}"),
+        ("rediss-slash", f"rediss://:Pa55/w0rd@{host}/0?ssl_cert_reqs=none"),
+        ("rediss-at", f"rediss://uZer7:Secret9@x9q@{host}/0?ssl_cert_reqs=none"),
+        ("cluster-slash", f"redis+cluster://uZer7:Pa55/w0rd@{host}"),
+        ("cluster-at", f"redis+cluster://uZer7:Secret9@x9q@{host}"),
+        ("tls-cluster-slash", f"rediss+cluster://uZer7:Pa55/w0rd@{host}"),
+        ("sentinel-slash", f"redis+sentinel://uZer7:Pa55/w0rd@{host}/mymaster"),
+        ("sentinel-at", f"redis+sentinel://uZer7:Secret9@x9q@{host}/mymaster"),
+        ("tls-sentinel-slash", f"rediss+sentinel://:Pa55/w0rd@{host}/mymaster"),
+        ("unix-slash", "unix://uZer7:Pa55/w0rd@/nonexistent/redis.sock"),
+        ("unix-at", "unix://uZer7:Secret9@x9q@/nonexistent/redis.sock"),
+        ("unix-query-ampersand", "unix:///nonexistent/redis.sock?password=Pa55&w0rd=x9q"),
+    ]
+
+
+def userinfo_shown(text: str) -> list[str]:
+    """The USERINFO_PIECES that text shows, in any case (a host name is lowercased)."""
+    return [piece for piece in USERINFO_PIECES if piece.lower() in text.lower()]
+
+
 class FullBacklogListener:
     """A loopback listener that never accepts and whose accept queue is full, so a new
     connect() gets no answer at all (its SYN is dropped) until the client gives up."""

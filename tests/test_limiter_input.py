@@ -13,13 +13,17 @@ import logging
 import pytest
 import redis
 
+from genai_ratelimit._url import parse_redis_url
 from helpers_core import (
     SORTED_SET_SHAPE,
     PasswordRedisServer,
     closed_port_url,
     logged_entries,
     measured_commands,
+    unencoded_password_urls,
+    userinfo_shown,
 )
+from redis_server import free_port
 
 BAD_USER_IDS = [
     pytest.param("", ValueError, id="empty"),
@@ -291,3 +295,54 @@ def test_password_is_not_in_unavailable_errors(make_limiter):
         with pytest.raises(RateLimiterUnavailable) as info:
             limiter.check("user-1", 10, 60)
     assert SECRET not in str(info.value) and SECRET not in repr(info.value)
+
+
+# A password holding an unencoded '/', '?', '#', '&' or '@': whatever the parser makes of the
+# URL, no message shows any part of the user name or password, and a refusal says how to
+# write it. Every URL form, every limiter kind: built, then one check on a closed port.
+URL_PORT = free_port()
+
+
+@pytest.mark.parametrize("url", [pytest.param(url, id=name)
+                                 for name, url in unencoded_password_urls(URL_PORT)])
+def test_no_part_of_an_unencoded_password_is_in_any_error(make_limiter, url):
+    from genai_ratelimit import RateLimiterError
+
+    try:
+        limiter = make_limiter(url, connect_timeout=0.5, socket_timeout=0.5)
+        with pytest.raises(RateLimiterError) as info:
+            limiter.check("user-1", 10, 60)
+        error: BaseException = info.value
+        shown = f"{error!s} {error!r} {limiter!r} {limiter.url}"
+    except ValueError as refused:
+        shown = f"{refused!s} {refused!r}"
+        assert not userinfo_shown(shown), f"{userinfo_shown(shown)} shown in: {shown}"
+        assert "percent-encoded" in str(refused), str(refused)
+    else:
+        assert not userinfo_shown(shown), f"{userinfo_shown(shown)} shown in: {shown}"
+
+
+@pytest.mark.parametrize("url", [pytest.param(url, id=name)
+                                 for name, url in unencoded_password_urls(URL_PORT)])
+def test_parse_redis_url_never_shows_an_unencoded_password(url):
+    try:
+        options = parse_redis_url(url)
+    except ValueError as error:
+        assert not userinfo_shown(f"{error!s} {error!r}"), str(error)
+        assert "percent-encoded" in str(error), str(error)
+    else:  # an '@' in the password, the rest well formed: read whole, shown nowhere
+        assert options.password is not None and "@" in options.password
+        shown = f"{options!r} {options.describe()}"
+        assert not userinfo_shown(shown), shown
+
+
+@pytest.mark.parametrize("url, password", [
+    pytest.param("redis://:Pa55%2Fw0rd@h:1/0", "Pa55/w0rd", id="slash"),
+    pytest.param("redis://uZer7:Secret9%40x9q@h:1/0", "Secret9@x9q", id="at"),
+    pytest.param("redis://uZer7:Pa55%3Fw0rd%23x9q@h:1/0", "Pa55?w0rd#x9q", id="question-hash"),
+    pytest.param("redis+sentinel://:Pa55%2Fw0rd@h:1/mymaster", "Pa55/w0rd", id="sentinel"),
+    pytest.param("unix://:Pa55%2Fw0rd@/run/redis.sock", "Pa55/w0rd", id="unix"),
+    pytest.param("unix:///run/redis.sock?password=Pa55%26w0rd", "Pa55&w0rd", id="unix-query"),
+])
+def test_a_percent_encoded_password_is_read_whole(url, password):
+    assert parse_redis_url(url).password == password

@@ -97,13 +97,13 @@ STORAGES_MARKER = "storages"
 STORAGES = ("zset", "compact")
 # Modules whose tests read the sorted sets themselves and that other work is reshaping now
 # (the FastAPI layer's rewrite, the cluster and Sentinel router, the command line and
-# metrics, the defects' move): they join the compact storage once they read the windows
+# metrics): they join the compact storage once they read the windows
 # through tests/helpers_core.py's logged / logged_entries (their decisions are the ones
 # test_storage_equivalence.py compares; the compact storage's cluster keys are in
 # test_compact.py). test_reply_bounds scripts its server's replies in the sorted-set
 # scripts' shape (the compact decision answers an 8th element, its tie).
 ZSET_ONLY_MODULES = ("test_fastapi", "test_cluster", "test_sentinel", "test_cli", "test_metrics",
-                     "test_tiers_config", "test_review_defects", "test_reply_bounds")
+                     "test_tiers_config", "test_reply_bounds")
 WHEEL_MARKER = "wheel"
 
 

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+import uuid
+from typing import Any
 
 import pytest
 import redis
@@ -192,3 +195,48 @@ def test_a_replayed_reserve_names_its_first_entry_so_reconcile_finds_it(
     with make_limiter(redis_url) as limiter:
         assert limiter.reconcile(r, 40) == 1
     assert logged(redis_client, f"ratelimit:{user_id}:60:tokens") == [(at, 40)]
+
+
+# --------------------------------------------------------- the replay marker's window
+# The script's replay marker looks for the member in the longest window, where it lives
+# longest.
+
+
+def evalsha(client: redis.Redis, sha: str, keys: list[str], member: str, now_ms: int,
+            windows: list[tuple[int, int]], replay: bool = False) -> list[int]:
+    """Runs the script as the limiter does: KEYS shortest window first, then their weights
+    and their running totals;
+    ARGV member, the request time, (window_ms, limit, cost 1) per window, and the optional
+    replay marker."""
+    argv: list[Any] = [member, now_ms]
+    for seconds, limit in windows:
+        argv += [seconds * 1000, limit, 1]
+    if replay:
+        argv.append("1")
+    weights = [f"{key}:w" for key in keys]
+    totals = [f"{key}:t" for key in keys]
+    return client.evalsha(sha, 3 * len(keys), *keys, *weights, *totals, *argv)  # type: ignore[no-any-return]
+
+
+def test_replay_finds_its_member_in_the_longest_window_after_the_shortest_expired_it(
+        redis_client: redis.Redis, user_id: str) -> None:
+    from genai_ratelimit import _native
+
+    sha = redis_client.script_load(_native.SCRIPT_SOURCE)
+    windows = [(1, 5), (3600, 1)]
+    keys = [f"ratelimit:{user_id}:1", f"ratelimit:{user_id}:3600"]
+    first, other = str(uuid.uuid4()), str(uuid.uuid4())
+    t0 = int(time.time() * 1000)
+
+    assert evalsha(redis_client, sha, keys, first, t0, windows)[0] == 1
+    # Rejected by the hour window; on its way it trimmed `first` out of the 1 s window.
+    assert evalsha(redis_client, sha, keys, other, t0 + 1200, windows)[0] == 0
+    assert redis_client.zscore(keys[0], first) is None
+    state = [redis_client.zrange(key, 0, -1, withscores=True) for key in keys]
+
+    reply = evalsha(redis_client, sha, keys, first, t0 + 1300, windows, replay=True)
+
+    assert reply[0] == 1, (
+        f"the replay of a request the hour window still counts was answered {reply}: the "
+        "script looked for it in the shortest window only")
+    assert [redis_client.zrange(key, 0, -1, withscores=True) for key in keys] == state

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from genai_ratelimit._url import parse_redis_url
+from helpers_async import LimiterFactory
 from helpers_core import (
     SORTED_SET_SHAPE,
     PasswordRedisServer,
@@ -346,3 +347,53 @@ def test_parse_redis_url_never_shows_an_unencoded_password(url):
 ])
 def test_a_percent_encoded_password_is_read_whole(url, password):
     assert parse_redis_url(url).password == password
+
+
+# ------------------------------------------------------------------ timeouts over one day
+# connect_timeout and socket_timeout above one day (86400 s) are refused, by the Python
+# limiters and by the C types, instead of overflowing a cast to milliseconds.
+
+REFUSED_BEFORE_STORAGE = "refused when the limiter is built, before any storage is reached"
+TIMEOUT_NAMES = ["connect_timeout", "socket_timeout"]
+OVER_ONE_DAY = [1e12, 1e300, 86400.5]
+
+
+@pytest.mark.parametrize("value", OVER_ONE_DAY)
+@pytest.mark.parametrize("name", TIMEOUT_NAMES)
+@pytest.mark.storages("zset", reason=REFUSED_BEFORE_STORAGE)
+def test_timeout_over_one_day_is_refused_naming_the_parameter_and_the_bound(
+        make_limiter: LimiterFactory, name: str, value: float) -> None:
+    with pytest.raises(ValueError) as info:
+        make_limiter.native("redis://127.0.0.1:6379/0", **{name: value})
+    assert name in str(info.value) and "86400" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", TIMEOUT_NAMES)
+@pytest.mark.storages("zset", reason=REFUSED_BEFORE_STORAGE)
+def test_timeout_of_exactly_one_day_is_accepted(make_limiter: LimiterFactory, name: str) -> None:
+    make_limiter.native("redis://127.0.0.1:6379/0", **{name: 86400})  # nothing is sent
+
+
+@pytest.mark.parametrize("value", OVER_ONE_DAY)
+@pytest.mark.parametrize("name", TIMEOUT_NAMES)
+def test_native_limiter_refuses_a_timeout_over_one_day(name: str, value: float) -> None:
+    from genai_ratelimit import _native
+
+    with pytest.raises(ValueError):
+        _native.Limiter(host="127.0.0.1", **{name: value})
+
+
+@pytest.mark.parametrize("value", OVER_ONE_DAY)
+def test_native_pipeline_refuses_a_timeout_over_one_day(value: float) -> None:
+    from genai_ratelimit import _native
+
+    with pytest.raises(ValueError):
+        _native.Pipeline(value)
+
+
+def test_native_types_accept_a_timeout_of_exactly_one_day() -> None:
+    from genai_ratelimit import _native
+
+    limiter = _native.Limiter(host="127.0.0.1", connect_timeout=86400, socket_timeout=86400)
+    limiter.close()
+    _native.Pipeline(86400)

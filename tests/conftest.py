@@ -105,6 +105,8 @@ STORAGES = ("zset", "compact")
 ZSET_ONLY_MODULES = ("test_fastapi", "test_cluster", "test_sentinel", "test_cli", "test_metrics",
                      "test_tiers_config", "test_reply_bounds")
 WHEEL_MARKER = "wheel"
+# The tests make test-asan / make test-hiredis1 leave out (pyproject.toml registers them).
+BUILD_MARKERS = ("not_asan", "no_hiredis1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -166,6 +168,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     unknown = selected - set(LIMITER_KINDS)
     if unknown:
         raise pytest.UsageError(f"--limiter-kinds: unknown kind(s) {', '.join(sorted(unknown))}")
+    for item in items:
+        for marker in item.iter_markers():
+            if marker.name in BUILD_MARKERS and not marker.kwargs.get("reason"):
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{marker.name} needs a "
+                                        "reason=... saying why that build leaves it out")
     kept, deselected = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)

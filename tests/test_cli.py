@@ -26,6 +26,12 @@ from helpers_core import (
 )
 from redis_server import RedisServer, free_port
 
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="the command line runs in subprocesses"),
+    pytest.mark.no_hiredis1(reason="the command line runs in subprocesses"),
+]
+
 TIMEOUT = 30
 README = Path(__file__).resolve().parent.parent / "README.md"
 

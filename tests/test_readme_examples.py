@@ -12,6 +12,12 @@ from pathlib import Path
 import pytest
 import redis
 
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="the README's examples run in interpreters of their own"),
+    pytest.mark.no_hiredis1(reason="the README's examples run in interpreters of their own"),
+]
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 # The sections whose ```python blocks are complete programs.

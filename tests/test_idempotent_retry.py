@@ -197,6 +197,48 @@ def test_a_replayed_reserve_names_its_first_entry_so_reconcile_finds_it(
     assert logged(redis_client, f"ratelimit:{user_id}:60:tokens") == [(at, 40)]
 
 
+# ----------------------------------------- what a replayed release and reconcile answer
+# They are idempotent by themselves, so a replay after a lost reply does no harm; but it
+# answers what it finds, and the first attempt already did the work: a replayed release
+# answers False, a replayed reconcile(r, 0) answers 0 (README: "Answers of a replay").
+
+
+def test_a_replayed_release_answers_false_and_the_slot_is_free(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, redis_port: int,
+        user_id: str) -> None:
+    with make_limiter(redis_url) as direct:
+        lease = direct.acquire(user_id, 1, 300)  # loads the lease script: no NOSCRIPT below
+    assert lease.allowed
+    proxy = ReplyDroppingProxy(redis_port, drop=1)
+    try:
+        with make_limiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            answer = limiter.release(lease)
+    finally:
+        proxy.close()
+    assert len(proxy.dropped_replies) == 1, "premise: the first attempt's reply was lost"
+    assert proxy.dropped_replies[0].startswith(b"*5\r\n:1\r\n"), "the first attempt released it"
+    assert answer is False
+    assert redis_client.exists(f"ratelimit:{user_id}:leases") == 0
+
+
+def test_a_replayed_reconcile_to_zero_answers_zero_and_the_entry_is_gone(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, redis_port: int,
+        user_id: str) -> None:
+    with make_limiter(redis_url) as direct:
+        r = direct.reserve(user_id, [(5, 60)], cost=3)
+        direct.reconcile(r, 3)  # loads the reconcile script: no NOSCRIPT below
+    proxy = ReplyDroppingProxy(redis_port, drop=1)
+    try:
+        with make_limiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            answer = limiter.reconcile(r, 0)
+    finally:
+        proxy.close()
+    assert len(proxy.dropped_replies) == 1, "premise: the first attempt's reply was lost"
+    assert proxy.dropped_replies[0] == b":1\r\n", "the first attempt found and removed the entry"
+    assert answer == 0
+    assert logged_entries(redis_client, f"ratelimit:{user_id}:60") == 0
+
+
 # --------------------------------------------------------- the replay marker's window
 # The script's replay marker looks for the member in the longest window, where it lives
 # longest.

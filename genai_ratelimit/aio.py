@@ -286,7 +286,14 @@ class _Connection(asyncio.Protocol):
     def close(self, exc: Exception) -> None:
         transport = self.transport
         self._close(exc)
-        if transport is not None:
+        if transport is None:
+            return
+        if transport.get_extra_info("sslcontext") is not None:
+            # TLS: close() would begin the close_notify exchange and keep the socket until
+            # the server answers, which may be after the application's loop has ended (the
+            # socket then left to the garbage collector). Nothing is pending any more.
+            transport.abort()
+        else:
             transport.close()
 
     def _close(self, exc: Exception) -> None:

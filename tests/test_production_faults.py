@@ -255,6 +255,7 @@ class BreakingProxy:
         self.target_port = target_port
         self.holding = True
         self.held: list[dict[str, Any]] = []
+        self.relayed: list[dict[str, Any]] = []  # every connection's sockets, closed by close()
         self.lock = threading.Condition()
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
@@ -275,6 +276,7 @@ class BreakingProxy:
             with self.lock:
                 state = {"client": client, "upstream": upstream, "requests": 0,
                          "held": self.holding}
+                self.relayed.append(state)
                 if self.holding:
                     self.held.append(state)
                 else:
@@ -344,7 +346,9 @@ class BreakingProxy:
         self.stop.set()
         self.listener.close()
         with self.lock:
-            for state in self.held:
+            # The relayed connections too: left to the garbage collector, their sockets warn
+            # (ResourceWarning) in whichever later test it runs.
+            for state in self.relayed:
                 for name in ("client", "upstream"):
                     try:
                         state[name].close()

@@ -299,3 +299,36 @@ def test_tls_ca_file_is_trusted_whatever_the_system_store_holds(
     report = tls_check_in_child(trust, limiter_kind, system_ca=trust["other_ca"],
                                 ssl_ca_certs=trust["server_ca"])
     assert report.get("result") == [True, 99, 0], report
+
+
+# ------------------------------------------------------------------ closing a TLS limiter
+
+@pytest.mark.limiter_kinds("asyncio", "uvloop", reason="aclose() of the async limiter's TLS "
+                                                       "connections; the blocking one closes in C")
+def test_aclose_closes_the_tls_sockets_before_the_loop_ends(
+        loop_factory: Any, tls_server: RedisServer, certificates: Path, user_id: str) -> None:
+    """An application's loop ends soon after aclose() (asyncio.Runner, asyncio.run): a TLS
+    transport only closed (its close_notify exchange begun) outlives the loop, and its
+    socket is left to the garbage collector, which warns (ResourceWarning)."""
+    import asyncio
+    import gc
+    import warnings
+
+    from genai_ratelimit import AsyncRateLimiter
+
+    url = f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
+
+    async def main() -> tuple[bool, int, int]:
+        limiter = AsyncRateLimiter(url, connect_timeout=10, socket_timeout=10)
+        try:
+            return await limiter.check(user_id, 2, 60)
+        finally:
+            await limiter.aclose()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            assert runner.run(main()) == (True, 1, 0)
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == [], unclosed

@@ -800,6 +800,7 @@ class AsyncRateLimiter:
         while True:
             request = (self._codec.reset(user_id, cursor=cursor) if scan
                        else self._codec.reset(user_id, windows, token_windows=token_windows))
+            more: int
             more, cursor = await self._run(request)
             removed += more
             if cursor == "0":

@@ -162,15 +162,11 @@ install-debug: deps $(DEBUG_VENV)/.created
 
 # The suite but the slow tests, under ASan + UBSan (both fatal). pytest runs from the
 # venv's script, so the source tree (no .so, or a stale one) is never imported.
-# Left to `make test`: the files whose work happens in other processes (uvicorn servers and the
-# SDK clients, packaging builds, the interpreters of the README's and the docs' examples) or in
-# no C at all; the FastAPI paths in this process (TestClient) stay under ASan, but for shadow mode and the IETF
-# headers, which call the limiters exactly as test_fastapi.py and test_fastapi_tokens.py do.
-ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
-             test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
-             test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
-             test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
-             test_cli.py test_metrics_workers.py test_docs_examples.py test_dashboard.py
+# Left to `make test`: the tests marked not_asan (pyproject.toml), each module saying why: the
+# files whose work happens in other processes (uvicorn servers and the SDK clients, packaging
+# builds, the README examples' interpreters) or in no C at all; the FastAPI paths in this
+# process (TestClient) stay under ASan, but for shadow mode and the IETF headers, which call the
+# limiters exactly as test_fastapi.py and test_fastapi_tokens.py do.
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -178,8 +174,8 @@ test-asan: install-asan
 # .ci/run can build everything first, then run suites side by side without two builds racing).
 run-test-asan:
 	$(PROMTOOL)
-	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
-	  $(foreach f,$(ASAN_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
+	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow and not not_asan" -p no:cacheprovider \
+	  $(PYTEST_ARGS)
 
 # VALGRIND_TESTS under memcheck with the -O0 -g build. Invalid reads/writes and uses of
 # uninitialised memory fail the run (--error-exitcode); definite leaks are listed and
@@ -217,25 +213,17 @@ install-hiredis1: deps $(HIREDIS1_VENV)/.created
 	bash scripts/build-hiredis1.sh check $(HIREDIS1_PY) $(HIREDIS1_PREFIX)
 
 # The suite but the slow tests, on the extension linked to hiredis 1.x.
-# The files that drive no hiredis path of their own are left to `make test` and test-asan:
-# FastAPI over TestClient and uvicorn (the same codec and pipeline the async tests drive),
-# the tiers file, the README's and the docs' examples, packaging, the Docker files, the wheel
-# and the command line (subprocesses).
-HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py test_fastapi_scopes.py \
-                 test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
-                 test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
-                 test_readme_examples.py test_packaging.py test_examples_docker.py \
-                 test_wheel_install.py test_c_source_lint.py \
-                 test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
-                 test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py \
-                 test_metrics_workers.py test_docs_examples.py test_dashboard.py
+# The tests marked no_hiredis1 (pyproject.toml), which drive no hiredis path of their own, are
+# left to `make test` and test-asan, each module saying why: FastAPI over TestClient and uvicorn
+# (the same codec and pipeline the async tests drive), the tiers file, the README examples,
+# packaging, the Docker files, the wheel and the command line (subprocesses).
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 
 run-test-hiredis1:
 	$(PROMTOOL)
-	$(HIREDIS1_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
-	  $(foreach f,$(HIREDIS1_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
+	$(HIREDIS1_VENV)/bin/pytest -m "not slow and not no_hiredis1" -p no:cacheprovider \
+	  $(PYTEST_ARGS)
 
 # ------------------------------------------------------------------------------
 

@@ -286,7 +286,14 @@ class _Connection(asyncio.Protocol):
     def close(self, exc: Exception) -> None:
         transport = self.transport
         self._close(exc)
-        if transport is not None:
+        if transport is None:
+            return
+        if transport.get_extra_info("sslcontext") is not None:
+            # TLS: close() would begin the close_notify exchange and keep the socket until
+            # the server answers, which may be after the application's loop has ended (the
+            # socket then left to the garbage collector). Nothing is pending any more.
+            transport.abort()
+        else:
             transport.close()
 
     def _close(self, exc: Exception) -> None:
@@ -753,14 +760,12 @@ class AsyncRateLimiter:
                     answer: object = _native.Codec(self.key_prefix, metrics=False).reserve(
                         *positional, **keywords)
                 elif name == "release":
-                    release = self._codec.release(*positional)
-                    answer = release if type(release) is bool else await self._run(release)
-                else:
-                    method = self._codec.reserve if name == "reserve" else self._codec.reconcile
-                    request = method(*positional, **keywords)
-                    # A reserve is a decision (the metrics count it), a reconcile is not.
-                    answer = (request if type(request) in (tuple, int)
-                              else await self._run(request, name == "reserve"))
+                    answer = await self._run(self._codec.release(*positional))
+                elif name == "reserve":  # a decision (the metrics count it), a reconcile is not
+                    request = self._codec.reserve(*positional, **keywords)
+                    answer = request if type(request) is tuple else await self._run(request, True)
+                else:  # never answered by the kill switch: Redis holds what it corrects
+                    answer = await self._run(self._codec.reconcile(*positional, **keywords))
             except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
                 call, result = advance(plan, error=exc)
             else:
@@ -795,7 +800,8 @@ class AsyncRateLimiter:
         while True:
             request = (self._codec.reset(user_id, cursor=cursor) if scan
                        else self._codec.reset(user_id, windows, token_windows=token_windows))
-            more, cursor = request if type(request) is tuple else await self._run(request)
+            more: int
+            more, cursor = await self._run(request)
             removed += more
             if cursor == "0":
                 return removed
@@ -833,10 +839,7 @@ class AsyncRateLimiter:
         arguments = lease_arguments(lease)
         if arguments is None:
             return False
-        request = self._codec.release(*arguments[:2])
-        if type(request) is bool:
-            return request
-        return await self._run(request)  # type: ignore[no-any-return]
+        return await self._run(self._codec.release(*arguments[:2]))  # type: ignore[no-any-return]
 
     async def renew(self, lease: Lease, lease_seconds: int | None = None) -> bool:
         """RateLimiter.renew, awaited."""
@@ -845,8 +848,7 @@ class AsyncRateLimiter:
         arguments = lease_arguments(lease, lease_seconds)
         if arguments is None:
             return lease.allowed
-        request = self._codec.renew(*arguments)
-        raw = request if type(request) is tuple else await self._run(request)
+        raw = await self._run(self._codec.renew(*arguments))
         return bool(raw[0])
 
     async def aclose(self) -> None:

@@ -43,6 +43,13 @@ from helpers_prometheus import (
 )
 from redis_server import RedisServer
 
+
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="the gateway runs under uvicorn and Prometheus scrapes it, in other processes"),
+    pytest.mark.no_hiredis1(reason="the gateway runs under uvicorn and Prometheus scrapes it, in other processes"),
+]
+
 JOB = "gateway"
 # Grafana's $__rate_interval for a 1 s scrape is 4 scrapes; 30 s keeps both rounds of
 # traffic (and a scrape before the first) in every rate's range.

@@ -31,6 +31,14 @@ from test_fastapi import (  # noqa: F401  (fixtures, by name)
     server_now_ms,
 )
 
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="calls the limiters exactly as test_fastapi_tokens.py does, which runs "
+                                "under ASan"),
+    pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline the async tests "
+                                   "drive on hiredis 1.x"),
+]
+
 SECRET = "s3cret-of-this-app"
 TOKENS = {"free": {"per_minute": 100, "per_day": 1_000}}
 Items = dict[str, dict[str, Any]]

@@ -29,6 +29,13 @@ from test_fastapi import (  # noqa: F401  (fixtures, by name)
     limiter,
 )
 
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="calls the limiters exactly as test_fastapi.py does, which runs under ASan"),
+    pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline the async tests "
+                                   "drive on hiredis 1.x"),
+]
+
 STRICT = {"free": {"per_minute": 2, "per_day": 100}}
 TOKENS = {"free": {"per_minute": 100, "per_day": 1_000}}
 RETRY_INSTRUCTIONS = ("Retry-After", "retry-after-ms", "x-should-retry")

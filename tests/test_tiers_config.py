@@ -33,9 +33,14 @@ with warnings.catch_warnings():
 
 # The tiers file is read by the dependency, whatever limiter it drives: a blocking one here.
 # How the dependency drives each kind of limiter is test_fastapi.py's subject.
-pytestmark = pytest.mark.limiter_kinds(
-    "sync", reason="the tiers file is the dependency's, not the limiter's; every kind of "
-                   "limiter behind the dependency is in test_fastapi.py")
+pytestmark = [
+    pytest.mark.limiter_kinds(
+        "sync", reason="the tiers file is the dependency's, not the limiter's; every kind of "
+                       "limiter behind the dependency is in test_fastapi.py"),
+    pytest.mark.not_asan(reason="the tiers file is pure Python; the limiter behind it is test_fastapi.py's,"
+                                " which runs under ASan"),
+    pytest.mark.no_hiredis1(reason="the tiers file is pure Python: no hiredis path of its own"),
+]
 
 GOOD = {
     "free": {"per_minute": 2, "per_day": 50},

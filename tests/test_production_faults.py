@@ -30,7 +30,7 @@ from genai_ratelimit import (
     RateLimiterTimeout,
     RateLimiterUnavailable,
 )
-from helpers_async import LimiterFactory, run_async
+from helpers_async import UNDER_ASAN, LimiterFactory, run_async
 from helpers_core import SORTED_SET_SHAPE, SignalDriver, SlowReader, logged_entries
 from redis_server import RedisServer
 
@@ -491,6 +491,11 @@ def test_signal_handler_exception_interrupts_a_blocked_check(
         assert limiter.check("after-interrupt-user", 3, 60) == (True, 2, 0)
 
 
+@pytest.mark.skipif(UNDER_ASAN, reason=(
+    "the premise is a write phase between half the timeout and the timeout, timed on the "
+    "release build; under ASan the instrumented copies of the 12 MiB command and a loaded "
+    "machine stretch it past the timeout (3.3 s measured), so the premise cannot be set up; "
+    "the timeout itself is checked there by the other slow-server tests"))
 def test_slow_write_and_read_together_stay_within_the_socket_timeout() -> None:
     timeout = 2.0
     # A command far larger than the socket buffers can park (the client's send buffer grows

@@ -11,11 +11,11 @@ from typing import Any
 
 from fastapi import HTTPException, Request, Response
 from starlette.concurrency import run_in_threadpool
+from typing_extensions import Unpack
 
 from .. import RateLimiterError
-from .._ietf_headers import HEADER_MODES, HeaderMode, PartitionKeys, ServiceLimit, ietf_headers
+from .._ietf_headers import HeaderMode, PartitionKeys, ServiceLimit, ietf_headers
 from .._openai_headers import (
-    ERROR_FORMATS,
     UNAVAILABLE_MESSAGE,
     ErrorFormat,
     ResourceHeaders,
@@ -35,7 +35,7 @@ from .._tiers_config import (
     validate_tier_limits,
 )
 from ..aio import AsyncRateLimiter
-from ..lease import DEFAULT_LEASE_SECONDS, Lease
+from ..lease import Lease
 from ..reservation import Reservation, Resource
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
 from ._identity import (
@@ -46,13 +46,12 @@ from ._identity import (
     key_identity,
 )
 from ._ledger import _LEASES_KEY, _LeaseLedger
+from ._options import ClassSignature, Mode, OnUnavailable, SharedOptions, options_from
 from ._policy import (
     CONCURRENT,
     AsyncWindowLimiter,
     Decision,
     Identify,
-    Mode,
-    OnUnavailable,
     SyncWindowLimiter,
     Windows,
     _ietf_policies,
@@ -60,6 +59,7 @@ from ._policy import (
     _policy_name,
     _scope_kind,
     _tightest,
+    in_flight_wait,
     window_name,
 )
 from ._responses import (
@@ -70,7 +70,7 @@ from ._responses import (
     _record_extra,
     _set_refusal_body,
 )
-from ._scopes import Upstream, UpstreamOf, _Scopes
+from ._scopes import _Scopes
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -163,6 +163,7 @@ class RateLimit:
 
     # TokenRateLimit charges tokens: its scopes keep their token windows.
     _charges_tokens = False
+    __signature__ = ClassSignature()
 
     def __new__(cls, limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
                 *args: Any, **kwargs: Any) -> RateLimit:
@@ -187,36 +188,17 @@ class RateLimit:
         identify: Identify | None = None,
         on_unavailable: OnUnavailable = "deny",
         namespace: str | None = None,
-        *,
-        error_format: ErrorFormat = "openai",
-        max_client_wait_seconds: float = 300.0,
-        unavailable_log_interval: float = 60.0,
-        log_user_ids: bool = True,
-        mode: Mode = "enforce",
-        shadow_log_interval: float = 60.0,
-        headers: HeaderMode = "contract",
-        partition_key_secret: str | bytes | None = None,
-        max_in_flight: Mapping[str, int] | None = None,
-        lease_seconds: int = DEFAULT_LEASE_SECONDS,
-        upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
-        route_limits: Mapping[str, int] | None = None,
-        model_limits: Mapping[str, Mapping[str, int]] | None = None,
+        **options: Unpack[SharedOptions],
     ) -> None:
-        if mode not in ("enforce", "shadow"):
-            raise ValueError(f"mode must be 'enforce' or 'shadow', got {mode!r}")
-        if headers not in HEADER_MODES:
-            raise ValueError(f"headers must be 'contract', 'ietf' or 'both', got {headers!r}")
-        if error_format not in ERROR_FORMATS:
-            raise ValueError(f"error_format must be 'openai', 'anthropic' or 'plain', got {error_format!r}")
-        for name, number in (("max_client_wait_seconds", max_client_wait_seconds),
-                             ("unavailable_log_interval", unavailable_log_interval),
-                             ("shadow_log_interval", shadow_log_interval)):
-            if isinstance(number, bool) or not isinstance(number, (int, float)):
-                raise TypeError(f"{name} must be a number of seconds, not {type(number).__name__}")
-            if not number >= 0:
-                raise ValueError(f"{name} must be >= 0, got {number!r}")
-        if not isinstance(log_user_ids, bool):
-            raise TypeError(f"log_user_ids must be a bool, not {type(log_user_ids).__name__}")
+        opts = options_from(options)
+        self.options = opts
+        error_format, headers, mode = opts.error_format, opts.headers, opts.mode
+        max_client_wait_seconds, log_user_ids = opts.max_client_wait_seconds, opts.log_user_ids
+        unavailable_log_interval = opts.unavailable_log_interval
+        shadow_log_interval, partition_key_secret = opts.shadow_log_interval, opts.partition_key_secret
+        max_in_flight, lease_seconds = opts.max_in_flight, opts.lease_seconds
+        upstream, route_limits, model_limits = opts.upstream, opts.route_limits, opts.model_limits
+        self.in_flight_retry_after = float(opts.in_flight_retry_after)
         self.error_format: ErrorFormat = error_format
         self.max_client_wait_seconds = float(max_client_wait_seconds)
         self.unavailable_log_interval = float(unavailable_log_interval)
@@ -249,10 +231,6 @@ class RateLimit:
             raise TypeError(
                 f"limiter must be a RateLimiter or AsyncRateLimiter, not {type(limiter).__name__}")
         from_file = tier_limits is None
-        if isinstance(lease_seconds, bool) or not isinstance(lease_seconds, int):
-            raise TypeError(f"lease_seconds must be an int, not {type(lease_seconds).__name__}")
-        if lease_seconds < 1:
-            raise ValueError(f"lease_seconds must be >= 1, got {lease_seconds}")
         self.lease_seconds = lease_seconds
         if tier_limits is None:
             tiers_in_flight = tier_max_in_flight_from_env() or {}
@@ -263,15 +241,8 @@ class RateLimit:
         self._scopes = _Scopes(upstream, route_limits, model_limits, from_file,
                                tokens=self._charges_tokens)
         self._limiter_is_async = limiter is None or _is_async_limiter(limiter)
-        if max_in_flight is not None and not isinstance(max_in_flight, Mapping):
-            raise TypeError(f"max_in_flight must be a mapping of tier to int, not "
-                            f"{type(max_in_flight).__name__}")
         defaults: dict[str, int] = {}
         for tier, cap in (max_in_flight or {}).items():
-            if isinstance(cap, bool) or not isinstance(cap, int):
-                raise TypeError(f"max_in_flight[{tier!r}] must be an int, not {type(cap).__name__}")
-            if cap < 1:
-                raise ValueError(f"max_in_flight[{tier!r}] must be >= 1, got {cap}")
             if tier in self.tier_limits:  # a tier the budget does not know never applies
                 defaults[tier] = cap
         # Per tier, the most requests of one identity in flight at once (absent: no cap).
@@ -408,9 +379,12 @@ class RateLimit:
         if lease.allowed:
             leases.entries.append((key, limiter, is_async, lease))
             return
-        retry_ms = lease.retry_after_ms
+        # The soonest lease's expiry is only a bound (a request that ends frees its slot
+        # sooner): announce in_flight_retry_after, a short wait both SDKs act on.
+        retry_ms, retry_s = in_flight_wait(self.in_flight_retry_after, lease.retry_after_ms)
         message = (f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one "
-                   f"of them ends; please try again within {format_duration(retry_ms)}.")
+                   f"of them ends; please try again in {format_duration(retry_ms)} (every slot "
+                   f"is free again within {format_duration(lease.retry_after_ms)} at the latest).")
         refusal = [("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
                    ("X-RateLimit-Window", window_name(CONCURRENT))]
         if self.mode == "shadow":
@@ -419,7 +393,7 @@ class RateLimit:
         _set_refusal_body(request, error_body(self.error_format, 429, "Rate limit exceeded",
                                               message, "requests"))
         headers = {
-            **dict(retry_headers(lease.retry_after_s, retry_ms, self.max_client_wait_seconds)),
+            **dict(retry_headers(retry_s, retry_ms, self.max_client_wait_seconds)),
             **dict(refusal),
         }
         raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)

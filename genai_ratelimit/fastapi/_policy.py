@@ -6,7 +6,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 from fastapi import Request
 
@@ -20,8 +20,6 @@ logger = logging.getLogger("genai_ratelimit")
 Windows = tuple[tuple[int, int], ...]
 Decision = tuple[bool, int, int, int]
 Identify = Callable[[Request], "tuple[str, str | None]"]
-OnUnavailable = Literal["deny", "allow"]
-Mode = Literal["enforce", "shadow"]
 
 
 class SyncWindowLimiter(Protocol):
@@ -77,3 +75,12 @@ def _tightest(states: Sequence[WindowState], resource: str) -> WindowState | Non
                if w.resource == resource and w.remaining is not None and w.scope is None]
     return min(reached, key=lambda w: (w.remaining, w.window_seconds)) if reached else None
 
+
+
+def in_flight_wait(retry_after: float, lease_expiry_ms: int) -> tuple[int, int]:
+    """(retry-after-ms, Retry-After in whole seconds, rounded up) of a concurrency 429: the
+    dependency's in_flight_retry_after (a slot frees when a request in flight ends, usually
+    within seconds), never later than the soonest lease's expiry, which frees a slot at the
+    latest. Both are at most 60 s, the longest wait the openai and anthropic SDKs act on."""
+    retry_ms = max(0, min(round(retry_after * 1000), lease_expiry_ms, 60_000))
+    return retry_ms, -(-retry_ms // 1000)

@@ -8,11 +8,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from fastapi import HTTPException, Request, Response
+from typing_extensions import Unpack
 
 from .. import RateLimiterError
-from .._ietf_headers import HeaderMode
 from .._openai_headers import (
-    ErrorFormat,
     ResourceHeaders,
     error_body,
     family_headers,
@@ -26,18 +25,16 @@ from .._tiers_config import (
     validate_token_limits,
 )
 from .._usage import estimate_openai_tokens
-from ..lease import DEFAULT_LEASE_SECONDS
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
 from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
 from ._dependency import RateLimit, _is_async_limiter
 from ._identity import _budget_namespace
 from ._ledger import _ledger_of
+from ._options import OnUnavailable, SharedOptions
 from ._policy import (
     AsyncWindowLimiter,
     Identify,
-    Mode,
-    OnUnavailable,
     SyncWindowLimiter,
     Windows,
     _now_ms,
@@ -45,7 +42,6 @@ from ._policy import (
     window_name,
 )
 from ._responses import _record_allowed, _record_extra
-from ._scopes import Upstream, UpstreamOf
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -124,19 +120,7 @@ class TokenRateLimit(RateLimit):
         token_limits: Mapping[str, Mapping[str, int]] | None = None,
         estimate: Estimate | None = None,
         default_max_tokens: int | Mapping[str, int] = DEFAULT_MAX_TOKENS,
-        error_format: ErrorFormat = "openai",
-        max_client_wait_seconds: float = 300.0,
-        unavailable_log_interval: float = 60.0,
-        log_user_ids: bool = True,
-        mode: Mode = "enforce",
-        shadow_log_interval: float = 60.0,
-        headers: HeaderMode = "contract",
-        partition_key_secret: str | bytes | None = None,
-        max_in_flight: Mapping[str, int] | None = None,
-        lease_seconds: int = DEFAULT_LEASE_SECONDS,
-        upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None,
-        route_limits: Mapping[str, int] | None = None,
-        model_limits: Mapping[str, Mapping[str, int]] | None = None,
+        **options: Unpack[SharedOptions],
     ) -> None:
         if limiter is not None and not callable(getattr(limiter, "reserve", None)):
             raise TypeError(f"limiter must be a RateLimiter or AsyncRateLimiter with reserve(), "
@@ -151,13 +135,7 @@ class TokenRateLimit(RateLimit):
         else:
             fallback = self._positive("default_max_tokens", default_max_tokens)
         self._default_max_fallback = fallback
-        super().__init__(limiter, tier_limits, identify, on_unavailable, namespace,
-                         error_format=error_format, max_client_wait_seconds=max_client_wait_seconds,
-                         unavailable_log_interval=unavailable_log_interval, log_user_ids=log_user_ids,
-                         mode=mode, shadow_log_interval=shadow_log_interval, headers=headers,
-                         partition_key_secret=partition_key_secret, max_in_flight=max_in_flight,
-                         lease_seconds=lease_seconds,
-                         upstream=upstream, route_limits=route_limits, model_limits=model_limits)
+        super().__init__(limiter, tier_limits, identify, on_unavailable, namespace, **options)
         default_tokens = token_limits is None
         if token_limits is None:
             token_limits = tier_token_limits_from_env() or TIER_TOKEN_LIMITS

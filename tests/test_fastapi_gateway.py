@@ -87,3 +87,86 @@ def test_a_concurrency_429_announces_in_flight_retry_after_never_past_the_soones
     else:
         assert (wait_ms, wait_s) == expected
     assert response.headers["x-should-retry"] == "true"
+
+
+# --- shadow is an observer ----------------------------------------------------------------------
+
+STRICT = {"free": {"per_minute": 3, "per_day": 100}}
+
+
+def pair(limiter: Any, order: str, **shadow_options: Any) -> tuple[RateLimit, RateLimit, list[RateLimit]]:
+    """An enforced dependency (free: 5 a minute) and a shadow one (3 a minute) in `order`."""
+    enforced = RateLimit(limiter=limiter, **shadow_options.pop("enforced", {}))
+    shadow = RateLimit(limiter=limiter, tier_limits=STRICT, mode="shadow", namespace="rollout",
+                       **shadow_options)
+    return enforced, shadow, [enforced, shadow] if order == "enforced-first" else [shadow, enforced]
+
+
+@pytest.mark.parametrize("order", ["enforced-first", "shadow-first"])
+def test_a_shadow_budget_never_changes_the_enforced_headers_in_either_order(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis, user_id: str,
+        order: str) -> None:
+    enforced, shadow, dependencies = pair(limiter, order)
+    client = client_for(dependencies[0], extra=dependencies[1:])
+    responses = [client.get("/stream", headers=as_user(user_id)) for _ in range(6)]
+    assert [r.status_code for r in responses] == [200] * 5 + [429]
+    # The enforced numbers, request after request: never the shadow budget's 3.
+    assert [r.headers["X-RateLimit-Limit"] for r in responses] == ["5"] * 6
+    assert [r.headers["X-RateLimit-Remaining"] for r in responses] == ["4", "3", "2", "1", "0", "0"]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in responses[:5]] == ["4", "3", "2", "1", "0"]
+    # The shadow verdict only in X-RateLimit-Shadow*.
+    assert [r.headers.get("X-RateLimit-Shadow") for r in responses[:5]] == [None] * 3 + ["would-refuse"] * 2
+    assert [r.headers["X-RateLimit-Shadow-Limit"] for r in responses[:5]] == ["3"] * 5
+    assert [r.headers["X-RateLimit-Shadow-Remaining"] for r in responses[:5]] == ["2", "1", "0", "0", "0"]
+    assert responses[5].json()["detail"] == "Rate limit exceeded"
+    # The sixth request: refused by the enforced budget before the shadow one saw it, or seen
+    # (and counted as would-refuse) first.
+    assert shadow.shadow_count == (2 if order == "enforced-first" else 3)
+    # Each budget in its own keys: the shadow one's cannot add to the enforced count.
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 5
+    assert redis_client.zcard(f"ratelimit:shadow:ns:rollout:{user_id}:60") == 3
+
+
+@pytest.mark.parametrize("order", ["enforced-first", "shadow-first"])
+def test_a_shadow_cap_holds_no_enforced_slot_and_never_refuses(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis, user_id: str,
+        order: str) -> None:
+    enforced, shadow, dependencies = pair(limiter, order, max_in_flight={"free": 1},
+                                          enforced={"max_in_flight": {"free": 2}})
+    client = client_for(dependencies[0], extra=dependencies[1:])
+    enforced_key = f"ratelimit:{user_id}:leases"
+    shadow_key = f"ratelimit:shadow:ns:rollout:{user_id}:leases"
+    expiry = server_now_ms(redis_client) + 30_000
+    # One other request in flight, seen by both caps: the enforced cap (2) has room, the
+    # shadow cap (1) would refuse, and says so without taking anything from the enforced one.
+    redis_client.zadd(enforced_key, {"other": expiry})
+    redis_client.zadd(shadow_key, {"other": expiry})
+    response = client.get("/dict", headers=as_user(user_id))
+    assert response.status_code == 200
+    assert response.headers["X-RateLimit-Shadow"] == "would-refuse"
+    assert response.headers["X-RateLimit-Shadow-Window"] == "concurrent"
+    assert "Retry-After" not in response.headers
+    assert (redis_client.zcard(enforced_key), redis_client.zcard(shadow_key)) == (1, 1)
+    # The enforced cap alone refuses: two others in flight.
+    redis_client.zadd(enforced_key, {"other-2": expiry})
+    refused = client.get("/dict", headers=as_user(user_id))
+    assert refused.status_code == 429 and refused.headers["X-RateLimit-Limit"] == "2"
+
+
+def test_two_caps_on_one_route_hold_one_slot_of_their_key(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis, user_id: str) -> None:
+    """Caps 3 and 5 on one identity's key: a request holds one slot (not two), so three
+    requests in flight fit the cap of 3; a fourth is refused by it."""
+    three = RateLimit(limiter=limiter, max_in_flight={"free": 3})
+    five = RateLimit(limiter=limiter, max_in_flight={"free": 5})
+    client = client_for(five, extra=[three])
+    key = f"ratelimit:{user_id}:leases"
+    expiry = server_now_ms(redis_client) + 30_000
+    redis_client.zadd(key, {"other-1": expiry, "other-2": expiry})
+    allowed = client.get("/dict", headers=as_user(user_id))
+    assert allowed.status_code == 200  # 3 in flight with it: one slot, within both caps
+    redis_client.zadd(key, {"other-3": expiry})
+    refused = client.get("/dict", headers=as_user(user_id))
+    assert refused.status_code == 429
+    assert (refused.headers["X-RateLimit-Limit"], refused.headers["X-RateLimit-Window"]) == ("3", "concurrent")
+    assert redis_client.zcard(key) == 3  # the refused request's slot is given back

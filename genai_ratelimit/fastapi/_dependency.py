@@ -68,7 +68,10 @@ from ._responses import (
     _STOCK_CHECK_WINDOWS,
     _record_allowed,
     _record_extra,
+    _record_shadow,
     _set_refusal_body,
+    allowed_headers,
+    shadow_headers,
 )
 from ._scopes import _Scopes
 
@@ -300,7 +303,10 @@ class RateLimit:
         if not isinstance(user_id, str) or not user_id:
             raise TypeError(f"the rate-limit identity must be a non-empty str, got {user_id!r}")
         budget_tier = tier if isinstance(tier, str) and tier in self._windows else DEFAULT_TIER
-        return key_identity(user_id, self.namespace), budget_tier
+        identity = key_identity(user_id, self.namespace)
+        # A shadow budget counts (and takes its in-flight slots) in keys of its own, so it
+        # never makes an enforced budget refuse more.
+        return (f"shadow:{identity}" if self.mode == "shadow" else identity), budget_tier
 
     def _counted_key(self, identity: str, windows: Windows) -> tuple[object, ...]:
         """Which keys a check of `identity` would count in: the limiter's Redis and key prefix
@@ -345,6 +351,10 @@ class RateLimit:
                 **dict(refusal),
             }
             raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
+        if self.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
+            _record_shadow(request, response, shadow_headers(
+                allowed_headers(limit, remaining, window_seconds), "allow"))
+            return
         _record_allowed(request, response, limit, remaining, window_seconds)
         # The tightest window is back to its full limit one window length from now (this
         # request is its newest entry): the reset of the provider families' headers.
@@ -354,7 +364,7 @@ class RateLimit:
                                                             window_seconds)])
         _record_extra(request, response, extra)
 
-    def _in_flight_slot(self, request: Request, identity: str,
+    def _in_flight_slot(self, request: Request, response: Response, identity: str,
                         tier: str) -> tuple[int, tuple[object, ...], _LeaseLedger] | None:
         """(cap, ledger key, ledger) when this request must take an in-flight slot: its tier
         has a cap and no dependency of this request took one for this identity yet."""
@@ -367,8 +377,16 @@ class RateLimit:
                 "max_in_flight needs RateLimitHeadersMiddleware, which gives the slot back when "
                 "the response is over: add "
                 "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware)")
-        key = self._counted_key(identity, ((cap, 0),))
-        return None if leases.holds(key) else (cap, key, leases)
+        # One slot per lease key (Redis, key prefix, identity: namespace and mode included),
+        # never two of one key: a second cap on the same key checks the slot already taken.
+        key = self._counted_key(identity, ())
+        held = leases.lease_of(key)
+        if held is None:
+            return (cap, key, leases)
+        if held.held > cap:
+            self._refuse_in_flight(request, response, identity, cap,
+                                   max(0, held.expires_at_ms - _now_ms()))
+        return None
 
     def _hold(self, request: Request, response: Response, identity: str,
               slot: tuple[int, tuple[object, ...], _LeaseLedger], limiter: Any, is_async: bool,
@@ -381,10 +399,16 @@ class RateLimit:
             return
         # The soonest lease's expiry is only a bound (a request that ends frees its slot
         # sooner): announce in_flight_retry_after, a short wait both SDKs act on.
-        retry_ms, retry_s = in_flight_wait(self.in_flight_retry_after, lease.retry_after_ms)
+        self._refuse_in_flight(request, response, identity, cap, lease.retry_after_ms)
+
+    def _refuse_in_flight(self, request: Request, response: Response, identity: str, cap: int,
+                          expiry_ms: int) -> None:
+        """The concurrency 429 (in shadow mode: recorded as would-refuse). `expiry_ms`: the
+        soonest held lease's expiry, which frees a slot at the latest."""
+        retry_ms, retry_s = in_flight_wait(self.in_flight_retry_after, expiry_ms)
         message = (f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one "
                    f"of them ends; please try again in {format_duration(retry_ms)} (every slot "
-                   f"is free again within {format_duration(lease.retry_after_ms)} at the latest).")
+                   f"is free again within {format_duration(expiry_ms)} at the latest).")
         refusal = [("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
                    ("X-RateLimit-Window", window_name(CONCURRENT))]
         if self.mode == "shadow":
@@ -401,7 +425,7 @@ class RateLimit:
     def _take_slot(self, request: Request, response: Response, identity: str, tier: str) -> bool:
         """Blocking: takes an in-flight slot when the tier has a cap. False when Redis could
         not decide and on_unavailable let the request through (nothing more to decide)."""
-        slot = self._in_flight_slot(request, identity, tier)
+        slot = self._in_flight_slot(request, response, identity, tier)
         if slot is None:
             return True
         limiter = self.limiter
@@ -416,7 +440,7 @@ class RateLimit:
     async def _take_slot_async(self, request: Request, response: Response, identity: str,
                                tier: str, is_async: bool) -> bool:
         """_take_slot for an async dependency (a blocking limiter runs in the threadpool)."""
-        slot = self._in_flight_slot(request, identity, tier)
+        slot = self._in_flight_slot(request, response, identity, tier)
         if slot is None:
             return True
         limiter = self.limiter
@@ -446,8 +470,9 @@ class RateLimit:
                       limit: int, window_seconds: int, message: str,
                       refusal: list[tuple[str, str]]) -> None:
         """Shadow mode: the refusal the budget would have answered, let through. The response
-        carries its headers (not Retry-After and its kin: nothing was refused, a client must
-        not wait) plus X-RateLimit-Shadow: would-refuse. The request is counted and logged,
+        carries its X-RateLimit-* headers renamed X-RateLimit-Shadow-* (never an enforced
+        header, never a retry instruction: nothing was refused) plus X-RateLimit-Shadow:
+        would-refuse. The request is counted and logged,
         once per `once` when given: a decision that two dependencies of one route share (see
         _remember) is one request; None: always."""
         shadowed = request.scope.setdefault(_SHADOWED_KEY, set())
@@ -465,13 +490,7 @@ class RateLimit:
                                "through since the last report%s; the 429 would have said: %s "
                                "(next report in %gs at the earliest)", count, latest, message,
                                self._shadow_log.interval)
-        trio = {"x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-window"}
-        extra = [(name.lower(), value) for name, value in refusal if name.lower() not in trio]
-        if any(name.lower() == "x-ratelimit-remaining" for name, _ in refusal):
-            _record_allowed(request, response, limit, 0, window_seconds)
-        else:  # a request no wait could fit: its 429 says no Remaining
-            extra = [(name.lower(), value) for name, value in refusal]
-        _record_extra(request, response, [*extra, ("x-ratelimit-shadow", "would-refuse")])
+        _record_shadow(request, response, shadow_headers(refusal, "would-refuse"))
 
     def _unavailable(self, request: Request, user_id: str, exc: RateLimiterError) -> None:
         """Redis could not decide: 503 (deny) or a logged pass (allow)."""

@@ -33,8 +33,8 @@ class Anonymous(str):
 
 
 # A user id beginning with one of these is stored as "user:<id>": they mark the anonymous
-# key space ("ip:"), escaped user ids ("user:") and namespaces ("ns:").
-_RESERVED_PREFIXES = ("ip:", "user:", "ns:")
+# key space ("ip:"), escaped user ids ("user:"), namespaces ("ns:") and shadow budgets ("shadow:").
+_RESERVED_PREFIXES = ("ip:", "user:", "ns:", "shadow:")
 _NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 

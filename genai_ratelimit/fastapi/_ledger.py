@@ -72,7 +72,11 @@ class _LeaseLedger:
         self.entries: list[tuple[tuple[object, ...], Any, bool, Lease]] = []
 
     def holds(self, key: tuple[object, ...]) -> bool:
-        return any(entry[0] == key for entry in self.entries)
+        return self.lease_of(key) is not None
+
+    def lease_of(self, key: tuple[object, ...]) -> Lease | None:
+        """The lease this request holds in the lease key `key`, if any."""
+        return next((entry[3] for entry in self.entries if entry[0] == key), None)
 
     async def release_all(self) -> None:
         """Releases every lease, shielded from cancellation (a cancelled request must still

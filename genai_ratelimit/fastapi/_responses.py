@@ -30,7 +30,7 @@ class _AllowedDecision:
     route keep the one with the fewest remaining; ties: the shorter window). Lives in the ASGI
     scope; the middleware puts it there before the app runs, so shallow scope copies share it."""
 
-    __slots__ = ("limit", "remaining", "window_seconds", "extra")
+    __slots__ = ("limit", "remaining", "window_seconds", "extra", "shadow")
 
     def __init__(self) -> None:
         self.limit = 0
@@ -38,6 +38,8 @@ class _AllowedDecision:
         self.window_seconds = 0
         # OpenAI's x-ratelimit-*-requests/-tokens of an allowed TokenRateLimit decision.
         self.extra: list[tuple[str, str]] = []
+        # A shadow dependency's verdict: X-RateLimit-Shadow-* only, beside the enforced ones.
+        self.shadow: list[tuple[str, str]] = []
 
     def offer(self, limit: int, remaining: int, window_seconds: int) -> None:
         if self.remaining < 0 or (remaining, window_seconds) < (self.remaining, self.window_seconds):
@@ -45,13 +47,42 @@ class _AllowedDecision:
 
     def headers(self) -> list[tuple[str, str]]:
         if self.remaining < 0:
-            return list(self.extra)
-        return [
-            ("x-ratelimit-limit", str(self.limit)),
-            ("x-ratelimit-remaining", str(self.remaining)),
-            ("x-ratelimit-window", window_name(self.window_seconds)),
-            *self.extra,
-        ]
+            return [*self.extra, *self.shadow]
+        return [*allowed_headers(self.limit, self.remaining, self.window_seconds, lower=True),
+                *self.extra, *self.shadow]
+
+
+def allowed_headers(limit: int, remaining: int, window_seconds: int, *, lower: bool = False
+                    ) -> list[tuple[str, str]]:
+    """The contract's trio of an allowed decision."""
+    names = ("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-window") if lower else \
+        ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Window")
+    return list(zip(names, (str(limit), str(remaining), window_name(window_seconds)), strict=True))
+
+
+def shadow_headers(headers: list[tuple[str, str]], verdict: str) -> list[tuple[str, str]]:
+    """A shadow verdict's headers: its X-RateLimit-* renamed X-RateLimit-Shadow-* (provider
+    families, IETF fields and retry instructions left out: they describe what is enforced),
+    plus X-RateLimit-Shadow: would-refuse when it would have refused."""
+    renamed = [("x-ratelimit-shadow-" + name[len("x-ratelimit-"):].lower(), value)
+               for name, value in headers if name.lower().startswith("x-ratelimit-")
+               and not name.lower().startswith(("x-ratelimit-shadow", "x-ratelimit-limit-",
+                                                "x-ratelimit-remaining-", "x-ratelimit-reset-"))]
+    return [*renamed, *([("x-ratelimit-shadow", verdict)] if verdict == "would-refuse" else [])]
+
+
+def _record_shadow(request: Request, response: Response, headers: list[tuple[str, str]]) -> None:
+    """A shadow dependency's verdict, on every response type; never an enforced header."""
+    decision = request.scope.get(_SCOPE_KEY)
+    if not isinstance(decision, _AllowedDecision):
+        decision = _AllowedDecision()
+        request.scope[_SCOPE_KEY] = decision
+    refusing = ("x-ratelimit-shadow", "would-refuse")
+    if refusing in decision.shadow and refusing not in headers:
+        return  # a would-refuse verdict of this request stands (e.g. its in-flight cap)
+    decision.shadow = headers
+    for name, value in headers:
+        response.headers[name] = value
 
 
 

@@ -41,7 +41,7 @@ from ._policy import (
     _tightest,
     window_name,
 )
-from ._responses import _record_allowed, _record_extra
+from ._responses import _record_allowed, _record_extra, _record_shadow, allowed_headers, shadow_headers
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -213,14 +213,23 @@ class TokenRateLimit(RateLimit):
         if counted is None and requests_state is not None and requests_state.remaining is not None:
             decision = (True, requests_state.remaining, 0, requests_state.window_seconds)
             self._remember(request, identity, windows, decision)
-            _record_allowed(request, response, requests_state.limit, requests_state.remaining,
-                            requests_state.window_seconds)
+            if self.mode != "shadow":
+                _record_allowed(request, response, requests_state.limit, requests_state.remaining,
+                                requests_state.window_seconds)
         elif counted is not None:
             _, remaining, _, window_seconds = counted
             limit = next(lim for lim, seconds in windows if seconds == window_seconds)
             requests_state = WindowState(limit, window_seconds, "requests", remaining)
         tokens_state = _tightest(reservation.windows, "tokens")
         states = [state for state in (requests_state, tokens_state) if state is not None]
+        if self.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
+            shadow = [("X-RateLimit-Shadow-Tokens-Remaining", str(tokens_state.remaining))
+                      ] if tokens_state is not None and tokens_state.remaining is not None else []
+            if requests_state is not None and requests_state.remaining is not None:
+                shadow = allowed_headers(requests_state.limit, requests_state.remaining,
+                                         requests_state.window_seconds) + shadow
+            _record_shadow(request, response, shadow_headers(shadow, "allow"))
+            return
         extra = family_headers(self.error_format, reservation.timestamp_ms or _now_ms(), *(
             ResourceHeaders(state.resource, state.limit, state.remaining, state.window_seconds * 1000)
             for state in states))

@@ -170,3 +170,87 @@ def test_two_caps_on_one_route_hold_one_slot_of_their_key(
     assert refused.status_code == 429
     assert (refused.headers["X-RateLimit-Limit"], refused.headers["X-RateLimit-Window"]) == ("3", "concurrent")
     assert redis_client.zcard(key) == 3  # the refused request's slot is given back
+
+
+# --- one round trip in, one out (issue 25 item 3) -----------------------------------------------
+
+
+class Recording:
+    """A limiter that records the calls the dependency and the middleware make."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.is_async = inspect.iscoroutinefunction(inner.check_windows)
+        self.calls: list[tuple[str, object]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def reserve(self, user_id: str, windows: Any = (), *, in_flight: Any = None, **kwargs: Any) -> Any:
+        self.calls.append(("reserve", in_flight))
+        return self.inner.reserve(user_id, windows, in_flight=in_flight, **kwargs)
+
+    def reconcile(self, reservation: Any, actual: int, *, release: bool = False) -> Any:
+        self.calls.append(("reconcile", release))
+        return self.inner.reconcile(reservation, actual, release=release)
+
+    def acquire(self, *args: Any) -> Any:
+        self.calls.append(("acquire", args[1]))
+        return self.inner.acquire(*args)
+
+    def release(self, lease: Any) -> Any:
+        self.calls.append(("release", None))
+        return self.inner.release(lease)
+
+
+@pytest.fixture
+def native(make_limiter: Any, redis_url: str) -> Any:
+    return make_limiter.native(redis_url)
+
+
+@pytest.mark.parametrize("route", ["/json", "/stream"])
+def test_a_capped_token_request_takes_its_slot_in_the_reserve_and_gives_it_back_in_the_reconcile(
+        native: Any, make_limiter: Any, redis_client: redis.Redis, user_id: str, route: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from test_fastapi_tokens import build_app as token_app
+    from test_fastapi_tokens import chat_body, token_costs
+
+    recording = Recording(native)
+    dependency = TokenRateLimit(limiter=recording,  # type: ignore[arg-type]
+                                token_limits={"free": {"per_minute": 100, "per_day": 1_000}},
+                                max_in_flight={"free": 2})
+    options = ({} if make_limiter.loop_factory is None
+               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    with TestClient(token_app(dependency), **options) as client:
+        response = client.post(route, json=chat_body(report=17),
+                               headers={"X-Test-Auth": user_id})
+        assert response.status_code == 200
+        if recording.is_async:
+            client.portal.call(native.aclose)  # type: ignore[union-attr]
+    # Two round trips: reserve + slot in, reconcile + release out; no acquire, no release.
+    assert recording.calls == [("reserve", (2, 300)), ("reconcile", True)]
+    assert token_costs(redis_client, user_id) == [17]
+    assert redis_client.zcard(f"ratelimit:{user_id}:leases") == 0
+
+
+def test_a_shadow_token_cap_never_passes_in_flight(
+        native: Any, make_limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from test_fastapi_tokens import build_app as token_app
+    from test_fastapi_tokens import chat_body
+
+    recording = Recording(native)
+    dependency = TokenRateLimit(limiter=recording,  # type: ignore[arg-type]
+                                token_limits={"free": {"per_minute": 100, "per_day": 1_000}},
+                                max_in_flight={"free": 2}, mode="shadow")
+    options = ({} if make_limiter.loop_factory is None
+               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    with TestClient(token_app(dependency), **options) as client:
+        assert client.post("/json", json=chat_body(report=17),
+                           headers={"X-Test-Auth": user_id}).status_code == 200
+        if recording.is_async:
+            client.portal.call(native.aclose)  # type: ignore[union-attr]
+    assert recording.calls == [("acquire", 2), ("reserve", None), ("reconcile", False), ("release", None)]
+    assert redis_client.keys(f"ratelimit:{user_id}:*") == []  # nothing in the enforced keys

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -35,17 +36,24 @@ class _TokenLedger:
         self.refusal_body: dict[str, Any] | None = None  # the OpenAI-style body of our 429
         self.middleware = middleware  # False: made by a dependency, nothing reads the response
 
-    async def reconcile(self, actual: int) -> int:
+    async def reconcile(self, actual: int, leases: _LeaseLedger | None = None) -> int:
         """Reconciles every reservation with `actual` tokens. Returns the number of windows
         whose entry was found. A limiter that cannot answer is logged, not raised: the
-        reservation then stays as reserved."""
+        reservation then stays as reserved. With `leases` (the middleware, once the response
+        is over): a reservation that took its in-flight slot in the same script gives it back
+        in the reconcile's script too (reconcile(..., release=True), one round trip)."""
         found = 0
         for limiter, is_async, reservation in self.entries:
+            release = leases is not None and reservation.lease is not None and \
+                leases.take(reservation.lease)
             try:
                 if is_async:
-                    found += await limiter.reconcile(reservation, actual)
+                    found += await limiter.reconcile(reservation, actual, release=release) \
+                        if release else await limiter.reconcile(reservation, actual)
                 else:
-                    found += await run_in_threadpool(limiter.reconcile, reservation, actual)
+                    found += await run_in_threadpool(
+                        functools.partial(limiter.reconcile, reservation, actual, release=True)
+                        if release else functools.partial(limiter.reconcile, reservation, actual))
             except RateLimiterError as exc:
                 logger.warning("could not reconcile the token reservation of %r with %d tokens "
                                "(it stays at %s): %s", reservation.user_id, actual,
@@ -73,6 +81,13 @@ class _LeaseLedger:
 
     def holds(self, key: tuple[object, ...]) -> bool:
         return self.lease_of(key) is not None
+
+    def take(self, lease: Lease) -> bool:
+        """Removes `lease` from the ledger (its release is the caller's now): True when held."""
+        kept = [entry for entry in self.entries if entry[3] is not lease]
+        taken = len(kept) != len(self.entries)
+        self.entries = kept
+        return taken
 
     def lease_of(self, key: tuple[object, ...]) -> Lease | None:
         """The lease this request holds in the lease key `key`, if any."""

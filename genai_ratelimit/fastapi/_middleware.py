@@ -90,7 +90,7 @@ class RateLimitHeadersMiddleware:
                         total, scanner = scanner.total_tokens(), None
                         if total is not None and not ledger.reported:
                             ledger.reported = True
-                            await ledger.reconcile(total)
+                            await ledger.reconcile(total, leases)
                 if not message.get("more_body", False):
                     await leases.release_all()  # the response is complete: its slots are free
             await send(message)

@@ -161,6 +161,14 @@ class TokenRateLimit(RateLimit):
         return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
                 f"on_unavailable={self.on_unavailable!r}, namespace={self.namespace!r})")
 
+    @staticmethod
+    def _fuses(limiter: Any) -> bool:
+        """Whether `limiter.reserve` takes in_flight= (this package's limiters do)."""
+        try:
+            return "in_flight" in inspect.signature(limiter.reserve).parameters
+        except (TypeError, ValueError):
+            return False
+
     def token_windows_of(self, tier: str) -> Windows:
         """The (limit, window_seconds) token windows of a tier (the free tier's when it has none)."""
         return self._token_windows.get(tier) or self._token_windows[DEFAULT_TIER]
@@ -184,21 +192,32 @@ class TokenRateLimit(RateLimit):
         if self._refuse_if_too_large(request, response, identity, windows, token_windows, tokens,
                                      scopes):
             return  # shadow mode: the route runs, nothing was reserved
-        if not await self._take_slot_async(request, response, identity, tier, self._is_async):
+        limiter = self.limiter
+        # An enforced cap on a limiter that can: the slot is taken in the reserve's own script
+        # execution (one round trip; all or nothing) and given back with the reconcile's. A
+        # shadow cap never fuses: it takes its slot apart, in its own keys.
+        slot = None
+        if self.mode == "enforce" and self._fuses(limiter):
+            slot = self._in_flight_slot(request, response, identity, tier)
+        elif not await self._take_slot_async(request, response, identity, tier, self._is_async):
             return
         counted = self._already_counted(request, identity, windows)
         # Requests already counted by another dependency of this route: reserve tokens only.
         request_windows: Windows = () if counted is not None else windows
-        limiter = self.limiter
         arguments: dict[str, Any] = {"cost": 1, "token_windows": token_windows, "tokens": tokens}
         if scopes:
             arguments["scopes"] = scopes
+        if slot is not None:
+            arguments["in_flight"] = (slot[0], self.lease_seconds)
         try:
             reservation: Reservation = await self._limiter_call(
                 limiter.reserve, identity, request_windows, **arguments)
         except RateLimiterError as exc:
             self._unavailable(request, identity, exc)
             return
+        if slot is not None and reservation.lease is not None:
+            # Granted: held for the middleware (reconcile-and-release); refused: the 429.
+            self._hold(request, response, identity, slot, limiter, self._is_async, reservation.lease)
         if not reservation.allowed:
             if reservation.scope is not None:
                 self._refuse_scope(request, response, identity, reservation,

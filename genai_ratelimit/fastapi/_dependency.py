@@ -241,7 +241,7 @@ class RateLimit:
             tiers_in_flight = max_in_flight_of_tiers(tier_limits)
         self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)
         self._scopes = _Scopes(upstream, route_limits, model_limits, from_file,
-                               tokens=self._charges_tokens)
+                               tokens=self._charges_tokens, shadow=opts.mode == "shadow")
         self._limiter_is_async = limiter is None or _is_async_limiter(limiter)
         defaults: dict[str, int] = {}
         for tier, cap in (max_in_flight or {}).items():

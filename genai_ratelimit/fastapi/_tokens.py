@@ -144,6 +144,8 @@ class TokenRateLimit(RateLimit):
             for tier, budget in self.token_limits.items()
         }
         self.estimate: Estimate | None = estimate
+        # Whether the in-flight slot rides on the reserve (decided on first use: the limiter).
+        self._fused: bool | None = None
         self._is_async = limiter is None or _is_async_limiter(limiter)
 
     @staticmethod
@@ -199,7 +201,9 @@ class TokenRateLimit(RateLimit):
         # execution (one round trip; all or nothing) and given back with the reconcile's. A
         # shadow cap never fuses: it takes its slot apart, in its own keys.
         slot = None
-        if self.mode == "enforce" and self._fuses(limiter):
+        if self._fused is None:
+            self._fused = self.mode == "enforce" and self._fuses(limiter)
+        if self._fused:
             slot = self._in_flight_slot(request, response, identity, tier)
         elif not await self._take_slot_async(request, response, identity, tier, self._is_async):
             return

@@ -39,8 +39,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from genai_ratelimit import AsyncRateLimiter
 from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, TokenRateLimit
 
-PROMPT, WORDS = %(prompt)d, %(words)r
-CACHE_WRITE, CACHE_READ = %(cache_write)d, %(cache_read)d
+PROMPT, WORDS = PROMPT_AND_WORDS
+CACHE_WRITE, CACHE_READ = CACHE_WRITE_AND_READ
 
 app = FastAPI()
 app.add_middleware(RateLimitHeadersMiddleware)
@@ -87,9 +87,10 @@ async def chat(request: Request):
 async def responses(request: Request):
     body = await request.json()
     text = "".join(WORDS)
+    output = [{"id": "msg_1", "type": "message", "role": "assistant", "status": "completed",
+               "content": [{"type": "output_text", "text": text, "annotations": []}]}]
     response = {"id": "resp_1", "object": "response", "created_at": 1, "model": body["model"],
-                "status": "completed", "output": [{"id": "msg_1", "type": "message", "role": "assistant",
-                "status": "completed", "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+                "status": "completed", "output": output,
                 "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
                 "usage": {"input_tokens": PROMPT, "input_tokens_details": {"cached_tokens": 0},
                           "output_tokens": len(WORDS), "output_tokens_details": {"reasoning_tokens": 0},
@@ -129,7 +130,8 @@ async def messages(request: Request):
                                   "usage": {"output_tokens": len(WORDS)}}),
                ("message_stop", {"type": "message_stop"})]
     return sse(events)
-''' % {"prompt": PROMPT, "words": WORDS, "cache_write": CACHE_WRITE, "cache_read": CACHE_READ}
+'''.replace("PROMPT_AND_WORDS", repr((PROMPT, WORDS))).replace(
+    "CACHE_WRITE_AND_READ", repr((CACHE_WRITE, CACHE_READ)))
 
 OPENAI_TOTAL = PROMPT + len(WORDS)
 ANTHROPIC_TOTAL = PROMPT + CACHE_WRITE + CACHE_READ + len(WORDS)
@@ -177,7 +179,8 @@ def test_openai_chat_completions_usage_is_reconciled(openai_client: openai.OpenA
             stream_options={"include_usage": True})
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     else:
-        completion = openai_client.chat.completions.create(model="gpt-test", messages=messages, max_tokens=500)
+        completion = openai_client.chat.completions.create(model="gpt-test", messages=messages,
+                                                           max_tokens=500)
         assert completion.usage is not None and completion.usage.total_tokens == OPENAI_TOTAL
         text = completion.choices[0].message.content or ""
     assert text == "".join(WORDS)

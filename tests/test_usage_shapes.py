@@ -275,7 +275,8 @@ def test_the_billed_total_of_every_stream_and_its_end(stream: bytes, total: int,
 
 def test_anthropic_message_delta_counts_are_cumulative_and_may_carry_the_input() -> None:
     scanner = UsageScanner("sse")
-    scanner.feed(sse((None, {"type": "message_start", "message": {"usage": {"input_tokens": 5, "output_tokens": 1}}}),
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 5, "output_tokens": 1}}}
+    scanner.feed(sse((None, start),
                      (None, {"type": "message_delta", "usage": {"output_tokens": 10}}),
                      (None, {"type": "message_delta", "usage": {"input_tokens": 900, "output_tokens": 30,
                                                                 "cache_read_input_tokens": 70}})))
@@ -339,7 +340,8 @@ def cut(stream: bytes, before: bytes) -> bytes:
 def test_an_interrupted_openai_chat_stream_spent_its_prompt_and_what_it_sent() -> None:
     scanner = UsageScanner.for_response("text/event-stream", count_streamed=True)
     assert scanner is not None
-    scanner.feed(cut(OPENAI_CHAT_STREAM, b'data: {"id": "c", "object": "chat.completion.chunk", "choices": [], '))
+    scanner.feed(cut(OPENAI_CHAT_STREAM, b'data: {"id": "c", "object": "chat.completion.chunk", '
+                                         b'"choices": [], '))
     assert scanner.total_tokens() is None
     # "Hello", " world": 11 characters, 3 tokens; two events that carried text.
     assert scanner.streamed_tokens(prompt_tokens=40) == 40 + 3
@@ -363,7 +365,8 @@ def test_at_least_one_token_per_event_that_carried_text() -> None:
     scanner.feed(b"".join(sse((None, chat_chunk("\u4e16"))) for _ in range(10)))  # one CJK token each
     scanner.feed(sse((None, {"choices": [{"delta": {"tool_calls": [
         {"index": 0, "function": {"arguments": '{"q": "abcdefghijklmnopqrstuvwx"}'}}]}}]})))
-    scanner.feed(sse((None, {"type": "content_block_delta", "delta": {"type": "thinking_delta", "thinking": "abcd"}}),
+    thinking = {"type": "content_block_delta", "delta": {"type": "thinking_delta", "thinking": "abcd"}}
+    scanner.feed(sse((None, thinking),
                      (None, {"type": "content_block_delta", "delta": {"type": "signature_delta",
                                                                       "signature": "s" * 400}}),
                      (None, {"type": "response.audio.delta", "delta": "A" * 400})))

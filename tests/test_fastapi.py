@@ -30,7 +30,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import genai_ratelimit.fastapi as ratelimit_fastapi
+import genai_ratelimit.fastapi._responses as ratelimit_responses
 from genai_ratelimit import TIER_LIMITS, AsyncRateLimiter, RateLimiter
 from genai_ratelimit.fastapi import (
     RateLimit,
@@ -258,7 +258,7 @@ def test_route_without_the_dependency_is_not_limited(client: TestClient, user_id
 def test_without_the_middleware_returned_values_still_get_headers_and_a_warning_is_logged(
         limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ratelimit_fastapi, "_warned_no_middleware", False)
+    monkeypatch.setattr(ratelimit_responses, "_warned_no_middleware", False)
     client = client_for(RateLimit(limiter=limiter), headers_middleware=False)
     with caplog.at_level(logging.WARNING, logger="genai_ratelimit"):
         first = client.get("/dict", headers=as_user(user_id))

@@ -322,7 +322,7 @@ def test_without_the_middleware_record_usage_still_reconciles_and_a_warning_says
         limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
         redis_client: redis.Redis, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import genai_ratelimit.fastapi as module
+    import genai_ratelimit.fastapi._ledger as module
 
     monkeypatch.setattr(module, "_warned_no_token_middleware", False)
     client = client_for(TokenRateLimit(limiter=limiter, token_limits=SMALL), middleware=False)

@@ -77,6 +77,7 @@ class InvalidTokenCount(ValueError):
         super().__init__(f"{field} must be a positive whole number (an integer, an integral "
                          f"number or a numeric string), got {shown}")
         self.field = field
+        self.value = value
 
 
 def clamp(tokens: int, what: str) -> int:

@@ -27,7 +27,8 @@ class _TokenLedger:
     in the ASGI scope until the usage is known. `reported` makes the reconcile happen once:
     by record_usage, or by the middleware from the response, whichever comes first."""
 
-    __slots__ = ("entries", "decided", "reported", "refusal_body", "middleware")
+    __slots__ = ("entries", "decided", "reported", "refusal_body", "middleware", "charge_streamed",
+                 "prompt_tokens")
 
     def __init__(self, middleware: bool) -> None:
         self.entries: list[tuple[Any, bool, Reservation]] = []  # (limiter, is async, reservation)
@@ -35,6 +36,10 @@ class _TokenLedger:
         self.reported = False
         self.refusal_body: dict[str, Any] | None = None  # the OpenAI-style body of our 429
         self.middleware = middleware  # False: made by a dependency, nothing reads the response
+        # aborted_stream="streamed": a stream that ends without its usage is charged what it
+        # streamed, plus the prompt's estimate (UsageScanner.streamed_tokens).
+        self.charge_streamed = False
+        self.prompt_tokens = 0
 
     async def reconcile(self, actual: int, leases: _LeaseLedger | None = None) -> int:
         """Reconciles every reservation with `actual` tokens. Returns the number of windows

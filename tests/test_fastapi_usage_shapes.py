@@ -9,6 +9,7 @@ is counted, never a 500."""
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +34,7 @@ PROMPT, WORDS = 9, ["Hello", " there", " friend"]
 CACHE_WRITE, CACHE_READ = 2_000, 30_000
 
 GATEWAY = '''
+import asyncio
 import json
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -80,6 +82,23 @@ async def chat(request: Request):
         for _, data in events:
             yield f"data: {json.dumps(data)}\\n\\n"
         yield "data: [DONE]\\n\\n"
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+# A TokenRateLimit that charges a stream cut short what it streamed.
+cut = TokenRateLimit(AsyncRateLimiter(), namespace="cut", aborted_stream="streamed",
+                     tier_limits={"free": {"per_minute": 1_000, "per_day": 10_000}},
+                     token_limits={"free": {"per_minute": 10_000_000, "per_day": 100_000_000}})
+
+
+@app.post("/cut/v1/chat/completions", dependencies=[Depends(cut)])
+async def held_open(request: Request):
+    async def stream():
+        for w in WORDS:
+            chunk = {"id": "c", "object": "chat.completion.chunk", "created": 1, "model": "m",
+                     "choices": [{"index": 0, "delta": {"content": w}, "finish_reason": None}]}
+            yield f"data: {json.dumps(chunk)}\\n\\n"
+        await asyncio.Event().wait()  # held open until the client goes away
     return StreamingResponse(stream(), media_type="text/event-stream")
 
 
@@ -148,9 +167,9 @@ def gateway(redis_url: str) -> Iterator[UvicornServer]:
         server.close()
 
 
-def token_costs(redis_client: redis.Redis, window: int = 60) -> list[int]:
+def token_costs(redis_client: redis.Redis, window: int = 60, namespace: str = "shapes") -> list[int]:
     """The cost of every entry of the anonymous client's token window (weights hash)."""
-    key = f"ratelimit:ns:shapes:ip:127.0.0.1:{window}:tokens"
+    key = f"ratelimit:ns:{namespace}:ip:127.0.0.1:{window}:tokens"
     weights = redis_client.hgetall(key + ":w")
     return [int(weights.get(member, 1)) for member in redis_client.zrange(key, 0, -1)]
 
@@ -221,6 +240,27 @@ def test_anthropic_messages_usage_with_cache_tokens_is_reconciled(
     assert text == "".join(WORDS)
     assert token_costs(redis_client) == [ANTHROPIC_TOTAL]
     assert token_costs(redis_client, 86_400) == [ANTHROPIC_TOTAL]
+
+
+def test_a_stream_the_client_leaves_is_charged_what_it_streamed(gateway: UvicornServer,
+                                                                 redis_client: redis.Redis) -> None:
+    client = openai.OpenAI(base_url=gateway.base_url + "/cut/v1", api_key="sk-test", max_retries=0)
+    stream = client.chat.completions.create(model="gpt-test", max_tokens=1_000, stream=True,
+                                            messages=[{"role": "user", "content": "x" * 40}])
+    received = []
+    for chunk in stream:
+        received.append(chunk.choices[0].delta.content)
+        if len(received) == len(WORDS):
+            break
+    assert token_costs(redis_client, namespace="cut") == [1_010]  # reserved: 1,000 + 10
+    stream.close()  # the client goes away; the server's stream is still open
+    client.close()
+    # 10 prompt tokens + "Hello there friend" (18 characters: 5 tokens, in 3 chunks). The
+    # disconnect reaches the server when it does: wait for the charge, at most 10 s.
+    deadline = time.monotonic() + 10
+    while token_costs(redis_client, namespace="cut") == [1_010] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert token_costs(redis_client, namespace="cut") == [10 + 5]
 
 
 # --- TestClient: the estimate and the model lookup on hostile bodies ------------------------

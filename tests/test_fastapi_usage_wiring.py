@@ -50,7 +50,8 @@ def gateway(dependency: Any) -> FastAPI:
 
         async def events() -> Any:
             for word in body.get("words", []):
-                chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": word}}]}
+                chunk = {"object": "chat.completion.chunk",
+                         "choices": [{"index": 0, "delta": {"content": word}}]}
                 yield f"data: {json.dumps(chunk)}\n\n"
             # The upstream broke off: no usage chunk, no [DONE].
 
@@ -93,7 +94,8 @@ def test_a_maximum_the_upstream_refuses_is_a_422_and_reserves_nothing(
 
 def test_the_default_identify_counts_an_ipv6_client_per_64(blocking_limiter: RateLimiter,
                                                            redis_client: redis.Redis) -> None:
-    limit = RateLimit(blocking_limiter, namespace="v6", tier_limits={"free": {"per_minute": 5, "per_day": 100}})
+    limit = RateLimit(blocking_limiter, namespace="v6",
+                      tier_limits={"free": {"per_minute": 5, "per_day": 100}})
     statuses = []
     for n in range(1, 13):  # the issue: 12 of 12 admitted against 5/min by rotating in a /64
         with TestClient(gateway(limit), client=(f"2001:db8:1:2::{n:x}", 40000)) as client:

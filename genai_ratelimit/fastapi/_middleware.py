@@ -6,7 +6,6 @@ import json
 import logging
 
 import anyio
-
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._usage import UsageScanner

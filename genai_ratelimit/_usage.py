@@ -314,6 +314,14 @@ def _delta_characters(document: Mapping[str, Any]) -> int:
     return 0
 
 
+def _may_carry_usage(payload: bytes) -> bool:
+    """Whether a stream event may carry usage: it names "usage", and not only as the
+    `"usage": null` of every OpenAI chunk before the last (a quote inside a JSON string is
+    escaped, so text cannot fake the key)."""
+    named = payload.count(b'"usage"')
+    return named > payload.count(b'"usage": null') + payload.count(b'"usage":null')
+
+
 class UsageScanner:
     """Reads the usage of a response as its body passes. `feed` each body chunk (the caller
     forwards the chunk itself at once), then `total_tokens()`.
@@ -391,7 +399,7 @@ class UsageScanner:
         if payload.strip() == b"[DONE]":
             self.done = True
             return
-        if not (self.count_streamed or b'"usage"' in payload or b'"message_stop"' in payload):
+        if not (self.count_streamed or b'"message_stop"' in payload or _may_carry_usage(payload)):
             return
         try:
             document = json.loads(payload)

@@ -25,6 +25,7 @@ PRINTED = [
     lambda out: out.splitlines()[0].isdigit() and int(out.splitlines()[0]) > 1024 + 250 + 5
     and "max_tokens must be a positive whole number" in out.splitlines()[1],
     lambda out: out.split() == [str(100_000 - 105), str(100_000 - 30_012 - 105)],
+    lambda out: out.split() == [str(100_000 - 1_005 * 2), str(100_000 - 9 - 1_005)],
     lambda out: out.splitlines()[:3] == ["2001:db8:1:2::/64", "2001:db8:1:200::/56",
                                          "203.0.113.7 203.0.113.0/24"],
     lambda out: "unix_socket=True" in out,

@@ -387,3 +387,15 @@ def test_only_a_counting_stream_scanner_says_what_was_streamed() -> None:
     plain.feed(OPENAI_CHAT_STREAM[:200])
     assert plain.streamed_tokens(5) is None  # the policy "keep the estimate" pays nothing
     assert UsageScanner("json").streamed_tokens(5) is None
+
+
+def test_only_events_that_may_carry_usage_are_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded: list[bytes] = []
+    real_loads = json.loads
+    quoting = sse((None, chat_chunk('say "usage": {"total_tokens": 5}')))  # the key, escaped in text
+    monkeypatch.setattr(_usage.json, "loads", lambda data: decoded.append(data) or real_loads(data))
+    scanner = UsageScanner("sse")
+    scanner.feed(OPENAI_CHAT_STREAM)  # three chunks with "usage": null, then the usage chunk
+    scanner.feed(quoting)
+    assert scanner.total_tokens() == 11
+    assert len(decoded) == 1 and b'"total_tokens": 11' in decoded[0]

@@ -168,6 +168,12 @@ APP = textwrap.dedent("""
     async def trusting_tcp_proxies_only():
         return {"ok": True}
 
+    default = RateLimit(AsyncRateLimiter(), tier_limits=budget, namespace="default")
+
+    @app.get("/default", dependencies=[Depends(default)])
+    async def with_the_default_identify():
+        return {"ok": True}
+
     @app.get("/healthz")
     async def healthz():
         return {"ok": True}
@@ -256,3 +262,12 @@ def test_an_untrusted_unix_socket_is_refused_never_one_shared_bucket(
     assert uds_server.get("/socket").status_code == 500  # a trusted socket proxy that sent no address
     assert list(redis_client.scan_iter("ratelimit:*")) == []  # nothing counted, least of all ip:unknown
     assert "unix_socket=True" in uds_server.log.read_text()
+
+
+def test_the_default_identify_behind_a_unix_socket_is_refused_never_one_shared_bucket(
+        uds_server: UnixSocketServer, redis_client: redis.Redis) -> None:
+    # The issue: every anonymous client behind a unix-socket proxy was ip:unknown.
+    answers = [uds_server.get("/default", f"203.0.113.{n}") for n in range(1, 4)]
+    assert [a.status_code for a in answers] == [500] * 3
+    assert all(a.headers["x-should-retry"] == "false" for a in answers)
+    assert list(redis_client.scan_iter("ratelimit:*")) == []

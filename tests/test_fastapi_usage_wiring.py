@@ -18,6 +18,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from genai_ratelimit import RateLimiter
+from genai_ratelimit._native import MAX_LIMIT
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, TokenRateLimit
 
 with warnings.catch_warnings():
@@ -57,6 +58,10 @@ def gateway(dependency: Any) -> FastAPI:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.post("/v1/absurd", dependencies=[Depends(dependency)])
+    async def absurd() -> dict[str, Any]:
+        return {"answer": "intact", "usage": {"total_tokens": 2**53}}
+
     @app.post("/v1/plain", dependencies=[Depends(dependency)])
     async def plain() -> dict[str, str]:
         return {"answer": "no usage"}
@@ -87,6 +92,18 @@ def test_a_maximum_the_upstream_refuses_is_a_422_and_reserves_nothing(
     assert error["loc"] == ["body", "max_tokens"]
     assert "positive whole number" in error["msg"]
     assert list(redis_client.scan_iter("ratelimit:*")) == []
+
+
+def test_an_absurd_usage_is_clamped_and_the_response_stays_intact(
+        blocking_limiter: RateLimiter, redis_client: redis.Redis, caplog: pytest.LogCaptureFixture) -> None:
+    # The issue: usage.total_tokens of 2**53 gave the client a 200 with an empty body.
+    tokens = TokenRateLimit(blocking_limiter, namespace="absurd", token_limits=TOKENS)
+    with TestClient(gateway(tokens)) as client:
+        answer = client.post("/v1/absurd", json={"max_tokens": 10})
+    assert answer.status_code == 200
+    assert answer.json()["answer"] == "intact"
+    assert token_costs(redis_client, "ns:absurd:ip:testclient") == [MAX_LIMIT]
+    assert "above the most a budget can count" in caplog.text
 
 
 # --- the default identify ---------------------------------------------------------------

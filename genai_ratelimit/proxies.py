@@ -119,9 +119,10 @@ class UnknownClientAddress(LookupError):
 _last_unknown_warning = float("-inf")
 
 
-def _refuse_unknown_client(request: Request, why: str) -> NoReturn:
+def _refuse_unknown_client(request: Request, unknown: UnknownClientAddress) -> NoReturn:
     """Log (at most once per UNKNOWN_LOG_INTERVAL) and refuse: HTTP 500 with
-    x-should-retry: false (the SDKs retry neither)."""
+    x-should-retry: false (the SDKs retry neither), raised from `unknown` (a shadow
+    dependency, which never refuses, lets the request through uncounted)."""
     global _last_unknown_warning
     from starlette.exceptions import HTTPException  # FastAPI is needed only here
 
@@ -133,11 +134,11 @@ def _refuse_unknown_client(request: Request, why: str) -> NoReturn:
             "one shared bucket. Behind a proxy on a unix socket, use "
             "RateLimit(identify=TrustedProxies(unix_socket=True).identify); else identify "
             "the client yourself (identify=...). (Logged at most once per %d s.)",
-            request.url.path, why, UNKNOWN_LOG_INTERVAL)
+            request.url.path, unknown, UNKNOWN_LOG_INTERVAL)
     raise HTTPException(
         status_code=500, headers={"x-should-retry": "false"},
         detail="Rate limit: the client's address is unknown, so its budget cannot be found "
-               "(a configuration error of the server; see its log)")
+               "(a configuration error of the server; see its log)") from unknown
 
 
 def _is_unix_peer(host: str | None) -> bool:
@@ -183,7 +184,7 @@ class ClientNetworks:
             try:
                 user_id = Anonymous(self.network_of(request))
             except UnknownClientAddress as unknown:
-                _refuse_unknown_client(request, str(unknown))
+                _refuse_unknown_client(request, unknown)
         return user_id, getattr(request.state, "tier", None)
 
 

@@ -136,6 +136,15 @@ def test_the_default_identify_refuses_a_request_without_an_address(blocking_limi
     assert list(redis_client.scan_iter("ratelimit:*")) == []  # no ip:unknown
 
 
+@pytest.mark.parametrize("dependency_class", [RateLimit, TokenRateLimit])
+def test_a_shadow_budget_lets_a_request_without_an_address_through_uncounted(
+        blocking_limiter: RateLimiter, redis_client: redis.Redis, dependency_class: type[RateLimit]) -> None:
+    shadow = dependency_class(blocking_limiter, namespace="shadow-none", mode="shadow")
+    with TestClient(gateway(shadow), client=None) as client:  # type: ignore[arg-type]
+        assert client.post("/v1/plain", json={}).status_code == 200  # an observer never refuses
+    assert list(redis_client.scan_iter("ratelimit:*")) == []
+
+
 # --- an interrupted stream ----------------------------------------------------------------
 
 

@@ -209,7 +209,10 @@ class TokenRateLimit(RateLimit):
         return tokens
 
     async def __call__(self, request: Request, response: Response) -> None:
-        identity, tier = self._identity_and_tier(request)
+        found = self._identity_and_tier(request)
+        if found is None:
+            return
+        identity, tier = found
         windows, token_windows = self._windows[tier], self.token_windows_of(tier)
         _ledger_of(request).decided = True
         tokens = await self.estimate_tokens(request, tier)

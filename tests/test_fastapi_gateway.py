@@ -254,3 +254,222 @@ def test_a_shadow_token_cap_never_passes_in_flight(
             client.portal.call(native.aclose)  # type: ignore[union-attr]
     assert recording.calls == [("acquire", 2), ("reserve", None), ("reconcile", False), ("release", None)]
     assert redis_client.keys(f"ratelimit:{user_id}:*") == []  # nothing in the enforced keys
+
+
+# --- stable keys: a budget's keys never depend on its numbers -----------------------------------
+
+
+def budget(per_minute: int) -> dict[str, dict[str, int]]:
+    return {"free": {"per_minute": per_minute, "per_day": 1_000}}
+
+
+def test_a_budget_of_its_own_counts_in_the_contracts_plain_keys(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis, user_id: str) -> None:
+    client = client_for(RateLimit(limiter=limiter, tier_limits=budget(7)))
+    assert client.get("/dict", headers=as_user(user_id)).status_code == 200
+    assert sorted(redis_client.keys(f"*{user_id}*")) == [f"ratelimit:{user_id}:60".encode(),
+                                                          f"ratelimit:{user_id}:86400".encode()]
+
+
+def test_a_budget_edit_keeps_every_count_and_the_lower_budget_retries_after_the_kth_oldest(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis, user_id: str) -> None:
+    """Two app instances on one Redis (a rolling deploy): per_minute 10 and per_minute 5."""
+    now = server_now_ms(redis_client)
+    # Eight requests of the last minute, 55 s to 20 s old, logged by the old instance.
+    from test_fastapi import prefill
+    prefill(redis_client, f"ratelimit:{user_id}:60", [now - (55 - 5 * i) * 1000 for i in range(8)])
+    raised = client_for(RateLimit(limiter=limiter, tier_limits=budget(10)))
+    lowered = client_for(RateLimit(limiter=limiter, tier_limits=budget(5)))
+    # The raised budget sees the eight: two more fit.
+    response = raised.get("/dict", headers=as_user(user_id))
+    assert (response.status_code, response.headers["X-RateLimit-Remaining"]) == (200, "1")
+    # The lowered one sees the nine: refused until five of them have left the minute, i.e.
+    # until the fifth oldest (logged 35 s ago) is 60 s old: about 25 s.
+    refused = lowered.get("/dict", headers=as_user(user_id))
+    assert refused.status_code == 429
+    wait_ms = int(refused.headers["retry-after-ms"])
+    elapsed = server_now_ms(redis_client) - now
+    assert 25_000 - elapsed - 50 <= wait_ms <= 25_000
+    assert redis_client.zcard(f"ratelimit:{user_id}:60") == 9
+
+
+def test_two_budgets_on_the_same_keys_are_refused_naming_both_and_the_fix(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    from genai_ratelimit.fastapi import RateLimitConfigError, check_app
+
+    five = RateLimit(limiter=limiter, tier_limits=budget(5))
+    seven = RateLimit(limiter=limiter, tier_limits=budget(7))
+    app = build_app(five, extra=[seven])
+    with pytest.raises(RateLimitConfigError) as raised:
+        check_app(app)
+    message = str(raised.value)
+    assert repr(five) in message and repr(seven) in message
+    assert "namespace=" in message and "route_limits=" in message
+    # Without the lifespan: the first request finds it (a 500, logged), nothing is counted.
+    from fastapi.testclient import TestClient
+
+    with TestClient(app, raise_server_exceptions=False) as plain:
+        assert plain.get("/dict", headers=as_user(user_id)).status_code == 500
+        assert plain.get("/dict", headers=as_user(user_id)).status_code == 500
+    assert redis_client.keys(f"*{user_id}*") == []
+    # A namespace for one of them, or the same budget: accepted.
+    check_app(build_app(five, extra=[RateLimit(limiter=limiter, tier_limits=budget(7),
+                                               namespace="seven")]))
+    check_app(build_app(five, extra=[RateLimit(limiter=limiter, tier_limits=budget(5))]))
+    # A shadow budget counts apart: never a collision with the enforced one.
+    check_app(build_app(five, extra=[RateLimit(limiter=limiter, tier_limits=budget(3),
+                                               mode="shadow")]))
+
+
+# --- fail at start-up ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", [
+    lambda limiter: RateLimit(limiter=limiter, tier_limits={"free": {"per_minute": 2**53}}),
+    lambda limiter: TokenRateLimit(limiter=limiter, token_limits={"free": {"per_minute": 2**64}}),
+    lambda limiter: RateLimit(limiter=limiter, route_limits={"per_minute": 2**53}),
+    lambda limiter: RateLimit(limiter=limiter, max_in_flight={"free": 2**53}),
+    lambda limiter: RateLimit(limiter=limiter, lease_seconds=2**53),
+])
+def test_a_budget_above_max_limit_fails_when_the_dependency_is_built(limiter: Any, build: Any) -> None:
+    with pytest.raises(ValueError, match="at most 9007199254740991"):
+        build(limiter)
+
+
+def test_an_upstream_above_max_limit_fails_when_built() -> None:
+    from genai_ratelimit.fastapi import Upstream
+
+    with pytest.raises(ValueError, match="at most 9007199254740991"):
+        Upstream("openai", per_minute=2**53)
+
+
+def test_a_tiers_file_above_max_limit_fails_at_start_up(tmp_path: Any, monkeypatch: Any,
+                                                        limiter: Any) -> None:
+    path = tmp_path / "tiers.json"
+    path.write_text('{"free": {"per_minute": 18446744073709551616}}')
+    monkeypatch.setenv("GENAI_RATELIMIT_TIERS", str(path))
+    with pytest.raises(ValueError, match="at most 9007199254740991"):
+        RateLimit(limiter=limiter)
+
+
+# --- windows ------------------------------------------------------------------------------------
+
+
+def test_a_tier_may_have_any_of_four_windows(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis, user_id: str) -> None:
+    client = client_for(RateLimit(limiter=limiter, tier_limits={
+        "free": {"per_second": 2, "per_hour": 50}}))
+    responses = [client.get("/dict", headers=as_user(user_id)) for _ in range(3)]
+    assert [r.status_code for r in responses] == [200, 200, 429]
+    assert responses[1].headers["X-RateLimit-Window"] == "second"
+    assert responses[2].headers["X-RateLimit-Window"] == "second"
+    assert sorted(redis_client.keys(f"*{user_id}*")) == [f"ratelimit:{user_id}:1".encode(),
+                                                          f"ratelimit:{user_id}:3600".encode()]
+
+
+@pytest.mark.parametrize(("tiers", "message"), [
+    ({"free": {}}, "give at least one of per_second, per_minute, per_hour, per_day"),
+    ({"free": {"per_hour": 5, "per_minute": 10}}, "per_hour (5) is smaller than per_minute (10)"),
+    ({"free": {"per_second": 1, "tokens_per_day": 5, "tokens_per_hour": 10}},
+     "tokens_per_day (5) is smaller than tokens_per_hour (10)"),
+])
+def test_a_tier_without_a_window_or_with_a_window_out_of_order_fails(
+        limiter: Any, tiers: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        RateLimit(limiter=limiter, tier_limits=tiers)
+
+
+def test_token_twins_of_every_window(limiter: Any) -> None:
+    dependency = TokenRateLimit(limiter=limiter, token_limits={
+        "free": {"per_second": 100, "per_hour": 5_000}})
+    assert dependency.token_windows_of("free") == ((100, 1), (5_000, 3_600))
+
+
+# --- ping and rate_limit_lifespan ---------------------------------------------------------------
+
+
+def test_ping_answers_a_round_trip_on_both_limiters(make_limiter: Any, redis_url: str) -> None:
+    from helpers_async import run_async
+
+    native = make_limiter.native(redis_url)
+    if inspect.iscoroutinefunction(native.ping):
+        async def twice() -> tuple[float, float]:
+            try:
+                return await native.ping(), await native.ping()
+            finally:
+                await native.aclose()
+        seconds = run_async(twice(), make_limiter.loop_factory)
+    else:
+        seconds = (native.ping(), native.ping())
+    assert all(0 < s < 5 for s in seconds)
+
+
+def test_ping_raises_when_redis_cannot_answer(make_limiter: Any, closed_port_url: str) -> None:
+    from genai_ratelimit import RateLimiterUnavailable
+    from helpers_async import run_async
+
+    native = make_limiter.native(closed_port_url, connect_timeout=0.5, socket_timeout=0.5)
+    with pytest.raises(RateLimiterUnavailable):
+        if inspect.iscoroutinefunction(native.ping):
+            async def once() -> None:
+                try:
+                    await native.ping()
+                finally:
+                    await native.aclose()
+            run_async(once(), make_limiter.loop_factory)
+        else:
+            native.ping()
+
+
+def lifespan_app(dependency: RateLimit, *, middleware: bool = True) -> Any:
+    from fastapi import Depends, FastAPI
+
+    from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, rate_limit_lifespan
+
+    app = FastAPI(lifespan=rate_limit_lifespan)
+    if middleware:
+        app.add_middleware(RateLimitHeadersMiddleware)
+
+    @app.get("/dict", dependencies=[Depends(dependency)])
+    async def as_dict() -> dict[str, str]:
+        return {"answer": "ok"}
+
+    return app
+
+
+def test_the_lifespan_pings_checks_and_closes_the_limiter(
+        make_limiter: Any, redis_url: str, user_id: str) -> None:
+    from fastapi.testclient import TestClient
+
+    native = make_limiter.native(redis_url)
+    options = ({} if make_limiter.loop_factory is None
+               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    with TestClient(lifespan_app(RateLimit(limiter=native, max_in_flight={"free": 2})),
+                    **options) as client:
+        assert client.get("/dict", headers={"X-Test-Auth": user_id}).status_code == 200
+    assert native.closed
+
+
+def test_a_missing_middleware_stops_the_app_at_start_up(make_limiter: Any, redis_url: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit.fastapi import RateLimitConfigError
+
+    native = make_limiter.native(redis_url)
+    app = lifespan_app(RateLimit(limiter=native, max_in_flight={"free": 2}), middleware=False)
+    with pytest.raises(RateLimitConfigError, match="max_in_flight needs RateLimitHeadersMiddleware"):
+        with TestClient(app):
+            pass
+
+
+def test_an_unreachable_redis_stops_the_app_at_start_up(make_limiter: Any, closed_port_url: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit import RateLimiterUnavailable
+
+    native = make_limiter.native(closed_port_url, connect_timeout=0.5, socket_timeout=0.5)
+    options = ({} if make_limiter.loop_factory is None
+               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    with pytest.raises(RateLimiterUnavailable):
+        with TestClient(lifespan_app(RateLimit(limiter=native)), **options):
+            pass

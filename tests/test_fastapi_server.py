@@ -55,7 +55,7 @@ async def served_loop():
 
 # For the identity tests: a user whose id reads like the anonymous key of 127.0.0.1, and
 # routes behind two RateLimit dependencies on the example's limiter: one with the same
-# budget as the example's, one with a stricter budget of its own.
+# budget as the example's, one with a stricter budget in a namespace of its own.
 from fastapi import Depends
 from genai_ratelimit.fastapi import RateLimit
 example.API_KEYS["sk-test-address-like"] = ("ip:127.0.0.1", "free")
@@ -67,7 +67,8 @@ async def twice_limited():
     return {{}}
 
 @app.post("/v1/strictly-limited", dependencies=[
-    Depends(example.rate_limit), Depends(RateLimit(limiter=example.rate_limit.limiter, tier_limits=STRICT))])
+    Depends(example.rate_limit), Depends(RateLimit(limiter=example.rate_limit.limiter, tier_limits=STRICT,
+                                                   namespace="strict"))])
 async def strictly_limited():
     return {{}}
 
@@ -250,8 +251,7 @@ def test_a_stricter_second_dependency_counts_in_its_own_namespace_over_http(
     assert [r.status_code for r in responses] == [200] * 3 + [429]
     assert responses[-1].headers["X-RateLimit-Limit"] == "3"
     assert redis_client.zcard("ratelimit:user_free:60") == 4
-    (strict_key,) = redis_client.keys("ratelimit:ns:*:user_free:60")
-    assert redis_client.zcard(strict_key) == 3
+    assert redis_client.zcard("ratelimit:ns:strict:user_free:60") == 3
 
 
 def test_shadow_mode_refuses_nothing_and_its_counter_and_log_say_what_it_would_have_over_http(

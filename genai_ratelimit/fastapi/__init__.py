@@ -63,7 +63,8 @@ The package's rooms: _options (the shared keywords), _identity (who a request is
 identity), _policy (I/O-free: what to decide, what to answer), _responses (every header and
 body family), _middleware, _ledger (leases and token reservations of a request), _scopes
 (upstream caps, route and model budgets), _dependency and _tokens (the thin sync/async
-drivers of RateLimit and TokenRateLimit).
+drivers of RateLimit and TokenRateLimit), _startup (the start-up checks and
+rate_limit_lifespan).
 
 Requires the `fastapi` extra: pip install genai-ratelimit[fastapi].
 """
@@ -85,6 +86,7 @@ from ._ledger import in_flight_lease, record_usage
 from ._middleware import RateLimitHeadersMiddleware
 from ._policy import Identify, window_name
 from ._scopes import Upstream
+from ._startup import RateLimitConfigError, check_app, rate_limit_lifespan
 from ._tokens import TokenRateLimit
 
 __all__ = [
@@ -101,6 +103,9 @@ __all__ = [
     "default_identify",
     "key_identity",
     "window_name",
+    "rate_limit_lifespan",
+    "check_app",
+    "RateLimitConfigError",
 ]
 
 if TYPE_CHECKING:

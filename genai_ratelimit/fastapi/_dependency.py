@@ -42,8 +42,6 @@ from ..reservation import Reservation, Resource
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
 from ._identity import (
     _NAMESPACE_PATTERN,
-    _budget_namespace,
-    _is_default_budget,
     default_identify,
     key_identity,
 )
@@ -76,6 +74,7 @@ from ._responses import (
     shadow_headers,
 )
 from ._scopes import _Scopes
+from ._startup import RateLimitConfigError, check_dependencies, dependencies_of
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -244,7 +243,7 @@ class RateLimit:
             tiers_in_flight = max_in_flight_of_tiers(tier_limits)
         self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)
         self._scopes = _Scopes(upstream, route_limits, model_limits, from_file,
-                               tokens=self._charges_tokens)
+                               tokens=self._charges_tokens, shadow=opts.mode == "shadow")
         self._limiter_is_async = limiter is None or _is_async_limiter(limiter)
         defaults: dict[str, int] = {}
         for tier, cap in (max_in_flight or {}).items():
@@ -258,11 +257,10 @@ class RateLimit:
                             f"(RateLimiter, AsyncRateLimiter), not {type(limiter).__name__}")
         # Per tier, the (limit, window_seconds) pairs of one check_windows call, shortest first.
         self._windows: dict[str, Windows] = {
-            tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items())
+            tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items()
+                        if key in budget)
             for tier, budget in self.tier_limits.items()
         }
-        if namespace is None and not _is_default_budget(self.tier_limits):
-            namespace = _budget_namespace(self.tier_limits)
         self.namespace: str | None = namespace
         self.identify: Identify = identify or default_identify
         self.on_unavailable: OnUnavailable = on_unavailable
@@ -270,6 +268,7 @@ class RateLimit:
         self._limiter_lock = threading.Lock()
         self._fail_open_count = 0
         self._fail_open_lock = threading.Lock()  # the threadpool may fail open in parallel
+        self._checked_apps: set[int] = set()  # id() of the apps whose start-up checks passed
 
     @property
     def limiter(self) -> Any:
@@ -297,10 +296,43 @@ class RateLimit:
         return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
                 f"on_unavailable={self.on_unavailable!r}, namespace={self.namespace!r})")
 
+    def key_budgets(self) -> list[tuple[tuple[object, ...], object]]:
+        """(key space, budget) pairs for the start-up collision check: the key space is the
+        Redis and key prefix, the mode, the namespace and the resource; two dependencies
+        that share a key space must have the same budget there."""
+        return [((*self._space(), self.mode, self.namespace, "requests"),
+                 tuple(sorted(self._windows.items())))]
+
+    def _space(self) -> tuple[object, ...]:
+        """The limiter's Redis and key prefix (the limiter itself when it does not say; the
+        default limiter's: $REDIS_URL)."""
+        if self._limiter is None:
+            return ("default limiter",)
+        url, prefix = getattr(self._limiter, "url", None), getattr(self._limiter, "key_prefix", None)
+        return (url, prefix) if isinstance(url, str) and isinstance(prefix, str) else (id(self._limiter),)
+
+    def mark_checked(self, app: object) -> None:
+        """The start-up checks of `app` passed (rate_limit_lifespan, or the first request)."""
+        self._checked_apps.add(id(app))
+
+    def _check_on_first_use(self, request: Request) -> None:
+        """The start-up checks, once per app, when no rate_limit_lifespan ran them: a
+        misconfigured app answers 500 (and logs why) instead of counting wrongly."""
+        app = request.scope.get("app")
+        middleware = isinstance(request.scope.get(_LEASES_KEY), _LeaseLedger)
+        try:
+            check_dependencies(dependencies_of(app) or [self], middleware=middleware)
+        except RateLimitConfigError as exc:
+            logger.error("%s", exc)
+            raise
+        self.mark_checked(app)
+
     def _identity_and_tier(self, request: Request) -> tuple[str, str] | None:
         """(key identity, the tier whose budget applies: DEFAULT_TIER for none or unknown).
         None in shadow mode for a client whose address is unknown (an observer never refuses:
         not counted; the identify logged it)."""
+        if id(request.scope.get("app")) not in self._checked_apps:
+            self._check_on_first_use(request)
         try:
             user_id, tier = self.identify(request)
         except StarletteHTTPException as refused:

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import re
-from collections.abc import Mapping
-from typing import Any
 
 from fastapi import Request
 
-from .._tiers_config import (
-    TierConfigError,
-    tier_limits_from_env,
-    validate_tier_limits,
-)
 from ..proxies import ClientNetworks
-from ..tiers import TIER_LIMITS
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -65,23 +55,3 @@ def default_identify(request: Request) -> tuple[str, str | None]:
     request.client is what the ASGI server reports: configure its trusted proxies, e.g.
     uvicorn --forwarded-allow-ips, or use proxies.TrustedProxies.)"""
     return _DEFAULT_NETWORKS.identify(request)
-
-
-def _budget_namespace(tier_limits: Mapping[str, Mapping[str, Any]]) -> str:
-    """The default namespace of a budget other than the default one: stable across processes
-    and restarts (the same budget gives the same name), different for different budgets."""
-    canonical = json.dumps(tier_limits, sort_keys=True, separators=(",", ":"))
-    return "budget-" + hashlib.sha256(canonical.encode()).hexdigest()[:12]
-
-
-def _is_default_budget(tier_limits: Mapping[str, Mapping[str, int]]) -> bool:
-    """Whether these are the budgets `rate_limit` uses: TIER_LIMITS, or the tiers file."""
-    if tier_limits == validate_tier_limits(TIER_LIMITS):
-        return True
-    try:
-        from_env = tier_limits_from_env()
-    except TierConfigError:
-        return False
-    return from_env is not None and tier_limits == validate_tier_limits(from_env)
-
-

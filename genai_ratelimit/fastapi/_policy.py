@@ -32,11 +32,11 @@ class AsyncWindowLimiter(Protocol):
 
 # 0 is no window length: it stands for the in-flight cap (max_in_flight) in the headers.
 CONCURRENT = 0
-_WINDOW_NAMES = {CONCURRENT: "concurrent", 60: "minute", 86_400: "day"}
+_WINDOW_NAMES = {CONCURRENT: "concurrent", 1: "second", 60: "minute", 3_600: "hour", 86_400: "day"}
 
 
 def window_name(window_seconds: int) -> str:
-    """The X-RateLimit-Window value: "minute", "day", else e.g. "3600s"."""
+    """The X-RateLimit-Window value: "second", "minute", "hour", "day", else e.g. "600s"."""
     return _WINDOW_NAMES.get(window_seconds, f"{window_seconds}s")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -80,8 +81,9 @@ class _Scopes:
     def __init__(self, upstream: Upstream | Sequence[Upstream] | UpstreamOf | None,
                  route_limits: Mapping[str, int] | None,
                  model_limits: Mapping[str, Mapping[str, int]] | None,
-                 from_file: bool, tokens: bool) -> None:
+                 from_file: bool, tokens: bool, shadow: bool = False) -> None:
         self.tokens = tokens
+        self.shadow = shadow
         self.upstreams: tuple[Upstream, ...] = ()
         self.upstream_of: UpstreamOf | None = None
         if isinstance(upstream, Upstream):
@@ -149,5 +151,8 @@ class _Scopes:
             if chosen is not None:
                 upstreams.append(chosen)
         found += [u.scope(self.tokens) for u in upstreams]
-        return tuple(scope for scope in found if scope is not None)
+        scopes = tuple(scope for scope in found if scope is not None)
+        if self.shadow:  # a shadow budget's scopes count in keys of their own, shared ones too
+            scopes = tuple(dataclasses.replace(scope, name=f"shadow:{scope.name}") for scope in scopes)
+        return scopes
 

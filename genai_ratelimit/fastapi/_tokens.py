@@ -30,7 +30,6 @@ from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
 from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
 from ._dependency import RateLimit, _is_async_limiter
-from ._identity import _budget_namespace
 from ._ledger import _ledger_of
 from ._options import OnUnavailable, SharedOptions
 from ._policy import (
@@ -152,17 +151,17 @@ class TokenRateLimit(RateLimit):
             fallback = self._positive("default_max_tokens", default_max_tokens)
         self._default_max_fallback = fallback
         super().__init__(limiter, tier_limits, identify, on_unavailable, namespace, **options)
-        default_tokens = token_limits is None
         if token_limits is None:
             token_limits = tier_token_limits_from_env() or TIER_TOKEN_LIMITS
         self.token_limits: dict[str, dict[str, int]] = validate_token_limits(token_limits)
         self._token_windows: dict[str, Windows] = {
-            tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items())
+            tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items()
+                        if key in budget)
             for tier, budget in self.token_limits.items()
         }
-        if namespace is None and (self.namespace is not None or not default_tokens):
-            self.namespace = _budget_namespace({"requests": self.tier_limits, "tokens": self.token_limits})
         self.estimate: Estimate | None = estimate
+        # Whether the in-flight slot rides on the reserve (decided on first use: the limiter).
+        self._fused: bool | None = None
         self._is_async = limiter is None or _is_async_limiter(limiter)
 
     @staticmethod
@@ -184,6 +183,11 @@ class TokenRateLimit(RateLimit):
             return "in_flight" in inspect.signature(limiter.reserve).parameters
         except (TypeError, ValueError):
             return False
+
+    def key_budgets(self) -> list[tuple[tuple[object, ...], object]]:
+        return [*super().key_budgets(),
+                ((*self._space(), self.mode, self.namespace, "tokens"),
+                 tuple(sorted(self._token_windows.items())))]
 
     def token_windows_of(self, tier: str) -> Windows:
         """The (limit, window_seconds) token windows of a tier (the free tier's when it has none)."""
@@ -225,7 +229,9 @@ class TokenRateLimit(RateLimit):
         # execution (one round trip; all or nothing) and given back with the reconcile's. A
         # shadow cap never fuses: it takes its slot apart, in its own keys.
         slot = None
-        if self.mode == "enforce" and self._fuses(limiter):
+        if self._fused is None:
+            self._fused = self.mode == "enforce" and self._fuses(limiter)
+        if self._fused:
             slot = self._in_flight_slot(request, response, identity, tier)
         elif not await self._take_slot_async(request, response, identity, tier, self._is_async):
             return

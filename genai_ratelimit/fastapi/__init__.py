@@ -28,7 +28,8 @@ loop never waits on Redis either way.
 
 Identities and namespaces, so that no two budgets ever share a Redis key:
 
-- anonymous: the client address, "ip:<host>" (key ratelimit:ip:203.0.113.7:60);
+- anonymous: the client's network, "ip:<host>" (key ratelimit:ip:203.0.113.7:60), an IPv6
+  client per /64 ("ip:2001:db8:1:2::/64"; genai_ratelimit.proxies.client_network);
 - a user id (request.state.user_id, or what `identify` returns) is its own key
   (ratelimit:user_8421:60), unless it begins with one of the reserved prefixes "ip:", "user:"
   or "ns:": then it is stored as "user:<id>" (ratelimit:user:ip:203.0.113.7:60), so no user id

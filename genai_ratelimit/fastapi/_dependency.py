@@ -11,6 +11,7 @@ from typing import Any
 
 from fastapi import Request, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from typing_extensions import Unpack
 
 from .. import RateLimiterError
@@ -36,6 +37,7 @@ from .._tiers_config import (
 )
 from ..aio import AsyncRateLimiter
 from ..lease import Lease
+from ..proxies import UnknownClientAddress
 from ..reservation import Reservation, Resource
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
 from ._identity import (
@@ -325,11 +327,18 @@ class RateLimit:
             raise
         self.mark_checked(app)
 
-    def _identity_and_tier(self, request: Request) -> tuple[str, str]:
-        """(key identity, the tier whose budget applies: DEFAULT_TIER for none or unknown)."""
+    def _identity_and_tier(self, request: Request) -> tuple[str, str] | None:
+        """(key identity, the tier whose budget applies: DEFAULT_TIER for none or unknown).
+        None in shadow mode for a client whose address is unknown (an observer never refuses:
+        not counted; the identify logged it)."""
         if id(request.scope.get("app")) not in self._checked_apps:
             self._check_on_first_use(request)
-        user_id, tier = self.identify(request)
+        try:
+            user_id, tier = self.identify(request)
+        except StarletteHTTPException as refused:
+            if self.mode != "shadow" or not isinstance(refused.__cause__, UnknownClientAddress):
+                raise
+            return None
         if isinstance(user_id, int) and not isinstance(user_id, bool):
             user_id = str(user_id)
         if not isinstance(user_id, str) or not user_id:
@@ -657,7 +666,10 @@ class RateLimit:
 
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
-        user_id, tier = self._identity_and_tier(request)
+        found = self._identity_and_tier(request)
+        if found is None:
+            return
+        user_id, tier = found
         windows = self._windows[tier]
         if not self._take_slot(request, response, user_id, tier):
             return
@@ -676,7 +688,10 @@ class _AsyncRateLimit(RateLimit):
     """RateLimit over an async limiter: awaited on the event loop, no worker thread."""
 
     async def __call__(self, request: Request, response: Response) -> None:
-        user_id, tier = self._identity_and_tier(request)
+        found = self._identity_and_tier(request)
+        if found is None:
+            return
+        user_id, tier = found
         windows = self._windows[tier]
         if not await self._take_slot_async(request, response, user_id, tier,
                                            self._limiter_is_async):

@@ -7,6 +7,8 @@ import re
 
 from fastapi import Request
 
+from ..proxies import ClientNetworks
+
 logger = logging.getLogger("genai_ratelimit")
 
 
@@ -41,13 +43,15 @@ def key_identity(user_id: str, namespace: str | None = None) -> str:
     return identity if namespace is None else f"ns:{namespace}:{identity}"
 
 
+_DEFAULT_NETWORKS = ClientNetworks()
+
+
 def default_identify(request: Request) -> tuple[str, str | None]:
     """The contract's identity rule: request.state.user_id (set by the app's auth), else the
-    client address, Anonymous(host) == "ip:<host>"; tier from request.state.tier. Never query
-    parameters or client headers. (Behind a reverse proxy, request.client is what the ASGI
-    server reports: configure its trusted proxies, e.g. uvicorn --forwarded-allow-ips.)"""
-    user_id = getattr(request.state, "user_id", None)
-    if user_id is None or user_id == "":
-        client = request.client
-        user_id = Anonymous(client.host if client is not None and client.host else "unknown")
-    return user_id, getattr(request.state, "tier", None)
+    client's network, Anonymous(client_network(host)): "ip:203.0.113.7", an IPv6 client per
+    /64 ("ip:2001:db8:1:2::/64"); tier from request.state.tier. Never query parameters or
+    client headers. A request the server reports no address for is refused (500), never
+    counted in one shared bucket (genai_ratelimit.proxies). (Behind a reverse proxy,
+    request.client is what the ASGI server reports: configure its trusted proxies, e.g.
+    uvicorn --forwarded-allow-ips, or use proxies.TrustedProxies.)"""
+    return _DEFAULT_NETWORKS.identify(request)

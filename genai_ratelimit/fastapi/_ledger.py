@@ -27,7 +27,8 @@ class _TokenLedger:
     in the ASGI scope until the usage is known. `reported` makes the reconcile happen once:
     by record_usage, or by the middleware from the response, whichever comes first."""
 
-    __slots__ = ("entries", "decided", "reported", "refusal", "middleware")
+    __slots__ = ("entries", "decided", "reported", "refusal", "middleware", "charge_streamed",
+                 "prompt_tokens")
 
     def __init__(self, middleware: bool) -> None:
         self.entries: list[tuple[Any, bool, Reservation]] = []  # (limiter, is async, reservation)
@@ -36,6 +37,10 @@ class _TokenLedger:
         # The refusal of this request (status, headers, body), written by the middleware.
         self.refusal: tuple[int, dict[str, str], dict[str, Any]] | None = None
         self.middleware = middleware  # False: made by a dependency, nothing reads the response
+        # aborted_stream="streamed": a stream that ends without its usage is charged what it
+        # streamed, plus the prompt's estimate (UsageScanner.streamed_tokens).
+        self.charge_streamed = False
+        self.prompt_tokens = 0
 
     async def reconcile(self, actual: int, leases: _LeaseLedger | None = None) -> int:
         """Reconciles every reservation with `actual` tokens. Returns the number of windows

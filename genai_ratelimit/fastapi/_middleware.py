@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._usage import UsageScanner
@@ -102,7 +103,8 @@ class RateLimitHeadersMiddleware:
                 if ledger.entries and not ledger.reported:
                     found = {bytes(name).lower(): bytes(value).decode("latin-1") for name, value in headers}
                     scanner = UsageScanner.for_response(found.get(b"content-type", ""),
-                                                        found.get(b"content-encoding", ""))
+                                                        found.get(b"content-encoding", ""),
+                                                        count_streamed=ledger.charge_streamed)
             elif message["type"] == "http.response.body":
                 if replaced_body:
                     return  # the 429 body FastAPI wrote, replaced by ours
@@ -111,7 +113,7 @@ class RateLimitHeadersMiddleware:
                     if scanner.done or not message.get("more_body", False):
                         # The end of the body, or of the stream's events ("data: [DONE]",
                         # where OpenAI's clients stop reading): reconcile before passing it on.
-                        total, scanner = scanner.total_tokens(), None
+                        total, scanner = _usage_of(scanner, ledger), None
                         if total is not None and not ledger.reported:
                             ledger.reported = True
                             await ledger.reconcile(total, leases)
@@ -122,6 +124,22 @@ class RateLimitHeadersMiddleware:
         try:
             await self.app(scope, receive, send_with_headers)
         finally:
-            # No last body message went out (disconnected, failed, cancelled): release now.
+            # No last body message went out (disconnected, failed, cancelled): a stream cut
+            # short is charged what it streamed when its TokenRateLimit says so
+            # (aborted_stream="streamed"), then the slots are released.
+            if scanner is not None and ledger.charge_streamed and not ledger.reported:
+                total = _usage_of(scanner, ledger)
+                if total is not None:
+                    ledger.reported = True
+                    with anyio.CancelScope(shield=True):
+                        await ledger.reconcile(total, leases)
             await leases.release_all()
+
+
+def _usage_of(scanner: UsageScanner, ledger: _TokenLedger) -> int | None:
+    """The usage the response reported; else, for aborted_stream="streamed", what a stream
+    streamed (UsageScanner.streamed_tokens), None otherwise (the reservation stays)."""
+    if ledger.charge_streamed:
+        return scanner.streamed_tokens(ledger.prompt_tokens)
+    return scanner.total_tokens()
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request, Response
+from fastapi.exceptions import RequestValidationError
 from typing_extensions import Unpack
 
 from .. import RateLimiterError
@@ -24,7 +25,7 @@ from .._tiers_config import (
     tier_token_limits_from_env,
     validate_token_limits,
 )
-from .._usage import estimate_openai_tokens
+from .._usage import InvalidTokenCount, estimate_openai_tokens, prompt_tokens
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
 from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
@@ -53,6 +54,7 @@ logger = logging.getLogger("genai_ratelimit")
 
 
 Estimate = Callable[[Request], "int | Awaitable[int]"]
+AbortedStream = Literal["estimate", "streamed"]
 
 
 
@@ -73,10 +75,12 @@ class TokenRateLimit(RateLimit):
 
     The usage comes from, whichever is first (each request is reconciled once):
     - `await record_usage(request, tokens)`, called by the route (a streaming generator too);
-    - the response, read by RateLimitHeadersMiddleware as it passes: an OpenAI-shaped JSON
-      body's `usage.total_tokens`, or the last `data:` chunk of a server-sent event stream
-      that carries `usage` (OpenAI's final chunk with stream_options={"include_usage": true}).
-    A request whose usage is never reported keeps its reservation: never a silent refund.
+    - the response, read by RateLimitHeadersMiddleware as it passes (docs/tokens-and-identity.md):
+      OpenAI chat completions (`usage.total_tokens`, or a stream's last chunk carrying usage),
+      OpenAI Responses (`usage`, or a stream's response.completed), Anthropic Messages
+      (input + output + cache tokens, or a stream's message_start + message_delta).
+    A request whose usage is never reported keeps its reservation: never a silent refund,
+    unless aborted_stream="streamed" (below).
 
     Arguments (and RateLimit's: limiter, tier_limits, identify, on_unavailable, namespace, and
     its keywords: mode="shadow" lets a refused reservation through without reserving anything,
@@ -93,6 +97,14 @@ class TokenRateLimit(RateLimit):
                         (await request.body() / .json()) leaves it readable by the route.
     default_max_tokens  the completion tokens assumed when a request names no maximum: an int
                         for every tier or {tier: int} (others: DEFAULT_MAX_TOKENS, 1,000).
+                        A maximum the upstream would refuse (max_tokens=1.5, "lots", true) is
+                        the route's 422, before anything is reserved.
+    aborted_stream      what a server-sent event stream that ends without its usage costs
+                        (a client that disconnected, an upstream that broke off):
+                        "estimate" (default) keeps the reservation; "streamed" charges the
+                        prompt (the input the stream reported, else the estimate's) plus the
+                        text the stream delivered (its characters / 4, at least a token per
+                        chunk that carried text).
 
     An estimate above the tier's token limit can never be allowed: 429 with a body saying so
     (the limit and the tokens requested), without Retry-After and with x-should-retry: false.
@@ -126,8 +138,12 @@ class TokenRateLimit(RateLimit):
         token_limits: Mapping[str, Mapping[str, int]] | None = None,
         estimate: Estimate | None = None,
         default_max_tokens: int | Mapping[str, int] = DEFAULT_MAX_TOKENS,
+        aborted_stream: AbortedStream = "estimate",
         **options: Unpack[SharedOptions],
     ) -> None:
+        if aborted_stream not in ("estimate", "streamed"):
+            raise ValueError(f"aborted_stream must be 'estimate' or 'streamed', got {aborted_stream!r}")
+        self.aborted_stream: AbortedStream = aborted_stream
         if limiter is not None and not callable(getattr(limiter, "reserve", None)):
             raise TypeError(f"limiter must be a RateLimiter or AsyncRateLimiter with reserve(), "
                             f"not {type(limiter).__name__}")
@@ -192,10 +208,22 @@ class TokenRateLimit(RateLimit):
                 value = await value
             return self._positive("the token estimate", value)
         default = self.default_max_tokens.get(tier, self._default_max_fallback)
-        return estimate_openai_tokens(await request.body(), default)
+        body = await request.body()
+        try:
+            tokens = estimate_openai_tokens(body, default)
+        except InvalidTokenCount as invalid:  # the upstream would refuse it too
+            raise RequestValidationError([{"type": "int_parsing", "loc": ("body", invalid.field),
+                                           "msg": str(invalid), "input": invalid.value}]) from None
+        if self.aborted_stream == "streamed":
+            ledger = _ledger_of(request)
+            ledger.prompt_tokens = max(ledger.prompt_tokens, prompt_tokens(body))
+        return tokens
 
     async def __call__(self, request: Request, response: Response) -> None:
-        identity, tier = self._identity_and_tier(request)
+        found = self._identity_and_tier(request)
+        if found is None:
+            return
+        identity, tier = found
         windows, token_windows = self._windows[tier], self.token_windows_of(tier)
         _ledger_of(request).decided = True
         tokens = await self.estimate_tokens(request, tier)
@@ -241,6 +269,7 @@ class TokenRateLimit(RateLimit):
             return  # shadow mode: the route runs, nothing was reserved
         ledger = _ledger_of(request)
         ledger.entries.append((limiter, self._is_async, reservation))
+        ledger.charge_streamed = ledger.charge_streamed or self.aborted_stream == "streamed"
         requests_state = _tightest(reservation.windows, "requests")
         if counted is None and requests_state is not None and requests_state.remaining is not None:
             decision = (True, requests_state.remaining, 0, requests_state.window_seconds)

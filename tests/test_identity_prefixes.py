@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -205,11 +206,16 @@ class UnixSocketServer:
                                    base_url="http://app", timeout=10)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                if self.client.get("/healthz").status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.05)
+            # Probe the socket with a socket of our own first: httpx's transport leaves the
+            # socket of a refused unix connection to the garbage collector (ResourceWarning).
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.connect(self.socket)
+                except OSError:
+                    time.sleep(0.05)
+                    continue
+            if self.client.get("/healthz").status_code == 200:
+                return
         self.close()
         raise RuntimeError(f"uvicorn did not start:\n{self.log.read_text()[-3000:]}")
 

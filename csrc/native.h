@@ -504,6 +504,12 @@ typedef struct {
     int sentinel_count;
     int master;          /* index into nodes of the master, -1 before the sentinels were asked */
     rl_metrics *metrics; /* the limiter's counters (every node's pool), or NULL */
+    double asked_at;     /* sentinel: when the sentinels were last asked (monotonic), 0 never */
+    int asking;          /* sentinel: a thread is asking them now (the timer's single flight) */
+    int last_sentinel;   /* sentinel: the one that answered last, asked first */
+    double suspect_until[RL_CLUSTER_MAX_NODES]; /* sentinel: one that timed out, asked last */
+    double failover_since; /* sentinel: a sentinel reports a failover under way since, or 0 */
+    int map_stale;         /* cluster: a call timed out: the map is read before the next */
 } rl_cluster;
 
 /* GIL held: set up (c->base filled first; master_name for a Sentinel set), the URL's seed

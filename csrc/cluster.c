@@ -47,6 +47,7 @@
 #define RL_CLUSTER_PAUSE 0.025     /* seconds between retries while a failover is under way */
 #define RL_ASK_WAIT 0.25           /* the most one sentinel or map source may take to answer */
 #define RL_SENTINEL_RECHECK 0.1    /* seconds between two askings of the sentinels */
+#define RL_STALE_REREAD 0.1        /* seconds between two map reads after a timeout */
 #define RL_SENTINEL_SUSPECT 5.0    /* a sentinel that timed out is asked last this long */
 #define RL_SENTINEL_FAILOVER_HOLD 5.0 /* the longest a failover under way holds the calls */
 
@@ -722,15 +723,23 @@ route(rl_cluster *c, int slot, double deadline, rl_node **out, rl_error *err)
         if (st != RL_OK)
             return st;
     } else {
-        /* A call timed out on some node: it may be frozen and replaced by now (the map is
-           read again once; the next timeout asks for another read). */
+        /* A call timed out lately: its node may be frozen (SIGSTOP, a stalled VM) and its
+           replica promoted any moment: the map is read again every RL_STALE_REREAD (one
+           thread reads, the others go on), so the calls leave that node at once. */
+        double now = rl_monotonic();
         pthread_mutex_lock(&c->mutex);
-        int stale = c->map_stale;
-        c->map_stale = 0;
+        int due = now < c->stale_until && !c->reading && now - c->map_read_at >= RL_STALE_REREAD;
+        if (due) {
+            c->reading = 1;
+            c->map_read_at = now;
+        }
         pthread_mutex_unlock(&c->mutex);
-        if (stale) {
+        if (due) {
             rl_error ignored;
             (void)refresh(c, deadline, &ignored);
+            pthread_mutex_lock(&c->mutex);
+            c->reading = 0;
+            pthread_mutex_unlock(&c->mutex);
         }
     }
     for (int attempt = 0;; attempt++) {
@@ -877,7 +886,7 @@ rl_routed_call_run(rl_routed_call *rc, rl_error *err)
             /* Not retried (the decision may have run), but the node may be frozen and
                its replica promoted meanwhile: the next call reads the map first. */
             pthread_mutex_lock(&c->mutex);
-            c->map_stale = 1;
+            c->stale_until = rl_monotonic() + 2 * c->base.socket_timeout;
             c->asked_at = 0; /* sentinel: ask them at the next call */
             pthread_mutex_unlock(&c->mutex);
             return st;

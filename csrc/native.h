@@ -509,7 +509,9 @@ typedef struct {
     int last_sentinel;   /* sentinel: the one that answered last, asked first */
     double suspect_until[RL_CLUSTER_MAX_NODES]; /* sentinel: one that timed out, asked last */
     double failover_since; /* sentinel: a sentinel reports a failover under way since, or 0 */
-    int map_stale;         /* cluster: a call timed out: the map is read before the next */
+    double stale_until;    /* cluster: a call timed out: the map is read again until then */
+    double map_read_at;    /* cluster: when a stale map was last read again */
+    int reading;           /* cluster: a thread reads the stale map again now */
 } rl_cluster;
 
 /* GIL held: set up (c->base filled first; master_name for a Sentinel set), the URL's seed

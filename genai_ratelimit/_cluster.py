@@ -63,8 +63,10 @@ class SlotMap:
         self.last_sentinel = 0
         self.suspect_until: dict[Address, float] = {}
         self.failover_since = 0.0
-        # Cluster: a call timed out: the map is read again before the next call.
-        self.map_stale = False
+        # Cluster: a call timed out: the map is read again (every _STALE_REREAD) until then;
+        # when it was last read so.
+        self.stale_until = 0.0
+        self.map_read_at = 0.0
 
     def destination(self, slot: int) -> Address | None:
         """Where a decision of this slot goes (None: read the map first)."""

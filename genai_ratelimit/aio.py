@@ -69,6 +69,7 @@ _ASK_WAIT = 0.25
 _SENTINEL_RECHECK = 0.1
 _SENTINEL_SUSPECT = 5.0
 _SENTINEL_FAILOVER_HOLD = 5.0
+_STALE_REREAD = 0.1  # seconds between two map reads after a timeout (RL_STALE_REREAD)
 
 
 def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
@@ -580,9 +581,13 @@ class AsyncRateLimiter:
         moved = 0
         if slot_map.master_name is not None:
             await self._follow_sentinels(root, deadline)
-        elif slot_map.map_stale:  # a call timed out: its node may be frozen and replaced
-            slot_map.map_stale = False
-            await self._try_read_slot_map(root, deadline)
+        else:
+            # A call timed out lately: its node may be frozen and its replica promoted any
+            # moment: the map is read again every _STALE_REREAD (one read per loop).
+            now = time.monotonic()
+            if now < slot_map.stale_until and now - slot_map.map_read_at >= _STALE_REREAD:
+                slot_map.map_read_at = now
+                await self._try_read_slot_map(root, deadline)
         while True:
             address = ask or slot_map.destination(request.slot)
             if address is None:
@@ -601,7 +606,7 @@ class AsyncRateLimiter:
             except RateLimiterTimeout:
                 # Not retried (the decision may have run); the node may be frozen and its
                 # replica promoted meanwhile: the next call reads the map (asks) first.
-                slot_map.map_stale = True
+                slot_map.stale_until = time.monotonic() + 2 * self._socket_timeout
                 slot_map.asked_at = 0.0
                 raise
             except RateLimiterUnavailable as exc:

@@ -170,6 +170,8 @@ node_index(rl_cluster *c, const char *host, size_t host_len, int port)
     }
     free(name);
     share_tls(&node->pool.config, base);
+    node->pool.config.min_replicas = base->min_replicas;
+    node->pool.config.replica_timeout_ms = base->replica_timeout_ms;
     if (rl_pool_init(&node->pool, c->max_open) < 0) {
         rl_config_clear(&node->pool.config);
         free(node);

@@ -397,6 +397,8 @@ typedef struct {
     int tls;                /* rediss://: TLS on the TCP connection */
     int tls_verify;         /* verify the server's certificate and name */
     SSL_CTX *ssl_ctx;       /* shared by every connection of the pool, or NULL */
+    int min_replicas;       /* an admission waits (WAIT) for this many replicas; 0: never */
+    long long replica_timeout_ms; /* WAIT's timeout */
 } rl_config;
 
 typedef struct rl_conn {

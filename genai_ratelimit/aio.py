@@ -484,9 +484,14 @@ class AsyncRateLimiter:
         max_connections: int = 4,
         metrics: bool = True,
         storage: Storage | None = None,
+        min_replicas: int = 0,
+        replica_timeout_ms: int = 100,
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
-                                          clock, max_connections, metrics, storage)
+                                          clock, max_connections, metrics, storage,
+                                          min_replicas, replica_timeout_ms)
+        self._min_replicas = min_replicas
+        self._replica_timeout_ms = replica_timeout_ms
         self._ssl = _ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock
@@ -553,18 +558,46 @@ class AsyncRateLimiter:
         self._last_loop, self._last_pool = loop, pool
         return pool
 
-    async def _run(self, request: Any, decision: bool = False) -> Any:
+    async def _run(self, request: Any, decision: bool = False, admission: bool = False) -> Any:
         """Sends one Request of the codec and waits for its answer. decision: a check,
-        counted as unavailable in the metrics when no connection can be had."""
+        counted as unavailable in the metrics when no connection can be had. admission: a
+        decision that logs the request when it allows (min_replicas waits for it)."""
         if self._slot_map is not None:
-            return await self._run_cluster(request, decision)
+            return await self._run_cluster(request, decision, admission)
         pool = self._pool()
         conn = pool.pick()
         if conn is None:
             conn = await self._connection(pool, decision)
-        return await conn.submit(request)
+        result = await conn.submit(request)
+        if admission and self._min_replicas:
+            await self._replicated(conn, result)
+        return result
 
-    async def _run_cluster(self, request: Any, decision: bool = False) -> Any:
+    async def _replicated(self, conn: _Connection, result: Any) -> None:
+        """min_replicas: WAIT on the connection that wrote an allowing admission; fewer
+        replicas than asked acknowledged it in time: RateLimiterUnavailable, it is no
+        admission (the blocking limiter's rule, csrc/conn.c wait_for_replicas)."""
+        try:
+            allowed = bool(result[0])
+        except (TypeError, IndexError, KeyError):
+            allowed = bool(getattr(result, "allowed", False))
+        if not allowed:
+            return
+        try:
+            acked = await conn.submit_command(
+                ("WAIT", str(self._min_replicas), str(self._replica_timeout_ms)))
+        except RateLimiterTimeout:
+            raise
+        except RateLimiterUnavailable as exc:
+            raise RateLimiterUnavailable(f"not replicated: {exc}") from None
+        if not isinstance(acked, int) or acked < self._min_replicas:
+            raise RateLimiterUnavailable(
+                f"not replicated: {acked} of the {self._min_replicas} replicas required "
+                f"acknowledged the admission within {self._replica_timeout_ms} ms "
+                "(min_replicas); it does not count as allowed")
+
+    async def _run_cluster(self, request: Any, decision: bool = False,
+                           admission: bool = False) -> Any:
         """Sends a Request to the node that serves its slot, following the cluster's
         answers within the call's deadline: MOVED (the map is read again), ASK (ASKING, once,
         on the node named), TRYAGAIN, CLUSTERDOWN and dead nodes (a pause, the map read
@@ -602,7 +635,7 @@ class AsyncRateLimiter:
                 if ask is not None:
                     conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
                     ask = None
-                return await conn.submit(request)
+                result = await conn.submit(request)
             except RateLimiterTimeout:
                 # Not retried (the decision may have run); the node may be frozen and its
                 # replica promoted meanwhile: the next call reads the map (asks) first.
@@ -613,6 +646,10 @@ class AsyncRateLimiter:
                 if not _may_go_elsewhere(exc, sentinel=slot_map.master_name is not None):
                     raise  # a refused password, an error reply of the node itself, garbage
                 error = exc
+            else:
+                if admission and self._min_replicas:
+                    await self._replicated(conn, result)  # never sent elsewhere
+                return result
             answer = redirect_of(str(error))
             if answer is not None and answer[1] is not None:
                 kind, slot, target = answer
@@ -820,7 +857,9 @@ class AsyncRateLimiter:
         if type(request) is tuple:  # the kill switch answered
             return request
         if self._slot_map is not None:
-            return await self._run_cluster(request, True)  # type: ignore[no-any-return]
+            return await self._run_cluster(request, True, True)  # type: ignore[no-any-return]
+        if self._min_replicas:
+            return await self._run(request, True, True)  # type: ignore[no-any-return]
         # _run's body, inline: the hottest call is spared a coroutine frame.
         pool = self._pool()
         conn = pool.pick()
@@ -837,7 +876,7 @@ class AsyncRateLimiter:
         request = self._codec.check_windows(user_id, windows, cost=cost)
         if type(request) is tuple:
             return request
-        return await self._run(request, True)  # type: ignore[no-any-return]
+        return await self._run(request, True, True)  # type: ignore[no-any-return]
 
     async def check_windows_detailed(self, user_id: str, windows: Any, *,
                                      cost: int = 1) -> WindowDecision:
@@ -848,7 +887,7 @@ class AsyncRateLimiter:
         request = self._codec.check_windows_detailed(user_id, windows, cost=cost)
         if type(request) is WindowDecision:  # the kill switch answered
             return request
-        return await self._run(request)  # type: ignore[no-any-return]
+        return await self._run(request, admission=True)  # type: ignore[no-any-return]
 
     # RateLimiter._two_step_scopes: shared scopes decided in steps of their own.
     _two_step_scopes = False
@@ -892,7 +931,8 @@ class AsyncRateLimiter:
                     request = method(*positional, **keywords)
                     # A reserve is a decision (the metrics count it), a reconcile is not.
                     answer = (request if type(request) in (tuple, int)
-                              else await self._run(request, name == "reserve"))
+                              else await self._run(request, name == "reserve",
+                                                   name == "reserve"))
             except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
                 call, result = advance(plan, error=exc)
             else:
@@ -955,7 +995,7 @@ class AsyncRateLimiter:
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         request = self._codec.acquire(user_id, limit, lease_seconds)
-        raw = request if type(request) is tuple else await self._run(request)
+        raw = request if type(request) is tuple else await self._run(request, admission=True)
         return make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self)  # type: ignore[return-value]
 
     async def release(self, lease: Lease) -> bool:

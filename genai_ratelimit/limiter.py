@@ -54,6 +54,8 @@ class NativeOptions(TypedDict):
     cluster_nodes: tuple[tuple[str, int], ...] | None
     sentinel_master: str | None
     storage: str
+    min_replicas: int
+    replica_timeout_ms: int
 
 
 def _positive_seconds(name: str, value: float) -> float:
@@ -76,6 +78,8 @@ def limiter_options(
     max_connections: int,
     metrics: bool = True,
     storage: str | None = None,
+    min_replicas: int = 0,
+    replica_timeout_ms: int = 100,
 ) -> tuple[RedisOptions, NativeOptions]:
     """Validates the constructor's arguments. Returns the parsed URL and the keyword
     arguments of the C limiter. Shared by the sync and async limiters."""
@@ -99,6 +103,12 @@ def limiter_options(
         raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
     if not 1 <= max_connections <= 4096:
         raise ValueError(f"max_connections must be between 1 and 4096, got {max_connections}")
+    for name, value, low in (("min_replicas", min_replicas, 0),
+                             ("replica_timeout_ms", replica_timeout_ms, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if not low <= value <= 86_400_000:
+            raise ValueError(f"{name} must be between {low} and 86400000, got {value}")
     native = NativeOptions(
         host=options.host,
         port=options.port,
@@ -120,6 +130,8 @@ def limiter_options(
         cluster_nodes=options.nodes if options.mode != "single" else None,
         sentinel_master=options.master_name,
         storage=storage or options.storage or "zset",
+        min_replicas=min_replicas,
+        replica_timeout_ms=replica_timeout_ms,
     )
     return options, native
 
@@ -147,9 +159,12 @@ class RateLimiter(_native.Limiter):
         max_connections: int = 32,
         metrics: bool = True,
         storage: Storage | None = None,
+        min_replicas: int = 0,
+        replica_timeout_ms: int = 100,
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
-                                          clock, max_connections, metrics, storage)
+                                          clock, max_connections, metrics, storage,
+                                          min_replicas, replica_timeout_ms)
         super().__init__(**native)
         self._options = options
         self._storage = native["storage"]

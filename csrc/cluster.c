@@ -43,12 +43,12 @@
 #include <string.h>
 #include <time.h>
 
-#define RL_CLUSTER_MAX_ATTEMPTS 64 /* MOVED answers to one call (the deadline bounds the rest) */
-#define RL_CLUSTER_PAUSE 0.025     /* seconds between retries while a failover is under way */
-#define RL_ASK_WAIT 0.25           /* the most one sentinel or map source may take to answer */
-#define RL_SENTINEL_RECHECK 0.1    /* seconds between two askings of the sentinels */
-#define RL_STALE_REREAD 0.1        /* seconds between two map reads after a timeout */
-#define RL_SENTINEL_SUSPECT 5.0    /* a sentinel that timed out is asked last this long */
+#define RL_CLUSTER_MAX_ATTEMPTS 64    /* MOVED answers to one call (the deadline bounds the rest) */
+#define RL_CLUSTER_PAUSE 0.025        /* seconds between retries while a failover is under way */
+#define RL_ASK_WAIT 0.25              /* the most one sentinel or map source may take to answer */
+#define RL_SENTINEL_RECHECK 0.1       /* seconds between two askings of the sentinels */
+#define RL_STALE_REREAD 0.1           /* seconds between two map reads after a timeout */
+#define RL_SENTINEL_SUSPECT 5.0       /* a sentinel that timed out is asked last this long */
 #define RL_SENTINEL_FAILOVER_HOLD 5.0 /* the longest a failover under way holds the calls */
 
 /* ---------------------------------------------------------------- slots */
@@ -474,8 +474,8 @@ ask_deadline(double deadline, int remaining)
 typedef struct {
     char host[256];
     int port;
-    long long epoch;  /* config-epoch: bumped by each failover */
-    int in_failover;  /* flags hold failover_in_progress (this sentinel leads one) */
+    long long epoch; /* config-epoch: bumped by each failover */
+    int in_failover; /* flags hold failover_in_progress (this sentinel leads one) */
 } sentinel_view;
 
 static int
@@ -489,8 +489,8 @@ parse_sentinel_master(const redisReply *r, sentinel_view *v)
     memcpy(v->host, ip->str, ip->len);
     v->host[ip->len] = '\0';
     v->port = (int)strtol(port->str, NULL, 10);
-    v->epoch = epoch != NULL && epoch->type == REDIS_REPLY_STRING ? strtoll(epoch->str, NULL, 10)
-                                                                  : 0;
+    v->epoch =
+        epoch != NULL && epoch->type == REDIS_REPLY_STRING ? strtoll(epoch->str, NULL, 10) : 0;
     v->in_failover = flags != NULL && flags->type == REDIS_REPLY_STRING &&
                      strstr(flags->str, "failover_in_progress") != NULL;
     return v->port >= 1 && v->port <= 65535 ? 0 : -1;
@@ -633,8 +633,7 @@ follow_sentinels(rl_cluster *c, double deadline, rl_error *err)
     for (;;) {
         double now = rl_monotonic();
         pthread_mutex_lock(&c->mutex);
-        int failover =
-            c->failover_since > 0 && now - c->failover_since < RL_SENTINEL_FAILOVER_HOLD;
+        int failover = c->failover_since > 0 && now - c->failover_since < RL_SENTINEL_FAILOVER_HOLD;
         double period = failover ? RL_CLUSTER_PAUSE : RL_SENTINEL_RECHECK;
         int due = c->master >= 0 && !c->asking && now - c->asked_at >= period;
         if (due) {

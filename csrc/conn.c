@@ -697,8 +697,7 @@ is_admission(rl_shape shape)
    RL_ERR_SERVER (too few acknowledged, or WAIT refused: not retried, not sent elsewhere),
    or the exchange's error. *in_step: the connection can be reused. */
 static rl_status
-wait_for_replicas(rl_conn *conn, const rl_config *cfg, double deadline, int *in_step,
-                  rl_error *err)
+wait_for_replicas(rl_conn *conn, const rl_config *cfg, double deadline, int *in_step, rl_error *err)
 {
     *in_step = 0;
     char replicas[24], timeout[24];

@@ -145,12 +145,29 @@ error:
 static int
 Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"host",       "port",          "unix_path",       "db",
-                               "username",   "password",      "connect_timeout", "socket_timeout",
-                               "key_prefix", "client_clock",  "max_connections", "tls",
-                               "ssl_verify", "ssl_ca_certs",  "ssl_certfile",    "ssl_keyfile",
-                               "metrics",    "cluster_nodes", "sentinel_master", "storage",
-                               "min_replicas", "replica_timeout_ms", NULL};
+    static char *keywords[] = {"host",
+                               "port",
+                               "unix_path",
+                               "db",
+                               "username",
+                               "password",
+                               "connect_timeout",
+                               "socket_timeout",
+                               "key_prefix",
+                               "client_clock",
+                               "max_connections",
+                               "tls",
+                               "ssl_verify",
+                               "ssl_ca_certs",
+                               "ssl_certfile",
+                               "ssl_keyfile",
+                               "metrics",
+                               "cluster_nodes",
+                               "sentinel_master",
+                               "storage",
+                               "min_replicas",
+                               "replica_timeout_ms",
+                               NULL};
     const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
     const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
     Py_ssize_t prefix_len = 9;
@@ -166,12 +183,11 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         PyErr_SetString(PyExc_RuntimeError, "a limiter is configured once, by its constructor");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzpOzziL", keywords, &host,
-                                     &port, &unix_path, &db, &username, &password, &connect_timeout,
-                                     &socket_timeout, &prefix, &prefix_len, &client_clock,
-                                     &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile,
-                                     &metrics, &cluster_nodes, &sentinel_master, &storage,
-                                     &min_replicas, &replica_timeout_ms))
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, "|$zizLzzdds#pippzzzpOzziL", keywords, &host, &port, &unix_path, &db,
+            &username, &password, &connect_timeout, &socket_timeout, &prefix, &prefix_len,
+            &client_clock, &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile, &metrics,
+            &cluster_nodes, &sentinel_master, &storage, &min_replicas, &replica_timeout_ms))
         return -1;
     if (rl_parse_storage(storage, &self->storage) < 0)
         return -1;

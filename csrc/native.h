@@ -386,18 +386,18 @@ int rl_proto_replay(rl_status cause, rl_prepared *d);
 /* ------------------------------------------------------------- connections */
 
 typedef struct {
-    char *host;             /* TCP host, or NULL for a unix socket */
-    int port;               /* TCP port */
-    char *unix_path;        /* unix socket path, or NULL */
-    long long db;           /* SELECT db when not 0 */
-    char *username;         /* ACL user, or NULL */
-    char *password;         /* AUTH password, or NULL; never printed */
-    double connect_timeout; /* seconds, for connect + AUTH + SELECT */
-    double socket_timeout;  /* seconds, for one decision's round trip */
-    int tls;                /* rediss://: TLS on the TCP connection */
-    int tls_verify;         /* verify the server's certificate and name */
-    SSL_CTX *ssl_ctx;       /* shared by every connection of the pool, or NULL */
-    int min_replicas;       /* an admission waits (WAIT) for this many replicas; 0: never */
+    char *host;                   /* TCP host, or NULL for a unix socket */
+    int port;                     /* TCP port */
+    char *unix_path;              /* unix socket path, or NULL */
+    long long db;                 /* SELECT db when not 0 */
+    char *username;               /* ACL user, or NULL */
+    char *password;               /* AUTH password, or NULL; never printed */
+    double connect_timeout;       /* seconds, for connect + AUTH + SELECT */
+    double socket_timeout;        /* seconds, for one decision's round trip */
+    int tls;                      /* rediss://: TLS on the TCP connection */
+    int tls_verify;               /* verify the server's certificate and name */
+    SSL_CTX *ssl_ctx;             /* shared by every connection of the pool, or NULL */
+    int min_replicas;             /* an admission waits (WAIT) for this many replicas; 0: never */
     long long replica_timeout_ms; /* WAIT's timeout */
 } rl_config;
 

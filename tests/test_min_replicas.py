@@ -5,8 +5,11 @@ the connection that wrote it). A real master and a real replica (redis-server
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +127,22 @@ def test_min_replicas_is_checked(make_limiter: LimiterFactory, replicated: Pair)
         make_limiter(replicated.url, min_replicas=-1)
     with pytest.raises(ValueError, match="replica_timeout_ms"):
         make_limiter(replicated.url, min_replicas=1, replica_timeout_ms=0)
+
+
+@pytest.mark.limiter_kinds("sync", reason="runs a page's example in a fresh interpreter")
+def test_the_docs_min_replicas_example_runs(replicated: Pair, tmp_path: Path) -> None:
+    """docs/failover.md "Replicated admissions": its example, pointed at this master (which
+    has a replica), runs as written and admits."""
+    from helpers_docs import DOCS, python_blocks
+
+    blocks = python_blocks("## Replicated admissions: `min_replicas`", DOCS / "failover.md")
+    assert len(blocks) == 1
+    example_url = "redis://10.0.0.5:6379/0"
+    assert example_url in blocks[0]
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0].replace(example_url, replicated.url) + "\nassert allowed\n",
+                      encoding="utf-8")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert keys(replicated.replica) >= 1

@@ -20,9 +20,13 @@
  * The map comes from CLUSTER SHARDS (Redis 7), or CLUSTER SLOTS where that is unknown.
  *
  * Sentinel mode uses the same call with one destination: the master that the sentinels
- * name (SENTINEL get-master-addr-by-name), asked again when it is gone (a connection
- * refused or broken mid-call: the replay rule holds) or answers READONLY (a demoted
- * master: nothing ran), until the call's deadline.
+ * agree on (SENTINEL MASTER from each, the highest config epoch, checked with ROLE),
+ * asked again every RL_SENTINEL_RECHECK while calls flow, at once when it is gone (a
+ * connection refused or broken mid-call: the replay rule holds) or answers READONLY (a
+ * demoted master: nothing ran); while a sentinel reports a failover under way the calls
+ * wait (within their deadline) rather than write to a master about to be replaced.
+ * A call that timed out makes the map (or the master) be asked again: its node may be
+ * frozen, and replaced by the time the next call goes out.
  * Nodes are never forgotten (a cluster has few): a node's pool is only ever added.
  *
  * Why not hiredis-cluster / libvalkey: neither is packaged in Debian 12, the wheel and

@@ -1,7 +1,9 @@
 """Redis Sentinel: redis+sentinel:// on a real master + replica + 3 sentinels
 (tests/redis_cluster.py), on both limiters: the master the sentinels name, a SENTINEL
-FAILOVER and a SIGKILLed master followed with exact counts, and a replica that answers
-READONLY refused by asking the sentinels again. Bounded waits on conditions only."""
+FAILOVER and a SIGKILLed master followed with exact counts, a replica the sentinels name
+refused by ROLE; and the faults of docs/failover.md measured: a planned failover under load
+(admissions lost, read back from Redis), a frozen first sentinel, a lying first sentinel.
+Bounded waits on conditions only."""
 
 from __future__ import annotations
 

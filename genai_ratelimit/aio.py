@@ -471,6 +471,8 @@ class AsyncRateLimiter:
 
     Concurrent checks share connections and are pipelined. `await limiter.aclose()` (or
     `async with`) closes it; a call after that raises RateLimiterError and sends nothing.
+    `min_replicas` / `replica_timeout_ms`: RateLimiter's (an admission no replica
+    acknowledged raises RateLimiterUnavailable).
     """
 
     def __init__(
@@ -484,14 +486,14 @@ class AsyncRateLimiter:
         max_connections: int = 4,
         metrics: bool = True,
         storage: Storage | None = None,
-        min_replicas: int = 0,
-        replica_timeout_ms: int = 100,
+        min_replicas: int | None = None,
+        replica_timeout_ms: int | None = None,
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
                                           clock, max_connections, metrics, storage,
                                           min_replicas, replica_timeout_ms)
-        self._min_replicas = min_replicas
-        self._replica_timeout_ms = replica_timeout_ms
+        self._min_replicas = native["min_replicas"]
+        self._replica_timeout_ms = native["replica_timeout_ms"]
         self._ssl = _ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from genai_ratelimit import RateLimiterUnavailable
+from genai_ratelimit._url import parse_redis_url
 from helpers_async import LimiterFactory
 from redis_cluster import redis_cli
 from redis_server import RedisServer
@@ -127,6 +128,22 @@ def test_min_replicas_is_checked(make_limiter: LimiterFactory, replicated: Pair)
         make_limiter(replicated.url, min_replicas=-1)
     with pytest.raises(ValueError, match="replica_timeout_ms"):
         make_limiter(replicated.url, min_replicas=1, replica_timeout_ms=0)
+    with pytest.raises(ValueError, match="contradicts the URL's min_replicas=1"):
+        make_limiter(replicated.url + "?min_replicas=1", min_replicas=2)
+    with pytest.raises(ValueError, match="min_replicas must be a non-negative integer"):
+        make_limiter(replicated.url + "?min_replicas=x")
+    with pytest.raises(ValueError, match="replica_timeout_ms must be a positive integer"):
+        make_limiter(replicated.url + "?min_replicas=1&replica_timeout_ms=0")
+
+
+def test_the_url_asks_for_replicated_admissions(make_limiter: LimiterFactory,
+                                               replicated: Pair) -> None:
+    limiter = make_limiter(replicated.url + "?min_replicas=2&replica_timeout_ms=50")
+    with pytest.raises(RateLimiterUnavailable, match="1 of the 2 replicas .* within 50 ms"):
+        limiter.check("user_url", 5, 3600)
+    sentinel_style = parse_redis_url(
+        "redis+sentinel://127.0.0.1:26379/mymaster/0?min_replicas=1&replica_timeout_ms=20")
+    assert (sentinel_style.min_replicas, sentinel_style.replica_timeout_ms) == (1, 20)
 
 
 @pytest.mark.limiter_kinds("sync", reason="runs a page's example in a fresh interpreter")

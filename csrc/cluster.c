@@ -295,6 +295,8 @@ void
 rl_cluster_after_fork(rl_cluster *c)
 {
     (void)pthread_mutex_init(&c->mutex, NULL);
+    c->asking = 0; /* a parent's thread that was asking is not in the child */
+    c->reading = 0;
     for (int i = 0; i < c->node_count; i++)
         rl_pool_after_fork(&c->nodes[i]->pool);
     for (int i = 0; i < c->sentinel_count; i++)

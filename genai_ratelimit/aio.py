@@ -784,10 +784,11 @@ class AsyncRateLimiter:
                 f"the sentinels named {chosen[0]}:{chosen[1]} as the master, but it answers "
                 "ROLE as a replica")
         old, slot_map.master = slot_map.master, chosen
-        if old is not None and old != chosen:
-            stale = root.nodes.get(old)
-            if stale is not None:  # no new call goes to the old master
-                stale.close_all(RateLimiterUnavailable("the sentinels named a new master"))
+        stale = root.nodes.get(old) if old is not None and old != chosen else None
+        if stale is not None:  # no new call goes to the old master: close its idle connections
+            for conn in list(stale.connections):
+                if conn.pipeline.pending == 0:
+                    conn.close(RateLimiterUnavailable("the sentinels named a new master"))
 
     async def _try_read_slot_map(self, root: _LoopPool, deadline: float) -> None:
         try:

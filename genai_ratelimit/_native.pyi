@@ -114,6 +114,8 @@ class Limiter:
         cluster_nodes: Sequence[tuple[str, int]] | None = ...,
         sentinel_master: str | None = ...,
         storage: str | None = ...,
+        min_replicas: int = ...,
+        replica_timeout_ms: int = ...,
     ) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1

@@ -36,6 +36,9 @@ class RedisOptions:
     nodes: tuple[tuple[str, int], ...] = ()  # cluster seed nodes, or the sentinels
     master_name: str | None = None  # redis+sentinel://: the master the sentinels watch
     storage: str | None = None  # ?storage=zset|compact; None when the URL does not say
+    # ?min_replicas=N&replica_timeout_ms=T (every URL form); None when the URL does not say
+    min_replicas: int | None = None
+    replica_timeout_ms: int | None = None
 
     def tls_trust(self) -> str | None:
         """The one TLS trust policy of both limiters (the blocking one applies it with
@@ -159,12 +162,13 @@ def parse_redis_url(url: str) -> RedisOptions:
         if not path:
             raise ValueError("invalid Redis URL: a unix:// URL needs a socket path, "
                              "e.g. unix:///run/redis/redis.sock")
-        _refuse_unknown_parameters(single, {"db", "password", "username", "storage"}, " for unix://")
+        _refuse_unknown_parameters(single, {"db", "password", "username", "storage", *_REPLICATION},
+                                   " for unix://")
         username = unquote(parts.username) if parts.username else single.get("username") or None
         password = unquote(parts.password) if parts.password is not None else single.get("password")
         db = _parse_db(single.get("db", "0"), "unix://")
         return RedisOptions(unix_path=path, db=db, username=username, password=password,
-                            storage=_storage(single))
+                            storage=_storage(single), **_replication(single))
 
     if scheme in ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel"):
         return _parse_multi_host(url.strip(), parts.path, scheme, single)
@@ -218,10 +222,27 @@ def _storage(single: dict[str, str]) -> str | None:
     return single["storage"]
 
 
+_REPLICATION = ("min_replicas", "replica_timeout_ms")
+
+
+def _replication(single: dict[str, str]) -> dict[str, Any]:
+    """?min_replicas=N&replica_timeout_ms=T (every URL form): the fields given."""
+    fields: dict[str, Any] = {}
+    for name in _REPLICATION:
+        if name in single:
+            text = single[name]
+            if not text.isdigit() or not (name == "min_replicas" or int(text) >= 1):
+                raise ValueError(f"invalid Redis URL: {name} must be a "
+                                 f"{'non-negative' if name == 'min_replicas' else 'positive'} "
+                                 f"integer, got {text!r}")
+            fields[name] = int(text)
+    return fields
+
+
 def _tls_options(single: dict[str, str], tls: bool) -> dict[str, Any]:
     """The TLS fields of RedisOptions from the query parameters (shared by every scheme),
-    and the storage."""
-    _refuse_unknown_parameters(single, {"db", "storage", *_SSL_PARAMS}, "")
+    the storage and the replication parameters."""
+    _refuse_unknown_parameters(single, {"db", "storage", *_SSL_PARAMS, *_REPLICATION}, "")
     if not tls and any(name in single for name in _SSL_PARAMS):
         raise ValueError("invalid Redis URL: ssl_* parameters need a rediss:// URL")
     cert_reqs = single.get("ssl_cert_reqs", "required").lower()
@@ -235,6 +256,7 @@ def _tls_options(single: dict[str, str], tls: bool) -> dict[str, Any]:
         "ssl_certfile": single.get("ssl_certfile") or None,
         "ssl_keyfile": single.get("ssl_keyfile") or None,
         "storage": _storage(single),
+        **_replication(single),
     }
 
 

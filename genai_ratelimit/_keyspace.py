@@ -57,7 +57,8 @@ class KeyName:
 class Identity:
     """A user id as the FastAPI layer writes it into keys (fastapi.key_identity): an
     anonymous client "ip:<host>", an id escaped as "user:<id>", or the id itself, each
-    possibly in a namespace, "ns:<namespace>:<identity>"."""
+    possibly in a namespace, "ns:<namespace>:<identity>"; a shadow budget's identity,
+    "shadow:<identity>", reads as one in the namespace "shadow" (or "shadow:<namespace>")."""
 
     key: str  # the id the limiter was given
     user: str  # the app's user id, or the client's host when anonymous
@@ -68,10 +69,13 @@ class Identity:
 def identity_of(key: str) -> Identity:
     """The reading of fastapi.key_identity's output (tests/test_cli.py checks the two agree)."""
     namespace = None
-    rest = key
-    match = _NAMESPACE.fullmatch(key)
+    shadow = key.startswith("shadow:")  # a shadow budget's identity: apart, never a user
+    rest = key[len("shadow:"):] if shadow else key
+    match = _NAMESPACE.fullmatch(rest)
     if match is not None:
         namespace, rest = match[1], match[2]
+    if shadow:  # namespace names hold no ':', so "shadow" and "shadow:<ns>" are never a real one
+        namespace = "shadow" if namespace is None else f"shadow:{namespace}"
     if rest.startswith("ip:"):
         return Identity(key, rest[3:], "anonymous", namespace)
     if rest.startswith("user:"):

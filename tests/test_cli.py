@@ -472,6 +472,13 @@ def test_identity_of_reads_what_the_fastapi_layer_writes() -> None:
     anonymous = identity_of(key_identity(Anonymous("203.0.113.7"), "images"))  # type: ignore[arg-type]
     assert (anonymous.user, anonymous.kind, anonymous.namespace) == ("203.0.113.7", "anonymous",
                                                                       "images")
+    # A shadow budget counts under "shadow:<identity>": listed apart, never as a user.
+    for user, namespace, shown_in in [("alice", None, "shadow"), ("ip:1.2.3.4", "images", "shadow:images")]:
+        identity = identity_of("shadow:" + key_identity(user, namespace))
+        assert (identity.user, identity.kind, identity.namespace) == (user, "user", shown_in)
+    shadow_anonymous = identity_of("shadow:" + key_identity(Anonymous("203.0.113.7")))  # type: ignore[arg-type]
+    assert (shadow_anonymous.user, shadow_anonymous.kind, shadow_anonymous.namespace) == (
+        "203.0.113.7", "anonymous", "shadow")
 
 
 @pytest.mark.parametrize("hash_tag", [False, True], ids=["single", "cluster"])

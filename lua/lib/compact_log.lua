@@ -111,16 +111,6 @@ local function compact_log(n, now)
     tie = false, logged = false, add = false, flush = false, set_cost = false}
   local state = {} -- per window: its header, as loaded and changed, and the last measure
 
-  -- Entries k .. k + count - 1 (0 = the first after head): their values, flat.
-  local function read(st, k, count)
-    local from = st.head + k * st.E
-    local bytes = redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
-    return {struct.unpack('>' .. string.rep(string.sub(st.fmt, 2), count), bytes)}
-  end
-
-  -- The values per entry in read's answer.
-  local function width(st) return st.C > 0 and 3 or 2 end
-
   -- The raw bytes of entries k .. k + count - 1.
   local function slice(st, k, count)
     local from = st.head + k * st.E
@@ -203,22 +193,6 @@ local function compact_log(n, now)
       st.last - st.base)
   end
 
-  -- Entries from .. from + count - 1, packed again with `delta` added to their running
-  -- totals (in batches).
-  local function repack(st, from, count, delta)
-    local parts, w, one = {}, width(st), string.sub(st.fmt, 2)
-    for part = from, from + count - 1, BATCH do
-      local size = math.min(BATCH, from + count - part)
-      local v = read(st, part, size)
-      table.remove(v) -- unpack's next position
-      if st.C > 0 then
-        for j = 3, #v, w do v[j] = v[j] + delta end
-      end
-      parts[#parts + 1] = struct.pack('>' .. string.rep(one, size), unpack(v))
-    end
-    return table.concat(parts)
-  end
-
   local function header_bytes(st)
     return struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R, st.base, st.head, st.tail,
       st.size, st.origin, st.total, st.first, st.last, st.next_tie, st.next_slot)
@@ -232,55 +206,91 @@ local function compact_log(n, now)
     st.dirty, st.table_dirty = false, false
   end
 
-  -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
-  -- entries `entries` (raw, in st's layout) and room for `room` more.
-  local function rewrite(st, entries, room)
-    st.E = st.S + 2 + st.C
-    st.fmt = entry_format(st.S, st.C)
-    st.data = HEADER_SIZE + SLOT_SIZE * st.R
-    st.head = st.data
-    st.tail = st.data + #entries
-    st.count = #entries / st.E
-    st.size = st.tail + room * st.E
-    redis.call('SET', st.key, header_bytes(st) .. replay_table(st) .. entries ..
-      string.rep('\0', room * st.E), 'KEEPTTL')
-    st.exists, st.dirty, st.table_dirty = true, false, false
-  end
-
-  -- Copies the entries to a fresh string with room for capacity_for(count + extra): drops
-  -- the ones that left and what was room, as memory copies.
-  local function compact(st, extra)
-    local entries = ''
-    if st.count > 0 then entries = redis.call('GETRANGE', st.key, st.head, st.tail - 1) end
-    rewrite(st, entries, capacity_for(st.count + extra) - st.count)
-  end
-
-  -- Rewrites every entry in a new layout (O(entries) in Lua: rare): the stored times
-  -- `S` bytes wide against `base`, the running totals `C` bytes wide with the origin moved
-  -- to 0 (C > 0; from a window of cost-1 entries, their totals are 1, 2, ...), the replay
-  -- table with `slots` slots. `extra`: room to keep for entries about to come.
-  local function relayout(st, base, C, slots, extra, S)
-    S = S or st.S
-    local old_table = replay_table(st)
-    if slots > st.R then st.table = old_table .. string.rep('\0', SLOT_SIZE * (slots - st.R)) end
-    local shift, out = st.base - base, {}
-    local new_one = string.sub(entry_format(S, C), 2)
-    local w = width(st)
-    for from = 0, st.count - 1, BATCH do
-      local count = math.min(BATCH, st.count - from)
-      local v, packed = read(st, from, count), {}
-      for j = 0, count - 1 do
-        packed[#packed + 1] = v[j * w + 1] + shift
-        packed[#packed + 1] = v[j * w + 2]
-        if C > 0 then
-          packed[#packed + 1] = st.C > 0 and v[j * w + 3] - st.origin or from + j + 1
-        end
-      end
-      out[#out + 1] = struct.pack('>' .. string.rep(new_one, count), unpack(packed))
+  -- The rare paths (a new window, a copy to a fresh string, a new layout, entries moved):
+  -- their functions are made on first use. A function made per call costs even when
+  -- unused, and most calls take none of these.
+  local rare
+  local function rare_ops()
+    if rare then return rare end
+    -- Entries k .. k + count - 1 (0 = the first after head): their values, flat.
+    local function read(st, k, count)
+      local from = st.head + k * st.E
+      local bytes = redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
+      return {struct.unpack('>' .. string.rep(string.sub(st.fmt, 2), count), bytes)}
     end
-    st.total = C == 0 and 0 or st.C > 0 and st.total - st.origin or st.count
-    st.base, st.S, st.C, st.R, st.origin = base, S, C, slots, 0
-    rewrite(st, table.concat(out), capacity_for(st.count + extra) - st.count)
+
+    -- The values per entry in read's answer.
+    local function width(st) return st.C > 0 and 3 or 2 end
+
+    -- Entries from .. from + count - 1, packed again with `delta` added to their running
+    -- totals (in batches).
+    local function repack(st, from, count, delta)
+      local parts, w, one = {}, width(st), string.sub(st.fmt, 2)
+      for part = from, from + count - 1, BATCH do
+        local size = math.min(BATCH, from + count - part)
+        local v = read(st, part, size)
+        table.remove(v) -- unpack's next position
+        if st.C > 0 then
+          for j = 3, #v, w do v[j] = v[j] + delta end
+        end
+        parts[#parts + 1] = struct.pack('>' .. string.rep(one, size), unpack(v))
+      end
+      return table.concat(parts)
+    end
+
+    -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
+    -- entries `entries` (raw, in st's layout) and room for `room` more.
+    local function rewrite(st, entries, room)
+      st.E = st.S + 2 + st.C
+      st.fmt = entry_format(st.S, st.C)
+      st.data = HEADER_SIZE + SLOT_SIZE * st.R
+      st.head = st.data
+      st.tail = st.data + #entries
+      st.count = #entries / st.E
+      st.size = st.tail + room * st.E
+      redis.call('SET', st.key, header_bytes(st) .. replay_table(st) .. entries ..
+        string.rep('\0', room * st.E), 'KEEPTTL')
+      st.exists, st.dirty, st.table_dirty = true, false, false
+    end
+
+    -- Copies the entries to a fresh string with room for capacity_for(count + extra): drops
+    -- the ones that left and what was room, as memory copies.
+    local function compact(st, extra)
+      local entries = ''
+      if st.count > 0 then entries = redis.call('GETRANGE', st.key, st.head, st.tail - 1) end
+      rewrite(st, entries, capacity_for(st.count + extra) - st.count)
+    end
+
+    -- Rewrites every entry in a new layout (O(entries) in Lua: rare): the stored times
+    -- `S` bytes wide against `base`, the running totals `C` bytes wide with the origin moved
+    -- to 0 (C > 0; from a window of cost-1 entries, their totals are 1, 2, ...), the replay
+    -- table with `slots` slots. `extra`: room to keep for entries about to come.
+    local function relayout(st, base, C, slots, extra, S)
+      S = S or st.S
+      local old_table = replay_table(st)
+      if slots > st.R then st.table = old_table .. string.rep('\0', SLOT_SIZE * (slots - st.R)) end
+      local shift, out = st.base - base, {}
+      local new_one = string.sub(entry_format(S, C), 2)
+      local w = width(st)
+      for from = 0, st.count - 1, BATCH do
+        local count = math.min(BATCH, st.count - from)
+        local v, packed = read(st, from, count), {}
+        for j = 0, count - 1 do
+          packed[#packed + 1] = v[j * w + 1] + shift
+          packed[#packed + 1] = v[j * w + 2]
+          if C > 0 then
+            packed[#packed + 1] = st.C > 0 and v[j * w + 3] - st.origin or from + j + 1
+          end
+        end
+        out[#out + 1] = struct.pack('>' .. string.rep(new_one, count), unpack(packed))
+      end
+      st.total = C == 0 and 0 or st.C > 0 and st.total - st.origin or st.count
+      st.base, st.S, st.C, st.R, st.origin = base, S, C, slots, 0
+      rewrite(st, table.concat(out), capacity_for(st.count + extra) - st.count)
+    end
+    rare = {read = read, repack = repack, rewrite = rewrite, compact = compact,
+      relayout = relayout}
+    return rare
   end
 
   -- Window i's entries that left by now dropped (the header, written by flush or add; the
@@ -300,7 +310,7 @@ local function compact_log(n, now)
       end
       st.dirty = true
       -- Mostly dead or room: a copy of what is left, with room for an eighth more.
-      if st.size - st.data > 2 * st.E * capacity_for(st.count) + 64 then compact(st, 0) end
+      if st.size - st.data > 2 * st.E * capacity_for(st.count) + 64 then rare_ops().compact(st, 0) end
     end
     st.dead_total, st.oldest = st.origin, st.first
     if st.C == 0 then return st.count end
@@ -386,7 +396,7 @@ local function compact_log(n, now)
       st.S, st.C, st.R = stamp_width(window_ms), cost ~= 1 and 6 or 0, slots
       st.base, st.origin, st.total, st.first, st.last = now - window_ms, 0, 0, 0, 0
       st.next_tie, st.next_slot, st.table = 0, 0, string.rep('\0', SLOT_SIZE * slots)
-      rewrite(st, '', capacity_for(1))
+      rare_ops().rewrite(st, '', capacity_for(1))
     end
     if slots < st.R then slots = st.R end
     local at = now - st.base
@@ -407,11 +417,11 @@ local function compact_log(n, now)
     if cost ~= 1 and C == 0 then C = 6 end
     if cost == 1 and st.count == 0 then C = 0 end
     if C ~= st.C or slots > st.R or base ~= st.base or S ~= st.S then
-      relayout(st, base, C, slots, 1, S)
+      rare_ops().relayout(st, base, C, slots, 1, S)
       at = now - st.base
     end
     if st.C > 0 and st.total + cost >= 256 ^ st.C then
-      relayout(st, st.base, 7, st.R, 1) -- the totals outgrow their bytes
+      rare_ops().relayout(st, st.base, 7, st.R, 1) -- the totals outgrow their bytes
     end
     -- Its place: after every entry at or before now (its tie is above theirs).
     local k, found, from = st.count, nil, nil
@@ -419,11 +429,11 @@ local function compact_log(n, now)
       k, found, from = first_at_least(st, 0, st.count, 1, at + 1)
     end
     local total = st.C > 0 and total_at(st, k - 1, found, from) + cost or nil
-    if st.tail + st.E > st.size then compact(st, 1) end
+    if st.tail + st.E > st.size then rare_ops().compact(st, 1) end
     local bytes = struct.pack(st.fmt, at, tie, total)
     if k < st.count then
       -- Another clock behind: the later entries move one place up, their totals by cost.
-      bytes = bytes .. repack(st, k, st.count - k, cost)
+      bytes = bytes .. rare_ops().repack(st, k, st.count - k, cost)
     end
     redis.call('SETRANGE', st.key, st.head + k * st.E, bytes)
     if st.count == 0 or now < st.first then st.first = now end
@@ -431,14 +441,25 @@ local function compact_log(n, now)
     st.tail, st.count, st.total = st.tail + st.E, st.count + 1, st.total + (total and cost or 0)
     st.next_tie = (tie + 1) % TIE_LIMIT
     if i == n then
-      local s, slots_now = st.next_slot * SLOT_SIZE, replay_table(st)
+      -- One write: the header, then the replay table up to and including this admission's
+      -- slot (the slots after it keep their bytes).
+      local s = st.next_slot * SLOT_SIZE
       local id_high, id_low = request_id(member)
-      st.table = string.sub(slots_now, 1, s) .. struct.pack('>I4I4I6I2', id_high, id_low, now, tie) ..
-        string.sub(slots_now, s + SLOT_SIZE + 1)
+      local before = ''
+      if s > 0 and st.table then
+        before = string.sub(st.table, 1, s)
+      elseif s > 0 then
+        before = string.sub(st.bytes, HEADER_SIZE + 1, HEADER_SIZE + s)
+      end
       st.next_slot = (st.next_slot + 1) % st.R
-      st.table_dirty = true
+      redis.call('SETRANGE', st.key, 0, header_bytes(st) .. before ..
+        struct.pack('>I4I4I6I2', id_high, id_low, now, tie))
+      -- The table read with the header is stale now: nothing of this call reads it again
+      -- (an add is its window's last change), and a read would fail, not misread.
+      st.table, st.bytes, st.dirty, st.table_dirty = false, nil, false, false
+    else
+      save_header(st)
     end
-    save_header(st)
     redis.call('EXPIRE', st.key, window_ms / 1000 + 1)
   end
 
@@ -470,17 +491,17 @@ local function compact_log(n, now)
     if k >= st.count or t ~= stored or e ~= tie then return 0 end
     local old = st.C > 0 and total_at(st, k, bytes, from) - total_at(st, k - 1, bytes, from) or 1
     if cost == old then return 1 end
-    if cost ~= 0 and st.C == 0 then relayout(st, st.base, 6, st.R, 0) end
+    if cost ~= 0 and st.C == 0 then rare_ops().relayout(st, st.base, 6, st.R, 0) end
     local delta = cost - old
     if st.C > 0 and st.total + delta >= 256 ^ st.C then
-      relayout(st, st.base, 7, st.R, 0)
+      rare_ops().relayout(st, st.base, 7, st.R, 0)
     end
     local from_k = cost == 0 and k + 1 or k
     local moved = ''
     if from_k < st.count and st.C == 0 then
       moved = redis.call('GETRANGE', st.key, st.head + from_k * st.E, st.tail - 1)
     elseif from_k < st.count then
-      moved = repack(st, from_k, st.count - from_k, delta)
+      moved = rare_ops().repack(st, from_k, st.count - from_k, delta)
     end
     if moved ~= '' then redis.call('SETRANGE', st.key, st.head + k * st.E, moved) end
     if st.C > 0 then st.total = st.total + delta end

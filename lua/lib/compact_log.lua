@@ -111,88 +111,6 @@ local function compact_log(n, now)
     tie = false, logged = false, add = false, flush = false, set_cost = false}
   local state = {} -- per window: its header, as loaded and changed, and the last measure
 
-  -- The raw bytes of entries k .. k + count - 1.
-  local function slice(st, k, count)
-    local from = st.head + k * st.E
-    return redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
-  end
-
-  -- Entry j (0 = the first) of raw `bytes`: {stored time, tie, running total or nil}.
-  local function decode(st, bytes, j)
-    local at, tie, total = struct.unpack(st.fmt, bytes, j * st.E + 1)
-    if st.C == 0 then total = nil end
-    return at, tie, total
-  end
-
-  -- Entry k's {stored time, tie, running total or nil}: from `bytes` (entries from `from`
-  -- on, a search's slice) when they hold it, else read.
-  local function entry(st, k, bytes, from)
-    if bytes and k >= from and (k - from + 1) * st.E <= #bytes then
-      return decode(st, bytes, k - from)
-    end
-    return decode(st, slice(st, k, 1), 0)
-  end
-
-  -- The first k in [lo, hi) whose entry's field f (1: stored time, 3: running total) is
-  -- at least `target`, or hi; the field grows along the entries. Entries lk and hk (any
-  -- k, or nil) have the known values lv and hv: the first slice read is where the target
-  -- falls between them (an interpolation), the next ones too while that halves the range,
-  -- else the middle. A range of 2 * SLICE entries or less is read at once, and searched
-  -- in Lua. Returns k and the last slice read and where it starts (nil when none holds k).
-  local function first_at_least(st, lo, hi, f, target, lk, lv, hk, hv)
-    local guess = lk and hk and hv > lv
-    while hi > lo do
-      local from, count = lo, hi - lo
-      if count > 2 * SLICE then
-        local at = math.floor((lo + hi) / 2)
-        if guess then
-          at = lk + math.floor((target - lv) * (hk - lk) / (hv - lv))
-        end
-        from, count = math.max(lo, math.min(at - SLICE / 2, hi - SLICE)), SLICE
-      end
-      local bytes = slice(st, from, count)
-      local width_before = hi - lo
-      if select(f, decode(st, bytes, 0)) >= target then
-        if from == lo then return lo, bytes, from end
-        hi, hk, hv = from, from, select(f, decode(st, bytes, 0))
-      else
-        local last = select(f, decode(st, bytes, count - 1))
-        if last < target then
-          if from + count == hi then return hi end
-          lo, lk, lv = from + count, from + count - 1, last
-        else
-          -- Entry 0 of the slice is below the target, its last one at or above it.
-          local a, b = 1, count - 1
-          while a < b do
-            local middle = math.floor((a + b) / 2)
-            if select(f, decode(st, bytes, middle)) >= target then b = middle else a = middle + 1 end
-          end
-          return from + a, bytes, from
-        end
-      end
-      -- Interpolate again only after a step that halved the range (else the middle).
-      guess = lk ~= nil and hk ~= nil and hv > lv and (hi - lo) * 2 <= width_before
-    end
-    return hi
-  end
-
-  -- Entry k's running total; k = -1: the origin; k = count - 1: the header's total (a
-  -- search's slice, when given, is read first).
-  local function total_at(st, k, bytes, from)
-    if k < 0 then return st.origin end
-    if k == st.count - 1 then return st.total end
-    local _, _, total = entry(st, k, bytes, from)
-    return total
-  end
-
-  -- The first entry of window st still in a window of window_ms at now (at least 1: the
-  -- caller knows the first one left), with the search's slice.
-  local function first_live(st, window_ms)
-    local edge = math.floor(now - window_ms - st.base) + 1 -- the least stored time still in
-    return first_at_least(st, 1, st.count, 1, edge, 0, st.first - st.base, st.count - 1,
-      st.last - st.base)
-  end
-
   local function header_bytes(st)
     return struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R, st.base, st.head, st.tail,
       st.size, st.origin, st.total, st.first, st.last, st.next_tie, st.next_slot)
@@ -204,6 +122,98 @@ local function compact_log(n, now)
     if st.table_dirty then bytes = bytes .. st.table end
     redis.call('SETRANGE', st.key, 0, bytes)
     st.dirty, st.table_dirty = false, false
+  end
+
+  -- The searches over a window's entries (a trim that drops some, a refusal's freeing
+  -- entry, a reconcile): their functions are made on first use, as an admission into a
+  -- window none left needs none.
+  local search
+  local function search_ops()
+    if search then return search end
+    -- The raw bytes of entries k .. k + count - 1.
+    local function slice(st, k, count)
+      local from = st.head + k * st.E
+      return redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
+    end
+
+    -- Entry j (0 = the first) of raw `bytes`: {stored time, tie, running total or nil}.
+    local function decode(st, bytes, j)
+      local at, tie, total = struct.unpack(st.fmt, bytes, j * st.E + 1)
+      if st.C == 0 then total = nil end
+      return at, tie, total
+    end
+
+    -- Entry k's {stored time, tie, running total or nil}: from `bytes` (entries from `from`
+    -- on, a search's slice) when they hold it, else read.
+    local function entry(st, k, bytes, from)
+      if bytes and k >= from and (k - from + 1) * st.E <= #bytes then
+        return decode(st, bytes, k - from)
+      end
+      return decode(st, slice(st, k, 1), 0)
+    end
+
+    -- The first k in [lo, hi) whose entry's field f (1: stored time, 3: running total) is
+    -- at least `target`, or hi; the field grows along the entries. Entries lk and hk (any
+    -- k, or nil) have the known values lv and hv: the first slice read is where the target
+    -- falls between them (an interpolation), the next ones too while that halves the range,
+    -- else the middle. A range of 2 * SLICE entries or less is read at once, and searched
+    -- in Lua. Returns k and the last slice read and where it starts (nil when none holds k).
+    local function first_at_least(st, lo, hi, f, target, lk, lv, hk, hv)
+      local guess = lk and hk and hv > lv
+      while hi > lo do
+        local from, count = lo, hi - lo
+        if count > 2 * SLICE then
+          local at = math.floor((lo + hi) / 2)
+          if guess then
+            at = lk + math.floor((target - lv) * (hk - lk) / (hv - lv))
+          end
+          from, count = math.max(lo, math.min(at - SLICE / 2, hi - SLICE)), SLICE
+        end
+        local bytes = slice(st, from, count)
+        local width_before = hi - lo
+        if select(f, decode(st, bytes, 0)) >= target then
+          if from == lo then return lo, bytes, from end
+          hi, hk, hv = from, from, select(f, decode(st, bytes, 0))
+        else
+          local last = select(f, decode(st, bytes, count - 1))
+          if last < target then
+            if from + count == hi then return hi end
+            lo, lk, lv = from + count, from + count - 1, last
+          else
+            -- Entry 0 of the slice is below the target, its last one at or above it.
+            local a, b = 1, count - 1
+            while a < b do
+              local middle = math.floor((a + b) / 2)
+              if select(f, decode(st, bytes, middle)) >= target then b = middle else a = middle + 1 end
+            end
+            return from + a, bytes, from
+          end
+        end
+        -- Interpolate again only after a step that halved the range (else the middle).
+        guess = lk ~= nil and hk ~= nil and hv > lv and (hi - lo) * 2 <= width_before
+      end
+      return hi
+    end
+
+    -- Entry k's running total; k = -1: the origin; k = count - 1: the header's total (a
+    -- search's slice, when given, is read first).
+    local function total_at(st, k, bytes, from)
+      if k < 0 then return st.origin end
+      if k == st.count - 1 then return st.total end
+      local _, _, total = entry(st, k, bytes, from)
+      return total
+    end
+
+    -- The first entry of window st still in a window of window_ms at now (at least 1: the
+    -- caller knows the first one left), with the search's slice.
+    local function first_live(st, window_ms)
+      local edge = math.floor(now - window_ms - st.base) + 1 -- the least stored time still in
+      return first_at_least(st, 1, st.count, 1, edge, 0, st.first - st.base, st.count - 1,
+        st.last - st.base)
+    end
+    search = {entry = entry, first_at_least = first_at_least, total_at = total_at,
+      first_live = first_live}
+    return search
   end
 
   -- The rare paths (a new window, a copy to a fresh string, a new layout, entries moved):
@@ -300,12 +310,13 @@ local function compact_log(n, now)
     state[i] = st
     if not st.exists or st.count == 0 then return 0 end
     if st.first <= now - window_ms then
-      local k, bytes, from = first_live(st, window_ms)
-      if st.C > 0 then st.origin = total_at(st, k - 1, bytes, from) else st.origin = 0 end
+      local k, bytes, from = search_ops().first_live(st, window_ms)
+      st.origin = 0
+      if st.C > 0 then st.origin = search_ops().total_at(st, k - 1, bytes, from) end
       if k == st.count then
         st.head, st.tail, st.count = st.data, st.data, 0
       else
-        st.first = st.base + entry(st, k, bytes, from)
+        st.first = st.base + search_ops().entry(st, k, bytes, from)
         st.head, st.count = st.head + k * st.E, st.count - k
       end
       st.dirty = true
@@ -325,11 +336,11 @@ local function compact_log(n, now)
     if not st.exists or st.count == 0 then return 0, nil end
     st.oldest = st.first
     if st.first <= now - window_ms then
-      local k, bytes, from = first_live(st, window_ms)
+      local k, bytes, from = search_ops().first_live(st, window_ms)
       st.gone = k
       if k == st.count then return 0, nil end
-      st.dead_total = total_at(st, k - 1, bytes, from)
-      st.oldest = st.base + entry(st, k, bytes, from)
+      st.dead_total = search_ops().total_at(st, k - 1, bytes, from)
+      st.oldest = st.base + search_ops().entry(st, k, bytes, from)
     end
     if st.C == 0 then return st.count - st.gone, st.oldest end
     return st.total - st.dead_total, st.oldest
@@ -344,13 +355,13 @@ local function compact_log(n, now)
     if st.C == 0 then
       k = st.gone + need - 1
     else
-      k, bytes, from = first_at_least(st, st.gone, st.count, 3, st.dead_total + need,
-        st.gone - 1, st.dead_total, st.count - 1, st.total)
+      k, bytes, from = search_ops().first_at_least(st, st.gone, st.count, 3,
+        st.dead_total + need, st.gone - 1, st.dead_total, st.count - 1, st.total)
     end
     if k >= st.count then return nil end
     if k == st.gone then return st.oldest end
     if k == st.count - 1 then return st.last end
-    return st.base + entry(st, k, bytes, from)
+    return st.base + search_ops().entry(st, k, bytes, from)
   end
 
   -- The tie a decision over windows 1..n (measured) gives its entries: above every tie
@@ -426,9 +437,14 @@ local function compact_log(n, now)
     -- Its place: after every entry at or before now (its tie is above theirs).
     local k, found, from = st.count, nil, nil
     if k > 0 and st.last > now then
-      k, found, from = first_at_least(st, 0, st.count, 1, at + 1)
+      k, found, from = search_ops().first_at_least(st, 0, st.count, 1, at + 1)
     end
-    local total = st.C > 0 and total_at(st, k - 1, found, from) + cost or nil
+    local total = nil
+    if st.C > 0 and k == st.count then
+      total = st.total + cost
+    elseif st.C > 0 then
+      total = search_ops().total_at(st, k - 1, found, from) + cost
+    end
     if st.tail + st.E > st.size then rare_ops().compact(st, 1) end
     local bytes = struct.pack(st.fmt, at, tie, total)
     if k < st.count then
@@ -480,16 +496,20 @@ local function compact_log(n, now)
     if not st.exists or st.count == 0 or at <= now - window_ms then return 0 end
     local stored = at - st.base
     -- The first entry at `stored`, then past the ties below `tie` there.
-    local k, bytes, from = first_at_least(st, 0, st.count, 1, stored, 0, st.first - st.base,
-      st.count - 1, st.last - st.base)
+    local k, bytes, from = search_ops().first_at_least(st, 0, st.count, 1, stored, 0,
+      st.first - st.base, st.count - 1, st.last - st.base)
     local t, e
     while k < st.count do
-      t, e = entry(st, k, bytes, from)
+      t, e = search_ops().entry(st, k, bytes, from)
       if t ~= stored or e >= tie then break end
       k = k + 1
     end
     if k >= st.count or t ~= stored or e ~= tie then return 0 end
-    local old = st.C > 0 and total_at(st, k, bytes, from) - total_at(st, k - 1, bytes, from) or 1
+    local old = 1
+    if st.C > 0 then
+      local found = search_ops()
+      old = found.total_at(st, k, bytes, from) - found.total_at(st, k - 1, bytes, from)
+    end
     if cost == old then return 1 end
     if cost ~= 0 and st.C == 0 then rare_ops().relayout(st, st.base, 6, st.R, 0) end
     local delta = cost - old
@@ -507,8 +527,8 @@ local function compact_log(n, now)
     if st.C > 0 then st.total = st.total + delta end
     if cost == 0 then
       st.tail, st.count = st.tail - st.E, st.count - 1
-      if st.count > 0 and k == 0 then st.first = st.base + entry(st, 0) end
-      if st.count > 0 and k == st.count then st.last = st.base + entry(st, st.count - 1) end
+      if st.count > 0 and k == 0 then st.first = st.base + search_ops().entry(st, 0) end
+      if st.count > 0 and k == st.count then st.last = st.base + search_ops().entry(st, st.count - 1) end
     end
     save_header(st)
     return 1

@@ -4,11 +4,16 @@ lib/compact_log.lua - the sliding-window log kept in one Redis string per window
 
 Admitted requests are logged in time order, so a window is a sorted sequence of fixed-width
 entries: the window's edge, its used cost and the entry whose leaving frees enough are
-binary searches (GETRANGE), the entries that left are dropped by moving a head offset, and
-the string is rewritten (compacted) only when it runs out of room or is mostly dead. The
-header keeps what an allowed call needs (the first and last entries' times, the running
-total, the room), so one is a read of the header, a write of the entry, a write of the
-header and an EXPIRE.
+searches that read one slice of entries (GETRANGE) where the target should be (between two
+known entries, in proportion: times and running totals grow about evenly), then bisect it
+in Lua; the entries that left are dropped by moving a head offset, and the string is
+rewritten (compacted) only when it runs out of room or is mostly dead. The header keeps
+what an allowed call needs (the first and last entries' times, the running total, the
+room), so one is a read of the header, a write of the entry, a write of the header (with
+the replay slot) and an EXPIRE; a refusal that needs the oldest entry finds its time there.
+
+Server time is mostly per redis.call and per object made (a closure, a table, a string):
+the functions of the rare paths and of the searches are made only when a call needs them.
 
 The value, layout version 1 (integers big-endian, unsigned):
   0   1 B  version (1); another version is refused, never misread
@@ -184,7 +189,11 @@ local function compact_log(n, now)
             local a, b = 1, count - 1
             while a < b do
               local middle = math.floor((a + b) / 2)
-              if select(f, decode(st, bytes, middle)) >= target then b = middle else a = middle + 1 end
+              if select(f, decode(st, bytes, middle)) >= target then
+                b = middle
+              else
+                a = middle + 1
+              end
             end
             return from + a, bytes, from
           end
@@ -321,7 +330,9 @@ local function compact_log(n, now)
       end
       st.dirty = true
       -- Mostly dead or room: a copy of what is left, with room for an eighth more.
-      if st.size - st.data > 2 * st.E * capacity_for(st.count) + 64 then rare_ops().compact(st, 0) end
+      if st.size - st.data > 2 * st.E * capacity_for(st.count) + 64 then
+        rare_ops().compact(st, 0)
+      end
     end
     st.dead_total, st.oldest = st.origin, st.first
     if st.C == 0 then return st.count end
@@ -527,8 +538,11 @@ local function compact_log(n, now)
     if st.C > 0 then st.total = st.total + delta end
     if cost == 0 then
       st.tail, st.count = st.tail - st.E, st.count - 1
-      if st.count > 0 and k == 0 then st.first = st.base + search_ops().entry(st, 0) end
-      if st.count > 0 and k == st.count then st.last = st.base + search_ops().entry(st, st.count - 1) end
+      local found = search_ops()
+      if st.count > 0 and k == 0 then st.first = st.base + found.entry(st, 0) end
+      if st.count > 0 and k == st.count then
+        st.last = st.base + found.entry(st, st.count - 1)
+      end
     end
     save_header(st)
     return 1

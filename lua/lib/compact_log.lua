@@ -46,7 +46,7 @@ local REPLAY_SLOTS = 8
 local SLOT_SIZE = 16
 local TIE_LIMIT = 65536
 local BATCH = 1000 -- entries decoded at once (Lua's unpack takes a few thousand values)
-local SLICE = 64 -- entries a search reads at once (one GETRANGE), then searches in Lua
+local SLICE = 32 -- entries a search reads at once (one GETRANGE), then searches in Lua
 
 -- The width of an entry's stored time for a window of window_ms: room for four windows
 -- from the base (4 bytes up to 12 days, 5 up to 8 years, 6 beyond).

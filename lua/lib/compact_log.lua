@@ -161,13 +161,16 @@ local function compact_log(n, now)
     -- at least `target`, or hi; the field grows along the entries. Entries lk and hk (any
     -- k, or nil) have the known values lv and hv: the first slice read is where the target
     -- falls between them (an interpolation), the next ones too while that halves the range,
-    -- else the middle. A range of 2 * SLICE entries or less is read at once, and searched
-    -- in Lua. Returns k and the last slice read and where it starts (nil when none holds k).
-    local function first_at_least(st, lo, hi, f, target, lk, lv, hk, hv)
+    -- else the middle; `near_lo` (an answer expected near lo): the first slice read starts
+    -- at lo. A range of 2 * SLICE entries or less is read at once, and searched in Lua.
+    -- Returns k and the last slice read and where it starts (nil when none holds k).
+    local function first_at_least(st, lo, hi, f, target, lk, lv, hk, hv, near_lo)
       local guess = lk and hk and hv > lv
       while hi > lo do
         local from, count = lo, hi - lo
-        if count > 2 * SLICE then
+        if near_lo then
+          count, near_lo = math.min(count, SLICE), false
+        elseif count > 2 * SLICE then
           local at = math.floor((lo + hi) / 2)
           if guess then
             at = lk + math.floor((target - lv) * (hk - lk) / (hv - lv))
@@ -214,11 +217,13 @@ local function compact_log(n, now)
     end
 
     -- The first entry of window st still in a window of window_ms at now (at least 1: the
-    -- caller knows the first one left), with the search's slice.
+    -- caller knows the first one left), with the search's slice. The entries that left
+    -- since the last call are usually few: the first slice read is the window's start
+    -- (arrivals in bursts would mislead an interpolation).
     local function first_live(st, window_ms)
       local edge = math.floor(now - window_ms - st.base) + 1 -- the least stored time still in
       return first_at_least(st, 1, st.count, 1, edge, 0, st.first - st.base, st.count - 1,
-        st.last - st.base)
+        st.last - st.base, true)
     end
     search = {entry = entry, first_at_least = first_at_least, total_at = total_at,
       first_live = first_live}

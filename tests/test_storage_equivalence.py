@@ -163,3 +163,42 @@ def test_the_logs_of_both_storages_hold_the_same_entries(pair: tuple[RateLimiter
     for key in ("5", "30", "5:tokens", "30:tokens"):
         assert sorted(logged(redis_client, f"rz:{user}:{key}", "zset")) == \
             sorted(logged(redis_client, f"rc:{user}:{key}", "compact")), key
+
+
+def test_searches_over_thousands_of_entries_logged_in_bursts_answer_alike(
+        pair: tuple[RateLimiter, RateLimiter], redis_client: redis.Redis) -> None:
+    """Windows of about 2,000 entries logged in bursts (up to 10 in one millisecond, then gaps
+    of up to 1.5 s), plain and with irregular costs: a compact search reads slices of entries
+    where the answer should be (in proportion between known entries, which bursts mislead) and
+    bisects them. Every refusal's wait, every trim and every peek is the sorted sets', to the
+    millisecond, as the window slides over the bursts."""
+    zset, compact = pair
+    start = server_ms(redis_client)
+    times, now = [], start
+    for burst in range(40):
+        now += (burst * 7919) % 1500 + 1
+        times.extend(now + j // 10 for j in range(25 + (burst * 37) % 60))
+    for weighted in (False, True):
+        user = f"{'w' if weighted else 'p'}{uuid.uuid4().hex[:8]}"
+        total = 0
+        for n, at in enumerate(times):
+            cost = 1 + (n * n) % 37 if weighted else 1
+            total += cost
+            _native._set_client_clock(at)
+            for limiter in (zset, compact):
+                assert limiter.check(user, 10**9, 90, cost=cost)[0], (weighted, n)
+        # The window slides: entries leave by ones, tens and hundreds; at each step refusals
+        # whose freeing entry is anywhere in the window, and a peek.
+        for step, offset in enumerate((-1, 0, 1, 8, 150, 900, 901, 2_000, 5_013, 20_000,
+                                       31_000, 45_000, 70_000)):
+            _native._set_client_clock(times[0] + 90_000 + offset)
+            for share in (1, 3, 50, 97, 100):
+                limit = max(1, total * share // 100)
+                expected = zset.check_windows_detailed(user, [(limit, 90)], cost=7)
+                got = compact.check_windows_detailed(user, [(limit, 90)], cost=7)
+                assert (tuple(got), got.retry_after_ms, got.timestamp_ms) == \
+                    (tuple(expected), expected.retry_after_ms, expected.timestamp_ms), \
+                    (weighted, step, share)
+                assert compact._peek(user, [(limit, 90)], cost=3) == \
+                    zset._peek(user, [(limit, 90)], cost=3), (weighted, step, share)
+    _native._set_client_clock(None)

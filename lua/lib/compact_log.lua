@@ -4,11 +4,16 @@ lib/compact_log.lua - the sliding-window log kept in one Redis string per window
 
 Admitted requests are logged in time order, so a window is a sorted sequence of fixed-width
 entries: the window's edge, its used cost and the entry whose leaving frees enough are
-binary searches (GETRANGE), the entries that left are dropped by moving a head offset, and
-the string is rewritten (compacted) only when it runs out of room or is mostly dead. The
-header keeps what an allowed call needs (the first and last entries' times, the running
-total, the room), so one is a read of the header, a write of the entry, a write of the
-header and an EXPIRE.
+searches that read one slice of entries (GETRANGE) where the target should be (between two
+known entries, in proportion: times and running totals grow about evenly), then bisect it
+in Lua; the entries that left are dropped by moving a head offset, and the string is
+rewritten (compacted) only when it runs out of room or is mostly dead. The header keeps
+what an allowed call needs (the first and last entries' times, the running total, the
+room), so one is a read of the header, a write of the entry, a write of the header (with
+the replay slot) and an EXPIRE; a refusal that needs the oldest entry finds its time there.
+
+Server time is mostly per redis.call and per object made (a closure, a table, a string):
+the functions of the rare paths and of the searches are made only when a call needs them.
 
 The value, layout version 1 (integers big-endian, unsigned):
   0   1 B  version (1); another version is refused, never misread
@@ -41,6 +46,7 @@ local REPLAY_SLOTS = 8
 local SLOT_SIZE = 16
 local TIE_LIMIT = 65536
 local BATCH = 1000 -- entries decoded at once (Lua's unpack takes a few thousand values)
+local SLICE = 32 -- entries a search reads at once (one GETRANGE), then searches in Lua
 
 -- The width of an entry's stored time for a window of window_ms: room for four windows
 -- from the base (4 bytes up to 12 days, 5 up to 8 years, 6 beyond).
@@ -55,26 +61,46 @@ local function capacity_for(count)
   return count + math.max(4, math.ceil(count / 8))
 end
 
--- The parsed header (and replay table) of the string at `key`, or {exists = false}. An
--- unknown layout version is an error reply (never misread).
+-- The struct format of one entry whose time is S bytes wide and running total C (literals:
+-- no string is built per call).
+local function entry_format(S, C)
+  if S == 4 then
+    if C == 0 then return '>I4I2' elseif C == 6 then return '>I4I2I6' end
+    return '>I4I2I7'
+  elseif S == 5 then
+    if C == 0 then return '>I5I2' elseif C == 6 then return '>I5I2I6' end
+    return '>I5I2I7'
+  end
+  if C == 0 then return '>I6I2' elseif C == 6 then return '>I6I2I6' end
+  return '>I6I2I7'
+end
+
+-- The parsed header of the string at `key`, or {exists = false}; its first bytes (the
+-- replay table among them) are kept for replay_table. An unknown layout version is an
+-- error reply (never misread).
 local function compact_header(key)
   local bytes = redis.call('GETRANGE', key, 0, HEADER_SIZE + REPLAY_SLOTS * SLOT_SIZE - 1)
-  local st = {key = key, exists = #bytes > 0}
-  if not st.exists then return st end
+  if bytes == '' then return {key = key, exists = false, gone = 0} end
   local version = string.byte(bytes, 1)
   if #bytes < HEADER_SIZE or version ~= COMPACT_VERSION then
     error({err = 'genai-ratelimit: ' .. key .. ' holds an unknown compact layout (version ' ..
       tostring(version) .. ', ' .. #bytes .. ' header bytes)'})
   end
-  local _
-  _, st.S, st.C, st.R, st.base, st.head, st.tail, st.size, st.origin, st.total, st.first,
-    st.last, st.next_tie, st.next_slot = struct.unpack(HEADER, bytes)
-  st.E = st.S + 2 + st.C
-  st.data = HEADER_SIZE + SLOT_SIZE * st.R
-  st.count = (st.tail - st.head) / st.E
-  st.one = 'I' .. st.S .. 'I2' .. (st.C > 0 and 'I' .. st.C or '')
-  st.table = string.sub(bytes, HEADER_SIZE + 1, st.data)
-  return st
+  local _, S, C, R, base, head, tail, size, origin, total, first, last, next_tie, next_slot =
+    struct.unpack(HEADER, bytes)
+  local E = S + 2 + C
+  -- One constructor: the table is sized once, not grown field by field.
+  return {key = key, exists = true, S = S, C = C, R = R, base = base, head = head,
+    tail = tail, size = size, origin = origin, total = total, first = first, last = last,
+    next_tie = next_tie, next_slot = next_slot, E = E, data = HEADER_SIZE + SLOT_SIZE * R,
+    count = (tail - head) / E, fmt = entry_format(S, C), bytes = bytes, gone = 0,
+    dead_total = origin, oldest = first, dirty = false, table_dirty = false, table = false}
+end
+
+-- The replay table of a parsed header (cut from its first bytes when first needed).
+local function replay_table(st)
+  if not st.table then st.table = string.sub(st.bytes, HEADER_SIZE + 1, st.data) end
+  return st.table
 end
 
 -- The number of entries the string at `key` holds (reset's count), 0 when it is absent.
@@ -85,76 +111,10 @@ end
 
 -- The compact log of a call's n windows (KEYS[1..n]) at `now`.
 local function compact_log(n, now)
-  local log = {}
+  -- Its functions' slots made at once (the table is sized once, not grown field by field).
+  local log = {trim = false, look = false, freeing_stamp = false, peek_freeing_stamp = false,
+    tie = false, logged = false, add = false, flush = false, set_cost = false}
   local state = {} -- per window: its header, as loaded and changed, and the last measure
-
-  -- Entries k .. k + count - 1 (0 = the first after head): their values, flat.
-  local function read(st, k, count)
-    local from = st.head + k * st.E
-    local bytes = redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
-    return {struct.unpack('>' .. string.rep(st.one, count), bytes)}
-  end
-
-  -- The values per entry in read's answer.
-  local function width(st) return st.C > 0 and 3 or 2 end
-
-  -- Entry k's {stored time, tie, running total or nil}.
-  local function entry(st, k)
-    local v = read(st, k, 1)
-    return v[1], v[2], st.C > 0 and v[3] or nil
-  end
-
-  -- The first k in [lo, hi) whose entry makes pred(time, tie, total) true (pred is false
-  -- then true along the entries), or hi: a binary search down to 32 entries, read at once.
-  local function first_where(st, lo, hi, pred)
-    while hi - lo > 32 do
-      local middle = math.floor((lo + hi) / 2)
-      if pred(entry(st, middle)) then hi = middle else lo = middle + 1 end
-    end
-    if lo >= hi then return hi end
-    local v, w = read(st, lo, hi - lo), width(st)
-    for j = 0, hi - lo - 1 do
-      if pred(v[j * w + 1], v[j * w + 2], v[j * w + 3]) then return lo + j end
-    end
-    return hi
-  end
-
-  -- As first_where over [1, count), for an answer expected near the start (the entries
-  -- that left a window since the last call; the first one is known to have left): probes
-  -- 1, 2, 4, ... first.
-  local function first_from_start(st, pred)
-    local lo, probe = 1, 1
-    while probe < st.count do
-      if pred(entry(st, probe)) then return first_where(st, lo, probe, pred) end
-      lo = probe + 1
-      probe = probe * 2
-    end
-    return first_where(st, lo, st.count, pred)
-  end
-
-  -- Entry k's running total; k = -1: the origin; k = count - 1: the header's total.
-  local function total_at(st, k)
-    if k < 0 then return st.origin end
-    if k == st.count - 1 then return st.total end
-    local _, _, total = entry(st, k)
-    return total
-  end
-
-  -- Entries from .. from + count - 1, packed again with `delta` added to their running
-  -- totals (in batches).
-  local function repack(st, from, count, delta)
-    local parts, w = {}, width(st)
-    for part = from, from + count - 1, BATCH do
-      local size = math.min(BATCH, from + count - part)
-      local v = read(st, part, size)
-      table.remove(v) -- unpack's next position
-      if st.C > 0 then
-        for j = 3, #v, w do v[j] = v[j] + delta end
-      end
-      parts[#parts + 1] = struct.pack('>' .. string.rep(st.one, size), unpack(v))
-    end
-    return table.concat(parts)
-  end
 
   local function header_bytes(st)
     return struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R, st.base, st.head, st.tail,
@@ -169,54 +129,192 @@ local function compact_log(n, now)
     st.dirty, st.table_dirty = false, false
   end
 
-  -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
-  -- entries `entries` (raw, in st's layout) and room for `room` more.
-  local function rewrite(st, entries, room)
-    st.E = st.S + 2 + st.C
-    st.one = 'I' .. st.S .. 'I2' .. (st.C > 0 and 'I' .. st.C or '')
-    st.data = HEADER_SIZE + SLOT_SIZE * st.R
-    st.head = st.data
-    st.tail = st.data + #entries
-    st.count = #entries / st.E
-    st.size = st.tail + room * st.E
-    redis.call('SET', st.key, header_bytes(st) .. st.table .. entries ..
-      string.rep('\0', room * st.E), 'KEEPTTL')
-    st.exists, st.dirty, st.table_dirty = true, false, false
-  end
-
-  -- Copies the entries to a fresh string with room for capacity_for(count + extra): drops
-  -- the ones that left and what was room, as memory copies.
-  local function compact(st, extra)
-    local entries = ''
-    if st.count > 0 then entries = redis.call('GETRANGE', st.key, st.head, st.tail - 1) end
-    rewrite(st, entries, capacity_for(st.count + extra) - st.count)
-  end
-
-  -- Rewrites every entry in a new layout (O(entries) in Lua: rare): the stored times
-  -- `S` bytes wide against `base`, the running totals `C` bytes wide with the origin moved
-  -- to 0 (C > 0; from a window of cost-1 entries, their totals are 1, 2, ...), the replay
-  -- table with `slots` slots. `extra`: room to keep for entries about to come.
-  local function relayout(st, base, C, slots, extra, S)
-    S = S or st.S
-    if slots > st.R then st.table = st.table .. string.rep('\0', SLOT_SIZE * (slots - st.R)) end
-    local shift, out = st.base - base, {}
-    local new_one = 'I' .. S .. 'I2' .. (C > 0 and 'I' .. C or '')
-    local w = width(st)
-    for from = 0, st.count - 1, BATCH do
-      local count = math.min(BATCH, st.count - from)
-      local v, packed = read(st, from, count), {}
-      for j = 0, count - 1 do
-        packed[#packed + 1] = v[j * w + 1] + shift
-        packed[#packed + 1] = v[j * w + 2]
-        if C > 0 then
-          packed[#packed + 1] = st.C > 0 and v[j * w + 3] - st.origin or from + j + 1
-        end
-      end
-      out[#out + 1] = struct.pack('>' .. string.rep(new_one, count), unpack(packed))
+  -- The searches over a window's entries (a trim that drops some, a refusal's freeing
+  -- entry, a reconcile): their functions are made on first use, as an admission into a
+  -- window none left needs none.
+  local search
+  local function search_ops()
+    if search then return search end
+    -- The raw bytes of entries k .. k + count - 1.
+    local function slice(st, k, count)
+      local from = st.head + k * st.E
+      return redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
     end
-    st.total = C == 0 and 0 or st.C > 0 and st.total - st.origin or st.count
-    st.base, st.S, st.C, st.R, st.origin = base, S, C, slots, 0
-    rewrite(st, table.concat(out), capacity_for(st.count + extra) - st.count)
+
+    -- Entry j (0 = the first) of raw `bytes`: {stored time, tie, running total or nil}.
+    local function decode(st, bytes, j)
+      local at, tie, total = struct.unpack(st.fmt, bytes, j * st.E + 1)
+      if st.C == 0 then total = nil end
+      return at, tie, total
+    end
+
+    -- Entry k's {stored time, tie, running total or nil}: from `bytes` (entries from `from`
+    -- on, a search's slice) when they hold it, else read.
+    local function entry(st, k, bytes, from)
+      if bytes and k >= from and (k - from + 1) * st.E <= #bytes then
+        return decode(st, bytes, k - from)
+      end
+      return decode(st, slice(st, k, 1), 0)
+    end
+
+    -- The first k in [lo, hi) whose entry's field f (1: stored time, 3: running total) is
+    -- at least `target`, or hi; the field grows along the entries. Entries lk and hk (any
+    -- k, or nil) have the known values lv and hv: the first slice read is where the target
+    -- falls between them (an interpolation), the next ones too while that halves the range,
+    -- else the middle; `near_lo` (an answer expected near lo): the first slice read starts
+    -- at lo. A range of 2 * SLICE entries or less is read at once, and searched in Lua.
+    -- Returns k and the last slice read and where it starts (nil when none holds k).
+    local function first_at_least(st, lo, hi, f, target, lk, lv, hk, hv, near_lo)
+      local guess = lk and hk and hv > lv
+      while hi > lo do
+        local from, count = lo, hi - lo
+        if near_lo then
+          count, near_lo = math.min(count, SLICE), false
+        elseif count > 2 * SLICE then
+          local at = math.floor((lo + hi) / 2)
+          if guess then
+            at = lk + math.floor((target - lv) * (hk - lk) / (hv - lv))
+          end
+          from, count = math.max(lo, math.min(at - SLICE / 2, hi - SLICE)), SLICE
+        end
+        local bytes = slice(st, from, count)
+        local width_before = hi - lo
+        if select(f, decode(st, bytes, 0)) >= target then
+          if from == lo then return lo, bytes, from end
+          hi, hk, hv = from, from, select(f, decode(st, bytes, 0))
+        else
+          local last = select(f, decode(st, bytes, count - 1))
+          if last < target then
+            if from + count == hi then return hi end
+            lo, lk, lv = from + count, from + count - 1, last
+          else
+            -- Entry 0 of the slice is below the target, its last one at or above it.
+            local a, b = 1, count - 1
+            while a < b do
+              local middle = math.floor((a + b) / 2)
+              if select(f, decode(st, bytes, middle)) >= target then
+                b = middle
+              else
+                a = middle + 1
+              end
+            end
+            return from + a, bytes, from
+          end
+        end
+        -- Interpolate again only after a step that halved the range (else the middle).
+        guess = lk ~= nil and hk ~= nil and hv > lv and (hi - lo) * 2 <= width_before
+      end
+      return hi
+    end
+
+    -- Entry k's running total; k = -1: the origin; k = count - 1: the header's total (a
+    -- search's slice, when given, is read first).
+    local function total_at(st, k, bytes, from)
+      if k < 0 then return st.origin end
+      if k == st.count - 1 then return st.total end
+      local _, _, total = entry(st, k, bytes, from)
+      return total
+    end
+
+    -- The first entry of window st still in a window of window_ms at now (at least 1: the
+    -- caller knows the first one left), with the search's slice. The entries that left
+    -- since the last call are usually few: the first slice read is the window's start
+    -- (arrivals in bursts would mislead an interpolation).
+    local function first_live(st, window_ms)
+      local edge = math.floor(now - window_ms - st.base) + 1 -- the least stored time still in
+      return first_at_least(st, 1, st.count, 1, edge, 0, st.first - st.base, st.count - 1,
+        st.last - st.base, true)
+    end
+    search = {entry = entry, first_at_least = first_at_least, total_at = total_at,
+      first_live = first_live}
+    return search
+  end
+
+  -- The rare paths (a new window, a copy to a fresh string, a new layout, entries moved):
+  -- their functions are made on first use. A function made per call costs even when
+  -- unused, and most calls take none of these.
+  local rare
+  local function rare_ops()
+    if rare then return rare end
+    -- Entries k .. k + count - 1 (0 = the first after head): their values, flat.
+    local function read(st, k, count)
+      local from = st.head + k * st.E
+      local bytes = redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
+      return {struct.unpack('>' .. string.rep(string.sub(st.fmt, 2), count), bytes)}
+    end
+
+    -- The values per entry in read's answer.
+    local function width(st) return st.C > 0 and 3 or 2 end
+
+    -- Entries from .. from + count - 1, packed again with `delta` added to their running
+    -- totals (in batches).
+    local function repack(st, from, count, delta)
+      local parts, w, one = {}, width(st), string.sub(st.fmt, 2)
+      for part = from, from + count - 1, BATCH do
+        local size = math.min(BATCH, from + count - part)
+        local v = read(st, part, size)
+        table.remove(v) -- unpack's next position
+        if st.C > 0 then
+          for j = 3, #v, w do v[j] = v[j] + delta end
+        end
+        parts[#parts + 1] = struct.pack('>' .. string.rep(one, size), unpack(v))
+      end
+      return table.concat(parts)
+    end
+
+    -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
+    -- entries `entries` (raw, in st's layout) and room for `room` more.
+    local function rewrite(st, entries, room)
+      st.E = st.S + 2 + st.C
+      st.fmt = entry_format(st.S, st.C)
+      st.data = HEADER_SIZE + SLOT_SIZE * st.R
+      st.head = st.data
+      st.tail = st.data + #entries
+      st.count = #entries / st.E
+      st.size = st.tail + room * st.E
+      redis.call('SET', st.key, header_bytes(st) .. replay_table(st) .. entries ..
+        string.rep('\0', room * st.E), 'KEEPTTL')
+      st.exists, st.dirty, st.table_dirty = true, false, false
+    end
+
+    -- Copies the entries to a fresh string with room for capacity_for(count + extra): drops
+    -- the ones that left and what was room, as memory copies.
+    local function compact(st, extra)
+      local entries = ''
+      if st.count > 0 then entries = redis.call('GETRANGE', st.key, st.head, st.tail - 1) end
+      rewrite(st, entries, capacity_for(st.count + extra) - st.count)
+    end
+
+    -- Rewrites every entry in a new layout (O(entries) in Lua: rare): the stored times
+    -- `S` bytes wide against `base`, the running totals `C` bytes wide with the origin moved
+    -- to 0 (C > 0; from a window of cost-1 entries, their totals are 1, 2, ...), the replay
+    -- table with `slots` slots. `extra`: room to keep for entries about to come.
+    local function relayout(st, base, C, slots, extra, S)
+      S = S or st.S
+      local old_table = replay_table(st)
+      if slots > st.R then st.table = old_table .. string.rep('\0', SLOT_SIZE * (slots - st.R)) end
+      local shift, out = st.base - base, {}
+      local new_one = string.sub(entry_format(S, C), 2)
+      local w = width(st)
+      for from = 0, st.count - 1, BATCH do
+        local count = math.min(BATCH, st.count - from)
+        local v, packed = read(st, from, count), {}
+        for j = 0, count - 1 do
+          packed[#packed + 1] = v[j * w + 1] + shift
+          packed[#packed + 1] = v[j * w + 2]
+          if C > 0 then
+            packed[#packed + 1] = st.C > 0 and v[j * w + 3] - st.origin or from + j + 1
+          end
+        end
+        out[#out + 1] = struct.pack('>' .. string.rep(new_one, count), unpack(packed))
+      end
+      st.total = C == 0 and 0 or st.C > 0 and st.total - st.origin or st.count
+      st.base, st.S, st.C, st.R, st.origin = base, S, C, slots, 0
+      rewrite(st, table.concat(out), capacity_for(st.count + extra) - st.count)
+    end
+    rare = {read = read, repack = repack, rewrite = rewrite, compact = compact,
+      relayout = relayout}
+    return rare
   end
 
   -- Window i's entries that left by now dropped (the header, written by flush or add; the
@@ -224,23 +322,24 @@ local function compact_log(n, now)
   function log.trim(i, window_ms)
     local st = compact_header(KEYS[i])
     state[i] = st
-    st.gone, st.dead_total = 0, nil
     if not st.exists or st.count == 0 then return 0 end
     if st.first <= now - window_ms then
-      local edge = now - window_ms - st.base -- a stored time at or before it has left
-      local k = first_from_start(st, function(at) return at > edge end)
-      st.origin = st.C > 0 and total_at(st, k - 1) or 0
-      st.head, st.count = st.head + k * st.E, st.count - k
-      if st.count == 0 then
-        st.head, st.tail = st.data, st.data
+      local k, bytes, from = search_ops().first_live(st, window_ms)
+      st.origin = 0
+      if st.C > 0 then st.origin = search_ops().total_at(st, k - 1, bytes, from) end
+      if k == st.count then
+        st.head, st.tail, st.count = st.data, st.data, 0
       else
-        st.first = st.base + entry(st, 0)
+        st.first = st.base + search_ops().entry(st, k, bytes, from)
+        st.head, st.count = st.head + k * st.E, st.count - k
       end
       st.dirty = true
       -- Mostly dead or room: a copy of what is left, with room for an eighth more.
-      if st.size - st.data > 2 * st.E * capacity_for(st.count) + 64 then compact(st, 0) end
+      if st.size - st.data > 2 * st.E * capacity_for(st.count) + 64 then
+        rare_ops().compact(st, 0)
+      end
     end
-    st.dead_total = st.origin
+    st.dead_total, st.oldest = st.origin, st.first
     if st.C == 0 then return st.count end
     return st.total - st.origin
   end
@@ -250,34 +349,36 @@ local function compact_log(n, now)
   function log.look(i, window_ms)
     local st = compact_header(KEYS[i])
     state[i] = st
-    st.gone, st.dead_total = 0, st.origin
     if not st.exists or st.count == 0 then return 0, nil end
+    st.oldest = st.first
     if st.first <= now - window_ms then
-      local edge = now - window_ms - st.base
-      st.gone = first_from_start(st, function(at) return at > edge end)
-      if st.gone == st.count then return 0, nil end
-      st.dead_total = total_at(st, st.gone - 1)
+      local k, bytes, from = search_ops().first_live(st, window_ms)
+      st.gone = k
+      if k == st.count then return 0, nil end
+      st.dead_total = search_ops().total_at(st, k - 1, bytes, from)
+      st.oldest = st.base + search_ops().entry(st, k, bytes, from)
     end
-    local oldest = st.gone == 0 and st.first or st.base + entry(st, st.gone)
-    if st.C == 0 then return st.count - st.gone, oldest end
-    return st.total - st.dead_total, oldest
+    if st.C == 0 then return st.count - st.gone, st.oldest end
+    return st.total - st.dead_total, st.oldest
   end
 
   -- The time of window i's oldest entry (after the ones gone) whose leaving frees `need`
   -- units, or nil when none does: the need-th entry, or a search on the running totals.
   function log.freeing_stamp(i, _, need)
     local st = state[i]
-    local k
+    if not st.exists then return nil end
+    local k, bytes, from
     if st.C == 0 then
       k = st.gone + need - 1
     else
-      local target = st.dead_total + need
-      k = first_where(st, st.gone, st.count, function(_, _, total) return total >= target end)
+      k, bytes, from = search_ops().first_at_least(st, st.gone, st.count, 3,
+        st.dead_total + need, st.gone - 1, st.dead_total, st.count - 1, st.total)
     end
     if k >= st.count then return nil end
-    return st.base + entry(st, k)
+    if k == st.gone then return st.oldest end
+    if k == st.count - 1 then return st.last end
+    return st.base + search_ops().entry(st, k, bytes, from)
   end
-  log.peek_freeing_stamp = log.freeing_stamp
 
   -- The tie a decision over windows 1..n (measured) gives its entries: above every tie
   -- they hold.
@@ -290,10 +391,10 @@ local function compact_log(n, now)
     return tie
   end
 
-  -- A request id's 8 bytes (the first 16 hex digits of its UUID4 text).
+  -- A request id's 8 bytes (the first 16 hex digits of its UUID4 text), as two numbers.
   local function request_id(member)
-    local hex = string.sub(member, 1, 8) .. string.sub(member, 10, 13) .. string.sub(member, 15, 18)
-    return struct.pack('>I4I4', tonumber(string.sub(hex, 1, 8), 16), tonumber(string.sub(hex, 9, 16), 16))
+    return tonumber(string.sub(member, 1, 8), 16),
+      tonumber(string.sub(member, 10, 13), 16) * 65536 + tonumber(string.sub(member, 15, 18), 16)
   end
 
   -- When `member` is in window i's replay table (its first attempt was allowed): the
@@ -301,10 +402,11 @@ local function compact_log(n, now)
   function log.logged(i, member)
     local st = compact_header(KEYS[i])
     if not st.exists or st.R == 0 then return nil end
-    local id = request_id(member)
+    local id = struct.pack('>I4I4', request_id(member))
+    local slots = replay_table(st)
     for s = 0, st.R - 1 do
-      if string.sub(st.table, s * SLOT_SIZE + 1, s * SLOT_SIZE + 8) == id then
-        local at, tie = struct.unpack('>I6I2', string.sub(st.table, s * SLOT_SIZE + 9, s * SLOT_SIZE + 16))
+      if string.sub(slots, s * SLOT_SIZE + 1, s * SLOT_SIZE + 8) == id then
+        local at, tie = struct.unpack('>I6I2', slots, s * SLOT_SIZE + 9)
         return at, tie
       end
     end
@@ -321,7 +423,7 @@ local function compact_log(n, now)
       st.S, st.C, st.R = stamp_width(window_ms), cost ~= 1 and 6 or 0, slots
       st.base, st.origin, st.total, st.first, st.last = now - window_ms, 0, 0, 0, 0
       st.next_tie, st.next_slot, st.table = 0, 0, string.rep('\0', SLOT_SIZE * slots)
-      rewrite(st, '', capacity_for(1))
+      rare_ops().rewrite(st, '', capacity_for(1))
     end
     if slots < st.R then slots = st.R end
     local at = now - st.base
@@ -342,23 +444,28 @@ local function compact_log(n, now)
     if cost ~= 1 and C == 0 then C = 6 end
     if cost == 1 and st.count == 0 then C = 0 end
     if C ~= st.C or slots > st.R or base ~= st.base or S ~= st.S then
-      relayout(st, base, C, slots, 1, S)
+      rare_ops().relayout(st, base, C, slots, 1, S)
       at = now - st.base
     end
     if st.C > 0 and st.total + cost >= 256 ^ st.C then
-      relayout(st, st.base, 7, st.R, 1) -- the totals outgrow their bytes
+      rare_ops().relayout(st, st.base, 7, st.R, 1) -- the totals outgrow their bytes
     end
     -- Its place: after every entry at or before now (its tie is above theirs).
-    local k = st.count
+    local k, found, from = st.count, nil, nil
     if k > 0 and st.last > now then
-      k = first_where(st, 0, st.count, function(t) return t > at end)
+      k, found, from = search_ops().first_at_least(st, 0, st.count, 1, at + 1)
     end
-    local total = st.C > 0 and total_at(st, k - 1) + cost or nil
-    if st.tail + st.E > st.size then compact(st, 1) end
-    local bytes = struct.pack('>' .. st.one, at, tie, total)
+    local total = nil
+    if st.C > 0 and k == st.count then
+      total = st.total + cost
+    elseif st.C > 0 then
+      total = search_ops().total_at(st, k - 1, found, from) + cost
+    end
+    if st.tail + st.E > st.size then rare_ops().compact(st, 1) end
+    local bytes = struct.pack(st.fmt, at, tie, total)
     if k < st.count then
       -- Another clock behind: the later entries move one place up, their totals by cost.
-      bytes = bytes .. repack(st, k, st.count - k, cost)
+      bytes = bytes .. rare_ops().repack(st, k, st.count - k, cost)
     end
     redis.call('SETRANGE', st.key, st.head + k * st.E, bytes)
     if st.count == 0 or now < st.first then st.first = now end
@@ -366,13 +473,25 @@ local function compact_log(n, now)
     st.tail, st.count, st.total = st.tail + st.E, st.count + 1, st.total + (total and cost or 0)
     st.next_tie = (tie + 1) % TIE_LIMIT
     if i == n then
+      -- One write: the header, then the replay table up to and including this admission's
+      -- slot (the slots after it keep their bytes).
       local s = st.next_slot * SLOT_SIZE
-      st.table = string.sub(st.table, 1, s) .. request_id(member) .. struct.pack('>I6I2', now, tie) ..
-        string.sub(st.table, s + SLOT_SIZE + 1)
+      local id_high, id_low = request_id(member)
+      local before = ''
+      if s > 0 and st.table then
+        before = string.sub(st.table, 1, s)
+      elseif s > 0 then
+        before = string.sub(st.bytes, HEADER_SIZE + 1, HEADER_SIZE + s)
+      end
       st.next_slot = (st.next_slot + 1) % st.R
-      st.table_dirty = true
+      redis.call('SETRANGE', st.key, 0, header_bytes(st) .. before ..
+        struct.pack('>I4I4I6I2', id_high, id_low, now, tie))
+      -- The table read with the header is stale now: nothing of this call reads it again
+      -- (an add is its window's last change), and a read would fail, not misread.
+      st.table, st.bytes, st.dirty, st.table_dirty = false, nil, false, false
+    else
+      save_header(st)
     end
-    save_header(st)
     redis.call('EXPIRE', st.key, window_ms / 1000 + 1)
   end
 
@@ -392,36 +511,48 @@ local function compact_log(n, now)
     local st = compact_header(KEYS[i])
     if not st.exists or st.count == 0 or at <= now - window_ms then return 0 end
     local stored = at - st.base
-    local k = first_where(st, 0, st.count, function(t, e)
-      return t > stored or (t == stored and e >= tie)
-    end)
-    if k >= st.count then return 0 end
-    local t, e = entry(st, k)
-    if t ~= stored or e ~= tie then return 0 end
-    local old = st.C > 0 and total_at(st, k) - total_at(st, k - 1) or 1
+    -- The first entry at `stored`, then past the ties below `tie` there.
+    local k, bytes, from = search_ops().first_at_least(st, 0, st.count, 1, stored, 0,
+      st.first - st.base, st.count - 1, st.last - st.base)
+    local t, e
+    while k < st.count do
+      t, e = search_ops().entry(st, k, bytes, from)
+      if t ~= stored or e >= tie then break end
+      k = k + 1
+    end
+    if k >= st.count or t ~= stored or e ~= tie then return 0 end
+    local old = 1
+    if st.C > 0 then
+      local found = search_ops()
+      old = found.total_at(st, k, bytes, from) - found.total_at(st, k - 1, bytes, from)
+    end
     if cost == old then return 1 end
-    if cost ~= 0 and st.C == 0 then relayout(st, st.base, 6, st.R, 0) end
+    if cost ~= 0 and st.C == 0 then rare_ops().relayout(st, st.base, 6, st.R, 0) end
     local delta = cost - old
     if st.C > 0 and st.total + delta >= 256 ^ st.C then
-      relayout(st, st.base, 7, st.R, 0)
+      rare_ops().relayout(st, st.base, 7, st.R, 0)
     end
-    local from = cost == 0 and k + 1 or k
-    local bytes = ''
-    if from < st.count and st.C == 0 then
-      bytes = redis.call('GETRANGE', st.key, st.head + from * st.E, st.tail - 1)
-    elseif from < st.count then
-      bytes = repack(st, from, st.count - from, delta)
+    local from_k = cost == 0 and k + 1 or k
+    local moved = ''
+    if from_k < st.count and st.C == 0 then
+      moved = redis.call('GETRANGE', st.key, st.head + from_k * st.E, st.tail - 1)
+    elseif from_k < st.count then
+      moved = rare_ops().repack(st, from_k, st.count - from_k, delta)
     end
-    if bytes ~= '' then redis.call('SETRANGE', st.key, st.head + k * st.E, bytes) end
+    if moved ~= '' then redis.call('SETRANGE', st.key, st.head + k * st.E, moved) end
     if st.C > 0 then st.total = st.total + delta end
     if cost == 0 then
       st.tail, st.count = st.tail - st.E, st.count - 1
-      if st.count > 0 and k == 0 then st.first = st.base + entry(st, 0) end
-      if st.count > 0 and k == st.count then st.last = st.base + entry(st, st.count - 1) end
+      local found = search_ops()
+      if st.count > 0 and k == 0 then st.first = st.base + found.entry(st, 0) end
+      if st.count > 0 and k == st.count then
+        st.last = st.base + found.entry(st, st.count - 1)
+      end
     end
     save_header(st)
     return 1
   end
 
+  log.peek_freeing_stamp = log.freeing_stamp
   return log
 end

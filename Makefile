@@ -342,6 +342,64 @@ test-wheel: install wheel
 	$(VENV)/bin/pytest -p no:cacheprovider -rP tests/test_wheel_install.py --wheel-dist $(WHEEL_DIR) \
 	  --debian-root $(DEBIAN_ROOT) --wheelhouse $(WHEELHOUSE) $(PYTEST_ARGS)
 
+# ---------------------------------------------------------- every interpreter
+
+# The ONE abi3 wheel of `make wheel` (cp310-abi3) installed into a venv of each of pyenv's
+# CPythons below (build/interpreters/<version>, kept between runs; the wheel is reinstalled each
+# time) and part of the suite run there (scripts/test-interpreters.sh). The full suite runs on
+# 3.11 (make test); here, per interpreter, what touches the interpreter and not only the C code
+# beneath it, bounded for CI: the decisions of both limiters (sync, asyncio, uvloop; both
+# storages), their input rules and lifecycle, the extension module's types, fork, TLS, and the
+# FastAPI layer through Starlette's TestClient -- without -m slow (a real 61-second wait).
+# Left to 3.11: the long soak and fault files (test_limiter_faults, test_async_faults,
+# test_production_faults, test_faults_hostile, test_cluster_failover, test_concurrency_stress,
+# test_leaks: real timeouts, servers killed and restarted, minutes of load, all of it in the
+# same C whatever the interpreter), and the files whose work runs in other processes or
+# builds (uvicorn servers and SDK clients: test_fastapi_server, test_fastapi_in_flight_server,
+# test_fastapi_openai_sdk, test_fastapi_sdk_retries, test_metrics_workers, test_proxies;
+# packaging and the wheel: test_packaging, test_wheel_install; the README's examples, the
+# command line, the secret wipe's debug build: test_readme_examples, test_cli, test_secret_wipe),
+# plus what reads only the source tree (test_c_source_lint, test_lua_build) and the
+# cluster/Sentinel files (a dozen servers each, the router is the same code).
+INTERPRETERS ?= 3.10 3.12 3.13
+INTERPRETERS_DIR ?= $(CURDIR)/build/interpreters
+INTERPRETER_TESTS ?= tests/test_limiter_core.py tests/test_limiter_input.py tests/test_async_input.py \
+  tests/test_engine.py tests/test_window_decision.py tests/test_weighted.py tests/test_reservations.py \
+  tests/test_leases.py tests/test_peek_reset.py tests/test_extension_module.py tests/test_members.py \
+  tests/test_tls.py tests/test_async_lifecycle.py tests/test_kill_switch.py \
+  tests/test_fastapi.py tests/test_fastapi_tokens.py tests/test_fastapi_in_flight.py
+
+.PHONY: test-interpreters run-test-interpreters test-docker run-test-docker
+test-interpreters: wheel
+	@$(MAKE) --no-print-directory run-test-interpreters
+
+# run-: on the wheel already in WHEEL_DIR (CI: the one `make test-wheel` built and tested).
+run-test-interpreters:
+	$(PROMTOOL)
+	bash scripts/test-interpreters.sh $(WHEEL_DIR) $(INTERPRETERS_DIR) "$(INTERPRETERS)" \
+	  -m "not slow" -x -q $(INTERPRETER_TESTS) $(PYTEST_ARGS)
+
+# ------------------------------------------------------------ Redis in Docker
+
+# scripts/test_docker.py: a Docker engine of its own (Debian's docker.io, --bridge=none
+# --iptables=false --storage-driver=vfs, stopped by its pid), a Redis image made here (docker
+# import of redis-server and the libraries ldd names: no registry is reachable), DOCKER_TESTS
+# run with REDIS_URL at Redis in that container, then examples/Dockerfile built (its base image:
+# a local one from the Debian root of test-wheel, pip reading the wheelhouse) and run beside
+# it: a burst over HTTP gets its 429 with Retry-After. Images and containers live in
+# DOCKER_STATE (deleted at the start of each run).
+DOCKER_TESTS ?= tests/test_limiter_core.py tests/test_fastapi.py tests/test_fastapi_tokens.py
+DOCKER_STATE ?= $(CURDIR)/build/docker
+test-docker: install wheel
+	@$(MAKE) --no-print-directory run-test-docker
+
+run-test-docker:
+	@command -v dockerd >/dev/null || bash scripts/ensure-debian-packages.sh docker.io
+	bash scripts/debian-root.sh $(DEBIAN_ROOT)
+	@$(MAKE) --no-print-directory $(WHEELHOUSE)/.downloaded
+	$(PY) scripts/test_docker.py --pytest $(VENV)/bin/pytest --debian-root $(DEBIAN_ROOT) \
+	  --wheelhouse $(WHEELHOUSE) --state $(DOCKER_STATE) -- -m "not slow" -q $(DOCKER_TESTS) $(PYTEST_ARGS)
+
 # setuptools and wheel (for the sdist's --no-build-isolation builds) and the example app's
 # requirements, as wheels for `pip install --no-index --find-links`.
 $(WHEELHOUSE)/.downloaded: examples/requirements.txt

@@ -9,7 +9,8 @@
 #   make fuzz           atheris on the reply decoder and the argument validation
 #
 # Style and types: `make lint` (ruff, clang-format, mypy --strict, stubtest on the extension,
-# hadolint on examples/Dockerfile, abi3audit on the extension).
+# hadolint on examples/Dockerfile, abi3audit on the extension, `make docs`: the documentation
+# site, warnings as errors).
 # Against hiredis 1.x (the system's is Debian's 0.14; 1.x is built from source into build/):
 #   make test-hiredis1  the suite but the slow tests and the FastAPI/packaging files, linked to
 #                       hiredis 1.x  (.venv-hiredis1)
@@ -72,7 +73,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
         install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes bench-metrics bench-cluster \
         bench-builds \
-        metrics-dashboard dist wheel test-wheel clean
+        metrics-dashboard dist wheel test-wheel docs clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -95,8 +96,9 @@ help:
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
 	@echo "make dist           the same as make wheel"
+	@echo "make docs           the documentation site (mkdocs.yml, docs/) into build/site, warnings as errors"
 	@echo "make lint           ruff, clang-format --dry-run, mypy --strict, stubtest of the C extension,"
-	@echo "                    hadolint of examples/Dockerfile, abi3audit of the extension"
+	@echo "                    hadolint of examples/Dockerfile, abi3audit of the extension, make docs"
 
 deps:
 	@PYTHON=$(PYTHON) bash scripts/ensure-system-deps.sh
@@ -156,14 +158,14 @@ install-debug: deps $(DEBUG_VENV)/.created
 # The suite but the slow tests, under ASan + UBSan (both fatal). pytest runs from the
 # venv's script, so the source tree (no .so, or a stale one) is never imported.
 # Left to `make test`: the files whose work happens in other processes (uvicorn servers and the
-# SDK clients, packaging builds, the README examples' interpreters) or in no C at all; the
-# FastAPI paths in this process (TestClient) stay under ASan, but for shadow mode and the IETF
+# SDK clients, packaging builds, the interpreters of the README's and the docs' examples) or in
+# no C at all; the FastAPI paths in this process (TestClient) stay under ASan, but for shadow mode and the IETF
 # headers, which call the limiters exactly as test_fastapi.py and test_fastapi_tokens.py do.
 ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
              test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
              test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
              test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
-             test_cli.py test_metrics_workers.py
+             test_cli.py test_metrics_workers.py test_docs_examples.py
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -212,8 +214,8 @@ install-hiredis1: deps $(HIREDIS1_VENV)/.created
 # The suite but the slow tests, on the extension linked to hiredis 1.x.
 # The files that drive no hiredis path of their own are left to `make test` and test-asan:
 # FastAPI over TestClient and uvicorn (the same codec and pipeline the async tests drive),
-# the tiers file, the README examples, packaging, the Docker files, the wheel and the
-# command line (subprocesses).
+# the tiers file, the README's and the docs' examples, packaging, the Docker files, the wheel
+# and the command line (subprocesses).
 HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py test_fastapi_scopes.py \
                  test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
                  test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
@@ -221,7 +223,7 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py t
                  test_wheel_install.py test_c_source_lint.py \
                  test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
                  test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py \
-                 test_metrics_workers.py
+                 test_metrics_workers.py test_docs_examples.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 
@@ -409,6 +411,18 @@ $(WHEELHOUSE)/.downloaded: examples/requirements.txt
 	  "setuptools>=77" wheel
 	@touch $@
 
+# ---------------------------------------------------------------------- docs
+
+# The site of docs/*.md (mkdocs.yml: MkDocs with the Material theme) into build/site. --strict
+# turns every warning into an error: a page left out of the nav, a link to a page or an anchor
+# that does not exist. Needs no build of the package (mkdocs only reads the Markdown).
+DOCS_SITE ?= build/site
+docs: venv
+	$(PY) scripts/native_build.py requirements docs > $(VENV)/docs-requirements.txt
+	$(PIP) install -q -r $(VENV)/docs-requirements.txt
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --clean --site-dir $(DOCS_SITE)
+	@echo "docs: $$(find $(DOCS_SITE) -name index.html | wc -l) pages in $(DOCS_SITE)"
+
 # ---------------------------------------------------------------------- lint
 
 # csrc/script_source.h is generated by setup.py: not ours to format.
@@ -433,6 +447,7 @@ lint: install
 	echo "--- stubtest genai_ratelimit._native"; mkdir -p build/stubtest && \
 	  (cd build/stubtest && $(abspath $(PY)) -m mypy.stubtest \
 	    --mypy-config-file $(CURDIR)/pyproject.toml genai_ratelimit._native) || status=1; \
+	echo "--- make docs (mkdocs build --strict)"; $(MAKE) --no-print-directory docs || status=1; \
 	exit $$status
 
 clean:

@@ -629,8 +629,8 @@ rl_proto_eviction_warning(const rl_proto *p, char *buf, size_t size)
     snprintf(buf, size,
              "Redis may evict the rate limiter's keys (maxmemory %lld bytes, maxmemory-policy "
              "%s): an evicted key forgets its user's requests, which silently lifts the limit for "
-             "that user. Use maxmemory-policy noeviction on the limiter's Redis (README: Running "
-             "it in production)",
+             "that user. Use maxmemory-policy noeviction on the limiter's Redis (see "
+             "docs/production.md)",
              p->maxmemory, p->eviction_policy);
 }
 

@@ -201,13 +201,15 @@ def check_command(command: bytes, user: bytes, windows: list[tuple[int, int]],
                   client_clock: bool, cost: int) -> None:
     words = parse_resp_array(command)
     n = len(windows)
-    if words[:3] != [b"EVALSHA", _native.SCRIPT_SHA1.encode(), str(2 * n).encode()]:
+    # three keys per window (lua/sliding_window.lua): the log, its weights (":w") and the
+    # running totals of its weighted entries (":t")
+    if words[:3] != [b"EVALSHA", _native.SCRIPT_SHA1.encode(), str(3 * n).encode()]:
         raise AssertionError(f"head {words[:3]!r}")
-    keys = words[3:3 + 2 * n]
+    keys = words[3:3 + 3 * n]
     zsets = [b"fz:" + user + b":" + str(s).encode() for _, s in windows]
-    if keys != zsets + [key + b":w" for key in zsets]:
+    if keys != zsets + [key + b":w" for key in zsets] + [key + b":t" for key in zsets]:
         raise AssertionError(f"keys {keys!r} for windows {windows}")
-    n *= 2  # the words after the keys
+    n *= 3  # the words after the keys
     member, now = words[3 + n], words[4 + n]
     if not UUID4.match(member):
         raise AssertionError(f"member {member!r}")

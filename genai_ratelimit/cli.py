@@ -85,7 +85,7 @@ PEEKS_AT_ONCE = 64
 # A window whose limit the command line does not know (a namespace's, a route's): peeked
 # with the largest limit, so that what it reports is what the window holds.
 UNKNOWN_LIMIT = _native.MAX_LIMIT
-OPERATOR_ACL = "README.md, \"An operator's ACL user\""
+OPERATOR_ACL = "docs/security.md, \"An operator's ACL user\""
 
 Windows = list[tuple[int, int]]
 # Windows whose limit may be unknown (None): a route's, a namespace's, an upstream's

@@ -651,8 +651,8 @@ class RateLimit:
                    from the JSON body). TokenRateLimit also takes tokens_per_minute/_day keys.
                    With any of the three (or the tiers file's [models]/[upstreams]) the
                    decision is one `reserve` over the tier's windows and the request's scopes,
-                   and the dependency is an async def; see README "Upstream caps, route and
-                   model budgets" for the 429s (X-RateLimit-Scope).
+                   and the dependency is an async def; see docs/scopes.md, "In FastAPI", for
+                   the 429s (X-RateLimit-Scope).
     max_in_flight  {tier: n}: at most n requests of one identity in flight at once, for the
                    tiers whose budget (tier_limits, or the tiers file) gives no
                    "max_in_flight" of its own; a tier with neither has no concurrency limit

@@ -18,7 +18,7 @@ bounded whatever the traffic. No label is ever empty.
 Several processes (uvicorn --workers N, gunicorn): `PrometheusCollector(..., directory=DIR)`
 in every worker. Each worker writes its counters to DIR (a file per process, every
 `interval` seconds and at exit) and a scrape of any worker sums every file: the totals of
-all workers, those that died included (see README, "Several workers").
+all workers, those that died included (see docs/operations.md, "Several workers").
 
 Needs the `prometheus` extra (prometheus_client) or the `otel` extra (opentelemetry-api).
 """

@@ -324,7 +324,7 @@ def _unspent(state: WindowState, cost: int, tokens: int | None) -> WindowState:
 def _refund_all(steps: Sequence[Reservation]) -> Plan:
     """Every step's entry back to cost 0 in each of its windows (idempotent). A refund that
     fails (Redis gone) leaves that entry charged until it leaves its windows: the cost of a
-    crash between the steps (README)."""
+    crash between the steps (docs/scopes.md)."""
     for step in steps:
         if not step.member:
             continue

@@ -21,7 +21,7 @@ from helpers_core import Monitor, closed_port_url, measured_commands
 from redis_server import RedisServer
 
 TIMEOUT = 30
-README = Path(__file__).resolve().parent.parent / "README.md"
+SECURITY_PAGE = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -254,7 +254,7 @@ tokens_per_minute = 30000
 
 
 def gateway_traffic(url: str, user: str) -> tuple[Any, Any]:
-    """What a gateway built from the README leaves in Redis for one user: a reservation of
+    """What a gateway built from the docs leaves in Redis for one user: a reservation of
     requests and tokens with its route's and its model's budgets and the upstream's shared
     cap, reconciled; two requests in flight; the same user in a namespace."""
     upstream = Scope("openai/gpt-4o", windows=[(10, 60)], token_windows=[(30000, 60)],
@@ -457,10 +457,10 @@ def test_every_key_kind_is_read_back_from_its_name(hash_tag: bool) -> None:
 
 # ------------------------------------------------------------------------------- ACL
 
-def readme_acl_line(user: str) -> list[str]:
-    lines = [line for line in README.read_text(encoding="utf-8").splitlines()
+def documented_acl_line(user: str) -> list[str]:
+    lines = [line for line in SECURITY_PAGE.read_text(encoding="utf-8").splitlines()
              if line.startswith(f"ACL SETUSER {user} ")]
-    assert len(lines) == 1, f"README.md must hold one ACL line for {user}, found {len(lines)}"
+    assert len(lines) == 1, f"docs/security.md must hold one ACL line for {user}, found {len(lines)}"
     return lines[0].split()
 
 
@@ -475,8 +475,8 @@ def acl_url(server: RedisServer, words: list[str]) -> str:
 
 def test_the_operators_acl_line_runs_every_command_and_the_apps_names_what_it_lacks(
         private_redis: RedisServer, user_id: str) -> None:
-    operator = acl_url(private_redis, readme_acl_line("ratelimit-operator"))
-    app = acl_url(private_redis, readme_acl_line("ratelimiter"))
+    operator = acl_url(private_redis, documented_acl_line("ratelimit-operator"))
+    app = acl_url(private_redis, documented_acl_line("ratelimiter"))
     with RateLimiter(app) as limiter:
         limiter.acquire(user_id, 2)
     for command in (["check", user_id], ["inspect", user_id], ["top"], ["reset", user_id],

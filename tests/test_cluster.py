@@ -303,16 +303,16 @@ def test_script_is_loaded_on_each_node_after_script_flush(make_limiter: LimiterF
         assert limiter.check(user, 2, 60) == (True, 0, 0)
 
 
-def test_the_readme_cluster_example_runs(redis_cluster: Any, inspector: Any,
+def test_the_docs_cluster_example_runs(redis_cluster: Any, inspector: Any,
                                          tmp_path: Any) -> None:
-    """README "Redis Cluster and Sentinel": its example, with its seed URL pointed at this
-    session's cluster, runs as written in a fresh interpreter."""
+    """docs/redis.md "Redis Cluster and Sentinel": its example, with its seed URL pointed at
+    this session's cluster, runs as written in a fresh interpreter."""
     import subprocess
     import sys
 
-    from test_readme_examples import python_blocks
+    from helpers_docs import DOCS, python_blocks
 
-    blocks = python_blocks("## Redis Cluster and Sentinel")
+    blocks = python_blocks("## Redis Cluster and Sentinel", DOCS / "redis.md")
     assert len(blocks) == 1
     example_url = "redis+cluster://127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002/"
     assert example_url in blocks[0]

@@ -1,5 +1,5 @@
-"""The least-privilege ACL user of README.md ("Running it in production"), created from the
-README's own line on a private redis-server, drives every kind of limiter: checks until a
+"""The least-privilege ACL user of docs/security.md ("A least-privilege ACL user"), created
+from the page's own line on a private redis-server, drives every kind of limiter: checks until a
 rejection, check_windows, and the script reload after SCRIPT FLUSH. The same line without one
 of its commands, or a key prefix outside its pattern, fails: the line is what the limiter
 needs, and the tests can tell."""
@@ -18,17 +18,17 @@ from helpers_async import LimiterFactory
 from helpers_core import SORTED_SET_SHAPE, logged_entries, window_script
 from redis_server import RedisServer
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+SECURITY_PAGE = Path(__file__).resolve().parent.parent / "docs" / "security.md"
 ACL_COMMAND = "ACL SETUSER ratelimiter "
 # How Redis words an ACL refusal: of a command sent (NOPERM), or of one inside a script.
 NOT_PERMITTED = r"(?i)NOPERM|no permissions|can't run this command"
 
 
 def documented_acl_line() -> str:
-    """The one line of README.md that creates the limiter's ACL user."""
-    lines = [line for line in README.read_text(encoding="utf-8").splitlines()
+    """The one line of docs/security.md that creates the limiter's ACL user."""
+    lines = [line for line in SECURITY_PAGE.read_text(encoding="utf-8").splitlines()
              if line.startswith(ACL_COMMAND)]
-    assert len(lines) == 1, f"README.md must hold exactly one {ACL_COMMAND!r} line, found {len(lines)}"
+    assert len(lines) == 1, f"docs/security.md must hold exactly one {ACL_COMMAND!r} line, found {len(lines)}"
     return lines[0]
 
 
@@ -43,7 +43,7 @@ def admin(private_redis: RedisServer) -> Iterator[redis.Redis]:
 
 @pytest.fixture
 def acl_url(private_redis: RedisServer, admin: redis.Redis) -> Callable[..., str]:
-    """acl_url(without=()): creates the README's user (minus the rules in `without`) with a
+    """acl_url(without=()): creates the documented user (minus the rules in `without`) with a
     fresh password and returns its URL, on database 1 so that SELECT is sent too."""
 
     def create(without: tuple[str, ...] = ()) -> str:

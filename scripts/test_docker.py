@@ -85,8 +85,9 @@ def free_port() -> int:
 class Engine:
     """A dockerd of this run: its own socket, data root and exec root."""
 
-    def __init__(self, state: Path) -> None:
+    def __init__(self, state: Path, storage_driver: str) -> None:
         self.state = state
+        self.storage_driver = storage_driver
         # A unix socket path must stay under 108 bytes: a short directory in /tmp.
         self.sockets = Path(tempfile.mkdtemp(prefix="genai-docker-"))
         self.env = {**os.environ, "DOCKER_HOST": f"unix://{self.sockets}/docker.sock"}
@@ -100,7 +101,7 @@ class Engine:
         log = (self.state / "dockerd.log").open("wb")
         self.process = subprocess.Popen(
             ["dockerd", "--bridge=none", "--iptables=false", "--ip6tables=false",
-             "--storage-driver=vfs", "--data-root", str(self.state / "data"),
+             f"--storage-driver={self.storage_driver}", "--data-root", str(self.state / "data"),
              "--exec-root", str(self.sockets / "exec"), "--pidfile", str(self.sockets / "dockerd.pid"),
              "--host", self.env["DOCKER_HOST"]],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -292,13 +293,16 @@ def main() -> int:
     parser.add_argument("--debian-root", required=True, type=Path)
     parser.add_argument("--wheelhouse", required=True, type=Path)
     parser.add_argument("--state", required=True, type=Path, help="the engine's data (deleted first)")
+    parser.add_argument("--storage-driver", default="vfs",
+                        help="dockerd's: vfs (copies every layer whole; works on any filesystem) "
+                             "or overlay2")
     parser.add_argument("tests", nargs="+", help="pytest arguments: the files run against Redis in Docker")
     options = parser.parse_args()
     wheels = list((ROOT / "dist").glob("genai_ratelimit-*-cp310-abi3-manylinux_*_x86_64.whl"))
     if len(wheels) != 1:
         raise SystemExit(f"expected one x86-64 wheel in dist/ (make wheel): {wheels}")
 
-    engine = Engine(options.state.resolve())
+    engine = Engine(options.state.resolve(), options.storage_driver)
     status = 0
     try:
         with step("start dockerd"):

@@ -171,7 +171,7 @@ def test_the_bundled_openssl_verifies_redis_over_tls_in_the_debian_root(
         dist: Dist, tmp_path: Path, certificates: Path, user_id: str) -> None:
     """The blocking limiter's TLS is the wheel's own OpenSSL: it verifies with the CA file
     given, refuses a server that the root's CA store does not know, and honours SSL_CERT_FILE
-    (docs/installing.md's advice where the system's CAs are not where Debian keeps them)."""
+    (docs/install.md's advice where the system's CAs are not where Debian keeps them)."""
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(dist.wheel, work)

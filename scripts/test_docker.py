@@ -1,10 +1,10 @@
 """`make test-docker`: Redis in Docker for real, and the example image built and run.
 
 1. Starts a Docker engine of its own (Debian's docker.io): `dockerd --bridge=none
-   --iptables=false --storage-driver=overlay2` (vfs when overlay2 fails), its socket, data and state in directories of this
-   run, so it meets no other engine of the machine. No bridge and no NAT: containers use
-   `--network host` and listen on free 127.0.0.1 ports. Stopped by its pid at the end, however
-   the run ends.
+   --iptables=false --storage-driver=overlay2` (vfs when overlay2 fails), its socket, data
+   and state in directories of this run, so it meets no other engine of the machine. No
+   bridge and no NAT: containers use `--network host` and listen on free 127.0.0.1 ports.
+   Stopped by its pid at the end, however the run ends.
 2. Builds a Redis image here (no registry is reachable): `docker import` of a directory that
    holds redis-server, redis-cli and the libraries `ldd` names for them.
 3. Runs that image (`--network host`, a free port, an unprivileged user), checks that the
@@ -334,7 +334,8 @@ def main() -> int:
             if suite.returncode != 0:
                 status = 1
         with step("build examples/Dockerfile (base image from the Debian root)"):
-            build_app_image(engine, options.debian_root.resolve(), options.wheelhouse.resolve(), options.state)
+            build_app_image(engine, options.debian_root.resolve(), options.wheelhouse.resolve(),
+                            options.state)
         with step("run the app container and a burst over HTTP"):
             rows = run_app(engine, redis_port)
         print("(status, X-RateLimit-Remaining, Retry-After) per request:")

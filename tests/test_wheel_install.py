@@ -69,7 +69,8 @@ def dist(request: pytest.FixtureRequest) -> Dist:
     directory = Path(request.config.getoption("--wheel-dist")).resolve()
     version = genai_ratelimit.__version__
     wheels = sorted(directory.glob(f"genai_ratelimit-{version}-*-manylinux_*_x86_64.whl"))
-    assert len(wheels) == 1, f"expected one x86-64 manylinux wheel of {version} in {directory}, found {wheels}"
+    assert len(wheels) == 1, \
+        f"expected one x86-64 manylinux wheel of {version} in {directory}, found {wheels}"
     sdist = directory / f"genai_ratelimit-{version}.tar.gz"
     assert sdist.exists(), f"{sdist} is missing"
     root_option = request.config.getoption("--debian-root")
@@ -362,7 +363,8 @@ print("machine:", platform.machine())
 def arm64(request: pytest.FixtureRequest) -> tuple[Path, DebianRoot]:
     """The aarch64 wheel beside the x86-64 one, and the arm64 root to run it in."""
     directory = Path(request.config.getoption("--wheel-dist")).resolve()
-    wheels = sorted(directory.glob(f"genai_ratelimit-{genai_ratelimit.__version__}-*-manylinux_*_aarch64.whl"))
+    version = genai_ratelimit.__version__
+    wheels = sorted(directory.glob(f"genai_ratelimit-{version}-*-manylinux_*_aarch64.whl"))
     assert len(wheels) == 1, f"expected one aarch64 wheel in {directory} (make wheel ARCH=aarch64): {wheels}"
     root_option = request.config.getoption("--arm64-root")
     assert root_option, "--wheel-dist needs --arm64-root (make test-wheel passes both)"
@@ -420,7 +422,8 @@ def test_the_aarch64_wheel_checks_over_tcp_and_tls_in_an_arm64_debian_root_under
     out = transcript(f"the aarch64 wheel in the arm64 Debian root (qemu), exit {result.returncode}",
                      result.stdout)
     assert result.returncode == 0, out[-4000:]
-    assert "machine: aarch64" in out and f"Successfully installed genai-ratelimit-{genai_ratelimit.__version__}" in out
+    assert "machine: aarch64" in out
+    assert f"Successfully installed genai-ratelimit-{genai_ratelimit.__version__}" in out
     assert EXPECTED_ANSWERS in out
     libs_dir = "/opt/venv/lib/python3.11/site-packages/genai_ratelimit.libs"
     for library in ("libhiredis", "libuuid", "libssl", "libcrypto"):

@@ -150,17 +150,17 @@ class Engine:
             points = [line.split()[4] for line in mountinfo]
         return sorted((p for p in points if p == prefix or p.startswith(prefix + "/")), reverse=True)
 
-    def docker(self, *args: str, check: bool = True, input: bytes | None = None,
-               capture: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([DOCKER, *args], env=self.env, text=input is None,
-                                input=input, capture_output=capture)
-        if check and result.returncode != 0:
-            output = result.stdout if capture else ""
-            errors = result.stderr if capture else ""
-            if isinstance(output, bytes):
-                output, errors = output.decode(), errors.decode()
-            raise RuntimeError(f"docker {' '.join(args)} failed ({result.returncode}):\n{output}{errors}")
-        return result
+    def docker(self, *args: str, check: bool = True,
+               input: bytes | None = None) -> subprocess.CompletedProcess[str]:
+        """Runs the docker client on this engine; its output decoded (errors replaced)."""
+        result = subprocess.run([DOCKER, *args], env=self.env, input=input, capture_output=True)
+        done = subprocess.CompletedProcess(result.args, result.returncode,
+                                           result.stdout.decode(errors="replace"),
+                                           result.stderr.decode(errors="replace"))
+        if check and done.returncode != 0:
+            raise RuntimeError(f"docker {' '.join(args)} failed ({done.returncode}):\n"
+                               f"{done.stdout}{done.stderr}")
+        return done
 
 
 def import_directory(engine: Engine, directory: Path, image: str) -> None:

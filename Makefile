@@ -17,9 +17,14 @@
 #
 # Distribution:
 #   make wheel          sdist + manylinux wheel (hiredis, libuuid, OpenSSL bundled) into dist/
+#   make wheel ARCH=aarch64  the same abi3 wheel cross-built for manylinux_2_34_aarch64
 #   make test-wheel     that wheel in a Debian 12 root without a compiler, the Dockerfile's
 #                       steps replayed there, the sdist's missing-package message, the sdist
-#                       built offline (root needed: unshare, chroot, mount)
+#                       built offline (root needed: unshare, chroot, mount); the aarch64 wheel
+#                       in an arm64 root under qemu-user-static, over TCP and TLS
+#   make test-interpreters  the wheel on pyenv's CPython 3.10, 3.12, 3.13 (part of the suite)
+#   make test-docker    Redis in a real Docker container for the core and FastAPI files, then
+#                       examples/Dockerfile built and run: its 429 over HTTP
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -96,6 +101,10 @@ help:
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
+	@echo "make wheel ARCH=aarch64  the same abi3 wheel cross-built for manylinux_2_34_aarch64"
+	@echo "make test-interpreters  the wheel on pyenv's CPython 3.10, 3.12, 3.13 (part of the suite)"
+	@echo "make test-docker    Redis in Docker for the core and FastAPI files; examples/Dockerfile built,"
+	@echo "                    run, and its 429 over HTTP"
 	@echo "make dist           the same as make wheel"
 	@echo "make docs           the documentation site (mkdocs.yml, docs/) into build/site, warnings as errors"
 	@echo "make lint           ruff, clang-format --dry-run, mypy --strict, stubtest of the C extension,"

@@ -79,7 +79,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
         install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes bench-metrics bench-cluster \
         bench-builds \
-        metrics-dashboard dist wheel test-wheel docs clean
+        metrics-dashboard dashboard-pictures dist wheel test-wheel docs clean
 
 help:
 	@echo "make demo           start a throwaway Redis + the example app, fire a burst, print the table"
@@ -98,6 +98,8 @@ help:
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
 	@echo "make bench-builds BASE=<rev>  the check rows of a git revision's build beside this tree's"
 	@echo "make metrics-dashboard  redraws docs/metrics-dashboard.png from a real run"
+	@echo "make dashboard-pictures redraws docs/operations-dashboard.png: the Grafana dashboard's"
+	@echo "                    panels queried on a real Prometheus scraping a real gateway"
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
@@ -124,8 +126,11 @@ venv: deps $(VENV)/.created
 install: venv
 	GENAI_RATELIMIT_WERROR=1 $(PIP) install -q --no-build-isolation ".[test]"
 
-# tests/test_metrics.py runs `promtool check metrics` (Debian's prometheus package).
-PROMTOOL = @command -v promtool >/dev/null || bash scripts/ensure-debian-packages.sh prometheus
+# tests/test_metrics.py runs `promtool check metrics`; tests/test_dashboard.py runs a real
+# `prometheus` scraping a gateway, and `promtool check rules` / `test rules` (Debian's
+# prometheus package has both).
+PROMTOOL = @command -v promtool >/dev/null && command -v prometheus >/dev/null \
+  || bash scripts/ensure-debian-packages.sh prometheus
 
 test: install
 	$(PROMTOOL)
@@ -167,15 +172,11 @@ install-debug: deps $(DEBUG_VENV)/.created
 
 # The suite but the slow tests, under ASan + UBSan (both fatal). pytest runs from the
 # venv's script, so the source tree (no .so, or a stale one) is never imported.
-# Left to `make test`: the files whose work happens in other processes (uvicorn servers and the
-# SDK clients, packaging builds, the interpreters of the README's and the docs' examples) or in
-# no C at all; the FastAPI paths in this process (TestClient) stay under ASan, but for shadow mode and the IETF
-# headers, which call the limiters exactly as test_fastapi.py and test_fastapi_tokens.py do.
-ASAN_SKIP ?= test_fastapi_server.py test_fastapi_openai_sdk.py test_fastapi_sdk_retries.py \
-             test_proxies.py test_packaging.py test_readme_examples.py test_examples_docker.py \
-             test_wheel_install.py test_c_source_lint.py test_tiers_config.py \
-             test_fastapi_in_flight_server.py test_fastapi_shadow.py test_fastapi_ietf_headers.py \
-             test_cli.py test_metrics_workers.py test_docs_examples.py
+# Left to `make test`: the tests marked not_asan (pyproject.toml), each module saying why: the
+# files whose work happens in other processes (uvicorn servers and the SDK clients, packaging
+# builds, the README examples' interpreters) or in no C at all; the FastAPI paths in this
+# process (TestClient) stay under ASan, but for shadow mode and the IETF headers, which call the
+# limiters exactly as test_fastapi.py and test_fastapi_tokens.py do.
 test-asan: install-asan
 	@$(MAKE) --no-print-directory run-test-asan
 
@@ -183,8 +184,8 @@ test-asan: install-asan
 # .ci/run can build everything first, then run suites side by side without two builds racing).
 run-test-asan:
 	$(PROMTOOL)
-	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
-	  $(foreach f,$(ASAN_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
+	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow and not not_asan" -p no:cacheprovider \
+	  $(PYTEST_ARGS)
 
 # VALGRIND_TESTS under memcheck with the -O0 -g build. Invalid reads/writes and uses of
 # uninitialised memory fail the run (--error-exitcode); definite leaks are listed and
@@ -222,25 +223,17 @@ install-hiredis1: deps $(HIREDIS1_VENV)/.created
 	bash scripts/build-hiredis1.sh check $(HIREDIS1_PY) $(HIREDIS1_PREFIX)
 
 # The suite but the slow tests, on the extension linked to hiredis 1.x.
-# The files that drive no hiredis path of their own are left to `make test` and test-asan:
-# FastAPI over TestClient and uvicorn (the same codec and pipeline the async tests drive),
-# the tiers file, the README's and the docs' examples, packaging, the Docker files, the wheel
-# and the command line (subprocesses).
-HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py test_fastapi_scopes.py \
-                 test_fastapi_openai_sdk.py test_fastapi_error_formats.py \
-                 test_fastapi_sdk_retries.py test_proxies.py test_tiers_config.py \
-                 test_readme_examples.py test_packaging.py test_examples_docker.py \
-                 test_wheel_install.py test_c_source_lint.py \
-                 test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
-                 test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py \
-                 test_metrics_workers.py test_docs_examples.py
+# The tests marked no_hiredis1 (pyproject.toml), which drive no hiredis path of their own, are
+# left to `make test` and test-asan, each module saying why: FastAPI over TestClient and uvicorn
+# (the same codec and pipeline the async tests drive), the tiers file, the README examples,
+# packaging, the Docker files, the wheel and the command line (subprocesses).
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 
 run-test-hiredis1:
 	$(PROMTOOL)
-	$(HIREDIS1_VENV)/bin/pytest -m "not slow" -p no:cacheprovider \
-	  $(foreach f,$(HIREDIS1_SKIP),--ignore=tests/$(f)) $(PYTEST_ARGS)
+	$(HIREDIS1_VENV)/bin/pytest -m "not slow and not no_hiredis1" -p no:cacheprovider \
+	  $(PYTEST_ARGS)
 
 # ------------------------------------------------------------------------------
 
@@ -316,6 +309,13 @@ bench-builds: install
 metrics-dashboard: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/metrics_dashboard.py
+
+# Redraws docs/operations-dashboard.png: every panel of dashboards/genai-ratelimit.json, its
+# PromQL answered by a real Prometheus that scraped a real gateway for about two minutes.
+dashboard-pictures: install
+	$(PROMTOOL)
+	$(PIP) install -q "matplotlib>=3.5"
+	$(PY) benchmarks/dashboard_pictures.py
 
 # A single node against a 3-master Redis Cluster (async pipelined, sync), and the slot
 # lookup's share of a call. Starts its own servers.

@@ -520,7 +520,8 @@ warn_kill_switch(rl_module_state *state)
         return 0;
     state->kill_switch_warned = 1;
     return rl_log_warning("RATE_LIMIT_DISABLED is on: every rate-limit check is allowed "
-                          "and nothing is sent to Redis");
+                          "and none is sent to Redis (releases, renewals, reconciles and "
+                          "resets still are)");
 }
 
 int
@@ -607,18 +608,22 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         return -1;
     if (out->hash_tag && cluster_slot(out, user, (size_t)user_len) < 0)
         return -1;
-    int disabled = kill_switch_on();
-    if (disabled && out->script == RL_SCRIPT_LEASE) {
-        /* Every lease is granted and nothing is held: an acquired lease has no id (its
-           release sends nothing), a release finds nothing, a renew succeeds. */
+    /* The switch answers new decisions only. What Redis already holds (a lease, a logged
+       entry, a window) is always given back, renewed, corrected or forgotten there: a
+       release skipped while the switch is on would keep the slot until its lease expired,
+       and refuse the user once the switch went off. */
+    int disabled = out->shape != RL_SHAPE_RECONCILE && out->shape != RL_SHAPE_RESET &&
+                   out->shape != RL_SHAPE_RELEASE && out->shape != RL_SHAPE_RENEW &&
+                   kill_switch_on();
+    if (disabled && out->shape == RL_SHAPE_ACQUIRE) {
+        /* The lease is granted and nothing is held: it has no id, so its release and renew
+           send nothing (lease.py). */
         memset(&out->result, 0, sizeof(out->result));
         out->disabled = 1;
-        out->result.allowed = out->shape != RL_SHAPE_RELEASE;
+        out->result.allowed = 1;
         out->result.now_ms = rl_clock_ms();
-        if (out->shape != RL_SHAPE_RELEASE)
-            out->result.expires_ms = out->result.now_ms + out->lease_ms;
-        if (out->shape == RL_SHAPE_ACQUIRE)
-            out->member[0] = '\0';
+        out->result.expires_ms = out->result.now_ms + out->lease_ms;
+        out->member[0] = '\0';
         return warn_kill_switch(state);
     }
     if (disabled) {
@@ -626,7 +631,7 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
            is logged, so a reservation has no member and its reconcile sends nothing. */
         rl_result *r = &out->result;
         int best = 0;
-        if (out->windows.count == 0) /* reset of every window: the result ignores windows */
+        if (out->windows.count == 0) /* e.g. reserve(user, (), in_flight=...): no window */
             out->windows.limit[0] = out->windows.seconds[0] = 0;
         for (int i = 0; i < out->windows.count; i++) {
             r->remaining_of[i] = out->windows.limit[i];
@@ -652,7 +657,6 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         r->slot_retry_ms = 0;
         if (r->slot == 1)
             r->expires_ms = r->now_ms + out->lease_ms;
-        memcpy(r->cursor, "0", 2); /* reset: nothing removed, nothing left to scan */
         for (int i = 0; i < out->windows.count; i++) {
             r->used_of[i] = 0;
             r->oldest_of[i] = -1;

@@ -20,9 +20,13 @@
  * The map comes from CLUSTER SHARDS (Redis 7), or CLUSTER SLOTS where that is unknown.
  *
  * Sentinel mode uses the same call with one destination: the master that the sentinels
- * name (SENTINEL get-master-addr-by-name), asked again when it is gone (a connection
- * refused or broken mid-call: the replay rule holds) or answers READONLY (a demoted
- * master: nothing ran), until the call's deadline.
+ * agree on (SENTINEL MASTER from each, the highest config epoch, checked with ROLE),
+ * asked again every RL_SENTINEL_RECHECK while calls flow, at once when it is gone (a
+ * connection refused or broken mid-call: the replay rule holds) or answers READONLY (a
+ * demoted master: nothing ran); while a sentinel reports a failover under way the calls
+ * wait (within their deadline) rather than write to a master about to be replaced.
+ * A call that timed out makes the map (or the master) be asked again: its node may be
+ * frozen, and replaced by the time the next call goes out.
  * Nodes are never forgotten (a cluster has few): a node's pool is only ever added.
  *
  * Why not hiredis-cluster / libvalkey: neither is packaged in Debian 12, the wheel and
@@ -43,8 +47,13 @@
 #include <string.h>
 #include <time.h>
 
-#define RL_CLUSTER_MAX_ATTEMPTS 64 /* MOVED answers to one call (the deadline bounds the rest) */
-#define RL_CLUSTER_PAUSE 0.025     /* seconds between retries while a failover is under way */
+#define RL_CLUSTER_MAX_ATTEMPTS 64    /* MOVED answers to one call (the deadline bounds the rest) */
+#define RL_CLUSTER_PAUSE 0.025        /* seconds between retries while a failover is under way */
+#define RL_ASK_WAIT 0.25              /* the most one sentinel or map source may take to answer */
+#define RL_SENTINEL_RECHECK 0.1       /* seconds between two askings of the sentinels */
+#define RL_STALE_REREAD 0.1           /* seconds between two map reads after a timeout */
+#define RL_SENTINEL_SUSPECT 5.0       /* a sentinel that timed out is asked last this long */
+#define RL_SENTINEL_FAILOVER_HOLD 5.0 /* the longest a failover under way holds the calls */
 
 /* ---------------------------------------------------------------- slots */
 
@@ -165,6 +174,8 @@ node_index(rl_cluster *c, const char *host, size_t host_len, int port)
     }
     free(name);
     share_tls(&node->pool.config, base);
+    node->pool.config.min_replicas = base->min_replicas;
+    node->pool.config.replica_timeout_ms = base->replica_timeout_ms;
     if (rl_pool_init(&node->pool, c->max_open) < 0) {
         rl_config_clear(&node->pool.config);
         free(node);
@@ -284,6 +295,8 @@ void
 rl_cluster_after_fork(rl_cluster *c)
 {
     (void)pthread_mutex_init(&c->mutex, NULL);
+    c->asking = 0; /* a parent's thread that was asking is not in the child */
+    c->reading = 0;
     for (int i = 0; i < c->node_count; i++)
         rl_pool_after_fork(&c->nodes[i]->pool);
     for (int i = 0; i < c->sentinel_count; i++)
@@ -437,49 +450,222 @@ parse_shards(rl_cluster *c, const redisReply *r, short *map, const rl_config *as
     return RL_OK;
 }
 
-/* Sentinel mode: asks the sentinels, one after another, where the master is, and points
-   every decision there. RL_OK, or the last sentinel's error. */
+/* Waits a little before the next attempt (a failover or a migration needs time), never
+   past the deadline. 0, or -1 when no time is left. */
+static int
+pause_before_retry(double deadline)
+{
+    double left = deadline - rl_monotonic();
+    if (left <= 0)
+        return -1;
+    double wait = left < RL_CLUSTER_PAUSE ? left : RL_CLUSTER_PAUSE;
+    struct timespec ts = {(time_t)wait, (long)((wait - (double)(time_t)wait) * 1e9)};
+    while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
+        ;
+    return 0;
+}
+
+/* The seconds one node may take to answer a question of ours when `remaining` nodes are
+   still to be asked before deadline: its share, at most RL_ASK_WAIT, so a frozen node (a
+   socket that accepts and never answers) costs a fraction of the call, never all of it. */
+static double
+ask_deadline(double deadline, int remaining)
+{
+    double now = rl_monotonic(), share = (deadline - now) / (remaining > 0 ? remaining : 1);
+    return now + (share < RL_ASK_WAIT ? share : RL_ASK_WAIT);
+}
+
+/* What one sentinel says of the master: SENTINEL MASTER's flat map. 0, or -1 when it does
+   not know the master (or answered something else). */
+typedef struct {
+    char host[256];
+    int port;
+    long long epoch; /* config-epoch: bumped by each failover */
+    int in_failover; /* flags hold failover_in_progress (this sentinel leads one) */
+} sentinel_view;
+
+static int
+parse_sentinel_master(const redisReply *r, sentinel_view *v)
+{
+    const redisReply *ip = map_get(r, "ip"), *port = map_get(r, "port");
+    const redisReply *epoch = map_get(r, "config-epoch"), *flags = map_get(r, "flags");
+    if (ip == NULL || port == NULL || ip->type != REDIS_REPLY_STRING ||
+        port->type != REDIS_REPLY_STRING || ip->len == 0 || ip->len >= sizeof(v->host))
+        return -1;
+    memcpy(v->host, ip->str, ip->len);
+    v->host[ip->len] = '\0';
+    v->port = (int)strtol(port->str, NULL, 10);
+    v->epoch =
+        epoch != NULL && epoch->type == REDIS_REPLY_STRING ? strtoll(epoch->str, NULL, 10) : 0;
+    v->in_failover = flags != NULL && flags->type == REDIS_REPLY_STRING &&
+                     strstr(flags->str, "failover_in_progress") != NULL;
+    return v->port >= 1 && v->port <= 65535 ? 0 : -1;
+}
+
+/* ROLE on a node the sentinels name: RL_OK unless it answers that it is a replica (a
+   stale sentinel's pick, or a master demoted meanwhile). A node that cannot be asked is
+   not refused here: the call that goes there finds out. */
+static rl_status
+verify_master(rl_node *node, double deadline, rl_error *err)
+{
+    const char *argv[1] = {"ROLE"};
+    size_t argvlen[1] = {4};
+    redisReply *reply = NULL;
+    rl_error ignored;
+    if (rl_pool_command(&node->pool, 1, argv, argvlen, deadline, &reply, &ignored) != RL_OK)
+        return RL_OK;
+    int replica = reply->type == REDIS_REPLY_ARRAY && reply->elements > 0 &&
+                  !string_is(reply->element[0], "master");
+    freeReplyObject(reply);
+    if (replica)
+        return rl_error_set(err, RL_ERR_CONNECT,
+                            "the sentinels named %s:%d as the master, but it answers ROLE "
+                            "as a replica",
+                            node->pool.config.host, node->pool.config.port);
+    return RL_OK;
+}
+
+/* Sentinel mode: asks every sentinel where the master is (SENTINEL MASTER), each within
+   its share of the deadline, the last one that answered first and one that timed out last
+   (and not at all once another answered); points every decision at the address of the
+   highest config epoch among the answers, after ROLE confirmed it is no replica. Notes a
+   failover under way (any sentinel's flags say so). RL_OK, or the last error. */
 static rl_status
 ask_sentinels(rl_cluster *c, double deadline, rl_error *err)
 {
     rl_status st = rl_error_set(err, RL_ERR_CONNECT, "no sentinel is known");
+    int n = c->sentinel_count, order[RL_CLUSTER_MAX_NODES], count = 0, answered = 0;
+    double now = rl_monotonic();
     pthread_mutex_lock(&c->mutex);
-    unsigned long first = c->refreshes;
+    int first = c->last_sentinel, suspects = 0;
+    for (int pass = 0; pass < 2; pass++) { /* the trusted ones, then the suspects */
+        for (int k = 0; k < n; k++) {
+            int i = (first + k) % n;
+            if ((c->suspect_until[i] > now) == pass) {
+                order[count++] = i;
+                suspects += pass;
+            }
+        }
+    }
     pthread_mutex_unlock(&c->mutex);
-    for (int k = 0; k < c->sentinel_count; k++) {
-        rl_node *sentinel = c->sentinels[(k + first) % (unsigned long)c->sentinel_count];
-        const char *argv[3] = {"SENTINEL", "get-master-addr-by-name", c->master_name};
-        size_t argvlen[3] = {8, 23, strlen(c->master_name)};
+    sentinel_view views[RL_CLUSTER_MAX_NODES], *view;
+    int in_failover = 0;
+    for (int k = 0; k < count; k++) {
+        int i = order[k];
+        rl_node *sentinel = c->sentinels[i];
+        if (answered > 0 && k >= count - suspects)
+            break; /* only suspects are left, and a sentinel answered */
+        const char *argv[3] = {"SENTINEL", "MASTER", c->master_name};
+        size_t argvlen[3] = {8, 6, strlen(c->master_name)};
         redisReply *reply = NULL;
-        st = rl_pool_command(&sentinel->pool, 3, argv, argvlen, deadline, &reply, err);
+        st = rl_pool_command(&sentinel->pool, 3, argv, argvlen, ask_deadline(deadline, count - k),
+                             &reply, err);
         if (st == RL_ERR_CLOSED || st == RL_ERR_NOMEM)
-            break;
-        if (st != RL_OK)
+            return st;
+        if (st != RL_OK) {
+            if (st != RL_ERR_SERVER) {
+                pthread_mutex_lock(&c->mutex);
+                c->suspect_until[i] = rl_monotonic() + RL_SENTINEL_SUSPECT;
+                pthread_mutex_unlock(&c->mutex);
+            }
             continue;
-        long port = 0;
-        if (reply->type == REDIS_REPLY_ARRAY && reply->elements == 2 &&
-            reply->element[0]->type == REDIS_REPLY_STRING &&
-            reply->element[1]->type == REDIS_REPLY_STRING)
-            port = strtol(reply->element[1]->str, NULL, 10);
-        if (port < 1 || port > 65535) {
+        }
+        view = &views[answered];
+        int known = parse_sentinel_master(reply, view) == 0;
+        freeReplyObject(reply);
+        if (!known) {
             st = rl_error_set(
                 err, RL_ERR_CONNECT, "the sentinel at %s:%d does not know a master named %.100s",
                 sentinel->pool.config.host, sentinel->pool.config.port, c->master_name);
-            freeReplyObject(reply);
             continue;
         }
-        pthread_mutex_lock(&c->mutex);
-        int index = node_index(c, reply->element[0]->str, reply->element[0]->len, (int)port);
-        if (index >= 0)
-            c->master = index;
-        c->refreshes++;
-        pthread_mutex_unlock(&c->mutex);
-        freeReplyObject(reply);
-        return index >= 0 ? RL_OK
-                          : rl_error_set(err, RL_ERR_NOMEM, "too many Redis nodes (over %d)",
-                                         RL_CLUSTER_MAX_NODES);
+        if (answered++ == 0) {
+            pthread_mutex_lock(&c->mutex);
+            c->last_sentinel = i;
+            c->suspect_until[i] = 0;
+            pthread_mutex_unlock(&c->mutex);
+        }
+        in_failover |= view->in_failover;
     }
-    return st;
+    /* The highest config epoch; between equal ones, the address more sentinels name. */
+    sentinel_view *best = NULL;
+    int best_votes = 0;
+    for (int a = 0; a < answered; a++) {
+        int votes = 0;
+        for (int b = 0; b < answered; b++)
+            votes += views[b].epoch == views[a].epoch && views[b].port == views[a].port &&
+                     strcmp(views[b].host, views[a].host) == 0;
+        if (best == NULL || views[a].epoch > best->epoch ||
+            (views[a].epoch == best->epoch && votes > best_votes)) {
+            best = &views[a];
+            best_votes = votes;
+        }
+    }
+    if (answered == 0)
+        return st;
+    pthread_mutex_lock(&c->mutex);
+    now = rl_monotonic();
+    c->failover_since = in_failover ? (c->failover_since > 0 ? c->failover_since : now) : 0;
+    int index = node_index(c, best->host, strlen(best->host), best->port);
+    int changed = index >= 0 && index != c->master;
+    rl_node *node = index >= 0 ? c->nodes[index] : NULL;
+    c->refreshes++;
+    pthread_mutex_unlock(&c->mutex);
+    if (index < 0)
+        return rl_error_set(err, RL_ERR_NOMEM, "too many Redis nodes (over %d)",
+                            RL_CLUSTER_MAX_NODES);
+    if (!changed)
+        return RL_OK;
+    if ((st = verify_master(node, ask_deadline(deadline, 1), err)) != RL_OK)
+        return st;
+    pthread_mutex_lock(&c->mutex);
+    int old = c->master;
+    c->master = index;
+    rl_node *previous = old >= 0 && old != index ? c->nodes[old] : NULL;
+    pthread_mutex_unlock(&c->mutex);
+    if (previous != NULL)
+        rl_pool_drop_idle(&previous->pool); /* no new call goes to the old master */
+    return RL_OK;
+}
+
+/* Sentinel mode, before each call: asks the sentinels again when the last answer is older
+   than RL_SENTINEL_RECHECK (one thread asks, the others go on with the master they know),
+   and waits, within the deadline, while a sentinel reports a failover under way: a write
+   to the old master then may be lost when the replica takes over, and count nothing. RL_OK,
+   or RL_ERR_CONNECT when the failover outlasted the deadline. */
+static rl_status
+follow_sentinels(rl_cluster *c, double deadline, rl_error *err)
+{
+    for (;;) {
+        double now = rl_monotonic();
+        pthread_mutex_lock(&c->mutex);
+        int failover = c->failover_since > 0 && now - c->failover_since < RL_SENTINEL_FAILOVER_HOLD;
+        double period = failover ? RL_CLUSTER_PAUSE : RL_SENTINEL_RECHECK;
+        int due = c->master >= 0 && !c->asking && now - c->asked_at >= period;
+        if (due) {
+            c->asking = 1;
+            c->asked_at = now;
+        }
+        pthread_mutex_unlock(&c->mutex);
+        if (due) {
+            /* Its own deadline, not what is left of the call's: a sentinel is suspected
+               only when it missed a full share. */
+            rl_error ignored; /* the call's own error says more; the next tick asks again */
+            (void)ask_sentinels(c, rl_monotonic() + RL_ASK_WAIT * c->sentinel_count, &ignored);
+            pthread_mutex_lock(&c->mutex);
+            c->asking = 0;
+            failover = c->failover_since > 0 &&
+                       rl_monotonic() - c->failover_since < RL_SENTINEL_FAILOVER_HOLD;
+            pthread_mutex_unlock(&c->mutex);
+        }
+        if (!failover)
+            return RL_OK;
+        if (pause_before_retry(deadline) < 0)
+            return rl_error_set(err, RL_ERR_CONNECT,
+                                "a Sentinel failover of %.100s is under way (no decision is "
+                                "sent to a master that may be replaced)",
+                                c->master_name);
+    }
 }
 
 /* Asks the nodes, one after another, for the slot map, and installs the first answer
@@ -505,12 +691,14 @@ refresh(rl_cluster *c, double deadline, rl_error *err)
         const char *argv[2] = {"CLUSTER", "SHARDS"};
         size_t argvlen[2] = {7, 6};
         int shards = 1;
-        st = rl_pool_command(&node->pool, 2, argv, argvlen, deadline, &reply, err);
+        /* Each node within its share: a frozen one (SIGSTOP) costs a fraction of the call. */
+        double asked = ask_deadline(deadline, n - k);
+        st = rl_pool_command(&node->pool, 2, argv, argvlen, asked, &reply, err);
         if (st == RL_ERR_SERVER) { /* before Redis 7: no CLUSTER SHARDS */
             argv[1] = "SLOTS";
             argvlen[1] = 5;
             shards = 0;
-            st = rl_pool_command(&node->pool, 2, argv, argvlen, deadline, &reply, err);
+            st = rl_pool_command(&node->pool, 2, argv, argvlen, asked, &reply, err);
         }
         if (st == RL_ERR_AUTH || st == RL_ERR_CLOSED || st == RL_ERR_NOMEM)
             break;
@@ -537,6 +725,30 @@ refresh(rl_cluster *c, double deadline, rl_error *err)
 static rl_status
 route(rl_cluster *c, int slot, double deadline, rl_node **out, rl_error *err)
 {
+    if (c->master_name != NULL) {
+        rl_status st = follow_sentinels(c, deadline, err);
+        if (st != RL_OK)
+            return st;
+    } else {
+        /* A call timed out lately: its node may be frozen (SIGSTOP, a stalled VM) and its
+           replica promoted any moment: the map is read again every RL_STALE_REREAD (one
+           thread reads, the others go on), so the calls leave that node at once. */
+        double now = rl_monotonic();
+        pthread_mutex_lock(&c->mutex);
+        int due = now < c->stale_until && !c->reading && now - c->map_read_at >= RL_STALE_REREAD;
+        if (due) {
+            c->reading = 1;
+            c->map_read_at = now;
+        }
+        pthread_mutex_unlock(&c->mutex);
+        if (due) {
+            rl_error ignored;
+            (void)refresh(c, deadline, &ignored);
+            pthread_mutex_lock(&c->mutex);
+            c->reading = 0;
+            pthread_mutex_unlock(&c->mutex);
+        }
+    }
     for (int attempt = 0;; attempt++) {
         pthread_mutex_lock(&c->mutex);
         int closed = c->closed, index = c->master_name != NULL ? c->master : c->slots[slot];
@@ -588,21 +800,6 @@ parse_redirect(rl_cluster *c, const char *text, int *slot, int *index)
     pthread_mutex_unlock(&c->mutex);
     *slot = (int)s;
     return *index < 0 ? -1 : 0;
-}
-
-/* Waits a little before the next attempt (a failover or a migration needs time), never
-   past the deadline. 0, or -1 when no time is left. */
-static int
-pause_before_retry(double deadline)
-{
-    double left = deadline - rl_monotonic();
-    if (left <= 0)
-        return -1;
-    double wait = left < RL_CLUSTER_PAUSE ? left : RL_CLUSTER_PAUSE;
-    struct timespec ts = {(time_t)wait, (long)((wait - (double)(time_t)wait) * 1e9)};
-    while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
-        ;
-    return 0;
 }
 
 /* ----------------------------------------------------------------- calls */
@@ -692,8 +889,16 @@ rl_routed_call_run(rl_routed_call *rc, rl_error *err)
             if (c->master_name != NULL && strstr(err->message, "READONLY") != NULL)
                 break;
             return st;
+        case RL_ERR_TIMEOUT:
+            /* Not retried (the decision may have run), but the node may be frozen and
+               its replica promoted meanwhile: the next call reads the map first. */
+            pthread_mutex_lock(&c->mutex);
+            c->stale_until = rl_monotonic() + 2 * c->base.socket_timeout;
+            c->asked_at = 0; /* sentinel: ask them at the next call */
+            pthread_mutex_unlock(&c->mutex);
+            return st;
         default:
-            return st; /* a timeout, an error reply, garbage: as on a single node */
+            return st; /* an error reply, garbage: as on a single node */
         }
         if (pause_before_retry(rc->deadline) < 0) {
             if (st == RL_ERR_REDIRECT) {

@@ -216,14 +216,14 @@ static PyMethodDef Codec_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
      "    scopes=(), tie=0, release=False)\n--\n\n"
-     "A Request, or the kill switch's final answer 0."},
+     "A Request (the kill switch never answers it)."},
     {"peek", (PyCFunction)(void (*)(void))Codec_peek, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
      "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._peek's shape)."},
     {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
-     "A Request, or the kill switch's final tuple (0, '0')."},
+     "A Request (the kill switch never answers it)."},
     {"metrics", (PyCFunction)Codec_get_metrics, METH_NOARGS,
      "metrics($self, /)\n--\n\nThe counters of the async limiter (Limiter.metrics's shape)."},
     {"_record_outcome", (PyCFunction)(void (*)(void))Codec_record_outcome, METH_FASTCALL,
@@ -236,10 +236,10 @@ static PyMethodDef Codec_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Codec_release,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "release($self, /, user_id, lease_id)\n--\n\n"
-     "A Request, or the kill switch's final answer False."},
+     "A Request (the kill switch never answers it)."},
     {"renew", (PyCFunction)(void (*)(void))Codec_renew, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "renew($self, /, user_id, lease_id, lease_seconds)\n--\n\n"
-     "A Request, or the kill switch's final tuple (Limiter._renew's shape)."},
+     "A Request (the kill switch never answers it)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -684,6 +684,65 @@ rl_call_init(rl_call *call, rl_pool *pool, rl_prepared *decision)
     call->deadline = rl_monotonic() + pool->config.socket_timeout;
 }
 
+/* The decisions that admit a request (and log it) when they allow. */
+static int
+is_admission(rl_shape shape)
+{
+    return shape == RL_SHAPE_CHECK || shape == RL_SHAPE_WINDOWS || shape == RL_SHAPE_DETAILED ||
+           shape == RL_SHAPE_RESERVE || shape == RL_SHAPE_ACQUIRE;
+}
+
+/* min_replicas: WAIT on the connection that wrote the admission, so it counts only once
+   cfg->min_replicas replicas hold it (a failover cannot lose it then). RL_OK, or
+   RL_ERR_SERVER (too few acknowledged, or WAIT refused: not retried, not sent elsewhere),
+   or the exchange's error. *in_step: the connection can be reused. */
+static rl_status
+wait_for_replicas(rl_conn *conn, const rl_config *cfg, double deadline, int *in_step, rl_error *err)
+{
+    *in_step = 0;
+    char replicas[24], timeout[24];
+    int rn = snprintf(replicas, sizeof(replicas), "%d", cfg->min_replicas);
+    int tn = snprintf(timeout, sizeof(timeout), "%lld", cfg->replica_timeout_ms);
+    const char *argv[3] = {"WAIT", replicas, timeout};
+    size_t argvlen[3] = {4, (size_t)rn, (size_t)tn};
+    char token;
+    rl_event ev;
+    deadline += (double)cfg->replica_timeout_ms / 1000.0; /* WAIT's own time on top */
+    rl_status st = rl_proto_push_command(&conn->proto, 3, argv, argvlen, deadline, &token, err);
+    if (st != RL_OK)
+        return st;
+    do
+        st = conn_exchange(conn, &token, deadline, &ev, err);
+    while (st == RL_ERR_INTERRUPTED);
+    if (st == RL_ERR_IO) {
+        /* The decision ran: never resent (not elsewhere either), it is only unconfirmed. */
+        char said[200];
+        snprintf(said, sizeof(said), "%.199s", err->message);
+        return rl_error_set(err, RL_ERR_SERVER,
+                            "not replicated: the connection broke waiting for the replicas "
+                            "(%.200s)",
+                            said);
+    }
+    if (st != RL_OK)
+        return st;
+    *in_step = !ev.fatal;
+    long long acked = -1;
+    if (ev.status == RL_OK && ev.reply != NULL && ev.reply->type == REDIS_REPLY_INTEGER)
+        acked = ev.reply->integer;
+    if (ev.reply != NULL)
+        freeReplyObject(ev.reply);
+    if (ev.status != RL_OK) {
+        *err = ev.error;
+        return ev.status;
+    }
+    if (acked >= cfg->min_replicas)
+        return RL_OK;
+    return rl_error_set(err, RL_ERR_SERVER,
+                        "not replicated: %lld of the %d replicas required acknowledged the "
+                        "admission within %lld ms (min_replicas); it does not count as allowed",
+                        acked < 0 ? 0 : acked, cfg->min_replicas, cfg->replica_timeout_ms);
+}
+
 rl_status
 rl_call_run(rl_call *call, rl_error *err)
 {
@@ -724,6 +783,15 @@ rl_call_run(rl_call *call, rl_error *err)
             return st; /* the connection stays with the call */
         rl_conn *conn = call->conn;
         call->conn = NULL;
+        if (st == RL_OK && ev.status == RL_OK && ev.result.allowed &&
+            pool->config.min_replicas > 0 && is_admission(call->decision->shape)) {
+            int in_step;
+            st = wait_for_replicas(conn, &pool->config, call->deadline, &in_step, err);
+            rl_pool_release(pool, conn, in_step);
+            if (st == RL_OK)
+                call->result = ev.result;
+            return st;
+        }
         if (st == RL_OK) {
             /* Bytes after our reply were never asked for: the connection is out of step. */
             rl_pool_release(pool, conn, !ev.fatal && !rl_proto_idle_is_stale(&conn->proto, -1));

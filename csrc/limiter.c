@@ -145,11 +145,28 @@ error:
 static int
 Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
 {
-    static char *keywords[] = {"host",       "port",          "unix_path",       "db",
-                               "username",   "password",      "connect_timeout", "socket_timeout",
-                               "key_prefix", "client_clock",  "max_connections", "tls",
-                               "ssl_verify", "ssl_ca_certs",  "ssl_certfile",    "ssl_keyfile",
-                               "metrics",    "cluster_nodes", "sentinel_master", "storage",
+    static char *keywords[] = {"host",
+                               "port",
+                               "unix_path",
+                               "db",
+                               "username",
+                               "password",
+                               "connect_timeout",
+                               "socket_timeout",
+                               "key_prefix",
+                               "client_clock",
+                               "max_connections",
+                               "tls",
+                               "ssl_verify",
+                               "ssl_ca_certs",
+                               "ssl_certfile",
+                               "ssl_keyfile",
+                               "metrics",
+                               "cluster_nodes",
+                               "sentinel_master",
+                               "storage",
+                               "min_replicas",
+                               "replica_timeout_ms",
                                NULL};
     const char *host = NULL, *unix_path = NULL, *username = NULL, *password = NULL;
     const char *prefix = "ratelimit", *ca = NULL, *certfile = NULL, *keyfile = NULL;
@@ -159,16 +176,18 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
     double connect_timeout = 1.0, socket_timeout = 1.0;
     PyObject *cluster_nodes = NULL;
     const char *sentinel_master = NULL, *storage = NULL;
+    int min_replicas = 0;
+    long long replica_timeout_ms = 100;
 
     if (self->configured) {
         PyErr_SetString(PyExc_RuntimeError, "a limiter is configured once, by its constructor");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|$zizLzzdds#pippzzzpOzz", keywords, &host,
-                                     &port, &unix_path, &db, &username, &password, &connect_timeout,
-                                     &socket_timeout, &prefix, &prefix_len, &client_clock,
-                                     &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile,
-                                     &metrics, &cluster_nodes, &sentinel_master, &storage))
+    if (!PyArg_ParseTupleAndKeywords(
+            args, kwargs, "|$zizLzzdds#pippzzzpOzziL", keywords, &host, &port, &unix_path, &db,
+            &username, &password, &connect_timeout, &socket_timeout, &prefix, &prefix_len,
+            &client_clock, &max_connections, &tls, &ssl_verify, &ca, &certfile, &keyfile, &metrics,
+            &cluster_nodes, &sentinel_master, &storage, &min_replicas, &replica_timeout_ms))
         return -1;
     if (rl_parse_storage(storage, &self->storage) < 0)
         return -1;
@@ -182,6 +201,13 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
     }
     if (db < 0) {
         PyErr_Format(PyExc_ValueError, "db must be >= 0, got %lld", db);
+        return -1;
+    }
+    if (min_replicas < 0 || replica_timeout_ms < 1 || replica_timeout_ms > 86400000) {
+        PyErr_Format(PyExc_ValueError,
+                     "min_replicas must be >= 0 and replica_timeout_ms between 1 and 86400000, "
+                     "got %d and %lld",
+                     min_replicas, replica_timeout_ms);
         return -1;
     }
     if (rl_check_timeout("connect_timeout", connect_timeout) < 0 ||
@@ -216,6 +242,8 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         PyErr_NoMemory();
         return -1;
     }
+    self->pool.config.min_replicas = min_replicas;
+    self->pool.config.replica_timeout_ms = replica_timeout_ms;
     if (tls) {
         rl_error err = {RL_OK, ""};
         if (rl_config_tls(&self->pool.config, ssl_verify, ca, certfile, keyfile, &err) != RL_OK) {
@@ -576,7 +604,8 @@ PyDoc_STRVAR(Limiter_doc,
 "        connect_timeout=1.0, socket_timeout=1.0, key_prefix='ratelimit',\n"
 "        client_clock=False, max_connections=32, tls=False, ssl_verify=True,\n"
 "        ssl_ca_certs=None, ssl_certfile=None, ssl_keyfile=None, metrics=True,\n"
-"        cluster_nodes=None, sentinel_master=None, storage='zset')\n--\n\n"
+"        cluster_nodes=None, sentinel_master=None, storage='zset', min_replicas=0,\n"
+"        replica_timeout_ms=100)\n--\n\n"
 "The C core of genai_ratelimit.RateLimiter; use that class, which takes a URL.");
 
 static PyType_Slot Limiter_slots[] = {

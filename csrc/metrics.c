@@ -140,6 +140,11 @@ rl_metrics_decision(rl_metrics *m, const rl_prepared *d, const rl_result *r)
             rl_metrics_count(r->allowed ? &m->leases_released : &m->releases_not_held);
         return;
     }
+    if (d->script == RL_SCRIPT_RECONCILE_RELEASE ||
+        d->script == RL_SCRIPT_COMPACT_RECONCILE_RELEASE) { /* reconcile's release: release's */
+        rl_metrics_count(r->slot == 1 ? &m->leases_released : &m->releases_not_held);
+        return;
+    }
     if ((d->script == RL_SCRIPT_IN_FLIGHT || d->script == RL_SCRIPT_COMPACT_IN_FLIGHT) &&
         (r->slot == 1 || r->window < 0)) /* reserve's in-flight slot: acquire's counters */
         rl_metrics_count(r->slot == 1 ? &m->leases_acquired : &m->leases_refused);

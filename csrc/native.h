@@ -386,17 +386,19 @@ int rl_proto_replay(rl_status cause, rl_prepared *d);
 /* ------------------------------------------------------------- connections */
 
 typedef struct {
-    char *host;             /* TCP host, or NULL for a unix socket */
-    int port;               /* TCP port */
-    char *unix_path;        /* unix socket path, or NULL */
-    long long db;           /* SELECT db when not 0 */
-    char *username;         /* ACL user, or NULL */
-    char *password;         /* AUTH password, or NULL; never printed */
-    double connect_timeout; /* seconds, for connect + AUTH + SELECT */
-    double socket_timeout;  /* seconds, for one decision's round trip */
-    int tls;                /* rediss://: TLS on the TCP connection */
-    int tls_verify;         /* verify the server's certificate and name */
-    SSL_CTX *ssl_ctx;       /* shared by every connection of the pool, or NULL */
+    char *host;                   /* TCP host, or NULL for a unix socket */
+    int port;                     /* TCP port */
+    char *unix_path;              /* unix socket path, or NULL */
+    long long db;                 /* SELECT db when not 0 */
+    char *username;               /* ACL user, or NULL */
+    char *password;               /* AUTH password, or NULL; never printed */
+    double connect_timeout;       /* seconds, for connect + AUTH + SELECT */
+    double socket_timeout;        /* seconds, for one decision's round trip */
+    int tls;                      /* rediss://: TLS on the TCP connection */
+    int tls_verify;               /* verify the server's certificate and name */
+    SSL_CTX *ssl_ctx;             /* shared by every connection of the pool, or NULL */
+    int min_replicas;             /* an admission waits (WAIT) for this many replicas; 0: never */
+    long long replica_timeout_ms; /* WAIT's timeout */
 } rl_config;
 
 typedef struct rl_conn {
@@ -504,6 +506,14 @@ typedef struct {
     int sentinel_count;
     int master;          /* index into nodes of the master, -1 before the sentinels were asked */
     rl_metrics *metrics; /* the limiter's counters (every node's pool), or NULL */
+    double asked_at;     /* sentinel: when the sentinels were last asked (monotonic), 0 never */
+    int asking;          /* sentinel: a thread is asking them now (the timer's single flight) */
+    int last_sentinel;   /* sentinel: the one that answered last, asked first */
+    double suspect_until[RL_CLUSTER_MAX_NODES]; /* sentinel: one that timed out, asked last */
+    double failover_since; /* sentinel: a sentinel reports a failover under way since, or 0 */
+    double stale_until;    /* cluster: a call timed out: the map is read again until then */
+    double map_read_at;    /* cluster: when a stale map was last read again */
+    int reading;           /* cluster: a thread reads the stale map again now */
 } rl_cluster;
 
 /* GIL held: set up (c->base filled first; master_name for a Sentinel set), the URL's seed

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from ._native import (
+    MAX_LIMIT,
     SCRIPT_SHA1,
     RateLimiterAuthError,
     RateLimiterError,
@@ -37,5 +38,6 @@ __all__ = [
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",
+    "MAX_LIMIT",
     "__version__",
 ]

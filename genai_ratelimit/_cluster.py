@@ -55,10 +55,50 @@ class SlotMap:
         self.refreshes = 0
         self.master_name = master_name
         self.master: Address | None = None
+        # Sentinel: when they were last asked (monotonic), whether a task asks now, the one
+        # that answered last, those that timed out (asked last until then), since when a
+        # sentinel reports a failover under way (0: none).
+        self.asked_at = 0.0
+        self.asking = False
+        self.last_sentinel = 0
+        self.suspect_until: dict[Address, float] = {}
+        self.failover_since = 0.0
+        # Cluster: a call timed out: the map is read again (every _STALE_REREAD) until then;
+        # when it was last read so.
+        self.stale_until = 0.0
+        self.map_read_at = 0.0
 
     def destination(self, slot: int) -> Address | None:
         """Where a decision of this slot goes (None: read the map first)."""
         return self.master if self.master_name is not None else self.slots[slot]
+
+    def sentinel_order(self, now: float) -> tuple[list[Address], int]:
+        """The sentinels to ask, the last one that answered first and those that timed out
+        lately (suspects) last; and how many suspects end the list."""
+        start = self.last_sentinel % len(self.nodes)
+        rotated = self.nodes[start:] + self.nodes[:start]
+        trusted = [a for a in rotated if self.suspect_until.get(a, 0.0) <= now]
+        suspects = [a for a in rotated if self.suspect_until.get(a, 0.0) > now]
+        return trusted + suspects, len(suspects)
+
+    @staticmethod
+    def sentinel_view(reply: Any, asked: Address) -> tuple[Address, int, bool]:
+        """SENTINEL MASTER's reply (a flat map): (the master's address, its config epoch,
+        whether this sentinel leads a failover now). ValueError when it knows no master."""
+        fields = _flat_map(reply)
+        host, port = _text(fields.get("ip", "")), int(_text(fields.get("port", "0")))
+        if not host or not 1 <= port <= 65535:
+            raise ValueError(f"the sentinel at {asked[0]}:{asked[1]} answered no master address")
+        epoch = int(_text(fields.get("config-epoch", "0")))
+        return (host, port), epoch, "failover_in_progress" in _text(fields.get("flags", ""))
+
+    @staticmethod
+    def choose_master(views: list[tuple[Address, int, bool]]) -> Address:
+        """The address of the highest config epoch; between equal ones, the one more
+        sentinels name (csrc/cluster.c's rule)."""
+        def rank(view: tuple[Address, int, bool]) -> tuple[int, int]:
+            return view[1], sum(1 for v in views if v[:2] == view[:2])
+        return max(views, key=rank)[0]
 
     def install_master(self, reply: Any, asked: Address) -> None:
         """SENTINEL get-master-addr-by-name's reply: [host, port]. ValueError otherwise."""

@@ -114,6 +114,8 @@ class Limiter:
         cluster_nodes: Sequence[tuple[str, int]] | None = ...,
         sentinel_master: str | None = ...,
         storage: str | None = ...,
+        min_replicas: int = ...,
+        replica_timeout_ms: int = ...,
     ) -> None: ...
     def check(
         self, user_id: str, limit: int, window_seconds: int, *, cost: int = 1
@@ -231,7 +233,7 @@ class Codec:
         scopes: tuple[_NativeReconcileScope, ...] = (),
         tie: int = 0,
         release: bool = False,
-    ) -> Request | int: ...
+    ) -> Request: ...
     def peek(
         self,
         user_id: str,
@@ -249,16 +251,16 @@ class Codec:
         *,
         token_windows: Sequence[tuple[int, int]] | None = None,
         cursor: str | None = None,
-    ) -> Request | tuple[int, str]: ...
+    ) -> Request: ...
     def metrics(self) -> LimiterMetrics: ...
     def _record_outcome(self, kind: str, count: int = 1, /) -> None: ...
     def acquire(
         self, user_id: str, limit: int, lease_seconds: int
     ) -> Request | tuple[bool, int, int, int, str, int, int]: ...
-    def release(self, user_id: str, lease_id: str) -> Request | bool: ...
-    def renew(
-        self, user_id: str, lease_id: str, lease_seconds: int
-    ) -> Request | tuple[bool, int]: ...
+    # The kill switch answers new decisions only: what Redis holds is always given back,
+    # renewed, reconciled or reset there, so these four always answer a Request.
+    def release(self, user_id: str, lease_id: str) -> Request: ...
+    def renew(self, user_id: str, lease_id: str, lease_seconds: int) -> Request: ...
 
 @final
 class Pipeline:

@@ -24,7 +24,7 @@ class RedisOptions:
     port: int = 6379
     unix_path: str | None = None
     db: int = 0
-    username: str | None = None
+    username: str | None = field(default=None, repr=False)  # userinfo: never shown either
     password: str | None = field(default=None, repr=False)
     tls: bool = False
     ssl_cert_reqs: str = "required"
@@ -36,6 +36,9 @@ class RedisOptions:
     nodes: tuple[tuple[str, int], ...] = ()  # cluster seed nodes, or the sentinels
     master_name: str | None = None  # redis+sentinel://: the master the sentinels watch
     storage: str | None = None  # ?storage=zset|compact; None when the URL does not say
+    # ?min_replicas=N&replica_timeout_ms=T (every URL form); None when the URL does not say
+    min_replicas: int | None = None
+    replica_timeout_ms: int | None = None
 
     def tls_trust(self) -> str | None:
         """The one TLS trust policy of both limiters (the blocking one applies it with
@@ -89,6 +92,39 @@ def _parse_hosts(netloc: str, default_port: int, scheme: str) -> list[tuple[str,
     return nodes
 
 
+# Said by every refusal that a password (or user name) written as is may have caused. The
+# message names no part of the URL: a piece of the URL there may be a piece of the password.
+PERCENT_ENCODE = ("a user name or password holding '/', '?', '#', '@', '&' or '%' must be "
+                  "percent-encoded (%2F, %3F, %23, %40, %26, %25), e.g. "
+                  "urllib.parse.quote(password, safe='')")
+
+# The query parameters whose values may hold an '@' as is (a password, a path).
+_AT_IN_VALUE = frozenset({"password", "username", "ssl_ca_certs", "ssl_certfile", "ssl_keyfile"})
+
+
+def _refuse_userinfo_outside_the_authority(url: str) -> None:
+    """Refuses a URL with an '@' after its authority (the text between "://" and the first
+    '/', '?' or '#'): in the path, the fragment, or the query but in the value of a
+    parameter that may hold one. Such an '@' ends a user name or password that holds an
+    unencoded '/', '?' or '#': the parser would read the password's pieces as a host, a
+    port, a database, a socket path, a master name or query parameters, and a message
+    naming any of them would show them. Nothing of the URL goes into the message."""
+    _, sep, rest = url.partition("://")
+    if not sep:
+        return
+    ends = [i for i in (rest.find(c) for c in "/?#") if i >= 0]
+    tail = rest[min(ends):] if ends else ""
+    before_fragment, _, fragment = tail.partition("#")
+    path, _, query = before_fragment.partition("?")
+    misplaced = "@" in path or "@" in fragment or any(
+        "@" in piece and piece.partition("=")[0] not in _AT_IN_VALUE
+        for piece in query.split("&"))
+    if misplaced:
+        raise ValueError("invalid Redis URL: an '@' after the host part (in the path, a query "
+                         f"parameter or the fragment); {PERCENT_ENCODE}; so must an '@' in a "
+                         "socket path or a master name")
+
+
 def _parse_db(text: str, url_kind: str) -> int:
     if not text.isdigit():
         raise ValueError(f"invalid Redis URL: the database in a {url_kind} URL must be a "
@@ -103,10 +139,13 @@ def parse_redis_url(url: str) -> RedisOptions:
         raise TypeError(f"the Redis URL must be a str, not {type(url).__name__}")
     if not url.strip():
         raise ValueError("invalid Redis URL: it is empty")
+    _refuse_userinfo_outside_the_authority(url.strip())
     try:
         parts = urlsplit(url.strip())
-    except ValueError as exc:
-        raise ValueError(f"invalid Redis URL: {exc}") from None
+    except ValueError:
+        # urlsplit's own messages quote the netloc, userinfo included.
+        raise ValueError(f"invalid Redis URL: a malformed host part (e.g. an unbalanced '[' "
+                         f"or ']'); {PERCENT_ENCODE}") from None
     scheme = parts.scheme.lower()
     try:
         query = parse_qs(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
@@ -123,14 +162,13 @@ def parse_redis_url(url: str) -> RedisOptions:
         if not path:
             raise ValueError("invalid Redis URL: a unix:// URL needs a socket path, "
                              "e.g. unix:///run/redis/redis.sock")
-        unknown = set(single) - {"db", "password", "username", "storage"}
-        if unknown:
-            raise ValueError(f"invalid Redis URL: unknown query parameter(s) {sorted(unknown)} for unix://")
+        _refuse_unknown_parameters(single, {"db", "password", "username", "storage", *_REPLICATION},
+                                   " for unix://")
         username = unquote(parts.username) if parts.username else single.get("username") or None
         password = unquote(parts.password) if parts.password is not None else single.get("password")
         db = _parse_db(single.get("db", "0"), "unix://")
         return RedisOptions(unix_path=path, db=db, username=username, password=password,
-                            storage=_storage(single))
+                            storage=_storage(single), **_replication(single))
 
     if scheme in ("redis+cluster", "rediss+cluster", "redis+sentinel", "rediss+sentinel"):
         return _parse_multi_host(url.strip(), parts.path, scheme, single)
@@ -162,6 +200,18 @@ def parse_redis_url(url: str) -> RedisOptions:
                         password=password, **_tls_options(single, tls))
 
 
+def _refuse_unknown_parameters(single: dict[str, str], known: set[str], where: str) -> None:
+    """Names the unknown query parameters, unless the query carries a password or a user
+    name: then an unknown "parameter" may be the piece of one after an unencoded '&'."""
+    unknown = set(single) - known
+    if not unknown:
+        return
+    if {"password", "username"} & set(single):
+        raise ValueError(f"invalid Redis URL: {len(unknown)} unknown query parameter(s){where} "
+                         f"(not named: the query carries credentials); {PERCENT_ENCODE}")
+    raise ValueError(f"invalid Redis URL: unknown query parameter(s) {sorted(unknown)}{where}")
+
+
 def _storage(single: dict[str, str]) -> str | None:
     """The storage= query parameter (every URL form): "zset", "compact", or None."""
     if "storage" not in single:
@@ -172,12 +222,27 @@ def _storage(single: dict[str, str]) -> str | None:
     return single["storage"]
 
 
+_REPLICATION = ("min_replicas", "replica_timeout_ms")
+
+
+def _replication(single: dict[str, str]) -> dict[str, Any]:
+    """?min_replicas=N&replica_timeout_ms=T (every URL form): the fields given."""
+    fields: dict[str, Any] = {}
+    for name in _REPLICATION:
+        if name in single:
+            text = single[name]
+            if not text.isdigit() or not (name == "min_replicas" or int(text) >= 1):
+                raise ValueError(f"invalid Redis URL: {name} must be a "
+                                 f"{'non-negative' if name == 'min_replicas' else 'positive'} "
+                                 f"integer, got {text!r}")
+            fields[name] = int(text)
+    return fields
+
+
 def _tls_options(single: dict[str, str], tls: bool) -> dict[str, Any]:
     """The TLS fields of RedisOptions from the query parameters (shared by every scheme),
-    and the storage."""
-    unknown = set(single) - {"db", "storage", *_SSL_PARAMS}
-    if unknown:
-        raise ValueError(f"invalid Redis URL: unknown query parameter(s) {sorted(unknown)}")
+    the storage and the replication parameters."""
+    _refuse_unknown_parameters(single, {"db", "storage", *_SSL_PARAMS, *_REPLICATION}, "")
     if not tls and any(name in single for name in _SSL_PARAMS):
         raise ValueError("invalid Redis URL: ssl_* parameters need a rediss:// URL")
     cert_reqs = single.get("ssl_cert_reqs", "required").lower()
@@ -191,6 +256,7 @@ def _tls_options(single: dict[str, str], tls: bool) -> dict[str, Any]:
         "ssl_certfile": single.get("ssl_certfile") or None,
         "ssl_keyfile": single.get("ssl_keyfile") or None,
         "storage": _storage(single),
+        **_replication(single),
     }
 
 

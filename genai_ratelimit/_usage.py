@@ -1,96 +1,325 @@
-"""Token usage: the default estimate of an OpenAI-shaped request, and finding the usage an
-OpenAI-shaped response reports (JSON `usage.total_tokens`, or the last server-sent event
-carrying `usage` in a stream) as its bytes pass, without holding the stream back.
+"""Token usage with no I/O: the default estimate of a request (OpenAI chat completions,
+completions, embeddings and Responses, Anthropic Messages), and the usage a response reports,
+found as its bytes pass without holding the stream back:
 
-No FastAPI here: bytes in, numbers out."""
+- OpenAI chat completions: `usage.total_tokens` of the JSON body, or of the last stream chunk
+  carrying `usage` (sent when the request asked stream_options={"include_usage": true});
+- OpenAI Responses: `usage` of the JSON body, or of the stream's `response.completed`
+  (`response.incomplete`, `response.failed`) event;
+- Anthropic Messages: `usage` of the JSON body, input_tokens + output_tokens +
+  cache_creation_input_tokens + cache_read_input_tokens, or in a stream the same fields of
+  `message_start`, updated by `message_delta` (whose counts are cumulative).
+
+No FastAPI here: bytes in, numbers out. Nothing here raises on a hostile body, except the
+request's own maximum (`max_tokens` that is not a count): InvalidTokenCount, a ValueError the
+route answers with 422."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["estimate_openai_tokens", "prompt_characters", "requested_completion_tokens",
-           "UsageScanner", "total_tokens_of"]
+from ._native import MAX_LIMIT
+
+__all__ = ["estimate_openai_tokens", "prompt_characters", "prompt_tokens",
+           "requested_completion_tokens", "parse_token_count", "InvalidTokenCount",
+           "UsageScanner", "total_tokens_of", "usage_total", "json_object", "requested_model"]
+
+logger = logging.getLogger("genai_ratelimit")
 
 # A JSON response body is kept (a copy, the response itself is not held) up to this size to
 # read its usage; a larger one is passed through unread and its reservation kept.
 MAX_JSON_BYTES = 4 * 1024 * 1024
 # One server-sent event line longer than this is skipped (a usage chunk is a few hundred bytes).
 MAX_EVENT_LINE_BYTES = 1024 * 1024
+# A request body larger than this is not decoded: its model is unknown, and the estimate
+# counts every byte of it as a prompt character (never less than the upstream bills).
+MAX_REQUEST_JSON_BYTES = 32 * 1024 * 1024
+CHARACTERS_PER_TOKEN = 4
+
+# The request fields whose text the upstream bills, walked string by string ...
+_TEXT_FIELDS = ("messages", "system", "instructions", "prompt", "input", "suffix")
+# ... and those billed as the JSON they hold (function schemas, structured-output schemas).
+_JSON_FIELDS = ("tools", "functions", "response_format", "text")
+# Inside the text fields, a mapping or list under one of these keys is a JSON document
+# (tool arguments, schemas), counted as its compact JSON.
+_JSON_VALUED_KEYS = frozenset(("input", "parameters", "input_schema", "schema", "json_schema"))
+# Keys whose values are not billed as text: structure, identifiers, and media payloads
+# (an image, audio or file is billed by its pixels, seconds or pages, not by its base64;
+# the reconcile with the reported usage settles what they cost).
+_SKIPPED_KEYS = frozenset(("type", "role", "id", "index", "cache_control", "media_type",
+                           "mime_type", "detail", "format", "status", "signature",
+                           "encrypted_content", "image_url", "url", "file_data", "file_url",
+                           "logprobs"))
+# The Anthropic usage fields, all billed (cache reads and writes included).
+_ANTHROPIC_FIELDS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
+                     "cache_read_input_tokens")
+_ANTHROPIC_INPUT_FIELDS = _ANTHROPIC_FIELDS[:1] + _ANTHROPIC_FIELDS[2:]
+# Responses API events that close a response and carry its usage.
+_RESPONSE_FINAL_EVENTS = frozenset(("response.completed", "response.incomplete", "response.failed"))
+# A count as pydantic (in lax mode) and the upstreams read it from a string: "50000",
+# " 50_000 ", "+7", "50000.0".
+_COUNT_TEXT = re.compile(r"\s*\+?(\d+(?:_\d+)*)(?:\.0*)?\s*")
+_MAX_COUNT_DIGITS = 32
 
 
-def _text_length(content: object) -> int:
-    """Characters of a message's content: a str, or a list of parts ({"type": "text",
-    "text": ...}); other parts (images, audio) are not counted."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(_text_length(part.get("text")) if isinstance(part, Mapping) else _text_length(part)
-                   for part in content)
-    return 0
+class InvalidTokenCount(ValueError):
+    """A request's max_tokens / max_completion_tokens / max_output_tokens / n that the
+    upstream would refuse (not a positive whole number): the route's 422."""
+
+    def __init__(self, field: str, value: object) -> None:
+        shown = repr(value)
+        shown = shown if len(shown) <= 40 else shown[:37] + "..."
+        super().__init__(f"{field} must be a positive whole number (an integer, an integral "
+                         f"number or a numeric string), got {shown}")
+        self.field = field
+        self.value = value
+
+
+def clamp(tokens: int, what: str) -> int:
+    """tokens, at most MAX_LIMIT (the most a window can count): an absurd number from a
+    response or a request is logged and clamped, never a broken response."""
+    if tokens > MAX_LIMIT:
+        logger.warning("%s of %s tokens is above the most a budget can count; counted as %d",
+                       what, tokens if tokens < 10**30 else "over 10**30", MAX_LIMIT)
+        return MAX_LIMIT
+    return tokens
+
+
+# --- the request -----------------------------------------------------------------------
+
+
+def _number_characters(number: int | float) -> int:
+    if isinstance(number, int) and abs(number) >= 10**4000:
+        return number.bit_length() * 3 // 10  # str() refuses numbers this long
+    return len(repr(number))
+
+
+def _json_characters(value: object) -> int:
+    """About the length of value written as compact JSON (escapes aside). No recursion:
+    any depth is walked in a loop."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item) + 2
+        elif isinstance(item, bool) or item is None:
+            total += 5
+        elif isinstance(item, (int, float)):
+            total += _number_characters(item)
+        elif isinstance(item, Mapping):
+            total += 2 + sum(len(str(key)) + 4 for key in item)
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            total += 2 + len(item)
+            stack.extend(item)
+    return total
+
+
+def _text_characters(value: object) -> int:
+    """Characters of the text in value: every string and number in it (message contents and
+    their parts, tool calls and results, names), except under _SKIPPED_KEYS or a key ending
+    in "_id"; a JSON document under _JSON_VALUED_KEYS counts as its JSON. A "data" string
+    is text only when its media_type is text/* (Anthropic's plain-text documents); else it
+    is a media payload. No recursion."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, bool) or item is None:
+            continue
+        elif isinstance(item, (int, float)):
+            total += _number_characters(item)  # token ids of a prompt, tool arguments
+        elif isinstance(item, Mapping):
+            for key, child in item.items():
+                if not isinstance(key, str):
+                    continue
+                if key in _JSON_VALUED_KEYS and isinstance(child, (Mapping, list)):
+                    total += _json_characters(child)
+                elif key in _SKIPPED_KEYS or key.endswith("_id"):
+                    continue
+                elif key == "data":
+                    media_type = item.get("media_type")
+                    if isinstance(media_type, str) and media_type.startswith("text/"):
+                        stack.append(child)
+                else:
+                    stack.append(child)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 def prompt_characters(body: Mapping[str, Any]) -> int:
-    """Characters of the prompt of an OpenAI-shaped request: the content of its `messages`
-    (chat), its `prompt` (completions) and its `input` (responses, embeddings)."""
-    characters = 0
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        characters += sum(_text_length(m.get("content")) for m in messages if isinstance(m, Mapping))
-    for key in ("prompt", "input"):
-        characters += _text_length(body.get(key))
+    """Characters of everything a request sends the model: `messages` (every content part,
+    tool calls and tool results included), `system`, `instructions`, `prompt`, `input`
+    (Responses, embeddings), `suffix`, and the JSON of `tools`, `functions`,
+    `response_format` and `text` (the Responses API's output schema). Images, audio and
+    files are not counted (their size in base64 says little of their tokens)."""
+    characters = sum(_text_characters(body.get(key)) for key in _TEXT_FIELDS if key in body)
+    characters += sum(_json_characters(body.get(key)) for key in _JSON_FIELDS
+                      if isinstance(body.get(key), (Mapping, list)))
     return characters
 
 
-def _positive_int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+def parse_token_count(field: str, value: object) -> int:
+    """A count as the upstream reads it: an int >= 1, an integral float (50000.0) or a
+    numeric string ("50000", " 50_000 ", "50000.0"); anything else (booleans, 0, negatives,
+    fractions, "5e4", objects) raises InvalidTokenCount. Clamped to MAX_LIMIT."""
+    count: int | None = None
+    if isinstance(value, bool):
+        count = None
+    elif isinstance(value, int):
+        count = value
+    elif isinstance(value, float):
+        count = int(value) if math.isfinite(value) and value.is_integer() else None
+    elif isinstance(value, str) and len(value) <= 2 * _MAX_COUNT_DIGITS:
+        match = _COUNT_TEXT.fullmatch(value)
+        if match is not None and len(match.group(1)) <= _MAX_COUNT_DIGITS:
+            count = int(match.group(1).replace("_", ""))
+    if count is None or count < 1:
+        raise InvalidTokenCount(field, value)
+    return min(count, MAX_LIMIT)
 
 
 def requested_completion_tokens(body: Mapping[str, Any], default_max_tokens: int) -> int:
-    """The completion tokens a request may spend: `max_completion_tokens`, else `max_tokens`
-    (else `max_output_tokens`), else `default_max_tokens`; times `n` choices."""
-    maximum = next((found for key in ("max_completion_tokens", "max_tokens", "max_output_tokens")
-                    if (found := _positive_int(body.get(key))) is not None), default_max_tokens)
-    return maximum * (_positive_int(body.get("n")) or 1)
+    """The completion tokens a request may spend: the largest of `max_completion_tokens`,
+    `max_tokens` and `max_output_tokens` it names (parse_token_count; null is absent), else
+    `default_max_tokens`; times `n` choices. Raises InvalidTokenCount."""
+    named = [parse_token_count(key, body[key])
+             for key in ("max_completion_tokens", "max_tokens", "max_output_tokens")
+             if body.get(key) is not None]
+    choices = parse_token_count("n", body["n"]) if body.get("n") is not None else 1
+    return min((max(named) if named else default_max_tokens) * choices, MAX_LIMIT)
 
 
-def json_object(body: bytes | Mapping[str, Any]) -> Mapping[str, Any]:
-    """A request body as a JSON object; {} when it is not one."""
-    if isinstance(body, (bytes, bytearray)):
-        try:
-            parsed: object = json.loads(body) if body else None
-        except ValueError:
-            parsed = None
-        return parsed if isinstance(parsed, Mapping) else {}
-    return body
+_UNREADABLE = object()  # a body too large or too deeply nested to decode
 
 
-def requested_model(body: bytes | Mapping[str, Any]) -> str | None:
-    """The request's `model` (an OpenAI- or Anthropic-shaped body), when it is a non-empty str."""
+def _decode(body: bytes | bytearray | Mapping[str, Any]) -> object:
+    """The decoded request body; None when it is not JSON; _UNREADABLE when it is too
+    large (MAX_REQUEST_JSON_BYTES) or too deeply nested for the decoder. Never raises."""
+    if isinstance(body, Mapping):
+        return body
+    if not body:
+        return None
+    if len(body) > MAX_REQUEST_JSON_BYTES:
+        return _UNREADABLE
+    try:
+        return json.loads(body)
+    except RecursionError:
+        return _UNREADABLE
+    except (ValueError, TypeError):
+        return None
+
+
+def json_object(body: bytes | bytearray | Mapping[str, Any]) -> Mapping[str, Any]:
+    """A request body as a JSON object; {} when it is not one (not JSON, another JSON
+    value, too large or too deep). Never raises."""
+    parsed = _decode(body)
+    return parsed if isinstance(parsed, Mapping) else {}
+
+
+def requested_model(body: bytes | bytearray | Mapping[str, Any]) -> str | None:
+    """The request's `model` (an OpenAI- or Anthropic-shaped body), when it is a non-empty
+    str of at most 256 characters. Bounded: a body over MAX_REQUEST_JSON_BYTES is not
+    decoded, one nested deeper than the decoder goes is not read (None); never raises."""
     model = json_object(body).get("model")
-    return model if isinstance(model, str) and model else None
+    return model if isinstance(model, str) and 0 < len(model) <= 256 else None
 
 
-def estimate_openai_tokens(body: bytes | Mapping[str, Any], default_max_tokens: int) -> int:
+def prompt_tokens(body: bytes | bytearray | Mapping[str, Any]) -> int:
+    """The prompt's tokens as the estimate counts them: prompt_characters / 4, rounded up.
+    A body too large or too deep to decode counts every byte as a character."""
+    parsed = _decode(body)
+    if parsed is _UNREADABLE:
+        assert isinstance(body, (bytes, bytearray))
+        characters = len(body)
+    else:
+        characters = prompt_characters(parsed) if isinstance(parsed, Mapping) else 0
+    return math.ceil(characters / CHARACTERS_PER_TOKEN)
+
+
+def estimate_openai_tokens(body: bytes | bytearray | Mapping[str, Any], default_max_tokens: int) -> int:
     """The default token estimate of a request: what it may spend on the completion
-    (requested_completion_tokens) plus the prompt's characters / 4, rounded up; at least 1.
-    A body that is not a JSON object counts as an empty prompt asking for the default."""
-    body = json_object(body)
-    prompt_tokens = math.ceil(prompt_characters(body) / 4)
-    return max(1, prompt_tokens + requested_completion_tokens(body, default_max_tokens))
+    (requested_completion_tokens) plus its prompt (prompt_tokens); at least 1, at most
+    MAX_LIMIT. A body that is not a JSON object counts as an empty prompt asking for the
+    default. Raises InvalidTokenCount (a ValueError) for a maximum the upstream refuses."""
+    parsed = _decode(body)
+    document = parsed if isinstance(parsed, Mapping) else {}
+    completion = requested_completion_tokens(document, default_max_tokens)
+    return min(max(1, prompt_tokens(body if parsed is _UNREADABLE else document) + completion),
+               MAX_LIMIT)
+
+
+# --- the response ----------------------------------------------------------------------
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def usage_total(usage: object) -> int | None:
+    """The tokens a `usage` object bills: its total_tokens (OpenAI chat completions and
+    Responses), else the sum of the counts it has among prompt_tokens, completion_tokens,
+    input_tokens, output_tokens, cache_creation_input_tokens and cache_read_input_tokens
+    (Anthropic, whose input_tokens leaves the cache out). None when it has none. Clamped to
+    MAX_LIMIT (and logged)."""
+    if not isinstance(usage, Mapping):
+        return None
+    total = _count(usage.get("total_tokens"))
+    if total is None:
+        parts = [found for key in ("prompt_tokens", "completion_tokens", *_ANTHROPIC_FIELDS)
+                 if (found := _count(usage.get(key))) is not None]
+        if not parts:
+            return None
+        total = sum(parts)
+    return clamp(total, "a reported usage")
 
 
 def total_tokens_of(document: object) -> int | None:
-    """`usage.total_tokens` of a decoded response or chunk, when it is an int >= 0."""
+    """The billed total of a decoded response or final stream event: its `usage`
+    (chat completions, Responses, Anthropic), or its `response.usage` (a Responses
+    stream's response.completed). None when it reports none."""
     if not isinstance(document, Mapping):
         return None
-    usage = document.get("usage")
-    if not isinstance(usage, Mapping):
-        return None
-    total = usage.get("total_tokens")
-    return total if isinstance(total, int) and not isinstance(total, bool) and total >= 0 else None
+    if "usage" in document:
+        return usage_total(document.get("usage"))
+    response = document.get("response")
+    return usage_total(response.get("usage")) if isinstance(response, Mapping) else None
+
+
+def _delta_characters(document: Mapping[str, Any]) -> int:
+    """Characters of generated text in one stream event: a chat chunk's choices' delta
+    (content, reasoning, tool call arguments) or a completion's text; a Responses
+    `*.delta` event's delta (output text, function call arguments, reasoning summary; not
+    audio); an Anthropic content_block_delta (text, thinking, partial_json)."""
+    choices = document.get("choices")
+    if isinstance(choices, list):
+        return sum(_text_characters(choice.get("delta")) + _text_characters(choice.get("text"))
+                   for choice in choices if isinstance(choice, Mapping))
+    kind = document.get("type")
+    if kind == "content_block_delta":
+        return _text_characters(document.get("delta"))
+    if (isinstance(kind, str) and kind.startswith("response.") and kind.endswith(".delta")
+            and kind != "response.audio.delta"):
+        delta = document.get("delta")
+        return len(delta) if isinstance(delta, str) else 0
+    return 0
+
+
+def _may_carry_usage(payload: bytes) -> bool:
+    """Whether a stream event may carry usage: it names "usage", and not only as the
+    `"usage": null` of every OpenAI chunk before the last (a quote inside a JSON string is
+    escaped, so text cannot fake the key)."""
+    named = payload.count(b'"usage"')
+    return named > payload.count(b'"usage": null') + payload.count(b'"usage":null')
 
 
 class UsageScanner:
@@ -98,35 +327,45 @@ class UsageScanner:
     forwards the chunk itself at once), then `total_tokens()`.
 
     "json": a copy of the body is kept up to MAX_JSON_BYTES and decoded at the end.
-    "sse": only the unfinished last line is kept; every `data:` line that mentions "usage"
-    is decoded, and the last one carrying usage.total_tokens wins (OpenAI sends usage in the
-    final chunk when the request asked stream_options={"include_usage": true}). `done` turns
-    true at the stream's `data: [DONE]` line: OpenAI's clients stop reading there, so the
-    usage is final and can be acted on before that chunk is passed on."""
+    "sse": only the unfinished last line is kept; every `data:` line that may carry usage is
+    decoded: the last OpenAI chunk carrying usage, a Responses final event
+    (response.completed), or Anthropic's message_start updated by message_delta. `done`
+    turns true at the end of the stream's events (`data: [DONE]`, Anthropic's message_stop,
+    Responses' final event): the usage is final there and can be acted on before that chunk
+    is passed on.
 
-    __slots__ = ("kind", "done", "_parts", "_size", "_overflow", "_line", "_skipping_line", "_total")
+    count_streamed=True (an "sse" scanner) also counts the text the stream delivered, for
+    streamed_tokens(): what an interrupted stream spent."""
 
-    def __init__(self, kind: str) -> None:
+    __slots__ = ("kind", "done", "count_streamed", "_parts", "_size", "_overflow", "_line",
+                 "_skipping_line", "_total", "_anthropic", "_delta_characters", "_delta_events")
+
+    def __init__(self, kind: str, *, count_streamed: bool = False) -> None:
         if kind not in ("json", "sse"):
             raise ValueError(f"kind must be 'json' or 'sse', got {kind!r}")
         self.kind = kind
         self.done = False
+        self.count_streamed = count_streamed
         self._parts: list[bytes] = []
         self._size = 0
         self._overflow = False
         self._line = b""
         self._skipping_line = False
         self._total: int | None = None
+        self._anthropic: dict[str, int] = {}  # usage counts of message_start / message_delta
+        self._delta_characters = 0
+        self._delta_events = 0
 
     @classmethod
-    def for_response(cls, content_type: str, content_encoding: str = "") -> UsageScanner | None:
+    def for_response(cls, content_type: str, content_encoding: str = "", *,
+                     count_streamed: bool = False) -> UsageScanner | None:
         """A scanner for a response of this media type, or None when its usage cannot be
         read (another media type, or a compressed body)."""
         if content_encoding.strip().lower() not in ("", "identity"):
             return None
         media_type = content_type.split(";", 1)[0].strip().lower()
         if media_type == "text/event-stream":
-            return cls("sse")
+            return cls("sse", count_streamed=count_streamed)
         if media_type == "application/json" or media_type.endswith("+json"):
             return cls("json")
         return None
@@ -156,28 +395,79 @@ class UsageScanner:
     def _event_line(self, line: bytes) -> None:
         if not line.startswith(b"data:"):
             return
-        if line[5:].strip() == b"[DONE]":
+        payload = line[5:]
+        if payload.strip() == b"[DONE]":
             self.done = True
             return
-        if b'"usage"' not in line:
+        if not (self.count_streamed or b'"message_stop"' in payload or _may_carry_usage(payload)):
             return
         try:
-            total = total_tokens_of(json.loads(line[5:]))
-        except ValueError:
+            document = json.loads(payload)
+        except (ValueError, RecursionError):
             return
-        if total is not None:
-            self._total = total
+        if isinstance(document, Mapping):
+            self._event(document)
+
+    def _event(self, document: Mapping[str, Any]) -> None:
+        kind = document.get("type")
+        if self.count_streamed:
+            characters = _delta_characters(document)
+            if characters:
+                self._delta_characters += characters
+                self._delta_events += 1
+        if kind == "message_start":  # Anthropic: the input counts (output so far: 1 or so)
+            message = document.get("message")
+            usage = message.get("usage") if isinstance(message, Mapping) else None
+            self._anthropic_usage(usage)
+        elif kind == "message_delta":  # Anthropic: cumulative counts, the output's final
+            self._anthropic_usage(document.get("usage"))
+            total = usage_total(self._anthropic)
+            self._total = total if total is not None else self._total
+        elif kind == "message_stop":
+            self.done = True
+        elif kind in _RESPONSE_FINAL_EVENTS:  # OpenAI Responses
+            response = document.get("response")
+            total = usage_total(response.get("usage")) if isinstance(response, Mapping) else None
+            self._total = total if total is not None else self._total
+            self.done = True
+        elif "usage" in document:  # OpenAI chat completions / completions
+            total = usage_total(document.get("usage"))
+            self._total = total if total is not None else self._total
+
+    def _anthropic_usage(self, usage: object) -> None:
+        if isinstance(usage, Mapping):
+            for key in _ANTHROPIC_FIELDS:
+                found = _count(usage.get(key))
+                if found is not None:
+                    self._anthropic[key] = found
 
     def total_tokens(self) -> int | None:
-        """The usage found, or None (none reported, or a body too large to read)."""
+        """The billed total found, or None (none reported, a stream cut before its final
+        usage, or a body too large to read). At most MAX_LIMIT."""
         if self.kind == "json":
             if self._overflow or not self._parts:
                 return None
             try:
                 return total_tokens_of(json.loads(b"".join(self._parts)))
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         if self._line and not self._skipping_line:  # a last line without its newline
             self._event_line(self._line.rstrip(b"\r"))
             self._line = b""
         return self._total
+
+    def streamed_tokens(self, prompt_tokens: int = 0) -> int | None:
+        """What an interrupted stream spent, for a policy that charges it: the reported
+        total when the stream got that far; else the input the stream reported (Anthropic's
+        message_start), or prompt_tokens when it reported none, plus the text delivered
+        (its characters / 4, rounded up, and at least one token per event that carried
+        text). None for a scanner made without count_streamed (or a JSON one)."""
+        total = self.total_tokens()
+        if total is not None:
+            return total
+        if self.kind != "sse" or not self.count_streamed:
+            return None
+        reported = [self._anthropic[key] for key in _ANTHROPIC_INPUT_FIELDS if key in self._anthropic]
+        spent_input = sum(reported) if reported else max(0, prompt_tokens)
+        output = max(math.ceil(self._delta_characters / CHARACTERS_PER_TOKEN), self._delta_events)
+        return clamp(spent_input + output, "a streamed usage")

@@ -36,7 +36,7 @@ from .lease import (
     lease_maker,
     make_lease,
 )
-from .limiter import Clock, Storage, limiter_options
+from .limiter import PING_IDENTITY, Clock, Storage, limiter_options
 from .metrics import LimiterMetrics, count_reconcile, count_reservation
 from .reservation import (
     Plan,
@@ -62,6 +62,14 @@ _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
 # way (as in csrc/cluster.c).
 _CLUSTER_MAX_ATTEMPTS = 64
 _CLUSTER_PAUSE = 0.025
+# Sentinel and map questions (csrc/cluster.c's RL_ASK_WAIT, RL_SENTINEL_*): the most one
+# node may take to answer, the period of asking the sentinels again, how long a sentinel
+# that timed out is asked last, and the longest a failover under way holds the calls.
+_ASK_WAIT = 0.25
+_SENTINEL_RECHECK = 0.1
+_SENTINEL_SUSPECT = 5.0
+_SENTINEL_FAILOVER_HOLD = 5.0
+_STALE_REREAD = 0.1  # seconds between two map reads after a timeout (RL_STALE_REREAD)
 
 
 def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
@@ -286,7 +294,14 @@ class _Connection(asyncio.Protocol):
     def close(self, exc: Exception) -> None:
         transport = self.transport
         self._close(exc)
-        if transport is not None:
+        if transport is None:
+            return
+        if transport.get_extra_info("sslcontext") is not None:
+            # TLS: close() would begin the close_notify exchange and keep the socket until
+            # the server answers, which may be after the application's loop has ended (the
+            # socket then left to the garbage collector). Nothing is pending any more.
+            transport.abort()
+        else:
             transport.close()
 
     def _close(self, exc: Exception) -> None:
@@ -463,6 +478,8 @@ class AsyncRateLimiter:
 
     Concurrent checks share connections and are pipelined. `await limiter.aclose()` (or
     `async with`) closes it; a call after that raises RateLimiterError and sends nothing.
+    `min_replicas` / `replica_timeout_ms`: RateLimiter's (an admission no replica
+    acknowledged raises RateLimiterUnavailable).
     """
 
     def __init__(
@@ -476,9 +493,14 @@ class AsyncRateLimiter:
         max_connections: int = 4,
         metrics: bool = True,
         storage: Storage | None = None,
+        min_replicas: int | None = None,
+        replica_timeout_ms: int | None = None,
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
-                                          clock, max_connections, metrics, storage)
+                                          clock, max_connections, metrics, storage,
+                                          min_replicas, replica_timeout_ms)
+        self._min_replicas = native["min_replicas"]
+        self._replica_timeout_ms = native["replica_timeout_ms"]
         self._ssl = _ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock
@@ -545,18 +567,46 @@ class AsyncRateLimiter:
         self._last_loop, self._last_pool = loop, pool
         return pool
 
-    async def _run(self, request: Any, decision: bool = False) -> Any:
+    async def _run(self, request: Any, decision: bool = False, admission: bool = False) -> Any:
         """Sends one Request of the codec and waits for its answer. decision: a check,
-        counted as unavailable in the metrics when no connection can be had."""
+        counted as unavailable in the metrics when no connection can be had. admission: a
+        decision that logs the request when it allows (min_replicas waits for it)."""
         if self._slot_map is not None:
-            return await self._run_cluster(request, decision)
+            return await self._run_cluster(request, decision, admission)
         pool = self._pool()
         conn = pool.pick()
         if conn is None:
             conn = await self._connection(pool, decision)
-        return await conn.submit(request)
+        result = await conn.submit(request)
+        if admission and self._min_replicas:
+            await self._replicated(conn, result)
+        return result
 
-    async def _run_cluster(self, request: Any, decision: bool = False) -> Any:
+    async def _replicated(self, conn: _Connection, result: Any) -> None:
+        """min_replicas: WAIT on the connection that wrote an allowing admission; fewer
+        replicas than asked acknowledged it in time: RateLimiterUnavailable, it is no
+        admission (the blocking limiter's rule, csrc/conn.c wait_for_replicas)."""
+        try:
+            allowed = bool(result[0])
+        except (TypeError, IndexError, KeyError):
+            allowed = bool(getattr(result, "allowed", False))
+        if not allowed:
+            return
+        try:
+            acked = await conn.submit_command(
+                ("WAIT", str(self._min_replicas), str(self._replica_timeout_ms)))
+        except RateLimiterTimeout:
+            raise
+        except RateLimiterUnavailable as exc:
+            raise RateLimiterUnavailable(f"not replicated: {exc}") from None
+        if not isinstance(acked, int) or acked < self._min_replicas:
+            raise RateLimiterUnavailable(
+                f"not replicated: {acked} of the {self._min_replicas} replicas required "
+                f"acknowledged the admission within {self._replica_timeout_ms} ms "
+                "(min_replicas); it does not count as allowed")
+
+    async def _run_cluster(self, request: Any, decision: bool = False,
+                           admission: bool = False) -> Any:
         """Sends a Request to the node that serves its slot, following the cluster's
         answers within the call's deadline: MOVED (the map is read again), ASK (ASKING, once,
         on the node named), TRYAGAIN, CLUSTERDOWN and dead nodes (a pause, the map read
@@ -571,6 +621,15 @@ class AsyncRateLimiter:
         deadline = time.monotonic() + self._socket_timeout
         ask: Address | None = None
         moved = 0
+        if slot_map.master_name is not None:
+            await self._follow_sentinels(root, deadline)
+        else:
+            # A call timed out lately: its node may be frozen and its replica promoted any
+            # moment: the map is read again every _STALE_REREAD (one read per loop).
+            now = time.monotonic()
+            if now < slot_map.stale_until and now - slot_map.map_read_at >= _STALE_REREAD:
+                slot_map.map_read_at = now
+                await self._try_read_slot_map(root, deadline)
         while True:
             address = ask or slot_map.destination(request.slot)
             if address is None:
@@ -585,13 +644,21 @@ class AsyncRateLimiter:
                 if ask is not None:
                     conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
                     ask = None
-                return await conn.submit(request)
+                result = await conn.submit(request)
             except RateLimiterTimeout:
+                # Not retried (the decision may have run); the node may be frozen and its
+                # replica promoted meanwhile: the next call reads the map (asks) first.
+                slot_map.stale_until = time.monotonic() + 2 * self._socket_timeout
+                slot_map.asked_at = 0.0
                 raise
             except RateLimiterUnavailable as exc:
                 if not _may_go_elsewhere(exc, sentinel=slot_map.master_name is not None):
                     raise  # a refused password, an error reply of the node itself, garbage
                 error = exc
+            else:
+                if admission and self._min_replicas:
+                    await self._replicated(conn, result)  # never sent elsewhere
+                return result
             answer = redirect_of(str(error))
             if answer is not None and answer[1] is not None:
                 kind, slot, target = answer
@@ -618,6 +685,118 @@ class AsyncRateLimiter:
             await asyncio.sleep(min(_CLUSTER_PAUSE, left))
             await self._try_read_slot_map(root, deadline)
 
+    async def _follow_sentinels(self, root: _LoopPool, deadline: float) -> None:
+        """Before each call: asks the sentinels again when the last answer is older than
+        _SENTINEL_RECHECK (one task asks, the others go on with the master they know), and
+        waits, within the deadline, while a sentinel reports a failover under way (a write
+        to the old master may be lost when the replica takes over)."""
+        slot_map = self._slot_map
+        assert slot_map is not None
+        while True:
+            now = time.monotonic()
+            failover = (slot_map.failover_since > 0
+                        and now - slot_map.failover_since < _SENTINEL_FAILOVER_HOLD)
+            period = _CLUSTER_PAUSE if failover else _SENTINEL_RECHECK
+            if slot_map.master is not None and not slot_map.asking and \
+                    now - slot_map.asked_at >= period:
+                slot_map.asking = True
+                slot_map.asked_at = now
+                try:  # its own deadline: a sentinel is suspected only when it missed a full share
+                    await self._ask_sentinels(
+                        root, time.monotonic() + _ASK_WAIT * len(slot_map.nodes))
+                except RateLimiterError:
+                    pass  # the call's own error says more; the next tick asks again
+                finally:
+                    slot_map.asking = False
+                failover = (slot_map.failover_since > 0 and time.monotonic()
+                            - slot_map.failover_since < _SENTINEL_FAILOVER_HOLD)
+            if not failover:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RateLimiterUnavailable(
+                    f"a Sentinel failover of {slot_map.master_name} is under way (no decision "
+                    "is sent to a master that may be replaced)")
+            await asyncio.sleep(min(_CLUSTER_PAUSE, left))
+
+    async def _ask_one(self, pool: _LoopPool, words: tuple[str, ...], deadline: float,
+                       remaining: int) -> Any:
+        """One question to one node, within its share of the deadline (at most _ASK_WAIT):
+        a frozen node costs a fraction of the call. Its connection is dropped on a timeout."""
+        share = max(0.0, min(_ASK_WAIT, (deadline - time.monotonic()) / max(remaining, 1)))
+        conn: _Connection | None = None
+
+        async def ask() -> Any:
+            nonlocal conn
+            conn = pool.pick() or await pool.get()
+            return await conn.submit_command(words)
+
+        try:
+            return await asyncio.wait_for(ask(), share)
+        except asyncio.TimeoutError:
+            error = RateLimiterTimeout(f"{pool.options.describe()} did not answer within "
+                                       f"{share:.3f} s")
+            if conn is not None:
+                conn.abort(error)
+            raise error from None
+
+    async def _ask_sentinels(self, root: _LoopPool, deadline: float) -> None:
+        """Asks every sentinel where the master is (SENTINEL MASTER), each within its share
+        of the deadline, the last one that answered first and the suspects last (not at all
+        once one answered); points the calls at the address of the highest config epoch,
+        after ROLE confirmed it is no replica (csrc/cluster.c, ask_sentinels)."""
+        slot_map = self._slot_map
+        assert slot_map is not None and slot_map.master_name is not None
+        order, suspects = slot_map.sentinel_order(time.monotonic())
+        views: list[tuple[Address, int, bool]] = []
+        error: Exception = RateLimiterUnavailable("no sentinel is known")
+        for k, address in enumerate(order):
+            if views and k >= len(order) - suspects:
+                break
+            try:
+                reply = await self._ask_one(root.node(address, True),
+                                            ("SENTINEL", "MASTER", slot_map.master_name),
+                                            deadline, len(order) - k)
+                views.append(slot_map.sentinel_view(reply, address))
+            except RateLimiterError as exc:
+                if not isinstance(exc, RateLimiterUnavailable):
+                    raise  # closed
+                error = exc
+                if getattr(exc, "_rl_status", None) != _native.STATUS_SERVER:
+                    slot_map.suspect_until[address] = time.monotonic() + _SENTINEL_SUSPECT
+                continue
+            except (ValueError, LookupError, TypeError) as exc:
+                error = RateLimiterUnavailable(
+                    f"the sentinel at {address[0]}:{address[1]} does not know a master named "
+                    f"{slot_map.master_name}: {exc}")
+                continue
+            if len(views) == 1:
+                slot_map.last_sentinel = slot_map.nodes.index(address)
+                slot_map.suspect_until.pop(address, None)
+        if not views:
+            raise error
+        in_failover = any(view[2] for view in views)
+        slot_map.failover_since = (slot_map.failover_since or time.monotonic()) \
+            if in_failover else 0.0
+        chosen = slot_map.choose_master(views)
+        slot_map.refreshes += 1
+        if chosen == slot_map.master:
+            return
+        try:
+            role = await self._ask_one(root.node(chosen), ("ROLE",), deadline, 1)
+        except RateLimiterError:
+            role = None  # not refused here: the call that goes there finds out
+        if isinstance(role, list) and role and role[0] != b"master":
+            raise RateLimiterUnavailable(
+                f"the sentinels named {chosen[0]}:{chosen[1]} as the master, but it answers "
+                "ROLE as a replica")
+        old, slot_map.master = slot_map.master, chosen
+        stale = root.nodes.get(old) if old is not None and old != chosen else None
+        if stale is not None:  # no new call goes to the old master: close its idle connections
+            for conn in list(stale.connections):
+                if conn.pipeline.pending == 0:
+                    conn.close(RateLimiterUnavailable("the sentinels named a new master"))
+
     async def _try_read_slot_map(self, root: _LoopPool, deadline: float) -> None:
         try:
             await self._read_slot_map(root, deadline)
@@ -639,26 +818,26 @@ class AsyncRateLimiter:
     async def _slot_map_task(self, root: _LoopPool, deadline: float) -> None:
         slot_map = self._slot_map
         assert slot_map is not None
+        if slot_map.master_name is not None:  # Sentinel: where is the master now?
+            await self._ask_sentinels(root, deadline)
+            return
         error: Exception = RateLimiterUnavailable("no Redis Cluster node is known")
-        for address in slot_map.node_order():
+        order = slot_map.node_order()
+        for k, address in enumerate(order):
             if time.monotonic() >= deadline:
                 break
-            sentinel = slot_map.master_name is not None
-            pool = root.node(address, sentinel)
+            pool = root.node(address)
             try:
-                conn = pool.pick() or await pool.get()
-                if slot_map.master_name is not None:  # Sentinel: where is the master now?
-                    slot_map.install_master(await conn.submit_command(
-                        ("SENTINEL", "get-master-addr-by-name", slot_map.master_name)), address)
-                    return
                 shards = True
                 try:
-                    reply = await conn.submit_command(("CLUSTER", "SHARDS"))
+                    reply = await self._ask_one(pool, ("CLUSTER", "SHARDS"), deadline,
+                                                len(order) - k)
                 except RateLimiterUnavailable as exc:
                     if "answered an error" not in str(exc):
                         raise
                     shards = False  # before Redis 7
-                    reply = await conn.submit_command(("CLUSTER", "SLOTS"))
+                    reply = await self._ask_one(pool, ("CLUSTER", "SLOTS"), deadline,
+                                                len(order) - k)
                 slot_map.install(reply, address, shards)
                 return
             except (RateLimiterError, ValueError, LookupError, TypeError) as exc:
@@ -688,7 +867,9 @@ class AsyncRateLimiter:
         if type(request) is tuple:  # the kill switch answered
             return request
         if self._slot_map is not None:
-            return await self._run_cluster(request, True)  # type: ignore[no-any-return]
+            return await self._run_cluster(request, True, True)  # type: ignore[no-any-return]
+        if self._min_replicas:
+            return await self._run(request, True, True)  # type: ignore[no-any-return]
         # _run's body, inline: the hottest call is spared a coroutine frame.
         pool = self._pool()
         conn = pool.pick()
@@ -705,7 +886,7 @@ class AsyncRateLimiter:
         request = self._codec.check_windows(user_id, windows, cost=cost)
         if type(request) is tuple:
             return request
-        return await self._run(request, True)  # type: ignore[no-any-return]
+        return await self._run(request, True, True)  # type: ignore[no-any-return]
 
     async def check_windows_detailed(self, user_id: str, windows: Any, *,
                                      cost: int = 1) -> WindowDecision:
@@ -716,7 +897,7 @@ class AsyncRateLimiter:
         request = self._codec.check_windows_detailed(user_id, windows, cost=cost)
         if type(request) is WindowDecision:  # the kill switch answered
             return request
-        return await self._run(request)  # type: ignore[no-any-return]
+        return await self._run(request, True, True)  # type: ignore[no-any-return]
 
     # RateLimiter._two_step_scopes: shared scopes decided in steps of their own.
     _two_step_scopes = False
@@ -753,14 +934,13 @@ class AsyncRateLimiter:
                     answer: object = _native.Codec(self.key_prefix, metrics=False).reserve(
                         *positional, **keywords)
                 elif name == "release":
-                    release = self._codec.release(*positional)
-                    answer = release if type(release) is bool else await self._run(release)
-                else:
-                    method = self._codec.reserve if name == "reserve" else self._codec.reconcile
-                    request = method(*positional, **keywords)
-                    # A reserve is a decision (the metrics count it), a reconcile is not.
-                    answer = (request if type(request) in (tuple, int)
-                              else await self._run(request, name == "reserve"))
+                    answer = await self._run(self._codec.release(*positional))
+                elif name == "reserve":  # a decision (the metrics count it), a reconcile is not
+                    request = self._codec.reserve(*positional, **keywords)
+                    answer = (request if type(request) is tuple
+                              else await self._run(request, True, True))
+                else:  # never answered by the kill switch: Redis holds what it corrects
+                    answer = await self._run(self._codec.reconcile(*positional, **keywords))
             except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
                 call, result = advance(plan, error=exc)
             else:
@@ -785,6 +965,12 @@ class AsyncRateLimiter:
         request = self._codec.peek(user_id, windows, **arguments)
         return request if type(request) is tuple else await self._run(request)
 
+    async def ping(self) -> float:
+        """RateLimiter.ping, awaited: one read-only round trip; the seconds it took."""
+        started = time.perf_counter()
+        await self._peek(PING_IDENTITY, ((1, 1),))
+        return time.perf_counter() - started
+
     async def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
                     token_windows: Sequence[tuple[int, int]] | None = None) -> int:
         """RateLimiter.reset, awaited: the number of entries removed."""
@@ -795,7 +981,8 @@ class AsyncRateLimiter:
         while True:
             request = (self._codec.reset(user_id, cursor=cursor) if scan
                        else self._codec.reset(user_id, windows, token_windows=token_windows))
-            more, cursor = request if type(request) is tuple else await self._run(request)
+            more: int
+            more, cursor = await self._run(request)
             removed += more
             if cursor == "0":
                 return removed
@@ -823,7 +1010,7 @@ class AsyncRateLimiter:
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         request = self._codec.acquire(user_id, limit, lease_seconds)
-        raw = request if type(request) is tuple else await self._run(request)
+        raw = request if type(request) is tuple else await self._run(request, admission=True)
         return make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self)  # type: ignore[return-value]
 
     async def release(self, lease: Lease) -> bool:
@@ -833,10 +1020,7 @@ class AsyncRateLimiter:
         arguments = lease_arguments(lease)
         if arguments is None:
             return False
-        request = self._codec.release(*arguments[:2])
-        if type(request) is bool:
-            return request
-        return await self._run(request)  # type: ignore[no-any-return]
+        return await self._run(self._codec.release(*arguments[:2]))  # type: ignore[no-any-return]
 
     async def renew(self, lease: Lease, lease_seconds: int | None = None) -> bool:
         """RateLimiter.renew, awaited."""
@@ -845,8 +1029,7 @@ class AsyncRateLimiter:
         arguments = lease_arguments(lease, lease_seconds)
         if arguments is None:
             return lease.allowed
-        request = self._codec.renew(*arguments)
-        raw = request if type(request) is tuple else await self._run(request)
+        raw = await self._run(self._codec.renew(*arguments))
         return bool(raw[0])
 
     async def aclose(self) -> None:

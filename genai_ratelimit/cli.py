@@ -35,7 +35,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 from . import _native
 from ._cluster import SlotMap
@@ -674,8 +674,22 @@ def _global_options(p: argparse.ArgumentParser, defaults: bool) -> None:
                    help="print JSON instead of a table")
 
 
+# A URL's userinfo, up to its last '@' (a password may hold '/', '@' or quotes as is).
+_USERINFO = re.compile(r"://\S*@")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors quote what they could not place ("unrecognized
+    arguments: ...", "invalid choice: ..."): a URL put in the wrong place would print its
+    password. Every URL's user name and password is hidden there (the subcommands' parsers
+    are of this class too: add_subparsers takes the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(_USERINFO.sub("://***@", message))
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="genai-ratelimit", description=__doc__.split("\n\n")[0],
+    p = _Parser(prog="genai-ratelimit", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Options go before or after the command. Exit codes: 0 "
                                        "done, 1 check refused, 2 usage or configuration error "

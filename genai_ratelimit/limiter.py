@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
@@ -54,6 +55,8 @@ class NativeOptions(TypedDict):
     cluster_nodes: tuple[tuple[str, int], ...] | None
     sentinel_master: str | None
     storage: str
+    min_replicas: int
+    replica_timeout_ms: int
 
 
 def _positive_seconds(name: str, value: float) -> float:
@@ -76,6 +79,8 @@ def limiter_options(
     max_connections: int,
     metrics: bool = True,
     storage: str | None = None,
+    min_replicas: int | None = None,
+    replica_timeout_ms: int | None = None,
 ) -> tuple[RedisOptions, NativeOptions]:
     """Validates the constructor's arguments. Returns the parsed URL and the keyword
     arguments of the C limiter. Shared by the sync and async limiters."""
@@ -99,6 +104,18 @@ def limiter_options(
         raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
     if not 1 <= max_connections <= 4096:
         raise ValueError(f"max_connections must be between 1 and 4096, got {max_connections}")
+    replication = {}
+    for name, given, in_url, default, low in (
+            ("min_replicas", min_replicas, options.min_replicas, 0, 0),
+            ("replica_timeout_ms", replica_timeout_ms, options.replica_timeout_ms, 100, 1)):
+        if given is not None and in_url is not None and given != in_url:
+            raise ValueError(f"{name}={given!r} contradicts the URL's {name}={in_url}")
+        value = given if given is not None else in_url if in_url is not None else default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+        if not low <= value <= 86_400_000:
+            raise ValueError(f"{name} must be between {low} and 86400000, got {value}")
+        replication[name] = value
     native = NativeOptions(
         host=options.host,
         port=options.port,
@@ -120,8 +137,14 @@ def limiter_options(
         cluster_nodes=options.nodes if options.mode != "single" else None,
         sentinel_master=options.master_name,
         storage=storage or options.storage or "zset",
+        min_replicas=replication["min_replicas"],
+        replica_timeout_ms=replication["replica_timeout_ms"],
     )
     return options, native
+
+
+# The identity ping() peeks at: nothing counts under it (a read-only script writes nothing).
+PING_IDENTITY = "genai-ratelimit-ping"
 
 
 class RateLimiter(_native.Limiter):
@@ -134,6 +157,11 @@ class RateLimiter(_native.Limiter):
     Safe to share across threads (a small pool of connections) and across fork() (a child
     never reuses its parent's socket). Raises RateLimiterUnavailable when Redis cannot answer
     within the timeouts; the next call reconnects by itself.
+
+    `min_replicas=1` (or `?min_replicas=1` in the URL) makes an admission count only once a
+    replica acknowledged it (WAIT, `replica_timeout_ms`): otherwise RateLimiterUnavailable.
+
+    >>> limiter = RateLimiter("redis://10.0.0.5:6379/0", min_replicas=1, replica_timeout_ms=100)
     """
 
     def __init__(
@@ -147,9 +175,12 @@ class RateLimiter(_native.Limiter):
         max_connections: int = 32,
         metrics: bool = True,
         storage: Storage | None = None,
+        min_replicas: int | None = None,
+        replica_timeout_ms: int | None = None,
     ) -> None:
         options, native = limiter_options(url, key_prefix, connect_timeout, socket_timeout,
-                                          clock, max_connections, metrics, storage)
+                                          clock, max_connections, metrics, storage,
+                                          min_replicas, replica_timeout_ms)
         super().__init__(**native)
         self._options = options
         self._storage = native["storage"]
@@ -234,6 +265,16 @@ class RateLimiter(_native.Limiter):
         clock."""
         return self._peek(user_id, windows,
                           **reserve_arguments(cost, token_windows, tokens, _scope_list(scopes)))[:4]
+
+    def ping(self) -> float:
+        """One read-only round trip to Redis: a peek of a one-second window of an identity no
+        request uses (PING_IDENTITY), through the same connection pool as every decision.
+        Returns the seconds it took; raises what a decision would raise when Redis cannot
+        answer (RateLimiterUnavailable, RateLimiterTimeout, ...). For start-up checks and
+        health probes: `limiter.ping()`. With RATE_LIMIT_DISABLED set, nothing is sent."""
+        started = time.perf_counter()
+        self._peek(PING_IDENTITY, ((1, 1),))
+        return time.perf_counter() - started
 
     def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
               token_windows: Sequence[tuple[int, int]] | None = None) -> int:

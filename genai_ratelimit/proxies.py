@@ -1,41 +1,73 @@
-"""The client address behind reverse proxies, from a list of proxies you trust.
+"""Who an anonymous client is: its network (an IPv6 client per /64), and its address behind
+reverse proxies you trust.
 
-Behind nginx or a load balancer every connection comes from the proxy: without help, all
-anonymous clients share the proxy's address, hence one budget. The proxy says who the client
-was in `X-Forwarded-For`, but any client can send that header too. Only the hops that YOUR
-proxies appended can be believed: walking the header from the right, the first address that
-is not one of your proxies is the client.
+Networks. One IPv6 subscriber gets a whole /64 (often a /56 or a /48) and picks a fresh
+address in it at will: counted per address, it would get a fresh budget with every request.
+So anonymous clients are counted per network: IPv4 per address (/32) and IPv6 per /64 by
+default; `client_network` does the arithmetic and `ClientNetworks` is an `identify` with
+prefixes of your choosing.
 
     from genai_ratelimit.fastapi import RateLimit
+    from genai_ratelimit.proxies import ClientNetworks
+
+    limit = RateLimit(identify=ClientNetworks(v4_prefix=32, v6_prefix=56).identify)
+
+Proxies. Behind nginx or a load balancer every connection comes from the proxy: without
+help, all anonymous clients share the proxy's address, hence one budget. The proxy says who
+the client was in `X-Forwarded-For`, but any client can send that header too. Only the hops
+that YOUR proxies appended can be believed: walking the header from the right, the first
+address that is not one of your proxies is the client.
+
     from genai_ratelimit.proxies import TrustedProxies
 
     proxies = TrustedProxies(["10.0.0.0/8", "127.0.0.1"])   # your proxies' addresses
     limit = RateLimit(identify=proxies.identify)
+
+    # A proxy that reaches the service on a unix socket (uvicorn --uds): the server reports
+    # no client address; trust that peer, and only that, with unix_socket=True.
+    proxies = TrustedProxies(unix_socket=True)
 
 A connection from an address that is not a trusted proxy is the client itself, whatever
 headers it sends. Run the ASGI server so that it reports the TCP peer (uvicorn
 `--no-proxy-headers`), or let the server do the same job with the same list (uvicorn
 `--forwarded-allow-ips` with your proxies' addresses, never "*") and keep the default
 identify: one of the two, not both.
+
+Never one shared bucket by accident: an anonymous request whose address cannot be known (the
+server reports none: a unix socket not trusted, or a trusted proxy that sent no usable hop)
+is refused with HTTP 500 and `x-should-retry: false`, and a warning on the `genai_ratelimit`
+logger names the fix, rather than counted in one `ip:unknown` bucket that every such client
+would share (UnknownClientAddress).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import logging
+import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:  # FastAPI is an optional extra; this module only needs a request's shape
     from starlette.requests import Request
 
-__all__ = ["TrustedProxies"]
+__all__ = ["ClientNetworks", "TrustedProxies", "UnknownClientAddress", "client_network",
+           "DEFAULT_V4_PREFIX", "DEFAULT_V6_PREFIX"]
+
+logger = logging.getLogger("genai_ratelimit")
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+Address = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+DEFAULT_V4_PREFIX = 32
+DEFAULT_V6_PREFIX = 64
+UNKNOWN_LOG_INTERVAL = 60.0  # seconds between two warnings of unknown client addresses
 
 
-def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+def _address(text: str) -> Address | None:
     """An IP address from a header hop or a peer: "203.0.113.7", "[2001:db8::1]:443",
-    "203.0.113.7:5100"; None when it is not one ("unknown", obfuscated identifiers, junk)."""
+    "203.0.113.7:5100"; None when it is not one ("unknown", obfuscated identifiers, junk).
+    An IPv4-mapped IPv6 address is its IPv4 address."""
     text = text.strip()
     if text.startswith("["):  # [IPv6]:port
         text = text[1:text.find("]")] if "]" in text else ""
@@ -50,12 +82,126 @@ def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     return address
 
 
-class TrustedProxies:
-    """The addresses (or networks, "10.0.0.0/8") of the proxies in front of the service."""
+def _prefix(name: str, value: object, bits: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not 1 <= value <= bits:
+        raise ValueError(f"{name} must be between 1 and {bits}, got {value} (0 would put every "
+                         f"client in one bucket)")
+    return value
 
-    def __init__(self, proxies: Iterable[str], *, header: str = "x-forwarded-for") -> None:
+
+def client_network(address: str, v4_prefix: int = DEFAULT_V4_PREFIX,
+                   v6_prefix: int = DEFAULT_V6_PREFIX) -> str:
+    """The network an anonymous client is counted by: the address itself when the prefix is
+    the whole address ("203.0.113.7"), else the network in CIDR form ("2001:db8:1:2::/64",
+    "203.0.113.0/24"). An IPv4-mapped IPv6 address counts as IPv4. Anything that is not an IP
+    address (a test client's "testclient") is returned as it is."""
+    v4_prefix = _prefix("v4_prefix", v4_prefix, 32)
+    v6_prefix = _prefix("v6_prefix", v6_prefix, 128)
+    found = _address(address)
+    if found is None:
+        return address
+    if isinstance(found, ipaddress.IPv4Address):
+        if v4_prefix == 32:
+            return str(found)
+        return str(ipaddress.IPv4Network((int(found), v4_prefix), strict=False))
+    if v6_prefix == 128:
+        return str(ipaddress.IPv6Address(int(found)))  # without a zone id
+    return str(ipaddress.IPv6Network((int(found), v6_prefix), strict=False))
+
+
+class UnknownClientAddress(LookupError):
+    """An anonymous request whose client address cannot be known. Raised by
+    ClientNetworks.network_of; identify answers it with HTTP 500 (see the module)."""
+
+
+_last_unknown_warning = float("-inf")
+
+
+def _refuse_unknown_client(request: Request, unknown: UnknownClientAddress) -> NoReturn:
+    """Log (at most once per UNKNOWN_LOG_INTERVAL) and refuse: HTTP 500 with
+    x-should-retry: false (the SDKs retry neither), raised from `unknown` (a shadow
+    dependency, which never refuses, lets the request through uncounted)."""
+    global _last_unknown_warning
+    from starlette.exceptions import HTTPException  # FastAPI is needed only here
+
+    now = time.monotonic()
+    if now - _last_unknown_warning >= UNKNOWN_LOG_INTERVAL:
+        _last_unknown_warning = now
+        logger.warning(
+            "refused an anonymous request to %s: %s. Counting it would put every such client in "
+            "one shared bucket. Behind a proxy on a unix socket, use "
+            "RateLimit(identify=TrustedProxies(unix_socket=True).identify); else identify "
+            "the client yourself (identify=...). (Logged at most once per %d s.)",
+            request.url.path, unknown, UNKNOWN_LOG_INTERVAL)
+    raise HTTPException(
+        status_code=500, headers={"x-should-retry": "false"},
+        detail="Rate limit: the client's address is unknown, so its budget cannot be found "
+               "(a configuration error of the server; see its log)") from unknown
+
+
+def _is_unix_peer(host: str | None) -> bool:
+    """The peer of a unix socket connection, as ASGI servers report it: no client address
+    (uvicorn, hypercorn), an empty host or a path."""
+    return not host or host.startswith(("/", "unix:"))
+
+
+class ClientNetworks:
+    """An `identify` that counts anonymous clients per network: request.state.user_id when
+    the app's auth set one, else Anonymous(client_network(address, v4_prefix, v6_prefix)).
+    The tier from request.state.tier. An address the server does not report is refused,
+    never counted in a shared bucket."""
+
+    def __init__(self, *, v4_prefix: int = DEFAULT_V4_PREFIX, v6_prefix: int = DEFAULT_V6_PREFIX) -> None:
+        self.v4_prefix = _prefix("v4_prefix", v4_prefix, 32)
+        self.v6_prefix = _prefix("v6_prefix", v6_prefix, 128)
+
+    def __repr__(self) -> str:
+        return f"ClientNetworks(v4_prefix={self.v4_prefix}, v6_prefix={self.v6_prefix})"
+
+    def client_host(self, request: Request) -> str | None:
+        """The client's address: the peer the server reports (None when it reports none)."""
+        client = request.client
+        return client.host if client is not None and client.host else None
+
+    def network_of(self, request: Request) -> str:
+        """client_network of client_host; raises UnknownClientAddress when there is none."""
+        host = self.client_host(request)
+        if host is None or _is_unix_peer(host):
+            raise UnknownClientAddress(self._unknown_reason(request))
+        return client_network(host, self.v4_prefix, self.v6_prefix)
+
+    def _unknown_reason(self, request: Request) -> str:
+        return "the server reports no client address (a unix socket?)"
+
+    def identify(self, request: Request) -> tuple[str, str | None]:
+        """An `identify` for RateLimit / TokenRateLimit."""
+        from .fastapi import Anonymous  # FastAPI is needed only here
+
+        user_id = getattr(request.state, "user_id", None)
+        if user_id is None or user_id == "":
+            try:
+                user_id = Anonymous(self.network_of(request))
+            except UnknownClientAddress as unknown:
+                _refuse_unknown_client(request, unknown)
+        return user_id, getattr(request.state, "tier", None)
+
+
+class TrustedProxies(ClientNetworks):
+    """The addresses (or networks, "10.0.0.0/8") of the proxies in front of the service, and
+    with unix_socket=True the peer of a unix socket connection (a proxy that reaches the
+    service on a unix socket: the server reports no address for it). Anonymous clients are
+    counted per network (v4_prefix, v6_prefix; see ClientNetworks)."""
+
+    def __init__(self, proxies: Iterable[str] = (), *, header: str = "x-forwarded-for",
+                 unix_socket: bool = False, v4_prefix: int = DEFAULT_V4_PREFIX,
+                 v6_prefix: int = DEFAULT_V6_PREFIX) -> None:
+        super().__init__(v4_prefix=v4_prefix, v6_prefix=v6_prefix)
         if isinstance(proxies, str):
             raise TypeError("proxies must be a list of addresses or networks, not one str")
+        if not isinstance(unix_socket, bool):
+            raise TypeError(f"unix_socket must be a bool, not {type(unix_socket).__name__}")
         networks: list[Network] = []
         for proxy in proxies:
             if not isinstance(proxy, str):
@@ -64,8 +210,9 @@ class TrustedProxies:
                 networks.append(ipaddress.ip_network(proxy.strip(), strict=False))
             except ValueError:
                 raise ValueError(f"not an IP address or network: {proxy!r}") from None
-        if not networks:
-            raise ValueError("name at least one trusted proxy (or do not use TrustedProxies)")
+        if not networks and not unix_socket:
+            raise ValueError("name at least one trusted proxy, or unix_socket=True (or do not "
+                             "use TrustedProxies)")
         if any(network.prefixlen == 0 for network in networks):
             raise ValueError("a trusted proxy network of every address (/0) would let any "
                              "client choose its own address")
@@ -73,24 +220,34 @@ class TrustedProxies:
             raise ValueError("header must be a non-empty header name")
         self.networks = tuple(networks)
         self.header = header.lower()
+        self.unix_socket = unix_socket
 
     def __repr__(self) -> str:
-        return f"TrustedProxies({[str(n) for n in self.networks]!r}, header={self.header!r})"
+        return (f"TrustedProxies({[str(n) for n in self.networks]!r}, header={self.header!r}, "
+                f"unix_socket={self.unix_socket}, v4_prefix={self.v4_prefix}, "
+                f"v6_prefix={self.v6_prefix})")
 
     def trusts(self, host: str) -> bool:
         address = _address(host)
         return address is not None and any(address in network for network in self.networks)
 
     def client_host(self, request: Request) -> str | None:
-        """The client's address: the TCP peer unless it is a trusted proxy; then the first
-        hop of the header, from the right, that is not a trusted proxy. None when the
-        request has no peer address."""
-        peer = request.client.host if request.client is not None else None
-        if not peer or not self.trusts(peer):
+        """The client's address: the peer unless it is a trusted proxy (an address of the
+        list, or with unix_socket=True a unix socket peer); then the first hop of the header,
+        from the right, that is not a trusted proxy. None when there is no address: no peer
+        address and the unix socket not trusted, or a unix socket proxy that sent no address
+        in the header."""
+        peer = request.client.host if request.client is not None and request.client.host else None
+        if _is_unix_peer(peer):
+            if not self.unix_socket:
+                return None
+            client = None
+        elif peer is None or not self.trusts(peer):
             return peer
+        else:
+            client = peer
         hops = [hop for value in request.headers.getlist(self.header)
                 for hop in value.split(",") if hop.strip()]
-        client = peer
         for hop in reversed(hops):
             address = _address(hop)
             if address is None:
@@ -100,13 +257,10 @@ class TrustedProxies:
                 break
         return client
 
-    def identify(self, request: Request) -> tuple[str, str | None]:
-        """An `identify` for RateLimit: request.state.user_id when the app's auth set one,
-        else the anonymous identity of the client address found by client_host; the tier
-        from request.state.tier."""
-        from .fastapi import Anonymous  # FastAPI is needed only here
-
-        user_id = getattr(request.state, "user_id", None)
-        if user_id is None or user_id == "":
-            user_id = Anonymous(self.client_host(request) or "unknown")
-        return user_id, getattr(request.state, "tier", None)
+    def _unknown_reason(self, request: Request) -> str:
+        peer = request.client.host if request.client is not None and request.client.host else None
+        if not self.unix_socket:
+            return ("the server reports no client address (a unix socket peer?), and "
+                    "TrustedProxies(unix_socket=False) does not trust it")
+        return (f"the proxy on the unix socket{'' if peer is None else f' ({peer})'} sent no "
+                f"client address in {self.header}")

@@ -97,14 +97,16 @@ STORAGES_MARKER = "storages"
 STORAGES = ("zset", "compact")
 # Modules whose tests read the sorted sets themselves and that other work is reshaping now
 # (the FastAPI layer's rewrite, the cluster and Sentinel router, the command line and
-# metrics, the defects' move): they join the compact storage once they read the windows
+# metrics): they join the compact storage once they read the windows
 # through tests/helpers_core.py's logged / logged_entries (their decisions are the ones
 # test_storage_equivalence.py compares; the compact storage's cluster keys are in
 # test_compact.py). test_reply_bounds scripts its server's replies in the sorted-set
 # scripts' shape (the compact decision answers an 8th element, its tie).
 ZSET_ONLY_MODULES = ("test_fastapi", "test_cluster", "test_sentinel", "test_cli", "test_metrics",
-                     "test_tiers_config", "test_review_defects", "test_reply_bounds")
+                     "test_tiers_config", "test_reply_bounds")
 WHEEL_MARKER = "wheel"
+# The tests make test-asan / make test-hiredis1 leave out (pyproject.toml registers them).
+BUILD_MARKERS = ("not_asan", "no_hiredis1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -169,6 +171,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     unknown = selected - set(LIMITER_KINDS)
     if unknown:
         raise pytest.UsageError(f"--limiter-kinds: unknown kind(s) {', '.join(sorted(unknown))}")
+    for item in items:
+        for marker in item.iter_markers():
+            if marker.name in BUILD_MARKERS and not marker.kwargs.get("reason"):
+                raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.{marker.name} needs a "
+                                        "reason=... saying why that build leaves it out")
     kept, deselected = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)

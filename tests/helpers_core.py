@@ -1,17 +1,25 @@
 """Helpers for the core limiter tests: reading the server's clock and command statistics,
-watching MONITOR, lining up concurrent callers, and real faulty endpoints on loopback
-(a closed port, a listener whose accept queue is full, a server that answers garbage).
+watching MONITOR, lining up concurrent callers, real faulty endpoints on loopback (a closed
+port, a listener whose accept queue is full, a server that answers garbage, a server that
+reads a big command slowly and never answers), fork children that report over a pipe within
+a deadline, and a driver that sends signals to the main thread while it is blocked in a
+system call.
 
 Nothing here mocks Redis: every helper observes or provokes a real server or socket."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import select
+import signal
 import socket
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -19,6 +27,7 @@ from typing import Any
 
 import redis
 
+from fake_redis import parse_command
 from redis_server import RedisServer, free_port
 
 # The commands the inspection client itself sends while a test measures.
@@ -262,6 +271,47 @@ def process_worker(url: str, user_ids: list[str], limit: int, window_seconds: in
 def closed_port_url() -> str:
     """A redis:// URL on a loopback port nothing listens on."""
     return f"redis://127.0.0.1:{free_port()}/0"
+
+
+# A user name and password pieces that appear nowhere else in a message: a password holding
+# an unencoded '/', '?', '#', '&' or '@' splits there, and any piece, or the user name, in an
+# error would be a leak.
+USERINFO_PIECES = ("uZer7", "Pa55", "w0rd", "40417", "Secret9", "x9q")
+
+
+def unencoded_password_urls(port: int) -> list[tuple[str, str]]:
+    """(id, URL) of every URL form (redis, rediss, cluster, Sentinel, unix) with a password
+    holding an unencoded delimiter, its host a loopback port nothing listens on (or a
+    socket path that does not exist): whatever the parser makes of it, no error may show a
+    USERINFO_PIECES piece."""
+    host = f"127.0.0.1:{port}"
+    return [
+        ("redis-slash", f"redis://:Pa55/w0rd@{host}/0"),
+        ("redis-slash-no-port", "redis://:Pa55/w0rd@localhost"),
+        ("redis-user-slash", f"redis://uZer7:Pa55/w0rd@{host}"),
+        ("redis-slash-digits", f"redis://uZer7:40417/w0rd@{host}"),  # its head reads as a port
+        ("redis-at", f"redis://uZer7:Secret9@x9q@{host}/0"),
+        ("redis-at-then-slash", f"redis://uZer7:Secret9@x9q/w0rd@{host}/0"),
+        ("redis-question", f"redis://uZer7:Pa55?w0rd@{host}"),
+        ("redis-hash", f"redis://uZer7:Pa55#w0rd@{host}"),
+        ("redis-hash-digits", f"redis://uZer7:40417#w0rd@{host}"),
+        ("rediss-slash", f"rediss://:Pa55/w0rd@{host}/0?ssl_cert_reqs=none"),
+        ("rediss-at", f"rediss://uZer7:Secret9@x9q@{host}/0?ssl_cert_reqs=none"),
+        ("cluster-slash", f"redis+cluster://uZer7:Pa55/w0rd@{host}"),
+        ("cluster-at", f"redis+cluster://uZer7:Secret9@x9q@{host}"),
+        ("tls-cluster-slash", f"rediss+cluster://uZer7:Pa55/w0rd@{host}"),
+        ("sentinel-slash", f"redis+sentinel://uZer7:Pa55/w0rd@{host}/mymaster"),
+        ("sentinel-at", f"redis+sentinel://uZer7:Secret9@x9q@{host}/mymaster"),
+        ("tls-sentinel-slash", f"rediss+sentinel://:Pa55/w0rd@{host}/mymaster"),
+        ("unix-slash", "unix://uZer7:Pa55/w0rd@/nonexistent/redis.sock"),
+        ("unix-at", "unix://uZer7:Secret9@x9q@/nonexistent/redis.sock"),
+        ("unix-query-ampersand", "unix:///nonexistent/redis.sock?password=Pa55&w0rd=x9q"),
+    ]
+
+
+def userinfo_shown(text: str) -> list[str]:
+    """The USERINFO_PIECES that text shows, in any case (a host name is lowercased)."""
+    return [piece for piece in USERINFO_PIECES if piece.lower() in text.lower()]
 
 
 class FullBacklogListener:
@@ -526,3 +576,234 @@ def window_script(storage: str) -> tuple[str, str]:
 # script runs, their TTLs, entries written by hand). tests/test_compact.py holds the
 # compact storage's own tests of the same kind.
 SORTED_SET_SHAPE = "the sorted sets' own key shape, members, scores, commands or TTLs"
+
+
+# ------------------------------------------------------------------ a slow reader
+
+class SlowReader:
+    """A loopback server that takes a client's command slowly and never answers: once the
+    first byte of a connection arrives it reads nothing more for `hold` seconds (the
+    client's send blocks on a full window), then reads the rest as fast as it can. It
+    records when the first byte came and when the whole command had been read
+    (`first_byte_at`, `command_read_at`, time.monotonic()), then holds the connection
+    silently until the client hangs up. Its receive buffer is kept small so that the
+    client cannot park the command in the server's kernel buffer."""
+
+    def __init__(self, hold: float, receive_buffer: int = 64 * 1024) -> None:
+        self.hold = hold
+        self.first_byte_at: float | None = None
+        self.command_read_at: float | None = None
+        self.bytes_read = 0
+        self._stop = threading.Event()
+        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(4)
+        self.server.settimeout(0.05)
+        self.port = self.server.getsockname()[1]
+        self._conn: socket.socket | None = None
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.server.accept()
+                break
+            except (TimeoutError, OSError):
+                continue
+        else:
+            return
+        self._conn = conn
+        conn.settimeout(0.05)
+        buf = bytearray()
+        try:
+            while not self._stop.is_set():
+                try:
+                    first = conn.recv(1)
+                    break
+                except TimeoutError:
+                    continue
+            else:
+                return
+            if not first:
+                return
+            self.first_byte_at = time.monotonic()
+            buf += first
+            # The fault: a reader that stalls. Bounded by `hold` and by the stop event.
+            if self._stop.wait(self.hold):
+                return
+            while not self._stop.is_set() and self.command_read_at is None:
+                try:
+                    data = conn.recv(1 << 20)
+                except TimeoutError:
+                    continue
+                if not data:
+                    return
+                buf += data
+                self.bytes_read = len(buf)
+                if parse_command(buf) is not None:
+                    self.command_read_at = time.monotonic()
+            while not self._stop.is_set():  # never answer; wait for the client to hang up
+                try:
+                    if conn.recv(1 << 20) == b"":
+                        return
+                except TimeoutError:
+                    continue
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        if self._conn is not None:
+            self._conn.close()
+        self.server.close()
+
+    def __enter__(self) -> SlowReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------ signals
+
+# The futex system call: a thread waiting for the GIL or a lock sleeps in it.
+_FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98, "arm64": 98, "ppc64le": 221, "s390x": 238}
+
+
+def blocked_outside_locks(native_id: int) -> bool:
+    """True when the thread is asleep in a system call other than futex (recv, poll, ...):
+    inside the limiter's socket I/O, not waiting for the GIL or a mutex."""
+    import platform
+
+    with open(f"/proc/self/task/{native_id}/syscall") as f:
+        fields = f.read().split()
+    if not fields or fields[0] in ("running", "-1"):
+        return False
+    futex = _FUTEX_SYSCALL.get(platform.machine())
+    if futex is None:
+        raise RuntimeError(f"the futex system call number of {platform.machine()} is not known")
+    return int(fields[0]) != futex
+
+
+class SignalDriver:
+    """A thread that, once the main thread is asleep in socket I/O (seen twice, 20 ms
+    apart, within `wait_blocked` seconds), sends it `signum` every `interval` seconds,
+    at most `count` times, until `done` is set. A thread rather than setitimer: a Python
+    signal handler only runs when the interrupted C call gives control back to Python, so
+    a handler that stops its own timer could never stop it while the call loops on EINTR;
+    this driver stops by itself.
+
+    `sent_at` lists when each signal went out; `saw_blocked` says whether the main thread
+    was ever seen blocked (if not, no signal was sent and the test's premise failed)."""
+
+    def __init__(self, signum: int, interval: float, count: int,
+                 wait_blocked: float = 3.0) -> None:
+        self.signum = signum
+        self.interval = interval
+        self.count = count
+        self.wait_blocked = wait_blocked
+        self.done = threading.Event()
+        self.sent_at: list[float] = []
+        self.saw_blocked = False
+        self._main = threading.main_thread()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        native_id = self._main.native_id
+        assert native_id is not None
+        deadline = time.monotonic() + self.wait_blocked
+        while not self.done.is_set() and time.monotonic() < deadline:
+            if blocked_outside_locks(native_id):
+                if self.done.wait(0.02):
+                    return
+                if blocked_outside_locks(native_id):
+                    self.saw_blocked = True
+                    break
+            elif self.done.wait(0.005):
+                return
+        if not self.saw_blocked:
+            return
+        ident = self._main.ident
+        assert ident is not None
+        while not self.done.is_set() and len(self.sent_at) < self.count:
+            self.sent_at.append(time.monotonic())
+            signal.pthread_kill(ident, self.signum)
+            if self.done.wait(self.interval):
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+        self._thread.join(10)
+        if self._thread.is_alive():
+            raise AssertionError("the signal driver thread did not stop")
+
+
+# ------------------------------------------------------------------ fork children
+
+def fork_and_report(child: Callable[[], dict[str, Any]], timeout: float = 5.0) -> dict[str, Any]:
+    """Forks; the child runs child() and writes its result (JSON) to a pipe, then leaves
+    with os._exit. Returns the child's report. A child that does not report and exit within
+    `timeout` seconds (hung, e.g. on a mutex copied in a locked state) is killed and the
+    test fails; so does a child that raised (its exception is in the message)."""
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns that fork() with threads alive may deadlock: that very risk is
+        # what the stress test provokes, on purpose and under a deadline.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: never return into pytest
+        status = 1
+        try:
+            os.close(read_end)
+            try:
+                report = child()
+            except BaseException as exc:
+                report = {"child_error": f"{type(exc).__name__}: {exc}"}
+            os.write(write_end, json.dumps(report).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    data = bytearray()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                raise AssertionError(f"the fork child did not report within {timeout} s "
+                                     f"(hung; killed). Read so far: {bytes(data)!r}")
+            ready, _, _ = select.select([read_end], [], [], left)
+            if ready:
+                chunk = os.read(read_end, 65536)
+                if not chunk:
+                    break
+                data += chunk
+    finally:
+        os.close(read_end)
+    left = max(0.1, deadline - time.monotonic())
+    while True:  # the child exits right after writing; reap it within the deadline too
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if left <= 0:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the fork child reported but did not exit (killed)")
+        time.sleep(0.005)  # polling the child's exit, with a deadline
+        left -= 0.005
+    report = json.loads(bytes(data)) if data else {"child_error": "no report"}
+    if "child_error" in report:
+        raise AssertionError(f"the fork child failed: {report['child_error']}")
+    return report  # type: ignore[no-any-return]

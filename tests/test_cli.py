@@ -17,8 +17,20 @@ import redis
 
 from genai_ratelimit import RateLimiter, Scope
 from genai_ratelimit._keyspace import KeyName
-from helpers_core import Monitor, closed_port_url, measured_commands
-from redis_server import RedisServer
+from helpers_core import (
+    Monitor,
+    closed_port_url,
+    measured_commands,
+    unencoded_password_urls,
+    userinfo_shown,
+)
+from redis_server import RedisServer, free_port
+
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="the command line runs in subprocesses"),
+    pytest.mark.no_hiredis1(reason="the command line runs in subprocesses"),
+]
 
 TIMEOUT = 30
 SECURITY_PAGE = Path(__file__).resolve().parent.parent / "docs" / "security.md"
@@ -158,6 +170,38 @@ def test_a_bad_url_is_a_usage_error(user_id: str) -> None:
     assert done.returncode == 2
     assert "unsupported scheme 'http'" in done.stderr
     assert done.stdout == ""
+
+
+URL_PORT = free_port()
+
+
+@pytest.mark.parametrize("url", [pytest.param(url, id=name)
+                                 for name, url in unencoded_password_urls(URL_PORT)])
+def test_no_part_of_an_unencoded_password_is_printed(url: str) -> None:
+    # A URL the library refuses exits 2 and says to percent-encode; one it reads (an '@' in
+    # the password) exits 3 on the closed port. Through --url (the blocking check, the async
+    # inspect) and through $REDIS_URL.
+    for args, env in ((["--url", url, "check", "user-1"], None),
+                      (["--url", url, "inspect", "user-1"], None),
+                      (["top"], {"REDIS_URL": url})):
+        done = run("--timeout", "0.5", *args, env=env)
+        printed = done.stdout + done.stderr
+        assert not userinfo_shown(printed), f"{userinfo_shown(printed)} printed by {args}: {printed}"
+        assert done.returncode in (2, 3), (args, done.returncode, printed)
+        if done.returncode == 2:
+            assert "percent-encoded" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("url", [pytest.param(url, id=name)
+                                 for name, url in unencoded_password_urls(URL_PORT)[:2]])
+def test_a_misplaced_url_is_not_echoed_by_the_usage_error(url: str) -> None:
+    # argparse quotes what it could not place ("unrecognized arguments: ...").
+    for args in (["check", "user-1", url], ["top", url], ["check", "user-1", f"--url={url}", url],
+                 [f"--colour={url}", "top"]):
+        done = run(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert not userinfo_shown(done.stderr), done.stderr
+        assert "error:" in done.stderr, done.stderr
 
 
 def test_an_unreachable_redis_exits_3_within_the_timeout(user_id: str) -> None:

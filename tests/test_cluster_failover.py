@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import binascii
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -195,3 +196,43 @@ def test_resharding_under_load_answers_every_check_exactly(
               "--cluster-to", source_id, "--cluster-slots", str(moving), "--cluster-yes",
               timeout=60)
     cluster.wait_ok()
+
+
+def role_of(port: int) -> str:
+    return redis_cli("-p", str(port), "role", timeout=5).split()[0]
+
+
+def test_a_frozen_master_is_left_within_a_second_of_its_replicas_promotion(
+        make_limiter: LimiterFactory, cluster: RedisCluster) -> None:
+    """SIGSTOP on a master under load: the checks of its slots time out until its replica
+    is promoted (cluster-node-timeout), then resume within a second, though the frozen
+    node never closes a connection (a timeout makes the map be read again)."""
+    users = [f"user_{i}" for i in range(600)]
+    victim = cluster.master_of_slot(slot_of(users[0]))
+    victim_id = cluster.cli(victim, "cluster", "myid").strip()
+    replica = next(n for n in cluster.alive() if n is not victim and victim_id in
+                   cluster.cli(n, "cluster", "nodes").split("myself")[1].splitlines()[0])
+    served = set(cluster.owned_slots(victim))
+    frozen_users = {u for u in users if slot_of(u) in served}
+    assert victim.process is not None
+    with Load(make_limiter, cluster.url, users) as load:
+        load.wait_for(300)
+        stopped_at = time.monotonic()
+        victim.process.send_signal(signal.SIGSTOP)
+        try:
+            while role_of(replica.port) != "master":
+                assert time.monotonic() - stopped_at < 15, "the replica was never promoted"
+                time.sleep(0.02)  # polling a condition, bounded
+            promoted_at = time.monotonic()
+            resumed_at = None
+            while resumed_at is None:
+                assert time.monotonic() - promoted_at < 10, "the frozen master's slots never came back"
+                done = [end for start, end, outcome, user in list(load.records)
+                        if user in frozen_users and outcome is True and start > stopped_at]
+                resumed_at = min(done) if done else None
+                time.sleep(0.02)  # polling a condition, bounded
+        finally:
+            victim.process.send_signal(signal.SIGCONT)
+    print(f"\nfrozen master: promoted {promoted_at - stopped_at:.2f} s after SIGSTOP, its slots "
+          f"answered again {resumed_at - promoted_at:.2f} s after the promotion")
+    assert resumed_at - promoted_at <= 1.0

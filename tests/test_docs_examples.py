@@ -24,6 +24,13 @@ import tomllib
 
 from helpers_docs import DOCS, README, ROOT, CodeBlock, code_blocks, pages
 
+
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="the documentation's examples run in interpreters of their own"),
+    pytest.mark.no_hiredis1(reason="the documentation's examples run in interpreters of their own"),
+]
+
 DOC_PAGES = sorted(DOCS.glob("*.md"))
 PYTHON_BLOCKS = [block for page in DOC_PAGES for block in code_blocks(page)
                  if block.language == "python"]

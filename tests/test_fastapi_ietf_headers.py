@@ -31,6 +31,14 @@ from test_fastapi import (  # noqa: F401  (fixtures, by name)
     server_now_ms,
 )
 
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="calls the limiters exactly as test_fastapi_tokens.py does, which runs "
+                                "under ASan"),
+    pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline the async tests "
+                                   "drive on hiredis 1.x"),
+]
+
 SECRET = "s3cret-of-this-app"
 TOKENS = {"free": {"per_minute": 100, "per_day": 1_000}}
 Items = dict[str, dict[str, Any]]
@@ -236,15 +244,16 @@ def test_a_request_that_can_never_fit_gets_the_policies_only(
     assert "RateLimit" not in response.headers  # no remaining to tell: nothing was asked
 
 
-def test_a_shadow_would_refuse_carries_the_fields_the_429_would_have(
+def test_a_shadow_would_refuse_carries_no_ietf_field(
         limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str) -> None:
+    """The IETF fields describe what is enforced: a shadow budget's verdict goes out in
+    X-RateLimit-Shadow-* only."""
     client = client_for(RateLimit(limiter=limiter, tier_limits={"free": {"per_minute": 1, "per_day": 10}},
                                   mode="shadow", headers="ietf", partition_key_secret=SECRET))
     assert client.get("/dict", headers=as_user(user_id)).status_code == 200
     response = client.get("/dict", headers=as_user(user_id))
     assert response.status_code == 200
     assert response.headers["X-RateLimit-Shadow"] == "would-refuse"
-    limits = parsed(response, "RateLimit")
-    assert list(limits) == ["requests-minute"] and limits["requests-minute"]["r"] == 0
-    assert 1 <= limits["requests-minute"]["t"] <= 60
+    assert response.headers["X-RateLimit-Shadow-Remaining"] == "0"
+    assert "RateLimit" not in response.headers and "RateLimit-Policy" not in response.headers
     assert "Retry-After" not in response.headers

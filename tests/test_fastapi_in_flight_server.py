@@ -22,6 +22,14 @@ import redis
 
 from helpers_uvicorn import UvicornServer
 
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="its limiters run in uvicorn server processes, which this process's ASan "
+                                "does not reach"),
+    pytest.mark.no_hiredis1(reason="its limiters run in uvicorn server processes, on the codec and pipeline"
+                                   " the async tests drive on hiredis 1.x"),
+]
+
 USER = "user_streamer"
 CAP = 3
 TIERS = {"free": {"per_minute": 1000, "per_day": 100_000, "max_in_flight": CAP}}

@@ -145,6 +145,40 @@ def test_max_limit_is_two_to_the_53_minus_one():
     assert _native.MAX_LIMIT == MAX_LIMIT
 
 
+def test_max_limit_is_public():
+    import genai_ratelimit
+
+    assert genai_ratelimit.MAX_LIMIT == MAX_LIMIT and "MAX_LIMIT" in genai_ratelimit.__all__
+
+
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
+def test_max_limit_is_the_largest_limit_cost_and_token_count_accepted(driver, redis_client, user_id):
+    from genai_ratelimit import MAX_LIMIT as PUBLIC_MAX_LIMIT
+
+    assert driver.check(user_id, PUBLIC_MAX_LIMIT, 60, cost=PUBLIC_MAX_LIMIT) == (True, 0, 0)
+    r = driver.reserve(f"{user_id}-t", [(1, 60)], token_windows=[(PUBLIC_MAX_LIMIT, 60)],
+                       tokens=PUBLIC_MAX_LIMIT)
+    assert r.allowed and r.remaining_tokens == 0
+    assert driver.reconcile(r, PUBLIC_MAX_LIMIT) == 1
+
+
+@pytest.mark.parametrize("call", ["cost", "tokens", "actual"])
+def test_a_cost_or_token_count_past_max_limit_is_refused_before_any_io(no_io, call):
+    from genai_ratelimit import MAX_LIMIT as PUBLIC_MAX_LIMIT
+
+    with pytest.raises(ValueError, match=r"at most 9007199254740991"):
+        if call == "cost":
+            no_io.check("user-1", 10, 60, cost=PUBLIC_MAX_LIMIT + 1)
+        elif call == "tokens":
+            no_io.reserve("user-1", [(10, 60)], token_windows=[(10, 60)], tokens=PUBLIC_MAX_LIMIT + 1)
+        else:
+            from genai_ratelimit import Reservation, WindowState
+            reservation = Reservation(True, 9, 0, 60, "requests", 0, "user-1", 1, None,
+                                      (WindowState(10, 60, "requests", 9),),
+                                      "00000000-0000-4000-8000-000000000000", 1)
+            no_io.reconcile(reservation, PUBLIC_MAX_LIMIT + 1)
+
+
 @pytest.mark.parametrize("limit", [2**31 - 1, 2**31, 2**32, MAX_LIMIT - 1, MAX_LIMIT],
                          ids=["2^31-1", "2^31", "2^32", "2^53-2", "2^53-1"])
 @pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+import uuid
+from typing import Any
 
 import pytest
 import redis
@@ -192,3 +195,90 @@ def test_a_replayed_reserve_names_its_first_entry_so_reconcile_finds_it(
     with make_limiter(redis_url) as limiter:
         assert limiter.reconcile(r, 40) == 1
     assert logged(redis_client, f"ratelimit:{user_id}:60:tokens") == [(at, 40)]
+
+
+# ----------------------------------------- what a replayed release and reconcile answer
+# They are idempotent by themselves, so a replay after a lost reply does no harm; but it
+# answers what it finds, and the first attempt already did the work: a replayed release
+# answers False, a replayed reconcile(r, 0) answers 0 (README: "Answers of a replay").
+
+
+def test_a_replayed_release_answers_false_and_the_slot_is_free(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, redis_port: int,
+        user_id: str) -> None:
+    with make_limiter(redis_url) as direct:
+        lease = direct.acquire(user_id, 1, 300)  # loads the lease script: no NOSCRIPT below
+    assert lease.allowed
+    proxy = ReplyDroppingProxy(redis_port, drop=1)
+    try:
+        with make_limiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            answer = limiter.release(lease)
+    finally:
+        proxy.close()
+    assert len(proxy.dropped_replies) == 1, "premise: the first attempt's reply was lost"
+    assert proxy.dropped_replies[0].startswith(b"*5\r\n:1\r\n"), "the first attempt released it"
+    assert answer is False
+    assert redis_client.exists(f"ratelimit:{user_id}:leases") == 0
+
+
+def test_a_replayed_reconcile_to_zero_answers_zero_and_the_entry_is_gone(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, redis_port: int,
+        user_id: str) -> None:
+    with make_limiter(redis_url) as direct:
+        r = direct.reserve(user_id, [(5, 60)], cost=3)
+        direct.reconcile(r, 3)  # loads the reconcile script: no NOSCRIPT below
+    proxy = ReplyDroppingProxy(redis_port, drop=1)
+    try:
+        with make_limiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            answer = limiter.reconcile(r, 0)
+    finally:
+        proxy.close()
+    assert len(proxy.dropped_replies) == 1, "premise: the first attempt's reply was lost"
+    assert proxy.dropped_replies[0] == b":1\r\n", "the first attempt found and removed the entry"
+    assert answer == 0
+    assert logged_entries(redis_client, f"ratelimit:{user_id}:60") == 0
+
+
+# --------------------------------------------------------- the replay marker's window
+# The script's replay marker looks for the member in the longest window, where it lives
+# longest.
+
+
+def evalsha(client: redis.Redis, sha: str, keys: list[str], member: str, now_ms: int,
+            windows: list[tuple[int, int]], replay: bool = False) -> list[int]:
+    """Runs the script as the limiter does: KEYS shortest window first, then their weights
+    and their running totals;
+    ARGV member, the request time, (window_ms, limit, cost 1) per window, and the optional
+    replay marker."""
+    argv: list[Any] = [member, now_ms]
+    for seconds, limit in windows:
+        argv += [seconds * 1000, limit, 1]
+    if replay:
+        argv.append("1")
+    weights = [f"{key}:w" for key in keys]
+    totals = [f"{key}:t" for key in keys]
+    return client.evalsha(sha, 3 * len(keys), *keys, *weights, *totals, *argv)  # type: ignore[no-any-return]
+
+
+def test_replay_finds_its_member_in_the_longest_window_after_the_shortest_expired_it(
+        redis_client: redis.Redis, user_id: str) -> None:
+    from genai_ratelimit import _native
+
+    sha = redis_client.script_load(_native.SCRIPT_SOURCE)
+    windows = [(1, 5), (3600, 1)]
+    keys = [f"ratelimit:{user_id}:1", f"ratelimit:{user_id}:3600"]
+    first, other = str(uuid.uuid4()), str(uuid.uuid4())
+    t0 = int(time.time() * 1000)
+
+    assert evalsha(redis_client, sha, keys, first, t0, windows)[0] == 1
+    # Rejected by the hour window; on its way it trimmed `first` out of the 1 s window.
+    assert evalsha(redis_client, sha, keys, other, t0 + 1200, windows)[0] == 0
+    assert redis_client.zscore(keys[0], first) is None
+    state = [redis_client.zrange(key, 0, -1, withscores=True) for key in keys]
+
+    reply = evalsha(redis_client, sha, keys, first, t0 + 1300, windows, replay=True)
+
+    assert reply[0] == 1, (
+        f"the replay of a request the hour window still counts was answered {reply}: the "
+        "script looked for it in the shortest window only")
+    assert [redis_client.zrange(key, 0, -1, withscores=True) for key in keys] == state

@@ -136,3 +136,80 @@ def test_no_kill_switch_warning_while_it_is_off(tmp_path):
     report = run_probe(tmp_path, "")
     assert set(map(str, report["results"])) <= {"RateLimiterUnavailable", "RateLimiterTimeout", "None"}
     assert report["warnings"] == []
+
+
+# ------------------------------ what Redis already holds: given back whatever the switch says
+# The switch stops new decisions only. A release, renew, reconcile (release=True included)
+# or reset of something Redis holds always reaches Redis: skipped, it would leave the slot
+# or the entries held, and the user refused once the switch goes off again.
+
+
+def test_a_release_while_the_switch_is_on_frees_the_slot(monkeypatch, limiter, redis_client, user_id):
+    lease = limiter.acquire(user_id, 1, 300)
+    assert lease.allowed and lease.lease_id
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    assert limiter.release(lease) is True, "the release did not reach Redis"
+    assert redis_client.pttl(f"ratelimit:{user_id}:leases") == -2, "the slot is still held"
+    monkeypatch.delenv("RATE_LIMIT_DISABLED")
+    after = limiter.acquire(user_id, 1, 300)
+    assert (after.allowed, after.retry_after_s) == (True, 0)
+    limiter.release(after)
+
+
+def test_a_renew_while_the_switch_is_on_extends_the_lease_in_redis(
+        monkeypatch, limiter, redis_client, user_id):
+    lease = limiter.acquire(user_id, 1, 30)
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    assert limiter.renew(lease, 600) is True
+    assert redis_client.pttl(f"ratelimit:{user_id}:leases") > 500_000, "the renew did not reach Redis"
+    monkeypatch.delenv("RATE_LIMIT_DISABLED")
+    limiter.release(lease)
+    # A lease Redis no longer holds is not renewed, switch on or off: its slot may be taken.
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    assert limiter.renew(lease, 600) is False
+
+
+def test_a_reconcile_while_the_switch_is_on_refunds_in_redis(monkeypatch, limiter, redis_client, user_id):
+    reservation = limiter.reserve(user_id, [(5, 60)], cost=5)
+    assert reservation.allowed and limiter.check(user_id, 5, 60)[0] is False
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    assert limiter.reconcile(reservation, 0) == 1, "the reconcile did not reach Redis"
+    monkeypatch.delenv("RATE_LIMIT_DISABLED")
+    assert logged_entries(redis_client, f"ratelimit:{user_id}:60") == 0
+    assert limiter.check(user_id, 5, 60) == (True, 4, 0)
+
+
+def test_a_reconcile_with_release_while_the_switch_is_on_frees_the_slot(
+        monkeypatch, limiter, redis_client, user_id):
+    reservation = limiter.reserve(user_id, [(10, 60)], in_flight=(1, 300))
+    assert reservation.allowed and reservation.lease is not None and reservation.lease.lease_id
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    assert limiter.reconcile(reservation, 1, release=True) == 1
+    assert redis_client.pttl(f"ratelimit:{user_id}:leases") == -2, "the slot is still held"
+    monkeypatch.delenv("RATE_LIMIT_DISABLED")
+    after = limiter.reserve(user_id, [(10, 60)], in_flight=(1, 300))
+    assert after.allowed and after.lease is not None and after.lease.allowed
+    limiter.reconcile(after, 1, release=True)
+
+
+@pytest.mark.parametrize("every_window", [False, True], ids=["named-windows", "every-window"])
+def test_a_reset_while_the_switch_is_on_forgets_the_entries(
+        monkeypatch, limiter, redis_client, user_id, every_window):
+    assert limiter.check(user_id, 1, 60) == (True, 0, 0)
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    removed = limiter.reset(user_id) if every_window else limiter.reset(user_id, [(1, 60)])
+    assert removed == 1, "the reset did not reach Redis"
+    monkeypatch.delenv("RATE_LIMIT_DISABLED")
+    assert limiter.check(user_id, 1, 60) == (True, 0, 0)
+
+
+def test_what_the_switch_granted_is_given_back_without_redis(monkeypatch, unreachable_limiter):
+    # Granted by the switch, nothing is held: its release, renew and reconcile send nothing.
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "true")
+    lease = unreachable_limiter.acquire("user-1", 1, 30)
+    assert lease.allowed and lease.lease_id == ""
+    assert unreachable_limiter.renew(lease) is True
+    assert unreachable_limiter.release(lease) is False
+    reservation = unreachable_limiter.reserve("user-1", [(5, 60)], in_flight=(1, 30))
+    assert reservation.allowed and reservation.member == ""
+    assert unreachable_limiter.reconcile(reservation, 0, release=True) == 0

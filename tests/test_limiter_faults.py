@@ -11,11 +11,22 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import redis
 
 import fake_redis
+from fake_redis import ScriptedRedis
+from genai_ratelimit import (
+    RateLimiter,
+    RateLimiterAuthError,
+    RateLimiterError,
+    RateLimiterTimeout,
+    RateLimiterUnavailable,
+)
+from helpers_async import LimiterFactory
 from helpers_core import (
     SORTED_SET_SHAPE,
     FullBacklogListener,
@@ -23,6 +34,7 @@ from helpers_core import (
     PasswordRedisServer,
     closed_port_url,
     connections_received,
+    fork_and_report,
     logged_entries,
     measured_commands,
     run_lined_up,
@@ -480,3 +492,175 @@ def test_context_manager_closes_the_limiter(limiter_for, redis_url, redis_client
     while int(redis_client.info("clients")["connected_clients"]) != clients_before:
         assert time.monotonic() < deadline, "the limiter's connection stayed open after close()"
         time.sleep(0.01)
+
+
+# ------------------------------------------------ the handshake's errors (AUTH, SELECT)
+# A lost connection and a silent server are classified the same in both limiters:
+# RateLimiterUnavailable and RateLimiterTimeout, never RateLimiterAuthError (which only a
+# refused password earns).
+
+HANDSHAKE_ONLY = "the handshake (AUTH, SELECT) comes before any storage's script"
+
+
+def check_once(make_limiter: LimiterFactory, url: str, *, connect_timeout: float,
+               socket_timeout: float, user: str = "handshake-user") -> tuple[bool, int, int]:
+    """One check through a new limiter of the kind under test (closed after the test)."""
+    limiter = make_limiter(url, connect_timeout=connect_timeout, socket_timeout=socket_timeout)
+    return limiter.check(user, 10, 60)  # type: ignore[no-any-return]
+
+
+def failure(call: Callable[[], Any]) -> RateLimiterError:
+    """The RateLimiterError that call() must raise."""
+    with pytest.raises(RateLimiterError) as info:
+        call()
+    return info.value
+
+
+TIMEOUT_ORDERS = [pytest.param((0.6, 0.3), id="socket-timeout-first"),
+                  pytest.param((0.3, 0.6), id="connect-timeout-first")]
+
+
+@pytest.mark.storages("zset", reason=HANDSHAKE_ONLY)
+def test_connection_lost_during_auth_is_unavailable_not_an_auth_error(make_limiter: LimiterFactory) -> None:
+    with ScriptedRedis(lambda args: None) as server:  # reads a command, hangs up
+        error = failure(lambda: check_once(make_limiter, server.url(password="pw"),
+                                           connect_timeout=0.5, socket_timeout=0.5))
+        assert server.commands[:1] == ["AUTH"], server.commands
+    assert type(error) is RateLimiterUnavailable, (
+        f"a connection lost during AUTH raised {type(error).__name__}: {error}")
+
+
+@pytest.mark.parametrize("timeouts", TIMEOUT_ORDERS)
+@pytest.mark.storages("zset", reason=HANDSHAKE_ONLY)
+def test_server_silent_after_auth_is_a_timeout(
+        make_limiter: LimiterFactory, timeouts: tuple[float, float]) -> None:
+    connect_timeout, socket_timeout = timeouts
+    with ScriptedRedis(lambda args: b"") as server:  # reads, never answers
+        error = failure(lambda: check_once(make_limiter, server.url(password="pw"),
+                                           connect_timeout=connect_timeout,
+                                           socket_timeout=socket_timeout))
+        assert server.commands[:1] == ["AUTH"], server.commands
+    assert type(error) is RateLimiterTimeout, (
+        f"a server silent after AUTH raised {type(error).__name__}: {error}")
+
+
+@pytest.mark.storages("zset", reason=HANDSHAKE_ONLY)
+def test_connection_lost_during_select_is_unavailable_not_an_auth_error(make_limiter: LimiterFactory) -> None:
+    with ScriptedRedis(lambda args: None) as server:  # reads a command, hangs up
+        error = failure(lambda: check_once(make_limiter, server.url(db=2),
+                                           connect_timeout=0.5, socket_timeout=0.5))
+        assert server.commands[:1] == ["SELECT"], server.commands
+    assert type(error) is RateLimiterUnavailable, (
+        f"a connection lost during SELECT raised {type(error).__name__}: {error}")
+
+
+@pytest.mark.parametrize("timeouts", TIMEOUT_ORDERS)
+@pytest.mark.storages("zset", reason=HANDSHAKE_ONLY)
+def test_server_silent_after_select_is_a_timeout(
+        make_limiter: LimiterFactory, timeouts: tuple[float, float]) -> None:
+    connect_timeout, socket_timeout = timeouts
+    with ScriptedRedis(lambda args: b"") as server:  # reads, never answers
+        error = failure(lambda: check_once(make_limiter, server.url(db=2),
+                                           connect_timeout=connect_timeout,
+                                           socket_timeout=socket_timeout))
+        assert server.commands[:1] == ["SELECT"], server.commands
+    assert type(error) is RateLimiterTimeout, (
+        f"a server silent after SELECT raised {type(error).__name__}: {error}")
+
+
+@pytest.mark.storages("zset", reason=HANDSHAKE_ONLY)
+def test_wrong_password_is_an_auth_error(make_limiter: LimiterFactory) -> None:
+    with PasswordRedisServer("right-password") as server:
+        url = f"redis://:wrong-password@127.0.0.1:{server.port}/0"
+        error = failure(lambda: check_once(make_limiter, url, connect_timeout=2, socket_timeout=2))
+    assert isinstance(error, RateLimiterAuthError), f"{type(error).__name__}: {error}"
+    assert "wrong-password" not in str(error)
+
+
+# ------------------------------------------------------------ the pool in a fork child
+# In a fork child, close(), .closed and .open_connections go through the fork check: they see
+# a fresh pool, never the parent's state or its mutex.
+
+
+def child_pool_report(limiter: RateLimiter) -> Callable[[], dict[str, Any]]:
+    """What a fork child that made no call yet sees of the pool, then how long close() took."""
+
+    def report() -> dict[str, Any]:
+        open_connections = limiter.open_connections
+        closed = limiter.closed
+        started = time.monotonic()
+        limiter.close()
+        return {"open_connections": open_connections, "closed": closed,
+                "close_seconds": time.monotonic() - started}
+
+    return report
+
+
+def open_parent_connections(limiter: RateLimiter, user: str, threads: int = 4) -> int:
+    """Checks from several threads at once, so the parent holds connections; returns how many."""
+    results = run_lined_up(threads, lambda i: limiter.check(f"{user}-{i}", 100, 60))
+    assert all(result[0] for result in results)
+    return limiter.open_connections
+
+
+def test_fork_child_sees_a_fresh_pool_and_its_close_leaves_the_parents_connections(
+        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    with RateLimiter(redis_url, max_connections=8) as limiter:
+        parent_open = open_parent_connections(limiter, user_id)
+        assert parent_open >= 1
+        received_before = connections_received(redis_client)
+
+        report = fork_and_report(child_pool_report(limiter), timeout=5.0)
+
+        assert report["open_connections"] == 0, (
+            f"the child saw the parent's {report['open_connections']} connections")
+        assert report["closed"] is False
+        assert report["close_seconds"] < 1.0, report
+        assert limiter.open_connections == parent_open
+        assert not limiter.closed
+        assert limiter.check(f"{user_id}-0", 100, 60) == (True, 98, 0)
+        assert connections_received(redis_client) == received_before, \
+            "the parent had to dial anew: the child disturbed its connections"
+
+
+def test_fork_children_never_hang_on_the_pool_while_parent_threads_read_it(
+        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    # Two threads read open_connections without pause; each read releases the GIL and takes
+    # the pool's mutex, so a fork() from the main thread now and then copies that mutex in
+    # a locked state (measured on the unfixed code: one fork in 20 to 100). A child whose
+    # pool calls do not go through the fork check then blocks on it forever.
+    forks = 100
+    with RateLimiter(redis_url, max_connections=8) as limiter:
+        parent_open = open_parent_connections(limiter, user_id)
+        stop = threading.Event()
+        reads = [0, 0]
+
+        def hammer(index: int) -> None:
+            deadline = time.monotonic() + 60
+            while not stop.is_set() and time.monotonic() < deadline:
+                _ = limiter.open_connections  # a read: the property takes the pool mutex
+                reads[index] += 1
+
+        threads = [threading.Thread(target=hammer, args=(i,), daemon=True) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        reports: list[dict[str, Any]] = []
+        hung = None
+        try:
+            for n in range(forks):
+                try:
+                    reports.append(fork_and_report(child_pool_report(limiter), timeout=5.0))
+                except AssertionError as exc:
+                    hung = f"fork {n}: {exc}"
+                    break
+        finally:
+            stop.set()
+            for thread in threads:
+                thread.join(10)
+        assert hung is None, hung
+        assert min(reads) > forks, f"the reading threads hardly ran: {reads}"
+        wrong = [(n, r) for n, r in enumerate(reports)
+                 if (r["open_connections"], r["closed"]) != (0, False) or r["close_seconds"] >= 1]
+        assert not wrong, f"{len(wrong)} of {forks} children saw the parent's pool: {wrong[:3]}"
+        assert limiter.open_connections == parent_open
+        assert limiter.check(f"{user_id}-0", 100, 60) == (True, 98, 0)

@@ -13,13 +13,18 @@ import logging
 import pytest
 import redis
 
+from genai_ratelimit._url import parse_redis_url
+from helpers_async import LimiterFactory
 from helpers_core import (
     SORTED_SET_SHAPE,
     PasswordRedisServer,
     closed_port_url,
     logged_entries,
     measured_commands,
+    unencoded_password_urls,
+    userinfo_shown,
 )
+from redis_server import free_port
 
 BAD_USER_IDS = [
     pytest.param("", ValueError, id="empty"),
@@ -291,3 +296,104 @@ def test_password_is_not_in_unavailable_errors(make_limiter):
         with pytest.raises(RateLimiterUnavailable) as info:
             limiter.check("user-1", 10, 60)
     assert SECRET not in str(info.value) and SECRET not in repr(info.value)
+
+
+# A password holding an unencoded '/', '?', '#', '&' or '@': whatever the parser makes of the
+# URL, no message shows any part of the user name or password, and a refusal says how to
+# write it. Every URL form, every limiter kind: built, then one check on a closed port.
+URL_PORT = free_port()
+
+
+@pytest.mark.parametrize("url", [pytest.param(url, id=name)
+                                 for name, url in unencoded_password_urls(URL_PORT)])
+def test_no_part_of_an_unencoded_password_is_in_any_error(make_limiter, url):
+    from genai_ratelimit import RateLimiterError
+
+    try:
+        limiter = make_limiter(url, connect_timeout=0.5, socket_timeout=0.5)
+        with pytest.raises(RateLimiterError) as info:
+            limiter.check("user-1", 10, 60)
+        error: BaseException = info.value
+        shown = f"{error!s} {error!r} {limiter!r} {limiter.url}"
+    except ValueError as refused:
+        shown = f"{refused!s} {refused!r}"
+        assert not userinfo_shown(shown), f"{userinfo_shown(shown)} shown in: {shown}"
+        assert "percent-encoded" in str(refused), str(refused)
+    else:
+        assert not userinfo_shown(shown), f"{userinfo_shown(shown)} shown in: {shown}"
+
+
+@pytest.mark.parametrize("url", [pytest.param(url, id=name)
+                                 for name, url in unencoded_password_urls(URL_PORT)])
+def test_parse_redis_url_never_shows_an_unencoded_password(url):
+    try:
+        options = parse_redis_url(url)
+    except ValueError as error:
+        assert not userinfo_shown(f"{error!s} {error!r}"), str(error)
+        assert "percent-encoded" in str(error), str(error)
+    else:  # an '@' in the password, the rest well formed: read whole, shown nowhere
+        assert options.password is not None and "@" in options.password
+        shown = f"{options!r} {options.describe()}"
+        assert not userinfo_shown(shown), shown
+
+
+@pytest.mark.parametrize("url, password", [
+    pytest.param("redis://:Pa55%2Fw0rd@h:1/0", "Pa55/w0rd", id="slash"),
+    pytest.param("redis://uZer7:Secret9%40x9q@h:1/0", "Secret9@x9q", id="at"),
+    pytest.param("redis://uZer7:Pa55%3Fw0rd%23x9q@h:1/0", "Pa55?w0rd#x9q", id="question-hash"),
+    pytest.param("redis+sentinel://:Pa55%2Fw0rd@h:1/mymaster", "Pa55/w0rd", id="sentinel"),
+    pytest.param("unix://:Pa55%2Fw0rd@/run/redis.sock", "Pa55/w0rd", id="unix"),
+    pytest.param("unix:///run/redis.sock?password=Pa55%26w0rd", "Pa55&w0rd", id="unix-query"),
+])
+def test_a_percent_encoded_password_is_read_whole(url, password):
+    assert parse_redis_url(url).password == password
+
+
+# ------------------------------------------------------------------ timeouts over one day
+# connect_timeout and socket_timeout above one day (86400 s) are refused, by the Python
+# limiters and by the C types, instead of overflowing a cast to milliseconds.
+
+REFUSED_BEFORE_STORAGE = "refused when the limiter is built, before any storage is reached"
+TIMEOUT_NAMES = ["connect_timeout", "socket_timeout"]
+OVER_ONE_DAY = [1e12, 1e300, 86400.5]
+
+
+@pytest.mark.parametrize("value", OVER_ONE_DAY)
+@pytest.mark.parametrize("name", TIMEOUT_NAMES)
+@pytest.mark.storages("zset", reason=REFUSED_BEFORE_STORAGE)
+def test_timeout_over_one_day_is_refused_naming_the_parameter_and_the_bound(
+        make_limiter: LimiterFactory, name: str, value: float) -> None:
+    with pytest.raises(ValueError) as info:
+        make_limiter.native("redis://127.0.0.1:6379/0", **{name: value})
+    assert name in str(info.value) and "86400" in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("name", TIMEOUT_NAMES)
+@pytest.mark.storages("zset", reason=REFUSED_BEFORE_STORAGE)
+def test_timeout_of_exactly_one_day_is_accepted(make_limiter: LimiterFactory, name: str) -> None:
+    make_limiter.native("redis://127.0.0.1:6379/0", **{name: 86400})  # nothing is sent
+
+
+@pytest.mark.parametrize("value", OVER_ONE_DAY)
+@pytest.mark.parametrize("name", TIMEOUT_NAMES)
+def test_native_limiter_refuses_a_timeout_over_one_day(name: str, value: float) -> None:
+    from genai_ratelimit import _native
+
+    with pytest.raises(ValueError):
+        _native.Limiter(host="127.0.0.1", **{name: value})
+
+
+@pytest.mark.parametrize("value", OVER_ONE_DAY)
+def test_native_pipeline_refuses_a_timeout_over_one_day(value: float) -> None:
+    from genai_ratelimit import _native
+
+    with pytest.raises(ValueError):
+        _native.Pipeline(value)
+
+
+def test_native_types_accept_a_timeout_of_exactly_one_day() -> None:
+    from genai_ratelimit import _native
+
+    limiter = _native.Limiter(host="127.0.0.1", connect_timeout=86400, socket_timeout=86400)
+    limiter.close()
+    _native.Pipeline(86400)

@@ -107,6 +107,21 @@ def test_unreachable_redis_counts_unavailable_decisions_and_connection_errors(
     assert_latency_consistent(m, 0)
 
 
+def test_every_decision_method_counts_unavailable_when_redis_is_unreachable(
+        unreachable_limiter: Any) -> None:
+    # The FastAPI layer decides with check_windows_detailed: an outage must count there too.
+    calls = [lambda: unreachable_limiter.check("u", 5, 60),
+             lambda: unreachable_limiter.check_windows("u", [(5, 60)]),
+             lambda: unreachable_limiter.check_windows_detailed("u", [(5, 60)]),
+             lambda: unreachable_limiter.reserve("u", [(5, 60)])]
+    for n, call in enumerate(calls, 1):
+        with pytest.raises(RateLimiterUnavailable):
+            call()
+        assert unreachable_limiter.metrics()["unavailable"] == n
+    assert counts(unreachable_limiter.metrics()) == {**ZERO_COUNTS, "unavailable": 4,
+                                                     "connection_errors": 4}
+
+
 def test_a_lost_reply_counts_one_replay_and_one_decision(make_limiter: LimiterFactory,
                                                          redis_client: redis.Redis,
                                                          redis_port: int, user_id: str) -> None:
@@ -297,6 +312,25 @@ def test_leases_acquired_refused_released_and_not_held(limiter: Any, user_id: st
     assert (m["leases_acquired"], m["leases_refused"], m["leases_released"],
             m["releases_not_held"]) == (1, 1, 1, 1)
     assert (m["allowed"], m["rejected"]) == (0, 0), "leases are not window decisions"
+
+
+@pytest.mark.storages("zset", "compact", reason="each storage has its own reserve-with-slot "
+                                             "and reconcile-and-release scripts")
+def test_a_slot_taken_by_reserve_and_given_back_by_reconcile_counts_like_acquire_and_release(
+        limiter: Any, user_id: str) -> None:
+    # The FastAPI layer's capped TokenRateLimit: reserve(in_flight=) in, reconcile(release=True)
+    # out. The in-flight panel is acquired - released: both ends must count.
+    windows, tokens = [(10, 60)], [(1000, 60)]
+    held = limiter.reserve(user_id, windows, token_windows=tokens, tokens=50, in_flight=(1, 60))
+    refused = limiter.reserve(user_id, windows, token_windows=tokens, tokens=50,
+                              in_flight=(1, 60))
+    assert held.allowed and not refused.allowed and refused.window_seconds == 0
+    assert limiter.reconcile(held, 20, release=True) == 1
+    assert limiter.reconcile(held, 20, release=True) == 1  # the slot is free already
+    m = limiter.metrics()
+    assert (m["leases_acquired"], m["leases_refused"], m["leases_released"],
+            m["releases_not_held"]) == (1, 1, 1, 1)
+    assert (m["allowed"], m["rejected"]) == (1, 0), "a slot refusal is not a window decision"
 
 
 # ------------------------------------------------------------------------------- export

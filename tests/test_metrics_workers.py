@@ -19,6 +19,12 @@ import redis
 
 from helpers_uvicorn import UvicornServer
 
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="its limiters run in worker processes of their own"),
+    pytest.mark.no_hiredis1(reason="its limiters run in worker processes of their own"),
+]
+
 WORKERS = 4
 REQUESTS = 240
 

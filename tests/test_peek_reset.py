@@ -159,8 +159,11 @@ def test_peek_under_the_kill_switch_answers_like_check(unreachable_limiter: Any,
     monkeypatch.setenv("RATE_LIMIT_DISABLED", "1")
     assert unreachable_limiter.peek("u", WINDOWS) == unreachable_limiter.check_windows(
         "u", WINDOWS) == (True, 3, 0, 60)
-    assert unreachable_limiter.reset("u") == 0
-    assert unreachable_limiter.reset("u", WINDOWS) == 0
+    # A reset is no decision: it forgets what Redis holds, switch or not (test_kill_switch.py).
+    with pytest.raises(RateLimiterUnavailable):
+        unreachable_limiter.reset("u")
+    with pytest.raises(RateLimiterUnavailable):
+        unreachable_limiter.reset("u", WINDOWS)
 
 
 # -------------------------------------------------------------------------------- reset

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -29,8 +30,8 @@ from genai_ratelimit import (
     RateLimiterTimeout,
     RateLimiterUnavailable,
 )
-from helpers_async import LimiterFactory, run_async
-from helpers_core import SORTED_SET_SHAPE, logged_entries
+from helpers_async import UNDER_ASAN, LimiterFactory, run_async
+from helpers_core import SORTED_SET_SHAPE, SignalDriver, SlowReader, logged_entries
 from redis_server import RedisServer
 
 T = 1.0  # socket_timeout of the deadline tests
@@ -254,6 +255,7 @@ class BreakingProxy:
         self.target_port = target_port
         self.holding = True
         self.held: list[dict[str, Any]] = []
+        self.relayed: list[dict[str, Any]] = []  # every connection's sockets, closed by close()
         self.lock = threading.Condition()
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
@@ -274,6 +276,7 @@ class BreakingProxy:
             with self.lock:
                 state = {"client": client, "upstream": upstream, "requests": 0,
                          "held": self.holding}
+                self.relayed.append(state)
                 if self.holding:
                     self.held.append(state)
                 else:
@@ -343,7 +346,9 @@ class BreakingProxy:
         self.stop.set()
         self.listener.close()
         with self.lock:
-            for state in self.held:
+            # The relayed connections too: left to the garbage collector, their sockets warn
+            # (ResourceWarning) in whichever later test it runs.
+            for state in self.relayed:
                 for name in ("client", "upstream"):
                     try:
                         state[name].close()
@@ -391,3 +396,124 @@ def _script_source() -> str:
     from genai_ratelimit import _native
 
     return _native.SCRIPT_SOURCE
+
+
+# ---------------------------------------------- deadlines across signals and slow writes
+# A blocking call stays within socket_timeout across signals (EINTR) and a slow write, and a
+# signal handler that raises interrupts the call with its exception (PEP 475).
+
+
+class Interrupted(Exception):
+    """Raised by the test's signal handler."""
+
+
+@pytest.fixture
+def sigalrm() -> Iterator[None]:
+    """Restores SIGALRM's handler after the test (the driver thread is stopped first)."""
+    previous = signal.getsignal(signal.SIGALRM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_signals_during_a_blocked_check_do_not_extend_the_socket_timeout(
+        private_redis: RedisServer, sigalrm: None) -> None:
+    calls = [0]
+
+    def count(signum: int, frame: Any) -> None:
+        calls[0] += 1
+
+    signal.signal(signal.SIGALRM, count)
+    with RateLimiter(private_redis.url, connect_timeout=0.5, socket_timeout=0.5) as limiter:
+        assert limiter.check("signals-user", 10, 60) == (True, 9, 0)  # pooled, script loaded
+        driver = SignalDriver(signal.SIGALRM, interval=0.05, count=60)
+        private_redis.pause()
+        try:
+            driver.start()
+            started = time.monotonic()
+            try:
+                with pytest.raises(RateLimiterTimeout):
+                    limiter.check("signals-user", 10, 60)
+            finally:
+                elapsed = time.monotonic() - started
+                driver.stop()
+        finally:
+            private_redis.resume()
+    assert driver.saw_blocked and driver.sent_at, "no signal reached the blocked check"
+    assert elapsed < 2.5, (
+        f"with a signal every 50 ms the check took {elapsed:.2f} s for a socket_timeout of "
+        f"0.5 s ({len(driver.sent_at)} signals sent): every EINTR restarted the full timeout")
+
+
+def test_signal_handler_exception_interrupts_a_blocked_check(
+        private_redis: RedisServer, sigalrm: None) -> None:
+    with RateLimiter(private_redis.url, connect_timeout=1.0, socket_timeout=1.0) as limiter:
+
+        def blocked_check() -> tuple[bool, int, int]:
+            return limiter.check("interrupted-user", 5, 60)
+
+        ran_in: list[str] = []
+
+        def interrupt(signum: int, frame: Any) -> None:
+            # Raises on its first call, as long as that call interrupts the check. Python
+            # runs it in the frame that was executing when the signal was checked for: run
+            # from inside the blocked call, that is blocked_check's. A handler that only
+            # runs once the call has returned by itself would raise somewhere in the test's
+            # own code instead, so it just records where it ran.
+            ran_in.append(frame.f_code.co_name if frame is not None else "?")
+            if len(ran_in) == 1 and frame is not None and frame.f_code is blocked_check.__code__:
+                raise Interrupted("the handler's own exception")
+
+        signal.signal(signal.SIGALRM, interrupt)
+        assert blocked_check() == (True, 4, 0)  # pooled connection, script loaded
+        driver = SignalDriver(signal.SIGALRM, interval=1.0, count=1)
+        private_redis.pause()
+        try:
+            driver.start()
+            started = time.monotonic()
+            try:
+                with pytest.raises(BaseException) as info:
+                    blocked_check()
+            finally:
+                elapsed = time.monotonic() - started
+                driver.stop()
+            assert driver.saw_blocked and driver.sent_at, "no signal reached the blocked check"
+            signalled = driver.sent_at[0] - started
+            assert info.type is Interrupted and elapsed < signalled + 0.5, (
+                f"the check raised {info.type.__name__} after {elapsed:.2f} s (the signal came at "
+                f"{signalled:.2f} s; the handler ran in {ran_in}): the handler's exception did not "
+                "interrupt the call")
+        finally:
+            private_redis.resume()
+        # The interrupted connection must not be reused: its reply (to a check with limit 5)
+        # would be read as the answer to this one (limit 3).
+        assert limiter.check("after-interrupt-user", 3, 60) == (True, 2, 0)
+
+
+@pytest.mark.skipif(UNDER_ASAN, reason=(
+    "the premise is a write phase between half the timeout and the timeout, timed on the "
+    "release build; under ASan the instrumented copies of the 12 MiB command and a loaded "
+    "machine stretch it past the timeout (3.3 s measured), so the premise cannot be set up; "
+    "the timeout itself is checked there by the other slow-server tests"))
+def test_slow_write_and_read_together_stay_within_the_socket_timeout() -> None:
+    timeout = 2.0
+    # A command far larger than the socket buffers can park (the client's send buffer grows
+    # up to tcp_wmem's maximum), so the send blocks until the server reads.
+    with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+        send_buffer_max = int(f.read().split()[2])
+    user = "u" * max(12 * 1024 * 1024, 3 * send_buffer_max)
+    with SlowReader(hold=1.3) as server:
+        with RateLimiter(server.url, connect_timeout=timeout, socket_timeout=timeout) as limiter:
+            started = time.monotonic()
+            with pytest.raises(RateLimiterTimeout):
+                limiter.check(user, 10, 60)
+            elapsed = time.monotonic() - started
+        assert server.command_read_at is not None, (
+            f"the server read only {server.bytes_read} bytes: the write did not complete")
+        write_phase = server.command_read_at - started
+    assert timeout * 0.5 <= write_phase < timeout, (
+        f"premise: the write phase should take well over half the timeout, took {write_phase:.2f} s")
+    assert elapsed < timeout * 1.4, (
+        f"the check took {elapsed:.2f} s for a socket_timeout of {timeout} s (writing took "
+        f"{write_phase:.2f} s of it): the read got a full timeout of its own")

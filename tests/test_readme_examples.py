@@ -15,6 +15,12 @@ import redis
 
 from helpers_docs import README, CodeBlock, code_blocks, python_blocks
 
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="the README's examples run in interpreters of their own"),
+    pytest.mark.no_hiredis1(reason="the README's examples run in interpreters of their own"),
+]
+
 BLOCKS = [block for block in code_blocks(README) if block.language == "python"]
 
 __all__ = ["python_blocks"]  # the section reader, for tests that run one section's example

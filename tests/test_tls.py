@@ -5,8 +5,13 @@ limiter, and the async one on asyncio's loop and on uvloop's."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import subprocess
+import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,7 +28,80 @@ PASSWORD = "tls-s3cret-pw"
 
 
 def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_ca(directory: Path, name: str) -> Path:
+    """A self-signed CA: <name>.crt and <name>.key in directory. Returns the certificate."""
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key",
+            "-out", f"{name}.crt", "-days", "2", "-subj", f"/CN=genai-ratelimit {name}",
+            cwd=directory)
+    return directory / f"{name}.crt"
+
+
+def make_server_certificate(directory: Path, ca: str, name: str) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1/localhost signed by the CA `ca`: (certificate, key)."""
+    (directory / f"{name}.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+            f"{name}.csr", "-subj", f"/CN={name}", cwd=directory)
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
+            "-CAcreateserial", "-out", f"{name}.crt", "-days", "2", "-extfile", f"{name}.ext",
+            cwd=directory)
+    return directory / f"{name}.crt", directory / f"{name}.key"
+
+
+# A limiter run in a child process: argv[1] is "sync" or "async", argv[2] the URL, argv[3]
+# the user id. It prints one JSON line: the check's result, or the exception's type, classes
+# and message.
+_CHILD_CHECK = r"""
+import asyncio, json, sys
+from genai_ratelimit import AsyncRateLimiter, RateLimiter
+
+kind, url, user = sys.argv[1], sys.argv[2], sys.argv[3]
+
+def sync_check():
+    with RateLimiter(url, connect_timeout=3, socket_timeout=3) as limiter:
+        return limiter.check(user, 100, 60)
+
+async def async_check():
+    async with AsyncRateLimiter(url, connect_timeout=3, socket_timeout=3) as limiter:
+        return await limiter.check(user, 100, 60)
+
+def on_loop(new_loop):
+    loop = new_loop()
+    try:
+        return loop.run_until_complete(async_check())
+    finally:
+        loop.close()
+
+try:
+    if kind == "sync":
+        result = sync_check()
+    elif kind == "uvloop":
+        import uvloop
+        result = on_loop(uvloop.new_event_loop)
+    else:
+        result = on_loop(asyncio.new_event_loop)
+    print(json.dumps({"result": list(result)}))
+except Exception as exc:
+    print(json.dumps({"error": type(exc).__name__,
+                      "classes": [c.__name__ for c in type(exc).__mro__],
+                      "message": str(exc)}))
+"""
+
+
+def check_in_child(kind: str, url: str, user: str, env: dict[str, str],
+                   cwd: Path) -> dict[str, Any]:
+    """Runs one check of `user` (limit 100 a minute) through the kind of limiter
+    ("sync", "asyncio", "uvloop") in a fresh Python process with `env` added to a copy of this
+    environment (LD_PRELOAD included: under make test-asan the child loads the same
+    sanitized build); returns its JSON report."""
+    child_env = dict(os.environ)
+    child_env.update(env)
+    done = subprocess.run([sys.executable, "-c", _CHILD_CHECK, kind, url, user], cwd=cwd,
+                          env=child_env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"the child failed: {done.stderr[-2000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +236,99 @@ def test_tls_url_with_unknown_cert_reqs_is_refused(make_limiter: LimiterFactory)
 def test_ssl_parameters_need_rediss(make_limiter: LimiterFactory) -> None:
     with pytest.raises(ValueError, match="rediss"):
         make_limiter("redis://127.0.0.1:6379/0?ssl_cert_reqs=none")
+
+
+# ------------------------------------------------------------- one TLS trust policy
+# Both limiters trust the same CAs: with ssl_ca_certs only that file, without it the system's
+# default store (SSL_CERT_FILE stands in for the system store: OpenSSL's default verify paths
+# and Python's ssl default certificates both honour it). Each check runs in a child process
+# whose environment names its "system store".
+
+
+@pytest.fixture(scope="module")
+def trust(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Two CAs (the one that signed the TLS server's certificate, and another), an empty
+    certificate directory, and a redis-server with --tls-port."""
+    if shutil.which("openssl") is None:
+        pytest.fail("the openssl command is needed (apt-get install openssl)")
+    directory = tmp_path_factory.mktemp("trust")
+    server_ca = make_ca(directory, "server-ca")
+    other_ca = make_ca(directory, "other-ca")
+    certificate, key = make_server_certificate(directory, "server-ca", "server")
+    empty_dir = directory / "no-certificates"
+    empty_dir.mkdir()
+    tls_port = free_port()
+    server = RedisServer("--tls-port", str(tls_port), "--tls-cert-file", str(certificate),
+                         "--tls-key-file", str(key), "--tls-ca-cert-file", str(server_ca),
+                         "--tls-auth-clients", "no")
+    server.start()
+    try:
+        yield {"server_ca": server_ca, "other_ca": other_ca, "empty_dir": empty_dir,
+               "tls_port": tls_port, "directory": directory}
+    finally:
+        server.close()
+
+
+def tls_check_in_child(trust: dict[str, Any], kind: str, system_ca: Path,
+                       ssl_ca_certs: Path | None) -> dict[str, Any]:
+    """A check over TLS in a child process whose "system store" is system_ca alone."""
+    url = f"rediss://127.0.0.1:{trust['tls_port']}/0"
+    if ssl_ca_certs is not None:
+        url += f"?ssl_ca_certs={ssl_ca_certs}"
+    env = {"SSL_CERT_FILE": str(system_ca), "SSL_CERT_DIR": str(trust["empty_dir"])}
+    return check_in_child(kind, url, f"tls-{uuid.uuid4().hex}", env, cwd=trust["directory"])
+
+
+def test_tls_ca_file_is_the_only_trust_and_the_system_store_is_not_added(
+        trust: dict[str, Any], limiter_kind: str) -> None:
+    report = tls_check_in_child(trust, limiter_kind, system_ca=trust["server_ca"],
+                                ssl_ca_certs=trust["other_ca"])
+    assert "error" in report, (
+        f"the {limiter_kind} limiter trusted the system store on top of ssl_ca_certs: {report}")
+    assert "RateLimiterUnavailable" in report["classes"], report
+    assert re.search(r"(?i)certificate[ _]verify", report["message"]), report
+
+
+def test_tls_without_a_ca_file_trusts_the_system_store(trust: dict[str, Any], limiter_kind: str) -> None:
+    report = tls_check_in_child(trust, limiter_kind, system_ca=trust["server_ca"], ssl_ca_certs=None)
+    assert report.get("result") == [True, 99, 0], report
+
+
+def test_tls_ca_file_is_trusted_whatever_the_system_store_holds(
+        trust: dict[str, Any], limiter_kind: str) -> None:
+    report = tls_check_in_child(trust, limiter_kind, system_ca=trust["other_ca"],
+                                ssl_ca_certs=trust["server_ca"])
+    assert report.get("result") == [True, 99, 0], report
+
+
+# ------------------------------------------------------------------ closing a TLS limiter
+
+@pytest.mark.limiter_kinds("asyncio", "uvloop", reason="aclose() of the async limiter's TLS "
+                                                       "connections; the blocking one closes in C")
+def test_aclose_closes_the_tls_sockets_before_the_loop_ends(
+        loop_factory: Any, tls_server: RedisServer, certificates: Path, user_id: str) -> None:
+    """An application's loop ends soon after aclose() (asyncio.Runner, asyncio.run): a TLS
+    transport only closed (its close_notify exchange begun) outlives the loop, and its
+    socket is left to the garbage collector, which warns (ResourceWarning)."""
+    import asyncio
+    import gc
+    import warnings
+
+    from genai_ratelimit import AsyncRateLimiter
+
+    url = f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
+
+    async def main() -> tuple[bool, int, int]:
+        limiter = AsyncRateLimiter(url, connect_timeout=10, socket_timeout=10)
+        try:
+            return await limiter.check(user_id, 2, 60)
+        finally:
+            await limiter.aclose()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            assert runner.run(main()) == (True, 1, 0)
+        gc.collect()
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == [], unclosed

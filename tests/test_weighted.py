@@ -165,6 +165,20 @@ def test_entries_leaving_the_window_take_their_weight_with_them(
 
 
 @pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
+def test_the_weights_hash_empty_field_holds_the_sum_of_cost_minus_one(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    # README: the field "" is the sum of (cost - 1) over the weighted entries, so that used
+    # = ZCARD + it; the entries' own fields hold their costs.
+    key = f"ratelimit:{user_id}:60"
+    for cost in (5, 1, 3):
+        assert limiter.check(user_id, 100, 60, cost=cost)[0] is True
+    weights = {field.decode(): int(value) for field, value in redis_client.hgetall(f"{key}:w").items()}
+    assert weights.pop("") == (5 - 1) + (3 - 1)
+    assert sorted(weights.values()) == [3, 5]
+    assert redis_client.zcard(key) + (5 - 1) + (3 - 1) == 5 + 1 + 3
+
+
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 def test_the_weights_hash_lives_as_long_as_its_window(limiter: Any, redis_client: redis.Redis,
                                                       user_id: str) -> None:
     key = f"ratelimit:{user_id}:60"

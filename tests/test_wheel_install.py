@@ -43,7 +43,11 @@ from redis_server import free_port
 from test_tls import _tls_server as tls_redis_server
 from test_tls import certificates  # noqa: F401 (a fixture)
 
-pytestmark = pytest.mark.wheel
+pytestmark = [
+    pytest.mark.wheel,
+    pytest.mark.not_asan(reason="checks a built wheel in a Debian root, in other processes"),
+    pytest.mark.no_hiredis1(reason="checks a built wheel (hiredis bundled) in a Debian root"),
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECK = ("import sys, genai_ratelimit as g, genai_ratelimit._native as n\n"

@@ -1,0 +1,165 @@
+"""min_replicas: an admission counts only once that many replicas acknowledged it (WAIT on
+the connection that wrote it). A real master and a real replica (redis-server
+--replicaof); the replica frozen with SIGSTOP to make the acknowledgement miss."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from genai_ratelimit import RateLimiterUnavailable
+from genai_ratelimit._url import parse_redis_url
+from helpers_async import LimiterFactory
+from redis_cluster import redis_cli
+from redis_server import RedisServer
+
+pytestmark = pytest.mark.limiter_kinds(
+    "sync", "asyncio", reason="uvloop drives the same asyncio code")
+
+
+class Pair:
+    def __init__(self) -> None:
+        self.master = RedisServer("--repl-diskless-sync-delay", "0")
+        self.replica = RedisServer("--repl-diskless-sync-delay", "0")
+
+    def start(self) -> None:
+        self.master.start()
+        self.replica.extra_args += ["--replicaof", "127.0.0.1", str(self.master.port)]
+        self.replica.start()
+        deadline = time.monotonic() + 20
+        while "master_link_status:up" not in redis_cli("-p", str(self.replica.port), "info",
+                                                      "replication"):
+            assert time.monotonic() < deadline, "the replica never synced"
+            time.sleep(0.02)  # polling a condition, bounded
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.master.port}/0"
+
+    def close(self) -> None:
+        self.replica.close()
+        self.master.close()
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    servers = Pair()
+    try:
+        servers.start()
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture
+def replicated(pair: Pair) -> Pair:
+    redis_cli("-p", str(pair.master.port), "config", "set", "min-replicas-to-write", "0")
+    redis_cli("-p", str(pair.master.port), "flushall")
+    return pair
+
+
+def offset(server: RedisServer, field: str) -> int:
+    """A replication offset from INFO replication (master_repl_offset, slave_repl_offset):
+    storage-agnostic evidence of what the replica holds."""
+    for line in redis_cli("-p", str(server.port), "info", "replication").splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split(":")[1])
+    raise AssertionError(f"no {field} in INFO replication")
+
+
+def keys(server: RedisServer) -> int:
+    return int(redis_cli("-p", str(server.port), "dbsize").strip())
+
+
+def test_an_admission_is_on_the_replica_when_it_is_answered(make_limiter: LimiterFactory,
+                                                           replicated: Pair) -> None:
+    limiter = make_limiter(replicated.url, min_replicas=1, replica_timeout_ms=1000)
+    for i in range(5):
+        assert limiter.check("user_acked", 5, 3600) == (True, 4 - i, 0)
+        # Answered: the replica holds everything the master wrote up to the answer.
+        assert offset(replicated.replica, "slave_repl_offset") >= offset(
+            replicated.master, "master_repl_offset")
+    assert limiter.check("user_acked", 5, 3600)[0] is False  # a refusal waits for nothing
+
+
+def test_an_admission_no_replica_acknowledged_is_not_an_admission(
+        make_limiter: LimiterFactory, replicated: Pair) -> None:
+    limiter = make_limiter(replicated.url, min_replicas=1, replica_timeout_ms=200)
+    assert limiter.check("user_unacked", 5, 3600)[0]
+    process = replicated.replica.process
+    assert process is not None
+    process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RateLimiterUnavailable, match="not replicated: 0 of the 1 replicas"):
+            limiter.check("user_unacked", 5, 3600)
+        took = time.monotonic() - started
+        assert 0.15 <= took < 1.0  # replica_timeout_ms, not socket_timeout
+    finally:
+        process.send_signal(signal.SIGCONT)
+    # Counted on the master (a refusal that costs the user, never an extra admission).
+    assert limiter.check("user_unacked", 5, 3600) == (True, 2, 0)
+
+
+def test_more_replicas_than_there_are_is_never_an_admission(make_limiter: LimiterFactory,
+                                                           replicated: Pair) -> None:
+    limiter = make_limiter(replicated.url, min_replicas=2, replica_timeout_ms=50)
+    with pytest.raises(RateLimiterUnavailable, match="1 of the 2 replicas"):
+        limiter.check("user_two", 5, 3600)
+
+
+def test_a_master_that_answers_noreplicas_is_unavailable(make_limiter: LimiterFactory,
+                                                        replicated: Pair) -> None:
+    redis_cli("-p", str(replicated.master.port), "config", "set", "min-replicas-to-write", "2")
+    limiter = make_limiter(replicated.url)
+    with pytest.raises(RateLimiterUnavailable, match="NOREPLICAS"):
+        limiter.check("user_noreplicas", 5, 3600)
+    assert keys(replicated.master) == 0
+
+
+def test_min_replicas_is_checked(make_limiter: LimiterFactory, replicated: Pair) -> None:
+    with pytest.raises(ValueError, match="min_replicas"):
+        make_limiter(replicated.url, min_replicas=-1)
+    with pytest.raises(ValueError, match="replica_timeout_ms"):
+        make_limiter(replicated.url, min_replicas=1, replica_timeout_ms=0)
+    with pytest.raises(ValueError, match="contradicts the URL's min_replicas=1"):
+        make_limiter(replicated.url + "?min_replicas=1", min_replicas=2)
+    with pytest.raises(ValueError, match="min_replicas must be a non-negative integer"):
+        make_limiter(replicated.url + "?min_replicas=x")
+    with pytest.raises(ValueError, match="replica_timeout_ms must be a positive integer"):
+        make_limiter(replicated.url + "?min_replicas=1&replica_timeout_ms=0")
+
+
+def test_the_url_asks_for_replicated_admissions(make_limiter: LimiterFactory,
+                                               replicated: Pair) -> None:
+    limiter = make_limiter(replicated.url + "?min_replicas=2&replica_timeout_ms=50")
+    with pytest.raises(RateLimiterUnavailable, match="1 of the 2 replicas .* within 50 ms"):
+        limiter.check("user_url", 5, 3600)
+    sentinel_style = parse_redis_url(
+        "redis+sentinel://127.0.0.1:26379/mymaster/0?min_replicas=1&replica_timeout_ms=20")
+    assert (sentinel_style.min_replicas, sentinel_style.replica_timeout_ms) == (1, 20)
+
+
+@pytest.mark.limiter_kinds("sync", reason="runs a page's example in a fresh interpreter")
+def test_the_docs_min_replicas_example_runs(replicated: Pair, tmp_path: Path) -> None:
+    """docs/failover.md "Replicated admissions": its example, pointed at this master (which
+    has a replica), runs as written and admits."""
+    from helpers_docs import DOCS, python_blocks
+
+    blocks = python_blocks("## Replicated admissions: `min_replicas`", DOCS / "failover.md")
+    assert len(blocks) == 1
+    example_url = "redis://10.0.0.5:6379/0"
+    assert example_url in blocks[0]
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0].replace(example_url, replicated.url) + "\nassert allowed\n",
+                      encoding="utf-8")
+    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert keys(replicated.replica) >= 1

@@ -40,7 +40,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -191,11 +191,11 @@ def redis_image(engine: Engine, work: Path) -> None:
     print(f"{REDIS_IMAGE}: {sorted(str(p.relative_to(root)) for p in root.rglob('*') if p.is_file())}")
 
 
-def wait_for(what: str, probe: object, seconds: float) -> None:
+def wait_for(what: str, probe: Callable[[], bool], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while True:
         try:
-            if probe():  # type: ignore[operator]
+            if probe():
                 return
         except OSError:
             pass

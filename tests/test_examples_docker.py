@@ -1,9 +1,11 @@
 """examples/compose.yaml and examples/Dockerfile agree with each other and with the repository.
 
-No Docker engine runs on CI, so neither file is ever run by docker here: hadolint lints the
-Dockerfile (`make lint`), `make test-wheel` replays its steps in a Debian 12 root, and this
-file checks what a typo would break: the build context and the files the Dockerfile copies,
-the Redis URL, the port, and the start order."""
+`make test-docker` builds the Dockerfile with a real engine and runs it beside Redis in a
+container (no registry is reachable there, so compose.yaml's redis:7 image is not pulled and
+compose itself is not run); hadolint lints the Dockerfile (`make lint`), `make test-wheel`
+replays its steps in a Debian 12 root, and this file checks what a typo would break: the
+build context and the files the Dockerfile copies (and that .dockerignore lets through), the
+Redis URL, the port, and the start order."""
 
 from __future__ import annotations
 
@@ -58,6 +60,16 @@ def test_every_file_the_dockerfile_copies_is_in_the_context_or_made_by_make_whee
                 assert (context / source).is_file(), f"COPY {source}: no such file in the repository"
 
 
+def test_the_dockerignore_sends_what_the_dockerfile_copies_and_nothing_else() -> None:
+    """The context is the repository's root: .dockerignore excludes everything ("*"), then
+    lets through exactly the Dockerfile's COPY sources (so build/, .venv never travel)."""
+    lines = [line.strip() for line in (EXAMPLES.parent / ".dockerignore").read_text().splitlines()
+             if line.strip() and not line.lstrip().startswith("#")]
+    assert lines[0] == "*", lines
+    copied = [source for arguments in dockerfile("COPY") for source in shlex.split(arguments)[:-1]]
+    assert sorted(line.removeprefix("!") for line in lines[1:]) == sorted(copied)
+
+
 def test_the_app_reaches_the_compose_redis_service() -> None:
     services = compose()["services"]
     url = urllib.parse.urlsplit(services["app"]["environment"]["REDIS_URL"])
@@ -80,7 +92,12 @@ def test_the_published_port_is_the_one_uvicorn_listens_on() -> None:
 
 
 def test_the_image_runs_the_python_version_the_classifiers_name() -> None:
+    [argument] = dockerfile("ARG")
     [base] = dockerfile("FROM")
+    # FROM ${PYTHON_IMAGE}: python:3.11-slim unless `docker build --build-arg` names another.
+    name, _, default = argument.partition("=")
+    assert base == f"${{{name}}}", base
+    base = default
     pyproject = (EXAMPLES.parent / "pyproject.toml").read_text()
     version = base.removeprefix("python:").split("-")[0]
     assert f'"Programming Language :: Python :: {version}"' in pyproject, base

@@ -8,7 +8,11 @@
 - examples/Dockerfile's steps, replayed in that root, serve the example app, which limits;
 - the sdist, in that root, stops with one message naming the packages to install on Debian,
   Alpine and Fedora;
-- the sdist builds without any network on this machine, which has the -dev packages.
+- the sdist builds without any network on this machine, which has the -dev packages;
+- the aarch64 wheel (`make wheel ARCH=aarch64`, cross-built) is the same abi3 build for
+  manylinux_2_34_aarch64 with arm64 hiredis, libuuid and OpenSSL bundled, and in an arm64
+  Debian 12 root run under qemu-user-static it installs, checks against the redis-server on
+  this machine's loopback, and verifies that server over TLS with its own OpenSSL.
 
 Every command run in the root is printed (pytest -rP shows it: the install log)."""
 
@@ -68,8 +72,9 @@ class Dist:
 def dist(request: pytest.FixtureRequest) -> Dist:
     directory = Path(request.config.getoption("--wheel-dist")).resolve()
     version = genai_ratelimit.__version__
-    wheels = sorted(directory.glob(f"genai_ratelimit-{version}-*-manylinux_*.whl"))
-    assert len(wheels) == 1, f"expected one manylinux wheel of {version} in {directory}, found {wheels}"
+    wheels = sorted(directory.glob(f"genai_ratelimit-{version}-*-manylinux_*_x86_64.whl"))
+    assert len(wheels) == 1, \
+        f"expected one x86-64 manylinux wheel of {version} in {directory}, found {wheels}"
     sdist = directory / f"genai_ratelimit-{version}.tar.gz"
     assert sdist.exists(), f"{sdist} is missing"
     root_option = request.config.getoption("--debian-root")
@@ -171,7 +176,7 @@ def test_the_bundled_openssl_verifies_redis_over_tls_in_the_debian_root(
         dist: Dist, tmp_path: Path, certificates: Path, user_id: str) -> None:
     """The blocking limiter's TLS is the wheel's own OpenSSL: it verifies with the CA file
     given, refuses a server that the root's CA store does not know, and honours SSL_CERT_FILE
-    (docs/installing.md's advice where the system's CAs are not where Debian keeps them)."""
+    (docs/install.md's advice where the system's CAs are not where Debian keeps them)."""
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(dist.wheel, work)
@@ -202,10 +207,15 @@ def replay_dockerfile(path: Path, port: int) -> tuple[str, list[str]]:
     script = ["python3 -m venv /opt/venv", "export PATH=/opt/venv/bin:$PATH", "cd /"]
     command: list[str] = []
     user = "root"
+    build_args: dict[str, str] = {}
     for instruction in dockerfile_instructions(path):
         keyword, arguments = instruction.keyword, instruction.arguments
-        if keyword == "FROM":
-            assert arguments == "python:3.11-slim", f"the replay stands in for python:3.11-slim: {arguments}"
+        if keyword == "ARG":
+            name, _, default = arguments.partition("=")
+            build_args[name] = default
+        elif keyword == "FROM":
+            base = re.sub(r"\$\{(\w+)\}", lambda m: build_args[m.group(1)], arguments)
+            assert base == "python:3.11-slim", f"the replay stands in for python:3.11-slim: {base}"
         elif keyword == "RUN":
             script.append(arguments)
         elif keyword == "WORKDIR":
@@ -344,3 +354,85 @@ def test_the_sdist_builds_without_network_where_the_dev_packages_are(
     assert EXPECTED_ANSWERS in checked.stdout
     assert f"from: {env_dir}" in checked.stdout
 
+
+
+# ------------------------------------------------------------------ aarch64 under qemu
+
+ARM64_CHECK = CHECK + """import platform
+print("machine:", platform.machine())
+"""
+
+
+@pytest.fixture(scope="module")
+def arm64(request: pytest.FixtureRequest) -> tuple[Path, DebianRoot]:
+    """The aarch64 wheel beside the x86-64 one, and the arm64 root to run it in."""
+    directory = Path(request.config.getoption("--wheel-dist")).resolve()
+    version = genai_ratelimit.__version__
+    wheels = sorted(directory.glob(f"genai_ratelimit-{version}-*-manylinux_*_aarch64.whl"))
+    assert len(wheels) == 1, f"expected one aarch64 wheel in {directory} (make wheel ARCH=aarch64): {wheels}"
+    root_option = request.config.getoption("--arm64-root")
+    assert root_option, "--wheel-dist needs --arm64-root (make test-wheel passes both)"
+    return wheels[0], DebianRoot(Path(root_option))
+
+
+def test_the_aarch64_wheel_is_the_abi3_build_with_the_arm64_libraries_bundled(
+        arm64: tuple[Path, DebianRoot]) -> None:
+    wheel, _ = arm64
+    assert wheel.name.endswith("-cp310-abi3-manylinux_2_34_aarch64.whl"), wheel.name
+    shown = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)],
+                           capture_output=True, text=True)
+    transcript(f"auditwheel show {wheel.name}", shown.stdout + shown.stderr)
+    assert 'consistent with the following platform tag: "manylinux_2_34_aarch64"' in \
+        " ".join(shown.stdout.split()), shown.stdout
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        extension = archive.read("genai_ratelimit/_native.abi3.so")
+    # ELF e_machine (offset 18, little-endian): 183 is EM_AARCH64.
+    assert extension[:4] == b"\x7fELF" and int.from_bytes(extension[18:20], "little") == 183
+    bundled = sorted(Path(name).name.split("-")[0] for name in names
+                     if name.startswith("genai_ratelimit.libs/") and not name.endswith("/"))
+    assert bundled == ["libcrypto", "libhiredis", "libssl", "libuuid"], bundled
+
+
+def test_the_aarch64_wheel_checks_over_tcp_and_tls_in_an_arm64_debian_root_under_qemu(
+        arm64: tuple[Path, DebianRoot], tmp_path: Path, redis_url: str, redis_client: object,
+        certificates: Path, user_id: str) -> None:
+    """The root's python3 is Debian's arm64 build, run by qemu-user-static (binfmt_misc): pip
+    picks the aarch64 wheel, its extension loads the bundled arm64 libraries, and the checks
+    reach the redis-servers on this machine's loopback, over TCP and over TLS."""
+    wheel, root = arm64
+    work = tmp_path / "work"
+    work.mkdir()
+    shutil.copy(wheel, work)
+    shutil.copy(certificates / "ca.crt", work)
+    (work / "check.py").write_text(ARM64_CHECK)
+    (work / "tls_checks.py").write_text(TLS_CHECKS)
+    server = tls_redis_server(certificates)
+    try:
+        result = root.run(f"""
+            uname -m
+            for tool in gcc cc cpp pkg-config; do if command -v $tool; then exit 1; fi; done
+            python3 --version
+            python3 -m venv /opt/venv
+            /opt/venv/bin/pip install --no-index /mnt/{wheel.name}
+            so=$(cd / && /opt/venv/bin/python -c 'import genai_ratelimit._native as n; print(n.__file__)')
+            ldd "$so"
+            if ldd "$so" | grep -F 'not found'; then exit 1; fi
+            /opt/venv/bin/python /mnt/check.py "$REDIS_URL" arm64-user-{uuid.uuid4().hex}
+            /opt/venv/bin/python /mnt/tls_checks.py rediss://127.0.0.1:{server.tls_port}/0 {user_id}
+            """, work, env={"REDIS_URL": redis_url}, timeout=600)
+    finally:
+        server.close()
+    out = transcript(f"the aarch64 wheel in the arm64 Debian root (qemu), exit {result.returncode}",
+                     result.stdout)
+    assert result.returncode == 0, out[-4000:]
+    assert "machine: aarch64" in out
+    assert f"Successfully installed genai-ratelimit-{genai_ratelimit.__version__}" in out
+    assert EXPECTED_ANSWERS in out
+    libs_dir = "/opt/venv/lib/python3.11/site-packages/genai_ratelimit.libs"
+    for library in ("libhiredis", "libuuid", "libssl", "libcrypto"):
+        [line] = [line for line in out.splitlines() if line.strip().startswith(library)]
+        assert os.path.dirname(os.path.normpath(line.split("=>")[1].split()[0])) == libs_dir, line
+    assert "ssl_ca_certs -> (True, 1, 0)" in out
+    assert re.search(r"system store -> RateLimiterUnavailable .*certificate", out, re.IGNORECASE), out
+    assert "SSL_CERT_FILE -> (True, 1, 0)" in out

@@ -13,8 +13,10 @@ because an unknown tier gets its budget:
     per_minute = 5                       "pro":  {"per_minute": 60, "per_day": 5000}}
     per_day = 100
 
-A tier may also give its token budget (TokenRateLimit), both keys together, integers >= 1,
-tokens_per_day not below tokens_per_minute:
+A tier gives at least one window of per_second, per_minute, per_hour, per_day (integers from
+1 to 2**53 - 1; a longer window not below a shorter one). It may also give its token budget
+(TokenRateLimit): any of tokens_per_second, tokens_per_minute, tokens_per_hour,
+tokens_per_day, the same rules:
 
     [pro]
     per_minute = 60
@@ -58,6 +60,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ._native import MAX_LIMIT
 from .tiers import DEFAULT_TIER, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -84,11 +87,14 @@ __all__ = [
 
 TIERS_FILE_ENV = "GENAI_RATELIMIT_TIERS"
 
-# Budget key -> window length in seconds, shortest window first.
-TIER_BUDGET_KEYS: dict[str, int] = {"per_minute": 60, "per_day": 86_400}
+# Budget key -> window length in seconds, shortest window first. A tier gives at least one.
+TIER_BUDGET_KEYS: dict[str, int] = {"per_second": 1, "per_minute": 60, "per_hour": 3_600,
+                                    "per_day": 86_400}
 # The optional token budget keys of a tiers file -> the key of a token budget table
 # (TIER_TOKEN_LIMITS' shape), in the order of TIER_BUDGET_KEYS.
-TIER_TOKEN_KEYS: dict[str, str] = {"tokens_per_minute": "per_minute", "tokens_per_day": "per_day"}
+TIER_TOKEN_KEYS: dict[str, str] = {"tokens_per_second": "per_second",
+                                   "tokens_per_minute": "per_minute",
+                                   "tokens_per_hour": "per_hour", "tokens_per_day": "per_day"}
 # The optional cap on a tier's concurrent requests (in-flight leases).
 MAX_IN_FLIGHT_KEY = "max_in_flight"
 
@@ -111,6 +117,9 @@ def _budget(source: str, tier: str, key: str, value: object) -> int:
                               f"got {type(value).__name__} {value!r}")
     if value < 1:
         raise TierConfigError(f"{source}: tier {tier!r}: {key} must be an integer >= 1, got {value}")
+    if value > MAX_LIMIT:  # the limiter could decide no request against it
+        raise TierConfigError(f"{source}: tier {tier!r}: {key} must be at most {MAX_LIMIT} "
+                              f"(2**53 - 1), got {value}")
     return value
 
 
@@ -141,22 +150,17 @@ def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, di
         if unknown:
             raise TierConfigError(f"{source}: tier {tier!r}: unknown key(s) {unknown}; "
                                   f"allowed: {sorted(allowed)}")
-        missing = [key for key in TIER_BUDGET_KEYS if key not in budget]
-        if missing:
-            raise TierConfigError(f"{source}: tier {tier!r}: missing {', '.join(missing)}")
-        pairs = [("per_minute", "per_day")]
-        given = [key for key in TIER_TOKEN_KEYS if key in budget]
-        if given and len(given) != len(TIER_TOKEN_KEYS):
-            absent = next(key for key in TIER_TOKEN_KEYS if key not in budget)
-            raise TierConfigError(f"{source}: tier {tier!r}: {given[0]} needs {absent} too "
-                                  "(a token budget has both)")
-        if given:
-            pairs.append(("tokens_per_minute", "tokens_per_day"))
+        if not any(key in budget for key in TIER_BUDGET_KEYS):
+            raise TierConfigError(f"{source}: tier {tier!r}: missing a window: give at least one "
+                                  f"of {', '.join(TIER_BUDGET_KEYS)}")
         checked = {key: _budget(source, tier, key, budget[key]) for key in allowed if key in budget}
-        for minute, day in pairs:
-            if checked[day] < checked[minute]:
-                raise TierConfigError(f"{source}: tier {tier!r}: {day} ({checked[day]}) is "
-                                      f"smaller than {minute} ({checked[minute]})")
+        # A longer window never allows fewer than a shorter one (it could never be reached).
+        for keys in (list(TIER_BUDGET_KEYS), list(TIER_TOKEN_KEYS)):
+            given = [key for key in keys if key in checked]
+            for shorter, longer in zip(given, given[1:], strict=False):
+                if checked[longer] < checked[shorter]:
+                    raise TierConfigError(f"{source}: tier {tier!r}: {longer} ({checked[longer]}) "
+                                          f"is smaller than {shorter} ({checked[shorter]})")
         tiers[tier] = checked
     if DEFAULT_TIER not in tiers:
         raise TierConfigError(f"{source}: the {DEFAULT_TIER!r} tier is required "
@@ -172,7 +176,8 @@ def validate_tier_limits(data: object, source: str = "tier_limits") -> dict[str,
     Returns a fresh dict of the request budgets (later changes to `data` do not leak in).
     Raises TierConfigError (a ValueError) naming `source` and the first problem found."""
     tiers = _tier_tables(data, source, token_keys=True)
-    return {tier: {key: budget[key] for key in TIER_BUDGET_KEYS} for tier, budget in tiers.items()}
+    return {tier: {key: budget[key] for key in TIER_BUDGET_KEYS if key in budget}
+            for tier, budget in tiers.items()}
 
 
 def validate_token_limits(data: object, source: str = "token_limits") -> dict[str, dict[str, int]]:
@@ -187,8 +192,8 @@ def token_limits_of_tiers(data: object, source: str = "tier_limits") -> dict[str
     "per_day": tokens_per_day}} for each tier that gives them (possibly none). Checks `data`
     as validate_tier_limits does."""
     tiers = _tier_tables(data, source, token_keys=True)
-    return {tier: {name: budget[key] for key, name in TIER_TOKEN_KEYS.items()}
-            for tier, budget in tiers.items() if "tokens_per_minute" in budget}
+    return {tier: {name: budget[key] for key, name in TIER_TOKEN_KEYS.items() if key in budget}
+            for tier, budget in tiers.items() if any(key in budget for key in TIER_TOKEN_KEYS)}
 
 
 def validate_scope_budget(budget: object, source: str, what: str, *,

@@ -36,7 +36,7 @@ from .lease import (
     lease_maker,
     make_lease,
 )
-from .limiter import Clock, Storage, limiter_options
+from .limiter import PING_IDENTITY, Clock, Storage, limiter_options
 from .metrics import LimiterMetrics, count_reconcile, count_reservation
 from .reservation import (
     Plan,
@@ -784,6 +784,12 @@ class AsyncRateLimiter:
             raise RateLimiterError("the rate limiter is closed")
         request = self._codec.peek(user_id, windows, **arguments)
         return request if type(request) is tuple else await self._run(request)
+
+    async def ping(self) -> float:
+        """RateLimiter.ping, awaited: one read-only round trip; the seconds it took."""
+        started = time.perf_counter()
+        await self._peek(PING_IDENTITY, ((1, 1),))
+        return time.perf_counter() - started
 
     async def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
                     token_windows: Sequence[tuple[int, int]] | None = None) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
@@ -124,6 +125,10 @@ def limiter_options(
     return options, native
 
 
+# The identity ping() peeks at: nothing counts under it (a read-only script writes nothing).
+PING_IDENTITY = "genai-ratelimit-ping"
+
+
 class RateLimiter(_native.Limiter):
     """Exact sliding-window rate limiter on Redis: sorted sets (storage="zset", the default)
     or one string per window (storage="compact": the same decisions in a tenth of the memory).
@@ -234,6 +239,16 @@ class RateLimiter(_native.Limiter):
         clock."""
         return self._peek(user_id, windows,
                           **reserve_arguments(cost, token_windows, tokens, _scope_list(scopes)))[:4]
+
+    def ping(self) -> float:
+        """One read-only round trip to Redis: a peek of a one-second window of an identity no
+        request uses (PING_IDENTITY), through the same connection pool as every decision.
+        Returns the seconds it took; raises what a decision would raise when Redis cannot
+        answer (RateLimiterUnavailable, RateLimiterTimeout, ...). For start-up checks and
+        health probes: `limiter.ping()`. With RATE_LIMIT_DISABLED set, nothing is sent."""
+        started = time.perf_counter()
+        self._peek(PING_IDENTITY, ((1, 1),))
+        return time.perf_counter() - started
 
     def reset(self, user_id: str, windows: Sequence[tuple[int, int]] | None = None, *,
               token_windows: Sequence[tuple[int, int]] | None = None) -> int:

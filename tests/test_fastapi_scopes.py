@@ -251,9 +251,11 @@ def test_shadow_mode_lets_an_upstream_refusal_through_and_says_so(
     through = chat(client, user_id)
     assert through.status_code == 200
     assert through.headers["x-ratelimit-shadow"] == "would-refuse"
-    assert through.headers["x-ratelimit-scope"] == "upstream"
-    assert "retry-after" not in through.headers
-    assert redis_client.zcard(UPSTREAM_KEY) == 1  # the refused request was not logged
+    assert through.headers["x-ratelimit-shadow-scope"] == "upstream"
+    assert "retry-after" not in through.headers and "x-ratelimit-scope" not in through.headers
+    # A shadow cap counts in keys of its own: never in the enforced cap's.
+    assert redis_client.keys(UPSTREAM_KEY) == []
+    assert redis_client.zcard("ratelimit:shadow:openai/gpt-4o:60:shared") == 1  # the refused one not logged
 
 
 def test_a_scoped_dependency_takes_its_in_flight_slot_first_and_gives_it_back(

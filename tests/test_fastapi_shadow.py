@@ -35,8 +35,8 @@ RETRY_INSTRUCTIONS = ("Retry-After", "retry-after-ms", "x-should-retry")
 
 
 def shadow_key(redis_client: redis.Redis, user_id: str, window: int = 60, suffix: str = "") -> str:
-    """The key of the shadow budget's window (its own namespace)."""
-    (key,) = redis_client.keys(f"ratelimit:ns:*:{user_id}:{window}{suffix}")
+    """The key of the shadow budget's window (keys of its own: "shadow:" in front)."""
+    (key,) = redis_client.keys(f"ratelimit:shadow:*{user_id}:{window}{suffix}")
     return key.decode()  # type: ignore[no-any-return]
 
 
@@ -63,15 +63,18 @@ def test_a_would_refuse_response_carries_the_429_headers_without_its_retry_instr
     allowed = [client.get("/dict", headers=as_user(user_id)) for _ in range(2)]
     for response in allowed:
         assert "X-RateLimit-Shadow" not in response.headers
-    assert allowed[1].headers["X-RateLimit-Remaining"] == "0"
+        assert "X-RateLimit-Limit" not in response.headers  # no enforced budget here
+    assert allowed[1].headers["X-RateLimit-Shadow-Remaining"] == "0"
     shadowed = client.get("/dict", headers=as_user(user_id))
     assert shadowed.status_code == 200
     assert shadowed.headers["X-RateLimit-Shadow"] == "would-refuse"
-    assert shadowed.headers["X-RateLimit-Limit"] == "2"
-    assert shadowed.headers["X-RateLimit-Remaining"] == "0"
-    assert shadowed.headers["X-RateLimit-Window"] == "minute"
-    assert shadowed.headers["x-ratelimit-remaining-requests"] == "0"  # the error format's family
-    assert shadowed.headers["x-ratelimit-limit-requests"] == "2"
+    assert shadowed.headers["X-RateLimit-Shadow-Limit"] == "2"
+    assert shadowed.headers["X-RateLimit-Shadow-Remaining"] == "0"
+    assert shadowed.headers["X-RateLimit-Shadow-Window"] == "minute"
+    # Never an enforced header: the trio, the error format's family, the IETF fields.
+    for name in ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Window",
+                 "x-ratelimit-remaining-requests", "x-ratelimit-limit-requests", "RateLimit"):
+        assert name not in shadowed.headers, name
     for name in RETRY_INSTRUCTIONS:
         assert name not in shadowed.headers, name
 
@@ -85,7 +88,8 @@ def test_would_refuse_headers_reach_every_response_type(
     response = client.get(route, headers=as_user(user_id))
     assert response.status_code == 200
     assert response.headers.get_list("X-RateLimit-Shadow") == ["would-refuse"]
-    assert response.headers.get_list("X-RateLimit-Remaining") == ["0"]
+    assert response.headers.get_list("X-RateLimit-Shadow-Remaining") == ["0"]
+    assert "X-RateLimit-Remaining" not in response.headers
     if route == "/stream":
         assert response.text == "data: a\n\ndata: b\n\ndata: [DONE]\n\n"
 
@@ -225,9 +229,9 @@ def test_a_token_budget_in_shadow_lets_through_what_its_tokens_would_refuse(
     assert [r.headers.get("X-RateLimit-Shadow") for r in responses] == [None, None, "would-refuse",
                                                                        "would-refuse"]
     refused = responses[2].headers
-    assert (refused["X-RateLimit-Resource"], refused["X-RateLimit-Limit"],
-            refused["X-RateLimit-Remaining"]) == ("tokens", "100", "0")
-    assert refused["x-ratelimit-remaining-tokens"] == "0"
+    assert (refused["X-RateLimit-Shadow-Resource"], refused["X-RateLimit-Shadow-Limit"],
+            refused["X-RateLimit-Shadow-Remaining"]) == ("tokens", "100", "0")
+    assert "x-ratelimit-remaining-tokens" not in refused and "X-RateLimit-Limit" not in refused
     for name in RETRY_INSTRUCTIONS:
         assert name not in refused, name
     assert dependency.shadow_count == 2
@@ -245,8 +249,8 @@ def test_a_request_too_large_for_the_token_budget_runs_in_shadow_and_reserves_no
         response = client.get("/json", headers=as_user(user_id))
     assert response.status_code == 200 and response.json() == {"answer": "ok"}
     assert response.headers["X-RateLimit-Shadow"] == "would-refuse"
-    assert response.headers["X-RateLimit-Resource"] == "tokens"
-    assert response.headers["X-RateLimit-Limit"] == "100"
+    assert response.headers["X-RateLimit-Shadow-Resource"] == "tokens"
+    assert response.headers["X-RateLimit-Shadow-Limit"] == "100"
     assert "x-should-retry" not in response.headers
     assert dependency.shadow_count == 1
     assert redis_client.keys("*") == []

@@ -322,7 +322,7 @@ def test_without_the_middleware_record_usage_still_reconciles_and_a_warning_says
         limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
         redis_client: redis.Redis, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import genai_ratelimit.fastapi as module
+    import genai_ratelimit.fastapi._ledger as module
 
     monkeypatch.setattr(module, "_warned_no_token_middleware", False)
     client = client_for(TokenRateLimit(limiter=limiter, token_limits=SMALL), middleware=False)
@@ -504,15 +504,17 @@ def test_redis_down_answers_503(make_limiter: LimiterFactory, client_for: Callab
     assert response.headers["Retry-After"] == "1"
 
 
-def test_a_custom_token_budget_counts_in_a_namespace_of_its_own(
+def test_a_custom_token_budget_counts_in_the_plain_keys(
         limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
         redis_client: redis.Redis) -> None:
+    """A budget's keys never depend on its numbers: an edit keeps every count."""
     client = client_for(TokenRateLimit(limiter=limiter, token_limits=SMALL))
     client.post("/silent", json=chat_body(0), headers=as_user(user_id))
-    keys = sorted(k.decode() for k in redis_client.keys("*") if not k.endswith((b":w", b":t")))
-    assert len(keys) == 4 and all(k.startswith("ratelimit:ns:budget-") for k in keys)
-    default = TokenRateLimit(limiter=limiter)
-    assert default.namespace is None
+    windows = {k.decode() for k in redis_client.keys(f"ratelimit:{user_id}:*")
+               if not k.endswith((b":w", b":t"))}
+    assert windows == {f"ratelimit:{user_id}:60", f"ratelimit:{user_id}:86400",
+                       f"ratelimit:{user_id}:60:tokens", f"ratelimit:{user_id}:86400:tokens"}
+    assert TokenRateLimit(limiter=limiter, token_limits=SMALL).namespace is None
 
 
 def test_bad_arguments_fail_when_the_dependency_is_built(limiter: AnyLimiter) -> None:

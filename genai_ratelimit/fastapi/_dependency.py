@@ -1,0 +1,724 @@
+"""RateLimit: the request-budget dependency (sync and async drivers)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+from fastapi import HTTPException, Request, Response
+from starlette.concurrency import run_in_threadpool
+from typing_extensions import Unpack
+
+from .. import RateLimiterError
+from .._ietf_headers import HeaderMode, PartitionKeys, ServiceLimit, ietf_headers
+from .._openai_headers import (
+    UNAVAILABLE_MESSAGE,
+    ErrorFormat,
+    ResourceHeaders,
+    error_body,
+    family_headers,
+    format_duration,
+    refusal_message,
+    retry_headers,
+)
+from .._tiers_config import (
+    TIER_BUDGET_KEYS,
+    TierConfigError,
+    max_in_flight_of_tiers,
+    scope_sections_from_env,
+    tier_limits_from_env,
+    tier_max_in_flight_from_env,
+    validate_tier_limits,
+)
+from ..aio import AsyncRateLimiter
+from ..lease import Lease
+from ..reservation import Reservation, Resource
+from ..tiers import DEFAULT_TIER, TIER_LIMITS
+from ._identity import (
+    _NAMESPACE_PATTERN,
+    default_identify,
+    key_identity,
+)
+from ._ledger import _LEASES_KEY, _LeaseLedger
+from ._options import ClassSignature, Mode, OnUnavailable, SharedOptions, options_from
+from ._policy import (
+    CONCURRENT,
+    AsyncWindowLimiter,
+    Decision,
+    Identify,
+    SyncWindowLimiter,
+    Windows,
+    _ietf_policies,
+    _now_ms,
+    _policy_name,
+    _scope_kind,
+    _tightest,
+    in_flight_wait,
+    window_name,
+)
+from ._responses import (
+    _COUNTED_KEY,
+    _SHADOWED_KEY,
+    _STOCK_CHECK_WINDOWS,
+    _record_allowed,
+    _record_extra,
+    _record_shadow,
+    _set_refusal_body,
+    allowed_headers,
+    shadow_headers,
+)
+from ._scopes import _Scopes
+from ._startup import RateLimitConfigError, check_dependencies, dependencies_of
+
+logger = logging.getLogger("genai_ratelimit")
+
+
+def _is_async_limiter(limiter: object) -> bool:
+    flag = getattr(limiter, "is_async", None)
+    if isinstance(flag, bool):
+        return flag
+    return inspect.iscoroutinefunction(getattr(limiter, "check_windows", None))
+
+
+class RateLimit:
+    """A FastAPI dependency: `Depends(RateLimit(...))`, or the ready `rate_limit`.
+
+    limiter        a RateLimiter or an AsyncRateLimiter; None: an AsyncRateLimiter() created on
+                   the first request (it reads $REDIS_URL, else redis://localhost:6379/0).
+    tier_limits    {"free": {"per_minute": 5, "per_day": 100}, ...}; None: the file named by
+                   $GENAI_RATELIMIT_TIERS when set, else TIER_LIMITS. Checked here, at start-up.
+    identify       identify(request) -> (user_id, tier), replacing default_identify.
+    on_unavailable "deny": HTTP 503 + Retry-After: 1 when Redis cannot decide; "allow": let the
+                   request through, log a warning and count it in fail_open_count.
+    namespace      the name of the budget's key space (1-64 of A-Z a-z 0-9 _ . -): keys become
+                   {prefix}:ns:{namespace}:{identity}:{window}, and every RateLimit naming it
+                   draws on one budget. None: no namespace for the default budget (TIER_LIMITS
+                   or the tiers file: the contract's keys), "budget-<digest>" for any other.
+
+    Keyword-only (see genai_ratelimit._openai_headers for the shapes):
+
+    error_format   "openai" (default): 429/503 bodies carry OpenAI's `error` object beside the
+                   contract's `detail`, responses OpenAI's x-ratelimit-*-requests headers;
+                   "anthropic": Anthropic's {"type": "error", "error": {...}} and its
+                   anthropic-ratelimit-* headers; "plain": the contract's body and headers only.
+                   The bodies need RateLimitHeadersMiddleware (without it: {"detail": ...}).
+    max_client_wait_seconds
+                   a 429 whose wait is longer says x-should-retry: false (the SDKs then give
+                   up at once instead of sleeping); true otherwise. Default 300.
+    unavailable_log_interval
+                   at most one warning per this many seconds while Redis is unavailable, with
+                   the count of requests it covers. Default 60.
+    log_user_ids   False: that warning (and the shadow one) names no user.
+    mode           "enforce" (default): refuse what the budget refuses. "shadow": decide and
+                   count exactly as usual, but never refuse: a request the budget would
+                   refuse runs, its response carries the 429's headers except the retry
+                   instructions (Retry-After, retry-after-ms, x-should-retry) plus
+                   X-RateLimit-Shadow: would-refuse, it is counted in shadow_count and a
+                   warning says so (at most one per shadow_log_interval seconds, default 60).
+    headers        "contract" (default): the contract's X-RateLimit-* (and the error
+                   format's family). "ietf" or "both" (the same): those, plus the IETF
+                   draft's RateLimit-Policy and RateLimit fields (genai_ratelimit._ietf_headers).
+    partition_key_secret
+                   the secret of the IETF fields' partition keys (pk), an HMAC of the
+                   identity: None reads $GENAI_RATELIMIT_PARTITION_KEY_SECRET, else a random
+                   secret of this process (keys then differ between workers).
+    upstream       an Upstream (a provider's caps, shared by every user), a list of them (each
+                   for the request `model`s it lists, or every request), or a callable
+                   upstream(request) -> Upstream | None (sync or async).
+    route_limits   {"per_minute": 2, "per_day": 50}: each user's own budget on the routes of
+                   this instance, beside the tier's (keys: scope=route:<path template>).
+    model_limits   {"gpt-4o": {"per_minute": 20}}: each user's budget per request `model` (read
+                   from the JSON body). TokenRateLimit also takes tokens_per_minute/_day keys.
+                   With any of the three (or the tiers file's [models]/[upstreams]) the
+                   decision is one `reserve` over the tier's windows and the request's scopes,
+                   and the dependency is an async def; see README "Upstream caps, route and
+                   model budgets" for the 429s (X-RateLimit-Scope).
+    max_in_flight  {tier: n}: at most n requests of one identity in flight at once, for the
+                   tiers whose budget (tier_limits, or the tiers file) gives no
+                   "max_in_flight" of its own; a tier with neither has no concurrency limit
+                   (and costs no extra round trip). Needs RateLimitHeadersMiddleware.
+    lease_seconds  how long an in-flight slot stays taken when its release never comes (a
+                   worker killed mid-request): default 300 (DEFAULT_LEASE_SECONDS). A request
+                   that may run longer renews its lease: in_flight_lease(request).renew()
+                   (awaited with an AsyncRateLimiter).
+
+    In-flight slots (max_in_flight): before the windows are decided, the request takes one
+    of its identity's slots (`acquire`, one script execution); the middleware gives it back
+    when the response's last byte is due, or when the client disconnected or the route
+    failed. Refused: 429 with X-RateLimit-Window: concurrent, X-RateLimit-Limit: the cap,
+    and Retry-After: the time until the soonest slot's lease expires, an upper bound (a
+    request that finishes frees its slot sooner). A request refused for concurrency is
+    not counted in the windows. In shadow mode a request beyond the cap runs without a slot and
+    is counted, logged and marked as would-refuse like a window refusal.
+
+    The decision is one `check_windows` call; the WindowDecision it answers carries the
+    exact wait (retry_after_ms) that retry-after-ms reports.
+
+    An async limiter (the default) gives an instance of a subclass whose __call__ is async,
+    awaited on the event loop; a blocking limiter gives an instance whose __call__ is a plain
+    def (FastAPI's threadpool).
+    """
+
+    # TokenRateLimit charges tokens: its scopes keep their token windows.
+    _charges_tokens = False
+    __signature__ = ClassSignature()
+
+    def __new__(cls, limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
+                *args: Any, **kwargs: Any) -> RateLimit:
+        # Scopes may read the body (a model's budget): an async def, the blocking limiter's
+        # calls then in the threadpool.
+        scoped = any(kwargs.get(key) is not None
+                     for key in ("upstream", "route_limits", "model_limits"))
+        if not scoped and (args[:1] or [kwargs.get("tier_limits")])[0] is None:
+            try:
+                sections = scope_sections_from_env()
+            except TierConfigError:
+                sections = None  # __init__ says what is wrong
+            scoped = sections is not None and any(sections)
+        if cls is RateLimit and (limiter is None or _is_async_limiter(limiter) or scoped):
+            cls = _AsyncRateLimit
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
+        tier_limits: Mapping[str, Mapping[str, int]] | None = None,
+        identify: Identify | None = None,
+        on_unavailable: OnUnavailable = "deny",
+        namespace: str | None = None,
+        **options: Unpack[SharedOptions],
+    ) -> None:
+        opts = options_from(options)
+        self.options = opts
+        error_format, headers, mode = opts.error_format, opts.headers, opts.mode
+        max_client_wait_seconds, log_user_ids = opts.max_client_wait_seconds, opts.log_user_ids
+        unavailable_log_interval = opts.unavailable_log_interval
+        shadow_log_interval, partition_key_secret = opts.shadow_log_interval, opts.partition_key_secret
+        max_in_flight, lease_seconds = opts.max_in_flight, opts.lease_seconds
+        upstream, route_limits, model_limits = opts.upstream, opts.route_limits, opts.model_limits
+        self.in_flight_retry_after = float(opts.in_flight_retry_after)
+        self.error_format: ErrorFormat = error_format
+        self.max_client_wait_seconds = float(max_client_wait_seconds)
+        self.unavailable_log_interval = float(unavailable_log_interval)
+        self.log_user_ids = log_user_ids
+        self._unavailable_log = _LogThrottle(self.unavailable_log_interval)
+        self.mode: Mode = mode
+        self.headers: HeaderMode = headers
+        self._shadow_log = _LogThrottle(float(shadow_log_interval))
+        self._shadow_count = 0
+        self._partition_keys: PartitionKeys | None = None
+        if headers != "contract":
+            self._partition_keys = PartitionKeys(partition_key_secret)
+            if self._partition_keys.per_process:
+                logger.warning(
+                    "RateLimit(headers=%r) has no partition_key_secret (nor $%s): the IETF "
+                    "RateLimit fields' partition keys come from a random secret of this process, "
+                    "so they differ between workers and restarts", headers,
+                    "GENAI_RATELIMIT_PARTITION_KEY_SECRET")
+        if namespace is not None:
+            if not isinstance(namespace, str):
+                raise TypeError(f"namespace must be a str or None, not {type(namespace).__name__}")
+            if not _NAMESPACE_PATTERN.fullmatch(namespace):
+                raise ValueError("namespace must be 1 to 64 of the characters A-Z a-z 0-9 _ . -, "
+                                 f"got {namespace!r}")
+        if on_unavailable not in ("deny", "allow"):
+            raise ValueError(f"on_unavailable must be 'deny' or 'allow', got {on_unavailable!r}")
+        if identify is not None and not callable(identify):
+            raise TypeError(f"identify must be a callable taking the request, not {type(identify).__name__}")
+        if limiter is not None and not callable(getattr(limiter, "check_windows", None)):
+            raise TypeError(
+                f"limiter must be a RateLimiter or AsyncRateLimiter, not {type(limiter).__name__}")
+        from_file = tier_limits is None
+        self.lease_seconds = lease_seconds
+        if tier_limits is None:
+            tiers_in_flight = tier_max_in_flight_from_env() or {}
+            tier_limits = tier_limits_from_env() or TIER_LIMITS
+        else:
+            tiers_in_flight = max_in_flight_of_tiers(tier_limits)
+        self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)
+        self._scopes = _Scopes(upstream, route_limits, model_limits, from_file,
+                               tokens=self._charges_tokens, shadow=opts.mode == "shadow")
+        self._limiter_is_async = limiter is None or _is_async_limiter(limiter)
+        defaults: dict[str, int] = {}
+        for tier, cap in (max_in_flight or {}).items():
+            if tier in self.tier_limits:  # a tier the budget does not know never applies
+                defaults[tier] = cap
+        # Per tier, the most requests of one identity in flight at once (absent: no cap).
+        self.max_in_flight: dict[str, int] = {**defaults, **tiers_in_flight}
+        if self.max_in_flight and limiter is not None and not (
+                callable(getattr(limiter, "acquire", None)) and callable(getattr(limiter, "release", None))):
+            raise TypeError(f"max_in_flight needs a limiter with acquire() and release() "
+                            f"(RateLimiter, AsyncRateLimiter), not {type(limiter).__name__}")
+        # Per tier, the (limit, window_seconds) pairs of one check_windows call, shortest first.
+        self._windows: dict[str, Windows] = {
+            tier: tuple((budget[key], seconds) for key, seconds in TIER_BUDGET_KEYS.items()
+                        if key in budget)
+            for tier, budget in self.tier_limits.items()
+        }
+        self.namespace: str | None = namespace
+        self.identify: Identify = identify or default_identify
+        self.on_unavailable: OnUnavailable = on_unavailable
+        self._limiter = limiter
+        self._limiter_lock = threading.Lock()
+        self._fail_open_count = 0
+        self._fail_open_lock = threading.Lock()  # the threadpool may fail open in parallel
+        self._checked_apps: set[int] = set()  # id() of the apps whose start-up checks passed
+
+    @property
+    def limiter(self) -> Any:
+        """The limiter; the default one, an AsyncRateLimiter, is created on first use."""
+        if self._limiter is None:
+            with self._limiter_lock:
+                if self._limiter is None:
+                    self._limiter = AsyncRateLimiter()
+        return self._limiter
+
+    @property
+    def fail_open_count(self) -> int:
+        """How many requests on_unavailable="allow" let through because the limiter could not
+        decide (Redis unreachable, timed out, answering garbage). Always 0 with "deny". For
+        alerting: each one is a request that was never counted against any budget."""
+        return self._fail_open_count
+
+    @property
+    def shadow_count(self) -> int:
+        """How many requests mode="shadow" let through that the budget would have refused
+        (each request once). Always 0 with mode="enforce"."""
+        return self._shadow_count
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
+                f"on_unavailable={self.on_unavailable!r}, namespace={self.namespace!r})")
+
+    def key_budgets(self) -> list[tuple[tuple[object, ...], object]]:
+        """(key space, budget) pairs for the start-up collision check: the key space is the
+        Redis and key prefix, the mode, the namespace and the resource; two dependencies
+        that share a key space must have the same budget there."""
+        return [((*self._space(), self.mode, self.namespace, "requests"),
+                 tuple(sorted(self._windows.items())))]
+
+    def _space(self) -> tuple[object, ...]:
+        """The limiter's Redis and key prefix (the limiter itself when it does not say; the
+        default limiter's: $REDIS_URL)."""
+        if self._limiter is None:
+            return ("default limiter",)
+        url, prefix = getattr(self._limiter, "url", None), getattr(self._limiter, "key_prefix", None)
+        return (url, prefix) if isinstance(url, str) and isinstance(prefix, str) else (id(self._limiter),)
+
+    def mark_checked(self, app: object) -> None:
+        """The start-up checks of `app` passed (rate_limit_lifespan, or the first request)."""
+        self._checked_apps.add(id(app))
+
+    def _check_on_first_use(self, request: Request) -> None:
+        """The start-up checks, once per app, when no rate_limit_lifespan ran them: a
+        misconfigured app answers 500 (and logs why) instead of counting wrongly."""
+        app = request.scope.get("app")
+        middleware = isinstance(request.scope.get(_LEASES_KEY), _LeaseLedger)
+        try:
+            check_dependencies(dependencies_of(app) or [self], middleware=middleware)
+        except RateLimitConfigError as exc:
+            logger.error("%s", exc)
+            raise
+        self.mark_checked(app)
+
+    def _identity_and_tier(self, request: Request) -> tuple[str, str]:
+        """(key identity, the tier whose budget applies: DEFAULT_TIER for none or unknown)."""
+        if id(request.scope.get("app")) not in self._checked_apps:
+            self._check_on_first_use(request)
+        user_id, tier = self.identify(request)
+        if isinstance(user_id, int) and not isinstance(user_id, bool):
+            user_id = str(user_id)
+        if not isinstance(user_id, str) or not user_id:
+            raise TypeError(f"the rate-limit identity must be a non-empty str, got {user_id!r}")
+        budget_tier = tier if isinstance(tier, str) and tier in self._windows else DEFAULT_TIER
+        identity = key_identity(user_id, self.namespace)
+        # A shadow budget counts (and takes its in-flight slots) in keys of its own, so it
+        # never makes an enforced budget refuse more.
+        return (f"shadow:{identity}" if self.mode == "shadow" else identity), budget_tier
+
+    def _counted_key(self, identity: str, windows: Windows) -> tuple[object, ...]:
+        """Which keys a check of `identity` would count in: the limiter's Redis and key prefix
+        (the limiter object itself when it does not say), the identity and the budget."""
+        limiter = self.limiter
+        url, prefix = getattr(limiter, "url", None), getattr(limiter, "key_prefix", None)
+        space: tuple[object, ...] = (url, prefix) if isinstance(url, str) and isinstance(prefix, str) \
+            else (id(limiter),)
+        return (*space, identity, windows)
+
+    def _already_counted(self, request: Request, identity: str, windows: Windows) -> Decision | None:
+        counted = request.scope.get(_COUNTED_KEY)
+        return counted.get(self._counted_key(identity, windows)) if isinstance(counted, dict) else None
+
+    def _remember(self, request: Request, identity: str, windows: Windows, decision: Decision) -> None:
+        request.scope.setdefault(_COUNTED_KEY, {})[self._counted_key(identity, windows)] = decision
+
+    def _apply(self, request: Request, response: Response, windows: Windows, decision: Decision,
+               retry_after_ms: int, now_ms: int, *, identity: str) -> None:
+        """Raises the 429 (in shadow mode: records it as would-refuse), or records the allowed
+        decision's headers."""
+        allowed, remaining, retry_after_s, window_seconds = decision
+        limit = next((lim for lim, seconds in windows if seconds == window_seconds), windows[0][0])
+        if not allowed:
+            refusal = [
+                ("X-RateLimit-Limit", str(limit)),
+                ("X-RateLimit-Remaining", "0"),
+                ("X-RateLimit-Window", window_name(window_seconds)),
+                *family_headers(self.error_format, now_ms,
+                                ResourceHeaders("requests", limit, 0, retry_after_ms)),
+                *self._ietf_fields(identity, windows, (), [("requests", window_seconds, 0, retry_after_s)]),
+            ]
+            message = refusal_message("requests", window_seconds, limit, 1, retry_after_ms)
+            if self.mode == "shadow":
+                self._would_refuse(request, response, identity, id(decision), limit, window_seconds,
+                                   message, refusal)
+                return
+            _set_refusal_body(request, error_body(self.error_format, 429, "Rate limit exceeded",
+                                                  message, "requests"))
+            headers = {
+                **dict(retry_headers(retry_after_s, retry_after_ms, self.max_client_wait_seconds)),
+                **dict(refusal),
+            }
+            raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
+        if self.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
+            _record_shadow(request, response, shadow_headers(
+                allowed_headers(limit, remaining, window_seconds), "allow"))
+            return
+        _record_allowed(request, response, limit, remaining, window_seconds)
+        # The tightest window is back to its full limit one window length from now (this
+        # request is its newest entry): the reset of the provider families' headers.
+        extra = family_headers(self.error_format, now_ms,
+                               ResourceHeaders("requests", limit, remaining, window_seconds * 1000))
+        extra += self._ietf_fields(identity, windows, (), [("requests", window_seconds, remaining,
+                                                            window_seconds)])
+        _record_extra(request, response, extra)
+
+    def _in_flight_slot(self, request: Request, response: Response, identity: str,
+                        tier: str) -> tuple[int, tuple[object, ...], _LeaseLedger] | None:
+        """(cap, ledger key, ledger) when this request must take an in-flight slot: its tier
+        has a cap and no dependency of this request took one for this identity yet."""
+        cap = self.max_in_flight.get(tier)
+        if cap is None:
+            return None
+        leases = request.scope.get(_LEASES_KEY)
+        if not isinstance(leases, _LeaseLedger):
+            raise RuntimeError(
+                "max_in_flight needs RateLimitHeadersMiddleware, which gives the slot back when "
+                "the response is over: add "
+                "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware)")
+        # One slot per lease key (Redis, key prefix, identity: namespace and mode included),
+        # never two of one key: a second cap on the same key checks the slot already taken.
+        key = self._counted_key(identity, ())
+        held = leases.lease_of(key)
+        if held is None:
+            return (cap, key, leases)
+        if held.held > cap:
+            self._refuse_in_flight(request, response, identity, cap,
+                                   max(0, held.expires_at_ms - _now_ms()))
+        return None
+
+    def _hold(self, request: Request, response: Response, identity: str,
+              slot: tuple[int, tuple[object, ...], _LeaseLedger], limiter: Any, is_async: bool,
+              lease: Lease) -> None:
+        """Keeps an allowed lease for the middleware to release, or raises the 429 (in shadow
+        mode: records it as would-refuse and lets the request run without a slot)."""
+        cap, key, leases = slot
+        if lease.allowed:
+            leases.entries.append((key, limiter, is_async, lease))
+            return
+        # The soonest lease's expiry is only a bound (a request that ends frees its slot
+        # sooner): announce in_flight_retry_after, a short wait both SDKs act on.
+        self._refuse_in_flight(request, response, identity, cap, lease.retry_after_ms)
+
+    def _refuse_in_flight(self, request: Request, response: Response, identity: str, cap: int,
+                          expiry_ms: int) -> None:
+        """The concurrency 429 (in shadow mode: recorded as would-refuse). `expiry_ms`: the
+        soonest held lease's expiry, which frees a slot at the latest."""
+        retry_ms, retry_s = in_flight_wait(self.in_flight_retry_after, expiry_ms)
+        message = (f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one "
+                   f"of them ends; please try again in {format_duration(retry_ms)} (every slot "
+                   f"is free again within {format_duration(expiry_ms)} at the latest).")
+        refusal = [("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
+                   ("X-RateLimit-Window", window_name(CONCURRENT))]
+        if self.mode == "shadow":
+            self._would_refuse(request, response, identity, None, cap, CONCURRENT, message, refusal)
+            return
+        _set_refusal_body(request, error_body(self.error_format, 429, "Rate limit exceeded",
+                                              message, "requests"))
+        headers = {
+            **dict(retry_headers(retry_s, retry_ms, self.max_client_wait_seconds)),
+            **dict(refusal),
+        }
+        raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
+
+    def _take_slot(self, request: Request, response: Response, identity: str, tier: str) -> bool:
+        """Blocking: takes an in-flight slot when the tier has a cap. False when Redis could
+        not decide and on_unavailable let the request through (nothing more to decide)."""
+        slot = self._in_flight_slot(request, response, identity, tier)
+        if slot is None:
+            return True
+        limiter = self.limiter
+        try:
+            lease = limiter.acquire(identity, slot[0], self.lease_seconds)
+        except RateLimiterError as exc:
+            self._unavailable(request, identity, exc)
+            return False
+        self._hold(request, response, identity, slot, limiter, False, lease)
+        return True
+
+    async def _take_slot_async(self, request: Request, response: Response, identity: str,
+                               tier: str, is_async: bool) -> bool:
+        """_take_slot for an async dependency (a blocking limiter runs in the threadpool)."""
+        slot = self._in_flight_slot(request, response, identity, tier)
+        if slot is None:
+            return True
+        limiter = self.limiter
+        try:
+            if is_async:
+                lease = await limiter.acquire(identity, slot[0], self.lease_seconds)
+            else:
+                lease = await run_in_threadpool(limiter.acquire, identity, slot[0], self.lease_seconds)
+        except RateLimiterError as exc:
+            self._unavailable(request, identity, exc)
+            return False
+        self._hold(request, response, identity, slot, limiter, is_async, lease)
+        return True
+
+    def _ietf_fields(self, identity: str, windows: Windows, token_windows: Windows,
+                     limits: Sequence[tuple[Resource, int, int, int]]) -> list[tuple[str, str]]:
+        """RateLimit-Policy (every window of the budget) and RateLimit (`limits`: (resource,
+        window_seconds, remaining, seconds until more)) when headers="ietf"/"both", else []."""
+        if self._partition_keys is None:
+            return []
+        service = [ServiceLimit(_policy_name(resource, seconds), remaining, reset)
+                   for resource, seconds, remaining, reset in limits]
+        return ietf_headers(_ietf_policies(windows, token_windows), service,
+                            self._partition_keys.of(identity))
+
+    def _would_refuse(self, request: Request, response: Response, identity: str, once: Hashable | None,
+                      limit: int, window_seconds: int, message: str,
+                      refusal: list[tuple[str, str]]) -> None:
+        """Shadow mode: the refusal the budget would have answered, let through. The response
+        carries its X-RateLimit-* headers renamed X-RateLimit-Shadow-* (never an enforced
+        header, never a retry instruction: nothing was refused) plus X-RateLimit-Shadow:
+        would-refuse. The request is counted and logged,
+        once per `once` when given: a decision that two dependencies of one route share (see
+        _remember) is one request; None: always."""
+        shadowed = request.scope.setdefault(_SHADOWED_KEY, set())
+        if once is None or once not in shadowed:
+            shadowed.add(once)
+            with self._shadow_log.lock:
+                self._shadow_count += 1
+            record_outcome = getattr(self.limiter, "_record_outcome", None)
+            if callable(record_outcome):
+                record_outcome("shadow")
+            count = self._shadow_log.due()
+            if count is not None:
+                latest = f", the latest for {identity!r}" if self.log_user_ids else ""
+                logger.warning("shadow mode: %d request(s) the budget would have refused were let "
+                               "through since the last report%s; the 429 would have said: %s "
+                               "(next report in %gs at the earliest)", count, latest, message,
+                               self._shadow_log.interval)
+        _record_shadow(request, response, shadow_headers(refusal, "would-refuse"))
+
+    def _unavailable(self, request: Request, user_id: str, exc: RateLimiterError) -> None:
+        """Redis could not decide: 503 (deny) or a logged pass (allow)."""
+        if self.on_unavailable == "allow":
+            with self._fail_open_lock:
+                self._fail_open_count += 1
+                count = self._fail_open_count
+            record = getattr(self.limiter, "_record_outcome", None)
+            if record is not None:  # the limiter's metrics count it too
+                record("fail_open")
+            self._log_unavailable(f"let through (on_unavailable='allow', fail-open #{count} in all)",
+                                  user_id, exc)
+            return
+        self._log_unavailable("answered 503", user_id, exc)
+        _set_refusal_body(request, error_body(self.error_format, 503, "Rate limiter unavailable",
+                                              UNAVAILABLE_MESSAGE))
+        raise HTTPException(status_code=503, detail="Rate limiter unavailable",
+                            headers={"Retry-After": "1", "x-should-retry": "true"})
+
+    def _log_unavailable(self, action: str, user_id: str, exc: RateLimiterError) -> None:
+        """One warning per unavailable_log_interval at most, counting the requests it covers
+        (an outage must not flood the log with one line per request)."""
+        count = self._unavailable_log.due()
+        if count is None:
+            return
+        latest = f", the latest for {user_id!r}" if self.log_user_ids else ""
+        logger.warning("rate limiter unavailable: %d request(s) %s since the last report%s "
+                       "(next report in %gs at the earliest): %s",
+                       count, action, latest, self.unavailable_log_interval, exc)
+
+    @staticmethod
+    def _exact(decision: Decision) -> tuple[int, int]:
+        """The exact wait in ms and the decision's time: a WindowDecision carries both; any
+        other limiter's 4-tuple gets its rounded wait and this process's clock."""
+        return (getattr(decision, "retry_after_ms", decision[2] * 1000),
+                getattr(decision, "timestamp_ms", 0) or _now_ms())
+
+    async def _limiter_call(self, bound: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """bound(...), a limiter's method: awaited, or in the threadpool for a blocking limiter."""
+        if self._limiter_is_async:
+            return await bound(*args, **kwargs)
+        return await run_in_threadpool(lambda: bound(*args, **kwargs))
+
+    def _refuse_scope(self, request: Request, response: Response, identity: str,
+                      reservation: Reservation, requested: int) -> None:
+        """The 429 of a refusal by a scope (detail "Rate limit exceeded", as every 429). An
+        upstream's (shared) message says that the service, not the user, is at capacity; a
+        route's or a model's names that budget. Either carries X-RateLimit-Scope (upstream |
+        route | model) and, in X-RateLimit-Limit/-Window, the refusing window of that scope;
+        the provider families' x-ratelimit-* headers and the IETF fields, which describe the
+        user's own budget, are left out. In shadow mode: recorded as would-refuse."""
+        scope = reservation.scope
+        assert scope is not None
+        resource, window_seconds = reservation.resource, reservation.window_seconds
+        limit = next(w.limit for w in reservation.windows if w.scope == scope
+                     and w.resource == resource and w.window_seconds == window_seconds)
+        retry_ms = reservation.retry_after_ms
+        kind = _scope_kind(scope)
+        # The contract's detail for every 429; the message says whose budget it was.
+        detail = "Rate limit exceeded"
+        if scope.shared:
+            message = (f"The service is at capacity: its upstream {scope.name} allows {limit} "
+                       f"{resource} per {window_name(window_seconds)} for all users together. "
+                       f"This is not your own rate limit. Please try again in "
+                       f"{format_duration(retry_ms)}.")
+        else:
+            message = (f"{refusal_message(resource, window_seconds, limit, requested, retry_ms)} "
+                       f"(the budget of {kind} {scope.name.split(':', 1)[-1]})")
+        refusal = [
+            ("X-RateLimit-Limit", str(limit)),
+            ("X-RateLimit-Remaining", "0"),
+            ("X-RateLimit-Window", window_name(window_seconds)),
+            ("X-RateLimit-Scope", kind),
+            ("X-RateLimit-Resource", resource),
+        ]
+        if self.mode == "shadow":
+            self._would_refuse(request, response, identity, None, limit, window_seconds, message,
+                               refusal)
+            return
+        _set_refusal_body(request, error_body(self.error_format, 429, detail, message, resource))
+        headers = {
+            **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
+            **dict(refusal),
+        }
+        raise HTTPException(status_code=429, detail=detail, headers=headers)
+
+    async def _decide_with_scopes(self, request: Request, response: Response, user_id: str,
+                                  windows: Windows) -> None:
+        """RateLimit with scopes: one reserve over the tier's windows and the request's
+        scopes (one check_windows when none applies to this request)."""
+        scopes = await self._scopes.of(request)
+        counted = self._already_counted(request, user_id, windows)
+        if not scopes:
+            decision = counted
+            if decision is None:
+                try:
+                    decision = await self._limiter_call(self._decide(), user_id, windows)
+                except RateLimiterError as exc:
+                    self._unavailable(request, user_id, exc)
+                    return
+                self._remember(request, user_id, windows, decision)
+            self._apply(request, response, windows, decision, *self._exact(decision),
+                        identity=user_id)
+            return
+        try:
+            reservation: Reservation = await self._limiter_call(
+                self.limiter.reserve, user_id, () if counted is not None else windows,
+                scopes=scopes)
+        except RateLimiterError as exc:
+            self._unavailable(request, user_id, exc)
+            return
+        if not reservation.allowed and reservation.scope is not None:
+            self._refuse_scope(request, response, user_id, reservation, 1)
+            return  # shadow mode: the route runs, nothing was logged
+        if counted is not None:
+            decision, exact = counted, self._exact(counted)
+        elif not reservation.allowed:
+            decision = (False, 0, reservation.retry_after_s, reservation.window_seconds)
+            exact = (reservation.retry_after_ms, reservation.timestamp_ms or _now_ms())
+        else:
+            state = _tightest(reservation.windows, "requests")
+            assert state is not None and state.remaining is not None
+            decision = (True, state.remaining, 0, state.window_seconds)
+            exact = (0, reservation.timestamp_ms or _now_ms())
+            self._remember(request, user_id, windows, decision)
+        self._apply(request, response, windows, decision, *exact, identity=user_id)
+
+    def _decide(self) -> Any:
+        """The call that decides: check_windows, as the contract says. When it is this package's
+        own (not overridden by a subclass or replaced on the instance), its detailed twin, which
+        sends the same command and answers the same tuple with the exact wait as attributes."""
+        limiter = self.limiter
+        if getattr(type(limiter), "check_windows", None) in _STOCK_CHECK_WINDOWS and \
+                "check_windows" not in getattr(limiter, "__dict__", ()):
+            return limiter.check_windows_detailed
+        return limiter.check_windows
+
+    def __call__(self, request: Request, response: Response) -> Any:
+        # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
+        user_id, tier = self._identity_and_tier(request)
+        windows = self._windows[tier]
+        if not self._take_slot(request, response, user_id, tier):
+            return
+        decision = self._already_counted(request, user_id, windows)
+        if decision is None:
+            try:
+                decision = self._decide()(user_id, windows)
+            except RateLimiterError as exc:
+                self._unavailable(request, user_id, exc)
+                return
+            self._remember(request, user_id, windows, decision)
+        self._apply(request, response, windows, decision, *self._exact(decision), identity=user_id)
+
+
+class _AsyncRateLimit(RateLimit):
+    """RateLimit over an async limiter: awaited on the event loop, no worker thread."""
+
+    async def __call__(self, request: Request, response: Response) -> None:
+        user_id, tier = self._identity_and_tier(request)
+        windows = self._windows[tier]
+        if not await self._take_slot_async(request, response, user_id, tier,
+                                           self._limiter_is_async):
+            return
+        if self._scopes:
+            await self._decide_with_scopes(request, response, user_id, windows)
+            return
+        decision = self._already_counted(request, user_id, windows)
+        if decision is None:
+            try:
+                decision = await self._decide()(user_id, windows)
+            except RateLimiterError as exc:
+                self._unavailable(request, user_id, exc)
+                return
+            self._remember(request, user_id, windows, decision)
+        self._apply(request, response, windows, decision, *self._exact(decision), identity=user_id)
+
+
+
+class _LogThrottle:
+    """At most one log line per `interval` seconds: `due()` counts one event and answers the
+    number of events the line should cover, or None when it is not time yet."""
+
+    __slots__ = ("interval", "lock", "_pending", "_logged_at")
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.lock = threading.Lock()  # the threadpool may log in parallel
+        self._pending = 0  # events since the last line
+        self._logged_at: float | None = None  # time.monotonic() of that line
+
+    def due(self) -> int | None:
+        with self.lock:
+            self._pending += 1
+            now = time.monotonic()
+            if self._logged_at is not None and now - self._logged_at < self.interval:
+                return None
+            count, self._pending, self._logged_at = self._pending, 0, now
+            return count
+

@@ -1,0 +1,103 @@
+"""RateLimitHeadersMiddleware: headers, 429 bodies, reconcile and release as the response passes."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .._usage import UsageScanner
+from ._ledger import _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
+from ._responses import _SCOPE_KEY, _AllowedDecision
+
+logger = logging.getLogger("genai_ratelimit")
+
+
+class RateLimitHeadersMiddleware:
+    """Pure ASGI middleware: adds the X-RateLimit-* headers of an allowed request to whatever
+    response the route produced (StreamingResponse and JSONResponse included). A header the
+    response already has (a 429's own, or one the route set) is left as it is.
+
+        app.add_middleware(RateLimitHeadersMiddleware)
+
+    For a TokenRateLimit it also adds OpenAI's x-ratelimit-*-requests/-tokens headers, gives
+    its 429 the OpenAI-style body (the contract's `detail` plus an `error` object), and
+    reconciles the token reservation with the usage the response reports: a JSON body's
+    `usage.total_tokens`, or a server-sent event stream's last `data:` chunk carrying `usage`.
+    Each chunk is forwarded as it comes (a stream is scanned, never held back); the
+    reconcile runs before the response's last body message (or the stream's `data: [DONE]`
+    chunk) is passed on, so a client that has read the whole response sees the corrected
+    budget. Unless the route already called
+    record_usage: each request is reconciled at most once. No usage found: the reservation
+    stays as it was (never a silent refund).
+
+    It also releases the in-flight leases of RateLimit's max_in_flight: once the response's
+    last body message is due (before it is passed on), or when the app ends without one (a
+    client that disconnected mid-stream, an exception, a cancelled task). max_in_flight
+    needs this middleware.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        decision = _AllowedDecision()
+        scope[_SCOPE_KEY] = decision
+        ledger = _TokenLedger(middleware=True)
+        scope[_TOKENS_KEY] = ledger
+        leases = _LeaseLedger()
+        scope[_LEASES_KEY] = leases
+        scanner: UsageScanner | None = None
+        replaced_body = False  # a TokenRateLimit 429 whose body this middleware wrote
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal scanner, replaced_body
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                extra = decision.headers()
+                if extra:
+                    present = {bytes(name).lower() for name, _ in headers}
+                    headers += [(name.encode("latin-1"), value.encode("latin-1"))
+                                for name, value in extra if name.encode("latin-1") not in present]
+                    message = {**message, "headers": headers}
+                if ledger.refusal_body is not None and message["status"] in (429, 503):
+                    body = json.dumps(ledger.refusal_body).encode()
+                    headers = [(name, value) for name, value in headers
+                               if bytes(name).lower() not in (b"content-length", b"content-type")]
+                    headers += [(b"content-length", str(len(body)).encode()),
+                                (b"content-type", b"application/json")]
+                    await send({**message, "headers": headers})
+                    await leases.release_all()
+                    await send({"type": "http.response.body", "body": body, "more_body": False})
+                    replaced_body = True
+                    return
+                if ledger.entries and not ledger.reported:
+                    found = {bytes(name).lower(): bytes(value).decode("latin-1") for name, value in headers}
+                    scanner = UsageScanner.for_response(found.get(b"content-type", ""),
+                                                        found.get(b"content-encoding", ""))
+            elif message["type"] == "http.response.body":
+                if replaced_body:
+                    return  # the 429 body FastAPI wrote, replaced by ours
+                if scanner is not None:
+                    scanner.feed(message.get("body", b""))
+                    if scanner.done or not message.get("more_body", False):
+                        # The end of the body, or of the stream's events ("data: [DONE]",
+                        # where OpenAI's clients stop reading): reconcile before passing it on.
+                        total, scanner = scanner.total_tokens(), None
+                        if total is not None and not ledger.reported:
+                            ledger.reported = True
+                            await ledger.reconcile(total, leases)
+                if not message.get("more_body", False):
+                    await leases.release_all()  # the response is complete: its slots are free
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            # No last body message went out (disconnected, failed, cancelled): release now.
+            await leases.release_all()
+

@@ -1,0 +1,158 @@
+"""Scopes besides the tier budget: upstream caps, route and model budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from .._tiers_config import (
+    SCOPE_BUDGET_KEYS,
+    scope_sections_from_env,
+    validate_scope_budget,
+)
+from .._usage import requested_model
+from ..reservation import Scope as BudgetScope
+
+logger = logging.getLogger("genai_ratelimit")
+
+
+def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool
+              ) -> BudgetScope | None:
+    """The Scope of a budget (SCOPE_BUDGET_KEYS); its token windows only when `tokens` (a
+    RateLimit charges no tokens). None when nothing of it applies."""
+    windows = [(budget[key], seconds) for key, (seconds, is_tokens) in SCOPE_BUDGET_KEYS.items()
+               if key in budget and not is_tokens]
+    token_windows = [(budget[key], seconds)
+                     for key, (seconds, is_tokens) in SCOPE_BUDGET_KEYS.items()
+                     if key in budget and is_tokens and tokens]
+    if not windows and not token_windows:
+        return None
+    return BudgetScope(name, windows=windows, token_windows=token_windows, shared=shared)
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """An upstream provider's caps (e.g. provider + model), shared by every user: all users
+    together stay below them. Decided in the same script as each user's own budget, so a
+    request the cap refuses costs the user nothing, and one the user's budget refuses costs
+    the cap nothing. Keys: {prefix}:{name}:{window}[:tokens]:shared.
+
+    models: the request `model`s this upstream serves; empty: every request of the
+    dependency. The token caps count in TokenRateLimit only."""
+
+    name: str
+    per_minute: int | None = None
+    per_day: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+    models: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"an Upstream's name must be a non-empty str, got {self.name!r}")
+        validate_scope_budget(self.budget(), "Upstream", repr(self.name))
+        if isinstance(self.models, str) or not all(isinstance(m, str) and m for m in self.models):
+            raise TypeError("models must be a sequence of model names (non-empty str)")
+        object.__setattr__(self, "models", tuple(self.models))
+        BudgetScope(self.name, windows=[(1, 60)])  # the name's own checks (length, UTF-8)
+
+    def budget(self) -> dict[str, int]:
+        return {key: getattr(self, key) for key in SCOPE_BUDGET_KEYS
+                if getattr(self, key) is not None}
+
+    def scope(self, tokens: bool = True) -> BudgetScope | None:
+        """Its Scope (shared); the token caps only when `tokens`. None when none applies."""
+        return _scope_of(self.name, self.budget(), True, tokens)
+
+
+UpstreamOf = Callable[[Request], "Upstream | None | Awaitable[Upstream | None]"]
+
+
+class _Scopes:
+    """What a dependency decides besides the user's tier budget: a route budget, per-model
+    budgets (from the request's JSON `model`) and upstream caps (fixed, by model, or from a
+    callable). Built at start-up; `of(request)` gives one request's Scopes."""
+
+    def __init__(self, upstream: Upstream | Sequence[Upstream] | UpstreamOf | None,
+                 route_limits: Mapping[str, int] | None,
+                 model_limits: Mapping[str, Mapping[str, int]] | None,
+                 from_file: bool, tokens: bool, shadow: bool = False) -> None:
+        self.tokens = tokens
+        self.shadow = shadow
+        self.upstreams: tuple[Upstream, ...] = ()
+        self.upstream_of: UpstreamOf | None = None
+        if isinstance(upstream, Upstream):
+            self.upstreams = (upstream,)
+        elif callable(upstream):
+            self.upstream_of = upstream
+        elif upstream is not None:
+            if isinstance(upstream, (str, bytes)) or not isinstance(upstream, Sequence) or \
+                    not all(isinstance(u, Upstream) for u in upstream):
+                raise TypeError("upstream must be an Upstream, a sequence of Upstream or a "
+                                f"callable taking the request, not {type(upstream).__name__}")
+            self.upstreams = tuple(upstream)
+        self.route_budget = (None if route_limits is None else
+                             validate_scope_budget(route_limits, "route_limits", "the route"))
+        self.model_budgets = {
+            str(model): validate_scope_budget(budget, "model_limits", f"model {model!r}")
+            for model, budget in (model_limits or {}).items()}
+        if from_file and upstream is None and model_limits is None:
+            sections = scope_sections_from_env()
+            if sections is not None:
+                models, upstreams = sections
+                self.model_budgets = models
+                self.upstreams = tuple(
+                    Upstream(name, **budget, models=served)
+                    for name, (budget, served) in upstreams.items())
+        names = [u.name for u in self.upstreams]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two upstreams share a name: {sorted(names)}")
+        if not tokens:
+            for what, budget in (("route_limits", self.route_budget),
+                                 *((f"model_limits[{m!r}]", b) for m, b in (model_limits or {}).items())):
+                if budget and any(SCOPE_BUDGET_KEYS[key][1] for key in budget):
+                    raise ValueError(f"{what}: token budgets need TokenRateLimit (a RateLimit "
+                                     "charges no tokens)")
+        self.reads_model = bool(self.model_budgets) or any(u.models for u in self.upstreams)
+
+    def __bool__(self) -> bool:
+        return bool(self.upstreams or self.upstream_of or self.route_budget or self.model_budgets)
+
+    @staticmethod
+    def route_of(request: Request) -> str:
+        """The route's path template (/items/{id}): never the request's own path, which the
+        client chooses (one budget, and one key, per path it invents). "*" when FastAPI
+        matched no route (a dependency always runs on one)."""
+        path = getattr(request.scope.get("route"), "path", None)
+        return path if isinstance(path, str) and path else "*"
+
+    async def of(self, request: Request) -> tuple[BudgetScope, ...]:
+        found: list[BudgetScope | None] = []
+        if self.route_budget:
+            found.append(_scope_of(f"route:{self.route_of(request)}", self.route_budget, False,
+                                   self.tokens))
+        model = requested_model(await request.body()) if self.reads_model else None
+        if model is not None and model in self.model_budgets:
+            found.append(_scope_of(f"model:{model}", self.model_budgets[model], False,
+                                   self.tokens))
+        upstreams = [u for u in self.upstreams if not u.models or model in u.models]
+        if self.upstream_of is not None:
+            chosen = self.upstream_of(request)
+            if inspect.isawaitable(chosen):
+                chosen = await chosen
+            if chosen is not None and not isinstance(chosen, Upstream):
+                raise TypeError(f"upstream(request) must return an Upstream or None, "
+                                f"not {type(chosen).__name__}")
+            if chosen is not None:
+                upstreams.append(chosen)
+        found += [u.scope(self.tokens) for u in upstreams]
+        scopes = tuple(scope for scope in found if scope is not None)
+        if self.shadow:  # a shadow budget's scopes count in keys of their own, shared ones too
+            scopes = tuple(dataclasses.replace(scope, name=f"shadow:{scope.name}") for scope in scopes)
+        return scopes
+

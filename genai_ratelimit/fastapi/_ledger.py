@@ -61,6 +61,10 @@ class _TokenLedger:
         return found
 
 
+# {id(RequestOutcomes): leave()}: this request counted in flight (set by the middleware,
+# which calls every leave() when the response is over).
+_IN_FLIGHT_KEY = "genai_ratelimit.in_flight"
+
 # The in-flight leases of this request (RateLimit's max_in_flight).
 _LEASES_KEY = "genai_ratelimit.leases"
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._usage import UsageScanner
-from ._ledger import _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
+from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
 from ._responses import _SCOPE_KEY, _AllowedDecision
 
 logger = logging.getLogger("genai_ratelimit")
@@ -51,6 +52,8 @@ class RateLimitHeadersMiddleware:
         scope[_TOKENS_KEY] = ledger
         leases = _LeaseLedger()
         scope[_LEASES_KEY] = leases
+        running: dict[int, Callable[[], None]] = {}  # the in-flight gauges this request is in
+        scope[_IN_FLIGHT_KEY] = running
         scanner: UsageScanner | None = None
         replaced_body = False  # a TokenRateLimit 429 whose body this middleware wrote
 
@@ -100,4 +103,6 @@ class RateLimitHeadersMiddleware:
         finally:
             # No last body message went out (disconnected, failed, cancelled): release now.
             await leases.release_all()
+            for leave in running.values():  # the in-flight gauge: this request is over
+                leave()
 

@@ -37,6 +37,7 @@ from ._policy import (
     SyncWindowLimiter,
     Windows,
     _now_ms,
+    _scope_kind,
     _tightest,
     window_name,
 )
@@ -245,6 +246,7 @@ class TokenRateLimit(RateLimit):
             _, remaining, _, window_seconds = counted
             limit = next(lim for lim, seconds in windows if seconds == window_seconds)
             requests_state = WindowState(limit, window_seconds, "requests", remaining)
+        self._count(request, "allowed")
         tokens_state = _tightest(reservation.windows, "tokens")
         states = [state for state in (requests_state, tokens_state) if state is not None]
         if self.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
@@ -272,6 +274,10 @@ class TokenRateLimit(RateLimit):
         limit, window_seconds = min([*token_windows, *(w for s in scopes for w in s.token_windows)])
         if tokens <= limit:
             return False
+        # The scope of the window that cannot fit it: the user's own, else a scope's.
+        kind = "user" if (limit, window_seconds) in token_windows else next(
+            _scope_kind(s) for s in scopes if (limit, window_seconds) in s.token_windows)
+        self._count(request, "too_large", window_seconds, "tokens", kind)
         refusal = [
             ("X-RateLimit-Limit", str(limit)),
             ("X-RateLimit-Window", window_name(window_seconds)),
@@ -318,6 +324,7 @@ class TokenRateLimit(RateLimit):
         ]
         message = refusal_message(resource, window_seconds, limit,
                                   tokens if resource == "tokens" else 1, retry_ms)
+        self._count(request, "rejected", window_seconds, resource, "user")
         if self.mode == "shadow":
             self._would_refuse(request, response, identity, None, limit, window_seconds,
                                message, refusal)

@@ -264,3 +264,26 @@ def test_a_label_set_beyond_the_bound_counts_as_other() -> None:
     with pytest.raises(ValueError, match="non-empty"):
         tally.add("allowed", tier="", scope="none", mode="enforce", window_seconds="none",
                   resource="none")
+
+
+def test_a_shadow_refusal_for_concurrency_counts_once(gateway: Gateway, user_id: str) -> None:
+    """A shadow dependency whose slot is refused goes on to decide the windows (allowed): the
+    request is one shadow_would_refuse (for in_flight), not also an allowed."""
+    shadow = RateLimit(gateway.up, tier_limits={"free": {"per_minute": 10}}, identify=by_header,
+                       mode="shadow", max_in_flight={"free": 1}, namespace="capped")
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+
+    @app.get("/", dependencies=[Depends(shadow)])
+    def root() -> dict[str, str]:
+        return {}
+
+    take_slots(gateway, f"shadow:ns:capped:{user_id}", 1)
+    with TestClient(app) as client:
+        response = client.get("/", headers={"x-user": user_id})
+    assert response.status_code == 200
+    assert response.headers["x-ratelimit-shadow"] == "would-refuse"
+    assert request_outcomes(gateway.up).snapshot()[0] == (
+        ("shadow_would_refuse", "free", "user", "shadow", "none", "in_flight", 1),)
+    assert gateway.up.metrics()["allowed"] == 1, "the windows were decided all the same"
+    assert request_outcomes(gateway.up).in_flight() == 0

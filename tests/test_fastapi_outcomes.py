@@ -287,3 +287,36 @@ def test_a_shadow_refusal_for_concurrency_counts_once(gateway: Gateway, user_id:
         ("shadow_would_refuse", "free", "user", "shadow", "none", "in_flight", 1),)
     assert gateway.up.metrics()["allowed"] == 1, "the windows were decided all the same"
     assert request_outcomes(gateway.up).in_flight() == 0
+
+
+def test_opentelemetry_sees_the_same_outcomes_and_the_in_flight_gauge(gateway: Gateway,
+                                                                      user_id: str) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from genai_ratelimit.metrics import instrument_otel
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        instrument_otel({"api": gateway.up, "down": gateway.down},
+                        meter=provider.get_meter("test"))
+        with TestClient(gateway.app) as client:
+            answers = burst(client, gateway, user_id)
+        points: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+        for resource in reader.get_metrics_data().resource_metrics:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    for point in metric.data.data_points:
+                        if hasattr(point, "value"):  # not the latency histogram's
+                            points[(metric.name, tuple(sorted(point.attributes.items())))] = \
+                                point.value
+    finally:
+        provider.shutdown()
+    requests = {attributes: value for (name, attributes), value in points.items()
+                if name == "genai_ratelimit.requests"}
+    assert sum(requests.values()) == len(answers)
+    assert requests[(("limiter", "api"), ("mode", "enforce"), ("outcome", "concurrency_rejected"),
+                     ("resource", "in_flight"), ("scope", "user"), ("tier", "pro"),
+                     ("window_seconds", "none"))] == 1
+    assert points[("genai_ratelimit.requests.in_flight", (("limiter", "api"), ("tier", "free")))] == 0

@@ -168,7 +168,8 @@ def test_two_caps_on_one_route_hold_one_slot_of_their_key(
     redis_client.zadd(key, {"other-3": expiry})
     refused = client.get("/dict", headers=as_user(user_id))
     assert refused.status_code == 429
-    assert (refused.headers["X-RateLimit-Limit"], refused.headers["X-RateLimit-Window"]) == ("3", "concurrent")
+    assert refused.headers["X-RateLimit-Limit"] == "3"
+    assert refused.headers["X-RateLimit-Window"] == "concurrent"
     assert redis_client.zcard(key) == 3  # the refused request's slot is given back
 
 
@@ -473,3 +474,66 @@ def test_an_unreachable_redis_stops_the_app_at_start_up(make_limiter: Any, close
     with pytest.raises(RateLimiterUnavailable):
         with TestClient(lifespan_app(RateLimit(limiter=native)), **options):
             pass
+
+
+# --- the 429 owns its response ------------------------------------------------------------------
+
+
+def envelope_app(dependency: RateLimit, **middleware_options: Any) -> Any:
+    """An app with the usual uniform error envelope: an app-wide HTTPException handler that
+    keeps neither the headers nor the body."""
+    from fastapi import HTTPException
+    from fastapi.responses import JSONResponse
+
+    app = build_app(dependency)
+    if middleware_options:
+        from genai_ratelimit.fastapi import RateLimitHeadersMiddleware
+
+        app.user_middleware = [m for m in app.user_middleware if m.cls is not RateLimitHeadersMiddleware]
+        app.add_middleware(RateLimitHeadersMiddleware, **middleware_options)
+
+    @app.exception_handler(HTTPException)
+    async def uniform(request: Any, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"ok": False, "message": str(exc.detail)}, status_code=418)
+
+    return app
+
+
+def test_the_429_keeps_its_status_headers_and_body_whatever_the_apps_handler(
+        make_limiter: Any, redis_url: str, user_id: str) -> None:
+    from fastapi.testclient import TestClient
+
+    native = make_limiter.native(redis_url)
+    options = ({} if make_limiter.loop_factory is None
+               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    with TestClient(envelope_app(RateLimit(limiter=native, tier_limits=budget(1))), **options) as client:
+        assert client.get("/dict", headers=as_user(user_id)).status_code == 200
+        refused = client.get("/stream", headers=as_user(user_id))
+        if inspect.iscoroutinefunction(native.ping):
+            client.portal.call(native.aclose)  # type: ignore[union-attr]
+    assert refused.status_code == 429
+    for name in ("Retry-After", "retry-after-ms", "x-should-retry", "X-RateLimit-Limit",
+                 "X-RateLimit-Remaining", "X-RateLimit-Window", "x-ratelimit-remaining-requests"):
+        assert name in refused.headers, name
+    body = refused.json()
+    assert body["detail"] == "Rate limit exceeded" and body["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_an_error_envelope_hook_shapes_the_body_and_keeps_the_headers(
+        make_limiter: Any, redis_url: str, user_id: str) -> None:
+    from fastapi.testclient import TestClient
+
+    native = make_limiter.native(redis_url)
+    options = ({} if make_limiter.loop_factory is None
+               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    app = envelope_app(RateLimit(limiter=native, tier_limits=budget(1)),
+                       error_envelope=lambda status, body: {"ok": False, "status": status,
+                                                            "message": body["error"]["message"]})
+    with TestClient(app, **options) as client:
+        assert client.get("/dict", headers=as_user(user_id)).status_code == 200
+        refused = client.get("/dict", headers=as_user(user_id))
+        if inspect.iscoroutinefunction(native.ping):
+            client.portal.call(native.aclose)  # type: ignore[union-attr]
+    assert refused.status_code == 429 and "Retry-After" in refused.headers
+    body = refused.json()
+    assert (body["ok"], body["status"]) == (False, 429) and "Limit 1" in body["message"]

@@ -5,6 +5,8 @@ uvicorn serving a RateLimit in each error format:
 - a refusal that frees in about 2 s: the SDK sleeps what retry-after-ms says (within 50 ms
   of the exact wait the script computed) and its retry succeeds;
 - a day-window refusal (x-should-retry: false): both SDKs give up at once;
+- a concurrency 429 (max_in_flight, Retry-After: in_flight_retry_after = 1 s): the SDK
+  retries and succeeds once the held stream ends (on a signal);
 - a client that reads remaining + reset on allowed responses paces itself and is never
   refused (slow: it waits out one minute window).
 
@@ -63,6 +65,54 @@ async def messages():
             "stop_sequence": None, "usage": {"input_tokens": 1, "output_tokens": 1}}
 
 
+# max_in_flight: one request per user in flight; a held stream ends on a signal (/release).
+import asyncio
+from fastapi.responses import StreamingResponse
+
+HELD: dict[str, asyncio.Event] = {}
+
+
+def capped(error_format):
+    return RateLimit(limiter, identify=identify, error_format=error_format,
+                     tier_limits={"free": {"per_minute": 1000, "per_day": 100000}},
+                     namespace=f"capped-{error_format}", max_in_flight={"free": 1},
+                     in_flight_retry_after=1)
+
+
+CAPPED = {name: capped(name) for name in ("openai", "anthropic")}
+
+
+async def held_stream(request: Request):
+    key = identify(request)[0]
+    HELD[key] = asyncio.Event()
+
+    async def chunks():
+        yield "data: held\\n\\n"
+        await HELD[key].wait()
+        yield "data: [DONE]\\n\\n"
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+for _name in ("openai", "anthropic"):
+    app.add_api_route(f"/hold/{_name}", held_stream, dependencies=[Depends(CAPPED[_name])])
+
+
+@app.post("/release/{key}")
+async def release(key: str):
+    HELD[key].set()
+    return {}
+
+
+@app.post("/capped/openai/v1/chat/completions", dependencies=[Depends(CAPPED["openai"])])
+async def capped_chat():
+    return await chat()
+
+
+@app.post("/capped/anthropic/v1/messages", dependencies=[Depends(CAPPED["anthropic"])])
+async def capped_messages():
+    return await messages()
+
+
 @app.get("/healthz")
 async def healthz():
     return {"ok": True}
@@ -109,14 +159,14 @@ class Attempts:
 
 
 def make_sdk(error_format: str, server: Server, api_key: str, attempts: Attempts,
-             max_retries: int | None = None) -> Any:
+             max_retries: int | None = None, prefix: str = "") -> Any:
     options: dict[str, Any] = {"api_key": api_key, "timeout": 10.0}
     if max_retries is not None:
         options["max_retries"] = max_retries
     if error_format == "openai":
-        return openai.OpenAI(base_url=server.base_url + "/openai/v1",
+        return openai.OpenAI(base_url=server.base_url + prefix + "/openai/v1",
                              http_client=openai.DefaultHttpxClient(event_hooks=attempts.hooks()), **options)
-    return anthropic.Anthropic(base_url=server.base_url + "/anthropic",
+    return anthropic.Anthropic(base_url=server.base_url + prefix + "/anthropic",
                                http_client=anthropic.DefaultHttpxClient(event_hooks=attempts.hooks()),
                                **options)
 
@@ -300,3 +350,56 @@ def test_the_sdks_503_error_carries_our_message_when_redis_is_down(
         assert (error.code, error.type) == ("service_unavailable", "server_error")
     else:
         assert payload["type"] == "overloaded_error"
+
+
+@pytest.mark.parametrize("error_format", FORMATS)
+def test_the_sdks_retry_a_concurrency_429_and_succeed_once_the_held_stream_ends(
+        error_format: str, server: Server, api_key: str) -> None:
+    """A user's one slot held by a stream; the SDK (default retries) is refused for
+    concurrency with Retry-After: 1 (in_flight_retry_after), the stream ends on a signal as
+    soon as the 429 arrived, and the SDK's retry succeeds."""
+    import httpx
+
+    refused = threading.Event()
+    attempts = Attempts()
+
+    record = attempts.on_response
+
+    def on_response(response: Any) -> None:
+        record(response)
+        if response.status_code == 429:
+            refused.set()
+
+    attempts.on_response = on_response  # type: ignore[method-assign]
+    result: dict[str, Any] = {}
+    with httpx.Client(base_url=server.base_url, timeout=10.0) as http, \
+            http.stream("GET", f"/hold/{error_format}",
+                        headers={"Authorization": f"Bearer {api_key}"}) as held:
+        assert held.status_code == 200
+        chunks = held.iter_text()  # kept: a dropped iterator closes the stream (a disconnect)
+        assert next(chunks).startswith("data: held")
+
+        sdk = make_sdk(error_format, server, api_key, attempts, prefix="/capped")
+
+        def run() -> None:
+            try:
+                result["response"] = call(error_format, sdk)
+            except Exception as exc:  # noqa: BLE001 (reported below)
+                result["error"] = exc
+
+        caller = threading.Thread(target=run)
+        caller.start()
+        assert refused.wait(10), ("the SDK was never refused", attempts.answered, result)
+        first = attempts.answered[0][2]
+        assert (first["retry-after"], first["retry-after-ms"]) == ("1", "1000")
+        assert first["x-should-retry"] == "true"
+        assert first["x-ratelimit-window"] == "concurrent"
+        http.post(f"/release/{api_key}").raise_for_status()
+        assert "".join(chunks).endswith("data: [DONE]\n\n")
+        caller.join(30)
+    assert "error" not in result, result.get("error")
+    assert result["response"].http_response.status_code == 200
+    statuses = [status for _, status, _ in attempts.answered]
+    assert statuses[0] == 429 and statuses[-1] == 200
+    # The SDK waited what Retry-After said (1 s), not the lease's 300 s.
+    assert 0.9 <= attempts.sent[1] - attempts.answered[0][0] < 5

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
-from fastapi import HTTPException, Request, Response
+from fastapi import Request, Response
 from starlette.concurrency import run_in_threadpool
 from typing_extensions import Unpack
 
@@ -68,8 +68,8 @@ from ._responses import (
     _record_allowed,
     _record_extra,
     _record_shadow,
-    _set_refusal_body,
     allowed_headers,
+    refuse,
     shadow_headers,
 )
 from ._scopes import _Scopes
@@ -404,13 +404,12 @@ class RateLimit:
                 self._would_refuse(request, response, identity, id(decision), limit, window_seconds,
                                    message, refusal)
                 return
-            _set_refusal_body(request, error_body(self.error_format, 429, "Rate limit exceeded",
-                                                  message, "requests"))
             headers = {
                 **dict(retry_headers(retry_after_s, retry_after_ms, self.max_client_wait_seconds)),
                 **dict(refusal),
             }
-            raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
+            refuse(request, 429, "Rate limit exceeded", headers,
+                   error_body(self.error_format, 429, "Rate limit exceeded", message, "requests"))
         self._count(request, "allowed")
         if self.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
             _record_shadow(request, response, shadow_headers(
@@ -476,13 +475,12 @@ class RateLimit:
         if self.mode == "shadow":
             self._would_refuse(request, response, identity, None, cap, CONCURRENT, message, refusal)
             return
-        _set_refusal_body(request, error_body(self.error_format, 429, "Rate limit exceeded",
-                                              message, "requests"))
         headers = {
             **dict(retry_headers(retry_s, retry_ms, self.max_client_wait_seconds)),
             **dict(refusal),
         }
-        raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
+        refuse(request, 429, "Rate limit exceeded", headers,
+               error_body(self.error_format, 429, "Rate limit exceeded", message, "requests"))
 
     def _take_slot(self, request: Request, response: Response, identity: str, tier: str) -> bool:
         """Blocking: takes an in-flight slot when the tier has a cap. False when Redis could
@@ -568,10 +566,8 @@ class RateLimit:
                                   user_id, exc)
             return
         self._log_unavailable("answered 503", user_id, exc)
-        _set_refusal_body(request, error_body(self.error_format, 503, "Rate limiter unavailable",
-                                              UNAVAILABLE_MESSAGE))
-        raise HTTPException(status_code=503, detail="Rate limiter unavailable",
-                            headers={"Retry-After": "1", "x-should-retry": "true"})
+        refuse(request, 503, "Rate limiter unavailable", {"Retry-After": "1", "x-should-retry": "true"},
+               error_body(self.error_format, 503, "Rate limiter unavailable", UNAVAILABLE_MESSAGE))
 
     def _log_unavailable(self, action: str, user_id: str, exc: RateLimiterError) -> None:
         """One warning per unavailable_log_interval at most, counting the requests it covers
@@ -634,12 +630,11 @@ class RateLimit:
             self._would_refuse(request, response, identity, None, limit, window_seconds, message,
                                refusal)
             return
-        _set_refusal_body(request, error_body(self.error_format, 429, detail, message, resource))
         headers = {
             **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
             **dict(refusal),
         }
-        raise HTTPException(status_code=429, detail=detail, headers=headers)
+        refuse(request, 429, detail, headers, error_body(self.error_format, 429, detail, message, resource))
 
     async def _decide_with_scopes(self, request: Request, response: Response, user_id: str,
                                   windows: Windows) -> None:

@@ -27,13 +27,14 @@ class _TokenLedger:
     in the ASGI scope until the usage is known. `reported` makes the reconcile happen once:
     by record_usage, or by the middleware from the response, whichever comes first."""
 
-    __slots__ = ("entries", "decided", "reported", "refusal_body", "middleware")
+    __slots__ = ("entries", "decided", "reported", "refusal", "middleware")
 
     def __init__(self, middleware: bool) -> None:
         self.entries: list[tuple[Any, bool, Reservation]] = []  # (limiter, is async, reservation)
         self.decided = False  # a TokenRateLimit ran for this request
         self.reported = False
-        self.refusal_body: dict[str, Any] | None = None  # the OpenAI-style body of our 429
+        # The refusal of this request (status, headers, body), written by the middleware.
+        self.refusal: tuple[int, dict[str, str], dict[str, Any]] | None = None
         self.middleware = middleware  # False: made by a dependency, nothing reads the response
 
     async def reconcile(self, actual: int, leases: _LeaseLedger | None = None) -> int:

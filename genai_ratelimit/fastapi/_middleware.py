@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -37,10 +38,23 @@ class RateLimitHeadersMiddleware:
     last body message is due (before it is passed on), or when the app ends without one (a
     client that disconnected mid-stream, an exception, a cancelled task). max_in_flight
     needs this middleware.
+
+    A refusal (429, or 503 when Redis cannot decide) owns its response: the middleware
+    writes its status, headers and body itself, whatever exception handlers the app
+    registered (an app-wide `@app.exception_handler(HTTPException)` included). An app that
+    wants its own error envelope passes `error_envelope(status, body) -> JSON value`; the
+    headers (Retry-After, retry-after-ms, x-should-retry, X-RateLimit-*) are kept:
+
+        app.add_middleware(RateLimitHeadersMiddleware,
+                           error_envelope=lambda status, body: {"ok": False, "error": body})
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *,
+                 error_envelope: Callable[[int, dict[str, Any]], Any] | None = None) -> None:
+        if error_envelope is not None and not callable(error_envelope):
+            raise TypeError("error_envelope must be a callable (status, body) -> JSON value")
         self.app = app
+        self.error_envelope = error_envelope
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,13 +81,22 @@ class RateLimitHeadersMiddleware:
                     headers += [(name.encode("latin-1"), value.encode("latin-1"))
                                 for name, value in extra if name.encode("latin-1") not in present]
                     message = {**message, "headers": headers}
-                if ledger.refusal_body is not None and message["status"] in (429, 503):
-                    body = json.dumps(ledger.refusal_body).encode()
+                if ledger.refusal is not None:
+                    # Our refusal owns the response: its status, headers and body, whatever an
+                    # exception handler of the app made of it (only the body's shape is the
+                    # app's to choose: error_envelope).
+                    status, refusal_headers, refusal_body = ledger.refusal
+                    envelope = refusal_body if self.error_envelope is None else \
+                        self.error_envelope(status, refusal_body)
+                    body = json.dumps(envelope).encode()
+                    own = {name.lower().encode("latin-1"): value.encode("latin-1")
+                           for name, value in refusal_headers.items()}
                     headers = [(name, value) for name, value in headers
-                               if bytes(name).lower() not in (b"content-length", b"content-type")]
-                    headers += [(b"content-length", str(len(body)).encode()),
+                               if bytes(name).lower() not in own and bytes(name).lower()
+                               not in (b"content-length", b"content-type")]
+                    headers += [*own.items(), (b"content-length", str(len(body)).encode()),
                                 (b"content-type", b"application/json")]
-                    await send({**message, "headers": headers})
+                    await send({**message, "status": status, "headers": headers})
                     await leases.release_all()
                     await send({"type": "http.response.body", "body": body, "more_body": False})
                     replaced_body = True

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NoReturn
 
-from fastapi import Request, Response
+from fastapi import HTTPException, Request, Response
 
 from ..aio import AsyncRateLimiter
 from ..limiter import RateLimiter
@@ -111,13 +111,28 @@ def _record_allowed(request: Request, response: Response, limit: int, remaining:
 # --- scopes: upstream caps, route and model budgets ----------------------------------------
 
 
-def _set_refusal_body(request: Request, body: dict[str, Any]) -> None:
-    """Gives this request's 429/503 the body of the chosen error format. The middleware
-    writes it (an HTTPException's own body is {"detail": ...}); without the middleware the
-    response keeps that plain body."""
+class RateLimitRefusal(HTTPException):
+    """The 429 (or 503) of a rate-limit dependency: an HTTPException that carries the
+    response the middleware writes (status, headers, `body`), whatever exception handlers
+    the app registered."""
+
+    def __init__(self, status_code: int, detail: str, headers: dict[str, str],
+                 body: dict[str, Any]) -> None:
+        super().__init__(status_code=status_code, detail=detail, headers=headers)
+        self.body = body
+
+
+def refuse(request: Request, status: int, detail: str, headers: dict[str, str],
+           body: dict[str, Any]) -> NoReturn:
+    """Every refusal of the FastAPI layer passes here (the one place that records a
+    refusal): the response is kept in the request's ledger, where RateLimitHeadersMiddleware
+    finds it and writes it itself, status, headers and body (in the error format's shape),
+    whatever the app's exception handlers made of the exception. Without the middleware,
+    FastAPI's handler answers {"detail": ...} with the same status and headers."""
     ledger = request.scope.get(_TOKENS_KEY)
     if isinstance(ledger, _TokenLedger):
-        ledger.refusal_body = body
+        ledger.refusal = (status, headers, body)
+    raise RateLimitRefusal(status, detail, headers, body)
 
 
 def _record_extra(request: Request, response: Response, extra: list[tuple[str, str]]) -> None:

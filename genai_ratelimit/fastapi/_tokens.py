@@ -7,7 +7,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from fastapi import HTTPException, Request, Response
+from fastapi import Request, Response
 from typing_extensions import Unpack
 
 from .. import RateLimiterError
@@ -41,7 +41,14 @@ from ._policy import (
     _tightest,
     window_name,
 )
-from ._responses import _record_allowed, _record_extra, _record_shadow, allowed_headers, shadow_headers
+from ._responses import (
+    _record_allowed,
+    _record_extra,
+    _record_shadow,
+    allowed_headers,
+    refuse,
+    shadow_headers,
+)
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -292,9 +299,8 @@ class TokenRateLimit(RateLimit):
             self._would_refuse(request, response, identity, None, limit, window_seconds,
                                body["detail"], refusal)
             return True
-        _ledger_of(request).refusal_body = body
         headers = {**dict(refusal[:3]), "x-should-retry": "false", **dict(refusal[3:])}
-        raise HTTPException(status_code=429, detail=body["detail"], headers=headers)
+        refuse(request, 429, body["detail"], headers, body)
 
     def _refuse(self, request: Request, response: Response, identity: str, windows: Windows,
                 token_windows: Windows, reservation: Reservation, tokens: int) -> None:
@@ -329,11 +335,10 @@ class TokenRateLimit(RateLimit):
             self._would_refuse(request, response, identity, None, limit, window_seconds,
                                message, refusal)
             return
-        _ledger_of(request).refusal_body = error_body(self.error_format, 429, "Rate limit exceeded",
-                                                      message, resource)
         headers = {
             **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
             **dict(refusal),
         }
-        raise HTTPException(status_code=429, detail="Rate limit exceeded", headers=headers)
+        refuse(request, 429, "Rate limit exceeded", headers,
+               error_body(self.error_format, 429, "Rate limit exceeded", message, resource))
 

@@ -106,6 +106,9 @@ class LimiterMetrics(TypedDict):
     requests: NotRequired[tuple[tuple[str, str, str, str, str, str, int], ...]]
     # ... and the requests in flight now, by tier: (tier, count).
     in_flight_requests: NotRequired[tuple[tuple[str, int], ...]]
+    # ... and the tokens of its TokenRateLimit requests: (tier, mode, state, count), state
+    # reserved | charged | refunded.
+    request_tokens: NotRequired[tuple[tuple[str, str, str, int], ...]]
 
 
 @dataclass(frozen=True)
@@ -168,13 +171,18 @@ REQUESTS = _family("requests", "counter",
                    "Requests decided by a FastAPI dependency, each in exactly one outcome: "
                    "allowed, rejected, too_large, concurrency_rejected, shadow_would_refuse, "
                    "unavailable_denied, fail_open.", "{request}", "requests")
+REQUEST_TOKENS = _family("request_tokens", "counter", ("tier", "mode", "state"),
+                         "Tokens of the requests a TokenRateLimit allowed, by tier: reserved "
+                         "(the estimates), charged (the usage reconciled), refunded (estimate "
+                         "minus usage).", "{token}", "requests.tokens")
 IN_FLIGHT = _family("in_flight_requests", "gauge", ("tier",),
                     "Requests a FastAPI dependency let run whose response is not over yet "
                     "(needs RateLimitHeadersMiddleware).", "{request}", "requests.in_flight")
 
 FAMILIES: tuple[Family, ...] = (DECISIONS, REJECTIONS, RESERVED_TOKENS, CHARGED_TOKENS,
                                 REFUNDED_TOKENS, LEASE_ACQUISITIONS, LEASE_RELEASES, FAIL_OPEN,
-                                SHADOW, REPLAYS, CONNECTION_ERRORS, LATENCY, REQUESTS, IN_FLIGHT)
+                                SHADOW, REPLAYS, CONNECTION_ERRORS, LATENCY, REQUESTS, IN_FLIGHT,
+                                REQUEST_TOKENS)
 
 # The outcomes of a request in the FastAPI layer (REQUESTS), each one HTTP answer:
 OUTCOMES = (
@@ -198,12 +206,31 @@ class RequestOutcomes:
     from the dependency's configuration (tiers, windows, scope kinds), never from a request:
     the number of series is bounded by the configuration (and by MAX_REQUEST_SERIES)."""
 
-    __slots__ = ("_lock", "_counts", "_in_flight", "__weakref__")
+    __slots__ = ("_lock", "_counts", "_in_flight", "_tokens", "__weakref__")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str, str, str, str, str], int] = {}
         self._in_flight: dict[str, int] = {}
+        self._tokens: dict[tuple[str, str, str], int] = {}
+
+    def add_tokens(self, state: str, *, tier: str, mode: str, count: int) -> None:
+        """Counts `count` tokens of a TokenRateLimit request of `tier`: state "reserved",
+        "charged" or "refunded"."""
+        if state not in ("reserved", "charged", "refunded"):
+            raise ValueError(f"state must be reserved, charged or refunded, got {state!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        with self._lock:
+            key = (tier, mode, state)
+            if key not in self._tokens and len(self._tokens) >= MAX_REQUEST_SERIES:
+                key = ("other", mode, state)
+            self._tokens[key] = self._tokens.get(key, 0) + count
+
+    def tokens(self) -> tuple[tuple[str, str, str, int], ...]:
+        """(tier, mode, state, tokens), sorted."""
+        with self._lock:
+            return tuple(sorted((*key, n) for key, n in self._tokens.items()))
 
     def add(self, outcome: str, *, tier: str, scope: str, mode: str, window_seconds: str,
             resource: str) -> None:
@@ -284,8 +311,9 @@ def request_outcomes(limiter: Any) -> RequestOutcomes:
 def exported(limiter: _Measured) -> LimiterMetrics:
     """limiter.metrics() and the FastAPI layer's counts of requests (request_outcomes)."""
     snapshot = limiter.metrics()
-    requests, in_flight = request_outcomes(limiter).snapshot()
-    snapshot["requests"], snapshot["in_flight_requests"] = requests, in_flight
+    outcomes = request_outcomes(limiter)
+    snapshot["requests"], snapshot["in_flight_requests"] = outcomes.snapshot()
+    snapshot["request_tokens"] = outcomes.tokens()
     return snapshot
 
 # A sample: (family, label values in the family's order, value). A histogram's value is
@@ -320,6 +348,8 @@ def samples(snapshot: LimiterMetrics) -> Iterator[Sample]:
         yield REQUESTS, tuple(labels), count
     for tier, count in snapshot.get("in_flight_requests", ()):
         yield IN_FLIGHT, (tier,), count
+    for tier, mode, state, count in snapshot.get("request_tokens", ()):
+        yield REQUEST_TOKENS, (tier, mode, state), count
 
 
 def count_reservation(record: Callable[[str, int], None], reservation: Any) -> None:
@@ -390,7 +420,10 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
     scripts: LatencyHistogram | None = None
     requests: dict[tuple[str, ...], int] = {}
     in_flight: dict[str, int] = {}
+    tokens: dict[tuple[str, ...], int] = {}
     for s in snapshots:
+        for *labels, count in s.get("request_tokens", ()):
+            tokens[tuple(labels)] = tokens.get(tuple(labels), 0) + count
         for *labels, count in s.get("requests", ()):
             requests[tuple(labels)] = requests.get(tuple(labels), 0) + count
         for tier, count in s.get("in_flight_requests", ()):
@@ -411,6 +444,7 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
     merged["latency_by_op"] = ops
     merged["requests"] = tuple(sorted((*labels, n) for labels, n in requests.items()))
     merged["in_flight_requests"] = tuple(sorted(in_flight.items()))
+    merged["request_tokens"] = tuple(sorted((*labels, n) for labels, n in tokens.items()))
     if scripts is not None:
         merged["latency_buckets"], merged["latency_sum_s"] = scripts["buckets"], scripts["sum_s"]
     return merged  # type: ignore[return-value]
@@ -424,6 +458,7 @@ def _from_json(snapshot: dict[str, Any]) -> LimiterMetrics:
         histogram["buckets"] = tuple(tuple(b) for b in histogram["buckets"])
     snapshot["requests"] = tuple(tuple(r) for r in snapshot.get("requests", ()))
     snapshot["in_flight_requests"] = tuple(tuple(r) for r in snapshot.get("in_flight_requests", ()))
+    snapshot["request_tokens"] = tuple(tuple(r) for r in snapshot.get("request_tokens", ()))
     return snapshot  # type: ignore[return-value]
 
 

@@ -194,6 +194,9 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("Tokens per second: reserved, charged, refunded", "A"): expect("limiter", GW, zero=(EMB,)),
     ("Tokens per second: reserved, charged, refunded", "B"): expect("limiter", GW, zero=(EMB,)),
     ("Tokens per second: reserved, charged, refunded", "C"): expect("limiter", GW, zero=(EMB,)),
+    ("Tokens per second: reserved, charged, refunded", "D"): expect(
+        "limiter tier state", *({**GW, "tier": "free", "state": state}
+                                for state in ("reserved", "charged", "refunded"))),
     ("Estimate error: share of reserved tokens refunded", "A"): expect("limiter", GW, ratio=True),
     # At the end every slot was given back; while streams were held, see the test below.
     ("Requests in flight by tier", "A"): expect(

@@ -320,3 +320,37 @@ def test_opentelemetry_sees_the_same_outcomes_and_the_in_flight_gauge(gateway: G
                      ("resource", "in_flight"), ("scope", "user"), ("tier", "pro"),
                      ("window_seconds", "none"))] == 1
     assert points[("genai_ratelimit.requests.in_flight", (("limiter", "api"), ("tier", "free")))] == 0
+
+
+def test_tokens_reserved_charged_and_refunded_by_tier(gateway: Gateway, user_id: str) -> None:
+    """A TokenRateLimit's tokens by tier: the estimate reserved, the usage charged, the rest
+    refunded, the same totals as the limiter's own token counters."""
+    from genai_ratelimit.fastapi import record_usage
+
+    tokens = TokenRateLimit(gateway.up, tier_limits={"free": {"per_minute": 100},
+                                                     "pro": {"per_minute": 100}},
+                            token_limits={"free": {"per_minute": 1000},
+                                          "pro": {"per_minute": 1000}},
+                            identify=by_header, estimate=estimate)
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+
+    @app.post("/", dependencies=[Depends(tokens)])
+    async def root(request: Request) -> dict[str, str]:
+        await record_usage(request, int(request.headers["x-used"]))
+        return {}
+
+    with TestClient(app) as client:
+        for tier, estimated, used in (("free", 60, 20), ("free", 50, 50), ("pro", 100, 130)):
+            response = client.post("/", headers={"x-user": user_id, "x-tier": tier,
+                                                 "x-tokens": str(estimated), "x-used": str(used)})
+            assert response.status_code == 200
+    by_tier = request_outcomes(gateway.up).tokens()
+    assert by_tier == (("free", "enforce", "charged", 70), ("free", "enforce", "refunded", 40),
+                       ("free", "enforce", "reserved", 110), ("pro", "enforce", "charged", 130),
+                       ("pro", "enforce", "reserved", 100))
+    m = gateway.up.metrics()
+    assert (m["reserved_tokens"], m["charged_tokens"], m["refunded_tokens"]) == (210, 200, 40)
+    text = exposition(gateway)
+    assert ('genai_ratelimit_request_tokens_total{limiter="api",mode="enforce",state="refunded",'
+            'tier="free"} 40.0') in text

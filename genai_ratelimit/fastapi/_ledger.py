@@ -27,7 +27,7 @@ class _TokenLedger:
     in the ASGI scope until the usage is known. `reported` makes the reconcile happen once:
     by record_usage, or by the middleware from the response, whichever comes first."""
 
-    __slots__ = ("entries", "decided", "reported", "refusal", "middleware")
+    __slots__ = ("entries", "decided", "reported", "refusal", "middleware", "tiers")
 
     def __init__(self, middleware: bool) -> None:
         self.entries: list[tuple[Any, bool, Reservation]] = []  # (limiter, is async, reservation)
@@ -36,6 +36,8 @@ class _TokenLedger:
         # The refusal of this request (status, headers, body), written by the middleware.
         self.refusal: tuple[int, dict[str, str], dict[str, Any]] | None = None
         self.middleware = middleware  # False: made by a dependency, nothing reads the response
+        # id(reservation) -> (its RequestOutcomes, tier, mode): the tokens by tier.
+        self.tiers: dict[int, tuple[Any, str, str]] = {}
 
     async def reconcile(self, actual: int, leases: _LeaseLedger | None = None) -> int:
         """Reconciles every reservation with `actual` tokens. Returns the number of windows
@@ -49,12 +51,20 @@ class _TokenLedger:
                 leases.take(reservation.lease)
             try:
                 if is_async:
-                    found += await limiter.reconcile(reservation, actual, release=release) \
+                    one = await limiter.reconcile(reservation, actual, release=release) \
                         if release else await limiter.reconcile(reservation, actual)
                 else:
-                    found += await run_in_threadpool(
+                    one = await run_in_threadpool(
                         functools.partial(limiter.reconcile, reservation, actual, release=True)
                         if release else functools.partial(limiter.reconcile, reservation, actual))
+                found += one
+                counted = self.tiers.get(id(reservation))
+                if one and counted is not None and reservation.tokens is not None:
+                    tally, tier, mode = counted  # as the limiter counts: charged, refunded
+                    tally.add_tokens("charged", tier=tier, mode=mode, count=actual)
+                    if reservation.tokens > actual:
+                        tally.add_tokens("refunded", tier=tier, mode=mode,
+                                         count=reservation.tokens - actual)
             except RateLimiterError as exc:
                 logger.warning("could not reconcile the token reservation of %r with %d tokens "
                                "(it stays at %s): %s", reservation.user_id, actual,

@@ -25,6 +25,7 @@ from .._tiers_config import (
     validate_token_limits,
 )
 from .._usage import estimate_openai_tokens
+from ..metrics import request_outcomes
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
 from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
@@ -242,6 +243,10 @@ class TokenRateLimit(RateLimit):
             return  # shadow mode: the route runs, nothing was reserved
         ledger = _ledger_of(request)
         ledger.entries.append((limiter, self._is_async, reservation))
+        if reservation.tokens and (reservation.member or reservation.shared_entries):
+            tally = request_outcomes(limiter)  # as the limiter counts reserved tokens
+            tally.add_tokens("reserved", tier=tier, mode=self.mode, count=reservation.tokens)
+            ledger.tiers[id(reservation)] = (tally, tier, self.mode)
         requests_state = _tightest(reservation.windows, "requests")
         if counted is None and requests_state is not None and requests_state.remaining is not None:
             decision = (True, requests_state.remaining, 0, requests_state.window_seconds)

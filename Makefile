@@ -228,7 +228,8 @@ HIREDIS1_SKIP ?= test_fastapi.py test_fastapi_server.py test_fastapi_tokens.py t
                  test_wheel_install.py test_c_source_lint.py \
                  test_fastapi_in_flight.py test_fastapi_in_flight_server.py \
                  test_fastapi_shadow.py test_fastapi_ietf_headers.py test_cli.py \
-                 test_metrics_workers.py test_docs_examples.py test_dashboard.py
+                 test_metrics_workers.py test_docs_examples.py test_dashboard.py \
+                 test_fastapi_gateway.py test_fastapi_outcomes.py
 test-hiredis1: install-hiredis1
 	@$(MAKE) --no-print-directory run-test-hiredis1
 

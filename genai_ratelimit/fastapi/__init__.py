@@ -36,9 +36,10 @@ Identities and namespaces, so that no two budgets ever share a Redis key:
   bucket returns `Anonymous(host)` (or what `default_identify` returns for an anonymous request);
 - a namespace puts a budget's keys apart: "ns:<namespace>:<identity>"
   (ratelimit:ns:images:user_8421:60). The default budget (TIER_LIMITS, or the file named by
-  $GENAI_RATELIMIT_TIERS) has none, so its keys are the contract's. A RateLimit with a budget
-  of its own gets its own namespace, "budget-<digest of the budget>", unless `namespace=` names
-  one; dependencies that name the same namespace share one budget, on any route.
+  $GENAI_RATELIMIT_TIERS) has none, so its keys are the contract's; a RateLimit with a budget
+  of its own has none either unless `namespace=` names one (a budget's keys never depend on
+  its numbers; two budgets on the same keys are refused at start-up, see _startup);
+  dependencies that name the same namespace share one budget, on any route.
 - On one route, dependencies that decide the same identity in the same namespace with the same
   budget (and the same Redis and key prefix) count the request once and share the decision.
 
@@ -52,9 +53,10 @@ x-ratelimit-*-requests/-tokens headers, and its 429s OpenAI's error body (_opena
 Failing open: with on_unavailable="allow", `RateLimit.fail_open_count` counts the requests let
 through because Redis could not decide; export it to your metrics and alert when it grows.
 
-Shadow mode: `RateLimit(..., mode="shadow")` (and TokenRateLimit) decides and counts as usual
-but never refuses; what it would have refused runs with the 429's headers (not its retry
-instructions) and X-RateLimit-Shadow: would-refuse, is counted in `shadow_count` and logged.
+Shadow mode: `RateLimit(..., mode="shadow")` (and TokenRateLimit) decides and counts in
+"shadow:" keys of its own but never refuses; its verdict goes out only as
+X-RateLimit-Shadow-* headers (X-RateLimit-Shadow: would-refuse when it would have refused),
+`shadow_count`, the limiter's metrics and a throttled log line.
 IETF headers: `headers="ietf"` adds RateLimit-Policy and RateLimit (draft-ietf-httpapi-
 ratelimit-headers-10, see genai_ratelimit._ietf_headers) beside the contract's X-RateLimit-*.
 

@@ -102,8 +102,8 @@ class RateLimit:
                    request through, log a warning and count it in fail_open_count.
     namespace      the name of the budget's key space (1-64 of A-Z a-z 0-9 _ . -): keys become
                    {prefix}:ns:{namespace}:{identity}:{window}, and every RateLimit naming it
-                   draws on one budget. None: no namespace for the default budget (TIER_LIMITS
-                   or the tiers file: the contract's keys), "budget-<digest>" for any other.
+                   draws on one budget. None: no namespace, the contract's keys, whatever the
+                   budget (two budgets on the same keys are refused at start-up).
 
     Keyword-only (see genai_ratelimit._openai_headers for the shapes):
 
@@ -120,11 +120,11 @@ class RateLimit:
                    the count of requests it covers. Default 60.
     log_user_ids   False: that warning (and the shadow one) names no user.
     mode           "enforce" (default): refuse what the budget refuses. "shadow": decide and
-                   count exactly as usual, but never refuse: a request the budget would
-                   refuse runs, its response carries the 429's headers except the retry
-                   instructions (Retry-After, retry-after-ms, x-should-retry) plus
-                   X-RateLimit-Shadow: would-refuse, it is counted in shadow_count and a
-                   warning says so (at most one per shadow_log_interval seconds, default 60).
+                   count in "shadow:" keys of its own, but never refuse: a request the
+                   budget would refuse runs; the verdict goes out only as
+                   X-RateLimit-Shadow-* headers (plus X-RateLimit-Shadow: would-refuse),
+                   shadow_count and a warning (at most one per shadow_log_interval seconds,
+                   default 60); never an enforced header, body or retry instruction.
     headers        "contract" (default): the contract's X-RateLimit-* (and the error
                    format's family). "ietf" or "both" (the same): those, plus the IETF
                    draft's RateLimit-Policy and RateLimit fields (genai_ratelimit._ietf_headers).
@@ -156,10 +156,13 @@ class RateLimit:
     of its identity's slots (`acquire`, one script execution); the middleware gives it back
     when the response's last byte is due, or when the client disconnected or the route
     failed. Refused: 429 with X-RateLimit-Window: concurrent, X-RateLimit-Limit: the cap,
-    and Retry-After: the time until the soonest slot's lease expires, an upper bound (a
-    request that finishes frees its slot sooner). A request refused for concurrency is
-    not counted in the windows. In shadow mode a request beyond the cap runs without a slot and
-    is counted, logged and marked as would-refuse like a window refusal.
+    and Retry-After: in_flight_retry_after (default 1 s, at most 60 s, never past the
+    soonest slot's lease expiry, which is only an upper bound: a request that finishes frees
+    its slot sooner). A request refused for concurrency is not counted in the windows. In
+    shadow mode the slots are taken in "shadow:" keys; a request beyond the cap runs and is
+    counted, logged and marked as would-refuse like a window refusal.
+    in_flight_retry_after
+                   the concurrency 429's Retry-After in seconds (see above). Default 1.
 
     The decision is one `check_windows` call; the WindowDecision it answers carries the
     exact wait (retry_after_ms) that retry-after-ms reports.

@@ -15,6 +15,14 @@ fixed set or from the first 32 distinct rejecting windows of a limiter (later on
 counted as window_seconds="other"): no user id, no scope name, so the number of series is
 bounded whatever the traffic. No label is ever empty.
 
+Two levels: the limiter's counters (`limiter.metrics()`, in C) count what Redis decides; the
+FastAPI dependencies count each request they decide in exactly one outcome of
+genai_ratelimit_requests_total (OUTCOMES; labels tier, scope, mode, window_seconds,
+resource, from the dependency's configuration), the requests running now in
+genai_ratelimit_in_flight_requests and their tokens by tier in
+genai_ratelimit_request_tokens_total (`request_outcomes(limiter)`; exported with the
+limiter's counters, under its name). docs/operations-dashboard.md has the outcome table.
+
 Several processes (uvicorn --workers N, gunicorn): `PrometheusCollector(..., directory=DIR)`
 in every worker. Each worker writes its counters to DIR (a file per process, every
 `interval` seconds and at exit) and a scrape of any worker sums every file: the totals of

@@ -221,8 +221,7 @@ def test_a_capped_token_request_takes_its_slot_in_the_reserve_and_gives_it_back_
     dependency = TokenRateLimit(limiter=recording,  # type: ignore[arg-type]
                                 token_limits={"free": {"per_minute": 100, "per_day": 1_000}},
                                 max_in_flight={"free": 2})
-    options = ({} if make_limiter.loop_factory is None
-               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    options = client_options(make_limiter)
     with TestClient(token_app(dependency), **options) as client:
         response = client.post(route, json=chat_body(report=17),
                                headers={"X-Test-Auth": user_id})
@@ -246,8 +245,7 @@ def test_a_shadow_token_cap_never_passes_in_flight(
     dependency = TokenRateLimit(limiter=recording,  # type: ignore[arg-type]
                                 token_limits={"free": {"per_minute": 100, "per_day": 1_000}},
                                 max_in_flight={"free": 2}, mode="shadow")
-    options = ({} if make_limiter.loop_factory is None
-               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    options = client_options(make_limiter)
     with TestClient(token_app(dependency), **options) as client:
         assert client.post("/json", json=chat_body(report=17),
                            headers={"X-Test-Auth": user_id}).status_code == 200
@@ -443,8 +441,7 @@ def test_the_lifespan_pings_checks_and_closes_the_limiter(
     from fastapi.testclient import TestClient
 
     native = make_limiter.native(redis_url)
-    options = ({} if make_limiter.loop_factory is None
-               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    options = client_options(make_limiter)
     with TestClient(lifespan_app(RateLimit(limiter=native, max_in_flight={"free": 2})),
                     **options) as client:
         assert client.get("/dict", headers={"X-Test-Auth": user_id}).status_code == 200
@@ -469,8 +466,7 @@ def test_an_unreachable_redis_stops_the_app_at_start_up(make_limiter: Any, close
     from genai_ratelimit import RateLimiterUnavailable
 
     native = make_limiter.native(closed_port_url, connect_timeout=0.5, socket_timeout=0.5)
-    options = ({} if make_limiter.loop_factory is None
-               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    options = client_options(make_limiter)
     with pytest.raises(RateLimiterUnavailable):
         with TestClient(lifespan_app(RateLimit(limiter=native)), **options):
             pass
@@ -504,8 +500,7 @@ def test_the_429_keeps_its_status_headers_and_body_whatever_the_apps_handler(
     from fastapi.testclient import TestClient
 
     native = make_limiter.native(redis_url)
-    options = ({} if make_limiter.loop_factory is None
-               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    options = client_options(make_limiter)
     with TestClient(envelope_app(RateLimit(limiter=native, tier_limits=budget(1))), **options) as client:
         assert client.get("/dict", headers=as_user(user_id)).status_code == 200
         refused = client.get("/stream", headers=as_user(user_id))
@@ -524,8 +519,7 @@ def test_an_error_envelope_hook_shapes_the_body_and_keeps_the_headers(
     from fastapi.testclient import TestClient
 
     native = make_limiter.native(redis_url)
-    options = ({} if make_limiter.loop_factory is None
-               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    options = client_options(make_limiter)
     app = envelope_app(RateLimit(limiter=native, tier_limits=budget(1)),
                        error_envelope=lambda status, body: {"ok": False, "status": status,
                                                             "message": body["error"]["message"]})

@@ -15,6 +15,14 @@ fixed set or from the first 32 distinct rejecting windows of a limiter (later on
 counted as window_seconds="other"): no user id, no scope name, so the number of series is
 bounded whatever the traffic. No label is ever empty.
 
+Two levels: the limiter's counters (`limiter.metrics()`, in C) count what Redis decides; the
+FastAPI dependencies count each request they decide in exactly one outcome of
+genai_ratelimit_requests_total (OUTCOMES; labels tier, scope, mode, window_seconds,
+resource, from the dependency's configuration), the requests running now in
+genai_ratelimit_in_flight_requests and their tokens by tier in
+genai_ratelimit_request_tokens_total (`request_outcomes(limiter)`; exported with the
+limiter's counters, under its name). docs/operations-dashboard.md has the outcome table.
+
 Several processes (uvicorn --workers N, gunicorn): `PrometheusCollector(..., directory=DIR)`
 in every worker. Each worker writes its counters to DIR (a file per process, every
 `interval` seconds and at exit) and a scrape of any worker sums every file: the totals of
@@ -34,10 +42,16 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
+
+if TYPE_CHECKING:  # typing.NotRequired is 3.11's; nothing needs it at run time
+    from typing_extensions import NotRequired
 
 __all__ = [
     "LimiterMetrics",
+    "RequestOutcomes",
+    "OUTCOMES",
+    "request_outcomes",
     "LatencyHistogram",
     "Family",
     "FAMILIES",
@@ -95,6 +109,14 @@ class LimiterMetrics(TypedDict):
     latency_buckets: tuple[tuple[float | None, int], ...]  # (upper bound s | None, count)
     latency_sum_s: float  # the sum of the round trips counted in the buckets
     latency_count: int  # script round trips (decisions, peeks, resets, reconciles, leases)
+    # The FastAPI layer's requests (not in limiter.metrics(): added by the exporters, see
+    # RequestOutcomes): (outcome, tier, scope, mode, window_seconds, resource, count) ...
+    requests: NotRequired[tuple[tuple[str, str, str, str, str, str, int], ...]]
+    # ... and the requests in flight now, by tier: (tier, count).
+    in_flight_requests: NotRequired[tuple[tuple[str, int], ...]]
+    # ... and the tokens of its TokenRateLimit requests: (tier, mode, state, count), state
+    # reserved | charged | refunded.
+    request_tokens: NotRequired[tuple[tuple[str, str, str, int], ...]]
 
 
 @dataclass(frozen=True)
@@ -103,14 +125,14 @@ class Family:
     counter); OpenTelemetry: `genai_ratelimit.<name with dots>`, with `unit`."""
 
     name: str
-    kind: Literal["counter", "histogram"]
+    kind: Literal["counter", "gauge", "histogram"]
     labels: tuple[str, ...]  # besides `limiter`
     help: str
     unit: str  # OpenTelemetry's unit (UCUM); Prometheus's is in the name
     otel_name: str
 
 
-def _family(name: str, kind: Literal["counter", "histogram"], labels: tuple[str, ...],
+def _family(name: str, kind: Literal["counter", "gauge", "histogram"], labels: tuple[str, ...],
             help: str, unit: str, otel_name: str) -> Family:
     return Family(name, kind, labels, help, unit, f"{NAMESPACE}.{otel_name}")
 
@@ -152,9 +174,155 @@ LATENCY = _family("redis_latency_seconds", "histogram", ("op",),
                   "Round trips to Redis by op (a limiter method, ping, or command).", "s",
                   "redis.latency")
 
+REQUESTS = _family("requests", "counter",
+                   ("outcome", "tier", "scope", "mode", "window_seconds", "resource"),
+                   "Requests decided by a FastAPI dependency, each in exactly one outcome: "
+                   "allowed, rejected, too_large, concurrency_rejected, shadow_would_refuse, "
+                   "unavailable_denied, fail_open.", "{request}", "requests")
+REQUEST_TOKENS = _family("request_tokens", "counter", ("tier", "mode", "state"),
+                         "Tokens of the requests a TokenRateLimit allowed, by tier: reserved "
+                         "(the estimates), charged (the usage reconciled), refunded (estimate "
+                         "minus usage).", "{token}", "requests.tokens")
+IN_FLIGHT = _family("in_flight_requests", "gauge", ("tier",),
+                    "Requests a FastAPI dependency let run whose response is not over yet "
+                    "(needs RateLimitHeadersMiddleware).", "{request}", "requests.in_flight")
+
 FAMILIES: tuple[Family, ...] = (DECISIONS, REJECTIONS, RESERVED_TOKENS, CHARGED_TOKENS,
                                 REFUNDED_TOKENS, LEASE_ACQUISITIONS, LEASE_RELEASES, FAIL_OPEN,
-                                SHADOW, REPLAYS, CONNECTION_ERRORS, LATENCY)
+                                SHADOW, REPLAYS, CONNECTION_ERRORS, LATENCY, REQUESTS, IN_FLIGHT,
+                                REQUEST_TOKENS)
+
+# The outcomes of a request in the FastAPI layer (REQUESTS), each one HTTP answer:
+OUTCOMES = (
+    "allowed",              # the route ran (its own status): every window had room
+    "rejected",             # 429: a window refused (user, route, model or upstream scope)
+    "too_large",            # 429, x-should-retry: false: the token estimate exceeds a limit
+    "concurrency_rejected",  # 429, X-RateLimit-Window: concurrent: every in-flight slot held
+    "shadow_would_refuse",  # the route ran: mode="shadow" and the budget would have refused
+    "unavailable_denied",   # 503: Redis could not decide, on_unavailable="deny"
+    "fail_open",            # the route ran: Redis could not decide, on_unavailable="allow"
+)
+_OUTCOME_SET = frozenset(OUTCOMES)
+# The bound on a RequestOutcomes' series: label sets beyond it count as one "other" set.
+MAX_REQUEST_SERIES = 1000
+
+
+class RequestOutcomes:
+    """The FastAPI layer's counts for one limiter (every dependency on that limiter counts
+    here, see `request_outcomes`): requests by outcome and labels, and requests in flight by
+    tier. Thread-safe (the threadpool and the event loop count together). Label values come
+    from the dependency's configuration (tiers, windows, scope kinds), never from a request:
+    the number of series is bounded by the configuration (and by MAX_REQUEST_SERIES)."""
+
+    __slots__ = ("_lock", "_counts", "_in_flight", "_tokens", "__weakref__")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str, str, str, str, str], int] = {}
+        self._in_flight: dict[str, int] = {}
+        self._tokens: dict[tuple[str, str, str], int] = {}
+
+    def add_tokens(self, state: str, *, tier: str, mode: str, count: int) -> None:
+        """Counts `count` tokens of a TokenRateLimit request of `tier`: state "reserved",
+        "charged" or "refunded"."""
+        if state not in ("reserved", "charged", "refunded"):
+            raise ValueError(f"state must be reserved, charged or refunded, got {state!r}")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an int >= 0, got {count!r}")
+        with self._lock:
+            key = (tier, mode, state)
+            if key not in self._tokens and len(self._tokens) >= MAX_REQUEST_SERIES:
+                key = ("other", mode, state)
+            self._tokens[key] = self._tokens.get(key, 0) + count
+
+    def tokens(self) -> tuple[tuple[str, str, str, int], ...]:
+        """(tier, mode, state, tokens), sorted."""
+        with self._lock:
+            return tuple(sorted((*key, n) for key, n in self._tokens.items()))
+
+    def add(self, outcome: str, *, tier: str, scope: str, mode: str, window_seconds: str,
+            resource: str) -> None:
+        """Counts one request in `outcome` (one of OUTCOMES) with these labels (non-empty)."""
+        if outcome not in _OUTCOME_SET:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+        labels = (outcome, tier, scope, mode, window_seconds, resource)
+        if not all(isinstance(value, str) and value for value in labels):
+            raise ValueError(f"every label must be a non-empty str, got {labels!r}")
+        with self._lock:
+            if labels not in self._counts and len(self._counts) >= MAX_REQUEST_SERIES:
+                labels = (outcome, "other", "other", mode, "other", "other")
+            self._counts[labels] = self._counts.get(labels, 0) + 1
+
+    def enter(self, tier: str) -> Callable[[], None]:
+        """One more request of `tier` in flight; call the answer (once) when it is over."""
+        with self._lock:
+            self._in_flight[tier] = self._in_flight.get(tier, 0) + 1
+        done = False
+
+        def leave() -> None:
+            nonlocal done
+            with self._lock:
+                if not done:
+                    done = True
+                    self._in_flight[tier] -= 1
+        return leave
+
+    def snapshot(self) -> tuple[tuple[tuple[str, str, str, str, str, str, int], ...],
+                                tuple[tuple[str, int], ...]]:
+        """(requests: (outcome, tier, scope, mode, window_seconds, resource, count) sorted,
+        in flight: (tier, count) sorted)."""
+        with self._lock:
+            return (tuple(sorted((*labels, n) for labels, n in self._counts.items())),
+                    tuple(sorted(self._in_flight.items())))
+
+    def total(self, **labels: str) -> int:
+        """The requests counted with these labels (all of them: no labels). Example:
+        request_outcomes(limiter).total(outcome="rejected", mode="enforce")."""
+        names = REQUESTS.labels
+        unknown = set(labels) - set(names)
+        if unknown:
+            raise ValueError(f"unknown labels {sorted(unknown)}: use {names}")
+        with self._lock:
+            return sum(n for values, n in self._counts.items()
+                       if all(values[names.index(k)] == v for k, v in labels.items()))
+
+    def in_flight(self, tier: str | None = None) -> int:
+        """The requests in flight now (of `tier`, or all)."""
+        with self._lock:
+            return sum(n for t, n in self._in_flight.items() if tier is None or t == tier)
+
+
+# The RequestOutcomes of each limiter, kept beside it (weakly: it goes with the limiter).
+_OUTCOMES: weakref.WeakKeyDictionary[Any, RequestOutcomes] = weakref.WeakKeyDictionary()
+_OUTCOMES_BY_ID: dict[int, RequestOutcomes] = {}  # limiters that take no weak reference
+_OUTCOMES_LOCK = threading.Lock()
+
+
+def request_outcomes(limiter: Any) -> RequestOutcomes:
+    """The FastAPI layer's counts of requests decided with `limiter` (made on first use).
+    The exporters (PrometheusCollector, instrument_otel) export them beside the limiter's
+    own counters, as genai_ratelimit_requests_total and genai_ratelimit_in_flight_requests.
+
+        from genai_ratelimit.metrics import request_outcomes
+        request_outcomes(limiter).total(outcome="allowed")
+    """
+    with _OUTCOMES_LOCK:
+        try:
+            found = _OUTCOMES.get(limiter)
+            if found is None:
+                found = _OUTCOMES[limiter] = RequestOutcomes()
+            return found
+        except TypeError:  # no weak reference to it
+            return _OUTCOMES_BY_ID.setdefault(id(limiter), RequestOutcomes())
+
+
+def exported(limiter: _Measured) -> LimiterMetrics:
+    """limiter.metrics() and the FastAPI layer's counts of requests (request_outcomes)."""
+    snapshot = limiter.metrics()
+    outcomes = request_outcomes(limiter)
+    snapshot["requests"], snapshot["in_flight_requests"] = outcomes.snapshot()
+    snapshot["request_tokens"] = outcomes.tokens()
+    return snapshot
 
 # A sample: (family, label values in the family's order, value). A histogram's value is
 # its LatencyHistogram.
@@ -184,6 +352,12 @@ def samples(snapshot: LimiterMetrics) -> Iterator[Sample]:
         histogram = snapshot["latency_by_op"].get(op)
         if histogram is not None and histogram["count"] > 0:
             yield LATENCY, (op,), histogram
+    for *labels, count in snapshot.get("requests", ()):
+        yield REQUESTS, tuple(labels), count
+    for tier, count in snapshot.get("in_flight_requests", ()):
+        yield IN_FLIGHT, (tier,), count
+    for tier, mode, state, count in snapshot.get("request_tokens", ()):
+        yield REQUEST_TOKENS, (tier, mode, state), count
 
 
 def count_reservation(record: Callable[[str, int], None], reservation: Any) -> None:
@@ -252,7 +426,16 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
                 "sum_s": total["sum_s"] + more["sum_s"], "count": total["count"] + more["count"]}
 
     scripts: LatencyHistogram | None = None
+    requests: dict[tuple[str, ...], int] = {}
+    in_flight: dict[str, int] = {}
+    tokens: dict[tuple[str, ...], int] = {}
     for s in snapshots:
+        for *labels, count in s.get("request_tokens", ()):
+            tokens[tuple(labels)] = tokens.get(tuple(labels), 0) + count
+        for *labels, count in s.get("requests", ()):
+            requests[tuple(labels)] = requests.get(tuple(labels), 0) + count
+        for tier, count in s.get("in_flight_requests", ()):
+            in_flight[tier] = in_flight.get(tier, 0) + count
         for key, value in s.items():
             if isinstance(value, int) and not isinstance(value, bool):
                 merged[key] = merged.get(key, 0) + value
@@ -267,6 +450,9 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
     merged["rejections"] = tuple((w, r, sc, n) for (w, r, sc), n in rejections.items())
     merged["rejected_by_window"] = by_window
     merged["latency_by_op"] = ops
+    merged["requests"] = tuple(sorted((*labels, n) for labels, n in requests.items()))
+    merged["in_flight_requests"] = tuple(sorted(in_flight.items()))
+    merged["request_tokens"] = tuple(sorted((*labels, n) for labels, n in tokens.items()))
     if scripts is not None:
         merged["latency_buckets"], merged["latency_sum_s"] = scripts["buckets"], scripts["sum_s"]
     return merged  # type: ignore[return-value]
@@ -278,6 +464,9 @@ def _from_json(snapshot: dict[str, Any]) -> LimiterMetrics:
     snapshot["latency_buckets"] = tuple(tuple(b) for b in snapshot["latency_buckets"])
     for histogram in snapshot["latency_by_op"].values():
         histogram["buckets"] = tuple(tuple(b) for b in histogram["buckets"])
+    snapshot["requests"] = tuple(tuple(r) for r in snapshot.get("requests", ()))
+    snapshot["in_flight_requests"] = tuple(tuple(r) for r in snapshot.get("in_flight_requests", ()))
+    snapshot["request_tokens"] = tuple(tuple(r) for r in snapshot.get("request_tokens", ()))
     return snapshot  # type: ignore[return-value]
 
 
@@ -356,7 +545,7 @@ class _Directory:
         return self.path / f"{self.PREFIX}{os.getpid()}.json"
 
     def write(self) -> None:
-        snapshots = {name: limiter.metrics() for name, limiter in self.limiters.items()}
+        snapshots = {name: exported(limiter) for name, limiter in self.limiters.items()}
         data = json.dumps({"version": 1, "pid": os.getpid(), "limiters": snapshots})
         target = self.file()
         aside = target.with_suffix(f".{threading.get_ident()}.tmp")
@@ -418,18 +607,22 @@ class PrometheusCollector:
         """{name: counters}: this process's, or every process's sum with a directory."""
         if self._directory is not None:
             return self._directory.totals()
-        return {name: limiter.metrics() for name, limiter in self._limiters.items()}
+        return {name: exported(limiter) for name, limiter in self._limiters.items()}
 
     def collect(self) -> Iterable[Any]:
-        from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         made: dict[str, Any] = {}
         for family in FAMILIES:
             name = f"{self._namespace}_{family.name}"
             labels = ["limiter", *family.labels]
-            made[family.name] = (CounterMetricFamily(name, family.help, labels=labels)
-                                 if family.kind == "counter"
-                                 else HistogramMetricFamily(name, family.help, labels=labels))
+            kind = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily,
+                    "histogram": HistogramMetricFamily}[family.kind]
+            made[family.name] = kind(name, family.help, labels=labels)
         for limiter_name, snapshot in self.snapshots().items():
             for family, values, value in samples(snapshot):
                 metric = made[family.name]
@@ -480,7 +673,7 @@ def instrument_otel(limiters: Mapping[str, _Measured] | _Measured, *, meter: Any
     def observe(family: Family) -> Callable[[Any], Iterable[Any]]:
         def callback(options: Any) -> Iterable[Any]:
             for name, limiter in named.items():
-                for sample_family, values, value in samples(limiter.metrics()):
+                for sample_family, values, value in samples(exported(limiter)):
                     if sample_family is family:
                         yield Observation(value, {"limiter": name,
                                                   **dict(zip(family.labels, values, strict=True))})
@@ -489,6 +682,9 @@ def instrument_otel(limiters: Mapping[str, _Measured] | _Measured, *, meter: Any
     instruments = [meter.create_observable_counter(family.otel_name, callbacks=[observe(family)],
                                                    unit=family.unit, description=family.help)
                    for family in FAMILIES if family.kind == "counter"]
+    instruments += [meter.create_observable_up_down_counter(
+        family.otel_name, callbacks=[observe(family)], unit=family.unit, description=family.help)
+        for family in FAMILIES if family.kind == "gauge"]
     try:
         histogram = meter.create_histogram(
             LATENCY.otel_name, unit=LATENCY.unit, description=LATENCY.help,

@@ -131,6 +131,27 @@ def test_scraped_decisions_add_up_to_the_requests_decided(scraped: Scraped) -> N
                           "unavailable": 0}
 
 
+def test_scraped_requests_are_a_partition_of_the_answers(scraped: Scraped) -> None:
+    """genai_ratelimit_requests_total: each answer in one outcome, shadow apart, a
+    concurrency 429 and a fail-open counted (the limiter's decisions count neither)."""
+    t = scraped.traffic
+    result = scraped.query(
+        f'sum by (limiter, mode, outcome) (genai_ratelimit_requests_total{{job="{JOB}"}})')
+    got = {(r["metric"]["limiter"], r["metric"]["mode"], r["metric"]["outcome"]):
+           float(r["value"][1]) for r in result}
+    concurrent = t.total("chat", 429, "concurrent//")
+    would_refuse = t.total("beta", 200, "shadow")
+    assert got == {
+        ("gateway", "enforce", "allowed"): t.total("chat", 200) + t.total("chat-stream", 200),
+        ("gateway", "enforce", "rejected"): t.total("chat", 429) - concurrent,
+        ("gateway", "enforce", "concurrency_rejected"): concurrent,
+        ("gateway", "shadow", "allowed"): t.total("beta") - would_refuse,
+        ("gateway", "shadow", "shadow_would_refuse"): would_refuse,
+        ("embeddings", "enforce", "fail_open"): t.total("embeddings"),
+    }
+    assert sum(got.values()) == sum(t.answers.values())
+
+
 # --------------------------------------------------------------------------- the dashboard
 
 @dataclass(frozen=True)
@@ -155,25 +176,39 @@ OPS = tuple({"limiter": "gateway", "op": op} for op in sorted(GATEWAY_OPS))
 
 # (panel title, refId) -> what it answers after the two rounds.
 EXPECTED: dict[tuple[str, str], Expect] = {
-    ("Decisions per second by outcome", "A"): expect(
-        "limiter outcome", {**GW, "outcome": "allowed"}, {**GW, "outcome": "rejected"},
-        {**EMB, "outcome": "unavailable"}, zero=({**GW, "outcome": "unavailable"},)),
-    ("429 share of decisions", "A"): expect("limiter", GW, ratio=True),
-    ("Refusals by window, resource and scope", "A"): expect(
-        "limiter scope resource window_seconds",
-        {**GW, "scope": "user", "resource": "requests", "window_seconds": "60"},
-        {**GW, "scope": "user", "resource": "tokens", "window_seconds": "60"},
-        {**GW, "scope": "upstream", "resource": "requests", "window_seconds": "60"}),
+    ("Requests per second by tier and outcome", "A"): expect(
+        "limiter tier outcome", *({**GW, "tier": "free", "outcome": outcome} for outcome in (
+            "allowed", "rejected", "concurrency_rejected", "shadow_would_refuse")),
+        # pro: allowed only in round 1 (the upstream cap refuses all of round 2), maybe out
+        # of the rate's range by now; refused in both.
+        {**GW, "tier": "pro", "outcome": "rejected"},
+        {**EMB, "tier": "free", "outcome": "fail_open"}),
+    ("429 share of requests", "A"): expect("limiter", GW, ratio=True),
+    ("429s by window, resource and scope", "A"): expect(
+        "limiter outcome scope resource window_seconds",
+        {**GW, "outcome": "rejected", "scope": "user", "resource": "requests",
+         "window_seconds": "60"},
+        {**GW, "outcome": "rejected", "scope": "user", "resource": "tokens",
+         "window_seconds": "60"},
+        {**GW, "outcome": "rejected", "scope": "upstream", "resource": "requests",
+         "window_seconds": "60"},
+        {**GW, "outcome": "concurrency_rejected", "scope": "user", "resource": "in_flight",
+         "window_seconds": "none"}),
     ("Upstream cap refusals per second", "A"): expect(
         "limiter resource window_seconds", {**GW, "resource": "requests", "window_seconds": "60"}),
-    ("Upstream cap saturation: share of decisions it refused", "A"): expect("limiter", GW,
-                                                                            ratio=True),
+    ("Upstream cap saturation: share of requests it refused", "A"): expect("limiter", GW,
+                                                                           ratio=True),
     ("Tokens per second: reserved, charged, refunded", "A"): expect("limiter", GW, zero=(EMB,)),
     ("Tokens per second: reserved, charged, refunded", "B"): expect("limiter", GW, zero=(EMB,)),
     ("Tokens per second: reserved, charged, refunded", "C"): expect("limiter", GW, zero=(EMB,)),
+    ("Tokens per second: reserved, charged, refunded", "D"): expect(
+        "limiter tier state", *({**GW, "tier": "free", "state": state}
+                                for state in ("reserved", "charged", "refunded"))),
     ("Estimate error: share of reserved tokens refunded", "A"): expect("limiter", GW, ratio=True),
     # At the end every slot was given back; while streams were held, see the test below.
-    ("In-flight slots held", "A"): expect("limiter", zero=(GW, EMB)),
+    ("Requests in flight by tier", "A"): expect(
+        "limiter tier", zero=({**GW, "tier": "free"}, {**GW, "tier": "pro"},
+                              {**EMB, "tier": "free"})),
     ("Slots acquired and refused per second", "A"): expect(
         "limiter outcome", {**GW, "outcome": "acquired"}, {**GW, "outcome": "refused"}),
     ("Slots acquired and refused per second", "B"): expect("limiter", zero=(GW,)),
@@ -184,7 +219,12 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("Fail-open, unavailable and connection errors", "B"): expect("limiter", EMB, zero=(GW,)),
     ("Fail-open, unavailable and connection errors", "C"): expect("limiter", EMB, zero=(GW,)),
     ("Fail-open, unavailable and connection errors", "D"): expect("limiter", zero=(GW, EMB)),
-    ("Shadow mode: requests it would have refused", "A"): expect("limiter", GW, zero=(EMB,)),
+    ("Fail-open, unavailable and connection errors", "E"): expect(
+        "limiter outcome", {**EMB, "outcome": "fail_open"}),
+    ("Shadow mode: requests it would have refused", "A"): expect(
+        "limiter tier scope resource window_seconds",
+        {**GW, "tier": "free", "scope": "user", "resource": "requests", "window_seconds": "60"}),
+    ("Shadow mode: requests it would have refused", "B"): expect("limiter", GW, zero=(EMB,)),
 }
 
 
@@ -244,12 +284,12 @@ def test_the_variables_list_the_scraped_jobs_and_limiters(scraped: Scraped) -> N
     assert answers == {"job": [JOB], "limiter": ["embeddings", "gateway"]}
 
 
-def test_in_flight_shows_the_slots_held_while_streams_run(scraped: Scraped) -> None:
-    target = next(t for t in Dashboard().targets() if t.panel == "In-flight slots held")
+def test_in_flight_shows_the_requests_running_while_streams_run(scraped: Scraped) -> None:
+    target = next(t for t in Dashboard().targets() if t.panel == "Requests in flight by tier")
     expr = grafana_expr(target.expr, RATE_INTERVAL)
     for start, end in scraped.traffic.held:
         result = scraped.query(expr, at=end)
-        assert value_of(result, GW) == 2, (start, end, result)
+        assert value_of(result, {**GW, "tier": "free"}) == 2, (start, end, result)
 
 
 def test_a_query_prometheus_refuses_is_an_error_not_an_empty_panel(scraped: Scraped) -> None:
@@ -264,6 +304,8 @@ def test_every_family_is_on_a_panel_and_every_metric_on_a_panel_exists() -> None
     for family in FAMILIES:
         if family.kind == "counter":
             exported.add(f"genai_ratelimit_{family.name}_total")
+        elif family.kind == "gauge":
+            exported.add(f"genai_ratelimit_{family.name}")
         else:
             exported |= {f"genai_ratelimit_{family.name}_{s}" for s in ("bucket", "sum", "count")}
     used = set()

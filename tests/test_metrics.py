@@ -420,7 +420,12 @@ def test_the_exposition_follows_prometheus_naming_and_label_rules(redis_url: str
     assert len(types) == len(FAMILIES)
     for name, kind in types.items():
         assert name.startswith("genai_ratelimit_")
-        assert name.endswith("_total") if kind == "counter" else name.endswith("_seconds"), name
+        if kind == "counter":
+            assert name.endswith("_total"), name
+        elif kind == "histogram":
+            assert name.endswith("_seconds"), name
+        else:  # a gauge: a count now, never _total
+            assert kind == "gauge" and not name.endswith("_total"), name
     for sample in series(text):
         labels = dict(pair.split("=", 1) for pair in sample[sample.index("{") + 1:-1].split(","))
         for label, quoted in labels.items():

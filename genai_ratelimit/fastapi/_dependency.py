@@ -37,6 +37,7 @@ from .._tiers_config import (
 )
 from ..aio import AsyncRateLimiter
 from ..lease import Lease
+from ..metrics import request_outcomes
 from ..proxies import UnknownClientAddress
 from ..reservation import Reservation, Resource
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
@@ -45,7 +46,7 @@ from ._identity import (
     default_identify,
     key_identity,
 )
-from ._ledger import _LEASES_KEY, _LeaseLedger
+from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _LeaseLedger
 from ._options import ClassSignature, Mode, OnUnavailable, SharedOptions, options_from
 from ._policy import (
     CONCURRENT,
@@ -77,6 +78,11 @@ from ._scopes import _Scopes
 from ._startup import RateLimitConfigError, check_dependencies, dependencies_of
 
 logger = logging.getLogger("genai_ratelimit")
+
+# {id(dependency): [tier, counted]}: each dependency counts a request in one outcome, once.
+_OUTCOME_KEY = "genai_ratelimit.outcome"
+# The outcomes whose request runs (and is then in flight until its response is over).
+_RUNS = frozenset(("allowed", "shadow_would_refuse", "fail_open"))
 
 
 def _is_async_limiter(limiter: object) -> bool:
@@ -348,6 +354,7 @@ class RateLimit:
             raise TypeError(f"the rate-limit identity must be a non-empty str, got {user_id!r}")
         budget_tier = tier if isinstance(tier, str) and tier in self._windows else DEFAULT_TIER
         identity = key_identity(user_id, self.namespace)
+        request.scope.setdefault(_OUTCOME_KEY, {})[id(self)] = [budget_tier, False]
         # A shadow budget counts (and takes its in-flight slots) in keys of its own, so it
         # never makes an enforced budget refuse more.
         return (f"shadow:{identity}" if self.mode == "shadow" else identity), budget_tier
@@ -368,6 +375,26 @@ class RateLimit:
     def _remember(self, request: Request, identity: str, windows: Windows, decision: Decision) -> None:
         request.scope.setdefault(_COUNTED_KEY, {})[self._counted_key(identity, windows)] = decision
 
+    def _count(self, request: Request, outcome: str, window_seconds: int | None = None,
+               resource: str = "none", scope: str = "none") -> None:
+        """Counts this request in `outcome` (request_outcomes(limiter)), the first time only:
+        every request this dependency decides lands in exactly one outcome. A refusal in
+        shadow mode is counted as shadow_would_refuse. A request that runs is in flight (by
+        tier) until the middleware sees its response end."""
+        notes = request.scope.get(_OUTCOME_KEY)
+        note = notes.get(id(self)) if isinstance(notes, dict) else None
+        if note is None or note[1]:
+            return
+        note[1] = True
+        if self.mode == "shadow" and outcome in ("rejected", "too_large", "concurrency_rejected"):
+            outcome = "shadow_would_refuse"
+        tally = request_outcomes(self.limiter)
+        tally.add(outcome, tier=note[0], scope=scope, mode=self.mode, resource=resource,
+                  window_seconds="none" if window_seconds is None else str(window_seconds))
+        running = request.scope.get(_IN_FLIGHT_KEY)
+        if outcome in _RUNS and isinstance(running, dict) and id(tally) not in running:
+            running[id(tally)] = tally.enter(note[0])
+
     def _apply(self, request: Request, response: Response, windows: Windows, decision: Decision,
                retry_after_ms: int, now_ms: int, *, identity: str) -> None:
         """Raises the 429 (in shadow mode: records it as would-refuse), or records the allowed
@@ -384,6 +411,7 @@ class RateLimit:
                 *self._ietf_fields(identity, windows, (), [("requests", window_seconds, 0, retry_after_s)]),
             ]
             message = refusal_message("requests", window_seconds, limit, 1, retry_after_ms)
+            self._count(request, "rejected", window_seconds, "requests", "user")
             if self.mode == "shadow":
                 self._would_refuse(request, response, identity, id(decision), limit, window_seconds,
                                    message, refusal)
@@ -394,6 +422,7 @@ class RateLimit:
             }
             refuse(request, 429, "Rate limit exceeded", headers,
                    error_body(self.error_format, 429, "Rate limit exceeded", message, "requests"))
+        self._count(request, "allowed")
         if self.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
             _record_shadow(request, response, shadow_headers(
                 allowed_headers(limit, remaining, window_seconds), "allow"))
@@ -454,6 +483,7 @@ class RateLimit:
                    f"is free again within {format_duration(expiry_ms)} at the latest).")
         refusal = [("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
                    ("X-RateLimit-Window", window_name(CONCURRENT))]
+        self._count(request, "concurrency_rejected", None, "in_flight", "user")
         if self.mode == "shadow":
             self._would_refuse(request, response, identity, None, cap, CONCURRENT, message, refusal)
             return
@@ -536,6 +566,7 @@ class RateLimit:
 
     def _unavailable(self, request: Request, user_id: str, exc: RateLimiterError) -> None:
         """Redis could not decide: 503 (deny) or a logged pass (allow)."""
+        self._count(request, "fail_open" if self.on_unavailable == "allow" else "unavailable_denied")
         if self.on_unavailable == "allow":
             with self._fail_open_lock:
                 self._fail_open_count += 1
@@ -606,6 +637,7 @@ class RateLimit:
             ("X-RateLimit-Scope", kind),
             ("X-RateLimit-Resource", resource),
         ]
+        self._count(request, "rejected", window_seconds, resource, kind)
         if self.mode == "shadow":
             self._would_refuse(request, response, identity, None, limit, window_seconds, message,
                                refusal)

@@ -28,7 +28,7 @@ class _TokenLedger:
     by record_usage, or by the middleware from the response, whichever comes first."""
 
     __slots__ = ("entries", "decided", "reported", "refusal", "middleware", "charge_streamed",
-                 "prompt_tokens")
+                 "prompt_tokens", "tiers")
 
     def __init__(self, middleware: bool) -> None:
         self.entries: list[tuple[Any, bool, Reservation]] = []  # (limiter, is async, reservation)
@@ -41,6 +41,8 @@ class _TokenLedger:
         # streamed, plus the prompt's estimate (UsageScanner.streamed_tokens).
         self.charge_streamed = False
         self.prompt_tokens = 0
+        # id(reservation) -> (its RequestOutcomes, tier, mode): the tokens by tier.
+        self.tiers: dict[int, tuple[Any, str, str]] = {}
 
     async def reconcile(self, actual: int, leases: _LeaseLedger | None = None) -> int:
         """Reconciles every reservation with `actual` tokens. Returns the number of windows
@@ -54,18 +56,30 @@ class _TokenLedger:
                 leases.take(reservation.lease)
             try:
                 if is_async:
-                    found += await limiter.reconcile(reservation, actual, release=release) \
+                    one = await limiter.reconcile(reservation, actual, release=release) \
                         if release else await limiter.reconcile(reservation, actual)
                 else:
-                    found += await run_in_threadpool(
+                    one = await run_in_threadpool(
                         functools.partial(limiter.reconcile, reservation, actual, release=True)
                         if release else functools.partial(limiter.reconcile, reservation, actual))
+                found += one
+                counted = self.tiers.get(id(reservation))
+                if one and counted is not None and reservation.tokens is not None:
+                    tally, tier, mode = counted  # as the limiter counts: charged, refunded
+                    tally.add_tokens("charged", tier=tier, mode=mode, count=actual)
+                    if reservation.tokens > actual:
+                        tally.add_tokens("refunded", tier=tier, mode=mode,
+                                         count=reservation.tokens - actual)
             except RateLimiterError as exc:
                 logger.warning("could not reconcile the token reservation of %r with %d tokens "
                                "(it stays at %s): %s", reservation.user_id, actual,
                                reservation.tokens, exc)
         return found
 
+
+# {id(RequestOutcomes): leave()}: this request counted in flight (set by the middleware,
+# which calls every leave() when the response is over).
+_IN_FLIGHT_KEY = "genai_ratelimit.in_flight"
 
 # The in-flight leases of this request (RateLimit's max_in_flight).
 _LEASES_KEY = "genai_ratelimit.leases"

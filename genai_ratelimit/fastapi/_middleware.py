@@ -11,7 +11,7 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._usage import UsageScanner
-from ._ledger import _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
+from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
 from ._responses import _SCOPE_KEY, _AllowedDecision
 
 logger = logging.getLogger("genai_ratelimit")
@@ -67,6 +67,8 @@ class RateLimitHeadersMiddleware:
         scope[_TOKENS_KEY] = ledger
         leases = _LeaseLedger()
         scope[_LEASES_KEY] = leases
+        running: dict[int, Callable[[], None]] = {}  # the in-flight gauges this request is in
+        scope[_IN_FLIGHT_KEY] = running
         scanner: UsageScanner | None = None
         replaced_body = False  # a TokenRateLimit 429 whose body this middleware wrote
 
@@ -134,6 +136,8 @@ class RateLimitHeadersMiddleware:
                     with anyio.CancelScope(shield=True):
                         await ledger.reconcile(total, leases)
             await leases.release_all()
+            for leave in running.values():  # the in-flight gauge: this request is over
+                leave()
 
 
 def _usage_of(scanner: UsageScanner, ledger: _TokenLedger) -> int | None:

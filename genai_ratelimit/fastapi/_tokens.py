@@ -26,6 +26,7 @@ from .._tiers_config import (
     validate_token_limits,
 )
 from .._usage import InvalidTokenCount, estimate_openai_tokens, prompt_tokens
+from ..metrics import request_outcomes
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
 from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
@@ -38,6 +39,7 @@ from ._policy import (
     SyncWindowLimiter,
     Windows,
     _now_ms,
+    _scope_kind,
     _tightest,
     window_name,
 )
@@ -270,6 +272,10 @@ class TokenRateLimit(RateLimit):
         ledger = _ledger_of(request)
         ledger.entries.append((limiter, self._is_async, reservation))
         ledger.charge_streamed = ledger.charge_streamed or self.aborted_stream == "streamed"
+        if reservation.tokens and (reservation.member or reservation.shared_entries):
+            tally = request_outcomes(limiter)  # as the limiter counts reserved tokens
+            tally.add_tokens("reserved", tier=tier, mode=self.mode, count=reservation.tokens)
+            ledger.tiers[id(reservation)] = (tally, tier, self.mode)
         requests_state = _tightest(reservation.windows, "requests")
         if counted is None and requests_state is not None and requests_state.remaining is not None:
             decision = (True, requests_state.remaining, 0, requests_state.window_seconds)
@@ -281,6 +287,7 @@ class TokenRateLimit(RateLimit):
             _, remaining, _, window_seconds = counted
             limit = next(lim for lim, seconds in windows if seconds == window_seconds)
             requests_state = WindowState(limit, window_seconds, "requests", remaining)
+        self._count(request, "allowed")
         tokens_state = _tightest(reservation.windows, "tokens")
         states = [state for state in (requests_state, tokens_state) if state is not None]
         if self.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
@@ -308,6 +315,10 @@ class TokenRateLimit(RateLimit):
         limit, window_seconds = min([*token_windows, *(w for s in scopes for w in s.token_windows)])
         if tokens <= limit:
             return False
+        # The scope of the window that cannot fit it: the user's own, else a scope's.
+        kind = "user" if (limit, window_seconds) in token_windows else next(
+            _scope_kind(s) for s in scopes if (limit, window_seconds) in s.token_windows)
+        self._count(request, "too_large", window_seconds, "tokens", kind)
         refusal = [
             ("X-RateLimit-Limit", str(limit)),
             ("X-RateLimit-Window", window_name(window_seconds)),
@@ -353,6 +364,7 @@ class TokenRateLimit(RateLimit):
         ]
         message = refusal_message(resource, window_seconds, limit,
                                   tokens if resource == "tokens" else 1, retry_ms)
+        self._count(request, "rejected", window_seconds, resource, "user")
         if self.mode == "shadow":
             self._would_refuse(request, response, identity, None, limit, window_seconds,
                                message, refusal)

@@ -29,6 +29,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r".*httpx2")
     from fastapi.testclient import TestClient
 
+# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
+pytestmark = [
+    pytest.mark.not_asan(reason="uvicorn and the real openai / anthropic SDK clients run the requests"),
+    pytest.mark.no_hiredis1(reason="uvicorn and the real openai / anthropic SDK clients run the requests"),
+]
+
 # The upstream's usage (what the fake provider bills for every answer).
 PROMPT, WORDS = 9, ["Hello", " there", " friend"]
 CACHE_WRITE, CACHE_READ = 2_000, 30_000
@@ -41,12 +47,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from genai_ratelimit import AsyncRateLimiter
 from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, TokenRateLimit
 
-
-# Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
-pytestmark = [
-    pytest.mark.not_asan(reason="uvicorn and the real openai / anthropic SDK clients run the requests"),
-    pytest.mark.no_hiredis1(reason="uvicorn and the real openai / anthropic SDK clients run the requests"),
-]
 
 PROMPT, WORDS = PROMPT_AND_WORDS
 CACHE_WRITE, CACHE_READ = CACHE_WRITE_AND_READ

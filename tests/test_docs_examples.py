@@ -24,7 +24,6 @@ import tomllib
 
 from helpers_docs import DOCS, README, ROOT, CodeBlock, code_blocks, pages
 
-
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
     pytest.mark.not_asan(reason="the documentation's examples run in interpreters of their own"),

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 import redis
 
-
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
     pytest.mark.not_asan(reason="the page's examples run in interpreters of their own"),

@@ -21,7 +21,6 @@ from genai_ratelimit import RateLimiter
 from genai_ratelimit._native import MAX_LIMIT
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, TokenRateLimit
 
-
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
     pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline the async tests "

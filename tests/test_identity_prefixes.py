@@ -29,7 +29,6 @@ from starlette.requests import Request
 from genai_ratelimit.fastapi import Anonymous
 from genai_ratelimit.proxies import ClientNetworks, TrustedProxies, client_network
 
-
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
     pytest.mark.not_asan(reason="uvicorn serves the app on a unix socket in another process"),

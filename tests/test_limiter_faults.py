@@ -603,9 +603,12 @@ def open_parent_connections(limiter: RateLimiter, user: str, threads: int = 4) -
     return limiter.open_connections
 
 
+@pytest.mark.limiter_kinds("sync", reason="fork() and the blocking limiter's pool")
+@pytest.mark.storages("zset", reason="the pool, not the script")
 def test_fork_child_sees_a_fresh_pool_and_its_close_leaves_the_parents_connections(
-        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
-    with RateLimiter(redis_url, max_connections=8) as limiter:
+        redis_url: str, redis_client: redis.Redis, user_id: str,
+        make_limiter: LimiterFactory) -> None:
+    with make_limiter(redis_url, max_connections=8) as limiter:
         parent_open = open_parent_connections(limiter, user_id)
         assert parent_open >= 1
         received_before = connections_received(redis_client)
@@ -623,14 +626,17 @@ def test_fork_child_sees_a_fresh_pool_and_its_close_leaves_the_parents_connectio
             "the parent had to dial anew: the child disturbed its connections"
 
 
+@pytest.mark.limiter_kinds("sync", reason="fork() and the blocking limiter's pool")
+@pytest.mark.storages("zset", reason="the pool, not the script")
 def test_fork_children_never_hang_on_the_pool_while_parent_threads_read_it(
-        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+        redis_url: str, redis_client: redis.Redis, user_id: str,
+        make_limiter: LimiterFactory) -> None:
     # Two threads read open_connections without pause; each read releases the GIL and takes
     # the pool's mutex, so a fork() from the main thread now and then copies that mutex in
     # a locked state (measured on the unfixed code: one fork in 20 to 100). A child whose
     # pool calls do not go through the fork check then blocks on it forever.
     forks = 100
-    with RateLimiter(redis_url, max_connections=8) as limiter:
+    with make_limiter(redis_url, max_connections=8) as limiter:
         parent_open = open_parent_connections(limiter, user_id)
         stop = threading.Event()
         reads = [0, 0]

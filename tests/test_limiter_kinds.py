@@ -111,7 +111,9 @@ def test_a_limiter_test_is_collected_once_per_kind_and_a_sync_only_one_once() ->
     completed = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
          str(TESTS / "test_limiter_faults.py")],
-        cwd=TESTS.parent, capture_output=True, text=True, timeout=120)
+        # From the tests' folder: run from the checkout's root, `python -m pytest` puts the
+        # source tree first on sys.path, whose genai_ratelimit has no built extension.
+        cwd=TESTS, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     ids = {line.split("::", 1)[1] for line in completed.stdout.splitlines() if "::" in line}
     kinds = [param.values[0] for param in limiter_kind_params()]

@@ -306,19 +306,18 @@ def test_tls_ca_file_is_trusted_whatever_the_system_store_holds(
 @pytest.mark.limiter_kinds("asyncio", "uvloop", reason="aclose() of the async limiter's TLS "
                                                        "connections; the blocking one closes in C")
 def test_aclose_closes_the_tls_sockets_before_the_loop_ends(
-        loop_factory: Any, tls_server: RedisServer, certificates: Path, user_id: str) -> None:
+        loop_factory: Any, tls_server: RedisServer, certificates: Path, user_id: str,
+        make_limiter: LimiterFactory) -> None:
     """An application's loop ends soon after aclose() (asyncio.Runner, asyncio.run): a TLS
     transport only closed (its close_notify exchange begun) outlives the loop, and its
     socket is left to the garbage collector, which warns (ResourceWarning)."""
     import gc
     import warnings
 
-    from genai_ratelimit import AsyncRateLimiter
-
     url = f"rediss://127.0.0.1:{tls_server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
 
     async def main() -> tuple[bool, int, int]:
-        limiter = AsyncRateLimiter(url, connect_timeout=10, socket_timeout=10)
+        limiter = make_limiter.native(url, connect_timeout=10, socket_timeout=10)
         try:
             return await limiter.check(user_id, 2, 60)
         finally:

@@ -16,8 +16,15 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from redis_server import free_port
+
+# httpx's transport, talking to a real uvicorn, sometimes leaves the socket of a connection
+# the server ended (a stream cut, a worker's keep-alive timeout) to the garbage collector,
+# which warns (ResourceWarning) in whatever test runs then. The files whose requests go to
+# uvicorn over sockets carry this mark; everything else keeps ResourceWarning as an error.
+HTTPX_SOCKETS = pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning")
 
 
 class UvicornServer:

@@ -41,10 +41,12 @@ from helpers_prometheus import (
     binary,
     grafana_expr,
 )
+from helpers_uvicorn import HTTPX_SOCKETS
 from redis_server import RedisServer
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
+    HTTPX_SOCKETS,
     pytest.mark.not_asan(reason="the gateway runs under uvicorn and Prometheus scrapes it, in other "
                                 "processes"),
     pytest.mark.no_hiredis1(reason="the gateway runs under uvicorn and Prometheus scrapes it, in other "

@@ -20,10 +20,12 @@ import redis
 from genai_ratelimit import TIER_LIMITS, TIER_TOKEN_LIMITS
 from genai_ratelimit._openai_headers import format_duration
 from helpers_async import loop_factory_of
+from helpers_uvicorn import HTTPX_SOCKETS
 from test_fastapi_server import KEYS, UvicornApp, clean_env
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
+    HTTPX_SOCKETS,
     pytest.mark.not_asan(reason="its limiters run in a uvicorn server process (the SDK is the client), "
                                 "which this process's ASan does not reach"),
     pytest.mark.no_hiredis1(reason="its limiters run in uvicorn server processes, on the codec and pipeline"

@@ -27,12 +27,13 @@ import openai
 import pytest
 import redis
 
-from helpers_uvicorn import UvicornServer
+from helpers_uvicorn import HTTPX_SOCKETS, UvicornServer
 from redis_server import free_port
 from test_fastapi import prefill, server_now_ms
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
+    HTTPX_SOCKETS,
     pytest.mark.not_asan(reason="its limiters run in a uvicorn server process (the SDKs are the clients), "
                                 "which this process's ASan does not reach"),
     pytest.mark.no_hiredis1(reason="its limiters run in uvicorn server processes, on the codec and pipeline"

@@ -23,7 +23,7 @@ from fastapi import Depends, FastAPI, Request
 
 from genai_ratelimit import RateLimiter
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, TokenRateLimit
-from helpers_uvicorn import UvicornServer
+from helpers_uvicorn import HTTPX_SOCKETS, UvicornServer
 
 with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r".*httpx2")
@@ -31,6 +31,7 @@ with warnings.catch_warnings():
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
+    HTTPX_SOCKETS,
     pytest.mark.not_asan(reason="uvicorn and the real openai / anthropic SDK clients run the requests"),
     pytest.mark.no_hiredis1(reason="uvicorn and the real openai / anthropic SDK clients run the requests"),
 ]

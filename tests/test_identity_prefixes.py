@@ -28,9 +28,11 @@ from starlette.requests import Request
 
 from genai_ratelimit.fastapi import Anonymous
 from genai_ratelimit.proxies import ClientNetworks, TrustedProxies, client_network
+from helpers_uvicorn import HTTPX_SOCKETS
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
+    HTTPX_SOCKETS,
     pytest.mark.not_asan(reason="uvicorn serves the app on a unix socket in another process"),
     pytest.mark.no_hiredis1(reason="uvicorn serves the app on a unix socket in another process"),
 ]

@@ -17,10 +17,11 @@ import httpx
 import pytest
 import redis
 
-from helpers_uvicorn import UvicornServer
+from helpers_uvicorn import HTTPX_SOCKETS, UvicornServer
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
+    HTTPX_SOCKETS,
     pytest.mark.not_asan(reason="its limiters run in worker processes of their own"),
     pytest.mark.no_hiredis1(reason="its limiters run in worker processes of their own"),
 ]

@@ -267,9 +267,9 @@ class RedisSentinelSet(_Started):
                 continue
         raise RuntimeError("no sentinel answered")
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 60.0) -> None:
         """Until every sentinel sees the master, the replica and the 2 other sentinels, and
-        the replica is in sync."""
+        the replica is in sync (a failover that needed a second election included)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

@@ -231,7 +231,7 @@ def test_a_planned_failover_under_load_loses_at_most_two_admissions_per_user(
         started = time.monotonic()
         sentinels.fail_over()
         wait_until(lambda: sentinels.master_port() != old.port, NEW_MASTER_SECONDS,
-               "the sentinels' new master")
+                   "the sentinels' new master")
         switched = time.monotonic()
         count = len(load.records)
         load.wait_for(count + 400)

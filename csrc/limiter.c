@@ -369,7 +369,7 @@ run(LimiterObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject 
     PyObject *user_id;
     if (rl_parse_request(shape, args, nargs, kwnames, &p, &user_id) < 0)
         return NULL;
-    p.hash_tag = self->cluster != NULL && self->cluster->master_name == NULL;
+    p.hash_tag = self->cluster != NULL && self->cluster->router.master_name == NULL;
     p.storage = self->storage;
     return decide(self, state_of(defining_class), user_id, &p);
 }

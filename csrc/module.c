@@ -27,6 +27,9 @@ extern PyType_Spec rl_limiter_spec;
 extern PyType_Spec rl_codec_spec;
 extern PyType_Spec rl_request_spec;
 extern PyType_Spec rl_pipeline_spec;
+extern PyType_Spec rl_router_spec;
+extern PyType_Spec rl_route_spec;
+extern PyType_Spec rl_route_read_spec;
 
 static rl_module_state *
 get_state(PyObject *module)
@@ -34,19 +37,27 @@ get_state(PyObject *module)
     return (rl_module_state *)PyModule_GetState(module);
 }
 
-/* Tags exc with the rl_status it reports (attribute _rl_status): the asyncio limiter's
-   cluster router retries by kind (a refused connection, a broken one, a redirect), not by
-   message. Steals exc; returns it, or NULL. */
+/* Tags exc with the rl_status it reports (attribute _rl_status) and the error's own text
+   (_rl_detail: a redirect's is the server's "MOVED 3999 host:port"): the asyncio
+   limiter's router (routing.c) reads these, never the message. Steals exc; returns it, or
+   NULL. */
 static PyObject *
-with_status(PyObject *exc, rl_status kind)
+with_status(PyObject *exc, const rl_error *err)
 {
-    PyObject *value = exc != NULL ? PyLong_FromLong((long)kind) : NULL;
-    if (value == NULL || PyObject_SetAttrString(exc, "_rl_status", value) < 0) {
+    PyObject *value = exc != NULL ? PyLong_FromLong((long)err->kind) : NULL;
+    PyObject *detail =
+        value != NULL
+            ? PyUnicode_DecodeUTF8(err->message, (Py_ssize_t)strlen(err->message), "replace")
+            : NULL;
+    if (detail == NULL || PyObject_SetAttrString(exc, "_rl_status", value) < 0 ||
+        PyObject_SetAttrString(exc, "_rl_detail", detail) < 0) {
         Py_XDECREF(value);
+        Py_XDECREF(detail);
         Py_XDECREF(exc);
         return NULL;
     }
     Py_DECREF(value);
+    Py_DECREF(detail);
     return exc;
 }
 
@@ -79,7 +90,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
             return NULL;
         exc = PyObject_CallFunctionObjArgs(state->Unavailable, text, NULL);
         Py_DECREF(text);
-        return with_status(exc, err->kind);
+        return with_status(exc, err);
     }
     case RL_OK: /* a bug: report it rather than fail without an exception */
         return PyObject_CallFunction(PyExc_SystemError, "s",
@@ -96,7 +107,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
         return NULL;
     PyObject *exc = PyObject_CallFunctionObjArgs(type, message, NULL);
     Py_DECREF(message);
-    return with_status(exc, err->kind);
+    return with_status(exc, err);
 }
 
 PyObject *
@@ -247,7 +258,10 @@ module_exec(PyObject *module)
     if (add_type(module, &state->LimiterType, &rl_limiter_spec, "Limiter") < 0 ||
         add_type(module, &state->CodecType, &rl_codec_spec, "Codec") < 0 ||
         add_type(module, &state->RequestType, &rl_request_spec, "Request") < 0 ||
-        add_type(module, &state->PipelineType, &rl_pipeline_spec, "Pipeline") < 0)
+        add_type(module, &state->PipelineType, &rl_pipeline_spec, "Pipeline") < 0 ||
+        add_type(module, &state->RouterType, &rl_router_spec, "Router") < 0 ||
+        add_type(module, &state->RouteType, &rl_route_spec, "Route") < 0 ||
+        add_type(module, &state->RouteReadType, &rl_route_read_spec, "RouteRead") < 0)
         goto done;
     state->WindowDecisionType = PyStructSequence_NewType(&window_decision_desc);
     if (state->WindowDecisionType == NULL ||
@@ -279,7 +293,12 @@ module_exec(PyObject *module)
         PyModule_AddIntConstant(module, "STATUS_CONNECT", RL_ERR_CONNECT) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_IO", RL_ERR_IO) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_SERVER", RL_ERR_SERVER) < 0 ||
-        PyModule_AddIntConstant(module, "STATUS_REDIRECT", RL_ERR_REDIRECT) < 0)
+        PyModule_AddIntConstant(module, "STATUS_REDIRECT", RL_ERR_REDIRECT) < 0 ||
+        /* What Route.next() says to do (router.c's rl_route_action). */
+        PyModule_AddIntConstant(module, "ROUTE_SEND", RL_ROUTE_SEND) < 0 ||
+        PyModule_AddIntConstant(module, "ROUTE_READ", RL_ROUTE_READ) < 0 ||
+        PyModule_AddIntConstant(module, "ROUTE_WAIT", RL_ROUTE_WAIT) < 0 ||
+        PyModule_AddIntConstant(module, "ROUTE_FAIL", RL_ROUTE_FAIL) < 0)
         goto done;
 #ifdef RL_DEBUG_HOOKS
     /* Debug and sanitized builds: what rl_check_wiped looks for (tests/test_secret_wipe.py). */
@@ -300,6 +319,9 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->CodecType);
     Py_VISIT(state->RequestType);
     Py_VISIT(state->PipelineType);
+    Py_VISIT(state->RouterType);
+    Py_VISIT(state->RouteType);
+    Py_VISIT(state->RouteReadType);
     Py_VISIT(state->WindowDecisionType);
     Py_VISIT(state->Error);
     Py_VISIT(state->Unavailable);
@@ -316,6 +338,9 @@ module_clear(PyObject *module)
     Py_CLEAR(state->CodecType);
     Py_CLEAR(state->RequestType);
     Py_CLEAR(state->PipelineType);
+    Py_CLEAR(state->RouterType);
+    Py_CLEAR(state->RouteType);
+    Py_CLEAR(state->RouteReadType);
     Py_CLEAR(state->WindowDecisionType);
     Py_CLEAR(state->Error);
     Py_CLEAR(state->Unavailable);

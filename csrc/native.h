@@ -5,8 +5,10 @@
  * Layers: args.c prepares a decision (GIL held); proto.c is the protocol engine of one
  * connection, with no I/O in it (handshake steps, the request FIFO, NOSCRIPT reload, the
  * replay rule, reply classification); conn.c drives it over blocking sockets for the
- * Limiter (limiter.c), codec.c wraps it for the asyncio Protocol in aio.py. Calls only go
- * down a floor, never up: conn.c -> proto.c -> script.c -> base.c (errors, wipe, clocks),
+ * Limiter (limiter.c), codec.c wraps it for the asyncio Protocol in aio.py. router.c is the
+ * routing of a cluster or a Sentinel set, with no I/O in it either: cluster.c drives it
+ * over conn.c's pools, routing.c wraps it for aio.py. Calls only go down a floor, never
+ * up: cluster.c -> router.c, conn.c -> proto.c -> script.c -> base.c (errors, wipe, clocks),
  * and base.c calls no other room (tests/test_c_source_lint.py checks that the rooms'
  * calls form no circle).
  *
@@ -479,41 +481,163 @@ void rl_call_abandon(rl_call *call);
 rl_status rl_pool_command(rl_pool *pool, int argc, const char **argv, const size_t *argvlen,
                           double deadline, redisReply **reply, rl_error *err);
 
-/* ---------------------------------------------------------- cluster.c */
+/* ----------------------------------------------------------- router.c */
 
 #define RL_CLUSTER_MAX_NODES 128
+
+typedef struct {
+    char host[256]; /* a name or an address, never longer than DNS allows */
+    int port;
+} rl_address;
+
+/* What a read asks, and whom. */
+typedef enum {
+    RL_ASK_SHARDS,          /* CLUSTER SHARDS, to a node (Redis 7) */
+    RL_ASK_SLOTS,           /* CLUSTER SLOTS, to a node that does not know SHARDS */
+    RL_ASK_SENTINEL_MASTER, /* SENTINEL MASTER <name>, to a sentinel */
+    RL_ASK_ROLE,            /* ROLE, to the node the sentinels named */
+} rl_ask;
+
+typedef struct {
+    rl_ask ask;
+    int sentinel; /* 1: target indexes the sentinels, 0: the nodes */
+    int target;   /* whom to ask */
+    int argc;     /* the command, borrowed from the read and the router */
+    const char *argv[3];
+    size_t argvlen[3];
+    double deadline; /* monotonic: its share of the read's deadline */
+} rl_question;
+
+/* The routing of a Redis Cluster or a Sentinel set, with no I/O in it: the nodes met (seeds
+   first, never removed), which serves each hash slot or which is the master, the sentinels
+   and what they said, and the policy that turns each answer or failure into an action.
+   Both limiters drive it: cluster.c with blocking sockets, aio.py through _native.Router.
+   Thread-safe: every rl_router_* / rl_route_* / rl_read_* call takes the mutex itself and
+   never holds it on return; it runs with or without the GIL. */
+typedef struct {
+    pthread_mutex_t mutex;                  /* guards every field but the constants */
+    int initialized;                        /* the mutex exists */
+    int tls;                                /* constant: read the masters' tls-port */
+    double socket_timeout;                  /* constant: how long a timed-out call took */
+    char *master_name;                      /* constant: the sentinels' name, or NULL */
+    rl_address nodes[RL_CLUSTER_MAX_NODES]; /* every node met; the index is the node */
+    int node_count;
+    rl_address sentinels[RL_CLUSTER_MAX_NODES]; /* constant after the seeds */
+    int sentinel_count;
+    short slots[RL_CLUSTER_SLOTS]; /* each slot's master (a node), -1 unknown */
+    int master;                    /* Sentinel: the master (a node), -1 before asked */
+    unsigned long reads;           /* maps read (answers taken) so far */
+    double reading_since;          /* the one read under way began (single flight), or 0 */
+    double read_at;                /* the last read ended (monotonic), 0 never */
+    int moved_since_read;          /* MOVED answers since the last read */
+    double stale_until;            /* a call timed out: the map is read again until then */
+    double stale_read_at;          /* when a stale map was last read again */
+    double asked_at;               /* Sentinel: when the sentinels were last asked, 0 never */
+    int last_sentinel;             /* Sentinel: the one that answered last, asked first */
+    double suspect_until[RL_CLUSTER_MAX_NODES]; /* Sentinel: one that timed out, asked last */
+    double failover_since; /* Sentinel: a sentinel reports a failover under way since, or 0 */
+} rl_router;
+
+/* GIL held (set-up): 0, or -1 with errno. */
+int rl_router_init(rl_router *r, const char *master_name, int tls, double socket_timeout);
+/* A seed: a node (cluster), or a sentinel (Sentinel mode). 0, or -1 when full. */
+int rl_router_add_seed(rl_router *r, const char *host, int port);
+void rl_router_after_fork(rl_router *r); /* in the child: no read is under way there */
+void rl_router_destroy(rl_router *r);
+/* The address of a node or a sentinel (copied: nodes are never removed). 0, or -1. */
+int rl_router_address(rl_router *r, int sentinel, int index, rl_address *out);
+/* Where a decision of slot goes now: a node, or -1 (not known yet). */
+int rl_router_destination(rl_router *r, int slot);
+/* The masters that serve slots (or the Sentinel master), each once: how many, in out. */
+int rl_router_masters(rl_router *r, int *out, int room);
+
+/* One call, routed: what its driver does next. */
+typedef enum {
+    RL_ROUTE_SEND, /* send it to node (with ASKING first when asking) */
+    RL_ROUTE_READ, /* read the map or ask the sentinels (rl_read_*), by read_deadline; this
+                      call holds the single flight until rl_read_end */
+    RL_ROUTE_WAIT, /* sleep `seconds` (a failover or a migration needs time) */
+    RL_ROUTE_FAIL, /* give up with `status` (err filled when it is a new error) */
+} rl_route_action;
+
+typedef struct {
+    int slot;              /* the decision's hash slot */
+    double deadline;       /* of the whole call; the driver extends it by connecting time */
+    int moved;             /* MOVED answers so far */
+    int ask;               /* ASK: the next try goes to this node with ASKING, or -1 */
+    int want_pause;        /* a failure asks for a pause before the next try */
+    int want_read;         /* ... and a read of the map */
+    int patch_slot;        /* MOVED: point this slot at patch_node once the read is done */
+    int patch_node;        /* -1: nothing to patch */
+    int read_once;         /* the map was read for an unknown slot */
+    rl_status last_status; /* the last failure's kind */
+    char busy[128];        /* the cluster's last TRYAGAIN / CLUSTERDOWN text, or "" */
+    rl_status read_status; /* the last read this call made (rl_read_end), RL_OK if none */
+    rl_error read_error;   /* ... its error */
+    /* The action's arguments (out of rl_route_next) */
+    int node;
+    int asking;
+    double seconds;
+    double read_deadline;
+    rl_status status;
+} rl_route;
+
+void rl_route_begin(rl_route *rt, int slot, double deadline);
+rl_route_action rl_route_next(rl_router *r, rl_route *rt, rl_error *err);
+/* The try on rt->node failed with st (err: its error; a server's text for a redirect).
+   1: go on (rl_route_next); 0: give up with rt->status (err rewritten when it says more). */
+int rl_route_failed(rl_router *r, rl_route *rt, rl_status st, rl_error *err);
+
+/* A read of the map or of the sentinels: the questions one after another, each answer
+   taken by the router. rl_read_step returns 1 with the next question in rd->q, or 0 when
+   the read is over (rd->status, rd->error); rl_read_end releases the single flight. */
+typedef struct {
+    int node;        /* the node the sentinel named */
+    long long epoch; /* its config epoch */
+} rl_sentinel_view;
+
+typedef struct {
+    int sentinels; /* asking the sentinels (else the nodes for the map) */
+    int order[RL_CLUSTER_MAX_NODES];
+    int count, next, suspects;
+    double deadline;
+    int started;
+    rl_question q; /* the question under way */
+    short *map;    /* cluster: the map being read (malloc'd) */
+    rl_sentinel_view views[RL_CLUSTER_MAX_NODES];
+    int answered, in_failover, chosen;
+    int replaced; /* out: the old master after a switch (close its connections), or -1 */
+    rl_status status;
+    rl_error error;
+} rl_read;
+
+void rl_read_begin(rl_router *r, rl_read *rd, double deadline);
+/* The answer to rd->q: st, reply when st is RL_OK (borrowed), err when it is not. The first
+   call passes RL_OK and NULL. */
+int rl_read_step(rl_router *r, rl_read *rd, rl_status st, const redisReply *reply,
+                 const rl_error *err);
+/* rt: the call the read was for (it keeps the read's error), or NULL. */
+void rl_read_end(rl_router *r, rl_read *rd, rl_route *rt);
+
+/* ---------------------------------------------------------- cluster.c */
 
 typedef struct {
     rl_pool pool; /* connections to this node; pool.config names it */
 } rl_node;
 
-/* A Redis Cluster: its nodes (seeds first, never removed) and which serves each slot; or
-   the master of a Sentinel set (the same machinery with one destination). */
+/* A Redis Cluster or a Sentinel set for the blocking limiter: the router, and a pool per
+   node (made when first needed) and per sentinel, at the router's indexes. */
 typedef struct {
-    pthread_mutex_t mutex;                /* guards the fields below but base and max_open */
-    rl_node *nodes[RL_CLUSTER_MAX_NODES]; /* every node met, each with its pool */
-    int node_count;
-    short slots[RL_CLUSTER_SLOTS]; /* index into nodes of each slot's master, -1 unknown */
-    unsigned long refreshes;       /* maps read so far */
-    int closed;                    /* close() was called */
-    int initialized;               /* the mutex exists */
-    int max_open;                  /* connections per node */
-    rl_config base;                /* credentials, db, timeouts, TLS context: every node's */
-    /* Sentinel mode (master_name set): every decision goes to nodes[master], which the
-       sentinels name; asked again when it is gone or answers READONLY. */
-    char *master_name;                        /* the sentinels' name of the master, or NULL */
+    rl_router router;
+    pthread_mutex_t mutex;                    /* guards nodes and closed */
+    rl_node *nodes[RL_CLUSTER_MAX_NODES];     /* the pool of each node the router knows, or NULL */
     rl_node *sentinels[RL_CLUSTER_MAX_NODES]; /* the URL's sentinels (no credentials) */
     int sentinel_count;
-    int master;          /* index into nodes of the master, -1 before the sentinels were asked */
+    int closed;          /* close() was called */
+    int initialized;     /* the mutex exists */
+    int max_open;        /* connections per node */
+    rl_config base;      /* credentials, db, timeouts, TLS context: every node's */
     rl_metrics *metrics; /* the limiter's counters (every node's pool), or NULL */
-    double asked_at;     /* sentinel: when the sentinels were last asked (monotonic), 0 never */
-    int asking;          /* sentinel: a thread is asking them now (the timer's single flight) */
-    int last_sentinel;   /* sentinel: the one that answered last, asked first */
-    double suspect_until[RL_CLUSTER_MAX_NODES]; /* sentinel: one that timed out, asked last */
-    double failover_since; /* sentinel: a sentinel reports a failover under way since, or 0 */
-    double stale_until;    /* cluster: a call timed out: the map is read again until then */
-    double map_read_at;    /* cluster: when a stale map was last read again */
-    int reading;           /* cluster: a thread reads the stale map again now */
 } rl_cluster;
 
 /* GIL held: set up (c->base filled first; master_name for a Sentinel set), the URL's seed
@@ -534,13 +658,11 @@ int rl_cluster_take_warning(rl_cluster *c, char *buf);
 typedef struct {
     rl_cluster *cluster; /* NULL: a single node (call.pool) */
     rl_prepared *decision;
-    rl_call call;           /* the try under way */
-    int under_way;          /* call holds a try that a signal interrupted */
-    int attempts;           /* MOVED answers so far */
-    int asking, ask_index;  /* the next try goes to nodes[ask_index] with ASKING */
-    double deadline;        /* of the whole call */
-    rl_error refresh_error; /* a failed map refresh (the call's own error says more) */
-    rl_result result;       /* the answer, on RL_OK */
+    rl_call call;     /* the try under way */
+    int under_way;    /* call holds a try that a signal interrupted */
+    rl_route route;   /* the router's state of this call */
+    double deadline;  /* of the whole call */
+    rl_result result; /* the answer, on RL_OK */
 } rl_routed_call;
 
 void rl_routed_call_init(rl_routed_call *rc, rl_cluster *cluster, rl_pool *pool, rl_prepared *d);
@@ -606,6 +728,9 @@ typedef struct {
     PyTypeObject *CodecType;
     PyTypeObject *RequestType;
     PyTypeObject *PipelineType;
+    PyTypeObject *RouterType; /* routing.c */
+    PyTypeObject *RouteType;
+    PyTypeObject *RouteReadType;
     /* check_windows_detailed's answer (a struct sequence) */
     PyTypeObject *WindowDecisionType;
     PyObject *Error;           /* RateLimiterError */

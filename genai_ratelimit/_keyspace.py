@@ -24,11 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from ._cluster import SlotMap
-from ._url import RedisOptions
-
 __all__ = ["KeyName", "Identity", "ScanReport", "parse_key", "identity_of", "shown", "quoted",
-           "glob_escape", "tagged", "user_key_pattern", "scan", "masters_of", "masters_in",
+           "glob_escape", "tagged", "user_key_pattern", "scan",
            "node_url", "read_leases", "SCAN_COUNT", "scan_calls_per_master"]
 
 # SCAN's COUNT: the limiter's connections take replies of at most 64 elements, and a step
@@ -220,32 +217,6 @@ def node_url(url: str, host: str, port: int, db: int) -> str:
     shown_host = f"[{host}]" if ":" in host else host
     netloc = f"{credentials}@{shown_host}:{port}" if credentials else f"{shown_host}:{port}"
     return urlunsplit((scheme, netloc, f"/{db}", parts.query, ""))
-
-
-async def masters_of(command: Command, options: RedisOptions) -> SlotMap | None:
-    """The slot map of a Redis Cluster (from CLUSTER SHARDS, or CLUSTER SLOTS before
-    Redis 7), or of the master the sentinels name; None for a single node."""
-    if options.mode == "single":
-        return None
-    slot_map = SlotMap(options.nodes, options.tls, options.master_name)
-    if options.mode == "sentinel":
-        slot_map.install_master(await command("SENTINEL", "get-master-addr-by-name",
-                                              options.master_name), options.nodes[0])
-        return slot_map
-    try:
-        slot_map.install(await command("CLUSTER", "SHARDS"), options.nodes[0], True)
-    except Exception as exc:  # noqa: BLE001 - before Redis 7: CLUSTER SLOTS
-        if "answered an error" not in str(exc) or "NOPERM" in str(exc):
-            raise
-        slot_map.install(await command("CLUSTER", "SLOTS"), options.nodes[0], False)
-    return slot_map
-
-
-def masters_in(slot_map: SlotMap) -> list[tuple[str, int]]:
-    """Every master of a slot map, once."""
-    if slot_map.master_name is not None:
-        return [slot_map.master] if slot_map.master is not None else []
-    return sorted({address for address in slot_map.slots if address is not None})
 
 
 # ---------------------------------------------------------------------- the raw read

@@ -25,7 +25,6 @@ from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 from . import _native
-from ._cluster import Address, SlotMap, redirect_of
 from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
 from ._url import RedisOptions
 from .lease import (
@@ -57,21 +56,6 @@ logger = logging.getLogger("genai_ratelimit")
 # only then is another one opened (up to max_connections).
 _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
 
-# Cluster: MOVED answers to one call (the only ones retried without a pause; the deadline
-# bounds the rest) and the pause between retries while a failover or a migration is under
-# way (as in csrc/cluster.c).
-_CLUSTER_MAX_ATTEMPTS = 64
-_CLUSTER_PAUSE = 0.025
-# Sentinel and map questions (csrc/cluster.c's RL_ASK_WAIT, RL_SENTINEL_*): the most one
-# node may take to answer, the period of asking the sentinels again, how long a sentinel
-# that timed out is asked last, and the longest a failover under way holds the calls.
-_ASK_WAIT = 0.25
-_SENTINEL_RECHECK = 0.1
-_SENTINEL_SUSPECT = 5.0
-_SENTINEL_FAILOVER_HOLD = 5.0
-_STALE_REREAD = 0.1  # seconds between two map reads after a timeout (RL_STALE_REREAD)
-
-
 def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
     """The client TLS context of a rediss:// URL, following the one trust policy both
     limiters keep (RedisOptions.tls_trust): certificates and the host name verified unless
@@ -99,22 +83,6 @@ def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
             raise ValueError(f"cannot load the client certificate {certfile} "
                              f"(key {options.ssl_keyfile or certfile}): {exc.strerror or exc}") from None
     return context
-
-
-# The C errors that a cluster or a Sentinel set may answer elsewhere (csrc/cluster.c keeps
-# the same rule): a refused or broken connection, a cluster redirect, and, behind
-# sentinels, a demoted master's READONLY. The errors aio.py makes itself (a connection lost
-# or refused) carry no status and are all of that kind.
-_ELSEWHERE = frozenset({_native.STATUS_CONNECT, _native.STATUS_IO, _native.STATUS_REDIRECT})
-
-
-def _may_go_elsewhere(exc: RateLimiterUnavailable, sentinel: bool) -> bool:
-    if isinstance(exc, RateLimiterTimeout) or type(exc) is not RateLimiterUnavailable:
-        return False  # past the deadline, or a refused password
-    status = getattr(exc, "_rl_status", None)
-    if status is None or status in _ELSEWHERE:
-        return True
-    return sentinel and status == _native.STATUS_SERVER and "READONLY" in str(exc)
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:
@@ -323,8 +291,9 @@ class _LoopPool:
         self.limiter = limiter
         self.loop = loop
         self.options = options or limiter._options  # where this pool connects
-        self.nodes: dict[Address, _LoopPool] = {}  # cluster: this loop's pool of each node
-        self.refreshing: asyncio.Task[None] | None = None  # cluster: a map read under way
+        # Cluster, Sentinel: this loop's pool of each node (the router's index), and of
+        # each sentinel (its negative index - 1).
+        self.nodes: dict[int, _LoopPool] = {}
         self.connections: list[_Connection] = []
         self.opening: asyncio.Future[_Connection] | None = None
         self.replaying: set[asyncio.Task[None]] = set()
@@ -377,12 +346,16 @@ class _LoopPool:
         if not task.cancelled():
             task.exception()  # mark retrieved: every waiter got it already
 
-    def node(self, address: Address, sentinel: bool = False) -> _LoopPool:
-        """Cluster or Sentinel: the pool of the node at address on this loop (made when
-        first used). A sentinel's has no credentials (the URL's are the data nodes')."""
-        key = (f"sentinel:{address[0]}", address[1]) if sentinel else address
+    def node(self, index: int, sentinel: bool = False) -> _LoopPool:
+        """Cluster or Sentinel: the pool of the router's node (or sentinel) index on this
+        loop, made when first used. A sentinel's has no credentials (the URL's are the data
+        nodes')."""
+        key = -index - 1 if sentinel else index
         pool = self.nodes.get(key)
         if pool is None:
+            router = self.limiter._router
+            assert router is not None
+            address = router.sentinel(index) if sentinel else router.address(index)
             options = dataclasses.replace(self.options, host=address[0], port=address[1],
                                           mode="single", nodes=())
             if sentinel:
@@ -509,8 +482,10 @@ class AsyncRateLimiter:
                                     metrics=native["metrics"], hash_tag=cluster,
                                     storage=native["storage"])
         self._storage = native["storage"]
-        self._slot_map = (SlotMap(options.nodes, options.tls, options.master_name)
-                          if options.mode != "single" else None)
+        # Cluster and Sentinel: the router of csrc/router.c (the blocking limiter's rules).
+        self._router = (_native.Router(options.nodes, options.tls, options.master_name,
+                                       float(native["socket_timeout"]))
+                        if options.mode != "single" else None)
         # A shared scope's keys hash to the scope's slot, the user's to the user's.
         self._two_step_scopes = cluster
         self._connect_timeout = float(native["connect_timeout"])
@@ -571,7 +546,7 @@ class AsyncRateLimiter:
         """Sends one Request of the codec and waits for its answer. decision: a check,
         counted as unavailable in the metrics when no connection can be had. admission: a
         decision that logs the request when it allows (min_replicas waits for it)."""
-        if self._slot_map is not None:
+        if self._router is not None:
             return await self._run_cluster(request, decision, admission)
         pool = self._pool()
         conn = pool.pick()
@@ -607,123 +582,57 @@ class AsyncRateLimiter:
 
     async def _run_cluster(self, request: Any, decision: bool = False,
                            admission: bool = False) -> Any:
-        """Sends a Request to the node that serves its slot, following the cluster's
-        answers within the call's deadline: MOVED (the map is read again), ASK (ASKING, once,
-        on the node named), TRYAGAIN, CLUSTERDOWN and dead nodes (a pause, the map read
-        again). Sentinel: to the master the sentinels name, asked again when it is gone or
-        answers READONLY (a demoted master). A decision whose connection broke was resent
-        once on that node by the replay rule and stays in its replay form, so no retry
-        counts it twice. Each node has its own connections on this loop: a batch of checks
-        goes out per node."""
-        slot_map = self._slot_map
-        assert slot_map is not None
+        """Sends a Request where the router says (csrc/router.c: the blocking limiter's
+        rules, the same code): the node that serves its slot, or the master the sentinels
+        agree on; after each failed try the router says what next (MOVED, ASK, a pause and a
+        read of the map, give up) within the call's deadline. A decision whose connection
+        broke was resent once on that node by the replay rule and stays in its replay form,
+        so no retry counts it twice. Each node has its own connections on this loop: a batch
+        of checks goes out per node."""
+        router = self._router
+        assert router is not None
         root = self._pool()
-        deadline = time.monotonic() + self._socket_timeout
-        ask: Address | None = None
-        moved = 0
-        if slot_map.master_name is not None:
-            await self._follow_sentinels(root, deadline)
-        else:
-            # A call timed out lately: its node may be frozen and its replica promoted any
-            # moment: the map is read again every _STALE_REREAD (one read per loop).
-            now = time.monotonic()
-            if now < slot_map.stale_until and now - slot_map.map_read_at >= _STALE_REREAD:
-                slot_map.map_read_at = now
-                await self._try_read_slot_map(root, deadline)
+        route = router.route(request.slot, time.monotonic() + self._socket_timeout)
+        error: BaseException | None = None
         while True:
-            address = ask or slot_map.destination(request.slot)
-            if address is None:
-                await self._read_slot_map(root, deadline)
-                address = slot_map.destination(request.slot)
-                if address is None:
-                    raise RateLimiterUnavailable(f"no Redis Cluster node serves hash slot "
-                                                 f"{request.slot} (are all slots assigned?)")
-            pool = root.node(address)
-            try:
-                conn = pool.pick() or await self._connection(pool, decision)
-                if ask is not None:
-                    conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
-                    ask = None
-                result = await conn.submit(request)
-            except RateLimiterTimeout:
-                # Not retried (the decision may have run); the node may be frozen and its
-                # replica promoted meanwhile: the next call reads the map (asks) first.
-                slot_map.stale_until = time.monotonic() + 2 * self._socket_timeout
-                slot_map.asked_at = 0.0
-                raise
-            except RateLimiterUnavailable as exc:
-                if not _may_go_elsewhere(exc, sentinel=slot_map.master_name is not None):
-                    raise  # a refused password, an error reply of the node itself, garbage
-                error = exc
-            else:
+            action, value, asking = route.next()
+            if action == _native.ROUTE_SEND:
+                pool = root.node(value)
+                try:
+                    conn = pool.pick() or await self._connection(pool, decision)
+                    if asking:
+                        conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
+                    result = await conn.submit(request)
+                except RateLimiterError as exc:
+                    if not self._try_elsewhere(route, exc):
+                        raise
+                    error = exc
+                    continue
                 if admission and self._min_replicas:
                     await self._replicated(conn, result)  # never sent elsewhere
                 return result
-            answer = redirect_of(str(error))
-            if answer is not None and answer[1] is not None:
-                kind, slot, target = answer
-                if kind == "ASK":
-                    ask = target
-                    continue
-                moved += 1
-                if moved >= _CLUSTER_MAX_ATTEMPTS:  # nodes that send it back and forth
-                    raise RateLimiterUnavailable(f"the Redis Cluster answered MOVED "
-                                                 f"{moved} times to one call")
-                # The map again (others may have moved too), then the slot pointed where MOVED
-                # said: newer than what a node whose gossip lags (a replica) may answer.
-                await self._try_read_slot_map(root, deadline)
-                slot_map.point(slot, target)
-                continue
-            # TRYAGAIN, CLUSTERDOWN, a dead node: give the failover or migration time.
-            left = deadline - time.monotonic()
-            if left <= 0:
-                if answer is not None:  # not the single-node hint: a cluster that stayed busy
-                    raise RateLimiterUnavailable(
-                        f"the Redis Cluster answered {answer[0]} until the call's deadline "
-                        "(socket_timeout)") from None
+            if action == _native.ROUTE_READ:
+                await self._read_map(root, value, route)
+            elif action == _native.ROUTE_WAIT:
+                await asyncio.sleep(value)
+            else:  # ROUTE_FAIL: the last try's own error
+                assert error is not None
                 raise error
-            await asyncio.sleep(min(_CLUSTER_PAUSE, left))
-            await self._try_read_slot_map(root, deadline)
 
-    async def _follow_sentinels(self, root: _LoopPool, deadline: float) -> None:
-        """Before each call: asks the sentinels again when the last answer is older than
-        _SENTINEL_RECHECK (one task asks, the others go on with the master they know), and
-        waits, within the deadline, while a sentinel reports a failover under way (a write
-        to the old master may be lost when the replica takes over)."""
-        slot_map = self._slot_map
-        assert slot_map is not None
-        while True:
-            now = time.monotonic()
-            failover = (slot_map.failover_since > 0
-                        and now - slot_map.failover_since < _SENTINEL_FAILOVER_HOLD)
-            period = _CLUSTER_PAUSE if failover else _SENTINEL_RECHECK
-            if slot_map.master is not None and not slot_map.asking and \
-                    now - slot_map.asked_at >= period:
-                slot_map.asking = True
-                slot_map.asked_at = now
-                try:  # its own deadline: a sentinel is suspected only when it missed a full share
-                    await self._ask_sentinels(
-                        root, time.monotonic() + _ASK_WAIT * len(slot_map.nodes))
-                except RateLimiterError:
-                    pass  # the call's own error says more; the next tick asks again
-                finally:
-                    slot_map.asking = False
-                failover = (slot_map.failover_since > 0 and time.monotonic()
-                            - slot_map.failover_since < _SENTINEL_FAILOVER_HOLD)
-            if not failover:
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RateLimiterUnavailable(
-                    f"a Sentinel failover of {slot_map.master_name} is under way (no decision "
-                    "is sent to a master that may be replaced)")
-            await asyncio.sleep(min(_CLUSTER_PAUSE, left))
+    @staticmethod
+    def _try_elsewhere(route: Any, exc: RateLimiterError) -> bool:
+        """Route.failed(exc), with the router's own error (when it says more) raised
+        without exc chained to it."""
+        try:
+            return bool(route.failed(exc))
+        except RateLimiterError as own:
+            raise own from None
 
-    async def _ask_one(self, pool: _LoopPool, words: tuple[str, ...], deadline: float,
-                       remaining: int) -> Any:
-        """One question to one node, within its share of the deadline (at most _ASK_WAIT):
-        a frozen node costs a fraction of the call. Its connection is dropped on a timeout."""
-        share = max(0.0, min(_ASK_WAIT, (deadline - time.monotonic()) / max(remaining, 1)))
+    async def _ask_one(self, pool: _LoopPool, words: tuple[bytes, ...], until: float) -> Any:
+        """One question of a read to one node, by its share of the read's deadline (the
+        router's): a frozen node costs a fraction of the call. Its connection is dropped on
+        a timeout."""
+        share = max(0.0, until - time.monotonic())
         conn: _Connection | None = None
 
         async def ask() -> Any:
@@ -740,114 +649,51 @@ class AsyncRateLimiter:
                 conn.abort(error)
             raise error from None
 
-    async def _ask_sentinels(self, root: _LoopPool, deadline: float) -> None:
-        """Asks every sentinel where the master is (SENTINEL MASTER), each within its share
-        of the deadline, the last one that answered first and the suspects last (not at all
-        once one answered); points the calls at the address of the highest config epoch,
-        after ROLE confirmed it is no replica (csrc/cluster.c, ask_sentinels)."""
-        slot_map = self._slot_map
-        assert slot_map is not None and slot_map.master_name is not None
-        order, suspects = slot_map.sentinel_order(time.monotonic())
-        views: list[tuple[Address, int, bool]] = []
-        error: Exception = RateLimiterUnavailable("no sentinel is known")
-        for k, address in enumerate(order):
-            if views and k >= len(order) - suspects:
-                break
-            try:
-                reply = await self._ask_one(root.node(address, True),
-                                            ("SENTINEL", "MASTER", slot_map.master_name),
-                                            deadline, len(order) - k)
-                views.append(slot_map.sentinel_view(reply, address))
-            except RateLimiterError as exc:
-                if not isinstance(exc, RateLimiterUnavailable):
-                    raise  # closed
-                error = exc
-                if getattr(exc, "_rl_status", None) != _native.STATUS_SERVER:
-                    slot_map.suspect_until[address] = time.monotonic() + _SENTINEL_SUSPECT
-                continue
-            except (ValueError, LookupError, TypeError) as exc:
-                error = RateLimiterUnavailable(
-                    f"the sentinel at {address[0]}:{address[1]} does not know a master named "
-                    f"{slot_map.master_name}: {exc}")
-                continue
-            if len(views) == 1:
-                slot_map.last_sentinel = slot_map.nodes.index(address)
-                slot_map.suspect_until.pop(address, None)
-        if not views:
-            raise error
-        in_failover = any(view[2] for view in views)
-        slot_map.failover_since = (slot_map.failover_since or time.monotonic()) \
-            if in_failover else 0.0
-        chosen = slot_map.choose_master(views)
-        slot_map.refreshes += 1
-        if chosen == slot_map.master:
-            return
+    async def _read_map(self, root: _LoopPool, deadline: float, route: Any = None) -> Any:
+        """One read of the slot map or of the sentinels: asks what the router asks, whom it
+        asks, and hands every answer back (the router parses it). Returns the RouteRead
+        (its error() says why a read failed). After a Sentinel switch, this loop's idle
+        connections to the old master are closed."""
+        router = self._router
+        assert router is not None
+        read = router.read(deadline, route)
         try:
-            role = await self._ask_one(root.node(chosen), ("ROLE",), deadline, 1)
-        except RateLimiterError:
-            role = None  # not refused here: the call that goes there finds out
-        if isinstance(role, list) and role and role[0] != b"master":
-            raise RateLimiterUnavailable(
-                f"the sentinels named {chosen[0]}:{chosen[1]} as the master, but it answers "
-                "ROLE as a replica")
-        old, slot_map.master = slot_map.master, chosen
-        stale = root.nodes.get(old) if old is not None and old != chosen else None
-        if stale is not None:  # no new call goes to the old master: close its idle connections
+            question = read.step()
+            while question is not None:
+                sentinel, index, words, until = question
+                pool = root.node(index, sentinel)
+                try:
+                    reply = await self._ask_one(pool, words, until)
+                except RateLimiterError as exc:
+                    question = read.step(None, exc)
+                else:
+                    question = read.step(reply)
+        finally:
+            replaced = read.end()
+        stale = root.nodes.get(replaced) if replaced >= 0 else None
+        if stale is not None:  # no new call goes to the old master
             for conn in list(stale.connections):
                 if conn.pipeline.pending == 0:
                     conn.close(RateLimiterUnavailable("the sentinels named a new master"))
+        return read
 
-    async def _try_read_slot_map(self, root: _LoopPool, deadline: float) -> None:
-        try:
-            await self._read_slot_map(root, deadline)
-        except RateLimiterError:
-            pass  # the call's own error says more; it retries while time is left
+    async def _masters(self) -> list[tuple[str, int]] | None:
+        """The masters now, read afresh (a cluster's map, or the master the sentinels agree
+        on); None for a single node. For the command line."""
+        router = self._router
+        if router is None:
+            return None
+        read = await self._read_map(self._pool(), time.monotonic() + self._socket_timeout)
+        error = read.error()
+        if error is not None:
+            raise error
+        return [router.address(node) for node in router.masters()]
 
-    async def _read_slot_map(self, root: _LoopPool, deadline: float) -> None:
-        """Reads the slot map from the first node that answers; concurrent callers on one
-        loop share one read."""
-        if root.refreshing is None:
-            root.refreshing = self._pool().loop.create_task(self._slot_map_task(root, deadline))
-        task = root.refreshing
-        try:
-            await asyncio.shield(task)
-        finally:
-            if task.done() and root.refreshing is task:
-                root.refreshing = None
+    def _destination(self, slot: int) -> tuple[str, int] | None:
+        """Where a decision of this hash slot goes (after _masters()), or None."""
+        node = self._router.destination(slot) if self._router is not None else -1
+        return self._router.address(node) if self._router is not None and node >= 0 else None
 
-    async def _slot_map_task(self, root: _LoopPool, deadline: float) -> None:
-        slot_map = self._slot_map
-        assert slot_map is not None
-        if slot_map.master_name is not None:  # Sentinel: where is the master now?
-            await self._ask_sentinels(root, deadline)
-            return
-        error: Exception = RateLimiterUnavailable("no Redis Cluster node is known")
-        order = slot_map.node_order()
-        for k, address in enumerate(order):
-            if time.monotonic() >= deadline:
-                break
-            pool = root.node(address)
-            try:
-                shards = True
-                try:
-                    reply = await self._ask_one(pool, ("CLUSTER", "SHARDS"), deadline,
-                                                len(order) - k)
-                except RateLimiterUnavailable as exc:
-                    if "answered an error" not in str(exc):
-                        raise
-                    shards = False  # before Redis 7
-                    reply = await self._ask_one(pool, ("CLUSTER", "SLOTS"), deadline,
-                                                len(order) - k)
-                slot_map.install(reply, address, shards)
-                return
-            except (RateLimiterError, ValueError, LookupError, TypeError) as exc:
-                error = exc if isinstance(exc, RateLimiterError) else RateLimiterUnavailable(
-                    f"Redis Cluster node {address[0]}:{address[1]} answered a malformed slot "
-                    f"map: {exc}")
-                if isinstance(exc, RateLimiterError) and not isinstance(
-                        exc, RateLimiterUnavailable):
-                    raise  # closed
-        raise error
     async def _connection(self, pool: _LoopPool, decision: bool) -> _Connection:
         """A new or the least busy connection of pool; counts a decision that cannot
         have one as unavailable."""
@@ -866,7 +712,7 @@ class AsyncRateLimiter:
         request = self._codec.check(user_id, limit, window_seconds, cost=cost)
         if type(request) is tuple:  # the kill switch answered
             return request
-        if self._slot_map is not None:
+        if self._router is not None:
             return await self._run_cluster(request, True, True)  # type: ignore[no-any-return]
         if self._min_replicas:
             return await self._run(request, True, True)  # type: ignore[no-any-return]

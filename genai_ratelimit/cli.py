@@ -38,7 +38,6 @@ from datetime import datetime, timezone
 from typing import Any, NoReturn, TextIO
 
 from . import _native
-from ._cluster import SlotMap
 from ._keyspace import (
     SCAN_COUNT,
     Identity,
@@ -46,8 +45,6 @@ from ._keyspace import (
     ScanReport,
     glob_escape,
     identity_of,
-    masters_in,
-    masters_of,
     node_url,
     parse_key,
     quoted,
@@ -215,12 +212,11 @@ def _redis_options(args: argparse.Namespace) -> RedisOptions:
 
 @dataclass
 class Masters:
-    """The limiter (it routes peeks on a cluster), a limiter per master (SCAN, the raw
-    read) and the cluster's slot map."""
+    """The limiter (it routes peeks on a cluster, and knows the slot map) and a limiter
+    per master (SCAN, the raw read)."""
 
     limiter: AsyncRateLimiter
     nodes: dict[tuple[str, int] | None, AsyncRateLimiter]  # None: the URL's single node
-    slot_map: SlotMap | None
 
     @property
     def scanned(self) -> list[tuple[str, Any]]:
@@ -241,17 +237,18 @@ class Masters:
 async def _masters(args: argparse.Namespace, options: RedisOptions) -> Masters:
     limiter = AsyncRateLimiter(args.url, **_options(args))
     try:
-        slot_map = await masters_of(limiter._command, options)
+        # The limiter's own router: every sentinel asked, the highest config epoch.
+        masters = await limiter._masters()
     except BaseException:
         await limiter.aclose()
         raise
-    if slot_map is None:
-        return Masters(limiter, {None: limiter}, None)
+    if masters is None:
+        return Masters(limiter, {None: limiter})
     nodes: dict[tuple[str, int] | None, AsyncRateLimiter] = {
         address: AsyncRateLimiter(node_url(args.url, address[0], address[1], options.db),
                                   **_options(args))
-        for address in masters_in(slot_map)}
-    return Masters(limiter, nodes, slot_map)
+        for address in sorted(masters)}
+    return Masters(limiter, nodes)
 
 
 def _window_row(peek: Sequence[Any], limit: int | None, scope: str | None) -> dict[str, Any]:
@@ -389,12 +386,11 @@ async def _leases(args: argparse.Namespace, masters: Masters, hash_tag: bool,
     """The user's in-flight leases, read on the master that holds their key."""
     key = f"{args.key_prefix}:{tagged(args.user, hash_tag)}:leases"
     node = masters.nodes.get(None)
-    if node is None and masters.slot_map is not None:
-        if masters.slot_map.master_name is None:  # a cluster: the master of the key's slot
-            slot = int(await masters.limiter._command("CLUSTER", "KEYSLOT", key))
-            node = masters.nodes.get(masters.slot_map.destination(slot))
-        else:
-            node = next(iter(masters.nodes.values()))
+    if node is None and hash_tag:  # a cluster: the master of the key's slot
+        slot = int(await masters.limiter._command("CLUSTER", "KEYSLOT", key))
+        node = masters.nodes.get(masters.limiter._destination(slot))
+    elif node is None:  # Sentinel: the one master
+        node = next(iter(masters.nodes.values()), None)
     if node is None:
         raise RateLimiterError(f"no master of the cluster serves {key!r}")
     held, expires = await read_leases(node._command, key, now_ms)

@@ -80,7 +80,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes bench-metrics bench-cluster \
+        install-asan install-debug demo serve bench bench-weighted bench-leases bench-scopes bench-metrics bench-cluster bench-replicas \
         bench-builds \
         metrics-dashboard dashboard-pictures dist wheel test-wheel docs clean
 
@@ -96,6 +96,7 @@ help:
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
 	@echo "make bench-cluster  a single node vs a 3-master Redis Cluster, and the slot lookup's cost"
+	@echo "make bench-replicas a master + replica vs a 3+3 cluster, min_replicas=1 vs without"
 	@echo "make bench-leases   acquire + release (in-flight leases) vs the plain check, sync and async"
 	@echo "make bench-scopes   reserve with an upstream scope (one script, two steps) vs check_windows"
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
@@ -324,6 +325,9 @@ dashboard-pictures: install
 # lookup's share of a call. Starts its own servers.
 bench-cluster: install
 	$(PY) benchmarks/cluster.py
+
+bench-replicas: install
+	$(PY) benchmarks/replicas.py
 
 dist: wheel
 

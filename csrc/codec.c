@@ -57,12 +57,20 @@ Request_get_slot(RequestObject *self, void *Py_UNUSED(closure))
     return PyLong_FromLong(self->prepared.slot);
 }
 
+static PyObject *
+Request_get_reloaded(RequestObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->prepared.reloaded);
+}
+
 static PyGetSetDef Request_getset[] = {
     {"slot", (getter)Request_get_slot, NULL,
      "The Redis Cluster hash slot of the request's keys (-1 outside cluster mode).", NULL},
     {"command", (getter)Request_get_command, NULL, "The RESP-encoded EVALSHA.", NULL},
     {"replayed", (getter)Request_get_replayed, NULL,
      "True once the request was switched to its replay form (after a broken connection).", NULL},
+    {"reloaded", (getter)Request_get_reloaded, NULL,
+     "True when its last sending was sent again after NOSCRIPT (behind what followed it).", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

@@ -504,7 +504,8 @@ syscall_failed(rl_conn *conn, double deadline, const char *what, rl_error *err)
    again to resume: nothing is lost); any other status leaves the connection out of step:
    discard it. */
 static rl_status
-conn_exchange(rl_conn *conn, const void *token, double deadline, rl_event *ev, rl_error *err)
+conn_exchange(rl_conn *conn, const void *token, const void *also, double deadline, rl_event *ev,
+              rl_error *err)
 {
     char chunk[16384];
     rl_status st;
@@ -527,7 +528,7 @@ conn_exchange(rl_conn *conn, const void *token, double deadline, rl_event *ev, r
         if (got < 0)
             return err->kind;
         if (got > 0) {
-            if (ev->entry.token == token)
+            if (ev->entry.token == token || (also != NULL && ev->entry.token == also))
                 return RL_OK;
             if (ev->fatal) {
                 /* A handshake step before the last failed: the connection is done. */
@@ -642,7 +643,7 @@ conn_open(const rl_config *cfg, rl_conn **out, rl_error *err)
     if (steps > 0) {
         /* A signal here just resumes: connect_timeout still bounds the handshake. */
         do
-            st = conn_exchange(conn, conn, deadline, &ev, err);
+            st = conn_exchange(conn, conn, NULL, deadline, &ev, err);
         while (st == RL_ERR_INTERRUPTED);
         if (st == RL_OK && ev.status != RL_OK) {
             *err = ev.error;
@@ -692,30 +693,39 @@ is_admission(rl_shape shape)
            shape == RL_SHAPE_RESERVE || shape == RL_SHAPE_ACQUIRE;
 }
 
-/* min_replicas: WAIT on the connection that wrote the admission, so it counts only once
-   cfg->min_replicas replicas hold it (a failover cannot lose it then). RL_OK, or
-   RL_ERR_SERVER (too few acknowledged, or WAIT refused: not retried, not sent elsewhere),
-   or the exchange's error. *in_step: the connection can be reused. */
+/* min_replicas: queues WAIT cfg->min_replicas cfg->replica_timeout_ms on conn, its reply
+   due by deadline plus WAIT's own time. The decision it follows is queued first, so both go
+   out in one write and WAIT covers the decision's write: no round trip of its own. */
 static rl_status
-wait_for_replicas(rl_conn *conn, const rl_config *cfg, double deadline, int *in_step, rl_error *err)
+queue_wait(rl_conn *conn, const rl_config *cfg, double deadline, const void *token, rl_error *err)
 {
-    *in_step = 0;
     char replicas[24], timeout[24];
     int rn = snprintf(replicas, sizeof(replicas), "%d", cfg->min_replicas);
     int tn = snprintf(timeout, sizeof(timeout), "%lld", cfg->replica_timeout_ms);
     const char *argv[3] = {"WAIT", replicas, timeout};
     size_t argvlen[3] = {4, (size_t)rn, (size_t)tn};
-    char token;
+    return rl_proto_push_command(&conn->proto, 3, argv, argvlen,
+                                 deadline + (double)cfg->replica_timeout_ms / 1000.0, (void *)token,
+                                 err);
+}
+
+/* Reads the reply of the WAIT queued with token and judges it: RL_OK when at least
+   cfg->min_replicas replicas acknowledged, RL_ERR_SERVER when fewer did (or WAIT was
+   refused, or the connection broke: the decision ran, so it is never resent, not
+   elsewhere either: it is only unconfirmed), or the exchange's error. *in_step: the
+   connection can be reused. */
+static rl_status
+read_wait(rl_conn *conn, const rl_config *cfg, const void *token, double deadline, int *in_step,
+          rl_error *err)
+{
     rl_event ev;
+    rl_status st;
+    *in_step = 0;
     deadline += (double)cfg->replica_timeout_ms / 1000.0; /* WAIT's own time on top */
-    rl_status st = rl_proto_push_command(&conn->proto, 3, argv, argvlen, deadline, &token, err);
-    if (st != RL_OK)
-        return st;
     do
-        st = conn_exchange(conn, &token, deadline, &ev, err);
-    while (st == RL_ERR_INTERRUPTED);
+        st = conn_exchange(conn, token, NULL, deadline, &ev, err);
+    while (st == RL_ERR_INTERRUPTED); /* the deadline still bounds it */
     if (st == RL_ERR_IO) {
-        /* The decision ran: never resent (not elsewhere either), it is only unconfirmed. */
         char said[200];
         snprintf(said, sizeof(said), "%.199s", err->message);
         return rl_error_set(err, RL_ERR_SERVER,
@@ -741,6 +751,17 @@ wait_for_replicas(rl_conn *conn, const rl_config *cfg, double deadline, int *in_
                         "not replicated: %lld of the %d replicas required acknowledged the "
                         "admission within %lld ms (min_replicas); it does not count as allowed",
                         acked < 0 ? 0 : acked, cfg->min_replicas, cfg->replica_timeout_ms);
+}
+
+/* min_replicas, when no WAIT went out with the decision (the engine sent the decision
+   again after NOSCRIPT, behind it): one WAIT now, its own round trip. */
+static rl_status
+wait_for_replicas(rl_conn *conn, const rl_config *cfg, double deadline, int *in_step, rl_error *err)
+{
+    char token; /* its address tells the reply apart */
+    *in_step = 0;
+    rl_status st = queue_wait(conn, cfg, deadline, &token, err);
+    return st != RL_OK ? st : read_wait(conn, cfg, &token, deadline, in_step, err);
 }
 
 rl_status
@@ -771,6 +792,12 @@ rl_call_run(rl_call *call, rl_error *err)
             if (st == RL_OK)
                 st = rl_proto_push_decision(&call->conn->proto, call->decision, call->deadline,
                                             call, NULL, err);
+            call->waiting = 0;
+            if (st == RL_OK && pool->config.min_replicas > 0 &&
+                is_admission(call->decision->shape)) {
+                st = queue_wait(call->conn, &pool->config, call->deadline, &call->wait_token, err);
+                call->waiting = st == RL_OK;
+            }
             if (st != RL_OK) {
                 /* Reused only when nothing was queued on it (ASKING may have been). */
                 rl_pool_release(pool, call->conn, rl_proto_pending(&call->conn->proto) == 0);
@@ -778,23 +805,52 @@ rl_call_run(rl_call *call, rl_error *err)
                 return st;
             }
         }
-        st = conn_exchange(call->conn, call, call->deadline, &ev, err);
+        /* With a WAIT queued, its time on top: after NOSCRIPT the decision comes behind it. */
+        st = conn_exchange(call->conn, call, call->waiting ? &call->wait_token : NULL,
+                           call->waiting
+                               ? call->deadline + (double)pool->config.replica_timeout_ms / 1000.0
+                               : call->deadline,
+                           &ev, err);
         if (st == RL_ERR_INTERRUPTED)
             return st; /* the connection stays with the call */
+        if (st == RL_OK && ev.entry.token == &call->wait_token) {
+            /* The WAIT answered first: NOSCRIPT made the engine send the decision again,
+               behind it, so it covers nothing of ours (wait_for_replicas follows). */
+            if (ev.reply != NULL)
+                freeReplyObject(ev.reply);
+            call->waiting = 0;
+            continue;
+        }
         rl_conn *conn = call->conn;
+        int waiting = call->waiting, reusable = 1;
         call->conn = NULL;
+        call->waiting = 0;
         if (st == RL_OK && ev.status == RL_OK && ev.result.allowed &&
             pool->config.min_replicas > 0 && is_admission(call->decision->shape)) {
             int in_step;
-            st = wait_for_replicas(conn, &pool->config, call->deadline, &in_step, err);
+            st = waiting ? read_wait(conn, &pool->config, &call->wait_token, call->deadline,
+                                     &in_step, err)
+                         : wait_for_replicas(conn, &pool->config, call->deadline, &in_step, err);
             rl_pool_release(pool, conn, in_step);
             if (st == RL_OK)
                 call->result = ev.result;
             return st;
         }
+        if (st == RL_OK && waiting) {
+            /* A refusal or an error reply: the WAIT's reply is still due. Read (and drop)
+               it, so the connection stays in step; a refusal's WAIT has no write of its own
+               to wait for, it answers at once unless an earlier admission on this connection
+               is still unacknowledged. */
+            rl_error ignored;
+            int in_step;
+            (void)read_wait(conn, &pool->config, &call->wait_token, call->deadline, &in_step,
+                            &ignored);
+            reusable = in_step;
+        }
         if (st == RL_OK) {
             /* Bytes after our reply were never asked for: the connection is out of step. */
-            rl_pool_release(pool, conn, !ev.fatal && !rl_proto_idle_is_stale(&conn->proto, -1));
+            rl_pool_release(pool, conn,
+                            reusable && !ev.fatal && !rl_proto_idle_is_stale(&conn->proto, -1));
             if (ev.status != RL_OK) {
                 *err = ev.error;
                 return ev.status;
@@ -838,7 +894,7 @@ rl_pool_command(rl_pool *pool, int argc, const char **argv, const size_t *argvle
         return st;
     }
     do
-        st = conn_exchange(conn, &token, deadline, &ev, err);
+        st = conn_exchange(conn, &token, NULL, deadline, &ev, err);
     while (st == RL_ERR_INTERRUPTED); /* the deadline still bounds it */
     if (st != RL_OK) {
         rl_pool_release(pool, conn, 0);

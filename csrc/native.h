@@ -183,6 +183,8 @@ typedef struct {
     double deadline; /* monotonic, fixed when first sent (0 before); replays keep it */
     int hash_tag;    /* cluster: keys carry the user id in a hash tag (set before rl_prepare) */
     int slot;        /* cluster: the keys' hash slot, set by rl_script_format (-1 otherwise) */
+    int reloaded;    /* the engine sent it again after NOSCRIPT (proto.c): a WAIT sent right
+                        after its first form ran before it */
 } rl_prepared;
 
 /* The bytes to send for a decision: its replay form once it was marked for replay. */
@@ -471,6 +473,8 @@ typedef struct {
     double deadline;  /* of the exchange on conn */
     rl_result result; /* the answer, when rl_call_run returned RL_OK */
     int asking;       /* cluster ASK: send ASKING before the decision */
+    int waiting;      /* min_replicas: a WAIT went out in the same write, its reply is due */
+    char wait_token;  /* its address tells the WAIT's reply apart */
 } rl_call;
 
 void rl_call_init(rl_call *call, rl_pool *pool, rl_prepared *decision);

@@ -425,6 +425,7 @@ rl_proto_push_decision(rl_proto *p, rl_prepared *d, double deadline, void *token
                   .op = rl_metrics_op(d->shape)};
     if (bytes == NULL)
         return rl_error_set(err, RL_ERR_CLOSED, "the decision has no command (kill switch)");
+    d->reloaded = 0; /* this sending's own (a replay is sent anew) */
     return queue(p, bytes, len, &e, err);
 }
 
@@ -684,6 +685,7 @@ reload_and_resend(rl_proto *p, rl_entry e, rl_error *err)
     if (queue(p, load, load_len, &load_entry, err) != RL_OK)
         return err->kind;
     e.reloaded = 1;
+    e.decision->reloaded = 1;
     return queue(p, bytes, len, &e, err);
 }
 

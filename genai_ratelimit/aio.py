@@ -104,6 +104,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
+        self.then_future: asyncio.Future[Any] | None = None  # submit(then=...)'s reply
         self._fd = -1  # polled while idle (usable()); -1: not polled
         self._info_due = True  # until INFO memory's answer was looked at
         # The handshake's bytes when they hold AUTH's password (Pipeline.take gives those as
@@ -171,12 +172,19 @@ class _Connection(asyncio.Protocol):
             self.pool.replay(replays)
 
     # -- sending
-    def submit(self, request: Any) -> asyncio.Future[Any]:
+    def submit(self, request: Any,
+               then: tuple[str | bytes, ...] | None = None) -> asyncio.Future[Any]:
+        """Queues a Request; the future gets its result. then: a command queued right
+        behind it, in the same write (min_replicas: WAIT), whose future is
+        self.then_future."""
         if self.closed:
             raise RateLimiterUnavailable("connection to Redis lost")
         future = self.loop.create_future()
         idle = self.pipeline.pending == 0
         self.pipeline.push(future, request)
+        if then is not None:
+            self.then_future = self.loop.create_future()
+            self.pipeline.push_command(self.then_future, *then)
         if idle and not self._flush_scheduled:
             # Nothing in flight: send now (lowest latency). Checks issued while this one
             # is out are batched below, one write per loop iteration.
@@ -552,24 +560,55 @@ class AsyncRateLimiter:
         conn = pool.pick()
         if conn is None:
             conn = await self._connection(pool, decision)
-        result = await conn.submit(request)
         if admission and self._min_replicas:
-            await self._replicated(conn, result)
-        return result
+            return await self._admit_replicated(conn, request)
+        return await conn.submit(request)
 
-    async def _replicated(self, conn: _Connection, result: Any) -> None:
-        """min_replicas: WAIT on the connection that wrote an allowing admission; fewer
-        replicas than asked acknowledged it in time: RateLimiterUnavailable, it is no
-        admission (the blocking limiter's rule, csrc/conn.c wait_for_replicas)."""
+    async def _admit_replicated(self, conn: _Connection, request: Any) -> Any:
+        """min_replicas: the admission and WAIT in one write on one connection (WAIT covers
+        the script's write, at no round trip of its own), then _confirmed."""
+        future, wait = self._submit_admission(conn, request)
+        return await self._confirmed(conn, request, await self._decided(future, wait), wait)
+
+    def _submit_admission(self, conn: _Connection, request: Any
+                          ) -> tuple[asyncio.Future[Any], asyncio.Future[Any]]:
+        future = conn.submit(request, ("WAIT", str(self._min_replicas),
+                                       str(self._replica_timeout_ms)))
+        assert conn.then_future is not None
+        return future, conn.then_future
+
+    @staticmethod
+    async def _decided(future: asyncio.Future[Any], wait: asyncio.Future[Any]) -> Any:
+        """The decision's result; its WAIT's answer is dropped when the decision failed."""
+        try:
+            return await future
+        except BaseException:
+            wait.add_done_callback(_ignore_result)
+            raise
+
+    async def _confirmed(self, conn: _Connection, request: Any, result: Any,
+                         wait: asyncio.Future[Any]) -> Any:
+        """An allowing admission fewer replicas than asked acknowledged in time raises
+        RateLimiterUnavailable: it is no admission (the blocking limiter's rule,
+        csrc/conn.c read_wait). A refusal waits for nothing."""
         try:
             allowed = bool(result[0])
         except (TypeError, IndexError, KeyError):
             allowed = bool(getattr(result, "allowed", False))
         if not allowed:
-            return
-        try:
-            acked = await conn.submit_command(
+            wait.add_done_callback(_ignore_result)
+            return result
+        if request.reloaded:  # NOSCRIPT: the decision ran again behind the WAIT, uncovered
+            wait.add_done_callback(_ignore_result)
+            wait = conn.submit_command(
                 ("WAIT", str(self._min_replicas), str(self._replica_timeout_ms)))
+        await self._replicated(wait)
+        return result
+
+    async def _replicated(self, wait: asyncio.Future[Any]) -> None:
+        """WAIT's answer judged: fewer replicas than min_replicas raise."""
+        try:
+            acked = await wait
         except RateLimiterTimeout:
             raise
         except RateLimiterUnavailable as exc:
@@ -602,15 +641,17 @@ class AsyncRateLimiter:
                     conn = pool.pick() or await self._connection(pool, decision)
                     if asking:
                         conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
-                    result = await conn.submit(request)
+                    if not (admission and self._min_replicas):
+                        return await conn.submit(request)
+                    future, wait = self._submit_admission(conn, request)
+                    result = await self._decided(future, wait)
                 except RateLimiterError as exc:
                     if not self._try_elsewhere(route, exc):
                         raise
                     error = exc
                     continue
-                if admission and self._min_replicas:
-                    await self._replicated(conn, result)  # never sent elsewhere
-                return result
+                # min_replicas: the admission ran here; never sent elsewhere from now on.
+                return await self._confirmed(conn, request, result, wait)
             if action == _native.ROUTE_READ:
                 await self._read_map(root, value, route)
             elif action == _native.ROUTE_WAIT:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,6 +106,37 @@ def test_an_admission_no_replica_acknowledged_is_not_an_admission(
         process.send_signal(signal.SIGCONT)
     # Counted on the master (a refusal that costs the user, never an extra admission).
     assert limiter.check("user_unacked", 5, 3600) == (True, 2, 0)
+
+
+def test_an_admission_sent_again_after_noscript_waits_for_its_own_replication(
+        make_limiter: LimiterFactory, replicated: Pair) -> None:
+    """The WAIT goes out in the same write as the admission. When the master lost its
+    scripts (SCRIPT FLUSH: a restart, a failover), the engine loads the script and sends the
+    admission again, behind that WAIT, which then covers nothing of it: the limiter must
+    wait again. A fresh connection (no write of its own yet: its first WAIT is answered at
+    once) meets a frozen replica that wakes 0.3 s later: an answer before that would be an
+    admission no replica holds."""
+    redis_cli("-p", str(replicated.master.port), "script", "flush")
+    process = replicated.replica.process
+    assert process is not None
+    process.send_signal(signal.SIGSTOP)
+    woken = threading.Event()
+
+    def wake() -> None:
+        process.send_signal(signal.SIGCONT)
+        woken.set()
+
+    timer = threading.Timer(0.3, wake)
+    timer.start()
+    try:
+        limiter = make_limiter(replicated.url, min_replicas=1, replica_timeout_ms=5000)
+        assert limiter.check("user_reload", 5, 3600) == (True, 4, 0)
+        assert woken.is_set(), "answered before the replica could hold the admission"
+        assert offset(replicated.replica, "slave_repl_offset") >= offset(
+            replicated.master, "master_repl_offset")
+    finally:
+        timer.cancel()
+        process.send_signal(signal.SIGCONT)
 
 
 def test_more_replicas_than_there_are_is_never_an_admission(make_limiter: LimiterFactory,

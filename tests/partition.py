@@ -247,9 +247,10 @@ def cluster_state(node: RedisServer) -> str:
 def run_partition(make_limiter: LimiterFactory, cluster: PartitionableCluster, *, users: int,
                   limit: int, window: int = 3600, callers: int = 8,
                   limiter_options: dict[str, Any] | None = None, hold_s: float = 0.0,
-                  timeout: float = 20.0) -> Partition:
+                  warmup_s: float = 1.0, timeout: float = 20.0) -> Partition:
     """The scenario of the module's docstring on a healthy cluster; each wait bounded by
-    `timeout` seconds. The partition lasts until the majority has promoted the replica, the
+    `timeout` seconds. The load runs warmup_s seconds before the cut (connections made, a
+    steady pace). The partition lasts until the majority has promoted the replica, the
     cut-off master answers cluster_state:fail and hold_s seconds have passed since the cut.
     Leaves the cluster whole again (the old master a replica)."""
     victim = cluster.masters()[0]
@@ -257,7 +258,9 @@ def run_partition(make_limiter: LimiterFactory, cluster: PartitionableCluster, *
     names = users_on(cluster, victim, users)
     with Load(make_limiter, cluster.url, names, limit=limit, window=window, callers=callers,
               max_seconds=4 * timeout, limiter_options=limiter_options) as load:
+        started = time.monotonic()
         load.wait_for(20 * callers, timeout)
+        time.sleep(max(0.0, started + warmup_s - time.monotonic()))  # a measured pace, no race
         aborted = cluster.cut(victim)
         cut_at = time.monotonic()
         try:

@@ -28,7 +28,7 @@ pytestmark = [
                        "shape; each partition costs seconds"),
 ]
 
-LIMIT = 2000  # the limit, per user and hour: the load never reaches it
+LIMIT = 2000  # the limit, per user and hour (a user that reaches it changes no figure)
 USERS = 20
 # The cut-off master stops taking writes (cluster_state:fail) once it has missed the
 # majority's answers for cluster-node-timeout, and its cron (every 100 ms) has seen it: within

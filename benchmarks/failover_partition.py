@@ -36,7 +36,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))  # the test suite's real server fixtures
 from helpers_async import LimiterFactory  # noqa: E402
-from partition import NODE_TIMEOUT_MS, Partition, PartitionableCluster, run_partition  # noqa: E402
+from partition import Partition, PartitionableCluster, run_partition  # noqa: E402
+from redis_cluster import NODE_TIMEOUT_MS  # noqa: E402
 
 CASES = [("sync", None), ("asyncio", None), ("sync", 1), ("asyncio", 1)]
 REPLICA_TIMEOUT_MS = 100

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from functools import partial
 from typing import Any
 
 
@@ -41,7 +42,7 @@ class Proxy:
         self.isolated: set[int] | None = None  # None: no cut
         self.clients_isolated = True
         self.links: set[Downstream] = set()  # forwarded
-        self.held: set[asyncio.BaseTransport] = set()  # accepted across the cut, dropped
+        self.held: set[asyncio.Transport] = set()  # accepted across the cut, dropped
 
     def crosses(self, source: str, node: int) -> bool:
         """Whether a connection from `source` to node `node` crosses the cut."""
@@ -160,8 +161,7 @@ async def serve(nodes: list[dict[str, Any]]) -> None:
     for k, node in enumerate(nodes):
         pair = []
         for port in (node["port"], node["bus_port"]):
-            server = await loop.create_server(
-                lambda k=k, port=port: Downstream(proxy, k, port), "127.0.0.1", 0)
+            server = await loop.create_server(partial(Downstream, proxy, k, port), "127.0.0.1", 0)
             pair.append(server.sockets[0].getsockname()[1])
         ports.append(pair)
     print(json.dumps(ports), flush=True)

@@ -1,7 +1,8 @@
 """A bounded load for the fault tests: callers checking users round-robin on one limiter
 (threads for the blocking limiter, tasks on one loop for the asyncio one), every decision
 recorded as (start, end, outcome, user), outcome True/False or the exception. Stops on
-stop() or after max_seconds, whichever comes first."""
+stop() or after max_seconds, whichever comes first. limiter_options are passed on to the
+limiter (e.g. min_replicas)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ Record = tuple[float, float, Any, str]
 class Load:
     def __init__(self, make_limiter: LimiterFactory, url: str, users: list[str], *, limit: int,
                  window: int, callers: int = 8, max_seconds: float = 20.0,
-                 socket_timeout: float = 1.0) -> None:
+                 socket_timeout: float = 1.0,
+                 limiter_options: dict[str, Any] | None = None) -> None:
         self.records: list[Record] = []
         self.stopping = threading.Event()
         self.users = users
@@ -29,6 +31,7 @@ class Load:
         self.callers = callers
         self.max_seconds = max_seconds
         self.socket_timeout = socket_timeout
+        self.limiter_options = limiter_options or {}
         self._thread = threading.Thread(target=self._run, args=(make_limiter, url))
 
     def __enter__(self) -> Load:
@@ -61,7 +64,7 @@ class Load:
         until = time.monotonic() + self.max_seconds
         if not make_limiter.is_async:
             limiter = make_limiter(url, socket_timeout=self.socket_timeout,
-                                   max_connections=self.callers)
+                                   max_connections=self.callers, **self.limiter_options)
 
             def caller(k: int) -> None:
                 for user in self._turns(k, until):
@@ -78,7 +81,8 @@ class Load:
             for t in threads:
                 t.join(60)
             return
-        native = make_limiter.native(url, socket_timeout=self.socket_timeout)
+        native = make_limiter.native(url, socket_timeout=self.socket_timeout,
+                                     **self.limiter_options)
 
         async def caller(k: int) -> None:
             for user in self._turns(k, until):

@@ -110,7 +110,7 @@ class RedisCluster(_Started):
 
     def masters(self) -> list[RedisServer]:
         """The live nodes that serve slots now."""
-        by_port = {n.port: n for n in self.alive()}
+        by_port = self.by_announced_port()
         out = []
         for line in self.cli(self.alive()[0], "cluster", "nodes").splitlines():
             fields = line.split()
@@ -120,8 +120,13 @@ class RedisCluster(_Started):
                     out.append(by_port[port])
         return out
 
+    def by_announced_port(self) -> dict[int, RedisServer]:
+        """The live nodes by the port CLUSTER NODES gives them (their own, unless they
+        announce another)."""
+        return {n.port: n for n in self.alive()}
+
     def master_of_slot(self, slot: int) -> RedisServer:
-        by_port = {n.port: n for n in self.alive()}
+        by_port = self.by_announced_port()
         for line in self.cli(self.alive()[0], "cluster", "nodes").splitlines():
             fields = line.split()
             for item in fields[8:]:

@@ -5,19 +5,16 @@ count and time."""
 
 from __future__ import annotations
 
-import asyncio
 import binascii
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 from redis.cluster import RedisCluster as ClusterClient
 
-from genai_ratelimit import RateLimiterError
-from helpers_async import LimiterFactory, run_async
+from fault_load import Load, allowed_per_user
+from helpers_async import LimiterFactory
 from redis_cluster import RedisCluster, redis_cli
 
 pytestmark = [pytest.mark.slow, pytest.mark.limiter_kinds(
@@ -46,96 +43,18 @@ def cluster(own_cluster: RedisCluster) -> RedisCluster:
     return own_cluster
 
 
-class Load:
-    """CALLERS callers checking users round-robin (limit LIMIT per minute) until stop() or
-    a time bound; each check recorded as (start, end, outcome) where outcome is True/False
-    (allowed/rejected) or the exception."""
-
-    def __init__(self, make_limiter: LimiterFactory, url: str, users: list[str],
-                 max_seconds: float = 20.0) -> None:
-        self.records: list[tuple[float, float, Any, str]] = []
-        self.stopping = threading.Event()
-        self.max_seconds = max_seconds
-        self.users = users
-        self._thread = threading.Thread(target=self._run, args=(make_limiter, url))
-
-    def __enter__(self) -> Load:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stopping.set()
-        self._thread.join(30)
-
-    def wait_for(self, count: int, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.records) < count:
-            assert time.monotonic() < deadline, "the load made no progress"
-            time.sleep(0.01)  # polling a condition, bounded
-
-    def _turns(self, k: int, until: float) -> Iterator[str]:
-        """Caller k's users, round-robin, until stop() or the time bound."""
-        i = k
-        while not self.stopping.is_set() and time.monotonic() < until:
-            yield self.users[i % len(self.users)]
-            i += CALLERS
-
-    def _record(self, user: str, start: float, outcome: Any) -> None:
-        self.records.append((start, time.monotonic(), outcome, user))
-
-    def _run(self, make_limiter: LimiterFactory, url: str) -> None:
-        until = time.monotonic() + self.max_seconds
-        if not make_limiter.is_async:
-            limiter = make_limiter(url, socket_timeout=SOCKET_TIMEOUT, max_connections=CALLERS)
-
-            def caller(k: int) -> None:
-                for user in self._turns(k, until):
-                    start = time.monotonic()
-                    try:
-                        outcome: Any = limiter.check(user, LIMIT, 60)[0]
-                    except RateLimiterError as exc:
-                        outcome = exc
-                    self._record(user, start, outcome)
-
-            threads = [threading.Thread(target=caller, args=(k,)) for k in range(CALLERS)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(60)
-            return
-        native = make_limiter.native(url, socket_timeout=SOCKET_TIMEOUT)
-
-        async def caller(k: int) -> None:
-            for user in self._turns(k, until):
-                start = time.monotonic()
-                try:
-                    outcome: Any = (await native.check(user, LIMIT, 60))[0]
-                except RateLimiterError as exc:
-                    outcome = exc
-                self._record(user, start, outcome)
-                await asyncio.sleep(0)
-
-        async def main() -> None:
-            await asyncio.gather(*(caller(k) for k in range(CALLERS)))
-            await native.aclose()
-
-        run_async(main(), make_limiter.loop_factory)
-
-
-def allowed_per_user(records: list[tuple[float, float, Any, str]],
-                     keep: Callable[[float], bool] = lambda start: True) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for start, _end, outcome, user in records:
-        if outcome is True and keep(start):
-            counts[user] = counts.get(user, 0) + 1
-    return counts
+def load_of(make_limiter: LimiterFactory, url: str, users: list[str]) -> Load:
+    """CALLERS callers checking users round-robin, limit LIMIT per minute, every decision
+    recorded (fault_load.Load)."""
+    return Load(make_limiter, url, users, limit=LIMIT, window=60, callers=CALLERS,
+                socket_timeout=SOCKET_TIMEOUT)
 
 
 def test_a_killed_master_fails_only_the_checks_of_the_failover_time(
         make_limiter: LimiterFactory, cluster: RedisCluster) -> None:
     users = [f"user_{i}" for i in range(600)]
     victim = cluster.master_of_slot(slot_of(users[0]))
-    with Load(make_limiter, cluster.url, users) as load:
+    with load_of(make_limiter, cluster.url, users) as load:
         load.wait_for(300)
         killed_at = time.monotonic()
         victim.kill()  # SIGKILL: no goodbye on any connection
@@ -179,7 +98,7 @@ def test_resharding_under_load_answers_every_check_exactly(
     users += [f"other_{i}" for i in range(150)]
     source_id = cluster.cli(source, "cluster", "myid").strip()
     target_id = cluster.cli(target, "cluster", "myid").strip()
-    with Load(make_limiter, cluster.url, users) as load:
+    with load_of(make_limiter, cluster.url, users) as load:
         load.wait_for(200)
         redis_cli("--cluster", "reshard", f"127.0.0.1:{source.port}", "--cluster-from",
                   source_id, "--cluster-to", target_id, "--cluster-slots", str(moving),
@@ -215,7 +134,7 @@ def test_a_frozen_master_is_left_within_a_second_of_its_replicas_promotion(
     served = set(cluster.owned_slots(victim))
     frozen_users = {u for u in users if slot_of(u) in served}
     assert victim.process is not None
-    with Load(make_limiter, cluster.url, users) as load:
+    with load_of(make_limiter, cluster.url, users) as load:
         load.wait_for(300)
         stopped_at = time.monotonic()
         victim.process.send_signal(signal.SIGSTOP)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import socket
 import threading
 import time
 import warnings
@@ -19,7 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from helpers_core import INFO_REFUSED, INFO_REQUEST
+from helpers_core import INFO_REFUSED, INFO_REQUEST, LoopbackServer
 
 T = TypeVar("T")
 LoopFactory = Callable[[], asyncio.AbstractEventLoop]
@@ -415,60 +416,29 @@ def wait_for_connected_clients(client: Any, at_most: int, timeout: float = 5.0) 
         time.sleep(0.01)  # polling the server's own count, with a deadline
 
 
-class BatchRecordingServer:
+class BatchRecordingServer(LoopbackServer):
     """A loopback server that stands in for Redis to observe how commands arrive: it reads
     until `expected` EVALSHA commands have come in, counting the reads (recv calls) and
     connections that took, then answers each with `reply`. Used to prove auto-pipelining:
     checks issued together arrive together."""
 
     def __init__(self, reply: bytes, expected: int) -> None:
-        import socket
-
         self.reply = reply
         self.expected = expected
         self.reads = 0
         self.connections = 0
         self.received = 0
-        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen(16)
-        self.server.settimeout(0.1)
-        self.port = self.server.getsockname()[1]
-        self._stop = threading.Event()
-        self._sockets: list[Any] = []
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(backlog=16)
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+    def _accepted(self, conn: socket.socket) -> None:
+        with self._lock:
+            self.connections += 1
+            super()._accepted(conn)
 
-    def _serve(self) -> None:
-
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except (TimeoutError, OSError):
-                continue
-            with self._lock:
-                self.connections += 1
-                self._sockets.append(conn)
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: Any) -> None:
-
-        conn.settimeout(0.1)
+    def _answer(self, conn: socket.socket) -> None:
         pending = infos = 0
-        while not self._stop.is_set():
-            try:
-                data = conn.recv(1 << 20)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
+        for data in self._reads(conn, 1 << 20):
             with self._lock:
                 self.reads += 1
                 commands = data.count(b"EVALSHA")
@@ -482,16 +452,3 @@ class BatchRecordingServer:
                 except OSError:
                     return
                 pending = infos = 0
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for conn in self._sockets:
-            conn.close()
-        self.server.close()
-
-    def __enter__(self) -> BatchRecordingServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

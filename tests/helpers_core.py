@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -350,20 +350,24 @@ class FullBacklogListener:
         self.close()
 
 
-class GarbageServer:
-    """A loopback TCP server that answers every request with the same bytes (not a
-    decision of the rate-limit script) and keeps the connection open afterwards. With
-    `drip`, it sends them one byte at a time, `drip` seconds apart."""
+_LoopbackServerT = TypeVar("_LoopbackServerT", bound="LoopbackServer")
 
-    def __init__(self, reply: bytes, drip: float | None = None) -> None:
-        self.reply = reply
-        self.drip = drip
+
+class LoopbackServer:
+    """A TCP server on a free loopback port that stands in for Redis: a thread accepts
+    connections and serves each on a thread of its own (`_answer`, given by the subclass);
+    close() stops it and closes every connection it accepted. It starts serving at once, so
+    a subclass sets what `_answer` reads before calling this __init__."""
+
+    def __init__(self, backlog: int, poll: float = 0.1, receive_buffer: int | None = None) -> None:
+        self.poll = poll  # how often a waiting accept or read looks at the stop event (s)
         self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if receive_buffer is not None:  # set before listen(): accepted sockets inherit it
+            self.server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
         self.server.bind(("127.0.0.1", 0))
-        self.server.listen(16)
-        self.server.settimeout(0.1)
+        self.server.listen(backlog)
+        self.server.settimeout(poll)
         self.port = self.server.getsockname()[1]
-        self.requests = 0
         self._stop = threading.Event()
         self._connections: list[socket.socket] = []
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -373,26 +377,69 @@ class GarbageServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def _serve(self) -> None:
+    def _accept(self) -> socket.socket | None:
+        """The next connection, recorded for close() (and `_accepted`); None once closing."""
         while not self._stop.is_set():
             try:
                 conn, _ = self.server.accept()
             except (TimeoutError, OSError):
                 continue
-            self._connections.append(conn)
+            self._accepted(conn)
+            return conn
+        return None
+
+    def _accepted(self, conn: socket.socket) -> None:
+        self._connections.append(conn)
+
+    def _serve(self) -> None:
+        while (conn := self._accept()) is not None:
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(0.1)
+        raise NotImplementedError
+
+    def _reads(self, conn: socket.socket, size: int = 65536) -> Iterator[bytes]:
+        """What the client sends on `conn`, read by read, until it hangs up, the socket
+        fails or the server closes."""
+        conn.settimeout(self.poll)
         while not self._stop.is_set():
             try:
-                data = conn.recv(65536)
+                data = conn.recv(size)
             except TimeoutError:
                 continue
             except OSError:
                 return
             if not data:
                 return
+            yield data
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for conn in self._connections:
+            conn.close()
+        self.server.close()
+
+    def __enter__(self: _LoopbackServerT) -> _LoopbackServerT:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class GarbageServer(LoopbackServer):
+    """A loopback TCP server that answers every request with the same bytes (not a
+    decision of the rate-limit script) and keeps the connection open afterwards. With
+    `drip`, it sends them one byte at a time, `drip` seconds apart."""
+
+    def __init__(self, reply: bytes, drip: float | None = None) -> None:
+        self.reply = reply
+        self.drip = drip
+        self.requests = 0
+        super().__init__(backlog=16)
+
+    def _answer(self, conn: socket.socket) -> None:
+        for _ in self._reads(conn):
             self.requests += 1
             try:
                 if self.drip is None:
@@ -404,19 +451,6 @@ class GarbageServer:
                     conn.sendall(self.reply[i:i + 1])
             except OSError:
                 return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for conn in self._connections:
-            conn.close()
-        self.server.close()
-
-    def __enter__(self) -> GarbageServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class PasswordRedisServer(RedisServer):
@@ -433,7 +467,7 @@ INFO_REQUEST = b"*2\r\n$4\r\nINFO\r\n$6\r\nmemory\r\n"
 INFO_REFUSED = b"-NOPERM this fake does not answer INFO\r\n"
 
 
-class RendezvousServer:
+class RendezvousServer(LoopbackServer):
     """A loopback server that holds every request until `parallel` requests are waiting at
     once (each on its own connection), then answers each with `reply`. When they never
     meet within `patience` seconds it answers anyway and `met` stays False: a client that
@@ -444,41 +478,14 @@ class RendezvousServer:
         self.met = False
         self.accepted = 0
         self._barrier = threading.Barrier(parallel, timeout=patience)
-        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen(64)
-        self.server.settimeout(0.1)
-        self.port = self.server.getsockname()[1]
-        self._stop = threading.Event()
-        self._connections: list[socket.socket] = []
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
+        super().__init__(backlog=64)
 
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except (TimeoutError, OSError):
-                continue
-            self.accepted += 1
-            self._connections.append(conn)
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+    def _accepted(self, conn: socket.socket) -> None:
+        self.accepted += 1
+        super()._accepted(conn)
 
     def _answer(self, conn: socket.socket) -> None:
-        conn.settimeout(0.1)
-        while not self._stop.is_set():
-            try:
-                data = conn.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
+        for data in self._reads(conn):
             if data == INFO_REQUEST:
                 conn.sendall(INFO_REFUSED)  # the connection's INFO memory, on its own
                 continue
@@ -494,17 +501,8 @@ class RendezvousServer:
 
     def close(self) -> None:
         self._stop.set()
-        self._barrier.abort()
-        self._thread.join(5)
-        for conn in self._connections:
-            conn.close()
-        self.server.close()
-
-    def __enter__(self) -> RendezvousServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        self._barrier.abort()  # a request held at the barrier is answered now
+        super().close()
 
 
 # ----------------------------------------------------------------- either storage's log
@@ -580,7 +578,7 @@ SORTED_SET_SHAPE = "the sorted sets' own key shape, members, scores, commands or
 
 # ------------------------------------------------------------------ a slow reader
 
-class SlowReader:
+class SlowReader(LoopbackServer):
     """A loopback server that takes a client's command slowly and never answers: once the
     first byte of a connection arrives it reads nothing more for `hold` seconds (the
     client's send blocks on a full window), then reads the rest as fast as it can. It
@@ -594,32 +592,16 @@ class SlowReader:
         self.first_byte_at: float | None = None
         self.command_read_at: float | None = None
         self.bytes_read = 0
-        self._stop = threading.Event()
-        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen(4)
-        self.server.settimeout(0.05)
-        self.port = self.server.getsockname()[1]
-        self._conn: socket.socket | None = None
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        super().__init__(backlog=4, poll=0.05, receive_buffer=receive_buffer)
 
     def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.server.accept()
-                break
-            except (TimeoutError, OSError):
-                continue
-        else:
-            return
-        self._conn = conn
-        conn.settimeout(0.05)
+        # Only the first connection is taken, and served on this thread.
+        conn = self._accept()
+        if conn is not None:
+            self._answer(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        conn.settimeout(self.poll)
         buf = bytearray()
         try:
             while not self._stop.is_set():
@@ -656,19 +638,6 @@ class SlowReader:
                     continue
         except OSError:
             return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        if self._conn is not None:
-            self._conn.close()
-        self.server.close()
-
-    def __enter__(self) -> SlowReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # ------------------------------------------------------------------ signals

@@ -10,15 +10,8 @@ session's real redis-server."""
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 import textwrap
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +21,7 @@ from starlette.requests import Request
 
 from genai_ratelimit.fastapi import Anonymous
 from genai_ratelimit.proxies import ClientNetworks, TrustedProxies, client_network
-from helpers_uvicorn import HTTPX_SOCKETS
+from helpers_uvicorn import HTTPX_SOCKETS, UvicornServer
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
@@ -189,56 +182,28 @@ APP = textwrap.dedent("""
 """)
 
 
-class UnixSocketServer:
-    """uvicorn --uds: the ASGI scope of every request has no client address."""
+class UnixSocketServer(UvicornServer):
+    """APP under uvicorn on a unix socket (helpers_uvicorn.UvicornServer): the ASGI scope of
+    every request has no client address."""
 
     def __init__(self, redis_url: str) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-uds-"))
-        (self.directory / "uds_app.py").write_text(APP)
-        self.socket = str(self.directory / "app.sock")
-        self.log = self.directory / "uvicorn.log"
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "uvicorn", "uds_app:app", "--app-dir", str(self.directory),
-                 "--uds", self.socket, "--no-access-log"],
-                cwd=self.directory, env={**os.environ, "REDIS_URL": redis_url},
-                stdout=log, stderr=subprocess.STDOUT)
-        self.client = httpx.Client(transport=httpx.HTTPTransport(uds=self.socket),
-                                   base_url="http://app", timeout=10)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and self.process.poll() is None:
-            # Probe the socket with a socket of our own first: httpx's transport leaves the
-            # socket of a refused unix connection to the garbage collector (ResourceWarning).
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-                try:
-                    probe.connect(self.socket)
-                except OSError:
-                    time.sleep(0.05)
-                    continue
-            if self.client.get("/healthz").status_code == 200:
-                return
-        self.close()
-        raise RuntimeError(f"uvicorn did not start:\n{self.log.read_text()[-3000:]}")
+        super().__init__(APP, {"REDIS_URL": redis_url}, uds="app.sock")
+        self.http = self.client(timeout=10)
 
     def get(self, path: str, forwarded: str | None = None) -> httpx.Response:
         headers = {"X-Forwarded-For": forwarded} if forwarded is not None else {}
-        return self.client.get(path, headers=headers)
+        return self.http.get(path, headers=headers)
 
     def close(self) -> None:
-        self.client.close()
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        self.http.close()
+        super().close()
 
 
 @pytest.fixture
 def uds_server(redis_url: str, redis_client: redis.Redis) -> Iterator[UnixSocketServer]:
     server = UnixSocketServer(redis_url)
     try:
+        server.start()
         yield server
     finally:
         server.close()
@@ -275,7 +240,7 @@ def test_an_untrusted_unix_socket_is_refused_never_one_shared_bucket(
         assert "address is unknown" in answer.json()["detail"]
     assert uds_server.get("/socket").status_code == 500  # a trusted socket proxy that sent no address
     assert list(redis_client.scan_iter("ratelimit:*")) == []  # nothing counted, least of all ip:unknown
-    assert "unix_socket=True" in uds_server.log.read_text()
+    assert "unix_socket=True" in uds_server.log()
 
 
 def test_the_default_identify_behind_a_unix_socket_is_refused_never_one_shared_bucket(

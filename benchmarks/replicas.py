@@ -116,8 +116,8 @@ def main() -> None:
 
     print(f"\n{os.cpu_count()} cores; load average {load_before[0]:.2f} before, "
           f"{load_after[0]:.2f} after; {args.rounds} rounds of {seconds:g} s; medians\n")
-    print(f"| contender | checks/s | ratio | p50 µs | p50 ratio | client CPU µs "
-          f"| servers' CPU µs | EVALSHA µs (server) |")
+    print("| contender | checks/s | ratio | p50 µs | p50 ratio | client CPU µs "
+          "| servers' CPU µs | EVALSHA µs (server) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name in names:
         base = "async 1 node + replica" if name.startswith("async") else "sync 1 node + replica"

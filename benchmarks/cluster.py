@@ -33,6 +33,7 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +111,38 @@ def run_sync(url: str, seconds: float, users: list[str] = USERS, **options: Any
     return {"calls_per_s": len(latencies) / elapsed, "p50_us": latencies[len(latencies) // 2] / 1e3}
 
 
+# A contender: what runs it (a sample of calls_per_s, maybe p50_us) and the server ports
+# whose CPU it costs.
+Contender = tuple[Callable[[], dict[str, float]], list[int]]
+
+
+def run_rounds(contenders: dict[str, Contender], rounds: int, seconds: float,
+               between: Callable[[], None],
+               before: Callable[[list[int]], Callable[[dict[str, float]], None]] | None = None,
+               ) -> dict[str, list[dict[str, float]]]:
+    """Every contender once per round, in an order rotated each round (a burst of load hits
+    them alike), each sample with the client's and the servers' CPU per call. between():
+    after each run (empty the servers). before(ports): before each run; what it returns is
+    called with the sample after it (more columns)."""
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for round_number in range(rounds):
+        order = names[round_number % len(names):] + names[:round_number % len(names)]
+        for name in order:
+            run, ports = contenders[name]
+            client0, server0 = cpu_seconds(), server_cpu(ports)
+            after = before(ports) if before is not None else None
+            sample = run()
+            calls = sample["calls_per_s"] * seconds
+            sample["client_cpu_us"] = (cpu_seconds() - client0) / calls * 1e6
+            sample["server_cpu_us"] = (server_cpu(ports) - server0) / calls * 1e6
+            if after is not None:
+                after(sample)
+            results[name].append(sample)
+            between()
+    return results
+
+
 def codec_cost_ns(hash_tag: bool, calls: int = 200_000) -> float:
     """ns per Codec.check: validation, member, keys (+ hash tag and slot), EVALSHA bytes."""
     codec = _native.Codec("ratelimit", hash_tag=hash_tag)
@@ -134,7 +167,7 @@ def main() -> None:
         cluster_ports = [n.port for n in cluster.nodes]
         owned = set(cluster.owned_slots(cluster.master_of_slot(0)))
         one_master = [u for u in USERS if binascii.crc_hqx(u.encode(), 0) % 16384 in owned]
-        contenders = {
+        contenders: dict[str, Contender] = {
             "async 1 node": (lambda: run_async(single.url, args.seconds), [single.port]),
             "async 3 masters": (lambda: run_async(cluster.url, args.seconds), cluster_ports),
             "sync 1 node": (lambda: run_sync(single.url, args.seconds), [single.port]),
@@ -142,21 +175,14 @@ def main() -> None:
             "sync cluster, 1 master": (lambda: run_sync(cluster.url, args.seconds, one_master),
                                        cluster_ports),
         }
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
         names = list(contenders)
         load_before = os.getloadavg()
-        for round_number in range(args.rounds):
-            order = names[round_number % len(names):] + names[:round_number % len(names)]
-            for name in order:
-                run, ports = contenders[name]
-                client0, server0 = cpu_seconds(), server_cpu(ports)
-                sample = run()
-                calls = sample["calls_per_s"] * args.seconds
-                sample["client_cpu_us"] = (cpu_seconds() - client0) / calls * 1e6
-                sample["server_cpu_us"] = (server_cpu(ports) - server0) / calls * 1e6
-                results[name].append(sample)
-                redis_cli("-p", str(single.port), "flushall")
-                cluster.flush()
+
+        def flush() -> None:
+            redis_cli("-p", str(single.port), "flushall")
+            cluster.flush()
+
+        results = run_rounds(contenders, args.rounds, args.seconds, flush)
         plain, tagged = [], []
         for _ in range(5):  # alternating, so that a burst of load hits both alike
             plain.append(codec_cost_ns(False))

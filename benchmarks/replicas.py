@@ -30,12 +30,13 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
-from cluster import USERS, cpu_seconds, run_async, run_sync, server_cpu
+from cluster import USERS, Contender, run_async, run_rounds, run_sync
 from redis_cluster import RedisCluster, redis_cli
 from redis_server import RedisServer
 
-REPLICATED = {"min_replicas": 1, "replica_timeout_ms": 1000}
+REPLICATED: dict[str, Any] = {"min_replicas": 1, "replica_timeout_ms": 1000}
 
 
 def evalsha_us(ports: list[int]) -> tuple[float, int]:
@@ -74,7 +75,7 @@ def main() -> None:
         owned = set(cluster.owned_slots(cluster.master_of_slot(0)))
         one_master = [u for u in USERS if binascii.crc_hqx(u.encode(), 0) % 16384 in owned]
         seconds = args.seconds
-        contenders: dict[str, tuple[Callable[[], dict[str, float]], list[int]]] = {
+        contenders: dict[str, Contender] = {
             "sync 1 node + replica": (lambda: run_sync(master.url, seconds), pair_ports),
             "sync 1 node + replica, min_replicas=1": (
                 lambda: run_sync(master.url, seconds, **REPLICATED), pair_ports),
@@ -87,24 +88,22 @@ def main() -> None:
             "async 1 node + replica, min_replicas=1": (
                 lambda: run_async(master.url, seconds, **REPLICATED), pair_ports),
         }
-        results: dict[str, list[dict[str, float]]] = {name: [] for name in contenders}
         names = list(contenders)
         load_before = os.getloadavg()
-        for round_number in range(args.rounds):
-            order = names[round_number % len(names):] + names[:round_number % len(names)]
-            for name in order:
-                run, ports = contenders[name]
-                client0, server0 = cpu_seconds(), server_cpu(ports)
-                usec0, evals0 = evalsha_us(ports)
-                sample = run()
-                calls = sample["calls_per_s"] * seconds
+
+        def flush() -> None:
+            redis_cli("-p", str(master.port), "flushall")
+            cluster.flush()
+
+        def server_time(ports: list[int]) -> Callable[[dict[str, float]], None]:
+            usec0, evals0 = evalsha_us(ports)
+
+            def after(sample: dict[str, float]) -> None:
                 usec1, evals1 = evalsha_us(ports)
-                sample["client_cpu_us"] = (cpu_seconds() - client0) / calls * 1e6
-                sample["server_cpu_us"] = (server_cpu(ports) - server0) / calls * 1e6
                 sample["evalsha_us"] = (usec1 - usec0) / max(1, evals1 - evals0)
-                results[name].append(sample)
-                redis_cli("-p", str(master.port), "flushall")
-                cluster.flush()
+            return after
+
+        results = run_rounds(contenders, args.rounds, seconds, flush, server_time)
         load_after = os.getloadavg()
     finally:
         cluster.close()

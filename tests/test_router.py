@@ -190,13 +190,20 @@ def test_an_auth_refusal_or_a_plain_error_reply_is_not_sent_elsewhere(redis_clus
     assert route.failed(engine_error(_native.STATUS_SERVER, "READONLY You can't write")) is False
 
 
-def test_garbage_for_a_map_is_a_read_error_naming_it() -> None:
-    router = _native.Router([("127.0.0.1", 1)])
+def read_for_an_unknown_slot(router: Any) -> tuple[Any, Any]:
+    """A call of slot 5 that the router sends to read the map, and that read, its first
+    question asked."""
     route = router.route(5, time.monotonic() + 1)
     action, deadline, _ = route.next()
     assert action == READ
     read = router.read(deadline, route)
     read.step()
+    return route, read
+
+
+def test_garbage_for_a_map_is_a_read_error_naming_it() -> None:
+    router = _native.Router([("127.0.0.1", 1)])
+    route, read = read_for_an_unknown_slot(router)
     assert read.step([b"not", b"a", b"map"]) is None
     read.end()
     assert "CLUSTER SHARDS answered a malformed shard" in str(read.error())
@@ -286,11 +293,7 @@ def test_readonly_behind_sentinels_asks_them_again() -> None:
 
 def test_a_read_abandoned_mid_way_frees_the_single_flight() -> None:
     router = _native.Router([("127.0.0.1", 1)])
-    route = router.route(5, time.monotonic() + 1)
-    action, deadline, _ = route.next()
-    assert action == READ
-    read = router.read(deadline, route)
-    read.step()
+    _, read = read_for_an_unknown_slot(router)
     other = router.route(5, time.monotonic() + 1)
     assert other.next()[0] == WAIT  # one read at a time: the other call waits for it
     del read  # a cancelled task's read, never ended: dropping it ends it

@@ -131,9 +131,12 @@ status_of(rl_module_state *state, PyObject *exc, rl_error *err)
 {
     rl_status st = RL_ERR_PROTOCOL;
     PyObject *value = PyObject_GetAttrString(exc, "_rl_status");
+    if (value == NULL)
+        PyErr_Clear(); /* none: aio.py made it */
     if (value != NULL) {
         long kind = PyLong_AsLong(value);
         Py_DECREF(value);
+        PyErr_Clear(); /* not an int: PROTOCOL */
         if (kind > RL_OK && kind <= RL_ERR_REDIRECT)
             st = (rl_status)kind;
     } else if (PyObject_IsInstance(exc, state->Timeout) == 1) {

@@ -758,7 +758,7 @@ read_wait(rl_conn *conn, const rl_config *cfg, const void *token, double deadlin
 static rl_status
 wait_for_replicas(rl_conn *conn, const rl_config *cfg, double deadline, int *in_step, rl_error *err)
 {
-    char token; /* its address tells the reply apart */
+    char token = 0; /* its address tells the reply apart */
     *in_step = 0;
     rl_status st = queue_wait(conn, cfg, deadline, &token, err);
     return st != RL_OK ? st : read_wait(conn, cfg, &token, deadline, in_step, err);

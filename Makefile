@@ -57,7 +57,8 @@ WHEELHOUSE  ?= $(CURDIR)/build/wheelhouse
 # with test-asan. Override with VALGRIND_TESTS=... (pytest arguments).
 # uvloop (libuv) is left out under memcheck: the asyncio kind drives the same C code.
 VALGRIND_TESTS ?= tests/test_limiter_core.py tests/test_limiter_input.py tests/test_kill_switch.py \
-                  tests/test_engine.py tests/test_reservations.py --limiter-kinds=sync,asyncio
+                  tests/test_engine.py tests/test_reservations.py tests/test_router.py \
+                  --limiter-kinds=sync,asyncio
 
 # make soak: checks per limiter (sync, async) and the RSS growth that fails it.
 SOAK_CHECKS ?= 1000000

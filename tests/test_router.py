@@ -47,11 +47,13 @@ def answer_read(router: Any, route: Any, deadline: float, reply: Any) -> tuple[A
     return read, asked
 
 
-def node_reply(port: int, *words: str) -> Any:
-    """A command's reply from one node, decoded as the asyncio limiter decodes it
-    (codec.c's reply_to_python): what aio.py hands the router."""
+def node_reply(where: int | str, *words: str) -> Any:
+    """A command's reply from one node (a port on 127.0.0.1, or a URL), decoded as the
+    asyncio limiter decodes it (codec.c's reply_to_python): what aio.py hands the router."""
+    url = where if isinstance(where, str) else f"redis://127.0.0.1:{where}/0"
+
     async def ask() -> Any:
-        async with AsyncRateLimiter(f"redis://127.0.0.1:{port}/0") as limiter:
+        async with AsyncRateLimiter(url) as limiter:
             return await limiter._command(*words)
     return asyncio.run(ask())
 
@@ -234,10 +236,10 @@ def sentinel_read(router: Any, answers: list[Any], role: Any = None) -> tuple[An
     return read, questions[:-1]
 
 
-def test_the_highest_config_epoch_wins_and_is_checked_with_role(redis_client: Any) -> None:
+def test_the_highest_config_epoch_wins_and_is_checked_with_role(redis_url: str) -> None:
     router = _native.Router([("s1", 26379), ("s2", 26379), ("s3", 26379)],
                             master_name="mymaster")
-    role = redis_client.execute_command("ROLE")  # a real master's answer
+    role = node_reply(redis_url, "ROLE")  # a real master's answer
     read, questions = sentinel_read(
         router, [sentinel_master(7001, 1), sentinel_master(7002, 2), sentinel_master(7001, 1)],
         role)

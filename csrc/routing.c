@@ -112,8 +112,7 @@ reply_from_python(PyObject *value, int depth)
             r->elements = (size_t)i + 1;
         }
     } else {
-        PyErr_Format(PyExc_TypeError, "a reply holds bytes, int, None or lists, not %s",
-                     Py_TYPE(value) == NULL ? "?" : "another type");
+        PyErr_SetString(PyExc_TypeError, "a reply holds bytes, int, None or lists only");
         goto error;
     }
     return r;
@@ -471,13 +470,10 @@ Route_failed(RouteObject *self, PyTypeObject *defining_class, PyObject *const *a
     }
     rl_error err;
     rl_status st = status_of(state, args[0], &err);
-    char before[sizeof(err.message)];
-    memcpy(before, err.message, sizeof(before));
-    if (rl_route_failed(&self->owner->router, &self->route, st, &err))
-        Py_RETURN_TRUE;
-    if (err.kind != st || strcmp(before, err.message) != 0)
+    int go_on = rl_route_failed(&self->owner->router, &self->route, st, &err);
+    if (go_on < 0)
         return rl_raise(state, &err); /* the router's own error */
-    Py_RETURN_FALSE;
+    return PyBool_FromLong(go_on);
 }
 
 static PyObject *

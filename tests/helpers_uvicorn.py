@@ -28,15 +28,6 @@ from redis_server import free_port
 # uvicorn over sockets carry this mark; everything else keeps ResourceWarning as an error.
 HTTPX_SOCKETS = pytest.mark.filterwarnings("ignore:unclosed <socket.socket:ResourceWarning")
 
-# The marks of a test file whose limiters run in uvicorn server processes (its pytestmark).
-UVICORN_PROCESSES = [
-    HTTPX_SOCKETS,
-    pytest.mark.not_asan(reason="its limiters run in uvicorn server processes, which this process's ASan "
-                                "does not reach"),
-    pytest.mark.no_hiredis1(reason="its limiters run in uvicorn server processes, on the codec and pipeline"
-                                   " the async tests drive on hiredis 1.x"),
-]
-
 
 class UvicornServer:
     """`python -m uvicorn <module>:app` for the module whose source is given. With `uds`, it

@@ -20,10 +20,16 @@ import httpx
 import pytest
 import redis
 
-from helpers_uvicorn import UVICORN_PROCESSES, UvicornServer
+from helpers_uvicorn import HTTPX_SOCKETS, UvicornServer
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
-pytestmark = UVICORN_PROCESSES
+pytestmark = [
+    HTTPX_SOCKETS,
+    pytest.mark.not_asan(reason="its limiters run in uvicorn server processes, which this process's ASan "
+                                "does not reach"),
+    pytest.mark.no_hiredis1(reason="its limiters run in uvicorn server processes, on the codec and pipeline"
+                                   " the async tests drive on hiredis 1.x"),
+]
 
 USER = "user_streamer"
 CAP = 3

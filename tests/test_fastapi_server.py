@@ -20,11 +20,17 @@ import redis
 
 from genai_ratelimit import TIER_LIMITS
 from helpers_async import loop_factory_of
-from helpers_uvicorn import UVICORN_PROCESSES, UvicornServer
+from helpers_uvicorn import HTTPX_SOCKETS, UvicornServer
 from redis_server import free_port
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
-pytestmark = UVICORN_PROCESSES
+pytestmark = [
+    HTTPX_SOCKETS,
+    pytest.mark.not_asan(reason="its limiters run in uvicorn server processes, which this process's ASan "
+                                "does not reach"),
+    pytest.mark.no_hiredis1(reason="its limiters run in uvicorn server processes, on the codec and pipeline"
+                                   " the async tests drive on hiredis 1.x"),
+]
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 KEYS = {"free": "sk-demo-free", "pro": "sk-demo-pro", "enterprise": "sk-demo-enterprise"}

@@ -104,6 +104,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
+        self.then_future: asyncio.Future[Any] | None = None  # submit(then=...)'s reply
         self._fd = -1  # polled while idle (usable()); -1: not polled
         self._info_due = True  # until INFO memory's answer was looked at
         # The handshake's bytes when they hold AUTH's password (Pipeline.take gives those as
@@ -172,17 +173,18 @@ class _Connection(asyncio.Protocol):
 
     # -- sending
     def submit(self, request: Any,
-               then: tuple[asyncio.Future[Any], tuple[str | bytes, ...]] | None = None
-               ) -> asyncio.Future[Any]:
-        """Queues a Request; the future gets its result. then: (future, words), a command
-        queued right behind it, in the same write (submit_then)."""
+               then: tuple[str | bytes, ...] | None = None) -> asyncio.Future[Any]:
+        """Queues a Request; the future gets its result. then: a command queued right
+        behind it, in the same write (min_replicas: WAIT), whose future is
+        self.then_future."""
         if self.closed:
             raise RateLimiterUnavailable("connection to Redis lost")
         future = self.loop.create_future()
         idle = self.pipeline.pending == 0
         self.pipeline.push(future, request)
         if then is not None:
-            self.pipeline.push_command(then[0], *then[1])
+            self.then_future = self.loop.create_future()
+            self.pipeline.push_command(self.then_future, *then)
         if idle and not self._flush_scheduled:
             # Nothing in flight: send now (lowest latency). Checks issued while this one
             # is out are batched below, one write per loop iteration.
@@ -192,13 +194,6 @@ class _Connection(asyncio.Protocol):
         if self._timer is None:
             self._timer = self.loop.call_later(self.timeout, self._on_timer)
         return future
-
-    def submit_then(self, request: Any, words: tuple[str | bytes, ...]
-                    ) -> tuple[asyncio.Future[Any], asyncio.Future[Any]]:
-        """Queues a Request and a command right behind it, in the same write (min_replicas:
-        WAIT); a future for each."""
-        then: asyncio.Future[Any] = self.loop.create_future()
-        return self.submit(request, (then, words)), then
 
     def submit_command(self, words: tuple[str | bytes, ...]) -> asyncio.Future[Any]:
         """Queues any Redis command; the future gets its reply (Pipeline.push_command)."""
@@ -487,8 +482,6 @@ class AsyncRateLimiter:
                                           min_replicas, replica_timeout_ms)
         self._min_replicas = native["min_replicas"]
         self._replica_timeout_ms = native["replica_timeout_ms"]
-        # min_replicas: the WAIT sent behind each admission (its words made once).
-        self._wait_words = ("WAIT", str(self._min_replicas), str(self._replica_timeout_ms))
         self._ssl = _ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock
@@ -574,8 +567,15 @@ class AsyncRateLimiter:
     async def _admit_replicated(self, conn: _Connection, request: Any) -> Any:
         """min_replicas: the admission and WAIT in one write on one connection (WAIT covers
         the script's write, at no round trip of its own), then _confirmed."""
-        future, wait = conn.submit_then(request, self._wait_words)
+        future, wait = self._submit_admission(conn, request)
         return await self._confirmed(conn, request, await self._decided(future, wait), wait)
+
+    def _submit_admission(self, conn: _Connection, request: Any
+                          ) -> tuple[asyncio.Future[Any], asyncio.Future[Any]]:
+        future = conn.submit(request, ("WAIT", str(self._min_replicas),
+                                       str(self._replica_timeout_ms)))
+        assert conn.then_future is not None
+        return future, conn.then_future
 
     @staticmethod
     async def _decided(future: asyncio.Future[Any], wait: asyncio.Future[Any]) -> Any:
@@ -600,7 +600,8 @@ class AsyncRateLimiter:
             return result
         if request.reloaded:  # NOSCRIPT: the decision ran again behind the WAIT, uncovered
             wait.add_done_callback(_ignore_result)
-            wait = conn.submit_command(self._wait_words)
+            wait = conn.submit_command(
+                ("WAIT", str(self._min_replicas), str(self._replica_timeout_ms)))
         await self._replicated(wait)
         return result
 
@@ -642,7 +643,7 @@ class AsyncRateLimiter:
                         conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
                     if not (admission and self._min_replicas):
                         return await conn.submit(request)
-                    future, wait = conn.submit_then(request, self._wait_words)
+                    future, wait = self._submit_admission(conn, request)
                     result = await self._decided(future, wait)
                 except RateLimiterError as exc:
                     if not self._try_elsewhere(route, exc):

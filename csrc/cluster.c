@@ -358,7 +358,7 @@ rl_routed_call_run(rl_routed_call *rc, rl_error *err)
             rc->result = rc->call.result;
             return RL_OK;
         }
-        if (rl_route_failed(&c->router, &rc->route, st, err) <= 0)
+        if (!rl_route_failed(&c->router, &rc->route, st, err))
             return rc->route.status;
     }
 }

@@ -574,6 +574,7 @@ typedef struct {
     int patch_slot;        /* MOVED: point this slot at patch_node once the read is done */
     int patch_node;        /* -1: nothing to patch */
     int read_once;         /* the map was read for an unknown slot */
+    rl_status last_status; /* the last failure's kind */
     char busy[128];        /* the cluster's last TRYAGAIN / CLUSTERDOWN text, or "" */
     rl_status read_status; /* the last read this call made (rl_read_end), RL_OK if none */
     rl_error read_error;   /* ... its error */
@@ -588,8 +589,7 @@ typedef struct {
 void rl_route_begin(rl_route *rt, int slot, double deadline);
 rl_route_action rl_route_next(rl_router *r, rl_route *rt, rl_error *err);
 /* The try on rt->node failed with st (err: its error; a server's text for a redirect).
-   1: go on (rl_route_next); 0: give up with that error; -1: give up with the router's own,
-   written over err (rt->status is the status to give up with). */
+   1: go on (rl_route_next); 0: give up with rt->status (err rewritten when it says more). */
 int rl_route_failed(rl_router *r, rl_route *rt, rl_status st, rl_error *err);
 
 /* A read of the map or of the sentinels: the questions one after another, each answer
@@ -609,7 +609,7 @@ typedef struct {
     rl_question q; /* the question under way */
     short *map;    /* cluster: the map being read (malloc'd) */
     rl_sentinel_view views[RL_CLUSTER_MAX_NODES];
-    int answered, in_failover;
+    int answered, in_failover, chosen;
     int replaced; /* out: the old master after a switch (close its connections), or -1 */
     rl_status status;
     rl_error error;

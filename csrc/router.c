@@ -142,6 +142,7 @@ rl_router_init(rl_router *r, const char *master_name, int tls, double socket_tim
 {
     memset(r, 0, sizeof(*r));
     r->master = -1;
+    r->last_sentinel = 0;
     r->tls = tls;
     r->socket_timeout = socket_timeout;
     for (int i = 0; i < RL_CLUSTER_SLOTS; i++)
@@ -431,7 +432,7 @@ parse_sentinel_master(rl_router *r, const redisReply *reply, rl_sentinel_view *v
 /* ----------------------------------------------------------------- reads */
 
 static void
-question(rl_read *rd, rl_ask ask, int sentinel, int target, int remaining, const char *master_name)
+question(rl_read *rd, rl_ask ask, int sentinel, int target, const char *master_name)
 {
     static const char *const words[][2] = {
         [RL_ASK_SHARDS] = {"CLUSTER", "SHARDS"},
@@ -452,11 +453,9 @@ question(rl_read *rd, rl_ask ask, int sentinel, int target, int remaining, const
         q->argv[q->argc] = master_name;
         q->argvlen[q->argc++] = strlen(master_name);
     }
-    /* Its share of what is left (remaining questions, this one included), at most
-       RL_ASK_WAIT: a frozen node (a socket that accepts and never answers) costs a fraction
-       of the read, never all of it. */
-    if (remaining < 1)
-        remaining = 1;
+    /* Its share of what is left, at most RL_ASK_WAIT: a frozen node (a socket that accepts
+       and never answers) costs a fraction of the read, never all of it. */
+    int remaining = (rd->count - rd->next) > 0 ? rd->count - rd->next : 1;
     double now = rl_monotonic(), share = (rd->deadline - now) / remaining;
     q->deadline = now + (share < RL_ASK_WAIT ? share : RL_ASK_WAIT);
 }
@@ -467,6 +466,7 @@ rl_read_begin(rl_router *r, rl_read *rd, double deadline)
     memset(rd, 0, sizeof(*rd));
     rd->deadline = deadline;
     rd->replaced = -1;
+    rd->chosen = -1;
     rd->status = rl_error_set(&rd->error, RL_ERR_CONNECT,
                               r->master_name != NULL ? "no sentinel is known"
                                                      : "no Redis Cluster node is known");
@@ -601,7 +601,9 @@ rl_read_step(rl_router *r, rl_read *rd, rl_status st, const redisReply *reply, c
     if (rd->started) {
         if (rd->q.ask == RL_ASK_SHARDS && st == RL_ERR_SERVER) {
             /* Before Redis 7: no CLUSTER SHARDS; the same node, its share again. */
-            question(rd, RL_ASK_SLOTS, 0, rd->q.target, rd->count - rd->next + 1, NULL);
+            rd->next--;
+            question(rd, RL_ASK_SLOTS, 0, rd->q.target, NULL);
+            rd->next++;
             pthread_mutex_unlock(&r->mutex);
             return 1;
         }
@@ -618,7 +620,7 @@ rl_read_step(rl_router *r, rl_read *rd, rl_status st, const redisReply *reply, c
     if (!rd->sentinels) {
         if (rd->next < rd->count && rl_monotonic() < rd->deadline) {
             int node = rd->order[rd->next];
-            question(rd, RL_ASK_SHARDS, 0, node, rd->count - rd->next, NULL);
+            question(rd, RL_ASK_SHARDS, 0, node, NULL);
             rd->next++;
             pthread_mutex_unlock(&r->mutex);
             return 1;
@@ -628,7 +630,7 @@ rl_read_step(rl_router *r, rl_read *rd, rl_status st, const redisReply *reply, c
     /* Every sentinel (not the suspects once one answered), then the choice. */
     if (rd->next < rd->count && !(rd->answered > 0 && rd->next >= rd->count - rd->suspects)) {
         int sentinel = rd->order[rd->next];
-        question(rd, RL_ASK_SENTINEL_MASTER, 1, sentinel, rd->count - rd->next, r->master_name);
+        question(rd, RL_ASK_SENTINEL_MASTER, 1, sentinel, r->master_name);
         rd->next++;
         pthread_mutex_unlock(&r->mutex);
         return 1;
@@ -638,12 +640,14 @@ rl_read_step(rl_router *r, rl_read *rd, rl_status st, const redisReply *reply, c
     double now = rl_monotonic();
     r->failover_since = rd->in_failover ? (r->failover_since > 0 ? r->failover_since : now) : 0;
     r->reads++;
-    int chosen = choose_master(rd);
-    if (chosen == r->master) {
+    rd->chosen = choose_master(rd);
+    if (rd->chosen == r->master) {
         rd->status = RL_OK;
         goto done;
     }
-    question(rd, RL_ASK_ROLE, 0, chosen, 1, NULL);
+    rd->next = rd->count - 1; /* ROLE gets the share of one */
+    question(rd, RL_ASK_ROLE, 0, rd->chosen, NULL);
+    rd->next = rd->count;
     pthread_mutex_unlock(&r->mutex);
     return 1;
 done:
@@ -698,6 +702,7 @@ rl_route_next(rl_router *r, rl_route *rt, rl_error *err)
     rl_route_action action;
     double now = rl_monotonic();
     rt->asking = 0;
+    rt->status = rt->last_status;
     pthread_mutex_lock(&r->mutex);
     if (rt->want_pause) {
         rt->want_pause = 0;
@@ -822,7 +827,7 @@ rl_route_failed(rl_router *r, rl_route *rt, rl_status st, rl_error *err)
 {
     int go_on = 0, slot, node;
     double now = rl_monotonic();
-    rt->status = st;
+    rt->last_status = rt->status = st;
     pthread_mutex_lock(&r->mutex);
     switch (st) {
     case RL_ERR_REDIRECT:
@@ -834,7 +839,6 @@ rl_route_failed(rl_router *r, rl_route *rt, rl_status st, rl_error *err)
                 rt->status = rl_error_set(err, RL_ERR_IO,
                                           "the Redis Cluster answered MOVED %d times to one call",
                                           RL_CLUSTER_MAX_ATTEMPTS);
-                go_on = -1; /* its own error */
                 break;
             }
             if (++r->moved_since_read >= RL_MOVED_READ_EVERY ||

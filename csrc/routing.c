@@ -112,7 +112,8 @@ reply_from_python(PyObject *value, int depth)
             r->elements = (size_t)i + 1;
         }
     } else {
-        PyErr_SetString(PyExc_TypeError, "a reply holds bytes, int, None or lists only");
+        PyErr_Format(PyExc_TypeError, "a reply holds bytes, int, None or lists, not %s",
+                     Py_TYPE(value) == NULL ? "?" : "another type");
         goto error;
     }
     return r;
@@ -470,10 +471,13 @@ Route_failed(RouteObject *self, PyTypeObject *defining_class, PyObject *const *a
     }
     rl_error err;
     rl_status st = status_of(state, args[0], &err);
-    int go_on = rl_route_failed(&self->owner->router, &self->route, st, &err);
-    if (go_on < 0)
+    char before[sizeof(err.message)];
+    memcpy(before, err.message, sizeof(before));
+    if (rl_route_failed(&self->owner->router, &self->route, st, &err))
+        Py_RETURN_TRUE;
+    if (err.kind != st || strcmp(before, err.message) != 0)
         return rl_raise(state, &err); /* the router's own error */
-    return PyBool_FromLong(go_on);
+    Py_RETURN_FALSE;
 }
 
 static PyObject *

@@ -25,11 +25,28 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from genai_ratelimit import _native
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
-SCRIPT_PATH = ROOT / "lua" / "sliding_window.lua"
-SCRIPT_TEXT = SCRIPT_PATH.read_text()
 RAW_BINARY = BENCH_DIR / "bin" / "raw_hiredis"
+# The check's script exactly as the limiter sends it: lua/sliding_window.lua with the lua/lib
+# files it includes prepended, as the build embeds it (the extension exports that text).
+# lua/sliding_window.lua alone does not run: its library functions are missing.
+SCRIPT_TEXT: str = _native.SCRIPT_SOURCE
+# The same text in a file, for benchmarks/bin/raw_hiredis --script (written where the binary
+# is, so that both are rebuilt together).
+SCRIPT_PATH = BENCH_DIR / "bin" / "sliding_window.built.lua"
+# An empty script: what any EVALSHA costs the server before the script does anything.
+EMPTY_SCRIPT = "return {1}"
+
+
+def write_built_script() -> Path:
+    """Writes SCRIPT_TEXT to SCRIPT_PATH (when it differs) and returns the path."""
+    SCRIPT_PATH.parent.mkdir(parents=True, exist_ok=True)
+    if not SCRIPT_PATH.is_file() or SCRIPT_PATH.read_text(encoding="utf-8") != SCRIPT_TEXT:
+        SCRIPT_PATH.write_text(SCRIPT_TEXT, encoding="utf-8")
+    return SCRIPT_PATH
 
 # The design this package comes from: one window, client time, the four commands in one Lua
 # script, every call (trim, count, add, expire; the caller compares the count with the limit).
@@ -380,7 +397,7 @@ class RawClient:
     are per batch (extra holds them per call)."""
 
     def __init__(self, target: RedisTarget, args: Sequence[str]) -> None:
-        cmd = [str(RAW_BINARY), "--script", str(SCRIPT_PATH), *target.raw_args(), "--serve", *args]
+        cmd = [str(RAW_BINARY), "--script", str(write_built_script()), *target.raw_args(), "--serve", *args]
         self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._stderr, text=True, env=target.raw_env())
@@ -452,7 +469,7 @@ def print_ratio_table(rows: dict[str, list[tuple[float, ...]]], baseline: str,
 
 class RedisPyLimiter:
     """This package's algorithm the way the original design runs it: redis-py,
-    `register_script` with the text of lua/sliding_window.lua, the same keys and ARGV, a
+    `register_script` with the script as built (SCRIPT_TEXT), the same keys and ARGV, a
     Python uuid4 member, the server's clock. Same results as RateLimiter.check/check_windows."""
 
     def __init__(self, client, key_prefix: str = "ratelimit") -> None:
@@ -461,7 +478,7 @@ class RedisPyLimiter:
 
     def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]:
         key = f"{self._prefix}:{user_id}:{window_seconds}"
-        reply = self._script(keys=[key, f"{key}:w"],
+        reply = self._script(keys=[key, f"{key}:w", f"{key}:t"],
                              args=[str(uuid.uuid4()), "", window_seconds * 1000, limit, 1])
         return bool(reply[0]), int(reply[1]), int(reply[2])
 
@@ -470,7 +487,8 @@ class RedisPyLimiter:
         args: list[Any] = [str(uuid.uuid4()), ""]
         for limit, window in windows:
             args += [window * 1000, limit, 1]
-        reply = self._script(keys=keys + [f"{key}:w" for key in keys], args=args)
+        companions = [f"{key}:{suffix}" for suffix in ("w", "t") for key in keys]
+        reply = self._script(keys=keys + companions, args=args)
         return bool(reply[0]), int(reply[1]), int(reply[2]), windows[int(reply[3]) - 1][1]
 
 
@@ -483,7 +501,7 @@ class AsyncRedisPyLimiter:
 
     async def check(self, user_id: str, limit: int, window_seconds: int) -> tuple[bool, int, int]:
         key = f"{self._prefix}:{user_id}:{window_seconds}"
-        reply = await self._script(keys=[key, f"{key}:w"],
+        reply = await self._script(keys=[key, f"{key}:w", f"{key}:t"],
                                    args=[str(uuid.uuid4()), "", window_seconds * 1000, limit, 1])
         return bool(reply[0]), int(reply[1]), int(reply[2])
 

@@ -1,12 +1,14 @@
 /*
  * raw_hiredis.c - the physical limit of one Redis connection for this package's workload.
  *
- * A plain C client on hiredis that sends the package's script (lua/sliding_window.lua, loaded
- * once with SCRIPT LOAD) as EVALSHA, one fresh UUID4 member (libuuid, canonical 36-char text)
- * per call, with the same keys and arguments RateLimiter.check / check_windows send:
+ * A plain C client on hiredis that sends the package's script as built (the text the extension
+ * embeds: lua/sliding_window.lua with the lua/lib files it includes prepended; benchlib.py
+ * writes it from genai_ratelimit._native.SCRIPT_SOURCE), loaded once with SCRIPT LOAD, as
+ * EVALSHA, one fresh UUID4 member (libuuid, canonical 36-char text) per call, with the same
+ * keys and arguments RateLimiter.check / check_windows send:
  *
- *   EVALSHA <sha> <2n> <prefix>:<user>:<window_s>... <each key>:w... <uuid> <now_ms|"">
- *           (<window_ms> <limit> 1)...
+ *   EVALSHA <sha> <3n> <prefix>:<user>:<window_s>... <each key>:w... <each key>:t...
+ *           <uuid> <now_ms|""> (<window_ms> <limit> 1)...
  *
  * Modes:
  *   seq    one command, wait for its reply, repeat: the latency floor of one connection.
@@ -43,6 +45,10 @@
 
 #define MAX_WINDOWS 8
 #define UUID_TEXT_LEN 36
+/* The sorted-set storage's keys of one window, in the order the script takes them
+ * (csrc/script.c's RL_STORAGE_ZSET row): the log, its weights, their running totals. */
+#define KEYS_PER_WINDOW 3
+static const char *const KEY_SUFFIXES[KEYS_PER_WINDOW] = {"", ":w", ":t"};
 
 struct window {
     long long seconds;   /* window length, seconds (the key's suffix) */
@@ -54,7 +60,7 @@ struct options {
     int port;                    /* Redis port */
     const char *unix_path;       /* unix socket path, overrides host/port when set */
     int db;                      /* SELECT this db first when non-zero */
-    const char *script_path;     /* lua/sliding_window.lua */
+    const char *script_path;     /* the built script (see the top of this file) */
     const char *prefix;          /* key prefix */
     int pipelined;               /* 0: seq, 1: pipe */
     int depth;                   /* commands per batch in pipe mode */
@@ -89,7 +95,7 @@ static double cpu_seconds(void) {
 
 static void usage(const char *argv0) {
     fprintf(stderr,
-            "usage: %s --script lua/sliding_window.lua [--host H] [--port P] [--unix PATH] [--db N]\n"
+            "usage: %s --script BUILT_SCRIPT.lua [--host H] [--port P] [--unix PATH] [--db N]\n"
             "          [--mode seq|pipe] [--depth D] [--duration S] [--calls N] [--warmup N]\n"
             "          [--users U] [--prefix P] [--clock server|client] [--serve]\n"
             "          [--window SECONDS:LIMIT]...   (shortest first; default 60:1000000000)\n",
@@ -184,20 +190,21 @@ struct command {
 
 static int command_init(struct command *c, const struct options *o, const char *sha) {
     int nw = o->nwindows;
-    c->argc = 3 + 2 * nw + 2 + 3 * nw; /* KEYS: the windows, then their weights */
+    c->argc = 3 + KEYS_PER_WINDOW * nw + 2 + 3 * nw; /* KEYS: windows, weights, totals */
     c->argv = calloc((size_t)c->argc, sizeof *c->argv);
     c->argvlen = calloc((size_t)c->argc, sizeof *c->argvlen);
-    c->keys = calloc((size_t)o->users * 2 * (size_t)nw, sizeof *c->keys);
-    c->key_lens = calloc((size_t)o->users * 2 * (size_t)nw, sizeof *c->key_lens);
+    size_t nkeys_all = (size_t)o->users * KEYS_PER_WINDOW * (size_t)nw;
+    c->keys = calloc(nkeys_all, sizeof *c->keys);
+    c->key_lens = calloc(nkeys_all, sizeof *c->key_lens);
     if (!c->argv || !c->argvlen || !c->keys || !c->key_lens) return -1;
     static char nkeys[16];
-    snprintf(nkeys, sizeof nkeys, "%d", 2 * nw);
+    snprintf(nkeys, sizeof nkeys, "%d", KEYS_PER_WINDOW * nw);
     int i = 0;
     c->argv[i] = "EVALSHA"; c->argvlen[i++] = 7;
     c->argv[i] = sha; c->argvlen[i++] = strlen(sha);
     c->argv[i] = nkeys; c->argvlen[i++] = strlen(nkeys);
     c->key_index = i;
-    i += 2 * nw;
+    i += KEYS_PER_WINDOW * nw;
     c->member_index = i;
     c->argv[i] = c->member; c->argvlen[i++] = UUID_TEXT_LEN;
     c->now_index = i;
@@ -213,13 +220,15 @@ static int command_init(struct command *c, const struct options *o, const char *
     }
     for (int u = 0; u < o->users; u++) {
         for (int w = 0; w < nw; w++) {
-            char buf[256];
-            int n = snprintf(buf, sizeof buf, "%s:user_%d:%lld", o->prefix, u, o->windows[w].seconds);
-            c->keys[u * 2 * nw + w] = strdup(buf);
-            c->key_lens[u * 2 * nw + w] = (size_t)n;
-            n = snprintf(buf, sizeof buf, "%s:user_%d:%lld:w", o->prefix, u, o->windows[w].seconds);
-            c->keys[u * 2 * nw + nw + w] = strdup(buf);
-            c->key_lens[u * 2 * nw + nw + w] = (size_t)n;
+            for (int k = 0; k < KEYS_PER_WINDOW; k++) {
+                char buf[256];
+                int n = snprintf(buf, sizeof buf, "%s:user_%d:%lld%s", o->prefix, u,
+                                 o->windows[w].seconds, KEY_SUFFIXES[k]);
+                size_t at = (size_t)u * KEYS_PER_WINDOW * (size_t)nw + (size_t)k * (size_t)nw + (size_t)w;
+                c->keys[at] = strdup(buf);
+                if (!c->keys[at]) return -1;
+                c->key_lens[at] = (size_t)n;
+            }
         }
     }
     return 0;
@@ -228,9 +237,9 @@ static int command_init(struct command *c, const struct options *o, const char *
 /* Fills in the next call's user, member and time. */
 static void command_next(struct command *c, const struct options *o, long long seq) {
     int u = (int)(seq % o->users);
-    for (int k = 0; k < 2 * o->nwindows; k++) {
-        c->argv[c->key_index + k] = c->keys[u * 2 * o->nwindows + k];
-        c->argvlen[c->key_index + k] = c->key_lens[u * 2 * o->nwindows + k];
+    for (int k = 0; k < KEYS_PER_WINDOW * o->nwindows; k++) {
+        c->argv[c->key_index + k] = c->keys[u * KEYS_PER_WINDOW * o->nwindows + k];
+        c->argvlen[c->key_index + k] = c->key_lens[u * KEYS_PER_WINDOW * o->nwindows + k];
     }
     uuid_t id;
     uuid_generate_random(id);

@@ -527,9 +527,11 @@ def build_report(env: dict[str, str], contenders: list[Contender], samples: dict
             strict = round_ratios(per_script[sections.OURS], per_script[sections.STRICT])
             client = round_ratios(per_script[sections.OURS_CLIENT], per_script[sections.FOUR_OP])
             timed = round_ratios(per_script[sections.OURS], per_script[sections.FOUR_OP_TIME])
+            floor = round_ratios(per_script[sections.OURS], per_script[sections.EMPTY])
             if ours:
                 details.append(f"{title.split(' (')[0]}: {med(ours):.2f}× (client clock {med(client):.2f}×; "
                                f"vs the original + TIME {med(timed):.2f}×; "
+                               f"vs an empty EVALSHA {med(floor):.1f}×; "
                                f"vs the stricter variant {med(strict):.2f}×)")
                 server_ok = server_ok and med(ours) <= TARGET_SERVER
         r.table(["data", "script", "server µs/call", "vs original four-op", "vs add-on-allow four-op",

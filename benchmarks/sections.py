@@ -22,17 +22,18 @@ from typing import Any
 
 from benchlib import (
     BENCH_DIR,
+    EMPTY_SCRIPT,
     FOUR_OP_ADD_ON_ALLOW_SCRIPT,
     ORIGINAL_FOUR_OP_SCRIPT,
     RAW_BINARY,
     ROOT,
-    SCRIPT_PATH,
     SCRIPT_TEXT,
     RedisTarget,
     RespPipe,
     clean_keys,
     free_port,
     script_stats,
+    write_built_script,
 )
 
 BIG = 10**9
@@ -42,11 +43,12 @@ BIG = 10**9
 
 SERVER_SCRIPTS = {
     # name: (script text, build KEYS + ARGV from (key, member, now_ms, window_ms, limit)).
-    # This package's script takes each window's key and its weights' key (cost 1 here).
+    # This package's script takes each window's key, its weights' key and its running totals'
+    # key (cost 1 here), exactly as RateLimiter.check sends them.
     "this package's script, server clock (default)": (
-        SCRIPT_TEXT, lambda k, m, now, w, limit: (2, k, f"{k}:w", m, "", w, limit, 1)),
+        SCRIPT_TEXT, lambda k, m, now, w, limit: (3, k, f"{k}:w", f"{k}:t", m, "", w, limit, 1)),
     "this package's script, client clock": (
-        SCRIPT_TEXT, lambda k, m, now, w, limit: (2, k, f"{k}:w", m, now, w, limit, 1)),
+        SCRIPT_TEXT, lambda k, m, now, w, limit: (3, k, f"{k}:w", f"{k}:t", m, now, w, limit, 1)),
     "original four-op script (the design: all four commands every call)": (
         ORIGINAL_FOUR_OP_SCRIPT, lambda k, m, now, w, limit: (1, k, now, w, limit, m)),
     "four-op, ZADD+EXPIRE only on allow (stricter reference)": (
@@ -58,7 +60,11 @@ SERVER_SCRIPTS = {
             "local t = redis.call('TIME')\n"
             "local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)"),
         lambda k, m, now, w, limit: (1, k, now, w, limit, m)),
+    # The floor of any script decision: an EVALSHA that does nothing (same key count as the
+    # four-op scripts, so that only the script's own work differs).
+    "empty script (EVALSHA floor)": (EMPTY_SCRIPT, lambda k, m, now, w, limit: (1, k)),
 }
+EMPTY = "empty script (EVALSHA floor)"
 OURS = "this package's script, server clock (default)"
 FOUR_OP = "original four-op script (the design: all four commands every call)"
 STRICT = "four-op, ZADD+EXPIRE only on allow (stricter reference)"
@@ -265,7 +271,7 @@ class Callgrind:
         for n in (calls, 2 * calls):
             proc = subprocess.run(
                 ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/raw.{n}", str(RAW_BINARY),
-                 "--script", str(SCRIPT_PATH), *self.target.raw_args(), "--prefix", "gbench:cpu:raw",
+                 "--script", str(write_built_script()), *self.target.raw_args(), "--prefix", "gbench:cpu:raw",
                  "--users", "1000", "--window", f"60:{BIG}", "--calls", str(n), "--warmup", "100",
                  "--duration", "600"],
                 capture_output=True, text=True, timeout=600, env=self.target.raw_env())

@@ -42,11 +42,12 @@ would share (UnknownClientAddress).
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:  # FastAPI is an optional extra; this module only needs a request's shape
     from starlette.requests import Request
@@ -97,8 +98,15 @@ def client_network(address: str, v4_prefix: int = DEFAULT_V4_PREFIX,
     the whole address ("203.0.113.7"), else the network in CIDR form ("2001:db8:1:2::/64",
     "203.0.113.0/24"). An IPv4-mapped IPv6 address counts as IPv4. Anything that is not an IP
     address (a test client's "testclient") is returned as it is."""
-    v4_prefix = _prefix("v4_prefix", v4_prefix, 32)
-    v6_prefix = _prefix("v6_prefix", v6_prefix, 128)
+    return _network_text(address, _prefix("v4_prefix", v4_prefix, 32),
+                         _prefix("v6_prefix", v6_prefix, 128))
+
+
+# Parsing an address costs more than the rest of a request's identity: the networks of the
+# most recent clients are remembered (a bounded cache; a flood of new addresses only evicts).
+@functools.lru_cache(maxsize=4096)
+def _network_text(address: str, v4_prefix: int, v6_prefix: int) -> str:
+    """client_network with prefixes already checked."""
     found = _address(address)
     if found is None:
         return address
@@ -109,6 +117,29 @@ def client_network(address: str, v4_prefix: int = DEFAULT_V4_PREFIX,
     if v6_prefix == 128:
         return str(ipaddress.IPv6Address(int(found)))  # without a zone id
     return str(ipaddress.IPv6Network((int(found), v6_prefix), strict=False))
+
+
+def state_value(request: Request, name: str) -> Any:
+    """request.state.<name>, or None when the app set none. Starlette's State raises (and
+    formats a message) for every missing attribute; its dict is read directly when it has
+    one, which is several times cheaper on the anonymous path."""
+    state = request.state
+    values = getattr(state, "_state", None)  # an instance attribute: no __getattr__ call
+    if isinstance(values, dict):
+        return values.get(name)
+    return getattr(state, name, None)
+
+
+class Anonymous(str):
+    """The identity of an anonymous client: `Anonymous("203.0.113.7") == "ip:203.0.113.7"`.
+    Only an Anonymous identity reaches the anonymous key space; a plain str that reads
+    "ip:..." is a user id and is kept apart from it (genai_ratelimit.fastapi's key_identity).
+    Public as genai_ratelimit.fastapi.Anonymous (defined here, where the identity rule is)."""
+
+    __slots__ = ()
+
+    def __new__(cls, host: str) -> Anonymous:
+        return super().__new__(cls, f"ip:{host}")
 
 
 class UnknownClientAddress(LookupError):
@@ -170,22 +201,20 @@ class ClientNetworks:
         host = self.client_host(request)
         if host is None or _is_unix_peer(host):
             raise UnknownClientAddress(self._unknown_reason(request))
-        return client_network(host, self.v4_prefix, self.v6_prefix)
+        return _network_text(host, self.v4_prefix, self.v6_prefix)
 
     def _unknown_reason(self, request: Request) -> str:
         return "the server reports no client address (a unix socket?)"
 
     def identify(self, request: Request) -> tuple[str, str | None]:
         """An `identify` for RateLimit / TokenRateLimit."""
-        from .fastapi import Anonymous  # FastAPI is needed only here
-
-        user_id = getattr(request.state, "user_id", None)
+        user_id = state_value(request, "user_id")
         if user_id is None or user_id == "":
             try:
                 user_id = Anonymous(self.network_of(request))
             except UnknownClientAddress as unknown:
                 _refuse_unknown_client(request, unknown)
-        return user_id, getattr(request.state, "tier", None)
+        return user_id, state_value(request, "tier")
 
 
 class TrustedProxies(ClientNetworks):

@@ -82,8 +82,9 @@ except ImportError as exc:  # the core package works without FastAPI; this packa
                       f" ({exc})") from exc
 
 from .._usage import estimate_openai_tokens
+from ..proxies import Anonymous
 from ._dependency import RateLimit
-from ._identity import Anonymous, default_identify, key_identity
+from ._identity import default_identify, key_identity
 from ._ledger import in_flight_lease, record_usage
 from ._middleware import RateLimitHeadersMiddleware
 from ._policy import Identify, window_name

@@ -7,20 +7,9 @@ import re
 
 from fastapi import Request
 
-from ..proxies import ClientNetworks
+from ..proxies import Anonymous, ClientNetworks
 
 logger = logging.getLogger("genai_ratelimit")
-
-
-class Anonymous(str):
-    """The identity of an anonymous client: `Anonymous("203.0.113.7") == "ip:203.0.113.7"`.
-    Only an Anonymous identity reaches the anonymous key space; a plain str that reads
-    "ip:..." is a user id and is kept apart from it (see key_identity)."""
-
-    __slots__ = ()
-
-    def __new__(cls, host: str) -> Anonymous:
-        return super().__new__(cls, f"ip:{host}")
 
 
 # A user id beginning with one of these is stored as "user:<id>": they mark the anonymous

@@ -334,7 +334,6 @@ class ServerSentEvent(NamedTuple):
     last_event_id: str
 
 
-_LINE_END = re.compile(rb"\r\n|\r|\n")
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -386,28 +385,33 @@ class EventStreamParser:
             self._line = bytearray()
         if self._after_cr and data:
             self._after_cr = False
-            if data[:1] == b"\n":
+            if data[0] == 0x0A:  # the LF of a CRLF split between two chunks
                 data = data[1:]
+        if not data:
+            return []
+        # bytes.splitlines ends a line at LF, CRLF or CR, exactly the standard's line ends.
+        lines = data.splitlines()
+        last = data[-1]
+        self._after_cr = last == 0x0D
+        tail = lines.pop() if last != 0x0A and last != 0x0D else b""  # an unfinished line
         events: list[ServerSentEvent] = []
-        start = 0
-        for match in _LINE_END.finditer(data):
+        if lines and (self._line or self._skipping_line):  # the end of the line under way
             if self._skipping_line:
                 self._skipping_line = False  # the end of a line too long to keep
+                del lines[0]
             else:
-                if self._line:
-                    self._line += data[start:match.start()]
-                    line = bytes(self._line)
-                    self._line = bytearray()
-                else:
-                    line = data[start:match.start()]
-                event = self._process(line)
+                self._line += lines[0]
+                lines[0] = bytes(self._line)
+                self._line = bytearray()
+        for line in lines:
+            if line:
+                self._process(line)
+            else:
+                event = self._dispatch()
                 if event is not None:
                     events.append(event)
-            start = match.end()
-        if data.endswith(b"\r"):
-            self._after_cr = True
-        if not self._skipping_line and start < len(data):
-            self._line += data[start:]
+        if tail and not self._skipping_line:
+            self._line += tail
             if len(self._line) > self.max_event_bytes:
                 self._line, self._skipping_line, self._oversized = bytearray(), True, True
         return events
@@ -418,21 +422,18 @@ class EventStreamParser:
         that event; the parser is ready for a new stream's events after this."""
         line, skipping = bytes(self._line), self._skipping_line
         self._line, self._skipping_line, self._after_cr = bytearray(), False, False
-        if self._at_start:
-            self._at_start = False
-            line = line[len(_BOM):] if line == _BOM else line
+        self._at_start = False  # (a stream of less than a BOM: its bytes are a line)
         if line and not skipping:
             self._process(line)
         return self._dispatch()
 
-    def _process(self, line: bytes) -> ServerSentEvent | None:
-        if not line:
-            return self._dispatch()
+    def _process(self, line: bytes) -> None:
+        """One line that is not blank: a comment or a field."""
         if len(line) > self.max_event_bytes:  # whatever it is, as when it came in pieces
             self._oversized = True
-            return None
+            return
         if line[0] == 0x3A:  # ":", a comment
-            return None
+            return
         name, colon, value = line.partition(b":")
         if colon and value[:1] == b" ":
             value = value[1:]
@@ -453,7 +454,6 @@ class EventStreamParser:
                 digits = value.lstrip(b"0") or b"0"
                 if len(digits) <= 18:  # longer: no time a stream could wait
                     self.retry = int(digits)
-        return None
 
     def _dispatch(self) -> ServerSentEvent | None:
         data, kind, oversized = self._data, self._type, self._oversized

@@ -1,10 +1,10 @@
 """A token route's bad input is the client's error, never a 500 (issue 30, item 9): a maximum
 the JSON cannot carry as a number (1e400, NaN), a body that is not JSON, JSON that is not an
-object, an empty body. Each gets a 4xx naming the problem, in the error shape the route speaks
-(error_format: OpenAI's `error` object, Anthropic's `{"type": "error", ...}`, or the plain
-`detail`), whether the route then reads the body the documented way (`await
-request.json()`) or not. Then any JSON value and any bytes, through the same route
-(hypothesis): never a 500. Starlette's TestClient on the session's real Redis."""
+object, an empty body announced as JSON. Each gets a 4xx naming the problem, in the error
+shape the route speaks (error_format: OpenAI's `error` object, Anthropic's `{"type":
+"error", ...}`, or the plain `detail`), whether the route then reads the body the documented
+way (`await request.json()`) or not. Then any JSON value and any bytes, through the same
+route (hypothesis): never a 500. Starlette's TestClient on the session's real Redis."""
 
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ def gateway(limiter: RateLimiter, error_format: str = "openai", *, middleware: b
 
     @app.post("/v1/chat/completions", dependencies=[Depends(tokens)])
     async def chat(request: Request) -> dict[str, Any]:
+        if not await request.body():  # a request without a body, which TokenRateLimit lets by
+            return {"model": None, "fields": []}
         body = await request.json()  # the documented pattern (docs/tokens.md)
         return {"model": body.get("model"), "fields": sorted(body)}
 
@@ -130,7 +132,7 @@ def test_without_the_middleware_the_422_is_fastapis_and_still_not_a_500(
     (b"42", ["must be a JSON object", "a number"]),
     (b"true", ["must be a JSON object", "a boolean"]),
     (b"null", ["must be a JSON object", "null"]),
-    (b"", ["empty", "JSON object"]),
+    (b"", ["empty", "JSON object"]),  # under a JSON content-type
     (b"  \n", ["not valid JSON"]),
     (b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", ["nested too deeply"]),
 ], ids=["text", "cut", "trailing", "not-utf-8", "long-number", "array", "string", "number", "boolean",
@@ -143,9 +145,9 @@ def test_a_body_that_is_not_a_json_object_is_a_400_naming_the_problem(
     with TestClient(gateway(blocking_limiter, error_format)) as client:
         answer = client.post("/v1/chat/completions", headers=JSON_HEADERS, content=content)
         assert_shape(answer, error_format, 400, *words)
-        # The same without a content-type: a token route's body is JSON.
-        assert client.post("/v1/chat/completions", content=content).status_code == 400
-    assert list(redis_client.scan_iter("ratelimit:*")) == []  # nothing reserved
+        assert list(redis_client.scan_iter("ratelimit:*")) == []  # nothing reserved
+        # The same without a content-type: a token route's body is JSON (no body is no body).
+        assert client.post("/v1/chat/completions", content=content).status_code == (400 if content else 200)
 
 
 def test_a_form_upload_and_a_request_without_a_body_are_estimated_as_before(
@@ -155,10 +157,12 @@ def test_a_form_upload_and_a_request_without_a_body_are_estimated_as_before(
                              data={"model": "whisper-1"})
         form = client.post("/v1/audio/transcriptions", data={"model": "whisper-1"})
         listed = client.get("/v1/models")
-    assert [upload.status_code, form.status_code, listed.status_code] == [200, 200, 200]
+        bodiless = client.post("/v1/audio/transcriptions")  # no body, none announced
+    statuses = [upload.status_code, form.status_code, listed.status_code, bodiless.status_code]
+    assert statuses == [200] * 4
     key = "ratelimit:ns:bad:ip:testclient:60:tokens"
     weights = redis_client.hgetall(key + ":w")
-    assert [int(weights[m]) for m in redis_client.zrange(key, 0, -1)] == [1_000] * 3  # the default
+    assert [int(weights[m]) for m in redis_client.zrange(key, 0, -1)] == [1_000] * 4  # the default
 
 
 # --- any JSON value, any bytes: never a 500 ---------------------------------------------------
@@ -213,6 +217,8 @@ def test_any_bytes_are_answered_never_with_a_500(blocking_limiter: RateLimiter, 
                 document: object = json.loads(content)
             except (ValueError, RecursionError):
                 document = None
+            if not content and content_type != "application/json":
+                document = {}  # no body, none announced: a request like any other
             check_answer(answer, error_format, document)
 
         check()

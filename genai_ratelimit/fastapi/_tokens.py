@@ -69,8 +69,6 @@ AbortedStream = Literal["estimate", "streamed"]
 # Bodies that are not JSON by their nature (file and audio uploads, forms): the default
 # estimate does not read them (the tier's default maximum), and does not refuse them.
 _FORM_MEDIA_TYPES = frozenset(("multipart/form-data", "application/x-www-form-urlencoded"))
-# The methods whose empty body is no request at all (a GET has none, and needs none).
-_BODY_METHODS = frozenset(("POST", "PUT", "PATCH"))
 _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
                bool: "a boolean", type(None): "null"}
 
@@ -155,8 +153,9 @@ class TokenRateLimit(RateLimit):
                         for every tier or {tier: int} (others: DEFAULT_MAX_TOKENS, 1,000).
                         A maximum the upstream would refuse (max_tokens=1.5, "lots", true) is
                         the route's 422, and a body that is not a JSON object (not JSON, [1, 2],
-                        an empty POST) its 400, before anything is reserved, in the route's
-                        error_format (a form upload is not read: the default maximum).
+                        empty under a JSON content-type) its 400, before anything is reserved,
+                        in the route's error_format (a form upload, or a request without a
+                        body, is not read: the default maximum).
     aborted_stream      what a server-sent event stream that ends without its usage costs
                         (a client that disconnected, an upstream that broke off):
                         "estimate" (default) keeps the reservation; "streamed" charges the
@@ -285,15 +284,16 @@ class TokenRateLimit(RateLimit):
     def _request_document(self, request: Request, body: bytes) -> Mapping[str, Any] | bytes:
         """The body the default estimate reads: a JSON object (decoded here, once); the bytes
         themselves when they are a form upload or too large to decode (the estimate counts
-        every byte then); a GET's empty body. Any other body the upstream would refuse, and
-        the route's `await request.json()` would fail on, is refused here: 400 naming the
-        problem, in the route's error format, before anything is reserved."""
+        every byte then), or when there is no body and none is announced (no JSON
+        content-type). Any other body the upstream would refuse, and the route's `await
+        request.json()` would fail on, is refused here: 400 naming the problem, in the
+        route's error format, before anything is reserved."""
         media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media_type in _FORM_MEDIA_TYPES or len(body) > MAX_REQUEST_JSON_BYTES:
             return body
         if not body:
-            if request.method not in _BODY_METHODS:
-                return body
+            if media_type != "application/json" and not media_type.endswith("+json"):
+                return body  # no body at all: the default maximum, as for any request
             self._bad_body(request, "The request body is empty; expected a JSON object.")
         try:
             document = json.loads(body)

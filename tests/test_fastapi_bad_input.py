@@ -165,6 +165,23 @@ def test_a_form_upload_and_a_request_without_a_body_are_estimated_as_before(
     assert [int(weights[m]) for m in redis_client.zrange(key, 0, -1)] == [1_000] * 4  # the default
 
 
+def test_a_shadow_budget_answers_bad_input_too(blocking_limiter: RateLimiter) -> None:
+    # Bad input is not a budget's verdict: a shadow budget (which never refuses for its
+    # limits) answers it as the enforced one does, as it always answered a bad maximum.
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+    shadow = TokenRateLimit(blocking_limiter, namespace="bad", mode="shadow", token_limits=LARGE)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(shadow)])
+    async def chat(request: Request) -> dict[str, Any]:
+        return dict(await request.json())
+
+    with TestClient(app) as client:
+        assert client.post("/v1/chat/completions", json=[1, 2]).status_code == 400
+        assert client.post("/v1/chat/completions", json={"max_tokens": "lots"}).status_code == 422
+        assert client.post("/v1/chat/completions", json={"max_tokens": 5}).status_code == 200
+
+
 # --- any JSON value, any bytes: never a 500 ---------------------------------------------------
 
 JSON_SCALARS = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)

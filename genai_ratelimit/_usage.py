@@ -21,21 +21,23 @@ import logging
 import math
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._native import MAX_LIMIT
 
 __all__ = ["estimate_openai_tokens", "prompt_characters", "prompt_tokens",
            "requested_completion_tokens", "parse_token_count", "InvalidTokenCount",
-           "UsageScanner", "total_tokens_of", "usage_total", "json_object", "requested_model"]
+           "UsageScanner", "total_tokens_of", "usage_total", "json_object", "requested_model",
+           "EventStreamParser", "ServerSentEvent"]
 
 logger = logging.getLogger("genai_ratelimit")
 
 # A JSON response body is kept (a copy, the response itself is not held) up to this size to
 # read its usage; a larger one is passed through unread and its reservation kept.
 MAX_JSON_BYTES = 4 * 1024 * 1024
-# One server-sent event line longer than this is skipped (a usage chunk is a few hundred bytes).
-MAX_EVENT_LINE_BYTES = 1024 * 1024
+# A server-sent event with a line, or data, longer than this is skipped (a usage chunk is a
+# few hundred bytes); what is kept of a stream never grows past about this much.
+MAX_EVENT_BYTES = 1024 * 1024
 # A request body larger than this is not decoded: its model is unknown, and the estimate
 # counts every byte of it as a prompt character (never less than the upstream bills).
 MAX_REQUEST_JSON_BYTES = 32 * 1024 * 1024
@@ -314,12 +316,155 @@ def _delta_characters(document: Mapping[str, Any]) -> int:
     return 0
 
 
-def _may_carry_usage(payload: bytes) -> bool:
+def _may_carry_usage(data: str) -> bool:
     """Whether a stream event may carry usage: it names "usage", and not only as the
     `"usage": null` of every OpenAI chunk before the last (a quote inside a JSON string is
     escaped, so text cannot fake the key)."""
-    named = payload.count(b'"usage"')
-    return named > payload.count(b'"usage": null') + payload.count(b'"usage":null')
+    named = data.count('"usage"')
+    return named > data.count('"usage": null') + data.count('"usage":null')
+
+
+class ServerSentEvent(NamedTuple):
+    """One event of a text/event-stream, as the standard dispatches it: its type ("message"
+    unless an `event` field named one), its data (the `data` fields joined with LF) and the
+    stream's last event ID when it was dispatched."""
+
+    type: str
+    data: str
+    last_event_id: str
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+class EventStreamParser:
+    """The event stream interpretation of the WHATWG HTML standard ("Server-sent events"),
+    incrementally: `feed` any chunk of the stream's bytes (split anywhere, a CRLF or a UTF-8
+    character included) and get the events it completed.
+
+    - a line ends at CRLF, LF or a bare CR; one UTF-8 BOM at the start of the stream is dropped;
+    - a line starting with ':' is a comment; `name:value` is a field (one space after the
+      colon is dropped), a line without a colon is a field with an empty value;
+    - `data` lines are joined with LF; `event` names the type; `id` sets the last event ID
+      (not when it holds a NUL); `retry` (ASCII digits only) sets `retry`; other fields are
+      ignored;
+    - a blank line dispatches the event, when it had data; the type is reset, the ID kept.
+    The bytes are decoded as UTF-8, an invalid sequence read as U+FFFD.
+
+    Bounded: a line, or the data of one event, longer than max_event_bytes is not kept, and
+    that event is skipped (the next one is read as usual). An event left unfinished when the
+    stream ends is not dispatched (the standard drops it): `end()` returns it for a caller
+    that wants it."""
+
+    __slots__ = ("max_event_bytes", "retry", "last_event_id", "skipped", "_line", "_after_cr",
+                 "_at_start", "_skipping_line", "_data", "_data_size", "_oversized", "_type")
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self.max_event_bytes = max_event_bytes
+        self.retry: int | None = None  # the reconnection time the stream asked for, in ms
+        self.last_event_id = ""
+        self.skipped = 0  # events too long to keep
+        self._line = bytearray()  # the unfinished last line (at the start: a partial BOM)
+        self._after_cr = False  # the last line ended at a CR: an LF next is its CRLF's
+        self._at_start = True  # the BOM is not decided yet
+        self._skipping_line = False  # the rest of a line too long to keep
+        self._data: list[bytes] = []
+        self._data_size = 0
+        self._oversized = False
+        self._type = b""
+
+    def feed(self, chunk: bytes | bytearray | memoryview) -> list[ServerSentEvent]:
+        """The events this chunk completed, in order."""
+        data = bytes(chunk)
+        if self._at_start:
+            self._line += data
+            if len(self._line) < len(_BOM) and _BOM.startswith(self._line):
+                return []  # maybe a BOM, not all of it yet
+            self._at_start = False
+            data = bytes(self._line[len(_BOM):] if self._line.startswith(_BOM) else self._line)
+            self._line = bytearray()
+        if self._after_cr and data:
+            self._after_cr = False
+            if data[0] == 0x0A:  # the LF of a CRLF split between two chunks
+                data = data[1:]
+        if not data:
+            return []
+        # bytes.splitlines ends a line at LF, CRLF or CR, exactly the standard's line ends.
+        lines = data.splitlines()
+        last = data[-1]
+        self._after_cr = last == 0x0D
+        tail = lines.pop() if last != 0x0A and last != 0x0D else b""  # an unfinished line
+        events: list[ServerSentEvent] = []
+        if lines and (self._line or self._skipping_line):  # the end of the line under way
+            if self._skipping_line:
+                self._skipping_line = False  # the end of a line too long to keep
+                del lines[0]
+            else:
+                self._line += lines[0]
+                lines[0] = bytes(self._line)
+                self._line = bytearray()
+        for line in lines:
+            if line:
+                self._process(line)
+            else:
+                event = self._dispatch()
+                if event is not None:
+                    events.append(event)
+        if tail and not self._skipping_line:
+            self._line += tail
+            if len(self._line) > self.max_event_bytes:
+                self._line, self._skipping_line, self._oversized = bytearray(), True, True
+        return events
+
+    def end(self) -> ServerSentEvent | None:
+        """The end of the stream: the event it left unfinished (its last line included, when
+        that has no line end), as if a blank line had closed it, or None. The standard drops
+        that event; the parser is ready for a new stream's events after this."""
+        line, skipping = bytes(self._line), self._skipping_line
+        self._line, self._skipping_line, self._after_cr = bytearray(), False, False
+        self._at_start = False  # (a stream of less than a BOM: its bytes are a line)
+        if line and not skipping:
+            self._process(line)
+        return self._dispatch()
+
+    def _process(self, line: bytes) -> None:
+        """One line that is not blank: a comment or a field."""
+        if len(line) > self.max_event_bytes:  # whatever it is, as when it came in pieces
+            self._oversized = True
+            return
+        if line[0] == 0x3A:  # ":", a comment
+            return
+        name, colon, value = line.partition(b":")
+        if colon and value[:1] == b" ":
+            value = value[1:]
+        if name == b"data":
+            if not self._oversized:
+                self._data_size += len(value) + 1
+                if self._data_size > self.max_event_bytes:
+                    self._oversized, self._data = True, []
+                else:
+                    self._data.append(value)
+        elif name == b"event":
+            self._type = value
+        elif name == b"id":
+            if b"\x00" not in value:
+                self.last_event_id = value.decode("utf-8", "replace")
+        elif name == b"retry":
+            if value.isdigit():  # ASCII digits only (bytes.isdigit)
+                digits = value.lstrip(b"0") or b"0"
+                if len(digits) <= 18:  # longer: no time a stream could wait
+                    self.retry = int(digits)
+
+    def _dispatch(self) -> ServerSentEvent | None:
+        data, kind, oversized = self._data, self._type, self._oversized
+        self._data, self._data_size, self._oversized, self._type = [], 0, False, b""
+        if oversized:
+            self.skipped += 1
+            return None
+        if not data:
+            return None
+        return ServerSentEvent(kind.decode("utf-8", "replace") or "message",
+                               b"\n".join(data).decode("utf-8", "replace"), self.last_event_id)
 
 
 class UsageScanner:
@@ -327,18 +472,21 @@ class UsageScanner:
     forwards the chunk itself at once), then `total_tokens()`.
 
     "json": a copy of the body is kept up to MAX_JSON_BYTES and decoded at the end.
-    "sse": only the unfinished last line is kept; every `data:` line that may carry usage is
-    decoded: the last OpenAI chunk carrying usage, a Responses final event
+    "sse": the body is read as the standard's event stream (EventStreamParser: CR, LF or
+    CRLF line ends, comments, multi-line data joined with LF, an event ends at a blank line),
+    keeping only the event under way (at most MAX_EVENT_BYTES); the data of every event that
+    may carry usage is decoded: the last OpenAI chunk carrying usage, a Responses final event
     (response.completed), or Anthropic's message_start updated by message_delta. `done`
-    turns true at the end of the stream's events (`data: [DONE]`, Anthropic's message_stop,
-    Responses' final event): the usage is final there and can be acted on before that chunk
-    is passed on.
+    turns true at the end of the stream's events (the event `[DONE]`, Anthropic's
+    message_stop, Responses' final event): the usage is final there and can be acted on
+    before that chunk is passed on. An event the stream leaves unfinished at its end (no
+    blank line after it) is still read by total_tokens(): the upstream billed it.
 
     count_streamed=True (an "sse" scanner) also counts the text the stream delivered, for
     streamed_tokens(): what an interrupted stream spent."""
 
-    __slots__ = ("kind", "done", "count_streamed", "_parts", "_size", "_overflow", "_line",
-                 "_skipping_line", "_total", "_anthropic", "_delta_characters", "_delta_events")
+    __slots__ = ("kind", "done", "count_streamed", "_parts", "_size", "_overflow", "_events",
+                 "_total", "_anthropic", "_delta_characters", "_delta_events")
 
     def __init__(self, kind: str, *, count_streamed: bool = False) -> None:
         if kind not in ("json", "sse"):
@@ -349,8 +497,7 @@ class UsageScanner:
         self._parts: list[bytes] = []
         self._size = 0
         self._overflow = False
-        self._line = b""
-        self._skipping_line = False
+        self._events = EventStreamParser()
         self._total: int | None = None
         self._anthropic: dict[str, int] = {}  # usage counts of message_start / message_delta
         self._delta_characters = 0
@@ -382,27 +529,17 @@ class UsageScanner:
             else:
                 self._parts.append(bytes(chunk))
             return
-        data = self._line + bytes(chunk)
-        *lines, self._line = data.split(b"\n")
-        for line in lines:
-            if self._skipping_line:
-                self._skipping_line = False  # the end of a line too long to keep
-                continue
-            self._event_line(line.rstrip(b"\r"))
-        if len(self._line) > MAX_EVENT_LINE_BYTES:
-            self._line, self._skipping_line = b"", True
+        for event in self._events.feed(chunk):
+            self._event_data(event.data)
 
-    def _event_line(self, line: bytes) -> None:
-        if not line.startswith(b"data:"):
-            return
-        payload = line[5:]
-        if payload.strip() == b"[DONE]":
+    def _event_data(self, data: str) -> None:
+        if data.strip() == "[DONE]":
             self.done = True
             return
-        if not (self.count_streamed or b'"message_stop"' in payload or _may_carry_usage(payload)):
+        if not (self.count_streamed or '"message_stop"' in data or _may_carry_usage(data)):
             return
         try:
-            document = json.loads(payload)
+            document = json.loads(data)
         except (ValueError, RecursionError):
             return
         if isinstance(document, Mapping):
@@ -451,9 +588,9 @@ class UsageScanner:
                 return total_tokens_of(json.loads(b"".join(self._parts)))
             except (ValueError, RecursionError):
                 return None
-        if self._line and not self._skipping_line:  # a last line without its newline
-            self._event_line(self._line.rstrip(b"\r"))
-            self._line = b""
+        unfinished = self._events.end()  # a last event without its blank line
+        if unfinished is not None:
+            self._event_data(unfinished.data)
         return self._total
 
     def streamed_tokens(self, prompt_tokens: int = 0) -> int | None:

@@ -202,6 +202,28 @@ def test_token_rate_limit_sends_anthropics_token_headers_in_the_anthropic_format
                    for name in response.headers)
 
 
+@pytest.mark.parametrize("error_format", ["openai", "anthropic", "plain"])
+def test_a_token_routes_bad_input_is_answered_in_its_format_on_every_limiter(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
+        error_format: str) -> None:
+    # Issue 30 item 9 (tests/test_fastapi_bad_input.py has the rest): 400 / 422, never a 500.
+    client = client_for(TokenRateLimit(limiter=limiter, error_format=error_format))
+    not_an_object = client.request("GET", "/dict", content=b"[1, 2]", headers=as_user(user_id))
+    infinite = client.request("GET", "/dict", content=b'{"max_tokens": 1e400}',
+                              headers={**as_user(user_id), "content-type": "application/json"})
+    assert (not_an_object.status_code, infinite.status_code) == (400, 422)
+    message = "The request body must be a JSON object, got an array."
+    expected = {"openai": {"detail": message, "error": {"message": message, "type": "invalid_request_error",
+                                                        "param": None, "code": None}},
+                "anthropic": {"detail": message, "type": "error",
+                              "error": {"type": "invalid_request_error", "message": message}},
+                "plain": {"detail": message}}[error_format]
+    assert not_an_object.json() == expected
+    (error,) = infinite.json()["detail"]
+    assert (error["loc"], error["input"]) == (["body", "max_tokens"], "inf")
+    assert client.get("/dict", headers=as_user(user_id)).status_code == 200  # no body: fine
+
+
 # --- x-should-retry ---------------------------------------------------------------------------
 
 

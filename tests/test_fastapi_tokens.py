@@ -566,7 +566,8 @@ def test_the_scanners_keep_only_what_they_need() -> None:
     json_scanner.feed(b'{"usage": {"total_tokens": 5}, "pad": "' + b"x" * _usage.MAX_JSON_BYTES + b'"}')
     assert json_scanner.total_tokens() is None  # too large to read: the reservation stays
     sse = UsageScanner("sse")
-    sse.feed(b"data: " + b"x" * (_usage.MAX_EVENT_LINE_BYTES + 1))  # an endless line is dropped...
-    sse.feed(b'more"usage"\ndata: {"usage": {"total_tokens": 4}}')  # ...until its end
-    assert sse.total_tokens() == 4  # a last line without its newline still counts
+    sse.feed(b"data: " + b"x" * (_usage.MAX_EVENT_BYTES + 1))  # an endless line is dropped...
+    sse.feed(b'more"usage"\ndata: {"usage": {"total_tokens": 3}}\n\n')  # ...with its event
+    sse.feed(b'data: {"usage": {"total_tokens": 4}}')
+    assert sse.total_tokens() == 4  # a last event without its blank line still counts
     assert not sse.done

@@ -9,9 +9,10 @@ is counted, never a 500."""
 
 from __future__ import annotations
 
+import json
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anthropic
@@ -20,6 +21,7 @@ import openai
 import pytest
 import redis
 from fastapi import Depends, FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from genai_ratelimit import RateLimiter
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, TokenRateLimit
@@ -175,9 +177,10 @@ def gateway(redis_url: str) -> Iterator[UvicornServer]:
         server.close()
 
 
-def token_costs(redis_client: redis.Redis, window: int = 60, namespace: str = "shapes") -> list[int]:
+def token_costs(redis_client: redis.Redis, window: int = 60, namespace: str = "shapes",
+                identity: str = "127.0.0.1") -> list[int]:
     """The cost of every entry of the anonymous client's token window (weights hash)."""
-    key = f"ratelimit:ns:{namespace}:ip:127.0.0.1:{window}:tokens"
+    key = f"ratelimit:ns:{namespace}:ip:{identity}:{window}:tokens"
     weights = redis_client.hgetall(key + ":w")
     return [int(weights.get(member, 1)) for member in redis_client.zrange(key, 0, -1)]
 
@@ -325,6 +328,50 @@ def test_a_deeply_nested_body_is_counted_never_a_500(blocking_limiter: RateLimit
     assert 500 not in statuses
     assert redis_client.zcard("ratelimit:ns:nested:ip:testclient:60") == statuses.count(200)
     assert statuses.count(200) >= 2
+
+
+# The usage chunk of a chat stream, as the standard lets an upstream write it (issue 30,
+# item 3): each was kept at its estimate (11 tokens: "hi" and max_tokens 10) instead of the
+# 5,000 tokens reported.
+USAGE_CHUNK = {"id": "c", "object": "chat.completion.chunk", "choices": [],
+               "usage": {"prompt_tokens": 1_000, "completion_tokens": 4_000, "total_tokens": 5_000}}
+USAGE_JSON = json.dumps(USAGE_CHUNK, indent=1)  # several lines
+STANDARD_STREAMS = {
+    # Bare CR line ends (the standard's third line end, beside LF and CRLF).
+    "bare-cr": f"data: {json.dumps(USAGE_CHUNK)}\r\rdata: [DONE]\r\r".encode(),
+    # One event whose JSON spans several data: lines (the standard joins them with LF).
+    "multi-line-data": ("".join(f"data: {line}\n" for line in USAGE_JSON.split("\n"))
+                        + "\ndata: [DONE]\n\n").encode(),
+    # A BOM, a comment, fields without the space, CRLF split between two chunks.
+    "bom-comment-crlf": ("\ufeff: keep-alive\r\nevent:chunk\r\nid:7\r\ndata:"
+                         + json.dumps(USAGE_CHUNK) + "\r\n\r\ndata:[DONE]\r\n\r\n").encode(),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STANDARD_STREAMS))
+@pytest.mark.parametrize("step", [1, 3, 1 << 20], ids=["bytes", "threes", "whole"])
+def test_a_stream_written_as_the_standard_allows_is_reconciled(
+        blocking_limiter: RateLimiter, redis_client: redis.Redis, name: str, step: int) -> None:
+    stream = STANDARD_STREAMS[name]
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+    budget = TokenRateLimit(blocking_limiter, namespace="standard",
+                            token_limits={"free": {"per_minute": 100_000, "per_day": 1_000_000}})
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(budget)])
+    async def chat() -> StreamingResponse:
+        async def chunks() -> AsyncIterator[bytes]:
+            for start in range(0, len(stream), step):  # the upstream's chunks, split anywhere
+                yield stream[start:start + step]
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    with TestClient(app) as client:
+        answer = client.post("/v1/chat/completions", json={
+            "model": "m", "max_tokens": 10, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]})
+        assert answer.status_code == 200
+        assert answer.content == stream  # passed on untouched
+    assert token_costs(redis_client, namespace="standard", identity="testclient") == [5_000]
 
 
 def test_the_gateway_log_has_no_errors(gateway: UvicornServer) -> None:

@@ -268,7 +268,8 @@ def test_the_billed_total_of_every_stream_and_its_end(stream: bytes, total: int,
     last_event = stream.rindex(b"data:")
     for start in range(0, len(stream), step):  # arbitrary chunk boundaries
         scanner.feed(stream[start:start + step])
-        assert scanner.done == (start + step > stream.index(b"\n", last_event))
+        # Done at the blank line that ends the last event (the standard dispatches it there).
+        assert scanner.done == (start + step > stream.index(b"\n\n", last_event) + 1)
     assert scanner.done  # [DONE], message_stop, response.completed: act before passing it on
     assert scanner.total_tokens() == total
 
@@ -390,7 +391,7 @@ def test_only_a_counting_stream_scanner_says_what_was_streamed() -> None:
 
 
 def test_only_events_that_may_carry_usage_are_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
-    decoded: list[bytes] = []
+    decoded: list[str] = []
     real_loads = json.loads
     quoting = sse((None, chat_chunk('say "usage": {"total_tokens": 5}')))  # the key, escaped in text
     monkeypatch.setattr(_usage.json, "loads", lambda data: decoded.append(data) or real_loads(data))
@@ -398,4 +399,4 @@ def test_only_events_that_may_carry_usage_are_decoded(monkeypatch: pytest.Monkey
     scanner.feed(OPENAI_CHAT_STREAM)  # three chunks with "usage": null, then the usage chunk
     scanner.feed(quoting)
     assert scanner.total_tokens() == 11
-    assert len(decoded) == 1 and b'"total_tokens": 11' in decoded[0]
+    assert len(decoded) == 1 and '"total_tokens": 11' in decoded[0]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +15,7 @@ from typing_extensions import Unpack
 
 from .. import RateLimiterError
 from .._openai_headers import (
+    ErrorFormat,
     ResourceHeaders,
     error_body,
     family_headers,
@@ -25,7 +28,12 @@ from .._tiers_config import (
     tier_token_limits_from_env,
     validate_token_limits,
 )
-from .._usage import InvalidTokenCount, estimate_openai_tokens, prompt_tokens
+from .._usage import (
+    MAX_REQUEST_JSON_BYTES,
+    InvalidTokenCount,
+    estimate_openai_tokens,
+    prompt_tokens,
+)
 from ..metrics import request_outcomes
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
@@ -57,6 +65,50 @@ logger = logging.getLogger("genai_ratelimit")
 
 Estimate = Callable[[Request], "int | Awaitable[int]"]
 AbortedStream = Literal["estimate", "streamed"]
+
+# Bodies that are not JSON by their nature (file and audio uploads, forms): the default
+# estimate does not read them (the tier's default maximum), and does not refuse them.
+_FORM_MEDIA_TYPES = frozenset(("multipart/form-data", "application/x-www-form-urlencoded"))
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def invalid_request_body(error_format: ErrorFormat, message: str, param: str | None = None,
+                         detail: object = None) -> dict[str, Any]:
+    """The body of a 4xx for a request the upstream would refuse as malformed, in the
+    route's error format: OpenAI's `error` object (type invalid_request_error, `param` the
+    field), Anthropic's {"type": "error", "error": {"type": "invalid_request_error"}}; every
+    format keeps `detail` (the message, or FastAPI's list of validation errors)."""
+    body: dict[str, Any] = {"detail": message if detail is None else detail}
+    if error_format == "openai":
+        body["error"] = {"message": message, "type": "invalid_request_error", "param": param,
+                         "code": None}
+    elif error_format == "anthropic":
+        body["type"] = "error"
+        body["error"] = {"type": "invalid_request_error", "message": message}
+    return body
+
+
+def _json_safe(value: object) -> object:
+    """value itself when any JSON encoder writes it back (and it is short), else its
+    repr, at most 40 characters (inf, nan, a nested document)."""
+    if value is None or isinstance(value, (bool, int, str)) or (
+            isinstance(value, float) and math.isfinite(value)):
+        shown = repr(value)
+        if len(shown) <= 40:
+            return value
+    else:
+        shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+def _json_error(error: ValueError) -> str:
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} at line {error.lineno} column {error.colno}"
+    if isinstance(error, UnicodeDecodeError):
+        return "it is not UTF-8 text"
+    text = str(error)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 
@@ -100,7 +152,10 @@ class TokenRateLimit(RateLimit):
     default_max_tokens  the completion tokens assumed when a request names no maximum: an int
                         for every tier or {tier: int} (others: DEFAULT_MAX_TOKENS, 1,000).
                         A maximum the upstream would refuse (max_tokens=1.5, "lots", true) is
-                        the route's 422, before anything is reserved.
+                        the route's 422, and a body that is not a JSON object (not JSON, [1, 2],
+                        empty under a JSON content-type) its 400, before anything is reserved,
+                        in the route's error_format (a form upload, or a request without a
+                        body, is not read: the default maximum).
     aborted_stream      what a server-sent event stream that ends without its usage costs
                         (a client that disconnected, an upstream that broke off):
                         "estimate" (default) keeps the reservation; "streamed" charges the
@@ -211,15 +266,49 @@ class TokenRateLimit(RateLimit):
             return self._positive("the token estimate", value)
         default = self.default_max_tokens.get(tier, self._default_max_fallback)
         body = await request.body()
+        document = self._request_document(request, body)
         try:
-            tokens = estimate_openai_tokens(body, default)
+            tokens = estimate_openai_tokens(document, default)
         except InvalidTokenCount as invalid:  # the upstream would refuse it too
-            raise RequestValidationError([{"type": "int_parsing", "loc": ("body", invalid.field),
-                                           "msg": str(invalid), "input": invalid.value}]) from None
+            error = {"type": "int_parsing", "loc": ("body", invalid.field), "msg": str(invalid),
+                     "input": _json_safe(invalid.value)}
+            # The middleware writes it in the route's format (FastAPI's 422 without it).
+            _ledger_of(request).refusal = (422, {}, invalid_request_body(
+                self.error_format, str(invalid), invalid.field, [error]))
+            raise RequestValidationError([error]) from None
         if self.aborted_stream == "streamed":
             ledger = _ledger_of(request)
-            ledger.prompt_tokens = max(ledger.prompt_tokens, prompt_tokens(body))
+            ledger.prompt_tokens = max(ledger.prompt_tokens, prompt_tokens(document))
         return tokens
+
+    def _request_document(self, request: Request, body: bytes) -> Mapping[str, Any] | bytes:
+        """The body the default estimate reads: a JSON object (decoded here, once); the bytes
+        themselves when they are a form upload or too large to decode (the estimate counts
+        every byte then), or when there is no body and none is announced (no JSON
+        content-type). Any other body the upstream would refuse, and the route's `await
+        request.json()` would fail on, is refused here: 400 naming the problem, in the
+        route's error format, before anything is reserved."""
+        media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type in _FORM_MEDIA_TYPES or len(body) > MAX_REQUEST_JSON_BYTES:
+            return body
+        if not body:
+            if media_type != "application/json" and not media_type.endswith("+json"):
+                return body  # no body at all: the default maximum, as for any request
+            self._bad_body(request, "The request body is empty; expected a JSON object.")
+        try:
+            document = json.loads(body)
+        except RecursionError:
+            self._bad_body(request, "The request body is nested too deeply to decode.")
+        except ValueError as error:  # JSONDecodeError, UnicodeDecodeError, too many digits
+            self._bad_body(request, f"The request body is not valid JSON ({_json_error(error)}); "
+                                    "expected a JSON object.")
+        if not isinstance(document, dict):
+            kind = _JSON_KINDS.get(type(document), "not an object")
+            self._bad_body(request, f"The request body must be a JSON object, got {kind}.")
+        return document
+
+    def _bad_body(self, request: Request, message: str) -> NoReturn:
+        refuse(request, 400, message, {}, invalid_request_body(self.error_format, message))
 
     async def __call__(self, request: Request, response: Response) -> None:
         found = self._identity_and_tier(request)

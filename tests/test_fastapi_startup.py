@@ -43,6 +43,13 @@ limiter = {limiter}
 five = RateLimit(limiter=limiter, tier_limits={{"free": {{"per_minute": 5, "per_day": 100}}}})
 other = RateLimit(limiter=limiter, tier_limits={{"free": {{"per_minute": {other}, "per_day": 100}}}},
                   {in_flight})
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app):   # a lifespan of one's own (fastapi.md): the ways "own_lifespan*"
+    async with rate_limit_lifespan(app):
+        yield
+
 """
 
 # How each way builds `api` (the FastAPI app whose routes are limited) and `app` (what is served).
@@ -56,11 +63,6 @@ WAYS = {
         app.add_middleware(RateLimitHeadersMiddleware)
         """,
     "own_lifespan": """\
-        @contextlib.asynccontextmanager
-        async def lifespan(app):
-            async with rate_limit_lifespan(app):
-                yield
-
         app = api = FastAPI(lifespan=lifespan)
         app.add_middleware(RateLimitHeadersMiddleware)
         """,
@@ -75,11 +77,6 @@ WAYS = {
         app = api = FastAPI(lifespan=rate_limit_lifespan)
         """,
     "own_lifespan_without_middleware": """\
-        @contextlib.asynccontextmanager
-        async def lifespan(app):
-            async with rate_limit_lifespan(app):
-                yield
-
         app = api = FastAPI(lifespan=lifespan)
         """,
 }

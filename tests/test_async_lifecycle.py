@@ -24,7 +24,7 @@ from helpers_async import (
     run_async,
     wait_for_connected_clients,
 )
-from helpers_core import connections_received, logged_entries, measured_commands
+from helpers_core import connections_received, logged_entries
 from test_limiter_concurrency import assert_exactly_limit_allowed
 
 # The coroutine API on each event loop: loop_factory is the kind's (tests/conftest.py).
@@ -96,41 +96,9 @@ def test_uvloop_is_installed_with_the_test_extra() -> None:
 
 # ------------------------------------------------------------------------ closing
 
-def test_check_after_aclose_raises_an_error_saying_closed_and_sends_nothing(
-        redis_url: str, redis_client: redis.Redis, loop_factory: LoopFactory) -> None:
-    from genai_ratelimit import RateLimiterError
-
-    async def main() -> None:
-        limiter = async_limiter(redis_url)
-        assert await limiter.check(fresh_user(), 10, 60) == (True, 9, 0)
-        await limiter.aclose()
-        assert limiter.closed
-        connections = connections_received(redis_client)
-        with measured_commands(redis_client) as delta:
-            with pytest.raises(RateLimiterError, match="(?i)closed"):
-                await limiter.check("user-1", 10, 60)
-            with pytest.raises(RateLimiterError, match="(?i)closed"):
-                await limiter.check_windows("user-1", [(10, 60)])
-        assert delta == {}
-        assert connections_received(redis_client) == connections
-        assert redis_client.keys("ratelimit:user-1:*") == []
-
-    run_async(main(), loop_factory)
-
-
-def test_check_after_aclose_on_a_limiter_never_used_raises_closed_and_dials_nothing(
-        redis_url: str, redis_client: redis.Redis, loop_factory: LoopFactory) -> None:
-    from genai_ratelimit import RateLimiterError
-
-    async def main() -> None:
-        limiter = async_limiter(redis_url)
-        await limiter.aclose()
-        before = connections_received(redis_client)
-        with pytest.raises(RateLimiterError, match="(?i)closed"):
-            await limiter.check("user-1", 10, 60)
-        assert connections_received(redis_client) == before
-
-    run_async(main(), loop_factory)
+# A check after close (used or never used) raises "closed" and sends nothing:
+# test_limiter_faults.py's test_check_after_close_raises_an_error_saying_closed_and_sends_nothing,
+# for every kind (aclose() through the blocking adapter's close()).
 
 
 def test_aclose_twice_is_harmless(

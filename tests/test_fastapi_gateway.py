@@ -309,10 +309,16 @@ def test_two_budgets_on_the_same_keys_are_refused_naming_both_and_the_fix(
     message = str(raised.value)
     assert repr(five) in message and repr(seven) in message
     assert "namespace=" in message and "route_limits=" in message
-    # Without the lifespan: the first request finds it (a 500, logged), nothing is counted.
+    # Without the lifespan, the middleware refuses it when the app starts
+    # (test_fastapi_startup.py); without either, the first request finds it (a 500, logged),
+    # nothing is counted.
     from fastapi.testclient import TestClient
 
-    with TestClient(app, raise_server_exceptions=False) as plain:
+    with pytest.raises(RateLimitConfigError):
+        with TestClient(app):
+            pass
+    bare = build_app(five, headers_middleware=False, extra=[seven])
+    with TestClient(bare, raise_server_exceptions=False) as plain:
         assert plain.get("/dict", headers=as_user(user_id)).status_code == 500
         assert plain.get("/dict", headers=as_user(user_id)).status_code == 500
     assert redis_client.keys(f"*{user_id}*") == []

@@ -10,6 +10,7 @@ One served app per limiter kind, as in test_fastapi_server.py."""
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -89,6 +90,7 @@ PROMPT_TOKENS = math.ceil(len(MESSAGES[0]["content"]) / 4)
 
 def test_a_token_budget_running_out_raises_rate_limit_error_with_our_message_and_headers(
         sdk: openai.OpenAI, redis_client: redis.Redis) -> None:
+    started = time.monotonic()
     spent = 0
     for _ in range(3):  # 3 x 3,007 tokens of 10,000; the fourth does not fit, 2 requests would
         completion = sdk.chat.completions.create(model="demo-1", messages=MESSAGES,  # type: ignore[arg-type]
@@ -99,12 +101,15 @@ def test_a_token_budget_running_out_raises_rate_limit_error_with_our_message_and
     with pytest.raises(openai.RateLimitError) as caught:
         sdk.chat.completions.create(model="demo-1", messages=MESSAGES,  # type: ignore[arg-type]
                                     max_tokens=3000, stream=False)
+    elapsed_ms = (time.monotonic() - started) * 1000
     error = caught.value
     headers = error.response.headers
     retry = int(headers["retry-after"])
-    assert 1 <= retry <= 60
     exact = int(headers["retry-after-ms"])  # the exact wait: Retry-After rounds it up
-    assert (retry - 1) * 1000 < exact <= retry * 1000
+    # The fourth fits once the first reservation, made at most `elapsed_ms` before the
+    # refusal, leaves the minute: 60 s after it was counted.
+    assert 60_000 - elapsed_ms <= exact <= 60_000
+    assert retry == math.ceil(exact / 1000)
     ours = (f"Rate limit reached on tokens per min (TPM): Limit {FREE_TOKENS}, "
             f"Requested {3000 + PROMPT_TOKENS}. Please try again in {format_duration(exact)}.")
     # openai >= 2 writes "Error code: 429 - <error.message>"; 1.x the body's repr around it.

@@ -3,15 +3,15 @@ lands in exactly one outcome of genai_ratelimit_requests_total, whose sum is the
 requests, with the HTTP status of docs/operations-dashboard.md's table; a per-tier in-flight
 gauge; no empty label, no user id; the exposition passes `promtool check metrics`.
 
-Real Redis (the session's); "Redis down" is a limiter on a closed port. Both a blocking
-RateLimiter (RateLimit then runs in the threadpool) and an AsyncRateLimiter."""
+Real Redis (the session's); "Redis down" is a limiter on a closed port. Every limiter kind
+(tests/conftest.py): a blocking RateLimiter (RateLimit then runs in the threadpool), and an
+AsyncRateLimiter on each kind's loop."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,10 +19,12 @@ import redis
 from fastapi import Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 
-from genai_ratelimit import AsyncRateLimiter, RateLimiter
+from genai_ratelimit import AsyncRateLimiter
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, TokenRateLimit
 from genai_ratelimit.metrics import OUTCOMES, PrometheusCollector, request_outcomes
+from helpers_async import LimiterFactory, run_async
 from helpers_core import closed_port_url
+from test_fastapi import client_options
 
 # Left out of make test-hiredis1, and why (the markers are pyproject.toml's).
 pytestmark = [
@@ -47,8 +49,10 @@ class Gateway:
     """An app with one route per way a request can end, on `up` (the session's Redis) and
     `down` (a closed port)."""
 
-    def __init__(self, up: Any, down: Any) -> None:
+    def __init__(self, up: Any, down: Any, make_limiter: LimiterFactory) -> None:
         self.up, self.down = up, down
+        self.loop_factory = make_limiter.loop_factory
+        self.client_options = client_options(make_limiter)  # TestClient on the kind's loop
         tiers = {"free": {"per_minute": 3}, "pro": {"per_minute": 100}}
         self.chat = RateLimit(up, tier_limits=tiers, identify=by_header,
                               max_in_flight={"free": 1, "pro": 5})
@@ -97,25 +101,19 @@ class Gateway:
         return found
 
 
-@pytest.fixture(params=["sync", "async"])
-def gateway(request: pytest.FixtureRequest, redis_url: str,
-            redis_client: redis.Redis) -> Iterator[Gateway]:
-    if request.param == "sync":
-        up: Any = RateLimiter(redis_url)
-        down: Any = RateLimiter(closed_port_url(), connect_timeout=0.5, socket_timeout=0.5)
-    else:
-        up = AsyncRateLimiter(redis_url)
-        down = AsyncRateLimiter(closed_port_url(), connect_timeout=0.5, socket_timeout=0.5)
-    yield Gateway(up, down)
+@pytest.fixture
+def gateway(make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> Gateway:
+    """The gateway on limiters of the kind under test (closed with the test's make_limiter)."""
+    return Gateway(make_limiter.native(redis_url),
+                   make_limiter.native(closed_port_url(), connect_timeout=0.5, socket_timeout=0.5),
+                   make_limiter)
 
 
 def take_slots(gateway: Gateway, user: str, count: int) -> None:
     """Holds `count` of user's in-flight slots, as requests in flight elsewhere would."""
-    import asyncio
-
     for _ in range(count):
         if isinstance(gateway.up, AsyncRateLimiter):
-            lease = asyncio.run(gateway.up.acquire(user, count, 60))
+            lease = run_async(gateway.up.acquire(user, count, 60), gateway.loop_factory)
         else:
             lease = gateway.up.acquire(user, count, 60)
         assert lease.allowed
@@ -151,7 +149,7 @@ EXPECTED = Counter({"allowed": 3 + 1 + 1, "rejected": 2 + 1, "too_large": 1,
 
 
 def test_every_request_lands_in_exactly_one_outcome(gateway: Gateway, user_id: str) -> None:
-    with TestClient(gateway.app) as client:
+    with TestClient(gateway.app, **gateway.client_options) as client:
         answers = burst(client, gateway, user_id)
     totals = gateway.totals()
     assert sum(totals.values()) == len(answers) == 15
@@ -167,7 +165,7 @@ def test_every_request_lands_in_exactly_one_outcome(gateway: Gateway, user_id: s
 
 def test_the_labels_say_tier_scope_mode_window_and_resource(gateway: Gateway,
                                                            user_id: str) -> None:
-    with TestClient(gateway.app) as client:
+    with TestClient(gateway.app, **gateway.client_options) as client:
         burst(client, gateway, user_id)
     up = {tuple(labels): count for *labels, count in request_outcomes(gateway.up).snapshot()[0]}
     down = {tuple(labels): count for *labels, count in request_outcomes(gateway.down).snapshot()[0]}
@@ -192,7 +190,7 @@ def test_the_limiter_level_decisions_relate_to_the_outcomes(gateway: Gateway,
     """The limiter counts Redis decisions, the layer HTTP requests: a shadow would-refuse is a
     rejected decision (of the shadow keys) and a request that ran; a concurrency 429 is a
     refused lease, no decision; an outage is an unavailable decision per request."""
-    with TestClient(gateway.app) as client:
+    with TestClient(gateway.app, **gateway.client_options) as client:
         burst(client, gateway, user_id)
     up, down = gateway.up.metrics(), gateway.down.metrics()
     tally = request_outcomes(gateway.up)
@@ -224,7 +222,7 @@ def test_the_exposition_sums_to_the_requests_and_passes_promtool(gateway: Gatewa
     if promtool is None:
         pytest.fail("promtool is missing: Debian's `prometheus` package has it (make test "
                     "installs it: scripts/ensure-debian-packages.sh prometheus)")
-    with TestClient(gateway.app) as client:
+    with TestClient(gateway.app, **gateway.client_options) as client:
         answers = burst(client, gateway, user_id)
     text = exposition(gateway)
     found = requests_series(text)
@@ -242,7 +240,7 @@ def test_the_exposition_sums_to_the_requests_and_passes_promtool(gateway: Gatewa
 
 
 def test_many_users_make_no_more_series(gateway: Gateway, user_id: str) -> None:
-    with TestClient(gateway.app) as client:
+    with TestClient(gateway.app, **gateway.client_options) as client:
         for n in range(3):
             client.get("/chat", headers={"x-user": f"{user_id}-{n}"})
         before = set(requests_series(exposition(gateway)))
@@ -285,7 +283,7 @@ def test_a_shadow_refusal_for_concurrency_counts_once(gateway: Gateway, user_id:
         return {}
 
     take_slots(gateway, f"shadow:ns:capped:{user_id}", 1)
-    with TestClient(app) as client:
+    with TestClient(app, **gateway.client_options) as client:
         response = client.get("/", headers={"x-user": user_id})
     assert response.status_code == 200
     assert response.headers["x-ratelimit-shadow"] == "would-refuse"
@@ -307,7 +305,7 @@ def test_opentelemetry_sees_the_same_outcomes_and_the_in_flight_gauge(gateway: G
     try:
         instrument_otel({"api": gateway.up, "down": gateway.down},
                         meter=provider.get_meter("test"))
-        with TestClient(gateway.app) as client:
+        with TestClient(gateway.app, **gateway.client_options) as client:
             answers = burst(client, gateway, user_id)
         points: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
         for resource in reader.get_metrics_data().resource_metrics:
@@ -346,7 +344,7 @@ def test_tokens_reserved_charged_and_refunded_by_tier(gateway: Gateway, user_id:
         await record_usage(request, int(request.headers["x-used"]))
         return {}
 
-    with TestClient(app) as client:
+    with TestClient(app, **gateway.client_options) as client:
         for tier, estimated, used in (("free", 60, 20), ("free", 50, 50), ("pro", 100, 130)):
             response = client.post("/", headers={"x-user": user_id, "x-tier": tier,
                                                  "x-tokens": str(estimated), "x-used": str(used)})

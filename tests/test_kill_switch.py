@@ -25,9 +25,11 @@ OFF_SPELLINGS = ["", "0", "false", "False", "no", "off", "OFF", "disabled", "2",
 @pytest.mark.parametrize("value", ON_SPELLINGS)
 def test_kill_switch_allows_with_the_full_budget_without_contacting_redis(
         monkeypatch, unreachable_limiter, value):
+    """A closed port: any attempt to connect would raise RateLimiterUnavailable."""
     monkeypatch.setenv("RATE_LIMIT_DISABLED", value)
     for _ in range(3):
         assert unreachable_limiter.check("user-1", 7, 60) == (True, 7, 0)
+        assert unreachable_limiter.check_windows("user-1", [(100, 86400), (5, 60)]) == (True, 5, 0, 60)
 
 
 @pytest.mark.parametrize("value", ["true", "1", "YES", "On"])

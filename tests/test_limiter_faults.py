@@ -26,7 +26,7 @@ from genai_ratelimit import (
     RateLimiterTimeout,
     RateLimiterUnavailable,
 )
-from helpers_async import LimiterFactory
+from helpers_async import BlockingAsyncLimiter, LimiterFactory, LoopLagProbe, max_loop_lag
 from helpers_core import (
     SORTED_SET_SHAPE,
     FullBacklogListener,
@@ -73,14 +73,39 @@ def test_exception_hierarchy():
     assert issubclass(RateLimiterError, Exception)
 
 
+def failure_on_its_loop(limiter, method: str, *args: Any):
+    """One call that must fail with a RateLimiterError: (exception, seconds it took, the
+    longest stall of the event loop it ran on). For an async kind the coroutine runs on the
+    adapter's loop beside a LoopLagProbe; the blocking limiter runs on no loop (0.0)."""
+    from genai_ratelimit import RateLimiterError
+
+    if isinstance(limiter, BlockingAsyncLimiter):
+        async def probed():
+            async with LoopLagProbe() as probe:
+                started = time.monotonic()
+                with pytest.raises(RateLimiterError) as info:
+                    await getattr(limiter.inner, method)(*args)
+                elapsed = time.monotonic() - started
+            return info.value, elapsed, probe.max_lag
+
+        return limiter.run(probed())
+    started = time.monotonic()
+    with pytest.raises(RateLimiterError) as info:
+        getattr(limiter, method)(*args)
+    return info.value, time.monotonic() - started, 0.0
+
+
 def test_closed_port_raises_unavailable_within_the_connect_timeout(limiter_for):
+    """Every kind, check and check_windows; an async kind's event loop stays responsive."""
     from genai_ratelimit import RateLimiterUnavailable
 
     with limiter_for(closed_port_url()) as limiter:
-        error, elapsed = timed_failure(limiter)
-    assert isinstance(error, RateLimiterUnavailable)
-    assert elapsed < 0.5 + MARGIN
-    assert str(error)
+        for method, args in (("check", ("user-1", 10, 60)),
+                             ("check_windows", ("user-1", [(5, 60)]))):
+            error, elapsed, lag = failure_on_its_loop(limiter, method, *args)
+            assert isinstance(error, RateLimiterUnavailable) and str(error), method
+            assert elapsed < 0.5 + MARGIN, method
+            assert lag < max_loop_lag(0.5), (method, lag)
 
 
 def test_closed_port_keeps_failing_fast_on_every_call(limiter_for):
@@ -463,14 +488,25 @@ def test_child_forked_below_python_never_reuses_the_parents_socket(limiter, redi
 
 # --------------------------------------------------------------------- closing
 
-def test_check_after_close_raises_an_error_saying_closed(limiter_for, redis_url):
+@pytest.mark.parametrize("used", [True, False], ids=["used", "never-used"])
+def test_check_after_close_raises_an_error_saying_closed_and_sends_nothing(
+        limiter_for, redis_url, redis_client, used):
     from genai_ratelimit import RateLimiterError
 
     limiter = limiter_for(redis_url)
-    limiter.check(f"user-{uuid.uuid4().hex}", 10, 60)
+    if used:
+        assert limiter.check(f"user-{uuid.uuid4().hex}", 10, 60) == (True, 9, 0)
     limiter.close()
-    with pytest.raises(RateLimiterError, match="(?i)closed"):
-        limiter.check("user-1", 10, 60)
+    assert limiter.closed
+    connections = connections_received(redis_client)
+    with measured_commands(redis_client) as delta:
+        with pytest.raises(RateLimiterError, match="(?i)closed"):
+            limiter.check("user-1", 10, 60)
+        with pytest.raises(RateLimiterError, match="(?i)closed"):
+            limiter.check_windows("user-1", [(10, 60)])
+    assert delta == {}
+    assert connections_received(redis_client) == connections  # not even dialled
+    assert redis_client.keys("ratelimit:user-1:*") == []
 
 
 def test_close_twice_is_harmless(limiter_for, redis_url):

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._usage import UsageScanner
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
 from ._responses import _SCOPE_KEY, _AllowedDecision
+from ._startup import checking_startup
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -34,6 +35,10 @@ class RateLimitHeadersMiddleware:
     budget. Unless the route already called
     record_usage: each request is reconciled at most once. No usage found: the reservation
     stays as it was (never a silent refund).
+
+    When the server starts the app (the ASGI lifespan), it runs the start-up checks of the
+    app's rate-limit dependencies (two budgets on the same keys: see rate_limit_lifespan):
+    a misconfigured app does not start, with or without rate_limit_lifespan.
 
     It also releases the in-flight leases of RateLimit's max_in_flight: once the response's
     last body message is due (before it is passed on), or when the app ends without one (a
@@ -58,6 +63,10 @@ class RateLimitHeadersMiddleware:
         self.error_envelope = error_envelope
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            # The server starts the app: the start-up checks run first (_startup).
+            await self.app(scope, checking_startup(scope, receive, send), send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return

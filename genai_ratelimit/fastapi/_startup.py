@@ -4,19 +4,24 @@ What can be wrong before any request: a dependency that needs RateLimitHeadersMi
 without it (max_in_flight, TokenRateLimit), two dependencies whose budgets differ but would
 count in the same keys, a limiter that cannot reach Redis. `check_app(app)` finds the first
 two from the app's routes; `rate_limit_lifespan` runs it when the app starts, pings every
-limiter, and closes them when it stops. Without the lifespan, each dependency runs the same
-checks on the first request of each app (then a misconfigured app answers 500 with the
-message, and logs it, instead of counting wrongly)."""
+limiter, and closes them when it stops. RateLimitHeadersMiddleware runs the same checks when
+the server starts the app (the ASGI lifespan's `lifespan.startup`, `checking_startup`), with
+or without the lifespan: a misconfigured app answers `lifespan.startup.failed` with the
+message, so the server does not start it. An app with neither (or a server that runs no
+lifespan): each dependency runs the same checks on the first request of each app (then a
+misconfigured app answers 500 with the message, and logs it, instead of counting wrongly)."""
 
 from __future__ import annotations
 
 import contextlib
 import inspect
 import logging
+import weakref
 from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
+from starlette.types import Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from ._dependency import RateLimit
@@ -87,6 +92,49 @@ def check_app(app: Any) -> None:
     check_dependencies(dependencies_of(app), middleware=has_headers_middleware(app))
 
 
+# The apps whose start-up checks RateLimitHeadersMiddleware ran as the server started them:
+# their rate_limit_lifespan does not run them again.
+_checked_by_middleware: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _check_and_mark(app: Any, dependencies: list[RateLimit], *, middleware: bool) -> None:
+    check_dependencies(dependencies, middleware=middleware)
+    for dependency in dependencies:
+        dependency.mark_checked(app)
+
+
+def checking_startup(scope: Scope, receive: Receive, send: Send) -> Receive:
+    """The `receive` of an ASGI lifespan scope, for RateLimitHeadersMiddleware: on the
+    server's `lifespan.startup` it runs the start-up checks of the app (scope["app"], which
+    the app sets before it first receives: an app wrapped in the middleware from outside is
+    found too) before the app sees the message. A check that fails answers the server
+    `lifespan.startup.failed` with its message and raises into the app, which then never
+    starts (uvicorn logs the message and exits with status 3; a TestClient raises it)."""
+    started = False
+
+    async def receive_checked() -> Message:
+        nonlocal started
+        message = await receive()
+        if message.get("type") != "lifespan.startup" or started:
+            return message
+        started = True
+        app = scope.get("app")
+        try:
+            _check_and_mark(app, dependencies_of(app), middleware=True)
+        except Exception as exc:
+            await send({"type": "lifespan.startup.failed",
+                        "message": f"{type(exc).__name__}: {exc}"})
+            raise
+        if app is not None:
+            try:
+                _checked_by_middleware.add(app)
+            except TypeError:  # an app that takes no weak reference: its lifespan checks again
+                pass
+        return message
+
+    return receive_checked
+
+
 def _distinct_limiters(dependencies: Iterable[RateLimit]) -> list[Any]:
     limiters: list[Any] = []
     for dependency in dependencies:
@@ -133,9 +181,8 @@ async def rate_limit_lifespan(app: Any, *, ping: bool = True, close: bool = True
     RateLimiterUnavailable, so the app does not start). On stop: closes those limiters
     (`close=False` leaves them open, e.g. when they are shared with other apps)."""
     dependencies = dependencies_of(app)
-    check_dependencies(dependencies, middleware=has_headers_middleware(app))
-    for dependency in dependencies:
-        dependency.mark_checked(app)
+    if app not in _checked_by_middleware:
+        _check_and_mark(app, dependencies, middleware=has_headers_middleware(app))
     if ping:
         await ping_limiters(dependencies)
     try:

@@ -942,30 +942,27 @@ class AsyncRateLimiter:
         holds is given back (_give_back); a reconcile sends the rest of its calls."""
         future = sent.future
         result: Any = None
+        fed: BaseException | None = None  # the last error handed to the plan
         try:
             while call is not None:
-                if future is not None:  # the reply of the call that was out
-                    try:
+                try:
+                    if future is not None:  # the reply of the call that was out
                         answer = await future
-                    except Exception as exc:  # noqa: BLE001 - handed to the plan
-                        call, result = advance(plan, error=exc)
+                    elif reserving and call[0] == "reserve":  # no new step for nobody
+                        raise _Abandoned()
                     else:
-                        call, result = advance(plan, answer)
-                    future = None
-                elif reserving and call[0] == "reserve":
-                    call, result = advance(plan, error=_Abandoned())
-                else:
-                    try:
                         answer = await self._call(call)
-                    except Exception as exc:  # noqa: BLE001 - handed to the plan
-                        call, result = advance(plan, error=exc)
-                    else:
-                        call, result = advance(plan, answer)
+                except Exception as exc:  # noqa: BLE001 - handed to the plan
+                    fed = exc
+                    call, result = advance(plan, error=exc)
+                else:
+                    call, result = advance(plan, answer)
+                future = None
             if reserving:
                 await self._give_back(result)
-        except _Abandoned:
-            pass
         except Exception as exc:  # noqa: BLE001 - logged: entries leave their windows, leases expire
+            if exc is fed:  # the plan gave up on that error, having refunded what it took
+                return
             logger.warning("could not give back what a cancelled %s took: %s",
                            "reserve" if reserving else "reconcile", exc)
 

@@ -236,3 +236,38 @@ def test_a_cancelled_reserve_of_tokens_without_a_slot_gives_back_its_tokens(
         assert again.allowed and again.remaining_tokens == 100
 
     run_async(scenario(), make_limiter.loop_factory)
+
+
+@pytest.mark.limiter_kinds("asyncio", "uvloop", reason="asyncio cancellation")
+def test_a_reserve_cancelled_in_its_first_of_two_steps_sends_no_second_and_refunds_the_first(
+        make_limiter: Any, redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    """Decided in two steps (a shared upstream first, as on a Redis Cluster; switched on
+    here on one node, as tests/test_scopes.py does), cancelled while the upstream's step is
+    held on the server: that step still logs its entry; then no second step is sent (no
+    slot taken, the user's windows untouched) and the first is refunded."""
+    from genai_ratelimit import Scope
+    from helpers_async import run_async
+    from test_leases import cancel_while_paused, poll
+
+    upstream = Scope("openai/gpt-4o", windows=[(30, 60)], token_windows=[(5_000, 60)],
+                     shared=True)
+    shared_keys = ["ratelimit:openai/gpt-4o:60:shared", "ratelimit:openai/gpt-4o:60:tokens:shared"]
+
+    async def scenario() -> None:
+        limiter = make_limiter.native(redis_url)
+        limiter._two_step_scopes = True
+        warm = await limiter.reserve(f"warm-{user_id}", WINDOWS, token_windows=TOKENS, tokens=1,
+                                     scopes=[upstream], in_flight=(1, 300))  # scripts loaded
+        await limiter.reconcile(warm, 0, release=True)
+        before = {key: logged(redis_client, key) for key in shared_keys}
+        await cancel_while_paused(redis_client, limiter.reserve(
+            user_id, WINDOWS, token_windows=TOKENS, tokens=300, scopes=[upstream],
+            in_flight=(1, 300)))
+        # The first step logged an entry in the upstream's windows: refunded (cost 0 removes it).
+        await poll(lambda: {key: logged(redis_client, key) for key in shared_keys} == before,
+                   "the first step's entry is refunded")
+        assert leases(redis_client, user_id) == []
+        assert logged(redis_client, f"ratelimit:{user_id}:60") == []
+        assert logged(redis_client, f"ratelimit:{user_id}:60:tokens") == []
+
+    run_async(scenario(), make_limiter.loop_factory)

@@ -55,6 +55,8 @@ logger = logging.getLogger("genai_ratelimit")
 # A connection takes new checks until this many replies are due on every open connection;
 # only then is another one opened (up to max_connections).
 _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
+# pick(): a connection that a WAIT blocks counts as busier than any pipeline depth.
+_BLOCKED = 1 << 40
 
 def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
     """The client TLS context of a rediss:// URL, following the one trust policy both
@@ -382,11 +384,12 @@ class _LoopPool:
         that a WAIT blocks is the busiest of all; rather than queue behind it, a call waits
         for another connection, opened for it when there is room."""
         best: _Connection | None = None
+        least = 0
         for conn in list(self.connections):
-            if best is None or (conn.waiting, conn.pipeline.pending) < (
-                    best.waiting, best.pipeline.pending):
+            load = conn.pipeline.pending + (_BLOCKED if conn.waiting else 0)
+            if best is None or load < least:
                 if conn.usable():  # may drop it from self.connections
-                    best = conn
+                    best, least = conn, load
         if best is None:
             return None
         room = len(self.connections) < self.limiter.max_connections

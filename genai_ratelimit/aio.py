@@ -645,6 +645,8 @@ class AsyncRateLimiter:
         if admission and self._min_replicas:
             future, wait = conn.admit(request)
             return await self._confirmed(conn, request, await self._reply(future, sent), wait)
+        if sent is None:  # _reply's common case, inline: no coroutine frame of its own
+            return await conn.submit(request)
         return await self._reply(conn.submit(request), sent)
 
     @staticmethod
@@ -927,7 +929,7 @@ class AsyncRateLimiter:
             return  # never queued: nothing was taken
         try:
             raw = await sent.future
-        except Exception:  # noqa: BLE001 - no answer: the replay rule or lease_seconds ends it
+        except Exception:  # noqa: BLE001 - no answer: a lease it took expires by itself
             return
         if not (raw[0] and raw[4]):
             return
@@ -1051,7 +1053,8 @@ class AsyncRateLimiter:
                 raw = await self._run(request, admission=True, sent=sent)
             except asyncio.CancelledError:
                 # The script may have granted a lease nobody holds: released when it did.
-                self._leave(self._release_granted(user_id, sent))
+                if sent.future is not None:
+                    self._leave(self._release_granted(user_id, sent))
                 raise
         return make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self)  # type: ignore[return-value]
 

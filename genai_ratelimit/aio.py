@@ -21,7 +21,7 @@ import logging
 import ssl
 import time
 import weakref
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Sequence
 from typing import Any
 
 from . import _native
@@ -55,6 +55,8 @@ logger = logging.getLogger("genai_ratelimit")
 # A connection takes new checks until this many replies are due on every open connection;
 # only then is another one opened (up to max_connections).
 _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
+# pick(): a connection that a WAIT blocks counts as busier than any pipeline depth.
+_BLOCKED = 1 << 40
 
 def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
     """The client TLS context of a rediss:// URL, following the one trust policy both
@@ -85,6 +87,24 @@ def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
     return context
 
 
+class _Sent:
+    """The reply of a request whose caller must not lose it to a cancellation (acquire,
+    reserve, reconcile): `future` gets it once the request is queued, None before. When the
+    caller is cancelled, the future is left to complete (_reply shields it) and the limiter
+    reads it, to give back what the script took for a caller that is gone (_leave,
+    _abandon)."""
+
+    __slots__ = ("future",)
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[Any] | None = None
+
+
+class _Abandoned(Exception):
+    """Thrown into the plan of a cancelled reserve in place of a step it will not send: the
+    plan refunds the steps it took, as for a step that failed."""
+
+
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     """For a command nobody waits for (ASKING): a refusal shows in the next reply."""
     if not future.cancelled():
@@ -104,7 +124,14 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self._flush_scheduled = False
         self._timer: asyncio.TimerHandle | None = None
-        self.then_future: asyncio.Future[Any] | None = None  # submit(then=...)'s reply
+        # min_replicas (see admit): the WAIT the admissions written since the last WAIT
+        # share, queued at the next flush; and whether a WAIT is out, blocking the
+        # connection until it answers (then nothing more waits behind it than it must).
+        self._next_wait: asyncio.Future[Any] | None = None
+        self.waiting = False
+        # While a WAIT blocks the connection, the server is silent by design: no reply is
+        # overdue before this time.monotonic() (see _on_timer).
+        self._quiet_until = 0.0
         self._fd = -1  # polled while idle (usable()); -1: not polled
         self._info_due = True  # until INFO memory's answer was looked at
         # The handshake's bytes when they hold AUTH's password (Pipeline.take gives those as
@@ -172,19 +199,13 @@ class _Connection(asyncio.Protocol):
             self.pool.replay(replays)
 
     # -- sending
-    def submit(self, request: Any,
-               then: tuple[str | bytes, ...] | None = None) -> asyncio.Future[Any]:
-        """Queues a Request; the future gets its result. then: a command queued right
-        behind it, in the same write (min_replicas: WAIT), whose future is
-        self.then_future."""
+    def submit(self, request: Any) -> asyncio.Future[Any]:
+        """Queues a Request; the future gets its result."""
         if self.closed:
             raise RateLimiterUnavailable("connection to Redis lost")
         future = self.loop.create_future()
         idle = self.pipeline.pending == 0
         self.pipeline.push(future, request)
-        if then is not None:
-            self.then_future = self.loop.create_future()
-            self.pipeline.push_command(self.then_future, *then)
         if idle and not self._flush_scheduled:
             # Nothing in flight: send now (lowest latency). Checks issued while this one
             # is out are batched below, one write per loop iteration.
@@ -194,6 +215,51 @@ class _Connection(asyncio.Protocol):
         if self._timer is None:
             self._timer = self.loop.call_later(self.timeout, self._on_timer)
         return future
+
+    def admit(self, request: Any) -> tuple[asyncio.Future[Any], asyncio.Future[Any]]:
+        """min_replicas: queues an admission; returns its future and the future of the WAIT
+        that covers it (join_wait)."""
+        future = self.submit(request)
+        return future, self.join_wait()
+
+    def join_wait(self) -> asyncio.Future[Any]:
+        """The future of the next WAIT of this connection, which covers every write queued
+        on it before that WAIT goes out. WAIT blocks the connection until the replicas
+        acknowledge or its timeout passes, and covers all the connection's earlier writes:
+        so the admissions of one loop iteration share one WAIT, queued behind the last of
+        them (none waits for another's), and while a WAIT is out the admissions queued
+        meanwhile (they run on the server as soon as it answers) get the one WAIT sent
+        when it answers, never a WAIT each. Shared: await it through asyncio.shield."""
+        if self.closed:
+            raise RateLimiterUnavailable("connection to Redis lost")
+        wait = self._next_wait
+        if wait is None:
+            wait = self._next_wait = self.loop.create_future()
+            wait.add_done_callback(_ignore_result)  # a refusal never looks at it
+            if not self.waiting:
+                self._schedule_flush()
+        return wait
+
+    def _send_wait(self) -> None:
+        """Queues the WAIT the admissions since the last one share (join_wait)."""
+        wait, self._next_wait = self._next_wait, None
+        assert wait is not None
+        limiter = self.pool.limiter
+        self.pipeline.push_command(wait, *limiter._wait_words)
+        self.waiting = True
+        self._quiet_until = max(self._quiet_until, time.monotonic()
+                                + limiter._replica_timeout_ms / 1000 + self.timeout)
+        wait.add_done_callback(self._wait_answered)
+        self._arm_timer()
+
+    def _wait_answered(self, wait: asyncio.Future[Any]) -> None:
+        self.waiting = False
+        if self.closed:
+            return
+        # What queued behind the WAIT waited for it: its socket_timeout starts now.
+        self._quiet_until = max(self._quiet_until, time.monotonic() + self.timeout)
+        if self._next_wait is not None:
+            self._schedule_flush()
 
     def submit_command(self, words: tuple[str | bytes, ...]) -> asyncio.Future[Any]:
         """Queues any Redis command; the future gets its reply (Pipeline.push_command)."""
@@ -236,6 +302,8 @@ class _Connection(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self._next_wait is not None and not self.waiting and not self.closed:
+            self._send_wait()
         data = self.pipeline.take()
         if data is not None and not self.closed and self.transport is not None:
             self.transport.write(data)
@@ -250,7 +318,7 @@ class _Connection(asyncio.Protocol):
         deadline = self.pipeline.oldest_deadline()
         if deadline is None or self.closed:
             return
-        left = deadline - time.monotonic()
+        left = max(deadline, self._quiet_until) - time.monotonic()
         if left <= 0:
             self.abort(RateLimiterTimeout(
                 f"Redis did not answer within {self.timeout:g} s (socket_timeout)"))
@@ -287,6 +355,9 @@ class _Connection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        wait, self._next_wait = self._next_wait, None
+        if wait is not None and not wait.done():  # never sent: no reply will resolve it
+            wait.set_exception(exc)
         self.pipeline.fail_all(exc)
         self.pool.discard(self)
 
@@ -309,17 +380,23 @@ class _LoopPool:
 
     def pick(self) -> _Connection | None:
         """The least busy open connection, unless every one is deep enough that another
-        connection is worth opening. None means: call open()."""
+        connection is worth opening. None means: call open(). min_replicas: a connection
+        that a WAIT blocks is the busiest of all; rather than queue behind it, a call waits
+        for another connection, opened for it when there is room."""
         best: _Connection | None = None
+        least = 0
         for conn in list(self.connections):
-            if best is None or conn.pipeline.pending < best.pipeline.pending:
+            load = conn.pipeline.pending + (_BLOCKED if conn.waiting else 0)
+            if best is None or load < least:
                 if conn.usable():  # may drop it from self.connections
-                    best = conn
+                    best, least = conn, load
         if best is None:
             return None
+        room = len(self.connections) < self.limiter.max_connections
+        if best.waiting:
+            return None if room or self.opening is not None else best
         if (best.pipeline.pending < _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION
-                or len(self.connections) >= self.limiter.max_connections
-                or self.opening is not None):
+                or not room or self.opening is not None):
             return best
         return None
 
@@ -482,6 +559,9 @@ class AsyncRateLimiter:
                                           min_replicas, replica_timeout_ms)
         self._min_replicas = native["min_replicas"]
         self._replica_timeout_ms = native["replica_timeout_ms"]
+        self._wait_words = ("WAIT", str(self._min_replicas), str(self._replica_timeout_ms))
+        # The tasks that give back what a cancelled call took (_leave), until they end.
+        self._leftovers: set[asyncio.Task[None]] = set()
         self._ssl = _ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock
@@ -550,41 +630,33 @@ class AsyncRateLimiter:
         self._last_loop, self._last_pool = loop, pool
         return pool
 
-    async def _run(self, request: Any, decision: bool = False, admission: bool = False) -> Any:
+    async def _run(self, request: Any, decision: bool = False, admission: bool = False,
+                   sent: _Sent | None = None) -> Any:
         """Sends one Request of the codec and waits for its answer. decision: a check,
         counted as unavailable in the metrics when no connection can be had. admission: a
-        decision that logs the request when it allows (min_replicas waits for it)."""
+        decision that logs the request when it allows (min_replicas waits for it). sent:
+        for a call whose reply must outlive its caller (see _Sent)."""
         if self._router is not None:
-            return await self._run_cluster(request, decision, admission)
+            return await self._run_cluster(request, decision, admission, sent)
         pool = self._pool()
         conn = pool.pick()
         if conn is None:
             conn = await self._connection(pool, decision)
         if admission and self._min_replicas:
-            return await self._admit_replicated(conn, request)
-        return await conn.submit(request)
-
-    async def _admit_replicated(self, conn: _Connection, request: Any) -> Any:
-        """min_replicas: the admission and WAIT in one write on one connection (WAIT covers
-        the script's write, at no round trip of its own), then _confirmed."""
-        future, wait = self._submit_admission(conn, request)
-        return await self._confirmed(conn, request, await self._decided(future, wait), wait)
-
-    def _submit_admission(self, conn: _Connection, request: Any
-                          ) -> tuple[asyncio.Future[Any], asyncio.Future[Any]]:
-        future = conn.submit(request, ("WAIT", str(self._min_replicas),
-                                       str(self._replica_timeout_ms)))
-        assert conn.then_future is not None
-        return future, conn.then_future
+            future, wait = conn.admit(request)
+            return await self._confirmed(conn, request, await self._reply(future, sent), wait)
+        if sent is None:  # _reply's common case, inline: no coroutine frame of its own
+            return await conn.submit(request)
+        return await self._reply(conn.submit(request), sent)
 
     @staticmethod
-    async def _decided(future: asyncio.Future[Any], wait: asyncio.Future[Any]) -> Any:
-        """The decision's result; its WAIT's answer is dropped when the decision failed."""
-        try:
+    async def _reply(future: asyncio.Future[Any], sent: _Sent | None) -> Any:
+        """The request's result. With `sent`, a cancelled caller leaves the future running
+        (its reply is still read, by sent's owner) instead of cancelling it."""
+        if sent is None:
             return await future
-        except BaseException:
-            wait.add_done_callback(_ignore_result)
-            raise
+        sent.future = future
+        return await asyncio.shield(future)
 
     async def _confirmed(self, conn: _Connection, request: Any, result: Any,
                          wait: asyncio.Future[Any]) -> Any:
@@ -596,19 +668,17 @@ class AsyncRateLimiter:
         except (TypeError, IndexError, KeyError):
             allowed = bool(getattr(result, "allowed", False))
         if not allowed:
-            wait.add_done_callback(_ignore_result)
             return result
         if request.reloaded:  # NOSCRIPT: the decision ran again behind the WAIT, uncovered
-            wait.add_done_callback(_ignore_result)
-            wait = conn.submit_command(
-                ("WAIT", str(self._min_replicas), str(self._replica_timeout_ms)))
+            wait = conn.join_wait()
         await self._replicated(wait)
         return result
 
     async def _replicated(self, wait: asyncio.Future[Any]) -> None:
-        """WAIT's answer judged: fewer replicas than min_replicas raise."""
+        """WAIT's answer judged: fewer replicas than min_replicas raise. The WAIT is
+        shared (_Connection.join_wait): a cancelled caller must not cancel it."""
         try:
-            acked = await wait
+            acked = await asyncio.shield(wait)
         except RateLimiterTimeout:
             raise
         except RateLimiterUnavailable as exc:
@@ -620,7 +690,7 @@ class AsyncRateLimiter:
                 "(min_replicas); it does not count as allowed")
 
     async def _run_cluster(self, request: Any, decision: bool = False,
-                           admission: bool = False) -> Any:
+                           admission: bool = False, sent: _Sent | None = None) -> Any:
         """Sends a Request where the router says (csrc/router.c: the blocking limiter's
         rules, the same code): the node that serves its slot, or the master the sentinels
         agree on; after each failed try the router says what next (MOVED, ASK, a pause and a
@@ -642,9 +712,9 @@ class AsyncRateLimiter:
                     if asking:
                         conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
                     if not (admission and self._min_replicas):
-                        return await conn.submit(request)
-                    future, wait = self._submit_admission(conn, request)
-                    result = await self._decided(future, wait)
+                        return await self._reply(conn.submit(request), sent)
+                    future, wait = conn.admit(request)
+                    result = await self._reply(future, sent)
                 except RateLimiterError as exc:
                     if not self._try_elsewhere(route, exc):
                         raise
@@ -798,7 +868,7 @@ class AsyncRateLimiter:
             raise RateLimiterError("the rate limiter is closed")
         reservation: Reservation = await self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes,
-            in_flight, lease_maker(AsyncLease, user_id, in_flight, self)))
+            in_flight, lease_maker(AsyncLease, user_id, in_flight, self)), reserving=True)
         count_reservation(self._codec._record_outcome, reservation)
         return reservation
 
@@ -811,28 +881,106 @@ class AsyncRateLimiter:
         count_reconcile(self._codec._record_outcome, reservation, actual, found)
         return found
 
-    async def _drive(self, plan: Plan) -> Any:
-        """Runs a plan's C calls (reservation.py) on this loop's pipeline."""
+    async def _drive(self, plan: Plan, reserving: bool = False) -> Any:
+        """Runs a plan's C calls (reservation.py) on this loop's pipeline. When the caller is
+        cancelled, the plan is finished on its own (_abandon): nothing it took outlives it.
+        reserving: a reserve's plan."""
         call, result = advance(plan)
         while call is not None:
-            name, positional, keywords = call
+            sent = _Sent()
             try:
-                if name == "validate":  # a codec without hash tags: steps may span slots
-                    answer: object = _native.Codec(self.key_prefix, metrics=False).reserve(
-                        *positional, **keywords)
-                elif name == "release":
-                    answer = await self._run(self._codec.release(*positional))
-                elif name == "reserve":  # a decision (the metrics count it), a reconcile is not
-                    request = self._codec.reserve(*positional, **keywords)
-                    answer = (request if type(request) is tuple
-                              else await self._run(request, True, True))
-                else:  # never answered by the kill switch: Redis holds what it corrects
-                    answer = await self._run(self._codec.reconcile(*positional, **keywords))
+                answer = await self._call(call, sent)
+            except asyncio.CancelledError:
+                self._leave(self._abandon(plan, call, sent, reserving))
+                raise
             except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
                 call, result = advance(plan, error=exc)
             else:
                 call, result = advance(plan, answer)
         return result
+
+    async def _call(self, call: Any, sent: _Sent | None = None) -> Any:
+        """One C call of a plan, awaited: its answer."""
+        name, positional, keywords = call
+        if name == "validate":  # a codec without hash tags: steps may span slots
+            return _native.Codec(self.key_prefix, metrics=False).reserve(*positional, **keywords)
+        if self._closed:  # a plan finished after aclose (_abandon) opens nothing
+            raise RateLimiterError("the rate limiter is closed")
+        if name == "release":
+            return await self._run(self._codec.release(*positional), sent=sent)
+        if name == "reserve":  # a decision (the metrics count it), a reconcile is not
+            request = self._codec.reserve(*positional, **keywords)
+            return (request if type(request) is tuple
+                    else await self._run(request, True, True, sent))
+        # never answered by the kill switch: Redis holds what it corrects
+        return await self._run(self._codec.reconcile(*positional, **keywords), sent=sent)
+
+    def _leave(self, work: Coroutine[Any, Any, None]) -> None:
+        """Runs `work` in a task of its own: what a cancelled call leaves to finish. aclose
+        waits for it (bounded)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._leftovers.add(task)
+        task.add_done_callback(self._leftovers.discard)
+
+    async def _release_granted(self, user_id: str, sent: _Sent) -> None:
+        """For an acquire whose caller was cancelled: once its reply is in, releases the
+        lease it granted (nobody holds it)."""
+        if sent.future is None:
+            return  # never queued: nothing was taken
+        try:
+            raw = await sent.future
+        except Exception:  # noqa: BLE001 - no answer: a lease it took expires by itself
+            return
+        if not (raw[0] and raw[4]):
+            return
+        try:
+            if not self._closed:
+                await self._run(self._codec.release(user_id, raw[4]))
+        except Exception as exc:  # noqa: BLE001 - logged: the lease expires by itself
+            logger.warning("could not release the lease of a cancelled acquire for %r (it "
+                           "expires after its lease_seconds): %s", user_id, exc)
+
+    async def _abandon(self, plan: Plan, call: Any, sent: _Sent, reserving: bool) -> None:
+        """Finishes the plan of a cancelled reserve or reconcile: the reply of the call that
+        was out is read and handed to the plan. A reserve sends no further step (the plan
+        refunds the steps it took, as when a step fails) and what its finished reservation
+        holds is given back (_give_back); a reconcile sends the rest of its calls."""
+        future = sent.future
+        result: Any = None
+        fed: BaseException | None = None  # the last error handed to the plan
+        try:
+            while call is not None:
+                try:
+                    if future is not None:  # the reply of the call that was out
+                        answer = await future
+                    elif reserving and call[0] == "reserve":  # no new step for nobody
+                        raise _Abandoned()
+                    else:
+                        answer = await self._call(call)
+                except Exception as exc:  # noqa: BLE001 - handed to the plan
+                    fed = exc
+                    call, result = advance(plan, error=exc)
+                else:
+                    call, result = advance(plan, answer)
+                future = None
+            if reserving:
+                await self._give_back(result)
+        except Exception as exc:  # noqa: BLE001 - logged: entries leave their windows, leases expire
+            if exc is fed:  # the plan gave up on that error, having refunded what it took
+                return
+            logger.warning("could not give back what a cancelled %s took: %s",
+                           "reserve" if reserving else "reconcile", exc)
+
+    async def _give_back(self, reservation: Reservation) -> None:
+        """What an allowed reservation that nobody received holds for its request: the
+        token estimate (reconciled to 0: the request never ran) and the in-flight slot. The
+        request itself stays counted, as a cancelled check's does."""
+        if not reservation.allowed:
+            return
+        if any(window.resource == "tokens" for window in reservation.windows):
+            await self._drive(reconcile_plan(reservation, 0, release=True))
+        elif reservation.lease is not None and reservation.lease.lease_id:
+            await self._run(self._codec.release(reservation.user_id, reservation.lease.lease_id))
 
     async def peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
                    cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
@@ -897,7 +1045,17 @@ class AsyncRateLimiter:
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         request = self._codec.acquire(user_id, limit, lease_seconds)
-        raw = request if type(request) is tuple else await self._run(request, admission=True)
+        if type(request) is tuple:  # the kill switch answered
+            raw = request
+        else:
+            sent = _Sent()
+            try:
+                raw = await self._run(request, admission=True, sent=sent)
+            except asyncio.CancelledError:
+                # The script may have granted a lease nobody holds: released when it did.
+                if sent.future is not None:
+                    self._leave(self._release_granted(user_id, sent))
+                raise
         return make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self)  # type: ignore[return-value]
 
     async def release(self, lease: Lease) -> bool:
@@ -923,12 +1081,20 @@ class AsyncRateLimiter:
         """Closes every connection; pending checks fail. A second call does nothing."""
         if self._closed:
             return
-        self._closed = True
-        exc = RateLimiterError("the rate limiter is closed")
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
+        # What cancelled calls left to give back (_leave), on this loop: finished first,
+        # bounded by a reply's time and the give-back's own.
+        leftovers = [task for task in self._leftovers if task.get_loop() is running]
+        if leftovers:
+            await asyncio.wait(leftovers, timeout=2 * self._socket_timeout
+                               + self._replica_timeout_ms / 1000)
+            if self._closed:  # closed meanwhile
+                return
+        self._closed = True
+        exc = RateLimiterError("the rate limiter is closed")
         for loop, pool in list(self._pools.items()):
             if loop is running:
                 pool.close_all(exc)

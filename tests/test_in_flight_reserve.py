@@ -174,3 +174,100 @@ def _reservation(user: str) -> Any:
                        resource="requests", retry_after_ms=0, user_id=user, cost=1, tokens=None,
                        windows=(WindowState(10, 60, "requests", 9),), member=member,
                        timestamp_ms=5, lease=lease)
+
+
+@pytest.mark.limiter_kinds("asyncio", "uvloop", reason="asyncio cancellation")
+@pytest.mark.parametrize("token_windows", [TOKENS, []], ids=["tokens", "requests"])
+def test_a_cancelled_reserve_gives_back_its_slot_and_its_tokens(
+        make_limiter: Any, redis_url: str, redis_client: redis.Redis, user_id: str,
+        token_windows: list[tuple[int, int]]) -> None:
+    """Cancelled after its script reached Redis: the script still takes the slot and holds
+    the estimate; once the reply comes the limiter gives back what the request held (the
+    slot released, the tokens reconciled to 0, which removes them: it never ran), as
+    reconcile(..., 0, release=True) would. The request stays counted, as a cancelled check's does."""
+    from helpers_async import run_async
+    from test_leases import cancel_while_paused, poll
+
+    tokens_key = f"ratelimit:{user_id}:60:tokens"
+
+    async def scenario() -> None:
+        limiter = make_limiter.native(redis_url)
+        other = await limiter.reserve(f"warm-{user_id}", WINDOWS, token_windows=TOKENS,
+                                      tokens=1, in_flight=(1, 300))  # scripts loaded
+        await limiter.reconcile(other, 0, release=True)
+        tokens = 300 if token_windows else None
+        await cancel_while_paused(redis_client, limiter.reserve(
+            user_id, WINDOWS, token_windows=token_windows, tokens=tokens, in_flight=(1, 300)))
+        await poll(lambda: leases(redis_client, user_id) == [],
+                   "the cancelled reserve's slot is released")
+        if token_windows:
+            assert logged(redis_client, tokens_key) == []  # reconciled to 0: removed
+        assert len(logged(redis_client, f"ratelimit:{user_id}:60")) == 1  # still counted
+        again = await limiter.reserve(user_id, WINDOWS, token_windows=token_windows,
+                                      tokens=tokens, in_flight=(1, 300))
+        assert again.allowed and again.lease is not None and again.lease.allowed
+        assert again.remaining_requests == 8
+        if token_windows:
+            assert again.remaining_tokens == 700
+        await limiter.reconcile(again, 0, release=True)
+
+    run_async(scenario(), make_limiter.loop_factory)
+
+
+@pytest.mark.limiter_kinds("asyncio", "uvloop", reason="asyncio cancellation")
+def test_a_cancelled_reserve_of_tokens_without_a_slot_gives_back_its_tokens(
+        make_limiter: Any, redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    """A plain reserve holds its estimate until reconciled: cancelled, it is refunded."""
+    from helpers_async import run_async
+    from test_leases import cancel_while_paused, poll
+
+    tokens_key = f"ratelimit:{user_id}:60:tokens"
+
+    async def scenario() -> None:
+        limiter = make_limiter.native(redis_url)
+        other = await limiter.reserve(f"warm-{user_id}", WINDOWS, token_windows=TOKENS, tokens=1)
+        await limiter.reconcile(other, 0)  # scripts loaded
+        await cancel_while_paused(redis_client, limiter.reserve(
+            user_id, WINDOWS, token_windows=TOKENS, tokens=900))
+        # The script ran (cancel_while_paused): its 900 tokens are logged until refunded.
+        await poll(lambda: logged(redis_client, tokens_key) == [],
+                   "the cancelled reserve's tokens are refunded")
+        again = await limiter.reserve(user_id, WINDOWS, token_windows=TOKENS, tokens=900)
+        assert again.allowed and again.remaining_tokens == 100
+
+    run_async(scenario(), make_limiter.loop_factory)
+
+
+@pytest.mark.limiter_kinds("asyncio", "uvloop", reason="asyncio cancellation")
+def test_a_reserve_cancelled_in_its_first_of_two_steps_sends_no_second_and_refunds_the_first(
+        make_limiter: Any, redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    """Decided in two steps (a shared upstream first, as on a Redis Cluster; switched on
+    here on one node, as tests/test_scopes.py does), cancelled while the upstream's step is
+    held on the server: that step still logs its entry; then no second step is sent (no
+    slot taken, the user's windows untouched) and the first is refunded."""
+    from genai_ratelimit import Scope
+    from helpers_async import run_async
+    from test_leases import cancel_while_paused, poll
+
+    upstream = Scope("openai/gpt-4o", windows=[(30, 60)], token_windows=[(5_000, 60)],
+                     shared=True)
+    shared_keys = ["ratelimit:openai/gpt-4o:60:shared", "ratelimit:openai/gpt-4o:60:tokens:shared"]
+
+    async def scenario() -> None:
+        limiter = make_limiter.native(redis_url)
+        limiter._two_step_scopes = True
+        warm = await limiter.reserve(f"warm-{user_id}", WINDOWS, token_windows=TOKENS, tokens=1,
+                                     scopes=[upstream], in_flight=(1, 300))  # scripts loaded
+        await limiter.reconcile(warm, 0, release=True)
+        before = {key: logged(redis_client, key) for key in shared_keys}
+        await cancel_while_paused(redis_client, limiter.reserve(
+            user_id, WINDOWS, token_windows=TOKENS, tokens=300, scopes=[upstream],
+            in_flight=(1, 300)))
+        # The first step logged an entry in the upstream's windows: refunded (cost 0 removes it).
+        await poll(lambda: {key: logged(redis_client, key) for key in shared_keys} == before,
+                   "the first step's entry is refunded")
+        assert leases(redis_client, user_id) == []
+        assert logged(redis_client, f"ratelimit:{user_id}:60") == []
+        assert logged(redis_client, f"ratelimit:{user_id}:60:tokens") == []
+
+    run_async(scenario(), make_limiter.loop_factory)

@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 import uuid
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ import redis
 
 from genai_ratelimit import AsyncLease, AsyncRateLimiter, Lease, RateLimiter, _native
 from helpers_async import LimiterFactory, LoopFactory, run_async
-from helpers_core import server_ms, wait_until_server_ms
+from helpers_core import commandstats, server_ms, wait_until_server_ms
 from test_idempotent_retry import ReplyDroppingProxy, redis_port  # noqa: F401 (a fixture)
 
 
@@ -295,3 +296,69 @@ def test_a_nonsense_lease_reply_raises_unavailable(make_limiter: LimiterFactory,
         limiter.close()
     finally:
         fake.close()
+
+
+# --- a caller cancelled while its acquire is on the server -------------------------------------
+
+async def poll(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Waits (bounded) until condition() holds, letting the loop run in between."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0.005)  # polling a condition, bounded
+
+
+async def cancel_while_paused(redis_client: redis.Redis, call: Coroutine[Any, Any, Any],
+                              until_ran: bool = True) -> None:
+    """Runs `call` (one script execution that writes) with Redis's writes paused, cancels it
+    once its script waits on the server for the pause to end (blocked_clients), then ends
+    the pause and (until_ran) waits until the script ran (INFO commandstats). No guessed sleep: CLIENT
+    PAUSE holds the script on the server as long as the test needs."""
+    redis_client.config_resetstat()
+    redis_client.execute_command("CLIENT", "PAUSE", "10000", "WRITE")
+    try:
+        task = asyncio.ensure_future(call)
+        await poll(lambda: int(redis_client.info("clients")["blocked_clients"]) >= 1,
+                   "the script waits on the paused server")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    finally:
+        redis_client.execute_command("CLIENT", "UNPAUSE")
+    if until_ran:
+        await poll(lambda: commandstats(redis_client).get("evalsha", 0) >= 1, "the script ran")
+
+
+@pytest.mark.limiter_kinds("asyncio", "uvloop", reason="asyncio cancellation")
+def test_a_cancelled_acquire_leaves_no_lease(make_limiter: LimiterFactory, redis_url: str,
+                                             redis_client: redis.Redis, user_id: str) -> None:
+    """Cancelled after its script reached Redis: the script still grants the lease, and the
+    limiter releases it once the reply comes (nobody holds it), not lease_seconds later."""
+    async def scenario() -> None:
+        limiter = make_limiter.native(redis_url)
+        await limiter.release(await limiter.acquire(f"warm-{user_id}", 1, 300))  # script loaded
+        await cancel_while_paused(redis_client, limiter.acquire(user_id, 1, 300))
+        await poll(lambda: holders(redis_client, user_id) == {},
+                   "the cancelled acquire's lease is released")
+        lease = await limiter.acquire(user_id, 1, 300)
+        assert (lease.allowed, lease.held, lease.retry_after_s) == (True, 1, 0)
+        await lease.release()
+
+    run_async(scenario(), make_limiter.loop_factory)
+
+
+@pytest.mark.limiter_kinds("asyncio", "uvloop", reason="asyncio cancellation")
+def test_a_lease_of_a_cancelled_acquire_is_released_before_aclose_returns(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        user_id: str) -> None:
+    """A service that shuts down right after a cancelled acquire: aclose() lets the release
+    go out first."""
+    async def scenario() -> None:
+        limiter = make_limiter.native(redis_url)
+        await limiter.release(await limiter.acquire(f"warm-{user_id}", 1, 300))
+        await cancel_while_paused(redis_client, limiter.acquire(user_id, 1, 300),
+                                  until_ran=False)
+        await limiter.aclose()
+        assert holders(redis_client, user_id) == {}
+
+    run_async(scenario(), make_limiter.loop_factory)

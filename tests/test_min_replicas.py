@@ -4,19 +4,23 @@ the connection that wrote it). A real master and a real replica (redis-server
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
 from genai_ratelimit import RateLimiterUnavailable
 from genai_ratelimit._url import parse_redis_url
-from helpers_async import LimiterFactory
+from helpers_async import LimiterFactory, run_async
 from redis_cluster import redis_cli
 from redis_server import RedisServer
 
@@ -24,9 +28,13 @@ pytestmark = pytest.mark.limiter_kinds(
     "sync", "asyncio", reason="uvloop drives the same asyncio code")
 
 
+SERVER_HZ = 100
+
+
 class Pair:
     def __init__(self) -> None:
-        self.master = RedisServer("--repl-diskless-sync-delay", "0")
+        # hz 100: a blocked WAIT's timeout is noticed within 10 ms (SERVER_HZ), not 100.
+        self.master = RedisServer("--repl-diskless-sync-delay", "0", "--hz", str(SERVER_HZ))
         self.replica = RedisServer("--repl-diskless-sync-delay", "0")
 
     def start(self) -> None:
@@ -195,3 +203,173 @@ def test_the_docs_min_replicas_example_runs(replicated: Pair, tmp_path: Path) ->
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert keys(replicated.replica) >= 1
+
+
+CONCURRENT = 30
+REPLICA_TIMEOUT_MS = 300
+# Redis notices a blocked WAIT's timeout on its next timer event: up to 1/hz late.
+WAIT_TIMER_LAG = 1 / SERVER_HZ
+# What a loaded 2-core test machine adds to one answer beyond its round trip (the event
+# loop's and the scheduler's turns): well under the replica timeout, so an admission that
+# queued behind another's WAIT (twice the timeout or more) cannot pass.
+SCHEDULING_SLACK = 0.2
+
+
+@pytest.mark.limiter_kinds("sync", "asyncio",
+                           reason="uvloop drives the same asyncio code; sync: one thread each")
+def test_concurrent_admissions_each_hear_not_replicated_within_the_replica_timeout(
+        make_limiter: LimiterFactory, limiter_kind: str, replicated: Pair) -> None:
+    """30 admissions at once meet a frozen replica: each answers "not replicated" within
+    replica_timeout_ms plus one round trip, none waits for another's WAIT, none times out
+    (the asyncio limiter shares one WAIT among the admissions it writes together)."""
+    limiter = make_limiter.native(replicated.url, min_replicas=1,
+                                  replica_timeout_ms=REPLICA_TIMEOUT_MS, socket_timeout=1.0)
+    process = replicated.replica.process
+    assert process is not None
+
+    def outcome(call: Callable[[], Any]) -> tuple[float, BaseException | None]:
+        started = time.monotonic()
+        try:
+            call()
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            return time.monotonic() - started, exc
+        return time.monotonic() - started, None
+
+    def warm_up(attempt: Callable[[], Any]) -> None:
+        """Connected, and the replica acknowledging (right after its sync, it may take a
+        moment longer than REPLICA_TIMEOUT_MS): polled until it does, bounded."""
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                attempt()
+                return
+            except RateLimiterUnavailable:
+                assert time.monotonic() < deadline, "the replica never acknowledged"
+
+    if limiter_kind == "sync":
+        warm_up(lambda: limiter.check("user_warm", 1000, 3600))
+        started = time.monotonic()
+        limiter.ping()
+        round_trip = time.monotonic() - started
+        process.send_signal(signal.SIGSTOP)
+        try:
+            with ThreadPoolExecutor(CONCURRENT) as pool:
+                outcomes = list(pool.map(lambda i: outcome(
+                    lambda: limiter.check(f"user_{i}", 5, 3600)), range(CONCURRENT)))
+        finally:
+            process.send_signal(signal.SIGCONT)
+    else:
+        async def timed(i: int) -> tuple[float, BaseException | None]:
+            started = time.monotonic()
+            try:
+                await limiter.check(f"user_{i}", 5, 3600)
+            except BaseException as exc:  # noqa: BLE001 - judged below
+                return time.monotonic() - started, exc
+            return time.monotonic() - started, None
+
+        async def main() -> tuple[float, list[tuple[float, BaseException | None]]]:
+            deadline = time.monotonic() + 10
+            while True:  # warm_up, awaited
+                try:
+                    await limiter.check("user_warm", 1000, 3600)
+                    break
+                except RateLimiterUnavailable:
+                    assert time.monotonic() < deadline, "the replica never acknowledged"
+            round_trip = await limiter.ping()
+            process.send_signal(signal.SIGSTOP)
+            try:
+                return round_trip, list(await asyncio.gather(*(timed(i)
+                                                               for i in range(CONCURRENT))))
+            finally:
+                process.send_signal(signal.SIGCONT)
+
+        round_trip, outcomes = run_async(main(), make_limiter.loop_factory)
+    bound = REPLICA_TIMEOUT_MS / 1000 + WAIT_TIMER_LAG + round_trip + SCHEDULING_SLACK
+    errors = [exc for _, exc in outcomes]
+    assert all(isinstance(exc, RateLimiterUnavailable) and
+               "not replicated: 0 of the 1 replicas" in str(exc) for exc in errors), errors
+    slowest = max(took for took, _ in outcomes)
+    assert slowest <= bound, (f"the slowest admission answered after {slowest:.3f} s "
+                              f"(bound {bound:.3f} s: {REPLICA_TIMEOUT_MS} ms + Redis's timer "
+                              f"{WAIT_TIMER_LAG} s + one round trip of {round_trip * 1000:.1f} ms"
+                              f" + {SCHEDULING_SLACK} s)")
+
+
+@pytest.mark.limiter_kinds("asyncio", reason="how the asyncio limiter spreads admissions over "
+                                             "its connections; uvloop drives the same code")
+def test_admissions_that_arrive_while_a_wait_blocks_the_connection_do_not_queue_behind_it(
+        make_limiter: LimiterFactory, replicated: Pair) -> None:
+    """WAIT blocks its connection: admissions made while one is out go on another
+    connection (opened for them, up to max_connections), each answered within
+    replica_timeout_ms plus a connect and a round trip, not after the WAIT ahead of them."""
+    limiter = make_limiter.native(replicated.url, min_replicas=1,
+                                  replica_timeout_ms=REPLICA_TIMEOUT_MS, socket_timeout=2.0)
+    process = replicated.replica.process
+    assert process is not None
+    master = redis.Redis(port=replicated.master.port)
+
+    async def timed(user: str) -> tuple[float, BaseException | None]:
+        started = time.monotonic()
+        try:
+            await limiter.check(user, 5, 3600)
+        except BaseException as exc:  # noqa: BLE001 - judged below
+            return time.monotonic() - started, exc
+        return time.monotonic() - started, None
+
+    async def main() -> tuple[float, list[tuple[float, BaseException | None]]]:
+        deadline = time.monotonic() + 10
+        while True:  # connected, and the replica acknowledging (see the test above)
+            try:
+                await limiter.check("user_warm", 1000, 3600)
+                break
+            except RateLimiterUnavailable:
+                assert time.monotonic() < deadline, "the replica never acknowledged"
+        round_trip = await limiter.ping()
+        process.send_signal(signal.SIGSTOP)
+        try:
+            first = asyncio.gather(*(timed(f"user_first_{i}") for i in range(10)))
+            while int(master.info("clients")["blocked_clients"]) < 1:  # its WAIT is out
+                assert time.monotonic() < deadline, "the first wave's WAIT never blocked"
+                await asyncio.sleep(0.002)  # polling a condition, bounded
+            second = await asyncio.gather(*(timed(f"user_second_{i}") for i in range(10)))
+            await first
+            return round_trip, second
+        finally:
+            process.send_signal(signal.SIGCONT)
+
+    try:
+        round_trip, second = run_async(main(), make_limiter.loop_factory)
+    finally:
+        master.close()
+    errors = [exc for _, exc in second]
+    assert all(isinstance(exc, RateLimiterUnavailable) and
+               "not replicated: 0 of the 1 replicas" in str(exc) for exc in errors), errors
+    # A new connection: its connect and handshake, then the admission and its WAIT.
+    bound = REPLICA_TIMEOUT_MS / 1000 + WAIT_TIMER_LAG + 3 * round_trip + SCHEDULING_SLACK
+    slowest = max(took for took, _ in second)
+    assert slowest <= bound, f"the slowest answered after {slowest:.3f} s (bound {bound:.3f} s)"
+
+
+def test_a_replica_timeout_longer_than_socket_timeout_answers_not_replicated(
+        make_limiter: LimiterFactory, replicated: Pair) -> None:
+    """WAIT's own time comes on top of socket_timeout (the blocking limiter's rule): a
+    frozen replica is "not replicated" after replica_timeout_ms, never a timeout."""
+    limiter = make_limiter(replicated.url, min_replicas=1, replica_timeout_ms=800,
+                           socket_timeout=0.4)
+    deadline = time.monotonic() + 10
+    while True:  # connected, and the replica acknowledging
+        try:
+            limiter.check("user_warm", 1000, 3600)
+            break
+        except RateLimiterUnavailable:
+            assert time.monotonic() < deadline, "the replica never acknowledged"
+    process = replicated.replica.process
+    assert process is not None
+    process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(RateLimiterUnavailable, match="not replicated: 0 of the 1"):
+            limiter.check("user_slow_wait", 5, 3600)
+        assert time.monotonic() - started >= 0.8
+    finally:
+        process.send_signal(signal.SIGCONT)

@@ -440,7 +440,9 @@ arm_for(rl_conn *conn, double deadline, const char *what, rl_error *err)
 }
 
 /* After a failed SSL_read/SSL_write: 0 for a clean or abrupt EOF, else -1 with errno
-   (EAGAIN when the socket timeout expired, EINTR for a signal, EPROTO for a TLS failure). */
+   (EAGAIN when the socket timeout expired, EINTR for a signal, EPROTO for a TLS failure).
+   A call resumed after EINTR retries SSL_read/SSL_write with the same bytes, as OpenSSL
+   asks: the engine's output is consumed only by what a write reported written. */
 static ssize_t
 ssl_failure(rl_conn *conn, int rc)
 {
@@ -450,7 +452,9 @@ ssl_failure(rl_conn *conn, int rc)
         return 0;
     case SSL_ERROR_WANT_READ:
     case SSL_ERROR_WANT_WRITE:
-        errno = EAGAIN;
+        /* The socket BIO retries on EINTR as on EAGAIN: a signal stays a signal here, so
+           that the caller runs Python's handlers (PEP 475) as it does over TCP. */
+        errno = saved == EINTR ? EINTR : EAGAIN;
         return -1;
     case SSL_ERROR_SYSCALL:
         ERR_clear_error();

@@ -2,7 +2,9 @@
  * conn.c - connections to Redis and the pool that shares them between threads.
  *
  * TLS (rediss://) is OpenSSL on the same blocking socket: SSL_read/SSL_write honour the
- * socket timeouts, and a handshake failure names the certificate problem.
+ * socket timeouts, and a handshake failure names the certificate problem. The handshake
+ * alone runs non-blocking, SSL_connect resumed on poll() until the connection's deadline
+ * (tls_connect_until: a signal resumes it, a trickling server cannot stretch it).
  *
  * GIL contract: nothing in this file touches a Python object, and every function but
  * rl_pool_init / rl_pool_after_fork is called with the GIL released. Errors are
@@ -438,7 +440,9 @@ arm_for(rl_conn *conn, double deadline, const char *what, rl_error *err)
 }
 
 /* After a failed SSL_read/SSL_write: 0 for a clean or abrupt EOF, else -1 with errno
-   (EAGAIN when the socket timeout expired, EINTR for a signal, EPROTO for a TLS failure). */
+   (EAGAIN when the socket timeout expired, EINTR for a signal, EPROTO for a TLS failure).
+   A call resumed after EINTR retries SSL_read/SSL_write with the same bytes, as OpenSSL
+   asks: the engine's output is consumed only by what a write reported written. */
 static ssize_t
 ssl_failure(rl_conn *conn, int rc)
 {
@@ -448,7 +452,9 @@ ssl_failure(rl_conn *conn, int rc)
         return 0;
     case SSL_ERROR_WANT_READ:
     case SSL_ERROR_WANT_WRITE:
-        errno = EAGAIN;
+        /* The socket BIO retries on EINTR as on EAGAIN: a signal stays a signal here, so
+           that the caller runs Python's handlers (PEP 475) as it does over TCP. */
+        errno = saved == EINTR ? EINTR : EAGAIN;
         return -1;
     case SSL_ERROR_SYSCALL:
         ERR_clear_error();
@@ -565,15 +571,88 @@ conn_exchange(rl_conn *conn, const void *token, const void *also, double deadlin
     }
 }
 
+/* poll()'s timeout for what is left of a deadline: rounded up (a wake-up just before the
+   deadline would only poll again), capped far below INT_MAX milliseconds. */
+static int
+poll_ms(double left)
+{
+    if (left >= 1e6)
+        return 1000000000;
+    return (int)(left * 1000.0) + 1;
+}
+
+/* The error of a TLS handshake that SSL_connect ended (code: SSL_get_error's, saved: errno
+   after SSL_connect). */
+static rl_status
+tls_handshake_failed(rl_conn *conn, const rl_config *cfg, int code, int saved, rl_error *err)
+{
+    char detail[200];
+    long verify = SSL_get_verify_result(conn->ssl);
+    if (verify != X509_V_OK)
+        return rl_error_set(err, RL_ERR_CONNECT,
+                            "TLS handshake with Redis at %s:%d failed: certificate verify failed "
+                            "(%s)",
+                            cfg->host, cfg->port, X509_verify_cert_error_string(verify));
+    if (code == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)
+        return rl_error_set(err, RL_ERR_CONNECT, "TLS handshake with Redis at %s:%d failed: %s",
+                            cfg->host, cfg->port,
+                            saved ? strerror(saved)
+                                  : "the server closed the connection "
+                                    "(is it a TLS port?)");
+    return rl_error_set(err, RL_ERR_CONNECT, "TLS handshake with Redis at %s:%d failed: %s",
+                        cfg->host, cfg->port, ssl_error_text(detail, sizeof(detail)));
+}
+
+/* SSL_connect on the socket made non-blocking for it, resumed each time the socket is
+   ready in the direction OpenSSL asked for (WANT_READ: readable, WANT_WRITE: writable),
+   until the deadline. A blocking SSL_connect would give each of its reads a whole socket
+   timeout (a server that trickles its records stretches the handshake far past the
+   deadline), and would end at a signal: the socket BIO takes the EINTR of a read for "try
+   again", so SSL_connect said WANT_READ and a signal read as a timeout. Here a signal only
+   resumes the handshake, as it resumes the rest of the connection's set-up (conn_open).
+   No bytes can wait inside OpenSSL while it asks for more: without read-ahead it reads a
+   record's header, then that record's body, and asks only when what it holds is short. */
+static rl_status
+tls_connect_until(rl_conn *conn, const rl_config *cfg, double deadline, rl_error *err)
+{
+    for (;;) {
+        ERR_clear_error();
+        errno = 0;
+        int rc = SSL_connect(conn->ssl);
+        if (rc == 1)
+            return RL_OK;
+        int saved = errno, code = SSL_get_error(conn->ssl, rc);
+        struct pollfd pfd = {.fd = conn->fd};
+        if (code == SSL_ERROR_WANT_READ)
+            pfd.events = POLLIN;
+        else if (code == SSL_ERROR_WANT_WRITE)
+            pfd.events = POLLOUT;
+        else
+            return tls_handshake_failed(conn, cfg, code, saved, err);
+        for (;;) {
+            double left = deadline - rl_monotonic();
+            if (left <= 0)
+                return rl_error_set(err, RL_ERR_TIMEOUT,
+                                    "timed out in the TLS handshake with Redis at %s:%d", cfg->host,
+                                    cfg->port);
+            int ready = poll(&pfd, 1, poll_ms(left));
+            if (ready > 0)
+                break; /* readable, writable, hung up or failed: SSL_connect finds out which */
+            if (ready < 0 && errno != EINTR)
+                return rl_error_set(err, RL_ERR_CONNECT,
+                                    "TLS handshake with Redis at %s:%d failed: %s", cfg->host,
+                                    cfg->port, strerror(errno));
+            /* a signal, or the time ran out: the deadline check above decides */
+        }
+    }
+}
+
 static rl_status
 tls_handshake(rl_conn *conn, const rl_config *cfg, double deadline, rl_error *err)
 {
     char detail[200];
     unsigned char ip[sizeof(struct in6_addr)];
     int is_ip = inet_pton(AF_INET, cfg->host, ip) == 1 || inet_pton(AF_INET6, cfg->host, ip) == 1;
-    rl_status st = arm_for(conn, deadline, "in the TLS handshake with", err);
-    if (st != RL_OK)
-        return st;
     ERR_clear_error();
     conn->ssl = SSL_new(cfg->ssl_ctx);
     if (conn->ssl == NULL || SSL_set_fd(conn->ssl, conn->fd) != 1)
@@ -588,29 +667,14 @@ tls_handshake(rl_conn *conn, const rl_config *cfg, double deadline, rl_error *er
             return rl_error_set(err, RL_ERR_CONNECT, "cannot set the TLS peer name %s: %s",
                                 cfg->host, ssl_error_text(detail, sizeof(detail)));
     }
-    int rc = SSL_connect(conn->ssl);
-    if (rc == 1)
-        return RL_OK;
-    int saved = errno, code = SSL_get_error(conn->ssl, rc);
-    long verify = SSL_get_verify_result(conn->ssl);
-    if (code == SSL_ERROR_WANT_READ || code == SSL_ERROR_WANT_WRITE ||
-        (code == SSL_ERROR_SYSCALL && (saved == EAGAIN || saved == EWOULDBLOCK)))
-        return rl_error_set(err, RL_ERR_TIMEOUT,
-                            "timed out in the TLS handshake with Redis at %s:%d", cfg->host,
-                            cfg->port);
-    if (verify != X509_V_OK)
-        return rl_error_set(err, RL_ERR_CONNECT,
-                            "TLS handshake with Redis at %s:%d failed: certificate verify failed "
-                            "(%s)",
-                            cfg->host, cfg->port, X509_verify_cert_error_string(verify));
-    if (code == SSL_ERROR_SYSCALL && ERR_peek_error() == 0)
-        return rl_error_set(err, RL_ERR_CONNECT, "TLS handshake with Redis at %s:%d failed: %s",
-                            cfg->host, cfg->port,
-                            saved ? strerror(saved)
-                                  : "the server closed the connection "
-                                    "(is it a TLS port?)");
-    return rl_error_set(err, RL_ERR_CONNECT, "TLS handshake with Redis at %s:%d failed: %s",
-                        cfg->host, cfg->port, ssl_error_text(detail, sizeof(detail)));
+    /* Non-blocking for the handshake only: every later call blocks with socket timeouts. */
+    int flags = fcntl(conn->fd, F_GETFL);
+    if (flags < 0 || fcntl(conn->fd, F_SETFL, flags | O_NONBLOCK) < 0)
+        return rl_error_set(err, RL_ERR_CONNECT, "cannot configure a socket: %s", strerror(errno));
+    rl_status st = tls_connect_until(conn, cfg, deadline, err);
+    if (fcntl(conn->fd, F_SETFL, flags & ~O_NONBLOCK) < 0 && st == RL_OK)
+        st = rl_error_set(err, RL_ERR_CONNECT, "cannot configure a socket: %s", strerror(errno));
+    return st;
 }
 
 /* Opens a connection and runs the engine's handshake on it, within connect_timeout. */

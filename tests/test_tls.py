@@ -9,8 +9,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,10 +22,11 @@ from typing import Any
 import pytest
 import redis
 
-from genai_ratelimit import RateLimiterAuthError, RateLimiterUnavailable
+from genai_ratelimit import RateLimiterAuthError, RateLimiterTimeout, RateLimiterUnavailable
 from helpers_async import LimiterFactory
-from helpers_core import SORTED_SET_SHAPE
+from helpers_core import SORTED_SET_SHAPE, SignalDriver
 from redis_server import RedisServer, free_port
+from tls_proxy import TlsProxy
 
 PASSWORD = "tls-s3cret-pw"
 
@@ -236,6 +240,147 @@ def test_tls_url_with_unknown_cert_reqs_is_refused(make_limiter: LimiterFactory)
 def test_ssl_parameters_need_rediss(make_limiter: LimiterFactory) -> None:
     with pytest.raises(ValueError, match="rediss"):
         make_limiter("redis://127.0.0.1:6379/0?ssl_cert_reqs=none")
+
+
+# ------------------------------------------------------ the handshake, byte by byte
+# The server's first flight (ServerHello to Finished) through tests/tls_proxy.py, cut and
+# delayed in odd ways, and a signal while the client waits for it. The handshake is the
+# same whatever the storage: the zset cases alone.
+HANDSHAKE_ONLY = "the TLS handshake does not depend on the storage"
+
+
+@pytest.mark.storages("zset", reason=HANDSHAKE_ONLY)
+@pytest.mark.parametrize("shape", ["split", "coalesced", "paused"])
+def test_tls_handshake_through_odd_deliveries_of_the_servers_records(
+        make_limiter: LimiterFactory, tls_server: RedisServer, certificates: Path, user_id: str,
+        shape: str) -> None:
+    with TlsProxy(tls_server.tls_port, shape) as proxy:
+        url = (f"rediss://app:{PASSWORD}@127.0.0.1:{proxy.port}/0"
+               f"?ssl_ca_certs={certificates / 'ca.crt'}")
+        started = time.monotonic()
+        assert _run(make_limiter, url, user_id) == [(True, 1, 0), (True, 0, 0), (False, 0, 60)]
+        elapsed = time.monotonic() - started
+    assert proxy.shaped >= 1, f"premise: no first flight went through the proxy {proxy.stats()}"
+    # Its own pauses ("paused": 50 ms between records, "split": 1 ms between pieces) add
+    # well under a second; connect_timeout (10 s) is not what lets it pass.
+    assert elapsed < 5.0, f"{elapsed:.2f} s through {proxy.stats()}"
+
+
+@pytest.mark.storages("zset", reason=HANDSHAKE_ONLY)
+def test_a_signal_during_the_tls_handshake_does_not_fail_it(
+        make_limiter: LimiterFactory, tls_server: RedisServer, certificates: Path,
+        user_id: str) -> None:
+    """The server's first flight is held while the test's thread waits for it inside the
+    handshake; SIGALRM (a Python handler) interrupts that wait three times, then the flight
+    is delivered. A signal is no timeout: the handshake goes on (as the rest of the
+    connection's set-up does), within connect_timeout."""
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: caught.append(signum))
+    try:
+        with TlsProxy(tls_server.tls_port, "held") as proxy:
+            url = (f"rediss://127.0.0.1:{proxy.port}/0"
+                   f"?ssl_ca_certs={certificates / 'ca.crt'}")
+            driver = SignalDriver(signal.SIGALRM, interval=0.05, count=3)
+
+            def release_after_the_signals() -> None:
+                deadline = time.monotonic() + 10
+                while len(driver.sent_at) < driver.count and time.monotonic() < deadline:
+                    if driver.done.wait(0.01):
+                        break
+                proxy.release()
+
+            releaser = threading.Thread(target=release_after_the_signals, daemon=True)
+            driver.start()
+            releaser.start()
+            try:
+                with make_limiter(url, connect_timeout=10, socket_timeout=10) as limiter:
+                    result = limiter.check(user_id, 2, 60)
+            finally:
+                driver.stop()
+                proxy.release()
+                releaser.join(10)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert driver.saw_blocked and len(driver.sent_at) == driver.count, (
+        "premise: the signals did not reach the thread blocked in the handshake")
+    assert proxy.shaped == 1, proxy.stats()
+    assert result == (True, 1, 0)
+    # The handler ran once the call gave control back (signals that came while it was
+    # pending are one call of it: Python keeps one flag per signal).
+    assert caught
+
+
+@pytest.mark.storages("zset", reason=HANDSHAKE_ONLY)
+def test_tls_handshake_stays_within_connect_timeout_when_the_server_trickles(
+        make_limiter: LimiterFactory, tls_server: RedisServer, certificates: Path,
+        user_id: str) -> None:
+    """A server that sends its first flight one byte every 5 ms (about 10 s for the ~2 KB)
+    is never silent for a whole socket timeout: connect_timeout must bound the handshake
+    as a whole, not each read in it."""
+    with TlsProxy(tls_server.tls_port, "trickle", pause=0.005) as proxy:
+        url = f"rediss://127.0.0.1:{proxy.port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
+        started = time.monotonic()
+        with pytest.raises(RateLimiterTimeout, match="(?i)timed out"):
+            with make_limiter(url, connect_timeout=0.5, socket_timeout=0.5) as limiter:
+                limiter.check(user_id, 2, 60)
+        elapsed = time.monotonic() - started
+    assert elapsed < 0.5 + 1.0, f"the handshake went on for {elapsed:.2f} s"
+
+
+class Interrupted(Exception):
+    """Raised by a test's signal handler."""
+
+
+def test_a_signal_handler_that_raises_interrupts_a_blocked_check_over_tls(
+        certificates: Path) -> None:
+    """PEP 475 over TLS, as over TCP (test_production_faults.py): a check waiting on a
+    paused server raises the handler's exception as soon as the signal comes, not once the
+    socket timeout has run out. The blocking limiter's own path (the asyncio loop retries
+    its wait and runs handlers itself)."""
+    from genai_ratelimit import RateLimiter
+
+    server = _tls_server(certificates)
+    previous = signal.getsignal(signal.SIGALRM)
+    try:
+        url = f"rediss://127.0.0.1:{server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
+        with RateLimiter(url, connect_timeout=3, socket_timeout=3) as limiter:
+
+            def blocked_check() -> tuple[bool, int, int]:
+                return limiter.check("tls-interrupted-user", 5, 60)
+
+            ran_in: list[str] = []
+
+            def interrupt(signum: int, frame: Any) -> None:
+                # Raises only when run from inside the blocked call (see the TCP test).
+                ran_in.append(frame.f_code.co_name if frame is not None else "?")
+                if len(ran_in) == 1 and frame is not None and frame.f_code is blocked_check.__code__:
+                    raise Interrupted("the handler's own exception")
+
+            signal.signal(signal.SIGALRM, interrupt)
+            assert blocked_check() == (True, 4, 0)  # pooled connection, script loaded
+            driver = SignalDriver(signal.SIGALRM, interval=1.0, count=1)
+            server.pause()
+            try:
+                driver.start()
+                started = time.monotonic()
+                try:
+                    with pytest.raises(BaseException) as info:
+                        blocked_check()
+                finally:
+                    elapsed = time.monotonic() - started
+                    driver.stop()
+                assert driver.saw_blocked and driver.sent_at, "no signal reached the blocked check"
+                signalled = driver.sent_at[0] - started
+                assert info.type is Interrupted and elapsed < signalled + 0.5, (
+                    f"the check raised {info.type.__name__} after {elapsed:.2f} s (the signal "
+                    f"came at {signalled:.2f} s; the handler ran in {ran_in})")
+            finally:
+                server.resume()
+            # The interrupted connection is not reused: its reply (limit 5) would answer this.
+            assert limiter.check("tls-after-interrupt-user", 3, 60) == (True, 2, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        server.close()
 
 
 # ------------------------------------------------------------- one TLS trust policy

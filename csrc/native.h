@@ -103,7 +103,9 @@ typedef struct {
                       decided) or nothing held; -1 without in_flight. reconcile with release:
                       1 when the lease was still held */
     long long slot_held;     /* in_flight: the user's holders after the decision */
-    long long slot_retry_ms; /* in_flight refused: the wait until the soonest lease expires */
+    long long slot_retry_ms; /* in_flight refused: the hint (lua/lib/lease.lua), at most: */
+    long long retry_bound_ms; /* a refused lease or slot: the wait until the soonest lease
+                                 expires (0 otherwise) */
 } rl_result;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */

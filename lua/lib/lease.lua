@@ -6,40 +6,92 @@ holders, each slot given back by release or by its own expiry. Prepended by the 
 The leases key is a sorted set {lease id (UUID4 text) -> expiry, unix ms}. Expired leases
 (expiry <= now) are dropped first, by every operation. The key expires with its latest
 lease (PEXPIRE, relative: right whichever clock decides).
+
+The stats key beside it ({prefix}:{user}:leases:stats) is a hash that tells a refused caller
+when a slot is likely to free:
+  <lease id>  the start (unix ms) of each held lease; dropped with its lease
+  hold_ms     a decayed average of the hold times of released leases (ms): each release
+              weighs 1/holds of it, at most HOLD_WEIGHT_TURNS holds back, then 1/4
+  holds       how many holds the average is made of (up to HOLD_WEIGHT_TURNS)
+A lease that expired unreleased adds no hold (its holder never told how long it ran). The
+key expires STATS_IDLE_MS after the latest lease (an idle user's history is forgotten).
 --]]
 
--- The leases in `key` at `now`, expired ones dropped.
-local function leases(key, now)
-  local held = {}
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+-- The refusal's hint (ms): the average hold less how long the oldest held request has run,
+-- at least a quarter of the average (an overdue request may run on) and HINT_MIN_MS, at most
+-- HINT_MAX_MS (the longest Retry-After the openai and anthropic SDKs act on) and the soonest
+-- lease's expiry. With no history: HINT_NO_HISTORY_MS, so the SDKs' two default retries
+-- span 10 s, a typical completion stream.
+local HINT_NO_HISTORY_MS = 5000
+local HINT_MIN_MS = 1000
+local HINT_MAX_MS = 60000
+local HOLD_WEIGHT_TURNS = 4
+local STATS_IDLE_MS = 3600000
 
-  -- The key lives as long as its latest lease.
-  local function keep_until_latest()
-    local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
-    if latest then
-      local ttl = tonumber(latest) - now
-      if ttl < 1 then ttl = 1 end
-      redis.call('PEXPIRE', key, ttl)
+-- The leases in `key` at `now`, expired ones dropped; `stats` is the key of their starts
+-- and hold history.
+local function leases(key, stats, now)
+  local held = {}
+  local expired = redis.call('ZRANGEBYSCORE', key, '-inf', now)
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    for i = 1, #expired, 1000 do
+      redis.call('HDEL', stats, unpack(expired, i, math.min(i + 999, #expired)))
     end
   end
 
+  -- The key lives as long as its latest lease; the stats an hour longer.
+  local function keep_until_latest()
+    local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+    local ttl = 0
+    if latest then
+      ttl = tonumber(latest) - now
+      if ttl < 1 then ttl = 1 end
+      redis.call('PEXPIRE', key, ttl)
+    end
+    redis.call('PEXPIRE', stats, ttl + STATS_IDLE_MS)
+  end
+
+  -- The wait a refused caller is told (see HINT_*), never past `bound`, the soonest expiry.
+  local function hint(bound)
+    local fields = redis.call('HGETALL', stats)
+    local average, oldest = nil, nil
+    for i = 1, #fields, 2 do
+      local name, value = fields[i], tonumber(fields[i + 1])
+      if name == 'hold_ms' then
+        average = value
+      elseif name ~= 'holds' and value and (not oldest or value < oldest) then
+        oldest = value
+      end
+    end
+    local wait = HINT_NO_HISTORY_MS
+    if average then
+      local ran = 0
+      if oldest and oldest < now then ran = now - oldest end
+      wait = math.max(average - ran, average / 4, HINT_MIN_MS)
+    end
+    wait = math.floor(math.min(wait, HINT_MAX_MS, bound))
+    if wait < 1 then wait = 1 end
+    return wait
+  end
+
   -- Whether `id` may take a slot of `limit`, without writing: {1, holders after it, 0,
-  -- its expiry if it is already held (a replay) or 0} or {0, holders, wait until the
-  -- soonest lease expires (>= 1), 0}.
+  -- its expiry if it is already held (a replay) or 0, 0} or {0, holders, the hint (>= 1),
+  -- 0, the wait until the soonest lease expires (>= the hint)}.
   function held.may_acquire(id, limit)
     local expires = redis.call('ZSCORE', key, id)
     local count = redis.call('ZCARD', key)
     if expires then
       -- The first attempt admitted this very lease (its reply was lost): admitted again.
-      return {1, count, 0, tonumber(expires)}
+      return {1, count, 0, tonumber(expires), 0}
     end
     if count >= limit then
       local soonest = tonumber(redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2])
-      local wait = soonest - now
-      if wait < 1 then wait = 1 end
-      return {0, count, wait, 0}
+      local bound = soonest - now
+      if bound < 1 then bound = 1 end
+      return {0, count, hint(bound), 0, bound}
     end
-    return {1, count + 1, 0, 0}
+    return {1, count + 1, 0, 0, 0}
   end
 
   -- Takes the slot may_acquire allowed (nothing when it was already held): its expiry.
@@ -47,13 +99,30 @@ local function leases(key, now)
     if answer[4] ~= 0 then return answer[4] end
     local expires = now + lease_ms
     redis.call('ZADD', key, expires, id)
+    redis.call('HSET', stats, id, now)
     keep_until_latest()
     return expires
   end
 
-  -- Gives `id`'s slot back: 1 when it was held, else 0.
+  -- Gives `id`'s slot back: 1 when it was held, else 0. The removal comes first: it only
+  -- frees memory, so a Redis over its maxmemory takes the writes after it too.
   function held.release(id)
-    return redis.call('ZREM', key, id)
+    local removed = redis.call('ZREM', key, id)
+    if removed == 0 then return 0 end
+    local start = tonumber(redis.call('HGET', stats, id))
+    if start then
+      redis.call('HDEL', stats, id)
+      local hold = now - start
+      if hold < 0 then hold = 0 end
+      local stored = redis.call('HMGET', stats, 'hold_ms', 'holds')
+      local average, holds = tonumber(stored[1]), tonumber(stored[2]) or 0
+      if holds < HOLD_WEIGHT_TURNS then holds = holds + 1 end
+      if not average then average = hold end
+      average = average + (hold - average) / holds
+      redis.call('HSET', stats, 'hold_ms', string.format('%.0f', average), 'holds', holds)
+    end
+    keep_until_latest()
+    return 1
   end
 
   -- Extends `id` to now + lease_ms when it is still held: its new expiry, or nil.

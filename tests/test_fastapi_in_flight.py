@@ -67,10 +67,11 @@ def test_a_request_beyond_max_in_flight_gets_429_concurrent(
     assert response.headers["X-RateLimit-Window"] == "concurrent"
     assert response.headers["X-RateLimit-Limit"] == "2"
     assert response.headers["X-RateLimit-Remaining"] == "0"
-    # Retry-After: in_flight_retry_after (1 s by default), not the soonest lease's expiry
-    # (30 s away here), which is only a bound: a request that ends frees its slot sooner.
+    # Retry-After: the limiter's hint (5 s while no slot was ever given back on this cap), not
+    # the soonest lease's expiry (30 s away here), which is only a bound: a request that ends
+    # frees its slot sooner.
     assert expiry - server_now_ms(redis_client) > 28_000
-    assert (response.headers["retry-after-ms"], response.headers["Retry-After"]) == ("1000", "1")
+    assert (response.headers["retry-after-ms"], response.headers["Retry-After"]) == ("5000", "5")
     assert response.headers["x-should-retry"] == "true"
     body = response.json()
     assert body["detail"] == "Rate limit exceeded"
@@ -79,6 +80,24 @@ def test_a_request_beyond_max_in_flight_gets_429_concurrent(
     # Refused for concurrency: not counted in the windows, and no slot taken.
     assert redis_client.zcard(f"ratelimit:{user_id}:60") == 0
     assert redis_client.zcard(leases_key(user_id)) == 2
+
+
+def test_the_concurrency_429_announces_the_limiters_hint_from_the_hold_history(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis, user_id: str) -> None:
+    client = client_for(RateLimit(limiter=limiter, max_in_flight={"free": 1}))
+    hold_slots(redis_client, user_id, 1, 300)
+    # Requests on this cap were held 10 s on average; the one in flight started 4 s ago.
+    now = server_now_ms(redis_client)
+    redis_client.hset(f"{leases_key(user_id)}:stats",
+                      mapping={"hold_ms": 10_000, "holds": 4, "other-0": now - 4_000})
+    response = client.get("/dict", headers=as_user(user_id))
+    elapsed = server_now_ms(redis_client) - now
+    assert response.status_code == 429
+    assert 6_000 - elapsed <= int(response.headers["retry-after-ms"]) <= 6_000
+    assert response.headers["Retry-After"] == str(-(-int(response.headers["retry-after-ms"]) // 1000))
+    message = response.json()["error"]["message"]
+    assert f"please try again in {int(response.headers['retry-after-ms']) / 1000:g}s" in message
+    assert "(a slot is free again within 4m5" in message  # the lease's expiry: the bound
 
 
 @pytest.mark.parametrize("route", ROUTES)

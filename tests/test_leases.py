@@ -379,10 +379,11 @@ def test_a_release_feeds_its_hold_into_the_decayed_average(
         assert limiter.release(lease) is True
         stats = redis_client.hgetall(stats_key(user_id))
         assert lease.lease_id.encode() not in stats  # a released lease's start goes with it
-        assert abs(float(stats[b"hold_ms"]) - average) <= 50, (stats, average)
+        # each hold is its start to its release: a little more than ran_ms, never less
+        assert average - 1 <= float(stats[b"hold_ms"]) <= average + 250, (stats, average)
     assert 3_599_000 <= redis_client.pttl(stats_key(user_id)) <= 3_600_000  # an hour idle
     assert limiter.release(lease) is False
-    assert abs(float(redis_client.hget(stats_key(user_id), "hold_ms")) - 5_875) <= 50
+    assert 5_874 <= float(redis_client.hget(stats_key(user_id), "hold_ms")) <= 5_875 + 250
 
 
 def test_the_stats_outlive_the_latest_lease_by_an_hour(limiter: Any, redis_client: redis.Redis,
@@ -428,7 +429,7 @@ def test_reconcile_with_release_feeds_the_average(limiter: Any, redis_client: re
     started(redis_client, user_id, reservation.lease, 7_000)
     limiter.reconcile(reservation, 80, release=True)
     stats = redis_client.hgetall(stats_key(user_id))
-    assert abs(float(stats[b"hold_ms"]) - 7_000) <= 50 and stats[b"holds"] == b"1"
+    assert 7_000 <= float(stats[b"hold_ms"]) <= 7_250 and stats[b"holds"] == b"1"
     assert reservation.lease.lease_id.encode() not in stats
 
 
@@ -438,11 +439,13 @@ def test_the_documented_acl_user_runs_the_hint(acl_url: Any, admin: redis.Redis,
     limiter = make_limiter(acl_url())
     first = limiter.acquire(user_id, 1, 60)
     admin.select(1)
-    admin.hset(stats_key(user_id), first.lease_id, server_ms(admin) - 2_000)
-    assert limiter.release(first) is True  # a hold of 2 s: the history
+    start = server_ms(admin) - 2_000
+    admin.hset(stats_key(user_id), first.lease_id, start)
+    assert limiter.release(first) is True  # a hold of 2 s (and what the calls took): history
     held = limiter.reserve(user_id, [(100, 60)], in_flight=(1, 60))
     assert held.allowed and held.lease is not None
     refused = limiter.acquire(user_id, 1, 60)
-    assert not refused.allowed and 1_000 <= refused.retry_after_ms <= 2_000
+    longest_hold = server_ms(admin) - start
+    assert not refused.allowed and 1_000 <= refused.retry_after_ms <= longest_hold
     limiter.reconcile(held, 1, release=True)
     assert set(admin.hkeys(stats_key(user_id))) == {b"hold_ms", b"holds"}

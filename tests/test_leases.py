@@ -20,6 +20,7 @@ from helpers_async import LimiterFactory, LoopFactory, run_async
 from helpers_core import server_ms, wait_until_server_ms
 from test_idempotent_retry import ReplyDroppingProxy, redis_port  # noqa: F401 (a fixture)
 from test_production_acl import acl_url, admin  # noqa: F401 (fixtures)
+from test_production_faults import servers  # noqa: F401 (a fixture)
 
 
 def leases_key(user: str) -> str:
@@ -449,3 +450,26 @@ def test_the_documented_acl_user_runs_the_hint(acl_url: Any, admin: redis.Redis,
     assert not refused.allowed and 1_000 <= refused.retry_after_ms <= longest_hold
     limiter.reconcile(held, 1, release=True)
     assert set(admin.hkeys(stats_key(user_id))) == {b"hold_ms", b"holds"}
+
+
+def test_a_full_redis_still_takes_a_release_and_its_hold(servers: Any,  # noqa: F811
+                                                         make_limiter: LimiterFactory,
+                                                         user_id: str) -> None:
+    """noeviction + maxmemory reached: a release only frees memory, so it must work then too,
+    its hold going into the history (its writes come after the ZREM that freed memory); an
+    acquire is refused before any write."""
+    from genai_ratelimit import RateLimiterUnavailable
+
+    server = servers("--maxmemory-policy", "noeviction")
+    client = redis.Redis.from_url(server.url)
+    limiter = make_limiter(server.url, connect_timeout=2, socket_timeout=2)
+    leases = [limiter.acquire(user_id, 2, 60) for _ in range(2)]
+    client.hset(stats_key(user_id), leases[0].lease_id, server_ms(client) - 3_000)
+    client.config_set("maxmemory", "1")  # far below what is used: full, whatever is written
+    with pytest.raises(RateLimiterUnavailable, match="out of memory"):
+        limiter.acquire(user_id, 3, 60)
+    assert limiter.release(leases[0]) is True
+    stats = client.hgetall(stats_key(user_id))
+    assert 3_000 <= float(stats[b"hold_ms"]) <= 3_500 and leases[0].lease_id.encode() not in stats
+    assert set(holders(client, user_id)) == {leases[1].lease_id}
+    client.close()

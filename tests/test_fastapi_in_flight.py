@@ -100,6 +100,31 @@ def test_the_concurrency_429_announces_the_limiters_hint_from_the_hold_history(
     assert "(a slot is free again within 4m5" in message  # the lease's expiry: the bound
 
 
+def test_a_capped_token_request_refused_by_its_slot_announces_the_same_hint(
+        limiter: Any, make_limiter: LimiterFactory, redis_client: redis.Redis, user_id: str) -> None:
+    """TokenRateLimit takes its slot in the reserve (reserve(..., in_flight=)): its 429 has the
+    hint of the reservation's slot, and the soonest expiry as the message's bound."""
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit.fastapi import TokenRateLimit
+    from test_fastapi import client_options
+    from test_fastapi_tokens import build_app as token_app
+    from test_fastapi_tokens import chat_body
+
+    dependency = TokenRateLimit(limiter=limiter, max_in_flight={"free": 1},
+                                token_limits={"free": {"per_minute": 10_000, "per_day": 100_000}})
+    hold_slots(redis_client, user_id, 1, 300)
+    now = server_now_ms(redis_client)
+    redis_client.hset(f"{leases_key(user_id)}:stats",
+                      mapping={"hold_ms": 20_000, "holds": 4, "other-0": now - 5_000})
+    with TestClient(token_app(dependency), **client_options(make_limiter)) as client:
+        response = client.post("/json", json=chat_body(report=17), headers={"X-Test-Auth": user_id})
+    elapsed = server_now_ms(redis_client) - now
+    assert response.status_code == 429 and response.headers["X-RateLimit-Window"] == "concurrent"
+    assert 15_000 - elapsed <= int(response.headers["retry-after-ms"]) <= 15_000
+    assert "(a slot is free again within 4m5" in response.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("route", ROUTES)
 def test_every_response_type_gives_its_slot_back(route: str, limiter: Any,
                                                  client_for: Callable[..., Any],

@@ -34,10 +34,10 @@ class Lease:
     remaining      the slots still free: limit - held (0 when refused).
     retry_after_s / retry_after_ms
                    when refused: when a slot is likely to free, from the hold times of this
-                   user's released leases (a decayed average, kept in Redis beside the leases)
-                   less how long the oldest held one has run: at least a quarter of that
-                   average and 1 s, at most 60 s and retry_bound_ms; 5 s before any lease
-                   was released. 0 when allowed.
+                   user's released leases (a decayed length-weighted mean, kept in Redis
+                   beside the leases) less how long the oldest held one has run: at least a
+                   quarter of that mean and 1 s, at most 60 s and retry_bound_ms; 5 s before
+                   any lease was released. 0 when allowed.
     retry_bound_ms when refused: the wait until the soonest held lease expires, an UPPER
                    bound (a slot is free by then at the latest). 0 when allowed.
     lease_id       the lease's UUID4 ("" when refused, or when RATE_LIMIT_DISABLED granted

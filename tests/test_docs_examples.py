@@ -63,7 +63,8 @@ def test_the_docs_example_runs(block: CodeBlock, redis_url: str, redis_client: r
         from genai_ratelimit import _native
         assert redis_client.script_exists(_native.LEASE_SHA1) == [True], "never reached Redis"
         assert keys == {"ratelimit:user_8421:leases:stats"}
-        assert set(redis_client.hkeys("ratelimit:user_8421:leases:stats")) == {b"hold_ms", b"holds"}
+        assert set(redis_client.hkeys("ratelimit:user_8421:leases:stats")) == {
+            b"hold_ms", b"hold_sq", b"holds"}
     elif block.page.name == "tokens.md" and block.heading.startswith("## On the limiter"):
         # It reserved 1,200 tokens and reconciled them to 830.
         for seconds in (60, 86400):

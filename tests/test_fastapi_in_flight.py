@@ -89,7 +89,8 @@ def test_the_concurrency_429_announces_the_limiters_hint_from_the_hold_history(
     # Requests on this cap were held 10 s on average; the one in flight started 4 s ago.
     now = server_now_ms(redis_client)
     redis_client.hset(f"{leases_key(user_id)}:stats",
-                      mapping={"hold_ms": 10_000, "holds": 4, "other-0": now - 4_000})
+                      mapping={"hold_ms": 10_000, "hold_sq": 10_000 ** 2, "holds": 4,
+                               "other-0": now - 4_000})
     response = client.get("/dict", headers=as_user(user_id))
     elapsed = server_now_ms(redis_client) - now
     assert response.status_code == 429
@@ -116,7 +117,8 @@ def test_a_capped_token_request_refused_by_its_slot_announces_the_same_hint(
     hold_slots(redis_client, user_id, 1, 300)
     now = server_now_ms(redis_client)
     redis_client.hset(f"{leases_key(user_id)}:stats",
-                      mapping={"hold_ms": 20_000, "holds": 4, "other-0": now - 5_000})
+                      mapping={"hold_ms": 20_000, "hold_sq": 20_000 ** 2, "holds": 4,
+                               "other-0": now - 5_000})
     with TestClient(token_app(dependency), **client_options(make_limiter)) as client:
         response = client.post("/json", json=chat_body(report=17), headers={"X-Test-Auth": user_id})
     elapsed = server_now_ms(redis_client) - now

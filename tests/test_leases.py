@@ -305,17 +305,30 @@ def test_a_nonsense_lease_reply_raises_unavailable(make_limiter: LimiterFactory,
 # --- the refusal's hint: when a slot is likely to free (lib/lease.lua) -----------------------
 #
 # The stats hash beside the leases ({prefix}:{user}:leases:stats) keeps each held lease's start
-# and a decayed average of the hold times released leases had (hold_ms, over `holds`). The
-# tests set the history and the starts in Redis (a way to control time without waiting): the
-# hint is the average less how long the oldest held request has run, at least a quarter of
-# the average and 1 s, at most 60 s and the soonest lease's expiry; 5 s with no history.
+# and decayed means of the hold times released leases had and of their squares (hold_ms,
+# hold_sq, over `holds`): the expected hold of a request found in flight is hold_sq / hold_ms.
+# The tests set the history and the starts in Redis (a way to control time without waiting):
+# the hint is the expected hold less how long the oldest held request has run, at least a
+# quarter of it and 1 s, at most 60 s and the soonest lease's expiry; 5 s with no history.
 
 def stats_key(user: str) -> str:
     return f"ratelimit:{user}:leases:stats"
 
 
 def set_history(client: redis.Redis, user: str, hold_ms: int, holds: int = 4) -> None:
-    client.hset(stats_key(user), mapping={"hold_ms": hold_ms, "holds": holds})
+    """A history of holds that all lasted hold_ms."""
+    client.hset(stats_key(user), mapping={"hold_ms": hold_ms, "hold_sq": hold_ms ** 2,
+                                          "holds": holds})
+
+
+def decayed(holds: list[float]) -> tuple[float, float]:
+    """lib/lease.lua's decayed means of `holds` and of their squares (weights 1/n, then 1/4)."""
+    mean = square = 0.0
+    for n, hold in enumerate(holds, 1):
+        weight = 1 / min(n, 4)
+        mean += (hold - mean) * weight
+        square += (hold * hold - square) * weight
+    return mean, square
 
 
 def started(client: redis.Redis, user: str, lease: Lease, ago_ms: int) -> int:
@@ -371,20 +384,46 @@ def test_the_hint_is_never_past_the_soonest_expiry(limiter: Any, redis_client: r
     assert 1 <= refused.retry_after_ms <= 2_000
 
 
-def test_a_release_feeds_its_hold_into_the_decayed_average(
+def test_a_release_feeds_its_hold_into_the_decayed_means(
         limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
-    for ran_ms, average in [(3_000, 3_000), (5_000, 4_000), (8_000, 16_000 / 3),
-                            (2_000, 4_500), (10_000, 5_875)]:  # 1/n, then a weight of 1/4
+    ran: list[float] = []
+    for ran_ms in (3_000, 5_000, 8_000, 2_000, 10_000):
         lease = limiter.acquire(user_id, 1, 60)
         started(redis_client, user_id, lease, ran_ms)
         assert limiter.release(lease) is True
+        ran.append(ran_ms)
         stats = redis_client.hgetall(stats_key(user_id))
         assert lease.lease_id.encode() not in stats  # a released lease's start goes with it
-        # each hold is its start to its release: a little more than ran_ms, never less
-        assert average - 1 <= float(stats[b"hold_ms"]) <= average + 250, (stats, average)
+        # Each hold is its start to its release: a little more than ran_ms, never less.
+        (low_mean, low_square), (high_mean, high_square) = decayed(ran), decayed([r + 250 for r in ran])
+        assert low_mean - 1 <= float(stats[b"hold_ms"]) <= high_mean, (stats, ran)
+        assert low_square - 1 <= float(stats[b"hold_sq"]) <= high_square, (stats, ran)
+        assert stats[b"holds"] == str(min(len(ran), 4)).encode()
     assert 3_599_000 <= redis_client.pttl(stats_key(user_id)) <= 3_600_000  # an hour idle
-    assert limiter.release(lease) is False
-    assert 5_874 <= float(redis_client.hget(stats_key(user_id), "hold_ms")) <= 5_875 + 250
+    assert limiter.release(lease) is False  # released already: no hold added
+    assert redis_client.hget(stats_key(user_id), "hold_ms") == stats[b"hold_ms"]
+    # (3,000² + ...)-weighted: the expected hold is above the plain mean (5,875 ms).
+    expected = float(stats[b"hold_sq"]) / float(stats[b"hold_ms"])
+    assert 7_500 <= expected <= 7_800, expected
+
+
+def test_slots_given_back_at_once_barely_move_the_expected_hold(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    """A request refused by a window after it took its slot gives it back within
+    milliseconds: eight of those after a 12 s stream leave the hint near 12 s (a plain mean
+    would fall to a few hundred ms, and the hint to 1 s)."""
+    lease = limiter.acquire(user_id, 1, 60)
+    started(redis_client, user_id, lease, 12_000)
+    assert limiter.release(lease) is True
+    for _ in range(8):
+        assert limiter.release(limiter.acquire(user_id, 1, 60)) is True
+    stats = redis_client.hgetall(stats_key(user_id))
+    assert float(stats[b"hold_ms"]) < 1_000  # the plain mean
+    held = limiter.acquire(user_id, 1, 60)
+    start = started(redis_client, user_id, held, 0)
+    refused = limiter.acquire(user_id, 1, 60)
+    ran = server_ms(redis_client) - start
+    assert 11_000 - ran <= refused.retry_after_ms <= 12_250, (refused, stats)
 
 
 def test_the_stats_outlive_the_latest_lease_by_an_hour(limiter: Any, redis_client: redis.Redis,
@@ -431,6 +470,7 @@ def test_reconcile_with_release_feeds_the_average(limiter: Any, redis_client: re
     limiter.reconcile(reservation, 80, release=True)
     stats = redis_client.hgetall(stats_key(user_id))
     assert 7_000 <= float(stats[b"hold_ms"]) <= 7_250 and stats[b"holds"] == b"1"
+    assert 7_000 ** 2 <= float(stats[b"hold_sq"]) <= 7_250 ** 2
     assert reservation.lease.lease_id.encode() not in stats
 
 
@@ -449,7 +489,7 @@ def test_the_documented_acl_user_runs_the_hint(acl_url: Any, admin: redis.Redis,
     longest_hold = server_ms(admin) - start
     assert not refused.allowed and 1_000 <= refused.retry_after_ms <= longest_hold
     limiter.reconcile(held, 1, release=True)
-    assert set(admin.hkeys(stats_key(user_id))) == {b"hold_ms", b"holds"}
+    assert set(admin.hkeys(stats_key(user_id))) == {b"hold_ms", b"hold_sq", b"holds"}
 
 
 def test_a_full_redis_still_takes_a_release_and_its_hold(servers: Any,  # noqa: F811

@@ -166,7 +166,7 @@ class RateLimit:
     when the response's last byte is due, or when the client disconnected or the route
     failed. Refused: 429 with X-RateLimit-Window: concurrent, X-RateLimit-Limit: the cap,
     and Retry-After: by default the limiter's hint (Lease.retry_after_ms: how long requests
-    on this cap were held, a decayed average kept in Redis, less how long the oldest one in
+    on this cap were held, a decayed mean kept in Redis, less how long the oldest one in
     flight has run; 5 s before any was; 1 to 60 s), never past the soonest slot's lease
     expiry, which is only an upper bound (a request that finishes frees its slot sooner).
     A request refused for concurrency is not counted in the windows. In

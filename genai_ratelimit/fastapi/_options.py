@@ -26,7 +26,7 @@ OnUnavailable = Literal["deny", "allow"]
 # once), the anthropic SDK sleeps on it; 60 s is the cap of both.
 SDK_MAX_RETRY_AFTER = 60.0
 # The wait a concurrency 429 announces unless in_flight_retry_after sets one: None, the
-# limiter's hint (Lease.retry_after_ms: the cap's average hold less how long the oldest
+# limiter's hint (Lease.retry_after_ms: the cap's expected hold less how long the oldest
 # request in flight has run, 5 s before any history; lua/lib/lease.lua), never past the
 # soonest lease's expiry (up to lease_seconds), which is only a bound.
 DEFAULT_IN_FLIGHT_RETRY_AFTER = None

@@ -10,18 +10,25 @@ lease (PEXPIRE, relative: right whichever clock decides).
 The stats key beside it ({prefix}:{user}:leases:stats) is a hash that tells a refused caller
 when a slot is likely to free:
   <lease id>  the start (unix ms) of each held lease; dropped with its lease
-  hold_ms     a decayed average of the hold times of released leases (ms): each release
-              weighs 1/holds of it, at most HOLD_WEIGHT_TURNS holds back, then 1/4
-  holds       how many holds the average is made of (up to HOLD_WEIGHT_TURNS)
+  hold_ms     a decayed mean of the hold times of released leases (ms): each release weighs
+              1/holds of it, then 1/HOLD_WEIGHT_TURNS once that many were
+  hold_sq     the same decayed mean of their squares (ms^2)
+  holds       how many holds the means are made of (up to HOLD_WEIGHT_TURNS)
 A lease that expired unreleased adds no hold (its holder never told how long it ran). The
 key expires STATS_IDLE_MS after the latest lease (an idle user's history is forgotten).
+
+The hold a refused caller waits for is one it finds in flight, and a long request is in
+flight longer, so more likely found there than a short one: its expected length is the
+length-weighted mean, hold_sq / hold_ms (the plain mean when every hold is the same). Slots
+given back at once (a request a window refused after it took its slot, a caller cancelled
+before the reply) weigh almost nothing in it, where they would drag a plain mean to zero.
 --]]
 
--- The refusal's hint (ms): the average hold less how long the oldest held request has run,
--- at least a quarter of the average (an overdue request may run on) and HINT_MIN_MS, at most
--- HINT_MAX_MS (the longest Retry-After the openai and anthropic SDKs act on) and the soonest
--- lease's expiry. With no history: HINT_NO_HISTORY_MS, so the SDKs' two default retries
--- span 10 s, a typical completion stream.
+-- The refusal's hint (ms): the expected hold less how long the oldest held request has run,
+-- at least a quarter of the expected hold (an overdue request may run on) and HINT_MIN_MS,
+-- at most HINT_MAX_MS (the longest Retry-After the openai and anthropic SDKs act on) and the
+-- soonest lease's expiry. With no history: HINT_NO_HISTORY_MS, so the SDKs' two default
+-- retries span 10 s, a typical completion stream.
 local HINT_NO_HISTORY_MS = 5000
 local HINT_MIN_MS = 1000
 local HINT_MAX_MS = 60000
@@ -56,9 +63,12 @@ local function leases(key, stats, now)
   -- The starts are read with HMGET (the commands docs/security.md's ACL allows), in steps
   -- that keep unpack within Lua's stack.
   local function hint(bound)
-    local average = tonumber(redis.call('HGET', stats, 'hold_ms'))
+    local history = redis.call('HMGET', stats, 'hold_ms', 'hold_sq')
+    local mean, square = tonumber(history[1]), tonumber(history[2])
     local wait = HINT_NO_HISTORY_MS
-    if average then
+    if mean and square then
+      local expected = 0
+      if mean > 0 then expected = square / mean end
       local ids, oldest = redis.call('ZRANGE', key, 0, -1), now
       for i = 1, #ids, 1000 do
         local starts = redis.call('HMGET', stats, unpack(ids, i, math.min(i + 999, #ids)))
@@ -67,7 +77,7 @@ local function leases(key, stats, now)
           if start and start < oldest then oldest = start end
         end
       end
-      wait = math.max(average - (now - oldest), average / 4, HINT_MIN_MS)
+      wait = math.max(expected - (now - oldest), expected / 4, HINT_MIN_MS)
     end
     wait = math.floor(math.min(wait, HINT_MAX_MS, bound))
     if wait < 1 then wait = 1 end
@@ -113,12 +123,15 @@ local function leases(key, stats, now)
       redis.call('HDEL', stats, id)
       local hold = now - start
       if hold < 0 then hold = 0 end
-      local stored = redis.call('HMGET', stats, 'hold_ms', 'holds')
-      local average, holds = tonumber(stored[1]), tonumber(stored[2]) or 0
+      local stored = redis.call('HMGET', stats, 'hold_ms', 'hold_sq', 'holds')
+      local mean, square = tonumber(stored[1]), tonumber(stored[2])
+      local holds = tonumber(stored[3]) or 0
+      if not (mean and square) then mean, square, holds = 0, 0, 0 end
       if holds < HOLD_WEIGHT_TURNS then holds = holds + 1 end
-      if not average then average = hold end
-      average = average + (hold - average) / holds
-      redis.call('HSET', stats, 'hold_ms', string.format('%.0f', average), 'holds', holds)
+      mean = mean + (hold - mean) / holds
+      square = square + (hold * hold - square) / holds
+      redis.call('HSET', stats, 'hold_ms', string.format('%.17g', mean),
+                 'hold_sq', string.format('%.17g', square), 'holds', holds)
     end
     keep_until_latest()
     return 1

@@ -655,6 +655,7 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         r->slot = out->script == RL_SCRIPT_IN_FLIGHT ? 1 : out->shape == RL_SHAPE_RESERVE ? -1 : 0;
         r->slot_held = 0;
         r->slot_retry_ms = 0;
+        r->retry_bound_ms = 0;
         if (r->slot == 1)
             r->expires_ms = r->now_ms + out->lease_ms;
         for (int i = 0; i < out->windows.count; i++) {
@@ -823,7 +824,7 @@ error:
 }
 
 /* reserve with in_flight: acquire's tuple (allowed, held, retry_after_s, retry_after_ms,
-   lease_id, expires_at_ms, now_ms) when the slot decided (granted and held now, or refused),
+   lease_id, expires_at_ms, now_ms, retry_bound_ms) when the slot decided (granted and held now, or refused),
    None when a window refused the request (no slot is held) or without in_flight. New
    reference, or NULL. */
 static PyObject *
@@ -831,9 +832,9 @@ slot_object(const rl_prepared *d, const rl_result *r)
 {
     if (r->slot < 0 || (r->slot == 0 && r->window >= 0))
         Py_RETURN_NONE;
-    return Py_BuildValue("(NLLLsLL)", PyBool_FromLong(r->slot), r->slot_held,
+    return Py_BuildValue("(NLLLsLLL)", PyBool_FromLong(r->slot), r->slot_held,
                          (r->slot_retry_ms + 999) / 1000, r->slot_retry_ms,
-                         r->slot ? d->member : "", r->expires_ms, r->now_ms);
+                         r->slot ? d->member : "", r->expires_ms, r->now_ms, r->retry_bound_ms);
 }
 
 PyObject *
@@ -853,9 +854,9 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     if (d->shape == RL_SHAPE_RENEW)
         return Py_BuildValue("(NL)", PyBool_FromLong(r->allowed), r->expires_ms);
     if (d->shape == RL_SHAPE_ACQUIRE)
-        return Py_BuildValue("(NLLLsLL)", PyBool_FromLong(r->allowed), r->remaining,
+        return Py_BuildValue("(NLLLsLLL)", PyBool_FromLong(r->allowed), r->remaining,
                              r->retry_after_s, r->retry_after_ms, r->allowed ? d->member : "",
-                             r->expires_ms, r->now_ms);
+                             r->expires_ms, r->now_ms, r->retry_bound_ms);
     if (d->shape == RL_SHAPE_DETAILED)
         return window_decision(state, w, r);
     size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 12;

@@ -477,7 +477,8 @@ Limiter_record_outcome(LimiterObject *self, PyObject *const *args, Py_ssize_t na
 }
 PyDoc_STRVAR(Limiter_acquire_doc,
 "_acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
-"-> (allowed, held, retry_after_s, retry_after_ms, lease_id, expires_at_ms, now_ms)\n\n"
+"-> (allowed, held, retry_after_s, retry_after_ms, lease_id, expires_at_ms, now_ms,\n"
+"    retry_bound_ms)\n\n"
 "Takes one of `limit` concurrent slots of user_id for lease_seconds (lua/lease.lua).\n"
 "RateLimiter.acquire wraps it in a Lease.");
 

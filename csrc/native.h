@@ -98,12 +98,14 @@ typedef struct {
     long long used_of[RL_MAX_WINDOWS];   /* peek: every window's used cost */
     long long oldest_of[RL_MAX_WINDOWS]; /* peek: its oldest entry's time (ms), or -1 */
     char cursor[24];                     /* reset: the SCAN cursor to go on from ("0": done) */
-    long long tie;           /* compact storage: the tie of the entry logged (0 otherwise) */
-    int slot;                /* reserve with in_flight: 1 granted, 0 refused (window -1: no window
+    long long tie;            /* compact storage: the tie of the entry logged (0 otherwise) */
+    int slot;                 /* reserve with in_flight: 1 granted, 0 refused (window -1: no window
                       decided) or nothing held; -1 without in_flight. reconcile with release:
                       1 when the lease was still held */
-    long long slot_held;     /* in_flight: the user's holders after the decision */
-    long long slot_retry_ms; /* in_flight refused: the wait until the soonest lease expires */
+    long long slot_held;      /* in_flight: the user's holders after the decision */
+    long long slot_retry_ms;  /* in_flight refused: the hint (lua/lib/lease.lua), at most: */
+    long long retry_bound_ms; /* a refused lease or slot: the wait until the soonest lease
+                                 expires (0 otherwise) */
 } rl_result;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */

@@ -235,45 +235,65 @@ window_key(char *out, const char *prefix, size_t prefix_len, const char *user, s
 static const char *const lease_ops[] = {
     [RL_SHAPE_ACQUIRE] = "acquire", [RL_SHAPE_RELEASE] = "release", [RL_SHAPE_RENEW] = "renew"};
 
-/* Formats "EVALSHA sha 1 {prefix}:{user_id}:leases op id now limit lease_ms" (see the
-   header of lua/lease.lua). Returns the length and sets *out, or -1 (out of memory). */
+/* Writes the user's leases key "{prefix}:{user_id}:leases" at cursor, then its stats key
+   (that and ":stats", see lua/lib/lease.lua) right after it; sets the two lengths and
+   returns the end. Room: twice prefix_len + 1 + rl_key_user_room(user_len) + 14. Last field
+   "leases" or "stats": never a window's (a number), "tokens", "w", "t" or "c". */
+static char *
+write_lease_keys(char *cursor, const char *prefix, size_t prefix_len, const char *user,
+                 size_t user_len, int hash_tag, size_t *leases_len, size_t *stats_len)
+{
+    char *leases = cursor;
+    cursor = write_user_key(cursor, prefix, prefix_len, user, user_len, hash_tag);
+    memcpy(cursor, ":leases", 7);
+    cursor += 7;
+    *leases_len = (size_t)(cursor - leases);
+    memcpy(cursor, leases, *leases_len);
+    cursor += *leases_len;
+    memcpy(cursor, ":stats", 6);
+    cursor += 6;
+    *stats_len = *leases_len + 6;
+    return cursor;
+}
+
+/* Formats "EVALSHA sha 2 {prefix}:{user_id}:leases {prefix}:{user_id}:leases:stats op id
+   now limit lease_ms" (see the header of lua/lease.lua). Returns the length and sets *out,
+   or -1 (out of memory). */
 static long long
 format_lease(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
              const rl_prepared *d, long long now_ms, char **out)
 {
-    char stack_key[RL_STACK_ARENA], *key = stack_key, *end;
+    char stack_key[RL_STACK_ARENA], *key = stack_key;
     char now_text[RL_NUMBER_TEXT], limit_text[RL_NUMBER_TEXT], ms_text[RL_NUMBER_TEXT];
-    size_t need = prefix_len + 1 + rl_key_user_room(user_len) + 8;
-    const char *argv[9];
-    size_t argvlen[9];
+    size_t need = 2 * (prefix_len + 1 + rl_key_user_room(user_len) + 14);
+    const char *argv[10];
+    size_t argvlen[10];
     long long len;
 
     *out = NULL;
     if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
         return -1;
-    /* Last field "leases": never a window's (a number), "tokens" or "w". */
-    end = write_user_key(key, prefix, prefix_len, user, user_len, d->hash_tag);
-    memcpy(end, ":leases", 7);
-    end += 7;
+    write_lease_keys(key, prefix, prefix_len, user, user_len, d->hash_tag, &argvlen[3],
+                     &argvlen[4]);
     argv[0] = "EVALSHA";
     argvlen[0] = 7;
     argv[1] = rl_script_sha1(RL_SCRIPT_LEASE);
     argvlen[1] = strlen(argv[1]);
-    argv[2] = "1";
+    argv[2] = "2";
     argvlen[2] = 1;
     argv[3] = key;
-    argvlen[3] = (size_t)(end - key);
-    argv[4] = lease_ops[d->shape];
-    argvlen[4] = strlen(argv[4]);
-    argv[5] = d->member;
-    argvlen[5] = strlen(d->member);
-    argvlen[6] = now_ms >= 0 ? (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms) : 0;
-    argv[6] = now_ms >= 0 ? now_text : "";
-    argvlen[7] = (size_t)snprintf(limit_text, sizeof(limit_text), "%lld", d->lease_limit);
-    argv[7] = limit_text;
-    argvlen[8] = (size_t)snprintf(ms_text, sizeof(ms_text), "%lld", d->lease_ms);
-    argv[8] = ms_text;
-    len = redisFormatCommandArgv(out, 9, argv, argvlen);
+    argv[4] = key + argvlen[3];
+    argv[5] = lease_ops[d->shape];
+    argvlen[5] = strlen(argv[5]);
+    argv[6] = d->member;
+    argvlen[6] = strlen(d->member);
+    argvlen[7] = now_ms >= 0 ? (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms) : 0;
+    argv[7] = now_ms >= 0 ? now_text : "";
+    argvlen[8] = (size_t)snprintf(limit_text, sizeof(limit_text), "%lld", d->lease_limit);
+    argv[8] = limit_text;
+    argvlen[9] = (size_t)snprintf(ms_text, sizeof(ms_text), "%lld", d->lease_ms);
+    argv[9] = ms_text;
+    len = redisFormatCommandArgv(out, 10, argv, argvlen);
     if (key != stack_key)
         free(key);
     if (len < 0 || *out == NULL) {
@@ -342,7 +362,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         cost_text[RL_NUMBER_TEXT], windows_text[RL_NUMBER_TEXT], tie_text[RL_NUMBER_TEXT],
         limit_text[RL_NUMBER_TEXT], lease_text[RL_NUMBER_TEXT];
     const int per_window = window_keys[d->storage].count;
-    const int slot_key = rl_script_holds_slot(d->script); /* the leases key, last */
+    /* the leases key and its stats key, last */
+    const int slot_keys = 2 * rl_script_holds_slot(d->script);
     size_t owner_len = user_len, scope_room = 0;
     for (int k = 0; k < d->nscopes; k++) {
         if (d->scopes[k].name_len > owner_len)
@@ -374,7 +395,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argv[argc] = rl_script_sha1(d->script);
     argvlen[argc++] = strlen(argv[1]);
     argvlen[argc] =
-        (size_t)snprintf(numkeys, sizeof(numkeys), "%d", per_window * w->count + slot_key);
+        (size_t)snprintf(numkeys, sizeof(numkeys), "%d", per_window * w->count + slot_keys);
     argv[argc++] = numkeys;
     for (int i = 0; i < w->count; i++) {
         char *key = cursor;
@@ -391,13 +412,13 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         }
     }
     argc += per_window * w->count;
-    if (slot_key) { /* "{prefix}:{user_id}:leases", as format_lease names it */
+    if (slot_keys) { /* the leases key and its stats key, as format_lease names them */
         char *leases = cursor;
-        cursor = write_user_key(cursor, prefix, prefix_len, user, user_len, d->hash_tag);
-        memcpy(cursor, ":leases", 7);
-        cursor += 7;
+        cursor = write_lease_keys(cursor, prefix, prefix_len, user, user_len, d->hash_tag,
+                                  &argvlen[argc], &argvlen[argc + 1]);
         argv[argc] = leases;
-        argvlen[argc++] = (size_t)(cursor - leases);
+        argv[argc + 1] = leases + argvlen[argc];
+        argc += 2;
     }
     if (d->script == RL_SCRIPT_RESET) {
         /* cursor ("" for the KEYS), pattern, base, count: see lua/reset.lua. */
@@ -456,7 +477,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
                 argvlen[argc++] = (size_t)(cursor - text);
             }
         }
-        if (slot_key) { /* reserve with in_flight: the slot limit and the lease's length */
+        if (slot_keys) { /* reserve with in_flight: the slot limit and the lease's length */
             argvlen[argc] =
                 (size_t)snprintf(limit_text, sizeof(limit_text), "%lld", d->lease_limit);
             argv[argc++] = limit_text;
@@ -686,29 +707,31 @@ decode_usage(const redisReply *usage, const rl_windows *w, rl_result *out, rl_er
     return RL_OK;
 }
 
-/* lua/lease.lua: {ok, held, retry_ms, expires_ms, now_ms}, checked against the request. */
+/* lua/lease.lua: {ok, held, retry_ms, expires_ms, now_ms, bound_ms}, checked against the
+   request. A refusal's retry_ms is the hint, at most bound_ms (the soonest lease's expiry). */
 static rl_status
 decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     static const char name[] = "lease";
     /* A refusal waits for the soonest expiry: a lease of any caller, so the longest. */
     const long long longest_wait = RL_MAX_WINDOW_SECONDS * 1000 + RL_MAX_CLOCK_SKEW_MS;
-    long long v[5];
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 5)
+    long long v[6];
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 6)
         return rl_error_set(err, RL_ERR_PROTOCOL,
-                            "unexpected reply to the lease script: %s%s, expected an array of 5 "
+                            "unexpected reply to the lease script: %s%s, expected an array of 6 "
                             "integers",
                             rl_reply_type_name(reply->type),
                             reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
-    for (size_t i = 0; i < 5; i++) {
+    for (size_t i = 0; i < 6; i++) {
         if (integer_at(reply, i, &v[i], err) != RL_OK)
             return err->kind;
     }
-    long long ok = v[0], held = v[1], retry_ms = v[2], expires = v[3], now = v[4];
+    long long ok = v[0], held = v[1], retry_ms = v[2], expires = v[3], now = v[4], bound = v[5];
     if (within(name, "ok", ok, 0, 1, err) != RL_OK ||
         within(name, "held", held, 0, RL_MAX_LIMIT, err) != RL_OK ||
         within(name, "now", now, 0, RL_MAX_UNIX_MS, err) != RL_OK ||
-        within(name, "retry_ms", retry_ms, 0, longest_wait, err) != RL_OK)
+        within(name, "retry_ms", retry_ms, 0, longest_wait, err) != RL_OK ||
+        within(name, "bound_ms", bound, retry_ms, longest_wait, err) != RL_OK)
         return err->kind;
     int granted = ok == 1 && d->shape != RL_SHAPE_RELEASE;
     /* A granted lease expires after now, within its length (a replayed acquire answers the
@@ -718,44 +741,47 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
         return err->kind;
     if (!granted && within(name, "expires_ms", expires, 0, 0, err) != RL_OK)
         return err->kind;
-    if ((d->shape == RL_SHAPE_ACQUIRE && ok == 1 && (held < 1 || retry_ms != 0)) ||
+    if ((d->shape == RL_SHAPE_ACQUIRE && ok == 1 && (held < 1 || retry_ms != 0 || bound != 0)) ||
         (d->shape == RL_SHAPE_ACQUIRE && ok == 0 && (held < d->lease_limit || retry_ms < 1)) ||
-        (d->shape != RL_SHAPE_ACQUIRE && retry_ms != 0))
+        (d->shape != RL_SHAPE_ACQUIRE && (retry_ms != 0 || bound != 0)))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "the lease script answered values out of range "
-                            "(%lld, %lld, %lld, %lld, %lld)",
-                            ok, held, retry_ms, expires, now);
+                            "(%lld, %lld, %lld, %lld, %lld, %lld)",
+                            ok, held, retry_ms, expires, now, bound);
     memset(out, 0, sizeof(*out));
     out->allowed = (int)ok;
     out->remaining = held;
     out->retry_after_ms = retry_ms;
     out->retry_after_s = ceil_seconds(retry_ms);
+    out->retry_bound_ms = bound;
     out->expires_ms = expires;
     out->now_ms = now;
     return RL_OK;
 }
 
-/* lua/reserve_in_flight.lua's 9th element, {granted, holders, wait ms, expiry}, after
-   the decision's own (allowed or refused by a window): granted when the decision allowed,
-   nothing held when a window refused it. Holders: at most this call's limit for its own
-   slot, but others may hold theirs under a larger one; only an absurd count is malformed. */
+/* lua/reserve_in_flight.lua's 9th element, {granted, holders, wait ms, expiry, bound ms},
+   after the decision's own (allowed or refused by a window): granted when the decision
+   allowed, nothing held when a window refused it. Holders: at most this call's limit for its
+   own slot, but others may hold theirs under a larger one; only an absurd count is
+   malformed. */
 static rl_status
 decode_slot(const redisReply *answer, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     const char *name = "in-flight reserve";
-    long long v[4] = {-1, -1, -1, -1};
-    if (answer == NULL || answer->type != REDIS_REPLY_ARRAY || answer->elements != 4)
+    long long v[5] = {-1, -1, -1, -1, -1};
+    if (answer == NULL || answer->type != REDIS_REPLY_ARRAY || answer->elements != 5)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the in-flight reserve script: element 9 is %s, "
-                            "expected an array of 4 integers",
+                            "expected an array of 5 integers",
                             answer ? rl_reply_type_name(answer->type) : "missing");
-    for (size_t i = 0; i < 4; i++) {
+    for (size_t i = 0; i < 5; i++) {
         if (integer_at(answer, i, &v[i], err) != RL_OK)
             return err->kind;
     }
     if (within(name, "granted", v[0], out->allowed, out->allowed, err) != RL_OK ||
         within(name, "holders", v[1], out->allowed, RL_MAX_LIMIT, err) != RL_OK ||
         within(name, "a granted slot's wait", v[2], 0, 0, err) != RL_OK ||
+        within(name, "a granted slot's bound", v[4], 0, 0, err) != RL_OK ||
         (out->allowed &&
          within(name, "expiry", v[3], out->now_ms + 1, out->now_ms + d->lease_ms, err) != RL_OK) ||
         (!out->allowed && within(name, "expiry", v[3], 0, 0, err) != RL_OK))
@@ -763,17 +789,19 @@ decode_slot(const redisReply *answer, const rl_prepared *d, rl_result *out, rl_e
     out->slot = (int)v[0];
     out->slot_held = v[1];
     out->slot_retry_ms = 0;
+    out->retry_bound_ms = 0;
     out->expires_ms = v[3];
     return RL_OK;
 }
 
 /* lua/reserve_in_flight.lua's answer when the slot was refused: no window decided
-   {0, 0, retry_s, 0, now, {}, retry_ms, 0, {0, holders, retry_ms, 0}}. */
+   {0, 0, retry_s, 0, now, {}, retry_ms, 0, {0, holders, retry_ms, 0, bound_ms}}: retry_ms
+   the hint, at most bound_ms (the soonest lease's expiry). */
 static rl_status
 decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     const char *name = "in-flight reserve";
-    long long v[5], retry_ms = 0, tie = -1, slot[4] = {-1, -1, -1, -1};
+    long long v[5], retry_ms = 0, tie = -1, slot[5] = {-1, -1, -1, -1, -1};
     const redisReply *each = reply->element[5], *answer = reply->element[8];
     for (size_t i = 0; i < 5; i++) {
         if (integer_at(reply, i, &v[i], err) != RL_OK)
@@ -781,12 +809,12 @@ decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *ou
     }
     if (integer_at(reply, 6, &retry_ms, err) != RL_OK || integer_at(reply, 7, &tie, err) != RL_OK)
         return err->kind;
-    if (answer == NULL || answer->type != REDIS_REPLY_ARRAY || answer->elements != 4 ||
+    if (answer == NULL || answer->type != REDIS_REPLY_ARRAY || answer->elements != 5 ||
         each == NULL || each->type != REDIS_REPLY_ARRAY || each->elements != 0)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the in-flight reserve script: a refused slot "
                             "with window reports, or without its answer");
-    for (size_t i = 0; i < 4; i++) {
+    for (size_t i = 0; i < 5; i++) {
         if (integer_at(answer, i, &slot[i], err) != RL_OK)
             return err->kind;
     }
@@ -800,7 +828,9 @@ decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *ou
         within(name, "granted", slot[0], 0, 0, err) != RL_OK ||
         within(name, "holders", slot[1], d->lease_limit, RL_MAX_LIMIT, err) != RL_OK ||
         within(name, "the slot's wait", slot[2], retry_ms, retry_ms, err) != RL_OK ||
-        within(name, "expiry", slot[3], 0, 0, err) != RL_OK)
+        within(name, "expiry", slot[3], 0, 0, err) != RL_OK ||
+        within(name, "the slot's bound", slot[4], retry_ms, RL_MAX_WINDOW_SECONDS * 1000, err) !=
+            RL_OK)
         return err->kind;
     memset(out, 0, sizeof(*out));
     out->retry_after_s = v[2];
@@ -810,6 +840,7 @@ decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *ou
     out->slot = 0;
     out->slot_held = slot[1];
     out->slot_retry_ms = retry_ms;
+    out->retry_bound_ms = slot[4];
     return RL_OK;
 }
 

@@ -76,10 +76,11 @@ def window_reply(fdp: atheris.FuzzedDataProvider, peek: bool) -> bytes:
 
 @atheris.instrument_func
 def lease_reply(fdp: atheris.FuzzedDataProvider) -> bytes:
-    """lease.lua's {ok, held, retry_ms, expires, now}."""
-    return (b"*5\r\n" + resp_int(fdp, 0, 1) + resp_int(fdp, 0, 1, 3, 4)
+    """lease.lua's {ok, held, retry_ms, expires, now, bound_ms}."""
+    return (b"*6\r\n" + resp_int(fdp, 0, 1) + resp_int(fdp, 0, 1, 3, 4)
             + resp_int(fdp, 0, 1, 1000, LONGEST_LEASE_WAIT_MS)
-            + resp_int(fdp, 0, NOW_MS + LEASE_SECONDS * 1000) + resp_int(fdp, NOW_MS))
+            + resp_int(fdp, 0, NOW_MS + LEASE_SECONDS * 1000) + resp_int(fdp, NOW_MS)
+            + resp_int(fdp, 0, 1, 1000, LONGEST_LEASE_WAIT_MS))
 
 
 @atheris.instrument_func
@@ -238,15 +239,16 @@ def check_result(future: Future, expect: Expect | None) -> None:
                 or not 1 <= len(cursor) <= 20 or not cursor.isdigit() or int(cursor) >= 2**64:
             fail("a count or cursor out of range", result, expect)
     elif kind == "acquire":
-        if type(result) is not tuple or len(result) != 7 or type(result[0]) is not bool:
+        if type(result) is not tuple or len(result) != 8 or type(result[0]) is not bool:
             fail("another shape", result, expect)
-        allowed, held, retry_s, retry_ms, lease_id, expires, now = result
+        allowed, held, retry_s, retry_ms, lease_id, expires, now, bound = result
         if not 0 <= now <= MAX_UNIX_MS or not 0 <= held <= MAX_LIMIT:
             fail("a time or count out of range", result, expect)
         if allowed and (held < 1 or retry_ms != 0 or retry_s != 0 or len(lease_id) != 36
+                        or bound != 0
                         or not now < expires <= now + LEASE_SECONDS * 1000 + SKEW_MS):
             fail("a lease out of range", result, expect)
-        if not allowed and (held < expect.limit or not 1 <= retry_ms <= LONGEST_LEASE_WAIT_MS
+        if not allowed and (held < expect.limit or not 1 <= retry_ms <= bound <= LONGEST_LEASE_WAIT_MS
                             or retry_s != ceil_seconds(retry_ms) or lease_id != "" or expires != 0):
             fail("a refused lease out of range", result, expect)
     elif kind == "release":

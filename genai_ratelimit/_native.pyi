@@ -77,7 +77,7 @@ _NativeReconcileScope = tuple[str, bool, Sequence[tuple[int, int]]]
 #  tie, slot), where scope is 0 for the user's own windows and k for scopes[k - 1], tie names
 # the entry with timestamp_ms in the compact storage (0 in the sorted-set storage), and slot
 # is in_flight's answer (_acquire's tuple) or None.
-_SlotTuple = tuple[bool, int, int, int, str, int, int]
+_SlotTuple = tuple[bool, int, int, int, str, int, int, int]
 _ReserveTuple = tuple[
     bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None, int], ...], int,
     int, int, _SlotTuple | None
@@ -176,8 +176,8 @@ class Limiter:
     def _record_outcome(self, kind: str, count: int = 1, /) -> None: ...
     def _acquire(
         self, user_id: str, limit: int, lease_seconds: int
-    ) -> tuple[bool, int, int, int, str, int, int]: ...  # (allowed, held, retry_after_s,
-    # retry_after_ms, lease_id, expires_at_ms, now_ms)
+    ) -> _SlotTuple: ...  # (allowed, held, retry_after_s, retry_after_ms, lease_id,
+    # expires_at_ms, now_ms, retry_bound_ms)
     def _release(self, user_id: str, lease_id: str) -> bool: ...
     def _renew(self, user_id: str, lease_id: str, lease_seconds: int) -> tuple[bool, int]: ...
     def close(self) -> None: ...
@@ -262,7 +262,7 @@ class Codec:
     def _record_outcome(self, kind: str, count: int = 1, /) -> None: ...
     def acquire(
         self, user_id: str, limit: int, lease_seconds: int
-    ) -> Request | tuple[bool, int, int, int, str, int, int]: ...
+    ) -> Request | _SlotTuple: ...
     # The kill switch answers new decisions only: what Redis holds is always given back,
     # renewed, reconciled or reset there, so these four always answer a Request.
     def release(self, user_id: str, lease_id: str) -> Request: ...

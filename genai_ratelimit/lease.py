@@ -33,8 +33,13 @@ class Lease:
     held           the user's leases held after this decision (this one included when allowed).
     remaining      the slots still free: limit - held (0 when refused).
     retry_after_s / retry_after_ms
-                   when refused: the wait until the soonest held lease expires. An UPPER
-                   bound: a holder that releases frees its slot sooner. 0 when allowed.
+                   when refused: when a slot is likely to free, from the hold times of this
+                   user's released leases (a decayed length-weighted mean, kept in Redis
+                   beside the leases) less how long the oldest held one has run: at least a
+                   quarter of that mean and 1 s, at most 60 s and retry_bound_ms; 5 s before
+                   any lease was released. 0 when allowed.
+    retry_bound_ms when refused: the wait until the soonest held lease expires, an UPPER
+                   bound (a slot is free by then at the latest). 0 when allowed.
     lease_id       the lease's UUID4 ("" when refused, or when RATE_LIMIT_DISABLED granted
                    it without Redis: then release and renew send nothing).
     expires_at_ms  when the lease expires unless renewed (unix ms, on the deciding clock).
@@ -52,6 +57,7 @@ class Lease:
     user_id: str
     limit: int
     lease_seconds: int
+    retry_bound_ms: int = 0
     # The limiter that made it, for the bound helpers; not part of the value.
     limiter: Any = field(default=None, repr=False, compare=False)
 
@@ -98,11 +104,11 @@ class AsyncLease(Lease):
 def make_lease(cls: type[Lease], raw: tuple[Any, ...], user_id: str, limit: int,
                lease_seconds: int, limiter: Any) -> Lease:
     """A Lease from the C extension's acquire tuple (see Limiter._acquire)."""
-    allowed, held, retry_s, retry_ms, lease_id, expires_at_ms, _now_ms = raw
+    allowed, held, retry_s, retry_ms, lease_id, expires_at_ms, _now_ms, bound_ms = raw
     return cls(allowed=allowed, held=held, remaining=max(0, limit - held) if allowed else 0,
                retry_after_s=retry_s, retry_after_ms=retry_ms, lease_id=lease_id,
                expires_at_ms=expires_at_ms, user_id=user_id, limit=limit,
-               lease_seconds=lease_seconds, limiter=limiter)
+               lease_seconds=lease_seconds, retry_bound_ms=bound_ms, limiter=limiter)
 
 
 def lease_maker(cls: type[Lease], user_id: str, in_flight: tuple[int, int] | None,

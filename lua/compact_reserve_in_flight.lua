@@ -9,7 +9,8 @@ compact_reserve_in_flight.lua - reserve_in_flight.lua for the compact storage: t
 in-flight slot and compact_window.lua's decision in one script execution, all or nothing
 (lib/in_flight.lua).
 
-KEYS       compact_window.lua's KEYS[1..n], then the user's leases (lease.lua's KEYS[1])
+KEYS       compact_window.lua's KEYS[1..n], then the user's leases and their
+           stats (lease.lua's KEYS[1..2])
 ARGV       reserve_in_flight.lua's
 Returns    reserve_in_flight.lua's 9 elements (the 8th, the entry's tie, names it here)
 --]]
@@ -17,7 +18,7 @@ Returns    reserve_in_flight.lua's 9 elements (the 8th, the entry's tie, names i
 -- The OOM probe of the decision's script: over maxmemory nothing is written.
 redis.call('SETRANGE', KEYS[1], 0, '')
 
-local n = #KEYS - 1
+local n = #KEYS - 2
 local now = script_now(ARGV[2], true)
 local reply, tie, slot = reserve_in_flight(n, now, compact_log(n, now))
 reply[8] = tie

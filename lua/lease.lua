@@ -7,6 +7,8 @@ lost), by its own expiry. The build prepends the files named above (lib/lease.lu
 the leases) and embeds the whole in the C extension: the only copy.
 
 KEYS[1]    the user's leases: a sorted set {lease id (UUID4 text) -> expiry, unix ms}
+KEYS[2]    their stats: a hash of each held lease's start and the hold history that the
+           refusal's hint comes from (lib/lease.lua)
 ARGV[1]    "acquire", "release" or "renew"
 ARGV[2]    the lease id: a fresh UUID4 for acquire, the lease's own for release / renew
 ARGV[3]    now in unix ms, or "" to read the server's clock (TIME)
@@ -18,16 +20,20 @@ ARGV[6]    optional: "1" marks a replay after a lost reply. Ignored: every opera
 
 Expired leases (expiry <= now) are dropped first, by every operation.
 
-Returns {ok, held, retry_ms, expires_ms, now_ms}:
-  acquire allowed  -> {1, holders after this one, 0, this lease's expiry, now}
-  acquire refused  -> {0, holders, max(1, soonest expiry - now), 0, now}: the wait until
-                      the soonest lease expires, an upper bound (a holder that releases
-                      frees its slot sooner). Nothing is written.
-  release          -> {1 if the lease was held, holders after, 0, 0, now}
-  renew            -> {1, holders, 0, new expiry, now} when the lease is still held,
-                      {0, holders, 0, 0, now} when it expired or was released: a lease
+Returns {ok, held, retry_ms, expires_ms, now_ms, bound_ms}:
+  acquire allowed  -> {1, holders after this one, 0, this lease's expiry, now, 0}
+  acquire refused  -> {0, holders, hint, 0, now, bound}: bound = max(1, soonest expiry -
+                      now), the wait until the soonest lease expires (an upper bound: a
+                      holder that releases frees its slot sooner); hint (1 <= hint <=
+                      bound) the wait the hold history predicts (lib/lease.lua). Nothing
+                      is written.
+  release          -> {1 if the lease was held, holders after, 0, 0, now, 0}; the lease's
+                      hold goes into the history
+  renew            -> {1, holders, 0, new expiry, now, 0} when the lease is still held,
+                      {0, holders, 0, 0, now, 0} when it expired or was released: a lease
                       whose slot may have gone to someone else never comes back.
-The key expires with its latest lease (PEXPIRE, relative: right whichever clock decides).
+The key expires with its latest lease (PEXPIRE, relative: right whichever clock decides),
+the stats an hour later.
 --]]
 
 local key, op, id = KEYS[1], ARGV[1], ARGV[2]
@@ -39,24 +45,24 @@ if op ~= 'release' then
 end
 
 local now = script_now(ARGV[3], true)
-local held = leases(key, now)
+local held = leases(key, KEYS[2], now)
 
 if op == 'release' then
   local removed = held.release(id)
-  return {removed, held.count(), 0, 0, now}
+  return {removed, held.count(), 0, 0, now, 0}
 end
 
 local lease_ms = tonumber(ARGV[5])
 
 if op == 'renew' then
   local expires = held.renew(id, lease_ms)
-  if not expires then return {0, held.count(), 0, 0, now} end
-  return {1, held.count(), 0, expires, now}
+  if not expires then return {0, held.count(), 0, 0, now, 0} end
+  return {1, held.count(), 0, expires, now, 0}
 end
 
 -- acquire
 local answer = held.may_acquire(id, tonumber(ARGV[4]))
 if answer[1] == 0 then
-  return {0, answer[2], answer[3], 0, now}
+  return {0, answer[2], answer[3], 0, now, answer[5]}
 end
-return {1, answer[2], 0, held.take(id, lease_ms, answer), now}
+return {1, answer[2], 0, held.take(id, lease_ms, answer), now, 0}

@@ -7,13 +7,14 @@
 reconcile_release.lua - reconcile and release in one script execution (storage "zset"):
 the slot of lease ARGV[1] given back, then the entry's cost set (lib/in_flight.lua).
 
-KEYS       reconcile.lua's, then the user's leases (lease.lua's KEYS[1])
+KEYS       reconcile.lua's, then the user's leases and their
+           stats (lease.lua's KEYS[1..2])
 ARGV       reconcile.lua's (lib/set_cost.lua); the member is the lease id
 
 Returns {windows whose entry was found, 1 when the lease was still held}. No OOM probe:
 the release comes first and only frees memory.
 --]]
 
-local n = (#KEYS - 1) / 3
+local n = (#KEYS - 2) / 3
 local now = script_now(ARGV[4], true)
 return reconcile_release(n, zset_log(n, now), now)

@@ -58,10 +58,13 @@ def test_the_docs_example_runs(block: CodeBlock, redis_url: str, redis_client: r
     run_block(block, redis_url, tmp_path)
     keys = {key.decode() for key in redis_client.keys("*")}
     if block.page.name == "in-flight.md" and block.heading.startswith("## Concurrency"):
-        # Every lease was released (no key is left): the script ran, loaded on NOSCRIPT.
+        # Every lease was released (no leases key is left, and no lease's start in the hold
+        # history, which stays): the script ran, loaded on NOSCRIPT.
         from genai_ratelimit import _native
         assert redis_client.script_exists(_native.LEASE_SHA1) == [True], "never reached Redis"
-        assert not keys
+        assert keys == {"ratelimit:user_8421:leases:stats"}
+        assert set(redis_client.hkeys("ratelimit:user_8421:leases:stats")) == {
+            b"hold_ms", b"hold_sq", b"holds"}
     elif block.page.name == "tokens.md" and block.heading.startswith("## On the limiter"):
         # It reserved 1,200 tokens and reconciled them to 830.
         for seconds in (60, 86400):

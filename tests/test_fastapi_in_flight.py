@@ -67,10 +67,11 @@ def test_a_request_beyond_max_in_flight_gets_429_concurrent(
     assert response.headers["X-RateLimit-Window"] == "concurrent"
     assert response.headers["X-RateLimit-Limit"] == "2"
     assert response.headers["X-RateLimit-Remaining"] == "0"
-    # Retry-After: in_flight_retry_after (1 s by default), not the soonest lease's expiry
-    # (30 s away here), which is only a bound: a request that ends frees its slot sooner.
+    # Retry-After: the limiter's hint (5 s while no slot was ever given back on this cap), not
+    # the soonest lease's expiry (30 s away here), which is only a bound: a request that ends
+    # frees its slot sooner.
     assert expiry - server_now_ms(redis_client) > 28_000
-    assert (response.headers["retry-after-ms"], response.headers["Retry-After"]) == ("1000", "1")
+    assert (response.headers["retry-after-ms"], response.headers["Retry-After"]) == ("5000", "5")
     assert response.headers["x-should-retry"] == "true"
     body = response.json()
     assert body["detail"] == "Rate limit exceeded"
@@ -79,6 +80,51 @@ def test_a_request_beyond_max_in_flight_gets_429_concurrent(
     # Refused for concurrency: not counted in the windows, and no slot taken.
     assert redis_client.zcard(f"ratelimit:{user_id}:60") == 0
     assert redis_client.zcard(leases_key(user_id)) == 2
+
+
+def test_the_concurrency_429_announces_the_limiters_hint_from_the_hold_history(
+        limiter: Any, client_for: Callable[..., Any], redis_client: redis.Redis, user_id: str) -> None:
+    client = client_for(RateLimit(limiter=limiter, max_in_flight={"free": 1}))
+    hold_slots(redis_client, user_id, 1, 300)
+    # Requests on this cap were held 10 s on average; the one in flight started 4 s ago.
+    now = server_now_ms(redis_client)
+    redis_client.hset(f"{leases_key(user_id)}:stats",
+                      mapping={"hold_ms": 10_000, "hold_sq": 10_000 ** 2, "holds": 4,
+                               "other-0": now - 4_000})
+    response = client.get("/dict", headers=as_user(user_id))
+    elapsed = server_now_ms(redis_client) - now
+    assert response.status_code == 429
+    assert 6_000 - elapsed <= int(response.headers["retry-after-ms"]) <= 6_000
+    assert response.headers["Retry-After"] == str(-(-int(response.headers["retry-after-ms"]) // 1000))
+    message = response.json()["error"]["message"]
+    assert f"please try again in {int(response.headers['retry-after-ms']) / 1000:g}s" in message
+    assert "(a slot is free again within 4m5" in message  # the lease's expiry: the bound
+
+
+def test_a_capped_token_request_refused_by_its_slot_announces_the_same_hint(
+        limiter: Any, make_limiter: LimiterFactory, redis_client: redis.Redis, user_id: str) -> None:
+    """TokenRateLimit takes its slot in the reserve (reserve(..., in_flight=)): its 429 has the
+    hint of the reservation's slot, and the soonest expiry as the message's bound."""
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit.fastapi import TokenRateLimit
+    from test_fastapi import client_options
+    from test_fastapi_tokens import build_app as token_app
+    from test_fastapi_tokens import chat_body
+
+    dependency = TokenRateLimit(limiter=limiter, max_in_flight={"free": 1},
+                                token_limits={"free": {"per_minute": 10_000, "per_day": 100_000}})
+    hold_slots(redis_client, user_id, 1, 300)
+    now = server_now_ms(redis_client)
+    redis_client.hset(f"{leases_key(user_id)}:stats",
+                      mapping={"hold_ms": 20_000, "hold_sq": 20_000 ** 2, "holds": 4,
+                               "other-0": now - 5_000})
+    with TestClient(token_app(dependency), **client_options(make_limiter)) as client:
+        response = client.post("/json", json=chat_body(report=17), headers={"X-Test-Auth": user_id})
+    elapsed = server_now_ms(redis_client) - now
+    assert response.status_code == 429 and response.headers["X-RateLimit-Window"] == "concurrent"
+    assert 15_000 - elapsed <= int(response.headers["retry-after-ms"]) <= 15_000
+    assert "(a slot is free again within 4m5" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("route", ROUTES)

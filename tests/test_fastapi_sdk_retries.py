@@ -7,6 +7,8 @@ uvicorn serving a RateLimit in each error format:
 - a day-window refusal (x-should-retry: false): both SDKs give up at once;
 - a concurrency 429 (max_in_flight, Retry-After: in_flight_retry_after = 1 s): the SDK
   retries and succeeds once the held stream ends (on a signal);
+- a concurrency 429 with the limiter's hint (no in_flight_retry_after): streams held 3 s
+  and 12 s, the SDK's default retries reach the 200, none waits more than twice the hold;
 - a client that reads remaining + reset on allowed responses paces itself and is never
   refused (slow: it waits out one minute window).
 
@@ -119,6 +121,39 @@ async def capped_chat():
 
 @app.post("/capped/anthropic/v1/messages", dependencies=[Depends(CAPPED["anthropic"])])
 async def capped_messages():
+    return await messages()
+
+
+# The same cap without in_flight_retry_after: the 429 announces the limiter's hint (the hold
+# history of the cap). /timed/{name}?seconds= streams for that long, then ends.
+def hinted(error_format):
+    return RateLimit(limiter, identify=identify, error_format=error_format,
+                     tier_limits={"free": {"per_minute": 1000, "per_day": 100000}},
+                     namespace=f"hinted-{error_format}", max_in_flight={"free": 1})
+
+
+HINTED = {name: hinted(name) for name in ("openai", "anthropic")}
+
+
+async def timed_stream(seconds: float):
+    async def chunks():
+        yield "data: held\\n\\n"
+        await asyncio.sleep(seconds)
+        yield "data: [DONE]\\n\\n"
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+for _name in ("openai", "anthropic"):
+    app.add_api_route(f"/timed/{_name}", timed_stream, dependencies=[Depends(HINTED[_name])])
+
+
+@app.post("/hinted/openai/v1/chat/completions", dependencies=[Depends(HINTED["openai"])])
+async def hinted_chat():
+    return await chat()
+
+
+@app.post("/hinted/anthropic/v1/messages", dependencies=[Depends(HINTED["anthropic"])])
+async def hinted_messages():
     return await messages()
 
 
@@ -406,9 +441,98 @@ def test_the_sdks_retry_a_concurrency_429_and_succeed_once_the_held_stream_ends(
         http.post(f"/release/{api_key}").raise_for_status()
         assert "".join(chunks).endswith("data: [DONE]\n\n")
         caller.join(30)
+        sdk.close()  # its connections: left open, they warn at the end of the session
     assert "error" not in result, result.get("error")
     assert result["response"].http_response.status_code == 200
     statuses = [status for _, status, _ in attempts.answered]
     assert statuses[0] == 429 and statuses[-1] == 200
     # The SDK waited what Retry-After said (1 s), not the lease's 300 s.
     assert 0.9 <= attempts.sent[1] - attempts.answered[0][0] < 5
+
+
+def hold_then_call(error_format: str, server: Server, api_key: str, seconds: float,
+                   warm: bool) -> dict[str, Any]:
+    """A stream of `api_key` held `seconds` on the hinted cap of one (after a first one held as
+    long, when `warm`: the cap's history), and the SDK's call (default retries) sent as soon as
+    the stream holds the slot. What the SDK saw: the hints of its 429s, its statuses, the time
+    from its first send to its 200, the hold as the stream's client saw it."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"}
+    attempts, result = Attempts(), {}
+    with httpx.Client(base_url=server.base_url, timeout=seconds + 10) as http:
+        if warm:
+            with http.stream("GET", f"/timed/{error_format}", params={"seconds": seconds},
+                             headers=headers) as first:
+                assert first.status_code == 200
+                assert "".join(first.iter_text()).endswith("data: [DONE]\n\n")
+        with http.stream("GET", f"/timed/{error_format}", params={"seconds": seconds},
+                         headers=headers) as held:
+            assert held.status_code == 200
+            chunks = held.iter_text()
+            assert next(chunks).startswith("data: held")
+            held_from = time.monotonic()  # the slot was taken before: the hold is longer
+            sdk = make_sdk(error_format, server, api_key, attempts, prefix="/hinted")
+
+            def run() -> None:
+                try:
+                    result["response"] = call(error_format, sdk)
+                except Exception as exc:  # noqa: BLE001 (reported by the test)
+                    result["error"] = exc
+
+            caller = threading.Thread(target=run)
+            caller.start()
+            assert "".join(chunks).endswith("data: [DONE]\n\n")
+            hold = time.monotonic() - held_from
+            caller.join(3 * seconds + 10)
+            sdk.close()
+    refusals = [headers for _, status, headers in attempts.answered if status == 429]
+    return {
+        "error": result.get("error"),
+        "statuses": [status for _, status, _ in attempts.answered],
+        "hints_ms": [int(headers["retry-after-ms"]) for headers in refusals],
+        "windows": {headers["x-ratelimit-window"] for headers in refusals},
+        "to_200": attempts.answered[-1][0] - attempts.sent[0] if attempts.answered else None,
+        "hold": hold,
+    }
+
+
+@pytest.mark.parametrize(("seconds", "warm"), [
+    (3, False),
+    (3, True),
+    pytest.param(12, True, marks=pytest.mark.slow),
+], ids=["3s-no-history", "3s", "12s"])
+def test_the_sdks_retries_span_the_held_stream_with_the_limiters_hint(
+        server: Server, redis_client: redis.Redis, seconds: float, warm: bool) -> None:
+    """Both SDKs at once (a user each), default retries, on a cap of one request in flight
+    held `seconds` by a stream: every request is answered 200, neither SDK gives up, and
+    neither waits more than twice the hold. With no history the hint is 5 s (two retries span
+    10 s); with one the hint is the average hold less how long the held stream has run."""
+    outcomes: dict[str, dict[str, Any]] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str) -> None:
+        try:
+            outcomes[name] = hold_then_call(name, server, f"hint-{name}-{os.urandom(4).hex()}",
+                                            seconds, warm)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in FORMATS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(6 * seconds + 30)
+    assert not errors, errors
+    for name, seen in outcomes.items():
+        print(f"{name}, stream held {seconds} s ({'with' if warm else 'no'} history): hints "
+              f"{seen['hints_ms']} ms, statuses {seen['statuses']}, 200 after {seen['to_200']:.2f} s "
+              f"(the hold as its client saw it: {seen['hold']:.2f} s)")
+        assert seen["error"] is None, (name, seen)
+        assert seen["statuses"][-1] == 200 and seen["statuses"][0] == 429, (name, seen)
+        assert seen["windows"] == {"concurrent"}, (name, seen)
+        assert seen["to_200"] <= 2 * seconds, (name, seen)
+        if not warm:
+            assert seen["hints_ms"][0] == 5_000, (name, seen)
+        else:  # the average hold (the first stream's) less the little the second one has run
+            assert seconds * 1000 - 2_500 <= seen["hints_ms"][0] <= seconds * 1000 + 500, (name, seen)

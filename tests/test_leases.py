@@ -20,6 +20,8 @@ from genai_ratelimit import AsyncLease, AsyncRateLimiter, Lease, RateLimiter, _n
 from helpers_async import LimiterFactory, LoopFactory, run_async
 from helpers_core import commandstats, server_ms, wait_until_server_ms
 from test_idempotent_retry import ReplyDroppingProxy, redis_port  # noqa: F401 (a fixture)
+from test_production_acl import acl_url, admin  # noqa: F401 (fixtures)
+from test_production_faults import servers  # noqa: F401 (a fixture)
 
 
 def leases_key(user: str) -> str:
@@ -47,10 +49,10 @@ def test_acquire_admits_up_to_the_limit_then_refuses(limiter: Any, redis_client:
     refused = limiter.acquire(user_id, 3, 60)
     assert (refused.allowed, refused.held, refused.remaining, refused.lease_id) == (False, 3, 0, "")
     assert len(holders(redis_client, user_id)) == 3  # a refusal writes nothing
-    # The upper bound: until the soonest lease expires.
-    assert leases[0].expires_at_ms - server_ms(redis_client) <= refused.retry_after_ms
-    assert refused.retry_after_ms <= leases[0].expires_at_ms - before
-    assert refused.retry_after_s == -(-refused.retry_after_ms // 1000)
+    # The upper bound: until the soonest lease expires; the hint (no history yet: 5 s) below it.
+    assert leases[0].expires_at_ms - server_ms(redis_client) <= refused.retry_bound_ms
+    assert refused.retry_bound_ms <= leases[0].expires_at_ms - before
+    assert (refused.retry_after_ms, refused.retry_after_s) == (5000, 5)
 
 
 def test_release_frees_the_slot_and_is_idempotent(limiter: Any, redis_client: redis.Redis,
@@ -194,7 +196,7 @@ def test_an_acquire_whose_reply_was_lost_takes_one_slot(
     finally:
         proxy.close()
     assert len(proxy.dropped_replies) == 1
-    assert proxy.dropped_replies[0].startswith(b"*5\r\n:1\r\n:1\r\n")
+    assert proxy.dropped_replies[0].startswith(b"*6\r\n:1\r\n:1\r\n")
     assert (lease.allowed, lease.held) == (True, 1)
     assert set(holders(redis_client, user_id)) == {lease.lease_id}
 
@@ -275,14 +277,17 @@ def test_an_async_lease_releases_itself_on_leaving_async_with(
 # --- a server that answers the lease script with nonsense -------------------------------------
 
 @pytest.mark.parametrize("reply", [
-    b"*4\r\n:1\r\n:1\r\n:0\r\n:5\r\n",                      # too short
-    b"*5\r\n:2\r\n:1\r\n:0\r\n:5\r\n:1\r\n",                # ok is not 0/1
-    b"*5\r\n:1\r\n:0\r\n:0\r\n:5\r\n:1\r\n",                # admitted, yet nobody holds a slot
-    b"*5\r\n:1\r\n:1\r\n:0\r\n:1\r\n:1\r\n",                # admitted, expiring at once
-    b"*5\r\n:0\r\n:1\r\n:1000\r\n:0\r\n:1\r\n",             # refused below the limit
-    b"*5\r\n:0\r\n:3\r\n:0\r\n:0\r\n:1\r\n",                # refused, no wait
-    b"*5\r\n:1\r\n:1\r\n:0\r\n$2\r\n99\r\n:1\r\n",          # a string where an int goes
-], ids=["short", "ok-2", "held-0", "expired", "refused-below", "no-wait", "string"])
+    b"*5\r\n:1\r\n:1\r\n:0\r\n:5\r\n:1\r\n",                # too short (the old shape)
+    b"*6\r\n:2\r\n:1\r\n:0\r\n:5\r\n:1\r\n:0\r\n",         # ok is not 0/1
+    b"*6\r\n:1\r\n:0\r\n:0\r\n:5\r\n:1\r\n:0\r\n",         # admitted, yet nobody holds a slot
+    b"*6\r\n:1\r\n:1\r\n:0\r\n:1\r\n:1\r\n:0\r\n",         # admitted, expiring at once
+    b"*6\r\n:0\r\n:1\r\n:1000\r\n:0\r\n:1\r\n:1000\r\n",   # refused below the limit
+    b"*6\r\n:0\r\n:3\r\n:0\r\n:0\r\n:1\r\n:1000\r\n",      # refused, no wait
+    b"*6\r\n:0\r\n:3\r\n:2000\r\n:0\r\n:1\r\n:1000\r\n",   # a hint past the bound
+    b"*6\r\n:1\r\n:1\r\n:0\r\n:5\r\n:1\r\n:1000\r\n",      # admitted, with a bound
+    b"*6\r\n:1\r\n:1\r\n:0\r\n$2\r\n99\r\n:1\r\n:0\r\n",  # a string where an int goes
+], ids=["short", "ok-2", "held-0", "expired", "refused-below", "no-wait", "hint-past-bound",
+        "admitted-bound", "string"])
 def test_a_nonsense_lease_reply_raises_unavailable(make_limiter: LimiterFactory,
                                                     reply: bytes) -> None:
     from fake_redis import FakeRedis, Reply
@@ -362,3 +367,214 @@ def test_a_lease_of_a_cancelled_acquire_is_released_before_aclose_returns(
         assert holders(redis_client, user_id) == {}
 
     run_async(scenario(), make_limiter.loop_factory)
+# --- the refusal's hint: when a slot is likely to free (lib/lease.lua) -----------------------
+#
+# The stats hash beside the leases ({prefix}:{user}:leases:stats) keeps each held lease's start
+# and decayed means of the hold times released leases had and of their squares (hold_ms,
+# hold_sq, over `holds`): the expected hold of a request found in flight is hold_sq / hold_ms.
+# The tests set the history and the starts in Redis (a way to control time without waiting):
+# the hint is the expected hold less how long the oldest held request has run, at least a
+# quarter of it and 1 s, at most 60 s and the soonest lease's expiry; 5 s with no history.
+
+def stats_key(user: str) -> str:
+    return f"ratelimit:{user}:leases:stats"
+
+
+def set_history(client: redis.Redis, user: str, hold_ms: int, holds: int = 4) -> None:
+    """A history of holds that all lasted hold_ms."""
+    client.hset(stats_key(user), mapping={"hold_ms": hold_ms, "hold_sq": hold_ms ** 2,
+                                          "holds": holds})
+
+
+def decayed(holds: list[float]) -> tuple[float, float]:
+    """lib/lease.lua's decayed means of `holds` and of their squares (weights 1/n, then 1/4)."""
+    mean = square = 0.0
+    for n, hold in enumerate(holds, 1):
+        weight = 1 / min(n, 4)
+        mean += (hold - mean) * weight
+        square += (hold * hold - square) * weight
+    return mean, square
+
+
+def started(client: redis.Redis, user: str, lease: Lease, ago_ms: int) -> int:
+    """Makes `lease` look started `ago_ms` before the server's now; returns that start."""
+    start = server_ms(client) - ago_ms
+    client.hset(stats_key(user), lease.lease_id, start)
+    return start
+
+
+def test_a_refusal_with_no_history_hints_five_seconds_and_tells_the_bound(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    held = limiter.acquire(user_id, 1, 60)
+    refused = limiter.acquire(user_id, 1, 60)
+    assert not refused.allowed
+    assert (refused.retry_after_ms, refused.retry_after_s) == (5000, 5)
+    # The bound (the soonest lease's expiry) is told apart: a slot is free by then at the latest.
+    assert held.expires_at_ms - server_ms(redis_client) <= refused.retry_bound_ms <= 60_000
+
+
+def test_a_refusal_hints_the_average_hold_less_the_oldest_requests_run(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    leases = [limiter.acquire(user_id, 2, 60) for _ in range(2)]
+    set_history(redis_client, user_id, 10_000)
+    started(redis_client, user_id, leases[0], 1_000)
+    start = started(redis_client, user_id, leases[1], 4_000)  # the oldest: 4 s into 10 s
+    refused = limiter.acquire(user_id, 2, 60)
+    ran = server_ms(redis_client) - start  # at least 4 s when the script ran, at most this
+    assert 10_000 - ran <= refused.retry_after_ms <= 6_000, (refused, ran)
+    assert refused.retry_after_s == -(-refused.retry_after_ms // 1000)
+
+
+@pytest.mark.parametrize(("hold_ms", "ran_ms", "hint_ms"), [
+    (10_000, 9_500, 2_500),    # overdue: a quarter of the average, not 0.5 s
+    (10_000, 30_000, 2_500),   # long overdue: the same
+    (2_000, 1_900, 1_000),     # never below 1 s
+    (200_000, 0, 60_000),      # never above 60 s, the longest wait both SDKs act on
+], ids=["overdue", "long-overdue", "floor", "ceiling"])
+def test_the_hint_is_clamped(limiter: Any, redis_client: redis.Redis, user_id: str,
+                             hold_ms: int, ran_ms: int, hint_ms: int) -> None:
+    lease = limiter.acquire(user_id, 1, 300)
+    set_history(redis_client, user_id, hold_ms)
+    started(redis_client, user_id, lease, ran_ms)
+    assert limiter.acquire(user_id, 1, 300).retry_after_ms == hint_ms
+
+
+def test_the_hint_is_never_past_the_soonest_expiry(limiter: Any, redis_client: redis.Redis,
+                                                   user_id: str) -> None:
+    lease = limiter.acquire(user_id, 1, 2)  # expires within 2 s: a slot is free by then
+    set_history(redis_client, user_id, 30_000)
+    started(redis_client, user_id, lease, 0)
+    refused = limiter.acquire(user_id, 1, 2)
+    assert refused.retry_after_ms == refused.retry_bound_ms
+    assert 1 <= refused.retry_after_ms <= 2_000
+
+
+def test_a_release_feeds_its_hold_into_the_decayed_means(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    ran: list[float] = []
+    for ran_ms in (3_000, 5_000, 8_000, 2_000, 10_000):
+        lease = limiter.acquire(user_id, 1, 60)
+        started(redis_client, user_id, lease, ran_ms)
+        assert limiter.release(lease) is True
+        ran.append(ran_ms)
+        stats = redis_client.hgetall(stats_key(user_id))
+        assert lease.lease_id.encode() not in stats  # a released lease's start goes with it
+        # Each hold is its start to its release: a little more than ran_ms, never less.
+        (low_mean, low_square), (high_mean, high_square) = decayed(ran), decayed([r + 250 for r in ran])
+        assert low_mean - 1 <= float(stats[b"hold_ms"]) <= high_mean, (stats, ran)
+        assert low_square - 1 <= float(stats[b"hold_sq"]) <= high_square, (stats, ran)
+        assert stats[b"holds"] == str(min(len(ran), 4)).encode()
+    assert 3_599_000 <= redis_client.pttl(stats_key(user_id)) <= 3_600_000  # an hour idle
+    assert limiter.release(lease) is False  # released already: no hold added
+    assert redis_client.hget(stats_key(user_id), "hold_ms") == stats[b"hold_ms"]
+    # (3,000² + ...)-weighted: the expected hold is above the plain mean (5,875 ms).
+    expected = float(stats[b"hold_sq"]) / float(stats[b"hold_ms"])
+    assert 7_500 <= expected <= 7_800, expected
+
+
+def test_slots_given_back_at_once_barely_move_the_expected_hold(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    """A request refused by a window after it took its slot gives it back within
+    milliseconds: eight of those after a 12 s stream leave the hint near 12 s (a plain mean
+    would fall to a few hundred ms, and the hint to 1 s)."""
+    lease = limiter.acquire(user_id, 1, 60)
+    started(redis_client, user_id, lease, 12_000)
+    assert limiter.release(lease) is True
+    for _ in range(8):
+        assert limiter.release(limiter.acquire(user_id, 1, 60)) is True
+    stats = redis_client.hgetall(stats_key(user_id))
+    assert float(stats[b"hold_ms"]) < 1_000  # the plain mean
+    held = limiter.acquire(user_id, 1, 60)
+    start = started(redis_client, user_id, held, 0)
+    refused = limiter.acquire(user_id, 1, 60)
+    ran = server_ms(redis_client) - start
+    assert 11_000 - ran <= refused.retry_after_ms <= 12_250, (refused, stats)
+
+
+def test_the_stats_outlive_the_latest_lease_by_an_hour(limiter: Any, redis_client: redis.Redis,
+                                                      user_id: str) -> None:
+    lease = limiter.acquire(user_id, 2, 300)
+    assert 300_000 + 3_599_000 <= redis_client.pttl(stats_key(user_id)) <= 3_900_000
+    assert limiter.renew(lease, 600) is True
+    assert 600_000 + 3_599_000 <= redis_client.pttl(stats_key(user_id)) <= 4_200_000
+
+
+def test_an_expired_lease_leaves_no_start_behind(limiter: Any, redis_client: redis.Redis,
+                                                 user_id: str) -> None:
+    lease = limiter.acquire(user_id, 2, 60)
+    assert lease.lease_id.encode() in redis_client.hgetall(stats_key(user_id))
+    # Its holder never came back: make it expired, as if lease_seconds had passed.
+    redis_client.zadd(leases_key(user_id), {lease.lease_id: server_ms(redis_client) - 1})
+    other = limiter.acquire(user_id, 2, 60)
+    fields = redis_client.hgetall(stats_key(user_id))
+    assert set(fields) == {other.lease_id.encode()}  # no hold recorded: it never ended
+    assert limiter.release(lease) is False
+
+
+def test_reserve_in_flight_refuses_with_the_same_hint(limiter: Any, redis_client: redis.Redis,
+                                                      user_id: str) -> None:
+    first = limiter.reserve(user_id, [(100, 60)], in_flight=(1, 60))
+    assert first.allowed and first.lease is not None
+    set_history(redis_client, user_id, 10_000)
+    start = started(redis_client, user_id, first.lease, 3_000)
+    refused = limiter.reserve(user_id, [(100, 60)], in_flight=(1, 60))
+    ran = server_ms(redis_client) - start
+    assert not refused.allowed and refused.lease is not None and not refused.lease.allowed
+    assert 10_000 - ran <= refused.retry_after_ms <= 7_000, (refused, ran)
+    assert refused.lease.retry_after_ms == refused.retry_after_ms
+    assert refused.retry_after_s == refused.lease.retry_after_s == 7
+    assert first.lease.expires_at_ms - server_ms(redis_client) <= refused.lease.retry_bound_ms <= 60_000
+
+
+def test_reconcile_with_release_feeds_the_average(limiter: Any, redis_client: redis.Redis,
+                                                  user_id: str) -> None:
+    reservation = limiter.reserve(user_id, [(100, 60)], token_windows=[(10_000, 60)],
+                                  tokens=100, in_flight=(1, 60))
+    assert reservation.allowed and reservation.lease is not None
+    started(redis_client, user_id, reservation.lease, 7_000)
+    limiter.reconcile(reservation, 80, release=True)
+    stats = redis_client.hgetall(stats_key(user_id))
+    assert 7_000 <= float(stats[b"hold_ms"]) <= 7_250 and stats[b"holds"] == b"1"
+    assert 7_000 ** 2 <= float(stats[b"hold_sq"]) <= 7_250 ** 2
+    assert reservation.lease.lease_id.encode() not in stats
+
+
+def test_the_documented_acl_user_runs_the_hint(acl_url: Any, admin: redis.Redis,  # noqa: F811
+                                               make_limiter: LimiterFactory, user_id: str) -> None:
+    """The stats key and the commands the hint needs are within docs/security.md's ACL."""
+    limiter = make_limiter(acl_url())
+    first = limiter.acquire(user_id, 1, 60)
+    admin.select(1)
+    start = server_ms(admin) - 2_000
+    admin.hset(stats_key(user_id), first.lease_id, start)
+    assert limiter.release(first) is True  # a hold of 2 s (and what the calls took): history
+    held = limiter.reserve(user_id, [(100, 60)], in_flight=(1, 60))
+    assert held.allowed and held.lease is not None
+    refused = limiter.acquire(user_id, 1, 60)
+    longest_hold = server_ms(admin) - start
+    assert not refused.allowed and 1_000 <= refused.retry_after_ms <= longest_hold
+    limiter.reconcile(held, 1, release=True)
+    assert set(admin.hkeys(stats_key(user_id))) == {b"hold_ms", b"hold_sq", b"holds"}
+
+
+def test_a_full_redis_still_takes_a_release_and_its_hold(servers: Any,  # noqa: F811
+                                                         make_limiter: LimiterFactory,
+                                                         user_id: str) -> None:
+    """noeviction + maxmemory reached: a release only frees memory, so it must work then too,
+    its hold going into the history (its writes come after the ZREM that freed memory); an
+    acquire is refused before any write."""
+    from genai_ratelimit import RateLimiterUnavailable
+
+    server = servers("--maxmemory-policy", "noeviction")
+    client = redis.Redis.from_url(server.url)
+    limiter = make_limiter(server.url, connect_timeout=2, socket_timeout=2)
+    leases = [limiter.acquire(user_id, 2, 60) for _ in range(2)]
+    client.hset(stats_key(user_id), leases[0].lease_id, server_ms(client) - 3_000)
+    client.config_set("maxmemory", "1")  # far below what is used: full, whatever is written
+    with pytest.raises(RateLimiterUnavailable, match="out of memory"):
+        limiter.acquire(user_id, 3, 60)
+    assert limiter.release(leases[0]) is True
+    stats = client.hgetall(stats_key(user_id))
+    assert 3_000 <= float(stats[b"hold_ms"]) <= 3_500 and leases[0].lease_id.encode() not in stats
+    assert set(holders(client, user_id)) == {leases[1].lease_id}
+    client.close()

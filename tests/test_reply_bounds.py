@@ -55,8 +55,10 @@ def window_reply(allowed: int = 1, remaining: int = 4, retry: int = 0, window: i
 
 
 def lease_reply(ok: int = 1, held: int = 1, retry_ms: int = 0, expires: int = NOW + 60_000,
-                now: int = NOW) -> bytes:
-    return resp([ok, held, retry_ms, expires, now])
+                now: int = NOW, bound: int | None = None) -> bytes:
+    """lease.lua's {ok, held, retry_ms, expires, now, bound_ms}; a refusal's bound defaults
+    to its hint (retry_ms)."""
+    return resp([ok, held, retry_ms, expires, now, (retry_ms if ok == 0 else 0) if bound is None else bound])
 
 
 REFUSED = {"allowed": 0, "remaining": 0, "retry": 60, "retry_ms": 60_000, "each": [0]}
@@ -157,7 +159,7 @@ MALFORMED: dict[str, Case] = {
     "reset-removed-llong-max": (reset, [resp([LLONG_MAX, "0"])]),
     "reset-removed-past-max-limit": (reset, [resp([MAX_LIMIT + 1, "0"])]),
     "reset-cursor-of-21-digits": (reset, [resp([1, "1" * 21])]),
-    # -- leases: {ok, held, retry_ms, expires, now}
+    # -- leases: {ok, held, retry_ms, expires, now, bound_ms}
     "acquire-refused-retry-ms-llong-max": (acquire, [lease_reply(0, 3, LLONG_MAX, 0)]),
     "acquire-refused-retry-ms-past-the-longest-lease": (
         acquire, [lease_reply(0, 3, _native.MAX_WINDOW_SECONDS * 1000 + SKEW_MS + 1, 0)]),

@@ -47,7 +47,14 @@ from ._identity import (
     key_identity,
 )
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _LeaseLedger
-from ._options import ClassSignature, Mode, OnUnavailable, SharedOptions, options_from
+from ._options import (
+    IN_FLIGHT_HINT_WITHOUT_HISTORY_MS,
+    ClassSignature,
+    Mode,
+    OnUnavailable,
+    SharedOptions,
+    options_from,
+)
 from ._policy import (
     CONCURRENT,
     AsyncWindowLimiter,
@@ -158,13 +165,17 @@ class RateLimit:
     of its identity's slots (`acquire`, one script execution); the middleware gives it back
     when the response's last byte is due, or when the client disconnected or the route
     failed. Refused: 429 with X-RateLimit-Window: concurrent, X-RateLimit-Limit: the cap,
-    and Retry-After: in_flight_retry_after (default 1 s, at most 60 s, never past the
-    soonest slot's lease expiry, which is only an upper bound: a request that finishes frees
-    its slot sooner). A request refused for concurrency is not counted in the windows. In
+    and Retry-After: by default the limiter's hint (Lease.retry_after_ms: how long requests
+    on this cap were held, a decayed mean kept in Redis, less how long the oldest one in
+    flight has run; 5 s before any was; 1 to 60 s), never past the soonest slot's lease
+    expiry, which is only an upper bound (a request that finishes frees its slot sooner).
+    A request refused for concurrency is not counted in the windows. In
     shadow mode the slots are taken in "shadow:" keys; a request beyond the cap runs and is
     counted, logged and marked as would-refuse like a window refusal.
     in_flight_retry_after
-                   the concurrency 429's Retry-After in seconds (see above). Default 1.
+                   a fixed Retry-After in seconds for the concurrency 429, instead of the
+                   limiter's hint (see above); at most 60, never past the soonest expiry.
+                   Default None: the hint.
 
     The decision is one `check_windows` call; the WindowDecision it answers carries the
     exact wait (retry_after_ms) that retry-after-ms reports.
@@ -211,7 +222,8 @@ class RateLimit:
         shadow_log_interval, partition_key_secret = opts.shadow_log_interval, opts.partition_key_secret
         max_in_flight, lease_seconds = opts.max_in_flight, opts.lease_seconds
         upstream, route_limits, model_limits = opts.upstream, opts.route_limits, opts.model_limits
-        self.in_flight_retry_after = float(opts.in_flight_retry_after)
+        self.in_flight_retry_after = (None if opts.in_flight_retry_after is None
+                                      else float(opts.in_flight_retry_after))
         self.error_format: ErrorFormat = error_format
         self.max_client_wait_seconds = float(max_client_wait_seconds)
         self.unavailable_log_interval = float(unavailable_log_interval)
@@ -455,8 +467,9 @@ class RateLimit:
         held = leases.lease_of(key)
         if held is None:
             return (cap, key, leases)
-        if held.held > cap:
+        if held.held > cap:  # the limiter was not asked: no hint of its own
             self._refuse_in_flight(request, response, identity, cap,
+                                   IN_FLIGHT_HINT_WITHOUT_HISTORY_MS,
                                    max(0, held.expires_at_ms - _now_ms()))
         return None
 
@@ -470,17 +483,21 @@ class RateLimit:
             leases.entries.append((key, limiter, is_async, lease))
             return
         # The soonest lease's expiry is only a bound (a request that ends frees its slot
-        # sooner): announce in_flight_retry_after, a short wait both SDKs act on.
-        self._refuse_in_flight(request, response, identity, cap, lease.retry_after_ms)
+        # sooner): announce the limiter's hint, from how long this cap's requests are held.
+        # A Lease made elsewhere without retry_bound_ms tells the bound in retry_after_ms.
+        bound_ms = getattr(lease, "retry_bound_ms", 0) or lease.retry_after_ms
+        self._refuse_in_flight(request, response, identity, cap, lease.retry_after_ms, bound_ms)
 
     def _refuse_in_flight(self, request: Request, response: Response, identity: str, cap: int,
-                          expiry_ms: int) -> None:
-        """The concurrency 429 (in shadow mode: recorded as would-refuse). `expiry_ms`: the
-        soonest held lease's expiry, which frees a slot at the latest."""
-        retry_ms, retry_s = in_flight_wait(self.in_flight_retry_after, expiry_ms)
+                          hint_ms: int, expiry_ms: int) -> None:
+        """The concurrency 429 (in shadow mode: recorded as would-refuse). `hint_ms`: the
+        limiter's guess of when a slot frees; `expiry_ms`: the soonest held lease's expiry,
+        which frees a slot at the latest. in_flight_retry_after, when set, replaces the hint."""
+        retry_after = hint_ms / 1000 if self.in_flight_retry_after is None else self.in_flight_retry_after
+        retry_ms, retry_s = in_flight_wait(retry_after, expiry_ms)
         message = (f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one "
-                   f"of them ends; please try again in {format_duration(retry_ms)} (every slot "
-                   f"is free again within {format_duration(expiry_ms)} at the latest).")
+                   f"of them ends; please try again in {format_duration(retry_ms)} (a slot is "
+                   f"free again within {format_duration(expiry_ms)} at the latest).")
         refusal = [("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
                    ("X-RateLimit-Window", window_name(CONCURRENT))]
         self._count(request, "concurrency_rejected", None, "in_flight", "user")

@@ -25,9 +25,14 @@ OnUnavailable = Literal["deny", "allow"]
 # The longest Retry-After both SDKs act on: the openai SDK ignores a longer one (it raises at
 # once), the anthropic SDK sleeps on it; 60 s is the cap of both.
 SDK_MAX_RETRY_AFTER = 60.0
-# The default wait a concurrency 429 announces: a slot frees when a request in flight ends,
-# usually within seconds; the soonest lease's expiry (up to lease_seconds) is only a bound.
-DEFAULT_IN_FLIGHT_RETRY_AFTER = 1.0
+# The wait a concurrency 429 announces unless in_flight_retry_after sets one: None, the
+# limiter's hint (Lease.retry_after_ms: the cap's expected hold less how long the oldest
+# request in flight has run, 5 s before any history; lua/lib/lease.lua), never past the
+# soonest lease's expiry (up to lease_seconds), which is only a bound.
+DEFAULT_IN_FLIGHT_RETRY_AFTER = None
+# The hint's own wait before any history, for a refusal the limiter was not asked about (a
+# stricter cap on a slot this request already holds): lua/lib/lease.lua's HINT_NO_HISTORY_MS.
+IN_FLIGHT_HINT_WITHOUT_HISTORY_MS = 5000
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ class Options:
     partition_key_secret: str | bytes | None = None
     max_in_flight: Mapping[str, int] | None = None
     lease_seconds: int = DEFAULT_LEASE_SECONDS
-    in_flight_retry_after: float = DEFAULT_IN_FLIGHT_RETRY_AFTER
+    in_flight_retry_after: float | None = DEFAULT_IN_FLIGHT_RETRY_AFTER
     upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None
     route_limits: Mapping[str, int] | None = None
     model_limits: Mapping[str, Mapping[str, int]] | None = None
@@ -61,11 +66,13 @@ class Options:
         for name in ("max_client_wait_seconds", "unavailable_log_interval", "shadow_log_interval",
                      "in_flight_retry_after"):
             number = getattr(self, name)
+            if number is None and name == "in_flight_retry_after":
+                continue  # the limiter's hint
             if isinstance(number, bool) or not isinstance(number, (int, float)):
                 raise TypeError(f"{name} must be a number of seconds, not {type(number).__name__}")
             if not number >= 0 or not math.isfinite(number):
                 raise ValueError(f"{name} must be a finite number >= 0, got {number!r}")
-        if self.in_flight_retry_after > SDK_MAX_RETRY_AFTER:
+        if self.in_flight_retry_after is not None and self.in_flight_retry_after > SDK_MAX_RETRY_AFTER:
             raise ValueError(f"in_flight_retry_after must be at most {SDK_MAX_RETRY_AFTER:g} s "
                              "(the longest Retry-After the openai and anthropic SDKs act on), "
                              f"got {self.in_flight_retry_after!r}")
@@ -102,7 +109,7 @@ class SharedOptions(TypedDict, total=False):
     partition_key_secret: str | bytes | None
     max_in_flight: Mapping[str, int] | None
     lease_seconds: int
-    in_flight_retry_after: float
+    in_flight_retry_after: float | None
     upstream: Upstream | Sequence[Upstream] | UpstreamOf | None
     route_limits: Mapping[str, int] | None
     model_limits: Mapping[str, Mapping[str, int]] | None

@@ -6,40 +6,101 @@ holders, each slot given back by release or by its own expiry. Prepended by the 
 The leases key is a sorted set {lease id (UUID4 text) -> expiry, unix ms}. Expired leases
 (expiry <= now) are dropped first, by every operation. The key expires with its latest
 lease (PEXPIRE, relative: right whichever clock decides).
+
+The stats key beside it ({prefix}:{user}:leases:stats) is a hash that tells a refused caller
+when a slot is likely to free:
+  <lease id>  the start (unix ms) of each held lease; dropped with its lease
+  hold_ms     a decayed mean of the hold times of released leases (ms): each release weighs
+              1/holds of it, then 1/HOLD_WEIGHT_TURNS once that many were
+  hold_sq     the same decayed mean of their squares (ms^2)
+  holds       how many holds the means are made of (up to HOLD_WEIGHT_TURNS)
+A lease that expired unreleased adds no hold (its holder never told how long it ran). The
+key expires STATS_IDLE_MS after the latest lease (an idle user's history is forgotten).
+
+The hold a refused caller waits for is one it finds in flight, and a long request is in
+flight longer, so more likely found there than a short one: its expected length is the
+length-weighted mean, hold_sq / hold_ms (the plain mean when every hold is the same). Slots
+given back at once (a request a window refused after it took its slot, a caller cancelled
+before the reply) weigh almost nothing in it, where they would drag a plain mean to zero.
 --]]
 
--- The leases in `key` at `now`, expired ones dropped.
-local function leases(key, now)
-  local held = {}
-  redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+-- The refusal's hint (ms): the expected hold less how long the oldest held request has run,
+-- at least a quarter of the expected hold (an overdue request may run on) and HINT_MIN_MS,
+-- at most HINT_MAX_MS (the longest Retry-After the openai and anthropic SDKs act on) and the
+-- soonest lease's expiry. With no history: HINT_NO_HISTORY_MS, so the SDKs' two default
+-- retries span 10 s, a typical completion stream.
+local HINT_NO_HISTORY_MS = 5000
+local HINT_MIN_MS = 1000
+local HINT_MAX_MS = 60000
+local HOLD_WEIGHT_TURNS = 4
+local STATS_IDLE_MS = 3600000
 
-  -- The key lives as long as its latest lease.
-  local function keep_until_latest()
-    local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
-    if latest then
-      local ttl = tonumber(latest) - now
-      if ttl < 1 then ttl = 1 end
-      redis.call('PEXPIRE', key, ttl)
+-- The leases in `key` at `now`, expired ones dropped; `stats` is the key of their starts
+-- and hold history.
+local function leases(key, stats, now)
+  local held = {}
+  local expired = redis.call('ZRANGEBYSCORE', key, '-inf', now)
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
+    for i = 1, #expired, 1000 do
+      redis.call('HDEL', stats, unpack(expired, i, math.min(i + 999, #expired)))
     end
   end
 
+  -- The key lives as long as its latest lease; the stats an hour longer.
+  local function keep_until_latest()
+    local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+    local ttl = 0
+    if latest then
+      ttl = tonumber(latest) - now
+      if ttl < 1 then ttl = 1 end
+      redis.call('PEXPIRE', key, ttl)
+    end
+    redis.call('PEXPIRE', stats, ttl + STATS_IDLE_MS)
+  end
+
+  -- The wait a refused caller is told (see HINT_*), never past `bound`, the soonest expiry.
+  -- The starts are read with HMGET (the commands docs/security.md's ACL allows), in steps
+  -- that keep unpack within Lua's stack.
+  local function hint(bound)
+    local history = redis.call('HMGET', stats, 'hold_ms', 'hold_sq')
+    local mean, square = tonumber(history[1]), tonumber(history[2])
+    local wait = HINT_NO_HISTORY_MS
+    if mean and square then
+      local expected = 0
+      if mean > 0 then expected = square / mean end
+      local ids, oldest = redis.call('ZRANGE', key, 0, -1), now
+      for i = 1, #ids, 1000 do
+        local starts = redis.call('HMGET', stats, unpack(ids, i, math.min(i + 999, #ids)))
+        for j = 1, #starts do
+          local start = tonumber(starts[j])
+          if start and start < oldest then oldest = start end
+        end
+      end
+      wait = math.max(expected - (now - oldest), expected / 4, HINT_MIN_MS)
+    end
+    wait = math.floor(math.min(wait, HINT_MAX_MS, bound))
+    if wait < 1 then wait = 1 end
+    return wait
+  end
+
   -- Whether `id` may take a slot of `limit`, without writing: {1, holders after it, 0,
-  -- its expiry if it is already held (a replay) or 0} or {0, holders, wait until the
-  -- soonest lease expires (>= 1), 0}.
+  -- its expiry if it is already held (a replay) or 0, 0} or {0, holders, the hint (>= 1),
+  -- 0, the wait until the soonest lease expires (>= the hint)}.
   function held.may_acquire(id, limit)
     local expires = redis.call('ZSCORE', key, id)
     local count = redis.call('ZCARD', key)
     if expires then
       -- The first attempt admitted this very lease (its reply was lost): admitted again.
-      return {1, count, 0, tonumber(expires)}
+      return {1, count, 0, tonumber(expires), 0}
     end
     if count >= limit then
       local soonest = tonumber(redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2])
-      local wait = soonest - now
-      if wait < 1 then wait = 1 end
-      return {0, count, wait, 0}
+      local bound = soonest - now
+      if bound < 1 then bound = 1 end
+      return {0, count, hint(bound), 0, bound}
     end
-    return {1, count + 1, 0, 0}
+    return {1, count + 1, 0, 0, 0}
   end
 
   -- Takes the slot may_acquire allowed (nothing when it was already held): its expiry.
@@ -47,13 +108,33 @@ local function leases(key, now)
     if answer[4] ~= 0 then return answer[4] end
     local expires = now + lease_ms
     redis.call('ZADD', key, expires, id)
+    redis.call('HSET', stats, id, now)
     keep_until_latest()
     return expires
   end
 
-  -- Gives `id`'s slot back: 1 when it was held, else 0.
+  -- Gives `id`'s slot back: 1 when it was held, else 0. The removal comes first: it only
+  -- frees memory, so a Redis over its maxmemory takes the writes after it too.
   function held.release(id)
-    return redis.call('ZREM', key, id)
+    local removed = redis.call('ZREM', key, id)
+    if removed == 0 then return 0 end
+    local start = tonumber(redis.call('HGET', stats, id))
+    if start then
+      redis.call('HDEL', stats, id)
+      local hold = now - start
+      if hold < 0 then hold = 0 end
+      local stored = redis.call('HMGET', stats, 'hold_ms', 'hold_sq', 'holds')
+      local mean, square = tonumber(stored[1]), tonumber(stored[2])
+      local holds = tonumber(stored[3]) or 0
+      if not (mean and square) then mean, square, holds = 0, 0, 0 end
+      if holds < HOLD_WEIGHT_TURNS then holds = holds + 1 end
+      mean = mean + (hold - mean) / holds
+      square = square + (hold * hold - square) / holds
+      redis.call('HSET', stats, 'hold_ms', string.format('%.17g', mean),
+                 'hold_sq', string.format('%.17g', square), 'holds', holds)
+    end
+    keep_until_latest()
+    return 1
   end
 
   -- Extends `id` to now + lease_ms when it is still held: its new expiry, or nil.

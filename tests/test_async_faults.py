@@ -289,3 +289,57 @@ def test_server_killed_during_a_check_fails_it_at_once_then_works_after_restart(
 
     run_async(main(), loop_factory)
 
+
+
+# The probe takes the loop's waits for a CPU off its lateness (helpers_async.LoopLagProbe):
+# a loop that code blocks must still show its whole stall, whatever blocks it.
+
+def test_the_lag_probe_sees_a_loop_blocked_in_a_syscall(loop_factory: LoopFactory) -> None:
+    async def main() -> LoopLagProbe:
+        async with LoopLagProbe() as probe:
+            await asyncio.sleep(0.01)
+            time.sleep(0.2)  # the loop's thread sleeps in the kernel: a blocked loop
+            await asyncio.sleep(0.01)
+        return probe
+
+    probe = run_async(main(), loop_factory)
+    assert probe.max_lag >= 0.19, probe.report()
+
+
+def test_the_lag_probe_sees_a_loop_blocked_on_a_lock_another_thread_holds(
+        loop_factory: LoopFactory) -> None:
+    lock = threading.Lock()
+    held = threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            time.sleep(0.2)
+
+    async def main() -> LoopLagProbe:
+        async with LoopLagProbe() as probe:
+            holder = threading.Thread(target=hold)
+            holder.start()
+            held.wait()
+            with lock:  # waits for the other thread, without the GIL: a blocked loop
+                pass
+            await asyncio.sleep(0.01)
+            holder.join()
+        return probe
+
+    probe = run_async(main(), loop_factory)
+    assert probe.max_lag >= 0.15, probe.report()
+
+
+def test_the_lag_probe_sees_a_loop_that_computes(loop_factory: LoopFactory) -> None:
+    async def main() -> LoopLagProbe:
+        async with LoopLagProbe() as probe:
+            await asyncio.sleep(0.01)
+            started = time.thread_time()
+            while time.thread_time() - started < 0.1:  # 100 ms of this thread's own CPU
+                pass
+            await asyncio.sleep(0.01)
+        return probe
+
+    probe = run_async(main(), loop_factory)
+    assert probe.max_lag >= 0.095, probe.report()

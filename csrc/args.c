@@ -354,11 +354,11 @@ parse_gcra(PyObject *const *v, rl_prepared *d)
         b = t;
     }
     d->gcra_scale = rate / a;
-    d->gcra_interval = seconds * 1000 / a;
+    d->gcra_units = seconds * 1000 / a;
     /* Every value the script computes stays under 2^53 (lib/gcra.lua): twice the bucket's
        depth burst * interval, and twice the scale, in units of 1/scale ms. */
     const long long room = (RL_MAX_LIMIT >> 1) - d->gcra_scale;
-    if (room < 0 || burst > room / d->gcra_interval) {
+    if (room < 0 || burst > room / d->gcra_units) {
         PyErr_Format(PyExc_ValueError,
                      "rate %lld per %lld s with a burst of %lld is out of range: burst * period / "
                      "rate must stay below 2^52 units of 1/%lld ms (lower the burst)",
@@ -389,8 +389,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
     static const char *const release_names[] = {"user_id", "lease_id"};
     static const char *const renew_names[] = {"user_id", "lease_id", "lease_seconds"};
-    static const char *const gcra_names[] = {"user_id", "rate", "period_seconds", "burst",
-                                             "cost"};
+    static const char *const gcra_names[] = {"user_id", "rate", "period_seconds", "burst", "cost"};
     static const rl_script_id scripts[] = {
         [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,    [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
         [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,  [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
@@ -417,7 +416,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->cursor[0] = '\0';
     d->lease_limit = 0;
     d->lease_ms = 0;
-    d->gcra_interval = 0;
+    d->gcra_units = 0;
     d->gcra_scale = 0;
     switch (shape) {
     case RL_SHAPE_GCRA:
@@ -916,8 +915,8 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     if (d->shape == RL_SHAPE_DETAILED)
         return window_decision(state, w, r);
     if (d->shape == RL_SHAPE_GCRA)
-        return Py_BuildValue("(NLLLL)", PyBool_FromLong(r->allowed), r->remaining,
-                             r->retry_after_s, r->retry_after_ms, r->now_ms);
+        return Py_BuildValue("(NLLLL)", PyBool_FromLong(r->allowed), r->remaining, r->retry_after_s,
+                             r->retry_after_ms, r->now_ms);
     size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 12;
     t = PyTuple_New(size);
     if (t == NULL)

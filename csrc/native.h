@@ -177,8 +177,8 @@ typedef struct {
     char cursor[24];                /* reset with scan: the SCAN cursor to start from */
     long long lease_limit; /* acquire, reserve with in_flight: the most concurrent holders */
     long long lease_ms;    /* acquire, renew, reserve with in_flight: the lease's length */
-    long long gcra_interval; /* GCRA: the emission interval in units of 1/gcra_scale ms */
-    long long gcra_scale;    /* GCRA: rate / gcd(rate, period_ms) (windows: burst, period, cost) */
+    long long gcra_units;  /* GCRA: the emission interval T in units of 1/gcra_scale ms */
+    long long gcra_scale;  /* GCRA: rate / gcd(rate, period_ms); windows: burst, period, cost */
     int disabled;          /* the kill switch answered: result is final, no I/O */
     rl_result result;      /* the kill switch's answer when disabled */
     char *command;         /* formatted EVALSHA (redisFreeCommand), NULL when disabled */

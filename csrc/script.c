@@ -296,7 +296,7 @@ format_gcra(const char *prefix, size_t prefix_len, const char *user, size_t user
 {
     char stack_key[RL_STACK_ARENA], *key = stack_key, *end;
     char numbers[5][RL_NUMBER_TEXT];
-    const long long values[4] = {d->gcra_interval, d->gcra_scale, d->windows.limit[0],
+    const long long values[4] = {d->gcra_units, d->gcra_scale, d->windows.limit[0],
                                  d->windows.cost[0]};
     size_t need = prefix_len + 1 + rl_key_user_room(user_len) + RL_NUMBER_TEXT + 6;
     const char *argv[9];
@@ -889,7 +889,7 @@ decode_gcra(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_er
     long long allowed = v[0], remaining = v[1], retry = v[2], retry_ms = v[3], now = v[4];
     long long burst = w->limit[0], cost = w->cost[0];
     /* burst * interval < 2^52 (args.c): no overflow; the depth in ms, rounded up. */
-    long long depth_ms = (burst * d->gcra_interval + d->gcra_scale - 1) / d->gcra_scale;
+    long long depth_ms = (burst * d->gcra_units + d->gcra_scale - 1) / d->gcra_scale;
     if (within(name, "allowed", allowed, 0, 1, err) != RL_OK ||
         within(name, "now", now, 0, RL_MAX_UNIX_MS, err) != RL_OK)
         return err->kind;
@@ -901,8 +901,8 @@ decode_gcra(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_er
     } else if (within(name, "remaining", remaining, 0, cost - 1, err) != RL_OK ||
                within(name, "retry_ms", retry_ms, 1, depth_ms + RL_MAX_CLOCK_SKEW_MS, err) !=
                    RL_OK ||
-               within(name, "retry_after_s", retry, ceil_seconds(retry_ms),
-                      ceil_seconds(retry_ms), err) != RL_OK) {
+               within(name, "retry_after_s", retry, ceil_seconds(retry_ms), ceil_seconds(retry_ms),
+                      err) != RL_OK) {
         return err->kind;
     }
     memset(out, 0, sizeof(*out));

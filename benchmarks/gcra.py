@@ -12,7 +12,9 @@ the blocking RateLimiter, sequentially on one connection, over 1,000 users:
   compact check             the baseline on storage="compact"
   GCRA allowed, whole ms    check_rate(user, 1000, 1, 1000): T = 1 ms, always allowed, the
                             TAT written as an integer
-  GCRA allowed, fraction    check_rate(user, 1,000,003, 60, 1,000,000): T is no whole ms,
+  GCRA allowed, fraction    check_rate(user, 999, 7, 100,000): T is no whole ms (scale
+                            999), the TAT written as one integer with its remainder
+  GCRA allowed, string      check_rate(user, 1,000,003, 60, 1,000,000): scale 1,000,003,
                             the TAT written as "<ms>:<remainder>:<scale>"
   GCRA refused              check_rate(user, 1, 3600, 1): refused (a GET, no write)
   empty EVALSHA             `return {1}`: the floor of any script decision
@@ -53,13 +55,15 @@ def memory_table(admin: Any, limiter: RateLimiter, compact: RateLimiter) -> None
     user = "user_8421"
     limiter.check(user, 10, 60)
     compact.check(user, 10, 60)
-    limiter.check_rate(user, 600, 60, 10)    # T = 100 ms: an integer TAT
-    limiter.check_rate(user, 7, 3600, 10)    # T = 3,600,000 / 7 ms: "<ms>:<rem>:<scale>"
+    limiter.check_rate(user, 600, 60, 10)          # T = 100 ms: scale 1
+    limiter.check_rate(user, 7, 3600, 10)          # T = 3,600,000 / 7 ms: scale 7
+    limiter.check_rate(user, 1_000_003, 86400, 10)  # scale 1,000,003: the string form
     rows = [
         ("sorted set, 1 entry", f"ratelimit:{user}:60"),
         ("compact, 1 entry", f"ratelimit:{user}:60:c"),
         ("GCRA, T whole ms (integer)", f"ratelimit:{user}:60:gcra"),
-        ("GCRA, T a fraction of ms (string)", f"ratelimit:{user}:3600:gcra"),
+        ("GCRA, T a fraction, scale 7 (integer)", f"ratelimit:{user}:3600:gcra"),
+        ("GCRA, scale 1,000,003 (string)", f"ratelimit:{user}:86400:gcra"),
     ]
     print("\nMEMORY USAGE of one key (bytes), user id \"user_8421\":\n")
     print("| key | name | value | bytes |")
@@ -96,6 +100,8 @@ def main() -> int:
             "GCRA allowed, T whole ms": (
                 limiter.check_rate, [(u, 1000, 1, 1000) for u in USERS]),
             "GCRA allowed, T a fraction": (
+                limiter.check_rate, [(u, 999, 7, 100_000) for u in USERS]),
+            "GCRA allowed, string form": (
                 limiter.check_rate, [(u, 1_000_003, 60, 1_000_000) for u in USERS]),
             "GCRA refused": (limiter.check_rate, [(u, 1, 3600, 1) for u in USERS]),
             "empty EVALSHA (redis-py)": (empty, [("",)]),

@@ -173,6 +173,38 @@ def test_every_decision_matches_the_reference_model(make_rate_limiter: Any, redi
     assert set(redis_client.keys(f"ratelimit:{user}:*")) <= {key.encode()}
 
 
+def scale_of(rate: int, period_seconds: int) -> int:
+    return rate // math.gcd(rate, period_seconds * 1000)
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.tuples(st.integers(0, 30_000), st.integers(1, 4),
+                                st.sampled_from([7, 11, 60, 600, 13, 1_000_003])),
+                      min_size=1, max_size=25))
+def test_a_rate_edited_between_calls_keeps_the_tat_rounded_up_to_a_ms(
+        make_rate_limiter: Any, redis_url: str, redis_client: redis.Redis, fake_clock: Any,
+        user_id: str, steps: list[tuple[int, int, int]]) -> None:
+    """The model with the rate changed from call to call (one key per period): a TAT
+    written at another scale that falls between two ms is read as the next ms."""
+    limiter = make_rate_limiter(redis_url, clock="client")
+    key = gcra_key(user_id, 60)
+    redis_client.delete(key)
+    now, tat, written_scale = 1_000_000, None, 0
+    for advance, cost, rate in steps:
+        now += advance
+        fake_clock(now)
+        model = ReferenceGcra(rate, 60, 4)
+        model.tat = tat  # as read: a refusal leaves the stored value as it was
+        if tat is not None and tat.denominator != 1 and written_scale != scale_of(rate, 60):
+            model.tat = Fraction(math.ceil(tat))
+        answer = limiter.detailed(user_id, rate, 60, 4, cost=cost)
+        assert answer == model.decide(now, cost), (now, cost, rate)
+        if answer[0]:
+            tat, written_scale = model.tat, scale_of(rate, 60)
+            assert redis_client.persist(key)
+
+
 def test_check_rate_answers_the_first_three_fields(make_rate_limiter: Any, redis_url: str,
                                                    redis_client: redis.Redis, fake_clock: Any,
                                                    user_id: str) -> None:
@@ -206,22 +238,25 @@ def test_a_refused_heavy_request_reports_what_lighter_ones_may_still_use(
     fake_clock(1_000)
     assert limiter.detailed(user_id, 60, 60, 10, cost=7) == (True, 3, 0, 0, 1_000)
     assert limiter.detailed(user_id, 60, 60, 10, cost=5) == (False, 3, 2, 2_000, 1_000)
-    assert redis_client.get(gcra_key(user_id, 60)) == b"8000"
+    assert redis_client.get(gcra_key(user_id, 60)) == b"8000000000"
 
 
-def test_the_value_is_an_integer_when_the_interval_is_whole_ms(
+def test_the_value_is_one_integer_for_scales_up_to_999(
         make_rate_limiter: Any, redis_url: str, redis_client: redis.Redis, fake_clock: Any,
         user_id: str) -> None:
-    """One key, one value: an integer (Redis keeps it in the key's own object) when T is a
-    whole number of ms, else "<ms>:<remainder>:<scale>"."""
+    """One key, one value: the TAT's ms, then 6 digits of scale * 1000 + remainder, an
+    integer that Redis keeps in the key's own object; a larger scale, the string
+    "<ms>:<remainder>:<scale>"."""
     limiter = make_rate_limiter(redis_url, clock="client")
     fake_clock(1_000_000)
-    limiter.check_rate(user_id, 600, 60, 10)
-    assert redis_client.get(gcra_key(user_id, 60)) == b"1000100"
-    assert redis_client.object("encoding", gcra_key(user_id, 60)) == b"int"
-    limiter.check_rate(user_id, 7, 3600, 10)
-    # T = 3,600,000 / 7 ms = 514285 + 5/7 ms
-    assert redis_client.get(gcra_key(user_id, 3600)) == b"1514285:5:7"
+    limiter.check_rate(user_id, 600, 60, 10)  # T = 100 ms
+    assert redis_client.get(gcra_key(user_id, 60)) == b"1000100000000"
+    limiter.check_rate(user_id, 7, 3600, 10)  # T = 3,600,000 / 7 ms = 514285 + 5/7 ms
+    assert redis_client.get(gcra_key(user_id, 3600)) == b"1514285007005"
+    for period in (60, 3600):
+        assert redis_client.object("encoding", gcra_key(user_id, period)) == b"int"
+    limiter.check_rate(user_id, 1_000_003, 86_400, 10)  # T = 86,400,000 / 1,000,003 ms
+    assert redis_client.get(gcra_key(user_id, 86_400)) == b"1000086:399742:1000003"
 
 
 def test_a_rate_change_keeps_the_state_and_rounds_up_under_one_ms(
@@ -235,7 +270,7 @@ def test_a_rate_change_keeps_the_state_and_rounds_up_under_one_ms(
     assert limiter.detailed(user_id, 60, 60, 1) == (False, 0, 9, 8_572, 1_000_000)
     fake_clock(1_008_572)  # TAT read as 1,008,572: the bucket is full again
     assert limiter.detailed(user_id, 60, 60, 1) == (True, 0, 0, 0, 1_008_572)
-    assert redis_client.get(gcra_key(user_id, 60)) == b"1009572"
+    assert redis_client.get(gcra_key(user_id, 60)) == b"1009572000000"
 
 
 def test_an_idle_key_expires_once_the_bucket_is_full(make_rate_limiter: Any, redis_url: str,
@@ -254,7 +289,7 @@ def test_server_clock_refusal_waits_for_the_theoretical_arrival_time(
     assert limiter.detailed(user_id, 1, 60, 1)[0]
     allowed, remaining, retry_s, retry_ms, now_ms = limiter.detailed(user_id, 1, 60, 1)
     assert (allowed, remaining) == (False, 0)
-    tat = int(redis_client.get(gcra_key(user_id, 60)))
+    tat = int(redis_client.get(gcra_key(user_id, 60))) // 1_000_000
     assert retry_ms == tat - now_ms and retry_s == math.ceil(retry_ms / 1000) == 60
 
 
@@ -399,10 +434,10 @@ def test_check_rate_on_a_cluster_keys_under_the_users_hash_tag(
             assert limiter.check_rate(user, 2, 1, 2) == (True, 1, 0)
             assert limiter.check_rate(user, 2, 1, 2) == (True, 0, 0)
             assert limiter.detailed(user, 2, 1, 2)[:4] == (False, 0, 1, 500)
-            assert client.get(f"ratelimit:{{{user}}}:1:gcra") == b"3001000"
+            assert client.get(f"ratelimit:{{{user}}}:1:gcra") == b"3001000000000"
         # An id's braces are percent-encoded in its tag, as in every other key (script.c).
         assert limiter.check_rate("a{b}", 2, 1, 2) == (True, 1, 0)
-        assert client.get("ratelimit:{a%7Bb%7D}:1:gcra") == b"3000500"
+        assert client.get("ratelimit:{a%7Bb%7D}:1:gcra") == b"3000500000000"
     finally:
         client.close()
 

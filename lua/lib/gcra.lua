@@ -23,11 +23,15 @@ checks burst * interval + 2 * scale < 2^53. TAT is kept as whole ms plus a remai
 units (0 <= remainder < scale); only the difference TAT - now is ever multiplied by scale,
 and only when it is at most burst * T (+1 ms), so no product leaves the exact range.
 
-The key's value: "<TAT ms>" when the remainder is 0 (an integer: Redis keeps it in the key
-object itself, the smallest string there is), else "<TAT ms>:<remainder>:<scale>". A
-value written at another scale (the rate was changed) keeps its whole ms and rounds a
+The key's value: the TAT as one integer, "<TAT ms><6 digits>", the 6 digits being
+scale * 1000 + remainder (0 when the TAT is a whole ms): Redis keeps an integer in the
+key object itself, the smallest string there is. It takes scales up to 999 (every rate up
+to 999 per period, and larger ones that share factors with the period's ms) and TATs
+before the year 2262 (19 digits); beyond either, the string "<TAT ms>:<remainder>:<scale>".
+A value written at another scale (the rate was changed) keeps its whole ms and rounds a
 non-zero remainder up to the next ms: the budget's edit keeps the user's state, later by
-under 1 ms at most, never earlier.
+under 1 ms at most, never earlier. The integer is read and written in two parts (its last
+6 digits apart), so no number above 2^53 is ever made.
 --]]
 
 -- floor(a / b) and a - b * floor(a / b) for integers 0 <= a < 2^53, 1 <= b: the double
@@ -43,18 +47,35 @@ local function gcra_divmod(a, b)
   return q, r
 end
 
+-- The integer form's bounds (see above): the largest scale, and the first TAT in ms whose
+-- integer would not fit Redis's 64-bit integers.
+local GCRA_CODED_SCALE = 999
+local GCRA_CODED_MS = 9000000000000
+
 -- The TAT stored in `raw` (GET's answer) as (whole ms, remainder in 1/scale ms), or nil
 -- for a key that does not exist (or holds nothing this library wrote).
 local function gcra_read(raw, scale)
   if not raw then return nil, 0 end
-  local ms, rem, from = string.match(raw, '^(%d+):(%d+):(%d+)$')
-  if not ms then return tonumber(raw), 0 end
-  ms, rem = tonumber(ms), tonumber(rem)
-  if tonumber(from) ~= scale then
-    if rem > 0 then ms = ms + 1 end
-    rem = 0
+  local ms, rem, from
+  if string.find(raw, '^%d%d%d%d%d%d%d+$') then
+    local code = tonumber(string.sub(raw, -6))
+    ms, from, rem = tonumber(string.sub(raw, 1, -7)), math.floor(code / 1000), code % 1000
+  else
+    ms, rem, from = string.match(raw, '^(%d+):(%d+):(%d+)$')
+    if not ms then return nil, 0 end
+    ms, rem, from = tonumber(ms), tonumber(rem), tonumber(from)
   end
+  if rem > 0 and from ~= scale then return ms + 1, 0 end
   return ms, rem
+end
+
+-- The value that stores the TAT `ms` + `rem` / scale.
+local function gcra_value(ms, rem, scale)
+  if rem == 0 then return string.format('%.0f000000', ms) end
+  if scale <= GCRA_CODED_SCALE and ms < GCRA_CODED_MS then
+    return string.format('%.0f%06d', ms, scale * 1000 + rem)
+  end
+  return string.format('%.0f:%.0f:%.0f', ms, rem, scale)
 end
 
 -- One decision on `key` at `now` (unix ms): {allowed, remaining, retry_after_s, retry_ms,
@@ -77,17 +98,11 @@ local function gcra_decide(key, now, interval, scale, burst, cost, write)
     local after = used + need -- TAT_new - now, in units
     if write then
       local ms, r = gcra_divmod(after, scale)
-      local value
-      if r == 0 then
-        value = string.format('%.0f', now + ms)
-      else
-        value = string.format('%.0f:%.0f:%.0f', now + ms, r, scale)
-        ms = ms + 1
-      end
       -- Kept until the bucket is full again (TAT_new), and a second more: an idle user
       -- costs nothing. The only write, and the first: Redis over maxmemory refuses this
       -- SET (it may grow memory) before anything was written.
-      redis.call('SET', key, value, 'PX', ms + 1000)
+      redis.call('SET', key, gcra_value(now + ms, r, scale), 'PX',
+                 ms + (r > 0 and 1 or 0) + 1000)
     end
     return {1, (gcra_divmod(depth - after, interval)), 0, 0, now}
   end

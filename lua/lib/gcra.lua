@@ -57,7 +57,7 @@ local GCRA_CODED_MS = 9000000000000
 local function gcra_read(raw, scale)
   if not raw then return nil, 0 end
   local ms, rem, from
-  if string.find(raw, '^%d%d%d%d%d%d%d+$') then
+  if not string.find(raw, ':', 1, true) then -- the integer form (GET answers its digits)
     local code = tonumber(string.sub(raw, -6))
     ms, from, rem = tonumber(string.sub(raw, 1, -7)), math.floor(code / 1000), code % 1000
   else
@@ -65,6 +65,7 @@ local function gcra_read(raw, scale)
     if not ms then return nil, 0 end
     ms, rem, from = tonumber(ms), tonumber(rem), tonumber(from)
   end
+  if not ms then return nil, 0 end
   if rem > 0 and from ~= scale then return ms + 1, 0 end
   return ms, rem
 end

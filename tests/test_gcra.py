@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -489,3 +492,61 @@ def test_a_connection_lost_mid_call_is_decided_anew_at_most_once_more(
     assert limiter.check_rate(user_id, 10, 60, 3) == (True, 2, 0)
     redis_client.client_kill_filter(_type="normal", skipme=True)
     assert limiter.check_rate(user_id, 10, 60, 3) == (True, 1, 0)
+
+
+# ------------------------------------------------------------------------------ leaks
+
+LEAK_CHILD = '''
+import asyncio, gc, os, sys
+from genai_ratelimit import AsyncRateLimiter, RateLimiter
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+url, count = sys.argv[1], int(sys.argv[2])
+
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+def sync_calls(n):
+    with RateLimiter(url) as limiter:
+        for i in range(n):  # allowed, refused (a full bucket), and an input error
+            limiter.check_rate(f"leak-{i % 97}", 10**6, 1, 10**6, cost=1 + i % 3)
+            limiter.check_rate("leak-full", 1, 3600, 1)
+            try:
+                limiter.check_rate("leak", 1, 60, 1, cost=2)
+            except ValueError:
+                pass
+
+def async_calls(n):
+    async def run():
+        async with AsyncRateLimiter(url) as limiter:
+            for start in range(0, n, 64):
+                await asyncio.gather(*[limiter.check_rate(f"leak-{i % 97}", 10**6, 1, 10**6)
+                                       for i in range(start, min(n, start + 64))])
+    asyncio.run(run())
+
+for calls in (sync_calls, async_calls):
+    calls(count // 10)
+    gc.collect()
+    before = rss()
+    calls(count)
+    gc.collect()
+    print(calls.__name__, before, rss())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif("libasan" in os.environ.get("LD_PRELOAD", ""),
+                    reason="RSS under AddressSanitizer measures its quarantine, not leaks")
+def test_check_rate_does_not_grow_memory(redis_url: str, redis_client: redis.Redis,
+                                         tmp_path: Any) -> None:
+    """100,000 rounds of each kind in a child process: its RSS stays flat (a leak of one
+    small object per call would add megabytes)."""
+    script = tmp_path / "leak_child.py"
+    script.write_text(LEAK_CHILD, encoding="utf-8")
+    result = subprocess.run([sys.executable, str(script), redis_url, "100000"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    for line in result.stdout.splitlines():
+        name, before, after = line.split()
+        assert int(after) - int(before) < 4 * 1024 * 1024, line

@@ -7,7 +7,7 @@ and embeds the whole in the C extension: the only copy.
 
 KEYS[1]  the user's GCRA key, "{prefix}:{user_id}:{period_seconds}:gcra" (script.c): a
          string holding the theoretical arrival time (lib/gcra.lua), with a TTL until the
-         bucket is full again plus 1 s
+         whole burst is available again, plus 1 s
 ARGV[1]  the request time in unix ms, or "" to read the server's clock (TIME)
 ARGV[2]  interval: the emission interval period / rate in units of 1/scale ms
 ARGV[3]  scale: rate / gcd(rate, period_ms)

@@ -54,7 +54,7 @@ class ReferenceGcra:
         return (False, remaining, math.ceil(wait_ms / 1000), wait_ms, now)
 
     def ttl_ms(self, now: int) -> int:
-        """The key's TTL right after an allow at now: until the bucket is full, and 1 s."""
+        """The key's TTL right after an allow at now: until the whole burst is available again, and 1 s."""
         assert self.tat is not None
         return math.ceil(self.tat - now) + 1000
 
@@ -276,7 +276,7 @@ def test_a_rate_change_keeps_the_state_and_rounds_up_under_one_ms(
     fake_clock(1_000_000)
     assert limiter.check_rate(user_id, 7, 60, 1)[0]  # TAT = 1,008,571 + 3/7 ms
     assert limiter.detailed(user_id, 60, 60, 1) == (False, 0, 9, 8_572, 1_000_000)
-    fake_clock(1_008_572)  # TAT read as 1,008,572: the bucket is full again
+    fake_clock(1_008_572)  # TAT read as 1,008,572: the whole burst is available again
     assert limiter.detailed(user_id, 60, 60, 1) == (True, 0, 0, 0, 1_008_572)
     assert redis_client.get(gcra_key(user_id, 60)) == b"1009572000000"
 

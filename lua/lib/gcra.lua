@@ -5,8 +5,8 @@ lib/gcra.lua - the generic cell rate algorithm (GCRA): `rate` requests per `peri
 
 The algorithm (virtual scheduling). T = period / rate is the emission interval: one
 request's share of the period. A key's whole state is one time, the theoretical arrival
-time TAT: when the bucket would be empty again had every admitted request been spaced T
-apart. A request of `cost` at `now` is allowed when
+time TAT: when the whole burst would be available again, had every admitted request been
+spaced T apart. A request of `cost` at `now` is allowed when
 
     max(TAT, now) + cost * T - now <= burst * T
 
@@ -99,7 +99,7 @@ local function gcra_decide(key, now, interval, scale, burst, cost, write)
     local after = used + need -- TAT_new - now, in units
     if write then
       local ms, r = gcra_divmod(after, scale)
-      -- Kept until the bucket is full again (TAT_new), and a second more: an idle user
+      -- Kept until the whole burst is available again (TAT_new), and a second more: an idle user
       -- costs nothing. The only write, and the first: Redis over maxmemory refuses this
       -- SET (it may grow memory) before anything was written.
       redis.call('SET', key, gcra_value(now + ms, r, scale), 'PX',

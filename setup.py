@@ -41,6 +41,7 @@ SCRIPTS = {
     "RL_RECONCILE_RELEASE": HERE / "lua" / "reconcile_release.lua",
     "RL_COMPACT_IN_FLIGHT": HERE / "lua" / "compact_reserve_in_flight.lua",
     "RL_COMPACT_RECONCILE_RELEASE": HERE / "lua" / "compact_reconcile_release.lua",
+    "RL_GCRA": HERE / "lua" / "gcra.lua",
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 # A script names the shared files of lua/lib/ it is built on, one "-- include: lib/x.lua"

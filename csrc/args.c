@@ -327,6 +327,53 @@ parse_cursor(PyObject *value, rl_prepared *d)
     return 0;
 }
 
+/* check_rate(user_id, rate, period_seconds, burst, *, cost=1): one GCRA decision. The
+   windows hold its one bucket (limit: burst, seconds: the period, cost), read by the kill
+   switch and the metrics as check's window; the emission interval period / rate is sent as
+   interval / scale ms, both integers (lib/gcra.lua). 0, or -1 with an exception. */
+static int
+parse_gcra(PyObject *const *v, rl_prepared *d)
+{
+    long long rate, seconds, burst, cost = 1;
+    rl_windows *w = &d->windows;
+    if (positive_int(v[1], "rate", RL_MAX_LIMIT, &rate) < 0 ||
+        positive_int(v[2], "period_seconds", RL_MAX_WINDOW_SECONDS, &seconds) < 0 ||
+        positive_int(v[3], "burst", RL_MAX_LIMIT, &burst) < 0 ||
+        (v[4] != NULL && positive_int(v[4], "cost", RL_MAX_LIMIT, &cost) < 0))
+        return -1;
+    if (cost > burst) {
+        PyErr_Format(PyExc_ValueError,
+                     "cost %lld can never be allowed: a burst of %lld admits at most %lld at once",
+                     cost, burst, burst);
+        return -1;
+    }
+    long long a = rate, b = seconds * 1000; /* gcd(rate, period_ms), Euclid */
+    while (b != 0) {
+        long long t = a % b;
+        a = b;
+        b = t;
+    }
+    d->gcra_scale = rate / a;
+    d->gcra_units = seconds * 1000 / a;
+    /* Every value the script computes stays under 2^53 (lib/gcra.lua): twice the bucket's
+       depth burst * interval, and twice the scale, in units of 1/scale ms. */
+    const long long room = (RL_MAX_LIMIT >> 1) - d->gcra_scale;
+    if (room < 0 || burst > room / d->gcra_units) {
+        PyErr_Format(PyExc_ValueError,
+                     "rate %lld per %lld s with a burst of %lld is out of range: burst * period / "
+                     "rate must stay below 2^52 units of 1/%lld ms (lower the burst)",
+                     rate, seconds, burst, d->gcra_scale);
+        return -1;
+    }
+    w->count = 1;
+    w->limit[0] = burst;
+    w->seconds[0] = seconds;
+    w->cost[0] = cost;
+    w->tokens[0] = 0;
+    w->scope[0] = 0;
+    return 0;
+}
+
 int
 rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                  rl_prepared *d, PyObject **user_id)
@@ -342,12 +389,14 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
     static const char *const release_names[] = {"user_id", "lease_id"};
     static const char *const renew_names[] = {"user_id", "lease_id", "lease_seconds"};
+    static const char *const gcra_names[] = {"user_id", "rate", "period_seconds", "burst", "cost"};
     static const rl_script_id scripts[] = {
         [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,    [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
         [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,  [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
         [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,       [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
         [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW, [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
         [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,   [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
+        [RL_SHAPE_GCRA] = RL_SCRIPT_GCRA,
     };
     PyObject *v[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
@@ -367,7 +416,14 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->cursor[0] = '\0';
     d->lease_limit = 0;
     d->lease_ms = 0;
+    d->gcra_units = 0;
+    d->gcra_scale = 0;
     switch (shape) {
+    case RL_SHAPE_GCRA:
+        if (rl_parse_args("check_rate", args, nargs, kwnames, gcra_names, 5, 4, 4, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || parse_gcra(v, d) < 0)
+            return -1;
+        break;
     case RL_SHAPE_ACQUIRE:
         if (rl_parse_args("acquire", args, nargs, kwnames, acquire_names, 3, 3, 3, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
@@ -859,6 +915,9 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
                              r->expires_ms, r->now_ms, r->retry_bound_ms);
     if (d->shape == RL_SHAPE_DETAILED)
         return window_decision(state, w, r);
+    if (d->shape == RL_SHAPE_GCRA)
+        return Py_BuildValue("(NLLLL)", PyBool_FromLong(r->allowed), r->remaining, r->retry_after_s,
+                             r->retry_after_ms, r->now_ms);
     size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 12;
     t = PyTuple_New(size);
     if (t == NULL)

@@ -187,6 +187,7 @@ CODEC_METHOD(reserve, RL_SHAPE_RESERVE)
 CODEC_METHOD(reconcile, RL_SHAPE_RECONCILE)
 CODEC_METHOD(peek, RL_SHAPE_PEEK)
 CODEC_METHOD(reset, RL_SHAPE_RESET)
+CODEC_METHOD(check_rate, RL_SHAPE_GCRA)
 
 static PyObject *
 Codec_get_metrics(CodecObject *self, PyObject *Py_UNUSED(ignored))
@@ -229,6 +230,10 @@ static PyMethodDef Codec_methods[] = {
      "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
      "    scopes=())\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._peek's shape)."},
+    {"check_rate", (PyCFunction)(void (*)(void))Codec_check_rate,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "check_rate($self, /, user_id, rate, period_seconds, burst, *, cost=1)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._check_rate's shape)."},
     {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
      "A Request (the kill switch never answers it)."},

@@ -754,7 +754,7 @@ static int
 is_admission(rl_shape shape)
 {
     return shape == RL_SHAPE_CHECK || shape == RL_SHAPE_WINDOWS || shape == RL_SHAPE_DETAILED ||
-           shape == RL_SHAPE_RESERVE || shape == RL_SHAPE_ACQUIRE;
+           shape == RL_SHAPE_RESERVE || shape == RL_SHAPE_ACQUIRE || shape == RL_SHAPE_GCRA;
 }
 
 /* min_replicas: queues WAIT cfg->min_replicas cfg->replica_timeout_ms on conn, its reply

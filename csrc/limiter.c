@@ -446,6 +446,16 @@ PyDoc_STRVAR(Limiter_peek_doc,
 
 LIMITER_METHOD(peek, RL_SHAPE_PEEK)
 
+PyDoc_STRVAR(Limiter_check_rate_doc,
+"_check_rate($self, /, user_id, rate, period_seconds, burst, *, cost=1)\n--\n\n"
+"-> (allowed, remaining, retry_after_s, retry_after_ms, now_ms)\n\n"
+"One GCRA decision (lua/gcra.lua): `rate` requests per `period_seconds`, up to `burst` at\n"
+"once, for a request of weight `cost`, in one script execution. On allow the key's\n"
+"theoretical arrival time moves on; a refusal writes nothing. RateLimiter.check_rate\n"
+"returns its first three fields.");
+
+LIMITER_METHOD(check_rate, RL_SHAPE_GCRA)
+
 PyDoc_STRVAR(Limiter_reset_doc,
 "_reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
 "-> (entries_removed, next_cursor)\n\n"
@@ -575,6 +585,8 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reconcile_doc},
     {"_peek", (PyCFunction)(void (*)(void))Limiter_peek,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_peek_doc},
+    {"_check_rate", (PyCFunction)(void (*)(void))Limiter_check_rate,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_rate_doc},
     {"_reset", (PyCFunction)(void (*)(void))Limiter_reset,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reset_doc},
     {"metrics", (PyCFunction)Limiter_get_metrics, METH_NOARGS, Limiter_metrics_doc},

@@ -58,6 +58,7 @@ static const int shape_ops[] = {
     [RL_SHAPE_ACQUIRE] = RL_OP_ACQUIRE,
     [RL_SHAPE_RELEASE] = RL_OP_RELEASE,
     [RL_SHAPE_RENEW] = RL_OP_RENEW,
+    [RL_SHAPE_GCRA] = RL_OP_CHECK, /* check_rate: a check's latency, outcome and rejections */
 };
 
 /* The `scope` label of each rl_scope_kind. */

@@ -121,6 +121,8 @@ typedef enum {
                            expires_at_ms, now_ms) */
     RL_SHAPE_RELEASE,   /* release(): whether the lease was still held */
     RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
+    RL_SHAPE_GCRA,      /* _check_rate(): (allowed, remaining, retry_after_s, retry_after_ms,
+                           now_ms), one GCRA decision (lua/gcra.lua) */
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. args.c names a decision's script in the
@@ -138,6 +140,7 @@ typedef enum {
     RL_SCRIPT_RECONCILE_RELEASE, /* lua/reconcile_release.lua: reconcile and release */
     RL_SCRIPT_COMPACT_IN_FLIGHT, /* lua/compact_reserve_in_flight.lua */
     RL_SCRIPT_COMPACT_RECONCILE_RELEASE, /* lua/compact_reconcile_release.lua */
+    RL_SCRIPT_GCRA,                      /* lua/gcra.lua: check_rate, either storage */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -176,6 +179,8 @@ typedef struct {
     char cursor[24];                /* reset with scan: the SCAN cursor to start from */
     long long lease_limit; /* acquire, reserve with in_flight: the most concurrent holders */
     long long lease_ms;    /* acquire, renew, reserve with in_flight: the lease's length */
+    long long gcra_units;  /* GCRA: the emission interval T in units of 1/gcra_scale ms */
+    long long gcra_scale;  /* GCRA: rate / gcd(rate, period_ms); windows: burst, period, cost */
     int disabled;          /* the kill switch answered: result is final, no I/O */
     rl_result result;      /* the kill switch's answer when disabled */
     char *command;         /* formatted EVALSHA (redisFreeCommand), NULL when disabled */

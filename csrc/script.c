@@ -61,6 +61,8 @@ static const struct {
                                              sizeof(rl_compact_reconcile_release_source) - 1,
                                              rl_compact_reconcile_release_load_command,
                                              sizeof(rl_compact_reconcile_release_load_command) - 1},
+    [RL_SCRIPT_GCRA] = {RL_GCRA_SHA1, rl_gcra_source, sizeof(rl_gcra_source) - 1,
+                        rl_gcra_load_command, sizeof(rl_gcra_load_command) - 1},
 };
 
 rl_script_id
@@ -88,7 +90,8 @@ int
 rl_script_decides(rl_script_id script)
 {
     return script == RL_SCRIPT_WINDOW || script == RL_SCRIPT_COMPACT_WINDOW ||
-           script == RL_SCRIPT_IN_FLIGHT || script == RL_SCRIPT_COMPACT_IN_FLIGHT;
+           script == RL_SCRIPT_IN_FLIGHT || script == RL_SCRIPT_COMPACT_IN_FLIGHT ||
+           script == RL_SCRIPT_GCRA;
 }
 
 int
@@ -303,6 +306,54 @@ format_lease(const char *prefix, size_t prefix_len, const char *user, size_t use
     return len;
 }
 
+/* Formats "EVALSHA sha 1 {prefix}:{user_id}:{period_seconds}:gcra now interval scale burst
+   cost" (see the header of lua/gcra.lua). The key's last field "gcra" is never a window's
+   (digits, "tokens", "scope=...", "shared", "w", "t", "c") nor "leases", and reset.lua's
+   SCAN leaves it alone. Returns the length and sets *out, or -1 (out of memory). */
+static long long
+format_gcra(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+            const rl_prepared *d, long long now_ms, char **out)
+{
+    char stack_key[RL_STACK_ARENA], *key = stack_key, *end;
+    char numbers[5][RL_NUMBER_TEXT];
+    const long long values[4] = {d->gcra_units, d->gcra_scale, d->windows.limit[0],
+                                 d->windows.cost[0]};
+    size_t need = prefix_len + 1 + rl_key_user_room(user_len) + RL_NUMBER_TEXT + 6;
+    const char *argv[9];
+    size_t argvlen[9];
+    long long len;
+
+    *out = NULL;
+    if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
+        return -1;
+    end = write_user_key(key, prefix, prefix_len, user, user_len, d->hash_tag);
+    end += snprintf(end, RL_NUMBER_TEXT, ":%lld", d->windows.seconds[0]);
+    memcpy(end, ":gcra", 5);
+    end += 5;
+    argv[0] = "EVALSHA";
+    argvlen[0] = 7;
+    argv[1] = rl_script_sha1(RL_SCRIPT_GCRA);
+    argvlen[1] = strlen(argv[1]);
+    argv[2] = "1";
+    argvlen[2] = 1;
+    argv[3] = key;
+    argvlen[3] = (size_t)(end - key);
+    argvlen[4] = now_ms >= 0 ? (size_t)snprintf(numbers[4], RL_NUMBER_TEXT, "%lld", now_ms) : 0;
+    argv[4] = now_ms >= 0 ? numbers[4] : "";
+    for (int i = 0; i < 4; i++) {
+        argvlen[5 + i] = (size_t)snprintf(numbers[i], RL_NUMBER_TEXT, "%lld", values[i]);
+        argv[5 + i] = numbers[i];
+    }
+    len = redisFormatCommandArgv(out, 9, argv, argvlen);
+    if (key != stack_key)
+        free(key);
+    if (len < 0 || *out == NULL) {
+        *out = NULL;
+        return -1;
+    }
+    return len;
+}
+
 size_t
 rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
 {
@@ -382,6 +433,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
 
     if (d->script == RL_SCRIPT_LEASE)
         return format_lease(prefix, prefix_len, user, user_len, d, now_ms, out);
+    if (d->script == RL_SCRIPT_GCRA)
+        return format_gcra(prefix, prefix_len, user, user_len, d, now_ms, out);
     *out = NULL;
     if (need > sizeof(stack_arena)) {
         arena = malloc(need);
@@ -844,6 +897,58 @@ decode_slot_refusal(const redisReply *reply, const rl_prepared *d, rl_result *ou
     return RL_OK;
 }
 
+/* lua/gcra.lua: {allowed, remaining, retry_after_s, retry_ms, now}, checked against the
+   request: an allow leaves at most burst - cost and waits for nothing; a refusal leaves
+   fewer than cost and waits 1 ms to the bucket's depth (burst * period / rate, rounded
+   up) plus the skew of a clock that wrote a TAT ahead of this one's. */
+static rl_status
+decode_gcra(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    static const char name[] = "GCRA";
+    const rl_windows *w = &d->windows;
+    long long v[5];
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 5)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the GCRA script: %s%s, expected an array of 5 "
+                            "integers",
+                            rl_reply_type_name(reply->type),
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
+    for (size_t i = 0; i < 5; i++) {
+        if (integer_at(reply, i, &v[i], err) != RL_OK)
+            return err->kind;
+    }
+    long long allowed = v[0], remaining = v[1], retry = v[2], retry_ms = v[3], now = v[4];
+    long long burst = w->limit[0], cost = w->cost[0];
+    /* burst * interval < 2^52 (args.c): no overflow; the depth in ms, rounded up. */
+    long long depth_ms = (burst * d->gcra_units + d->gcra_scale - 1) / d->gcra_scale;
+    if (within(name, "allowed", allowed, 0, 1, err) != RL_OK ||
+        within(name, "now", now, 0, RL_MAX_UNIX_MS, err) != RL_OK)
+        return err->kind;
+    if (allowed) {
+        if (within(name, "remaining", remaining, 0, burst - cost, err) != RL_OK ||
+            within(name, "retry_after_s", retry, 0, 0, err) != RL_OK ||
+            within(name, "retry_ms", retry_ms, 0, 0, err) != RL_OK)
+            return err->kind;
+    } else if (within(name, "remaining", remaining, 0, cost - 1, err) != RL_OK ||
+               within(name, "retry_ms", retry_ms, 1, depth_ms + RL_MAX_CLOCK_SKEW_MS, err) !=
+                   RL_OK ||
+               within(name, "retry_after_s", retry, ceil_seconds(retry_ms), ceil_seconds(retry_ms),
+                      err) != RL_OK) {
+        return err->kind;
+    }
+    memset(out, 0, sizeof(*out));
+    out->allowed = (int)allowed;
+    out->remaining = remaining;
+    out->retry_after_s = retry;
+    out->retry_after_ms = retry_ms;
+    out->window = 0;
+    out->now_ms = now;
+    out->evaluated = 1;
+    out->remaining_of[0] = remaining;
+    out->slot = -1;
+    return RL_OK;
+}
+
 /* lua/sliding_window.lua (and peek.lua's first 7): {allowed, remaining, retry_after_s,
    window, now, {remaining per window}, retry_ms}, checked against the request's windows. */
 static rl_status
@@ -972,6 +1077,8 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
         return decode_reset(reply, out, err);
     case RL_SCRIPT_LEASE:
         return decode_lease(reply, d, out, err);
+    case RL_SCRIPT_GCRA:
+        return decode_gcra(reply, d, out, err);
     default:
         return decode_window(reply, d, out, err);
     }

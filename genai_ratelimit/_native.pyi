@@ -92,6 +92,10 @@ class RateLimiterAuthError(RateLimiterUnavailable): ...
 #         ((limit, window_seconds, is_token_window, used, oldest_ms | None), ...),
 #         retry_after_ms)
 _PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, int, int | None], ...], int]
+# _check_rate (GCRA): (allowed, remaining, retry_after_s, retry_after_ms, now_ms)
+_RateResult = tuple[bool, int, int, int, int]
+GCRA_SHA1: str
+GCRA_SOURCE: str
 
 @disjoint_base
 class Limiter:
@@ -164,6 +168,9 @@ class Limiter:
         tokens: int | None = None,
         scopes: tuple[_NativeScope, ...] = (),
     ) -> _PeekResult: ...
+    def _check_rate(
+        self, user_id: str, rate: int, period_seconds: int, burst: int, *, cost: int = 1
+    ) -> _RateResult: ...
     def _reset(
         self,
         user_id: str,
@@ -250,6 +257,9 @@ class Codec:
         tokens: int | None = None,
         scopes: tuple[_NativeScope, ...] = (),
     ) -> Request | _PeekResult: ...
+    def check_rate(
+        self, user_id: str, rate: int, period_seconds: int, burst: int, *, cost: int = 1
+    ) -> Request | _RateResult: ...
     def reset(
         self,
         user_id: str,

@@ -1000,6 +1000,24 @@ class AsyncRateLimiter:
         request = self._codec.peek(user_id, windows, **arguments)
         return request if type(request) is tuple else await self._run(request)
 
+    # check_rate: GCRA (docs/gcra.md), RateLimiter.check_rate's semantics and errors.
+    async def check_rate(self, user_id: str, rate: int, period_seconds: int, burst: int, *,
+                         cost: int = 1) -> tuple[bool, int, int]:
+        """RateLimiter.check_rate, awaited: (allowed, remaining, retry_after_s)."""
+        raw = await self._check_rate(user_id, rate, period_seconds, burst, cost=cost)
+        return raw[:3]
+
+    async def _check_rate(self, user_id: str, rate: int, period_seconds: int, burst: int, *,
+                          cost: int = 1) -> tuple[bool, int, int, int, int]:
+        """RateLimiter._check_rate, awaited: (allowed, remaining, retry_after_s,
+        retry_after_ms, now_ms)."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        request = self._codec.check_rate(user_id, rate, period_seconds, burst, cost=cost)
+        if type(request) is tuple:  # the kill switch answered
+            return request
+        return await self._run(request, True, True)  # type: ignore[no-any-return]
+
     async def ping(self) -> float:
         """RateLimiter.ping, awaited: one read-only round trip; the seconds it took."""
         started = time.perf_counter()

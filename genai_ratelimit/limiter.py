@@ -266,6 +266,18 @@ class RateLimiter(_native.Limiter):
         return self._peek(user_id, windows,
                           **reserve_arguments(cost, token_windows, tokens, _scope_list(scopes)))[:4]
 
+    def check_rate(self, user_id: str, rate: int, period_seconds: int, burst: int, *,
+                   cost: int = 1) -> tuple[bool, int, int]:
+        """Decides one request of user_id with GCRA (docs/gcra.md): `rate` requests per
+        `period_seconds`, spaced evenly, with up to `burst` at once; the request weighs
+        `cost` (1 <= cost <= burst). One script execution on one key,
+        `{key_prefix}:{user_id}:{period_seconds}:gcra`. Returns (allowed, remaining,
+        retry_after_s): remaining is how many more requests of cost 1 would be allowed now
+        (after this one, when allowed); retry_after_s, on a refusal, the wait until this
+        same request would be allowed, rounded up to whole seconds (>= 1), and 0 on allow.
+        A refusal writes nothing."""
+        return self._check_rate(user_id, rate, period_seconds, burst, cost=cost)[:3]
+
     def ping(self) -> float:
         """One read-only round trip to Redis: a peek of a one-second window of an identity no
         request uses (PING_IDENTITY), through the same connection pool as every decision.

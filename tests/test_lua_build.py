@@ -32,6 +32,7 @@ EMBEDDED = {
     ("COMPACT_IN_FLIGHT_SHA1", "COMPACT_IN_FLIGHT_SOURCE"): "compact_reserve_in_flight.lua",
     ("COMPACT_RECONCILE_RELEASE_SHA1", "COMPACT_RECONCILE_RELEASE_SOURCE"):
         "compact_reconcile_release.lua",
+    ("GCRA_SHA1", "GCRA_SOURCE"): "gcra.lua",
 }
 
 

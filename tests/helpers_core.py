@@ -717,6 +717,60 @@ class SignalDriver:
             raise AssertionError("the signal driver thread did not stop")
 
 
+class Interrupted(Exception):
+    """Raised by a test's signal handler."""
+
+
+def assert_a_raising_handler_interrupts_a_blocked_check(
+        limiter: Any, pause: Callable[[], None], resume: Callable[[], None]) -> None:
+    """PEP 475: a blocking check waiting on a server that `pause` froze raises a SIGALRM
+    handler's exception as soon as the signal comes (not once socket_timeout has run out),
+    and the interrupted connection is not reused afterwards. The caller has the SIGALRM
+    handler restored after (the test_production_faults `sigalrm` fixture, or its own)."""
+
+    def blocked_check() -> tuple[bool, int, int]:
+        return limiter.check("interrupted-user", 5, 60)  # type: ignore[no-any-return]
+
+    ran_in: list[str] = []
+
+    def interrupt(signum: int, frame: Any) -> None:
+        # Raises on its first call, as long as that call interrupts the check. Python runs it
+        # in the frame that was executing when the signal was checked for: run from inside
+        # the blocked call, that is blocked_check's. A handler that only runs once the call
+        # has returned by itself would raise somewhere in the test's own code instead, so it
+        # just records where it ran.
+        ran_in.append(frame.f_code.co_name if frame is not None else "?")
+        if len(ran_in) == 1 and frame is not None and frame.f_code is blocked_check.__code__:
+            raise Interrupted("the handler's own exception")
+
+    signal.signal(signal.SIGALRM, interrupt)
+    assert blocked_check() == (True, 4, 0)  # pooled connection, script loaded
+    driver = SignalDriver(signal.SIGALRM, interval=1.0, count=1)
+    pause()
+    try:
+        driver.start()
+        started = time.monotonic()
+        caught: BaseException | None = None
+        try:
+            blocked_check()
+        except BaseException as exc:  # noqa: B036 (the handler's exception is the point)
+            caught = exc
+        finally:
+            elapsed = time.monotonic() - started
+            driver.stop()
+        assert driver.saw_blocked and driver.sent_at, "no signal reached the blocked check"
+        signalled = driver.sent_at[0] - started
+        assert isinstance(caught, Interrupted) and elapsed < signalled + 0.5, (
+            f"the check raised {type(caught).__name__} after {elapsed:.2f} s (the signal came "
+            f"at {signalled:.2f} s; the handler ran in {ran_in}): the handler's exception did "
+            "not interrupt the call")
+    finally:
+        resume()
+    # The interrupted connection must not be reused: its reply (to a check with limit 5)
+    # would be read as the answer to this one (limit 3).
+    assert limiter.check("after-interrupt-user", 3, 60) == (True, 2, 0)
+
+
 # ------------------------------------------------------------------ fork children
 
 def fork_and_report(child: Callable[[], dict[str, Any]], timeout: float = 5.0) -> dict[str, Any]:

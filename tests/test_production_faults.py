@@ -31,7 +31,13 @@ from genai_ratelimit import (
     RateLimiterUnavailable,
 )
 from helpers_async import UNDER_ASAN, LimiterFactory, run_async
-from helpers_core import SORTED_SET_SHAPE, SignalDriver, SlowReader, logged_entries
+from helpers_core import (
+    SORTED_SET_SHAPE,
+    SignalDriver,
+    SlowReader,
+    assert_a_raising_handler_interrupts_a_blocked_check,
+    logged_entries,
+)
 from redis_server import RedisServer
 
 T = 1.0  # socket_timeout of the deadline tests
@@ -403,10 +409,6 @@ def _script_source() -> str:
 # signal handler that raises interrupts the call with its exception (PEP 475).
 
 
-class Interrupted(Exception):
-    """Raised by the test's signal handler."""
-
-
 @pytest.fixture
 def sigalrm() -> Iterator[None]:
     """Restores SIGALRM's handler after the test (the driver thread is stopped first)."""
@@ -449,46 +451,8 @@ def test_signals_during_a_blocked_check_do_not_extend_the_socket_timeout(
 def test_signal_handler_exception_interrupts_a_blocked_check(
         private_redis: RedisServer, sigalrm: None) -> None:
     with RateLimiter(private_redis.url, connect_timeout=1.0, socket_timeout=1.0) as limiter:
-
-        def blocked_check() -> tuple[bool, int, int]:
-            return limiter.check("interrupted-user", 5, 60)
-
-        ran_in: list[str] = []
-
-        def interrupt(signum: int, frame: Any) -> None:
-            # Raises on its first call, as long as that call interrupts the check. Python
-            # runs it in the frame that was executing when the signal was checked for: run
-            # from inside the blocked call, that is blocked_check's. A handler that only
-            # runs once the call has returned by itself would raise somewhere in the test's
-            # own code instead, so it just records where it ran.
-            ran_in.append(frame.f_code.co_name if frame is not None else "?")
-            if len(ran_in) == 1 and frame is not None and frame.f_code is blocked_check.__code__:
-                raise Interrupted("the handler's own exception")
-
-        signal.signal(signal.SIGALRM, interrupt)
-        assert blocked_check() == (True, 4, 0)  # pooled connection, script loaded
-        driver = SignalDriver(signal.SIGALRM, interval=1.0, count=1)
-        private_redis.pause()
-        try:
-            driver.start()
-            started = time.monotonic()
-            try:
-                with pytest.raises(BaseException) as info:
-                    blocked_check()
-            finally:
-                elapsed = time.monotonic() - started
-                driver.stop()
-            assert driver.saw_blocked and driver.sent_at, "no signal reached the blocked check"
-            signalled = driver.sent_at[0] - started
-            assert info.type is Interrupted and elapsed < signalled + 0.5, (
-                f"the check raised {info.type.__name__} after {elapsed:.2f} s (the signal came at "
-                f"{signalled:.2f} s; the handler ran in {ran_in}): the handler's exception did not "
-                "interrupt the call")
-        finally:
-            private_redis.resume()
-        # The interrupted connection must not be reused: its reply (to a check with limit 5)
-        # would be read as the answer to this one (limit 3).
-        assert limiter.check("after-interrupt-user", 3, 60) == (True, 2, 0)
+        assert_a_raising_handler_interrupts_a_blocked_check(
+            limiter, private_redis.pause, private_redis.resume)
 
 
 @pytest.mark.skipif(UNDER_ASAN, reason=(

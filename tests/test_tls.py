@@ -24,7 +24,7 @@ import redis
 
 from genai_ratelimit import RateLimiterAuthError, RateLimiterTimeout, RateLimiterUnavailable
 from helpers_async import LimiterFactory
-from helpers_core import SORTED_SET_SHAPE, SignalDriver
+from helpers_core import SORTED_SET_SHAPE, SignalDriver, assert_a_raising_handler_interrupts_a_blocked_check
 from redis_server import RedisServer, free_port
 from tls_proxy import TlsProxy
 
@@ -327,10 +327,6 @@ def test_tls_handshake_stays_within_connect_timeout_when_the_server_trickles(
     assert elapsed < 0.5 + 1.0, f"the handshake went on for {elapsed:.2f} s"
 
 
-class Interrupted(Exception):
-    """Raised by a test's signal handler."""
-
-
 def test_a_signal_handler_that_raises_interrupts_a_blocked_check_over_tls(
         certificates: Path) -> None:
     """PEP 475 over TLS, as over TCP (test_production_faults.py): a check waiting on a
@@ -344,40 +340,7 @@ def test_a_signal_handler_that_raises_interrupts_a_blocked_check_over_tls(
     try:
         url = f"rediss://127.0.0.1:{server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
         with RateLimiter(url, connect_timeout=3, socket_timeout=3) as limiter:
-
-            def blocked_check() -> tuple[bool, int, int]:
-                return limiter.check("tls-interrupted-user", 5, 60)
-
-            ran_in: list[str] = []
-
-            def interrupt(signum: int, frame: Any) -> None:
-                # Raises only when run from inside the blocked call (see the TCP test).
-                ran_in.append(frame.f_code.co_name if frame is not None else "?")
-                if len(ran_in) == 1 and frame is not None and frame.f_code is blocked_check.__code__:
-                    raise Interrupted("the handler's own exception")
-
-            signal.signal(signal.SIGALRM, interrupt)
-            assert blocked_check() == (True, 4, 0)  # pooled connection, script loaded
-            driver = SignalDriver(signal.SIGALRM, interval=1.0, count=1)
-            server.pause()
-            try:
-                driver.start()
-                started = time.monotonic()
-                try:
-                    with pytest.raises(BaseException) as info:
-                        blocked_check()
-                finally:
-                    elapsed = time.monotonic() - started
-                    driver.stop()
-                assert driver.saw_blocked and driver.sent_at, "no signal reached the blocked check"
-                signalled = driver.sent_at[0] - started
-                assert info.type is Interrupted and elapsed < signalled + 0.5, (
-                    f"the check raised {info.type.__name__} after {elapsed:.2f} s (the signal "
-                    f"came at {signalled:.2f} s; the handler ran in {ran_in})")
-            finally:
-                server.resume()
-            # The interrupted connection is not reused: its reply (limit 5) would answer this.
-            assert limiter.check("tls-after-interrupt-user", 3, 60) == (True, 2, 0)
+            assert_a_raising_handler_interrupts_a_blocked_check(limiter, server.pause, server.resume)
     finally:
         signal.signal(signal.SIGALRM, previous)
         server.close()

@@ -327,19 +327,19 @@ def test_tls_handshake_stays_within_connect_timeout_when_the_server_trickles(
     assert elapsed < 0.5 + 1.0, f"the handshake went on for {elapsed:.2f} s"
 
 
+@pytest.mark.storages("zset", reason="a signal during a read does not depend on the storage")
+@pytest.mark.limiter_kinds("sync", reason="the blocking limiter's own path: the asyncio loop "
+                                          "retries its wait and runs handlers itself")
 def test_a_signal_handler_that_raises_interrupts_a_blocked_check_over_tls(
-        certificates: Path) -> None:
+        make_limiter: LimiterFactory, certificates: Path) -> None:
     """PEP 475 over TLS, as over TCP (test_production_faults.py): a check waiting on a
     paused server raises the handler's exception as soon as the signal comes, not once the
-    socket timeout has run out. The blocking limiter's own path (the asyncio loop retries
-    its wait and runs handlers itself)."""
-    from genai_ratelimit import RateLimiter
-
+    socket timeout has run out."""
     server = _tls_server(certificates)
     previous = signal.getsignal(signal.SIGALRM)
     try:
         url = f"rediss://127.0.0.1:{server.tls_port}/0?ssl_ca_certs={certificates / 'ca.crt'}"
-        with RateLimiter(url, connect_timeout=3, socket_timeout=3) as limiter:
+        with make_limiter(url, connect_timeout=3, socket_timeout=3) as limiter:
             assert_a_raising_handler_interrupts_a_blocked_check(limiter, server.pause, server.resume)
     finally:
         signal.signal(signal.SIGALRM, previous)

@@ -112,10 +112,19 @@ local function replay_table(st)
   return st.table
 end
 
--- The number of entries the string at `key` holds (reset's count), 0 when it is absent.
+-- The number of entries the string at `key` holds (reset's count), 0 when it is absent,
+-- nil when it cannot be read: another layout version, a header that does not add up (a
+-- damaged value), a key of another type.
 local function compact_entries(key)
-  local st = compact_header(key)
-  return st.exists and st.count or 0
+  local ok, st = pcall(compact_header, key)
+  if not ok then return nil end
+  if not st.exists then return 0 end
+  local count = st.count
+  if st.S < 4 or st.S > 6 or (st.C ~= 0 and st.C ~= 6 and st.C ~= 7) or st.head < st.data or
+      st.tail > st.size or count < 0 or count ~= math.floor(count) then
+    return nil
+  end
+  return count
 end
 
 -- The compact log of a call's n windows (KEYS[1..n]) at `now`.

@@ -21,7 +21,7 @@ local n = #KEYS - 1
 local now = script_now(ARGV[2], true)
 local log = compact_log(n, now)
 local reply, tie, slot = reserve_in_flight(n, now, log)
-reply[5] = log.logged_at() or reply[5] -- the entry's time (compact_window.lua)
+if log.at then reply[5] = log.at end -- the entry's time (compact_window.lua)
 reply[8] = tie
 reply[9] = slot
 return reply

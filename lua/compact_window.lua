@@ -34,6 +34,6 @@ local now = script_now(ARGV[2], true)
 local log = compact_log(n, now)
 local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 3])
 -- The time of the entry logged (a later millisecond when now had no tie left): it names it.
-reply[5] = log.logged_at() or reply[5]
+if log.at then reply[5] = log.at end
 reply[8] = tie
 return reply

@@ -232,3 +232,39 @@ def test_a_reservation_after_65536_admissions_in_one_millisecond_is_charged_as_i
             is False
     finally:
         _native._set_client_clock(None)
+
+
+@pytest.mark.limiter_kinds("sync", reason="the log's order is the script's; one driver shows it")
+def test_ties_stay_in_order_with_clocks_behind_and_after_a_refund(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, user_id: str,
+        storage: str) -> None:
+    """Reservations at times that go back and forth (a tie above those of its millisecond,
+    wherever that is in the log), and one at the millisecond of an entry a refund removed:
+    every reconcile finds its own entry, and the refund's replay finds none (its tie is not
+    given again)."""
+    limiter: RateLimiter = make_limiter(redis_url, clock="client")
+    now = server_ms(redis_client)
+    held = []
+    try:
+        for offset in (0, 0, 5, 0, 5, 3, 0):
+            _native._set_client_clock(now + offset)
+            held.append(limiter.reserve(user_id, [(100, 60)], token_windows=[(10**6, 60)],
+                                        tokens=1))
+        _native._set_client_clock(now + 5)
+        assert limiter.reconcile(held[4], 0) == 1  # the last entry of now + 5: removed
+        held.append(limiter.reserve(user_id, [(100, 60)], token_windows=[(10**6, 60)], tokens=1))
+        assert limiter.reconcile(held[4], 0) == 0  # a replay: nothing else is removed
+        # The only entry of its millisecond (the last of the log) removed, then another there.
+        # (Token windows only: a request window would keep the entry, and its tie.)
+        _native._set_client_clock(now + 9)
+        held.append(limiter.reserve(user_id, [], token_windows=[(10**6, 60)], tokens=1))
+        assert limiter.reconcile(held[8], 0) == 1
+        held.append(limiter.reserve(user_id, [], token_windows=[(10**6, 60)], tokens=1))
+        assert limiter.reconcile(held[8], 0) == 0
+        for n, reservation in enumerate(held):
+            if n not in (4, 8):
+                assert limiter.reconcile(reservation, 100 + n) == 1, n
+    finally:
+        _native._set_client_clock(None)
+    assert sorted(logged(redis_client, f"ratelimit:{user_id}:60:tokens")) == sorted(
+        (r.timestamp_ms, 100 + n) for n, r in enumerate(held) if n not in (4, 8))

@@ -130,11 +130,11 @@ end
 -- The compact log of a call's n windows (KEYS[1..n]) at `now`.
 local function compact_log(n, now)
   -- Its functions' slots made at once (the table is sized once, not grown field by field).
+  -- log.at: the time the decision's entries are logged at (log.tie), false before: now, or
+  -- a later millisecond (see the header); the reply names it.
   local log = {trim = false, look = false, freeing_stamp = false, peek_freeing_stamp = false,
-    tie = false, logged_at = false, logged = false, add = false, flush = false,
-    set_cost = false}
+    tie = false, logged = false, add = false, flush = false, set_cost = false, at = false}
   local state = {} -- per window: its header, as loaded and changed, and the last measure
-  local when -- the time the decision's entries are logged at (log.tie), nil before
 
   local function header_bytes(st)
     return struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R, st.base, st.head, st.tail,
@@ -400,51 +400,39 @@ local function compact_log(n, now)
     return st.base + search_ops().entry(st, k, bytes, from)
   end
 
-  -- The least tie window st (measured) can give an entry logged at `at`: above the ties of
-  -- its entries at `at` (TIE_LIMIT: none is left), and not below the next tie when that
-  -- goes on (below TIE_HALF).
-  local function free_tie(st, at)
-    local start = 0
-    if st.exists and st.next_tie < TIE_HALF then start = st.next_tie end
-    if not st.exists or st.count == 0 or at > st.last then return start end
-    if at == st.last then return st.next_tie == 0 and TIE_LIMIT or st.next_tie end
-    -- Another clock behind: the entry before its place, when it is of the same millisecond,
-    -- has the highest tie there.
-    local stored = at - st.base
-    if stored < 0 then return start end
-    local found = search_ops()
-    local k, bytes, from = found.first_at_least(st, 0, st.count, 1, stored + 1, 0,
-      st.first - st.base, st.count - 1, st.last - st.base)
-    if k == 0 then return start end
-    local t, e = found.entry(st, k - 1, bytes, from)
-    if t ~= stored then return start end
-    if e + 1 >= TIE_LIMIT then return TIE_LIMIT end
-    return math.max(e + 1, start)
-  end
-
   -- The tie a decision over windows 1..n (measured) gives its entries: above every tie
-  -- they hold at its time. That time is now, or the next millisecond with a tie left in
-  -- every window (log.logged_at).
+  -- they hold at its time. That time (log.at) is now, or the next millisecond with a tie
+  -- left in every window.
   function log.tie()
     local at = now
     while true do
       local tie = 0
       for i = 1, n do
-        local free = free_tie(state[i], at)
+        -- The least tie window i can give: above the ties of its entries at `at` (TIE_LIMIT:
+        -- none is left), and not below its next tie when that goes on (below TIE_HALF).
+        local st, free = state[i], 0
+        if st.exists and st.next_tie < TIE_HALF then free = st.next_tie end
+        local held = st.exists and st.count > 0 -- else no entry at `at`
+        if held and at == st.last then
+          free = st.next_tie == 0 and TIE_LIMIT or st.next_tie
+        elseif held and at < st.last and at >= st.base then
+          -- Another clock behind: the entry before its place, when it is of the same
+          -- millisecond, has the highest tie there.
+          local found, stored = search_ops(), at - st.base
+          local k, bytes, from = found.first_at_least(st, 0, st.count, 1, stored + 1, 0,
+            st.first - st.base, st.count - 1, st.last - st.base)
+          local t, e = nil, nil
+          if k > 0 then t, e = found.entry(st, k - 1, bytes, from) end
+          if t == stored then free = math.max(e + 1, free) end
+        end
         if free > tie then tie = free end
       end
       if tie < TIE_LIMIT then
-        when = at
+        log.at = at
         return tie
       end
       at = at + 1
     end
-  end
-
-  -- The time the decision's entries were logged at (now, or a later millisecond: see the
-  -- header), nil when it logged none.
-  function log.logged_at()
-    return when
   end
 
   -- A request id's 8 bytes (the first 16 hex digits of its UUID4 text), as two numbers.
@@ -473,7 +461,7 @@ local function compact_log(n, now)
   -- `member` in its replay table when it is the decision's longest window (i = n). The key
   -- lives window_ms + 1 s.
   function log.add(i, member, cost, window_ms, tie)
-    local now = when or now -- the entry's time (log.tie)
+    local now = log.at or now -- the entry's time (log.tie)
     local st = state[i]
     local slots = i == n and REPLAY_SLOTS or 0
     if not st.exists then
@@ -615,10 +603,14 @@ local function compact_log(n, now)
       local found = search_ops()
       if st.count > 0 and k == 0 then st.first = st.base + found.entry(st, 0) end
       if st.count > 0 and k == st.count then
-        -- The last entry left: the next tie stays above the ties of the last millisecond.
+        -- The last entry left: the next tie stays above the ties of the new last
+        -- millisecond, and does not go back (a new entry in the removed one's millisecond
+        -- must not take its tie: a replay of this reconcile would find it).
         local last_at, last_tie = found.entry(st, st.count - 1)
         if st.base + last_at ~= st.last then
-          st.last, st.next_tie = st.base + last_at, (last_tie + 1) % TIE_LIMIT
+          local above = (last_tie + 1) % TIE_LIMIT
+          if above ~= 0 and st.next_tie > above then above = st.next_tie end
+          st.last, st.next_tie = st.base + last_at, above
         end
       end
     end

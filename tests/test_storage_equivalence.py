@@ -44,15 +44,33 @@ operations = st.one_of(
     st.tuples(st.just("reset"), st.booleans()),
 )
 steps = st.lists(st.tuples(moves, st.sampled_from(USERS), operations), min_size=1, max_size=40)
-# Runs of steps in one millisecond (and a clock a few ms behind), each step after setting
-# the tie counter of the compact windows to one of these (None: left as it is).
-reserves = st.tuples(st.just("reserve"), windows, st.integers(1, 300))
-reconciles = st.tuples(st.just("reconcile"), st.integers(0, 40), st.integers(0, 400))
-tie_steps = st.lists(st.tuples(st.one_of(st.just(0), st.just(0), st.integers(-3, 3), moves),
-                               st.sampled_from(USERS),
-                               st.one_of(reserves, reconciles, reserves, reconciles, operations),
-                               st.sampled_from([None, 65_535, 65_534, 65_532, 32_767])),
-                     min_size=1, max_size=40)
+# Runs near the tie counter's limit: steps mostly in one millisecond, each after setting the
+# tie counter of the compact windows whose last entry is older to one of these (None: left as
+# it is), as an older release's counter, which went on across milliseconds, could leave it;
+# the clock never goes back (a window that logs again in the millisecond of its last entry,
+# with a counter near the limit, has few ties left there: it would log in the next
+# millisecond, the one case where the storages' answers differ, docs/storage.md);
+# reservations that seldom fill their windows, so most are logged;
+# reconciles of the latest two. No reset: it deletes the windows, whose ties then start again
+# at 0, so an entry logged after it in the millisecond of one logged before takes that one's
+# tie, and a late reconcile of the one before finds the new one (the same before and after
+# the ties of a millisecond were kept in order; reported apart).
+reserves = st.tuples(st.just("reserve"), st.lists(st.sampled_from([(500, 1), (500, 30)]),
+                                                  min_size=1, max_size=2, unique=True),
+                     st.integers(1, 5))
+reconciles = st.tuples(st.just("reconcile"), st.integers(0, 1), st.integers(0, 400))
+sans_reset = st.one_of(
+    st.tuples(st.just("check"), st.sampled_from(WINDOWS), st.integers(1, 4)),
+    st.tuples(st.just("windows"), windows, st.integers(1, 4)),
+    st.tuples(st.just("peek"), windows, st.integers(1, 4)),
+)
+tie_steps = st.lists(st.tuples(st.one_of(st.just(0), st.just(0), st.just(0),
+                                         st.sampled_from([1, 2, 3]), st.integers(0, 6_000)),
+                               st.sampled_from(USERS[:1]),
+                               st.one_of(reserves, reconciles, reserves, reconciles, reserves,
+                                         sans_reset),
+                               st.sampled_from([None, 65_535, 65_535, 65_534, 65_533, 32_767])),
+                     min_size=8, max_size=40)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +108,8 @@ def answer(limiter: RateLimiter, prefix: str, user: str, operation: tuple[Any, .
     if name == "reconcile":
         if not reservations:
             return None
-        return limiter.reconcile(reservations[operation[1] % len(reservations)], operation[2])
+        # The latest first (0: the last one).
+        return limiter.reconcile(reservations[-1 - operation[1] % len(reservations)], operation[2])
     if name == "peek":
         cost = min(operation[2], min(limit for limit, _ in operation[1]))
         return limiter._peek(user, operation[1], cost=cost)
@@ -158,12 +177,12 @@ def test_both_storages_answer_every_call_alike(pair: tuple[RateLimiter, RateLimi
     run_both(pair, redis_client, steps)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(steps=tie_steps)
 @example(steps=[(0, "alice", ("reserve", [(4, 1)], 10), None),
                 (5, "alice", ("reserve", [(4, 1)], 20), 65_535),
                 (0, "alice", ("reserve", [(4, 1)], 30), None),
-                (0, "alice", ("reconcile", 2, 50), None)])
+                (0, "alice", ("reconcile", 0, 50), None)])
 def test_both_storages_answer_alike_across_the_tie_counters_limit(
         pair: tuple[RateLimiter, RateLimiter], redis_client: redis.Redis,
         steps: list[tuple[int, str, tuple[Any, ...], int | None]]) -> None:
@@ -171,7 +190,11 @@ def test_both_storages_answer_alike_across_the_tie_counters_limit(
     millisecond start again at 0 rather than wrap within it, so each entry keeps its place
     and each reconcile finds its own (the counter once wrapped to 0 after 65,535 in one
     millisecond, and the reconcile of that entry found nothing)."""
-    run_both(pair, redis_client, steps)
+    # Every window of the run logged once first, a millisecond before: from the first step
+    # on, its tie counter is set near its limit at each new millisecond.
+    prelude = [(0, USERS[0], ("reserve", [(500, 1), (500, 30)], 1), None),
+               (0, USERS[0], ("windows", list(WINDOWS), 1), None)]
+    run_both(pair, redis_client, prelude + [(steps[0][0] + 1, *steps[0][1:])] + steps[1:])
 
 
 def test_clocks_months_and_years_apart_keep_both_storages_alike(

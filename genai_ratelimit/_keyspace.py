@@ -3,11 +3,11 @@ limiter's keys (found with SCAN on every master, a bounded number of calls), wha
 says (whose key, which window, which scope), the identity the FastAPI layer wrote into it,
 and the one raw read of a value, a user's in-flight leases (no script reads them back).
 
-Windows themselves are always read through the limiter's peek (whatever the storage), never
-here. The key grammar is csrc/script.c's (window_key, write_user_key, format_lease), read
-from the end of the name:
+Windows themselves are always read through the limiter's peek, of the storage the key's
+name says (":c": compact, else sorted sets), never here. The key grammar is csrc/script.c's
+(window_key, write_user_key, format_lease), read from the end of the name:
 
-    {prefix}:{owner}:{seconds}[:tokens][:scope={name} | :shared][:w]
+    {prefix}:{owner}:{seconds}[:tokens][:scope={name} | :shared][:w | :c]
     {prefix}:{owner}:leases
 
 On a Redis Cluster the owner is a hash tag, "{owner}" with '%', '{' and '}' percent-encoded.
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["KeyName", "Identity", "ScanReport", "parse_key", "identity_of", "shown", "quoted",
+__all__ = ["KeyName", "Identity", "Storage", "ScanReport", "parse_key", "identity_of", "shown", "quoted",
            "glob_escape", "tagged", "user_key_pattern", "scan",
            "node_url", "read_leases", "SCAN_COUNT", "scan_calls_per_master"]
 
@@ -36,6 +36,7 @@ _NAMESPACE = re.compile(r"ns:([A-Za-z0-9_.\-]{1,64}):(.*)", re.DOTALL)
 _PERCENT = re.compile(r"%([0-9A-F]{2})")
 
 Kind = Literal["window", "scope", "shared", "leases"]
+Storage = Literal["zset", "compact"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class KeyName:
     tokens: bool = False  # a token window
     scope: str | None = None  # a user's scope name ("route:/v1/chat", "model:gpt-4o")
     weights: bool = False  # the window's weights hash ("<window key>:w"), not its entries
+    storage: Storage = "zset"  # "compact": the window's string ("<window key>:c")
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,8 @@ def parse_key(name: str, prefix: str, hash_tag: bool) -> KeyName | None:
         found = owner if owner is not None else rest[:-len(":leases")]
         return KeyName("leases", found) if found and (owner is None or rest == "leases") else None
     weights = rest.endswith(":w")
-    rest = rest[:-2] if weights else rest
+    compact = rest.endswith(":c")
+    rest = rest[:-2] if weights or compact else rest
     shared = rest.endswith(":shared")
     rest = rest[:-7] if shared else rest
     scope = None
@@ -119,7 +122,8 @@ def parse_key(name: str, prefix: str, hash_tag: bool) -> KeyName | None:
     if not digits.isdigit() or not digits.isascii() or int(digits) < 1:
         return None
     kind: Kind = "shared" if shared else "scope" if scope is not None else "window"
-    return KeyName(kind, owner, int(digits), tokens, scope, weights)
+    return KeyName(kind, owner, int(digits), tokens, scope, weights,
+                   "compact" if compact else "zset")
 
 
 def shown(text: str) -> str:

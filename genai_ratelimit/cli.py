@@ -32,10 +32,11 @@ import json
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, NoReturn, TextIO
+from urllib.parse import urlsplit, urlunsplit
 
 from . import _native
 from ._keyspace import (
@@ -43,6 +44,7 @@ from ._keyspace import (
     Identity,
     KeyName,
     ScanReport,
+    Storage,
     glob_escape,
     identity_of,
     node_url,
@@ -90,6 +92,10 @@ Windows = list[tuple[int, int]]
 Known = list[tuple[int | None, int]]
 # (window_seconds, is_token_window) -> limit, None when unknown.
 Limits = dict[tuple[int, bool], int | None]
+# The storages whose keys were found for a window: (kind, owner, scope, seconds, tokens) ->
+# the storages (a switch of storage leaves a window's keys in both until they expire).
+Held = dict[tuple[str, str, str | None, int, bool], set[Storage]]
+STORAGES: tuple[Storage, ...] = ("zset", "compact")
 
 
 class UsageError(Exception):
@@ -210,13 +216,37 @@ def _redis_options(args: argparse.Namespace) -> RedisOptions:
     return parse_redis_url(url)
 
 
+def _without_storage(url: str) -> str:
+    """The URL without its storage= query parameter (a limiter of the other storage)."""
+    parts = urlsplit(url)
+    query = "&".join(p for p in parts.query.split("&") if p and not p.startswith("storage="))
+    return urlunsplit(parts._replace(query=query))
+
+
+def _other_storage_name(limiter: RateLimiter | AsyncRateLimiter) -> str:
+    return "compact" if limiter.storage == "zset" else "zset"
+
+
+def _other_storage(limiter: RateLimiter | AsyncRateLimiter, args: argparse.Namespace,
+                   kind: type[Any]) -> Any:
+    """A limiter like `limiter` (a RateLimiter or AsyncRateLimiter: `kind`) of the other
+    storage: the command line reads each key with the storage its name says."""
+    return kind(_without_storage(args.url), storage=_other_storage_name(limiter), **_options(args))
+
+
 @dataclass
 class Masters:
-    """The limiter (it routes peeks on a cluster, and knows the slot map) and a limiter
-    per master (SCAN, the raw read)."""
+    """The limiter (it routes peeks on a cluster, and knows the slot map), one of each
+    storage for the peeks (each key is read with the storage its name says, whatever the
+    URL's), and a limiter per master (SCAN, the raw read). Every SCAN's keys are noted
+    (held): which storage holds each window."""
 
     limiter: AsyncRateLimiter
     nodes: dict[tuple[str, int] | None, AsyncRateLimiter]  # None: the URL's single node
+    peekers: dict[str, AsyncRateLimiter]  # storage -> its limiter (the URL's is `limiter`)
+    prefix: str
+    hash_tag: bool
+    held: Held = field(default_factory=dict)
 
     @property
     def scanned(self) -> list[tuple[str, Any]]:
@@ -225,62 +255,111 @@ class Masters:
                 for address, node in self.nodes.items()]
 
     async def scan(self, pattern: str, max_keys: int) -> ScanReport:
-        return await scan(self.scanned, pattern, max_keys)
+        report = await scan(self.scanned, pattern, max_keys)
+        for key in (parse_key(k, self.prefix, self.hash_tag) for k in report.keys):
+            if key is not None and key.kind != "leases":
+                self.held.setdefault((key.kind, key.owner, key.scope, key.seconds, key.tokens),
+                                     set()).add(key.storage)
+        return report
+
+    def storages(self, kind: str, owner: str, scope: str | None, seconds: int,
+                 tokens: bool) -> list[Storage]:
+        """The storages whose keys hold that window (sorted sets first). None found (the
+        window is empty in both): the storage of the owner's other keys, else the URL's."""
+        found = self.held.get((kind, owner, scope, seconds, tokens))
+        if found:
+            return [s for s in STORAGES if s in found]
+        others = self.owner_storages(owner, None)
+        return others if len(others) == 1 else [self.url_storage]
+
+    def owner_storages(self, owner: str, kind: str | None = "window") -> list[Storage]:
+        """The storages of the owner's keys of that kind (None: any) that the SCANs found
+        (none: the URL's)."""
+        found = {s for (each, who, _, _, _), held in self.held.items()
+                 if who == owner and kind in (None, each) for s in held}
+        return [s for s in STORAGES if s in found] or [self.url_storage]
+
+    @property
+    def url_storage(self) -> Storage:
+        return "compact" if self.limiter.storage == "compact" else "zset"
 
     async def aclose(self) -> None:
         for node in self.nodes.values():
             if node is not self.limiter:
                 await node.aclose()
+        for peeker in self.peekers.values():
+            if peeker is not self.limiter:
+                await peeker.aclose()
         await self.limiter.aclose()
 
 
 async def _masters(args: argparse.Namespace, options: RedisOptions) -> Masters:
     limiter = AsyncRateLimiter(args.url, **_options(args))
+    peekers = {limiter.storage: limiter}
     try:
+        peekers[_other_storage_name(limiter)] = _other_storage(limiter, args, AsyncRateLimiter)
         # The limiter's own router: every sentinel asked, the highest config epoch.
         masters = await limiter._masters()
     except BaseException:
-        await limiter.aclose()
+        for peeker in peekers.values():
+            await peeker.aclose()
         raise
+    hash_tag = options.mode == "cluster"
     if masters is None:
-        return Masters(limiter, {None: limiter})
+        return Masters(limiter, {None: limiter}, peekers, args.key_prefix, hash_tag)
     nodes: dict[tuple[str, int] | None, AsyncRateLimiter] = {
         address: AsyncRateLimiter(node_url(args.url, address[0], address[1], options.db),
                                   **_options(args))
         for address in sorted(masters)}
-    return Masters(limiter, nodes)
+    return Masters(limiter, nodes, peekers, args.key_prefix, hash_tag)
 
 
-def _window_row(peek: Sequence[Any], limit: int | None, scope: str | None) -> dict[str, Any]:
+
+def _window_row(peek: Sequence[Any], limit: int | None, scope: str | None,
+                storage: str) -> dict[str, Any]:
     """The one window of a peek as a JSON-able row: used, limit (None: unknown), what would
-    remain after one more request (or token), the oldest entry, and the wait when full."""
+    remain after one more request (or token), the oldest entry, the wait when full, and the
+    storage whose key it read."""
     _, seconds, tokens, used, oldest = peek[6][0]
     return {"window_seconds": seconds, "resource": _resource(tokens), "tokens": tokens,
             "scope": scope, "used": used, "limit": limit,
             "remaining": None if limit is None else peek[1], "allowed": peek[0],
-            "oldest_ms": oldest, "retry_after_s": peek[2], "now_ms": peek[5]}
+            "oldest_ms": oldest, "retry_after_s": peek[2], "now_ms": peek[5], "storage": storage}
 
 
-async def _peek_windows(limiter: AsyncRateLimiter, user: str, requests: Known, tokens: Known,
+async def _peek_windows(masters: Masters, user: str, requests: Known, tokens: Known,
                         scope: tuple[str, bool] | None = None) -> list[dict[str, Any]]:
     """One peek per window (each answers for that window alone: a peek of several stops at
-    the first that refuses, as a check does); `scope`: (name, shared), the windows are that
-    scope's."""
+    the first that refuses, as a check does) and per storage whose keys hold it (the URL's
+    when none does); `scope`: (name, shared), the windows are that scope's."""
+    kind = "window" if scope is None else "shared" if scope[1] else "scope"
+    scope_name = scope[0] if scope is not None and not scope[1] else None
     rows = []
     for windows, is_tokens in ((requests, False), (tokens, True)):
         for limit, seconds in windows:
-            one = [(limit if limit is not None else UNKNOWN_LIMIT, seconds)]
-            arguments: dict[str, Any] = {"tokens": 1} if is_tokens else {}
-            if scope is not None:
-                native = Scope(scope[0], windows=[] if is_tokens else one,
-                               token_windows=one if is_tokens else [], shared=scope[1])
-                peek = await limiter._peek(user, [], scopes=(native.native(),), **arguments)
-            elif is_tokens:
-                peek = await limiter._peek(user, (), token_windows=one, **arguments)
-            else:
-                peek = await limiter._peek(user, one)
-            rows.append(_window_row(peek, limit, scope[0] if scope is not None else None))
+            for storage in masters.storages(kind, user, scope_name, seconds, is_tokens):
+                limiter = masters.peekers[storage]
+                one = [(limit if limit is not None else UNKNOWN_LIMIT, seconds)]
+                arguments: dict[str, Any] = {"tokens": 1} if is_tokens else {}
+                if scope is not None:
+                    native = Scope(scope[0], windows=[] if is_tokens else one,
+                                   token_windows=one if is_tokens else [], shared=scope[1])
+                    peek = await limiter._peek(user, [], scopes=(native.native(),), **arguments)
+                elif is_tokens:
+                    peek = await limiter._peek(user, (), token_windows=one, **arguments)
+                else:
+                    peek = await limiter._peek(user, one)
+                rows.append(_window_row(peek, limit, scope[0] if scope is not None else None,
+                                        storage))
     return rows
+
+
+def _window_cell(row: dict[str, Any], rows: Iterable[dict[str, Any]]) -> str:
+    """A row's window as the tables show it: its storage named when another row is of the
+    same window in the other storage."""
+    same = sum(1 for r in rows if (r["window_seconds"], r["resource"], r["scope"]) ==
+               (row["window_seconds"], row["resource"], row["scope"]))
+    return f"{row['window_seconds']} s" + (f" ({row['storage']})" if same > 1 else "")
 
 
 # ------------------------------------------------------------------------------ inspect
@@ -297,8 +376,9 @@ def inspect(args: argparse.Namespace, out: TextIO) -> int:
     out.write(f"user {quoted(args.user)}{_identity_text(identity)}, tier {tier}, Redis time "
               f"{_time(report['now_ms'])}\n")
     table = [["window", "resource", "scope", "used", "limit", "oldest entry (UTC)", "retry after"]]
-    for w in report["windows"] + report["scopes"]:
-        table.append([f"{w['window_seconds']} s", w["resource"], shown(w["scope"] or "-"),
+    rows = report["windows"] + report["scopes"]
+    for w in rows:
+        table.append([_window_cell(w, rows), w["resource"], shown(w["scope"] or "-"),
                       str(w["used"]), _limit(w), _time(w["oldest_ms"]), _retry(w)])
     _print_table(table, out, left=3)
     leases = report["leases"]
@@ -308,8 +388,9 @@ def inspect(args: argparse.Namespace, out: TextIO) -> int:
     for upstream in report["upstreams"]:
         out.write(f"upstream {quoted(upstream['name'])} (shared by every user):\n")
         _print_table([["window", "resource", "used", "limit", "oldest entry (UTC)", "retry after"]]
-                     + [[f"{w['window_seconds']} s", w["resource"], str(w["used"]), _limit(w),
-                         _time(w["oldest_ms"]), _retry(w)] for w in upstream["windows"]], out)
+                     + [[_window_cell(w, upstream["windows"]), w["resource"], str(w["used"]),
+                         _limit(w), _time(w["oldest_ms"]), _retry(w)]
+                        for w in upstream["windows"]], out)
     for namespace in report["namespaces"]:
         windows = ", ".join(f"{w['window_seconds']} s {w['resource']} {w['used']}"
                             for w in namespace["windows"])
@@ -325,26 +406,26 @@ async def _inspect(args: argparse.Namespace, budgets: Budgets, tier: str,
     hash_tag = options.mode == "cluster"
     masters = await _masters(args, options)
     try:
-        limiter = masters.limiter
-        requests, tokens = budgets.windows(tier)
-        windows = await _peek_windows(limiter, args.user, list(requests), list(tokens))
-        now = windows[0]["now_ms"]
-        # The user's other keys, found by one SCAN: its scopes, the same id in namespaces.
+        # The user's keys, found by one SCAN: the storage of each window, its scopes, the
+        # same id in namespaces.
         found = await masters.scan(user_key_pattern(args.key_prefix, args.user, hash_tag, True),
                                    args.max_keys)
         keys = [k for k in (parse_key(n, args.key_prefix, hash_tag) for n in found.keys)
                 if k is not None]
+        requests, tokens = budgets.windows(tier)
+        windows = await _peek_windows(masters, args.user, list(requests), list(tokens))
+        now = windows[0]["now_ms"]
         scope_rows: list[dict[str, Any]] = []
         for name, limits in _scopes_of([k for k in keys if k.owner == args.user], budgets):
-            scope_rows += await _peek_windows(limiter, args.user, *_split(limits), (name, False))
+            scope_rows += await _peek_windows(masters, args.user, *_split(limits), (name, False))
         leases = await _leases(args, masters, hash_tag, now)
         upstreams, scans = [], [found]
         for name in args.upstream:
             limits, upstream_scan = await _upstream_limits(args, masters, budgets, name, hash_tag)
             scans.append(upstream_scan)
             upstreams.append({"name": name, "windows": await _peek_windows(
-                limiter, name, *_split(limits), (name, True))})
-        namespaces = await _namespaces_of(limiter, args.user, keys)
+                masters, name, *_split(limits), (name, True))})
+        namespaces = await _namespaces_of(masters, args.user, keys)
     finally:
         await masters.aclose()
     return {"user": args.user, "identity": _identity_json(identity), "tier": tier,
@@ -397,7 +478,7 @@ async def _leases(args: argparse.Namespace, masters: Masters, hash_tag: bool,
     return {"key": key, "held": held, "expires_ms": expires}
 
 
-async def _namespaces_of(limiter: AsyncRateLimiter, user: str,
+async def _namespaces_of(masters: Masters, user: str,
                          keys: list[KeyName]) -> list[dict[str, Any]]:
     """The same user id's windows in each namespace its keys show (used only: a namespace's
     budget lives in the app)."""
@@ -409,7 +490,7 @@ async def _namespaces_of(limiter: AsyncRateLimiter, user: str,
             found.setdefault(key.owner, {})[(key.seconds, key.tokens)] = None
     result = []
     for owner in sorted(found):
-        rows = await _peek_windows(limiter, owner, *_split(found[owner]))
+        rows = await _peek_windows(masters, owner, *_split(found[owner]))
         result.append({"namespace": identity_of(owner).namespace, "user": owner, "windows": rows})
     return result
 
@@ -450,8 +531,12 @@ def reset(args: argparse.Namespace, out: TextIO) -> int:
     """Forgets the user's entries: the windows named, or every window of the user."""
     with RateLimiter(args.url, **_options(args)) as limiter:
         if args.window:
-            removed = limiter.reset(args.user, [(1, s) for s in args.window],
-                                    token_windows=[(1, s) for s in args.window])
+            # Each storage's keys of those windows (every window: reset.lua finds both).
+            removed = 0
+            with _other_storage(limiter, args, RateLimiter) as other:
+                for each in (limiter, other):
+                    removed += each.reset(args.user, [(1, s) for s in args.window],
+                                          token_windows=[(1, s) for s in args.window])
         else:
             removed = limiter.reset(args.user)
     if args.json:
@@ -552,9 +637,9 @@ async def _top(args: argparse.Namespace, budgets: Budgets, default: str,
         spaced: list[str] = []
         for owner in sorted(owners):
             (spaced if identity_of(owner).namespace is not None else plain).append(owner)
-        users = await _rank_users(masters.limiter, plain, budgets, default, named)
-        namespaces = await _rank_namespaces(masters.limiter, spaced, owners)
-        upstreams = await _upstream_rows(masters.limiter, shared, budgets)
+        users = await _rank_users(masters, plain, budgets, default, named)
+        namespaces = await _rank_namespaces(masters, spaced, owners)
+        upstreams = await _upstream_rows(masters, shared, budgets)
     finally:
         await masters.aclose()
     return {"users": users[:args.count], "namespaces": namespaces, "upstreams": upstreams,
@@ -578,67 +663,91 @@ async def _gathered(calls: list[Any]) -> list[Any]:
     return results
 
 
-async def _rank_users(limiter: AsyncRateLimiter, users: list[str], budgets: Budgets,
+def _fullness(window: Sequence[Any]) -> tuple[float, int]:
+    """How full a peek's window report (limit, seconds, tokens, used, oldest) is, for max():
+    the use, then the shorter window."""
+    return window[3] / window[0], -window[1]
+
+
+async def _rank_users(masters: Masters, users: list[str], budgets: Budgets,
                       default: str, named: dict[str, str]) -> list[dict[str, Any]]:
     """Each user judged by its tier's budgets: one peek of its request and token windows
-    (the 8th answer gives every window's use), ranked by the fullest window."""
-    tiers = [named.get(identity_of(u).user, named.get(u, default)) for u in users]
+    (the 8th answer gives every window's use) in each storage its keys show (the fuller
+    answer kept), ranked by the fullest window."""
+    tiers = dict(zip(users, (named.get(identity_of(u).user, named.get(u, default))
+                             for u in users), strict=True))
+    asked = [(u, s) for u in users for s in masters.owner_storages(u)]
 
-    async def peek(user: str, tier: str) -> Any:
-        requests, tokens = budgets.windows(tier)
+    async def peek(user: str, storage: str) -> Any:
+        limiter = masters.peekers[storage]
+        requests, tokens = budgets.windows(tiers[user])
         if tokens:
             return await limiter._peek(user, requests, token_windows=tokens, tokens=1)
         return await limiter._peek(user, requests)
 
-    peeks = await _gathered([peek(u, t) for u, t in zip(users, tiers, strict=True)])
+    peeks = await _gathered([peek(u, s) for u, s in asked])
+    answers: dict[str, tuple[Storage, Any]] = {}
+    for (user, storage), answer in zip(asked, peeks, strict=True):
+        kept = answers.get(user)
+        if kept is None or _fullness(max(answer[6], key=_fullness)) > \
+                _fullness(max(kept[1][6], key=_fullness)):
+            answers[user] = (storage, answer)
     ranked = []
-    for user, tier, answer in zip(users, tiers, peeks, strict=True):
+    for user, (storage, answer) in answers.items():
+        tier = tiers[user]
         identity = identity_of(user)
-        fullest = max(answer[6], key=lambda w: (w[3] / w[0], -w[1]))
+        fullest = max(answer[6], key=_fullness)
         limit, seconds, tokens, used, _ = fullest
         ranked.append({"user": user, "id": identity.user, "kind": identity.kind, "tier": tier,
                        "tier_from": "named" if tier != default or user in named
                        or identity.user in named else "default",
                        "window_seconds": seconds, "resource": _resource(tokens), "used": used,
                        "limit": limit, "fraction": used / limit, "retry_after_s": answer[2],
+                       "storage": storage,
                        "windows": [{"window_seconds": s, "resource": _resource(t), "used": n,
                                     "limit": lim} for lim, s, t, n, _ in answer[6]]})
     ranked.sort(key=lambda r: (-r["fraction"], r["user"]))
     return ranked
 
 
-async def _rank_namespaces(limiter: AsyncRateLimiter, users: list[str],
+async def _rank_namespaces(masters: Masters, users: list[str],
                            windows: dict[str, Limits]) -> list[dict[str, Any]]:
     """The users of each namespace, by what they used in the shortest window their keys
-    show (the limits are the app's)."""
+    show (the limits are the app's), in each storage that holds it (the most used kept)."""
     chosen = {u: min(windows[u]) for u in users if windows[u]}
+    asked = [(u, s) for u in chosen for s in masters.storages("window", u, None, *chosen[u])]
 
-    async def peek(user: str) -> Any:
+    async def peek(user: str, storage: str) -> Any:
+        limiter = masters.peekers[storage]
         seconds, tokens = chosen[user]
         if tokens:
             return await limiter._peek(user, (), token_windows=[(UNKNOWN_LIMIT, seconds)], tokens=1)
         return await limiter._peek(user, [(UNKNOWN_LIMIT, seconds)])
 
-    peeks = await _gathered([peek(u) for u in chosen])
+    peeks = await _gathered([peek(u, s) for u, s in asked])
+    kept: dict[str, tuple[Storage, Any]] = {}
+    for (user, storage), answer in zip(asked, peeks, strict=True):
+        if user not in kept or answer[6][0][3] > kept[user][1][6][0][3]:
+            kept[user] = (storage, answer)
     by_namespace: dict[str, list[dict[str, Any]]] = {}
-    for user, answer in zip(chosen, peeks, strict=True):
+    for user, (storage, answer) in kept.items():
         identity = identity_of(user)
         _, seconds, tokens, used, _ = answer[6][0]
         assert identity.namespace is not None
         by_namespace.setdefault(identity.namespace, []).append(
             {"user": user, "id": identity.user, "kind": identity.kind, "window_seconds": seconds,
-             "resource": _resource(tokens), "used": used})
+             "resource": _resource(tokens), "used": used, "storage": storage})
     return [{"namespace": name, "users": sorted(rows, key=lambda r: (-r["used"], r["user"]))}
             for name, rows in sorted(by_namespace.items())]
 
 
-async def _upstream_rows(limiter: AsyncRateLimiter, shared: dict[str, Limits],
+async def _upstream_rows(masters: Masters, shared: dict[str, Limits],
                          budgets: Budgets) -> list[dict[str, Any]]:
     """Each upstream cap the keys show: its windows, with the tiers file's limits."""
     rows = []
     for name in sorted(shared):
         limits = shared[name] | _scope_limits(budgets.upstreams.get(name, {}))
-        rows.append({"name": name, "windows": await _peek_windows(limiter, name, *_split(limits),
+        rows.append({"name": name, "windows": await _peek_windows(masters, name, *_split(limits),
                                                                   (name, True))})
     return rows
 

@@ -20,7 +20,9 @@ redis.call('SETRANGE', KEYS[1], 0, '')
 
 local n = #KEYS - 2
 local now = script_now(ARGV[2], true)
-local reply, tie, slot = reserve_in_flight(n, now, compact_log(n, now))
+local log = compact_log(n, now)
+local reply, tie, slot = reserve_in_flight(n, now, log)
+if log.at then reply[5] = log.at end -- the entry's time (compact_window.lua)
 reply[8] = tie
 reply[9] = slot
 return reply

@@ -18,9 +18,10 @@ ARGV       sliding_window.lua's: ARGV[1] the request id (a UUID4: the first 8 by
            attempt: allowed again, nothing written, that entry's time reported as now_ms.
 
 Returns sliding_window.lua's 7 elements and an 8th: the tie of the entry logged (0 when
-nothing was), which with its time names it for compact_reconcile.lua. A rejection writes
-nothing but the trims of the windows it reached, and no key after the rejecting window
-is touched.
+nothing was), which with its time names it for compact_reconcile.lua. now_ms (the 5th) is
+that entry's time: the request's, or a later millisecond when the request's had no tie
+left (lib/compact_log.lua). A rejection writes nothing but the trims of the windows it
+reached, and no key after the rejecting window is touched.
 --]]
 
 -- The OOM probe: SETRANGE may grow memory, so a Redis over its maxmemory refuses it while
@@ -30,6 +31,9 @@ redis.call('SETRANGE', KEYS[1], 0, '')
 
 local n = #KEYS
 local now = script_now(ARGV[2], true)
-local reply, tie = decide_and_log(n, now, compact_log(n, now), ARGV[3 * n + 3])
+local log = compact_log(n, now)
+local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 3])
+-- The time of the entry logged (a later millisecond when now had no tie left): it names it.
+if log.at then reply[5] = log.at end
 reply[8] = tie
 return reply

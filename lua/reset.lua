@@ -20,17 +20,21 @@ user id may hold ':', so "ratelimit:a:" also starts user "a:b"'s keys, whose suf
 "b:60"). A window's companions end in ":w" (weights) or ":t" (running totals); a compact
 window is its window's key and ":c". Both storages' keys are reset. A shared scope's keys (":shared", an upstream's caps) are no user's.
 
-Returns {entries removed (the windows' entries), the cursor to go on from ("0": done)}.
+Returns {entries removed (the windows' entries), the cursor to go on from ("0": done)}. A
+window's key it cannot read (a compact value of another layout version, e.g. a newer
+release's, or damaged; a key of another type) is deleted all the same, and counts 0: reset
+is the remedy for such a key, which every check refuses.
 Not atomic across SCAN steps: an entry logged meanwhile in a key already visited stays.
 --]]
 
 local removed = 0
 
 -- The entries a window holds, whichever storage keeps it (a compact window's key ends in
--- ":c", which no sorted-set window's does).
+-- ":c", which no sorted-set window's does); 0 when they cannot be counted.
 local function entries(key)
-  if string.sub(key, -2) == ':c' then return compact_entries(key) end
-  return redis.call('ZCARD', key)
+  if string.sub(key, -2) == ':c' then return compact_entries(key) or 0 end
+  local ok, count = pcall(redis.call, 'ZCARD', key)
+  return ok and count or 0
 end
 
 if ARGV[1] == '' then

@@ -297,7 +297,7 @@ tokens_per_minute = 30000
 """
 
 
-def gateway_traffic(url: str, user: str) -> tuple[Any, Any]:
+def gateway_traffic(url: str, user: str, storage: str = "zset") -> tuple[Any, Any]:
     """What a gateway built from the docs leaves in Redis for one user: a reservation of
     requests and tokens with its route's and its model's budgets and the upstream's shared
     cap, reconciled; two requests in flight; the same user in a namespace."""
@@ -305,7 +305,7 @@ def gateway_traffic(url: str, user: str) -> tuple[Any, Any]:
                      shared=True)
     route = Scope("route:/v1/chat/completions", windows=[(2, 60)])
     model = Scope("model:gpt-4o", windows=[(4, 60)], token_windows=[(2000, 60)])
-    limiter = RateLimiter(url)
+    limiter = RateLimiter(url, storage=storage)
     with limiter:
         for estimate, actual in ((1500, 900), (800, 700)):
             r = limiter.reserve(user, [(5, 60), (100, 86400)],
@@ -501,6 +501,13 @@ def test_every_key_kind_is_read_back_from_its_name(hash_tag: bool) -> None:
     assert parse_key(name("openai/gpt-4o", "60:shared"), "ratelimit", hash_tag) == KeyName(
         "shared", "openai/gpt-4o", 60)
     assert parse_key(name(user, "leases"), "ratelimit", hash_tag) == KeyName("leases", user)
+    # storage="compact": the window's key and ":c"
+    assert parse_key(name(user, "60:c"), "ratelimit", hash_tag) == KeyName(
+        "window", user, 60, storage="compact")
+    assert parse_key(name(user, "60:tokens:scope=model%3Agpt-4o:c"), "ratelimit",
+                     hash_tag) == KeyName("scope", user, 60, True, "model:gpt-4o", storage="compact")
+    assert parse_key(name("openai/gpt-4o", "60:tokens:shared:c"), "ratelimit", hash_tag) == KeyName(
+        "shared", "openai/gpt-4o", 60, True, storage="compact")
     for other in ("ratelimit", "ratelimit:", "other:a:60", name(user, "x"), name(user, "0"),
                   name(user, "60:scope="), "ratelimitx:a:60"):
         assert parse_key(other, "ratelimit", hash_tag) is None, other
@@ -542,3 +549,84 @@ def test_the_operators_acl_line_runs_every_command_and_the_apps_names_what_it_la
         assert done.returncode == 2, (command, done.stderr)
         assert done.stderr.startswith(f"genai-ratelimit: error: the Redis ACL user may not run "
                                       f"'{refused}', which {command[0]} needs"), done.stderr
+
+
+# ------------------------------------------------------------------------------ storages
+
+@pytest.mark.parametrize("query", ["", "?storage=zset", "?storage=compact"])
+def test_each_key_is_read_with_the_storage_its_name_says_whatever_the_url(
+        redis_url: str, redis_client: redis.Redis, user_id: str, query: str) -> None:
+    """alice's app limits with storage="compact" (its keys end in ":c"), bob's with sorted
+    sets: top, inspect and reset read each key with the storage its name says, whatever the
+    URL names (top once showed "0 shown" over the keys it found, inspect said used 0)."""
+    alice, bob = f"{user_id}-alice", f"{user_id}-bob"
+    with RateLimiter(redis_url, storage="compact") as limiter:
+        for _ in range(4):
+            limiter.check_windows(alice, [(5, 60), (100, 86400)])
+    with RateLimiter(redis_url) as limiter:
+        limiter.check_windows(bob, [(5, 60), (100, 86400)])
+    url = redis_url + query
+    top = run_json("--url", url, "top")
+    assert [(u["user"], u["used"], u["limit"], u["storage"]) for u in top["users"]] == [
+        (alice, 4, 5, "compact"), (bob, 1, 5, "zset")]
+    assert "(2 shown; default tier free)" in run("--url", url, "top").stdout
+    report = run_json("--url", url, "inspect", alice)
+    assert [(w["window_seconds"], w["resource"], w["used"], w["storage"])
+            for w in report["windows"]] == [(60, "requests", 4, "compact"),
+                                            (86400, "requests", 4, "compact"),
+                                            (60, "tokens", 0, "compact"),
+                                            (86400, "tokens", 0, "compact")]
+    lines = run("--url", url, "inspect", alice).stdout.splitlines()
+    assert lines[2].split()[:5] == ["60", "s", "requests", "-", "4"]
+    assert run_json("--url", url, "inspect", bob)["windows"][0]["used"] == 1
+    done = run("--url", url, "reset", alice, "--window", "60")
+    assert done.stdout == f"reset {alice!r} (60 s): 4 entries removed\n", done.stderr
+    assert redis_client.exists(f"ratelimit:{alice}:60:c") == 0
+    assert redis_client.exists(f"ratelimit:{alice}:86400:c") == 1
+
+
+def test_compact_scopes_upstreams_and_namespaces_are_read_with_their_storage(
+        redis_url: str, redis_client: redis.Redis, tmp_path: Path, user_id: str) -> None:
+    """The gateway's traffic logged with storage="compact", read through a URL that names no
+    storage: the user's scopes, the upstream's cap and the namespace as the sorted sets'."""
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text(TIERS_WITH_SCOPES)
+    gateway_traffic(redis_url, user_id, storage="compact")
+    report = run_json("--url", redis_url, "--tiers", str(tiers), "inspect", user_id,
+                      "--upstream", "openai/gpt-4o")
+    own = {(w["window_seconds"], w["resource"]): (w["used"], w["limit"]) for w in report["windows"]}
+    assert own == {(60, "requests"): (2, 5), (86400, "requests"): (2, 100),
+                   (60, "tokens"): (1600, 10000), (86400, "tokens"): (1600, 100000)}
+    scopes = {(w["scope"], w["window_seconds"], w["resource"]): (w["used"], w["limit"])
+              for w in report["scopes"]}
+    assert scopes == {("model:gpt-4o", 60, "requests"): (2, 4),
+                      ("model:gpt-4o", 60, "tokens"): (1600, 2000),
+                      ("route:/v1/chat/completions", 60, "requests"): (2, None)}
+    [upstream] = report["upstreams"]
+    assert [(w["window_seconds"], w["resource"], w["used"], w["limit"])
+            for w in upstream["windows"]] == [(60, "requests", 2, 10), (60, "tokens", 1600, 30000)]
+    assert [(n["namespace"], [(w["window_seconds"], w["used"]) for w in n["windows"]])
+            for n in report["namespaces"]] == [("images", [(60, 1)])]
+    top = run_json("--url", redis_url, "--tiers", str(tiers), "top")
+    assert [(u["user"], u["used"], u["storage"]) for u in top["users"]] == [(user_id, 2, "compact")]
+    assert {n["namespace"]: [(u["id"], u["used"]) for u in n["users"]]
+            for n in top["namespaces"]} == {"images": [(user_id, 1)]}
+    assert [(w["window_seconds"], w["resource"], w["used"])
+            for w in top["upstreams"][0]["windows"]] == [(60, "requests", 2), (60, "tokens", 1600)]
+
+
+def test_a_window_held_in_both_storages_shows_each(redis_url: str, user_id: str) -> None:
+    """A switch of storage leaves a window's entries in both until they leave: inspect
+    shows each storage's row, named."""
+    for storage, times in (("zset", 1), ("compact", 3)):
+        with RateLimiter(redis_url, storage=storage) as limiter:
+            for _ in range(times):
+                limiter.check(user_id, 5, 60)
+    report = run_json("--url", redis_url, "inspect", user_id)
+    assert [(w["window_seconds"], w["resource"], w["used"], w["storage"])
+            for w in report["windows"]][:3] == [(60, "requests", 1, "zset"),
+                                                (60, "requests", 3, "compact"),
+                                                (86400, "requests", 0, "zset")]
+    lines = run("--url", redis_url, "inspect", user_id).stdout.splitlines()
+    assert lines[2].split()[:7] == ["60", "s", "(zset)", "requests", "-", "1", "5"]
+    assert lines[3].split()[:7] == ["60", "s", "(compact)", "requests", "-", "3", "5"]

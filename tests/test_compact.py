@@ -14,7 +14,7 @@ import redis
 
 from genai_ratelimit import RateLimiter, RateLimiterUnavailable, _native
 from helpers_async import LimiterFactory
-from helpers_core import logged, server_ms
+from helpers_core import logged, server_ms, window_script
 from redis_cluster import RedisCluster
 from redis_server import RedisServer
 
@@ -189,3 +189,82 @@ def test_every_url_form_names_the_storage(url: str) -> None:
     assert parse_redis_url(url.split("?")[0]).storage is None
     with pytest.raises(ValueError, match="unknown storage"):
         parse_redis_url(url.replace("compact", "list"))
+
+
+@pytest.mark.limiter_kinds("sync", reason="the log's order is the script's; one driver shows it")
+def test_a_reservation_after_65536_admissions_in_one_millisecond_is_charged_as_in_sorted_sets(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, user_id: str,
+        storage: str) -> None:
+    """A compact window gives the entries of one millisecond ties 0 to 65,535 (2 bytes): after
+    65,534 admissions in one millisecond, three reservations of that millisecond would take
+    65,534, 65,535 and then none is left. The reconcile of the third charges its 50,000
+    tokens as the sorted sets do (it once took tie 0 again, logged after 65,535: its
+    reconcile found nothing and 49,990 tokens went uncharged)."""
+    limiter: RateLimiter = make_limiter(redis_url, clock="client")
+    sha, source = window_script(storage)
+    redis_client.script_load(source)
+    window = f"ratelimit:{user_id}:60"
+    keys = [f"{window}:c"] if storage == "compact" else [window, f"{window}:w", f"{window}:t"]
+    now = server_ms(redis_client)
+    # 65,534 admissions at `now`, pipelined (the limiter's own script, its own arguments).
+    for start in range(0, 65_534, 2_000):
+        pipe = redis_client.pipeline(transaction=False)
+        for _ in range(min(2_000, 65_534 - start)):
+            pipe.evalsha(sha, len(keys), *keys, str(uuid.uuid4()), now, 60_000, 10**6, 1)
+        assert all(reply[0] == 1 for reply in pipe.execute())
+    _native._set_client_clock(now)
+    try:
+        held = [limiter.reserve(user_id, [(10**6, 60)], token_windows=[(10**6, 60)], tokens=10)
+                for _ in range(3)]
+        assert [r.allowed for r in held] == [True] * 3
+        # Its millisecond has no tie left in the compact window: logged 1 ms later, and named so.
+        assert [r.timestamp_ms - now for r in held] == [0, 0, 1 if storage == "compact" else 0]
+        assert limiter.reconcile(held[2], 50_000) == 1
+        assert limiter.reconcile(held[0], 7) == 1
+        tokens = logged(redis_client, f"ratelimit:{user_id}:60:tokens")
+        assert sorted(cost for _, cost in tokens) == [7, 10, 50_000]
+        assert len(logged(redis_client, f"ratelimit:{user_id}:60")) == 65_537
+        # Every entry is still found, and the windows count what the sorted sets count.
+        assert limiter.reconcile(held[2], 50_000) == 1
+        assert limiter.peek(user_id, [(10**6, 60)], token_windows=[(50_018, 60)], tokens=1) \
+            == (True, 0, 0, 60)
+        assert limiter.peek(user_id, [(10**6, 60)], token_windows=[(50_017, 60)], tokens=1)[0] \
+            is False
+    finally:
+        _native._set_client_clock(None)
+
+
+@pytest.mark.limiter_kinds("sync", reason="the log's order is the script's; one driver shows it")
+def test_ties_stay_in_order_with_clocks_behind_and_after_a_refund(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, user_id: str,
+        storage: str) -> None:
+    """Reservations at times that go back and forth (a tie above those of its millisecond,
+    wherever that is in the log), and one at the millisecond of an entry a refund removed:
+    every reconcile finds its own entry, and the refund's replay finds none (its tie is not
+    given again)."""
+    limiter: RateLimiter = make_limiter(redis_url, clock="client")
+    now = server_ms(redis_client)
+    held = []
+    try:
+        for offset in (0, 0, 5, 0, 5, 3, 0):
+            _native._set_client_clock(now + offset)
+            held.append(limiter.reserve(user_id, [(100, 60)], token_windows=[(10**6, 60)],
+                                        tokens=1))
+        _native._set_client_clock(now + 5)
+        assert limiter.reconcile(held[4], 0) == 1  # the last entry of now + 5: removed
+        held.append(limiter.reserve(user_id, [(100, 60)], token_windows=[(10**6, 60)], tokens=1))
+        assert limiter.reconcile(held[4], 0) == 0  # a replay: nothing else is removed
+        # The only entry of its millisecond (the last of the log) removed, then another there.
+        # (Token windows only: a request window would keep the entry, and its tie.)
+        _native._set_client_clock(now + 9)
+        held.append(limiter.reserve(user_id, [], token_windows=[(10**6, 60)], tokens=1))
+        assert limiter.reconcile(held[8], 0) == 1
+        held.append(limiter.reserve(user_id, [], token_windows=[(10**6, 60)], tokens=1))
+        assert limiter.reconcile(held[8], 0) == 0
+        for n, reservation in enumerate(held):
+            if n not in (4, 8):
+                assert limiter.reconcile(reservation, 100 + n) == 1, n
+    finally:
+        _native._set_client_clock(None)
+    assert sorted(logged(redis_client, f"ratelimit:{user_id}:60:tokens")) == sorted(
+        (r.timestamp_ms, 100 + n) for n, r in enumerate(held) if n not in (4, 8))

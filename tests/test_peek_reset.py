@@ -236,3 +236,49 @@ def test_reset_checks_its_input_before_any_io(unreachable_limiter: Any) -> None:
         unreachable_limiter.reset("")
     with pytest.raises(RateLimiterUnavailable):
         unreachable_limiter.reset("u")
+
+
+@pytest.mark.storages("compact", reason="a compact window's value of another layout")
+@pytest.mark.parametrize("damage", ["newer layout", "cut short", "wrong type"])
+def test_reset_deletes_a_compact_window_it_cannot_read(limiter: Any, redis_client: redis.Redis,
+                                                       user_id: str, damage: str) -> None:
+    """A window's value of a layout version this release does not know (a newer one's), or
+    damaged, refuses every check (never misread): reset is the operator's remedy, so it
+    deletes such a key too, and counts the entries it could count (none of that key's)."""
+    for every_window in (False, True):
+        for _ in range(2):
+            limiter.check_windows(user_id, WINDOWS)
+        unreadable = key(user_id, 60, ":c")
+        value = redis_client.get(unreadable)
+        assert value is not None and value[:1] == b"\x01"
+        if damage == "newer layout":
+            redis_client.set(unreadable, b"\x02" + value[1:])
+        elif damage == "cut short":
+            redis_client.set(unreadable, value[:20])
+        else:
+            redis_client.delete(unreadable)
+            redis_client.rpush(unreadable, b"x")
+        with pytest.raises(RateLimiterUnavailable):
+            limiter.check_windows(user_id, WINDOWS)
+        removed = limiter.reset(user_id) if every_window else limiter.reset(user_id, WINDOWS)
+        assert removed == 2, every_window  # the 3600 s window's two entries
+        assert redis_client.keys(f"ratelimit:{user_id}:*") == [], every_window
+        assert limiter.check_windows(user_id, WINDOWS) == (True, 2, 0, 60)
+        limiter.reset(user_id)
+
+
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
+def test_reset_deletes_a_sorted_set_window_of_another_type(limiter: Any, redis_client: redis.Redis,
+                                                           user_id: str) -> None:
+    """A window's key holding another type refuses every check: reset deletes it too (it
+    counts 0)."""
+    limiter.check_windows(user_id, WINDOWS)
+    redis_client.delete(key(user_id, 60))
+    redis_client.set(key(user_id, 60), b"x")
+    with pytest.raises(RateLimiterUnavailable, match="WRONGTYPE"):
+        limiter.check_windows(user_id, WINDOWS)
+    assert limiter.reset(user_id, WINDOWS) == 1
+    assert limiter.check_windows(user_id, WINDOWS) == (True, 2, 0, 60)
+    redis_client.set(key(user_id, 60), b"x")
+    assert limiter.reset(user_id) == 1  # the 3600 s window's entry
+    assert redis_client.keys(f"ratelimit:{user_id}:*") == []

@@ -28,15 +28,23 @@ The value, layout version 1 (integers big-endian, unsigned):
   29  7 B  total: the running total of the last entry (origin when empty; C > 0)
   36  6 B  first: the first entry's time, unix ms (when there is one)
   42  6 B  last: the last entry's time, unix ms (when there is one)
-  48  2 B  next tie: the tie the next entry may take at the least
+  48  2 B  next tie: a tie above every tie of the entries at time `last` (0 when one there
+           has tie 65,535: that millisecond has none left)
   50  1 B  next slot of the replay table
   51  16R  the replay table: R slots of {request id: the first 8 bytes of its UUID4,
            its time (6 B, unix ms), its tie (2 B)}, the most recent admissions
   51+16R   entries, each {time - base (S B), tie (2 B), running total (C B)}, sorted by
            (time, tie); the running total includes the entry's own cost
 An entry is identified by (time, tie): one decision logs one entry in each of its windows,
-all with the same tie, larger than any tie its windows hold, so no two entries of a window
-share both (65,536 admissions of one window in one millisecond would wrap the tie).
+at one time and with one tie, above every tie its windows hold at that time, so no two
+entries of a window share both, and the entries of one millisecond are in the order of
+their ties. The ties of a millisecond go on from the window's next tie while that is below
+TIE_HALF, else start again at 0 (a tie never wraps within a millisecond). A millisecond
+that has no tie left in one of the windows (its last entry there has tie 65,535: tens of
+thousands of admissions in one millisecond, which only a client clock that stands still
+can ask) logs the decision's entries at the next millisecond that has one: they leave
+their windows 1 ms later than the request's time would have them leave (the only answers
+that then differ from the sorted sets'), and the reply names that time.
 --]]
 
 local COMPACT_VERSION = 1
@@ -45,6 +53,7 @@ local HEADER_SIZE = 51
 local REPLAY_SLOTS = 8
 local SLOT_SIZE = 16
 local TIE_LIMIT = 65536
+local TIE_HALF = 32768 -- the ties of a new millisecond go on from the next tie below this
 local BATCH = 1000 -- entries decoded at once (Lua's unpack takes a few thousand values)
 local SLICE = 32 -- entries a search reads at once (one GETRANGE), then searches in Lua
 
@@ -103,17 +112,28 @@ local function replay_table(st)
   return st.table
 end
 
--- The number of entries the string at `key` holds (reset's count), 0 when it is absent.
+-- The number of entries the string at `key` holds (reset's count), 0 when it is absent,
+-- nil when it cannot be read: another layout version, a header that does not add up (a
+-- damaged value), a key of another type.
 local function compact_entries(key)
-  local st = compact_header(key)
-  return st.exists and st.count or 0
+  local ok, st = pcall(compact_header, key)
+  if not ok then return nil end
+  if not st.exists then return 0 end
+  local count = st.count
+  if st.S < 4 or st.S > 6 or (st.C ~= 0 and st.C ~= 6 and st.C ~= 7) or st.head < st.data or
+      st.tail > st.size or count < 0 or count ~= math.floor(count) then
+    return nil
+  end
+  return count
 end
 
 -- The compact log of a call's n windows (KEYS[1..n]) at `now`.
 local function compact_log(n, now)
   -- Its functions' slots made at once (the table is sized once, not grown field by field).
+  -- log.at: the time the decision's entries are logged at (log.tie), false before: now, or
+  -- a later millisecond (see the header); the reply names it.
   local log = {trim = false, look = false, freeing_stamp = false, peek_freeing_stamp = false,
-    tie = false, logged = false, add = false, flush = false, set_cost = false}
+    tie = false, logged = false, add = false, flush = false, set_cost = false, at = false}
   local state = {} -- per window: its header, as loaded and changed, and the last measure
 
   local function header_bytes(st)
@@ -381,14 +401,38 @@ local function compact_log(n, now)
   end
 
   -- The tie a decision over windows 1..n (measured) gives its entries: above every tie
-  -- they hold.
+  -- they hold at its time. That time (log.at) is now, or the next millisecond with a tie
+  -- left in every window.
   function log.tie()
-    local tie = 0
-    for i = 1, n do
-      local st = state[i]
-      if st.exists and st.next_tie > tie then tie = st.next_tie end
+    local at = now
+    while true do
+      local tie = 0
+      for i = 1, n do
+        -- The least tie window i can give: above the ties of its entries at `at` (TIE_LIMIT:
+        -- none is left), and not below its next tie when that goes on (below TIE_HALF).
+        local st, free = state[i], 0
+        if st.exists and st.next_tie < TIE_HALF then free = st.next_tie end
+        local held = st.exists and st.count > 0 -- else no entry at `at`
+        if held and at == st.last then
+          free = st.next_tie == 0 and TIE_LIMIT or st.next_tie
+        elseif held and at < st.last and at >= st.base then
+          -- Another clock behind: the entry before its place, when it is of the same
+          -- millisecond, has the highest tie there.
+          local found, stored = search_ops(), at - st.base
+          local k, bytes, from = found.first_at_least(st, 0, st.count, 1, stored + 1, 0,
+            st.first - st.base, st.count - 1, st.last - st.base)
+          local t, e = nil, nil
+          if k > 0 then t, e = found.entry(st, k - 1, bytes, from) end
+          if t == stored then free = math.max(e + 1, free) end
+        end
+        if free > tie then tie = free end
+      end
+      if tie < TIE_LIMIT then
+        log.at = at
+        return tie
+      end
+      at = at + 1
     end
-    return tie
   end
 
   -- A request id's 8 bytes (the first 16 hex digits of its UUID4 text), as two numbers.
@@ -417,6 +461,7 @@ local function compact_log(n, now)
   -- `member` in its replay table when it is the decision's longest window (i = n). The key
   -- lives window_ms + 1 s.
   function log.add(i, member, cost, window_ms, tie)
+    local now = log.at or now -- the entry's time (log.tie)
     local st = state[i]
     local slots = i == n and REPLAY_SLOTS or 0
     if not st.exists then
@@ -470,8 +515,9 @@ local function compact_log(n, now)
     redis.call('SETRANGE', st.key, st.head + k * st.E, bytes)
     if st.count == 0 or now < st.first then st.first = now end
     if st.count == 0 or now > st.last then st.last = now end
+    -- The last entry now (another clock behind leaves the last one as it was).
+    if now == st.last then st.next_tie = (tie + 1) % TIE_LIMIT end
     st.tail, st.count, st.total = st.tail + st.E, st.count + 1, st.total + (total and cost or 0)
-    st.next_tie = (tie + 1) % TIE_LIMIT
     if i == n then
       -- One write: the header, then the replay table up to and including this admission's
       -- slot (the slots after it keep their bytes).
@@ -511,16 +557,27 @@ local function compact_log(n, now)
     local st = compact_header(KEYS[i])
     if not st.exists or st.count == 0 or at <= now - window_ms then return 0 end
     local stored = at - st.base
-    -- The first entry at `stored`, then past the ties below `tie` there.
+    -- The first entry at `stored`, then past the ties below `tie` there (in their order):
+    -- in the search's slice, then by halves.
+    local entry = search_ops().entry
     local k, bytes, from = search_ops().first_at_least(st, 0, st.count, 1, stored, 0,
       st.first - st.base, st.count - 1, st.last - st.base)
-    local t, e
-    while k < st.count do
-      t, e = search_ops().entry(st, k, bytes, from)
-      if t ~= stored or e >= tie then break end
-      k = k + 1
+    local function past(j)
+      local t, e = entry(st, j, bytes, from)
+      return t ~= stored or e >= tie
     end
-    if k >= st.count or t ~= stored or e ~= tie then return 0 end
+    local hi = st.count
+    local read = bytes and from + #bytes / st.E or k
+    while k < hi and k < read and not past(k) do k = k + 1 end
+    if k < hi and k >= read then
+      while k < hi do
+        local middle = math.floor((k + hi) / 2)
+        if past(middle) then hi = middle else k = middle + 1 end
+      end
+    end
+    if k >= st.count then return 0 end
+    local t, e = entry(st, k, bytes, from)
+    if t ~= stored or e ~= tie then return 0 end
     local old = 1
     if st.C > 0 then
       local found = search_ops()
@@ -546,7 +603,15 @@ local function compact_log(n, now)
       local found = search_ops()
       if st.count > 0 and k == 0 then st.first = st.base + found.entry(st, 0) end
       if st.count > 0 and k == st.count then
-        st.last = st.base + found.entry(st, st.count - 1)
+        -- The last entry left: the next tie stays above the ties of the new last
+        -- millisecond, and does not go back (a new entry in the removed one's millisecond
+        -- must not take its tie: a replay of this reconcile would find it).
+        local last_at, last_tie = found.entry(st, st.count - 1)
+        if st.base + last_at ~= st.last then
+          local above = (last_tie + 1) % TIE_LIMIT
+          if above ~= 0 and st.next_tie > above then above = st.next_tie end
+          st.last, st.next_tie = st.base + last_at, above
+        end
       end
     end
     save_header(st)

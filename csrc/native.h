@@ -118,7 +118,7 @@ typedef enum {
     RL_SHAPE_PEEK,      /* _peek(): what a reserve would answer, every window's use; no write */
     RL_SHAPE_RESET,     /* _reset(): (entries removed, next SCAN cursor) */
     RL_SHAPE_ACQUIRE,   /* acquire(): (allowed, held, retry_after_s, retry_after_ms, lease id,
-                           expires_at_ms, now_ms) */
+                           expires_at_ms, now_ms, retry_bound_ms) */
     RL_SHAPE_RELEASE,   /* release(): whether the lease was still held */
     RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
     RL_SHAPE_GCRA,      /* _check_rate(): (allowed, remaining, retry_after_s, retry_after_ms,

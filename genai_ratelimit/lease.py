@@ -15,14 +15,23 @@ the calls made with a lease."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from . import _native
 
 __all__ = ["Lease", "AsyncLease", "DEFAULT_LEASE_SECONDS"]
 
 # The default lease: long enough for a long completion stream; a stream that may run longer
 # renews its lease (Lease.renew) before it expires.
 DEFAULT_LEASE_SECONDS = 300
+# The wait a refused acquire announces before any lease of the user was released: the lease
+# library's own constant (lua/lib/lease.lua, HINT_NO_HISTORY_MS), read from the script the
+# extension embeds, so that it is written once.
+_HINT = re.search(r"local HINT_NO_HISTORY_MS = (\d+)", _native.LEASE_SOURCE)
+assert _HINT is not None, "lua/lib/lease.lua defines HINT_NO_HISTORY_MS"
+HINT_WITHOUT_HISTORY_MS = int(_HINT.group(1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from .._tiers_config import (
     validate_tier_limits,
 )
 from ..aio import AsyncRateLimiter
-from ..lease import Lease
+from ..lease import HINT_WITHOUT_HISTORY_MS, Lease
 from ..metrics import request_outcomes
 from ..proxies import UnknownClientAddress
 from ..reservation import Reservation, Resource
@@ -48,7 +48,6 @@ from ._identity import (
 )
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _LeaseLedger
 from ._options import (
-    IN_FLIGHT_HINT_WITHOUT_HISTORY_MS,
     ClassSignature,
     Mode,
     OnUnavailable,
@@ -469,7 +468,7 @@ class RateLimit:
             return (cap, key, leases)
         if held.held > cap:  # the limiter was not asked: no hint of its own
             self._refuse_in_flight(request, response, identity, cap,
-                                   IN_FLIGHT_HINT_WITHOUT_HISTORY_MS,
+                                   HINT_WITHOUT_HISTORY_MS,
                                    max(0, held.expires_at_ms - _now_ms()))
         return None
 
@@ -484,8 +483,8 @@ class RateLimit:
             return
         # The soonest lease's expiry is only a bound (a request that ends frees its slot
         # sooner): announce the limiter's hint, from how long this cap's requests are held.
-        # A Lease made elsewhere without retry_bound_ms tells the bound in retry_after_ms.
-        bound_ms = getattr(lease, "retry_bound_ms", 0) or lease.retry_after_ms
+        # A Lease without a bound of its own (retry_bound_ms 0) tells it in retry_after_ms.
+        bound_ms = lease.retry_bound_ms or lease.retry_after_ms
         self._refuse_in_flight(request, response, identity, cap, lease.retry_after_ms, bound_ms)
 
     def _refuse_in_flight(self, request: Request, response: Response, identity: str, cap: int,

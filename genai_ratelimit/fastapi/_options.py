@@ -30,9 +30,6 @@ SDK_MAX_RETRY_AFTER = 60.0
 # request in flight has run, 5 s before any history; lua/lib/lease.lua), never past the
 # soonest lease's expiry (up to lease_seconds), which is only a bound.
 DEFAULT_IN_FLIGHT_RETRY_AFTER = None
-# The hint's own wait before any history, for a refusal the limiter was not asked about (a
-# stricter cap on a slot this request already holds): lua/lib/lease.lua's HINT_NO_HISTORY_MS.
-IN_FLIGHT_HINT_WITHOUT_HISTORY_MS = 5000
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-import genai_ratelimit.fastapi._responses as ratelimit_responses
+import genai_ratelimit.fastapi._answer as ratelimit_responses
 from genai_ratelimit import TIER_LIMITS, AsyncRateLimiter, RateLimiter
 from genai_ratelimit.fastapi import (
     RateLimit,

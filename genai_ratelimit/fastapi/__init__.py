@@ -84,10 +84,10 @@ except ImportError as exc:  # the core package works without FastAPI; this packa
 from .._usage import estimate_openai_tokens
 from ..proxies import Anonymous
 from ._dependency import RateLimit
-from ._identity import default_identify, key_identity
+from ._identity import Identify, default_identify, key_identity
 from ._ledger import in_flight_lease, record_usage
 from ._middleware import RateLimitHeadersMiddleware
-from ._policy import Identify, window_name
+from ._plan import window_name
 from ._scopes import Upstream
 from ._startup import RateLimitConfigError, check_app, rate_limit_lifespan
 from ._tokens import TokenRateLimit

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
 import time
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from fastapi import Request, Response
@@ -15,17 +16,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from typing_extensions import Unpack
 
 from .. import RateLimiterError
-from .._ietf_headers import HeaderMode, PartitionKeys, ServiceLimit, ietf_headers
-from .._openai_headers import (
-    UNAVAILABLE_MESSAGE,
-    ErrorFormat,
-    ResourceHeaders,
-    error_body,
-    family_headers,
-    format_duration,
-    refusal_message,
-    retry_headers,
-)
+from .._ietf_headers import HeaderMode, PartitionKeys
+from .._openai_headers import ErrorFormat
 from .._tiers_config import (
     TIER_BUDGET_KEYS,
     TierConfigError,
@@ -36,49 +28,26 @@ from .._tiers_config import (
     validate_tier_limits,
 )
 from ..aio import AsyncRateLimiter
-from ..lease import HINT_WITHOUT_HISTORY_MS, Lease
+from ..lease import Lease
+from ..limiter import RateLimiter
 from ..metrics import request_outcomes
 from ..proxies import UnknownClientAddress
-from ..reservation import Reservation, Resource
+from ..reservation import Reservation
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
-from ._identity import (
-    _NAMESPACE_PATTERN,
-    default_identify,
-    key_identity,
-)
+from ._answer import _COUNTED_KEY, _SHADOWED_KEY, _record_shadow, answer, shadow_headers, unavailable
+from ._identity import _NAMESPACE_PATTERN, Identify, default_identify, key_identity
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _LeaseLedger
-from ._options import (
-    ClassSignature,
-    Mode,
-    OnUnavailable,
-    SharedOptions,
-    options_from,
-)
-from ._policy import (
-    CONCURRENT,
+from ._options import ClassSignature, Mode, OnUnavailable, SharedOptions, options_from
+from ._plan import (
     AsyncWindowLimiter,
     Decision,
-    Identify,
+    Facts,
+    Policy,
     SyncWindowLimiter,
     Windows,
-    _ietf_policies,
-    _now_ms,
-    _policy_name,
-    _scope_kind,
-    _tightest,
-    in_flight_wait,
-    window_name,
-)
-from ._responses import (
-    _COUNTED_KEY,
-    _SHADOWED_KEY,
-    _STOCK_CHECK_WINDOWS,
-    _record_allowed,
-    _record_extra,
-    _record_shadow,
-    allowed_headers,
-    refuse,
-    shadow_headers,
+    plan,
+    run,
+    run_async,
 )
 from ._scopes import _Scopes
 from ._startup import RateLimitConfigError, check_dependencies, dependencies_of
@@ -89,6 +58,8 @@ logger = logging.getLogger("genai_ratelimit")
 _OUTCOME_KEY = "genai_ratelimit.outcome"
 # The outcomes whose request runs (and is then in flight until its response is over).
 _RUNS = frozenset(("allowed", "shadow_would_refuse", "fail_open"))
+# This package's own check_windows: the plan may ask their detailed twin instead (_policy).
+_STOCK_CHECK_WINDOWS = (RateLimiter.check_windows, AsyncRateLimiter.check_windows)
 
 
 def _is_async_limiter(limiter: object) -> bool:
@@ -289,6 +260,7 @@ class RateLimit:
         self._fail_open_count = 0
         self._fail_open_lock = threading.Lock()  # the threadpool may fail open in parallel
         self._checked_apps: set[int] = set()  # id() of the apps whose start-up checks passed
+        self._plan_policy: Policy | None = None
 
     @property
     def limiter(self) -> Any:
@@ -379,10 +351,6 @@ class RateLimit:
             else (id(limiter),)
         return (*space, identity, windows)
 
-    def _already_counted(self, request: Request, identity: str, windows: Windows) -> Decision | None:
-        counted = request.scope.get(_COUNTED_KEY)
-        return counted.get(self._counted_key(identity, windows)) if isinstance(counted, dict) else None
-
     def _remember(self, request: Request, identity: str, windows: Windows, decision: Decision) -> None:
         request.scope.setdefault(_COUNTED_KEY, {})[self._counted_key(identity, windows)] = decision
 
@@ -406,157 +374,18 @@ class RateLimit:
         if outcome in _RUNS and isinstance(running, dict) and id(tally) not in running:
             running[id(tally)] = tally.enter(note[0])
 
-    def _apply(self, request: Request, response: Response, windows: Windows, decision: Decision,
-               retry_after_ms: int, now_ms: int, *, identity: str) -> None:
-        """Raises the 429 (in shadow mode: records it as would-refuse), or records the allowed
-        decision's headers."""
-        allowed, remaining, retry_after_s, window_seconds = decision
-        limit = next((lim for lim, seconds in windows if seconds == window_seconds), windows[0][0])
-        if not allowed:
-            refusal = [
-                ("X-RateLimit-Limit", str(limit)),
-                ("X-RateLimit-Remaining", "0"),
-                ("X-RateLimit-Window", window_name(window_seconds)),
-                *family_headers(self.error_format, now_ms,
-                                ResourceHeaders("requests", limit, 0, retry_after_ms)),
-                *self._ietf_fields(identity, windows, (), [("requests", window_seconds, 0, retry_after_s)]),
-            ]
-            message = refusal_message("requests", window_seconds, limit, 1, retry_after_ms)
-            self._count(request, "rejected", window_seconds, "requests", "user")
-            if self.mode == "shadow":
-                self._would_refuse(request, response, identity, id(decision), limit, window_seconds,
-                                   message, refusal)
-                return
-            headers = {
-                **dict(retry_headers(retry_after_s, retry_after_ms, self.max_client_wait_seconds)),
-                **dict(refusal),
-            }
-            refuse(request, 429, "Rate limit exceeded", headers,
-                   error_body(self.error_format, 429, "Rate limit exceeded", message, "requests"))
-        self._count(request, "allowed")
-        if self.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
-            _record_shadow(request, response, shadow_headers(
-                allowed_headers(limit, remaining, window_seconds), "allow"))
-            return
-        _record_allowed(request, response, limit, remaining, window_seconds)
-        # The tightest window is back to its full limit one window length from now (this
-        # request is its newest entry): the reset of the provider families' headers.
-        extra = family_headers(self.error_format, now_ms,
-                               ResourceHeaders("requests", limit, remaining, window_seconds * 1000))
-        extra += self._ietf_fields(identity, windows, (), [("requests", window_seconds, remaining,
-                                                            window_seconds)])
-        _record_extra(request, response, extra)
+    def _hold(self, request: Request, identity: str, lease: Lease) -> None:
+        """Keeps an allowed lease for the middleware to release when the response is over."""
+        leases = request.scope[_LEASES_KEY]
+        leases.entries.append((self._counted_key(identity, ()), self.limiter, self._limiter_is_async,
+                               lease))
 
-    def _in_flight_slot(self, request: Request, response: Response, identity: str,
-                        tier: str) -> tuple[int, tuple[object, ...], _LeaseLedger] | None:
-        """(cap, ledger key, ledger) when this request must take an in-flight slot: its tier
-        has a cap and no dependency of this request took one for this identity yet."""
-        cap = self.max_in_flight.get(tier)
-        if cap is None:
-            return None
-        leases = request.scope.get(_LEASES_KEY)
-        if not isinstance(leases, _LeaseLedger):
-            raise RuntimeError(
-                "max_in_flight needs RateLimitHeadersMiddleware, which gives the slot back when "
-                "the response is over: add "
-                "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware)")
-        # One slot per lease key (Redis, key prefix, identity: namespace and mode included),
-        # never two of one key: a second cap on the same key checks the slot already taken.
-        key = self._counted_key(identity, ())
-        held = leases.lease_of(key)
-        if held is None:
-            return (cap, key, leases)
-        if held.held > cap:  # the limiter was not asked: no hint of its own
-            self._refuse_in_flight(request, response, identity, cap,
-                                   HINT_WITHOUT_HISTORY_MS,
-                                   max(0, held.expires_at_ms - _now_ms()))
-        return None
-
-    def _hold(self, request: Request, response: Response, identity: str,
-              slot: tuple[int, tuple[object, ...], _LeaseLedger], limiter: Any, is_async: bool,
-              lease: Lease) -> None:
-        """Keeps an allowed lease for the middleware to release, or raises the 429 (in shadow
-        mode: records it as would-refuse and lets the request run without a slot)."""
-        cap, key, leases = slot
-        if lease.allowed:
-            leases.entries.append((key, limiter, is_async, lease))
-            return
-        # The soonest lease's expiry is only a bound (a request that ends frees its slot
-        # sooner): announce the limiter's hint, from how long this cap's requests are held.
-        # A Lease without a bound of its own (retry_bound_ms 0) tells it in retry_after_ms.
-        bound_ms = lease.retry_bound_ms or lease.retry_after_ms
-        self._refuse_in_flight(request, response, identity, cap, lease.retry_after_ms, bound_ms)
-
-    def _refuse_in_flight(self, request: Request, response: Response, identity: str, cap: int,
-                          hint_ms: int, expiry_ms: int) -> None:
-        """The concurrency 429 (in shadow mode: recorded as would-refuse). `hint_ms`: the
-        limiter's guess of when a slot frees; `expiry_ms`: the soonest held lease's expiry,
-        which frees a slot at the latest. in_flight_retry_after, when set, replaces the hint."""
-        retry_after = hint_ms / 1000 if self.in_flight_retry_after is None else self.in_flight_retry_after
-        retry_ms, retry_s = in_flight_wait(retry_after, expiry_ms)
-        message = (f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one "
-                   f"of them ends; please try again in {format_duration(retry_ms)} (a slot is "
-                   f"free again within {format_duration(expiry_ms)} at the latest).")
-        refusal = [("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
-                   ("X-RateLimit-Window", window_name(CONCURRENT))]
-        self._count(request, "concurrency_rejected", None, "in_flight", "user")
-        if self.mode == "shadow":
-            self._would_refuse(request, response, identity, None, cap, CONCURRENT, message, refusal)
-            return
-        headers = {
-            **dict(retry_headers(retry_s, retry_ms, self.max_client_wait_seconds)),
-            **dict(refusal),
-        }
-        refuse(request, 429, "Rate limit exceeded", headers,
-               error_body(self.error_format, 429, "Rate limit exceeded", message, "requests"))
-
-    def _take_slot(self, request: Request, response: Response, identity: str, tier: str) -> bool:
-        """Blocking: takes an in-flight slot when the tier has a cap. False when Redis could
-        not decide and on_unavailable let the request through (nothing more to decide)."""
-        slot = self._in_flight_slot(request, response, identity, tier)
-        if slot is None:
-            return True
-        limiter = self.limiter
-        try:
-            lease = limiter.acquire(identity, slot[0], self.lease_seconds)
-        except RateLimiterError as exc:
-            self._unavailable(request, identity, exc)
-            return False
-        self._hold(request, response, identity, slot, limiter, False, lease)
-        return True
-
-    async def _take_slot_async(self, request: Request, response: Response, identity: str,
-                               tier: str, is_async: bool) -> bool:
-        """_take_slot for an async dependency (a blocking limiter runs in the threadpool)."""
-        slot = self._in_flight_slot(request, response, identity, tier)
-        if slot is None:
-            return True
-        limiter = self.limiter
-        try:
-            if is_async:
-                lease = await limiter.acquire(identity, slot[0], self.lease_seconds)
-            else:
-                lease = await run_in_threadpool(limiter.acquire, identity, slot[0], self.lease_seconds)
-        except RateLimiterError as exc:
-            self._unavailable(request, identity, exc)
-            return False
-        self._hold(request, response, identity, slot, limiter, is_async, lease)
-        return True
-
-    def _ietf_fields(self, identity: str, windows: Windows, token_windows: Windows,
-                     limits: Sequence[tuple[Resource, int, int, int]]) -> list[tuple[str, str]]:
-        """RateLimit-Policy (every window of the budget) and RateLimit (`limits`: (resource,
-        window_seconds, remaining, seconds until more)) when headers="ietf"/"both", else []."""
-        if self._partition_keys is None:
-            return []
-        service = [ServiceLimit(_policy_name(resource, seconds), remaining, reset)
-                   for resource, seconds, remaining, reset in limits]
-        return ietf_headers(_ietf_policies(windows, token_windows), service,
-                            self._partition_keys.of(identity))
+    def _keep(self, request: Request, tier: str, reservation: Reservation) -> None:
+        """A token reservation, kept for the reconcile (TokenRateLimit's)."""
+        raise NotImplementedError
 
     def _would_refuse(self, request: Request, response: Response, identity: str, once: Hashable | None,
-                      limit: int, window_seconds: int, message: str,
-                      refusal: list[tuple[str, str]]) -> None:
+                      message: str, refusal: list[tuple[str, str]]) -> None:
         """Shadow mode: the refusal the budget would have answered, let through. The response
         carries its X-RateLimit-* headers renamed X-RateLimit-Shadow-* (never an enforced
         header, never a retry instruction: nothing was refused) plus X-RateLimit-Shadow:
@@ -594,8 +423,7 @@ class RateLimit:
                                   user_id, exc)
             return
         self._log_unavailable("answered 503", user_id, exc)
-        refuse(request, 503, "Rate limiter unavailable", {"Retry-After": "1", "x-should-retry": "true"},
-               error_body(self.error_format, 503, "Rate limiter unavailable", UNAVAILABLE_MESSAGE))
+        unavailable(request, self.error_format)
 
     def _log_unavailable(self, action: str, user_id: str, exc: RateLimiterError) -> None:
         """One warning per unavailable_log_interval at most, counting the requests it covers
@@ -608,158 +436,82 @@ class RateLimit:
                        "(next report in %gs at the earliest): %s",
                        count, action, latest, self.unavailable_log_interval, exc)
 
-    @staticmethod
-    def _exact(decision: Decision) -> tuple[int, int]:
-        """The exact wait in ms and the decision's time: a WindowDecision carries both; any
-        other limiter's 4-tuple gets its rounded wait and this process's clock."""
-        return (getattr(decision, "retry_after_ms", decision[2] * 1000),
-                getattr(decision, "timestamp_ms", 0) or _now_ms())
+    def _policy(self) -> Policy:
+        """The plan's policy, made on the first request (the default limiter is made then)."""
+        policy = self._plan_policy
+        if policy is None:
+            limiter = self.limiter
+            decide = "check_windows"
+            # This package's own check_windows (not overridden by a subclass or replaced on the
+            # instance): its detailed twin sends the same command and answers the same tuple
+            # with the exact wait as attributes.
+            if getattr(type(limiter), "check_windows", None) in _STOCK_CHECK_WINDOWS and \
+                    "check_windows" not in getattr(limiter, "__dict__", ()):
+                decide = "check_windows_detailed"
+            policy = self._plan_policy = Policy(
+                shadow=self.mode == "shadow", lease_seconds=self.lease_seconds,
+                in_flight_retry_after=self.in_flight_retry_after, fused=self._fuses(limiter),
+                decide=decide)
+        return policy
 
-    async def _limiter_call(self, bound: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """bound(...), a limiter's method: awaited, or in the threadpool for a blocking limiter."""
-        if self._limiter_is_async:
-            return await bound(*args, **kwargs)
-        return await run_in_threadpool(lambda: bound(*args, **kwargs))
+    def _fuses(self, limiter: Any) -> bool:
+        """Whether an in-flight slot rides on the reserve (TokenRateLimit's)."""
+        return False
 
-    def _refuse_scope(self, request: Request, response: Response, identity: str,
-                      reservation: Reservation, requested: int) -> None:
-        """The 429 of a refusal by a scope (detail "Rate limit exceeded", as every 429). An
-        upstream's (shared) message says that the service, not the user, is at capacity; a
-        route's or a model's names that budget. Either carries X-RateLimit-Scope (upstream |
-        route | model) and, in X-RateLimit-Limit/-Window, the refusing window of that scope;
-        the provider families' x-ratelimit-* headers and the IETF fields, which describe the
-        user's own budget, are left out. In shadow mode: recorded as would-refuse."""
-        scope = reservation.scope
-        assert scope is not None
-        resource, window_seconds = reservation.resource, reservation.window_seconds
-        limit = next(w.limit for w in reservation.windows if w.scope == scope
-                     and w.resource == resource and w.window_seconds == window_seconds)
-        retry_ms = reservation.retry_after_ms
-        kind = _scope_kind(scope)
-        # The contract's detail for every 429; the message says whose budget it was.
-        detail = "Rate limit exceeded"
-        if scope.shared:
-            message = (f"The service is at capacity: its upstream {scope.name} allows {limit} "
-                       f"{resource} per {window_name(window_seconds)} for all users together. "
-                       f"This is not your own rate limit. Please try again in "
-                       f"{format_duration(retry_ms)}.")
-        else:
-            message = (f"{refusal_message(resource, window_seconds, limit, requested, retry_ms)} "
-                       f"(the budget of {kind} {scope.name.split(':', 1)[-1]})")
-        refusal = [
-            ("X-RateLimit-Limit", str(limit)),
-            ("X-RateLimit-Remaining", "0"),
-            ("X-RateLimit-Window", window_name(window_seconds)),
-            ("X-RateLimit-Scope", kind),
-            ("X-RateLimit-Resource", resource),
-        ]
-        self._count(request, "rejected", window_seconds, resource, kind)
-        if self.mode == "shadow":
-            self._would_refuse(request, response, identity, None, limit, window_seconds, message,
-                               refusal)
-            return
-        headers = {
-            **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
-            **dict(refusal),
-        }
-        refuse(request, 429, detail, headers, error_body(self.error_format, 429, detail, message, resource))
-
-    async def _decide_with_scopes(self, request: Request, response: Response, user_id: str,
-                                  windows: Windows) -> None:
-        """RateLimit with scopes: one reserve over the tier's windows and the request's
-        scopes (one check_windows when none applies to this request)."""
-        scopes = await self._scopes.of(request)
-        counted = self._already_counted(request, user_id, windows)
-        if not scopes:
-            decision = counted
-            if decision is None:
-                try:
-                    decision = await self._limiter_call(self._decide(), user_id, windows)
-                except RateLimiterError as exc:
-                    self._unavailable(request, user_id, exc)
-                    return
-                self._remember(request, user_id, windows, decision)
-            self._apply(request, response, windows, decision, *self._exact(decision),
-                        identity=user_id)
-            return
-        try:
-            reservation: Reservation = await self._limiter_call(
-                self.limiter.reserve, user_id, () if counted is not None else windows,
-                scopes=scopes)
-        except RateLimiterError as exc:
-            self._unavailable(request, user_id, exc)
-            return
-        if not reservation.allowed and reservation.scope is not None:
-            self._refuse_scope(request, response, user_id, reservation, 1)
-            return  # shadow mode: the route runs, nothing was logged
-        if counted is not None:
-            decision, exact = counted, self._exact(counted)
-        elif not reservation.allowed:
-            decision = (False, 0, reservation.retry_after_s, reservation.window_seconds)
-            exact = (reservation.retry_after_ms, reservation.timestamp_ms or _now_ms())
-        else:
-            state = _tightest(reservation.windows, "requests")
-            assert state is not None and state.remaining is not None
-            decision = (True, state.remaining, 0, state.window_seconds)
-            exact = (0, reservation.timestamp_ms or _now_ms())
-            self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision, *exact, identity=user_id)
-
-    def _decide(self) -> Any:
-        """The call that decides: check_windows, as the contract says. When it is this package's
-        own (not overridden by a subclass or replaced on the instance), its detailed twin, which
-        sends the same command and answers the same tuple with the exact wait as attributes."""
-        limiter = self.limiter
-        if getattr(type(limiter), "check_windows", None) in _STOCK_CHECK_WINDOWS and \
-                "check_windows" not in getattr(limiter, "__dict__", ()):
-            return limiter.check_windows_detailed
-        return limiter.check_windows
+    def _facts(self, request: Request) -> Facts | None:
+        """What the plan needs of this request but its body: the identity, its tier's windows,
+        the decision another dependency of this route took on them, the in-flight cap. None:
+        nothing to decide (a shadow observer of a client whose address is unknown)."""
+        found = self._identity_and_tier(request)
+        if found is None:
+            return None
+        identity, tier = found
+        windows = self._windows[tier]
+        counted = request.scope.get(_COUNTED_KEY)
+        if isinstance(counted, dict):
+            counted = counted.get(self._counted_key(identity, windows))
+        cap = self.max_in_flight.get(tier)
+        held = None
+        if cap is not None:
+            leases = request.scope.get(_LEASES_KEY)
+            if not isinstance(leases, _LeaseLedger):
+                raise RuntimeError(
+                    "max_in_flight needs RateLimitHeadersMiddleware, which gives the slot back "
+                    "when the response is over: add "
+                    "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware)")
+            # One slot per lease key (Redis, key prefix, identity: namespace and mode
+            # included), never two of one key: a second cap on the same key checks the slot
+            # already taken.
+            held = leases.lease_of(self._counted_key(identity, ()))
+        return Facts(identity, tier, windows, counted=counted, cap=cap, held=held)
 
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.
-        found = self._identity_and_tier(request)
-        if found is None:
-            return
-        user_id, tier = found
-        windows = self._windows[tier]
-        if not self._take_slot(request, response, user_id, tier):
-            return
-        decision = self._already_counted(request, user_id, windows)
-        if decision is None:
-            try:
-                decision = self._decide()(user_id, windows)
-            except RateLimiterError as exc:
-                self._unavailable(request, user_id, exc)
-                return
-            self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision, *self._exact(decision), identity=user_id)
+        facts = self._facts(request)
+        if facts is not None:
+            answer(self, request, response, facts, run(plan(facts, self._policy()), self.limiter))
 
 
 class _AsyncRateLimit(RateLimit):
-    """RateLimit over an async limiter: awaited on the event loop, no worker thread."""
+    """RateLimit over an async limiter (or with scopes, which may read the body): awaited on
+    the event loop; a blocking limiter's calls run in the threadpool."""
+
+    async def _facts_async(self, request: Request) -> Facts | None:
+        facts = self._facts(request)
+        if facts is not None and self._scopes:
+            scopes = await self._scopes.of(request)
+            if scopes:
+                facts = dataclasses.replace(facts, scopes=tuple(scopes))
+        return facts
 
     async def __call__(self, request: Request, response: Response) -> None:
-        found = self._identity_and_tier(request)
-        if found is None:
+        facts = await self._facts_async(request)
+        if facts is None:
             return
-        user_id, tier = found
-        windows = self._windows[tier]
-        if not await self._take_slot_async(request, response, user_id, tier,
-                                           self._limiter_is_async):
-            return
-        if self._scopes:
-            await self._decide_with_scopes(request, response, user_id, windows)
-            return
-        decision = self._already_counted(request, user_id, windows)
-        if decision is None:
-            try:
-                decision = await self._decide()(user_id, windows)
-            except RateLimiterError as exc:
-                self._unavailable(request, user_id, exc)
-                return
-            self._remember(request, user_id, windows, decision)
-        self._apply(request, response, windows, decision, *self._exact(decision), identity=user_id)
-
+        steps = plan(facts, self._policy())
+        limiter = self.limiter
+        outcome = await run_async(steps, limiter, None if self._limiter_is_async else run_in_threadpool)
+        answer(self, request, response, facts, outcome)
 
 
 class _LogThrottle:

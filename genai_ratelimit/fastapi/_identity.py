@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 
 from fastapi import Request
 
 from ..proxies import Anonymous, ClientNetworks
 
 logger = logging.getLogger("genai_ratelimit")
+
+Identify = Callable[[Request], "tuple[str, str | None]"]
 
 
 # A user id beginning with one of these is stored as "user:<id>": they mark the anonymous

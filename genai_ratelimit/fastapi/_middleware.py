@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._usage import UsageScanner
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
-from ._responses import _SCOPE_KEY, _AllowedDecision
+from ._answer import _SCOPE_KEY, _AllowedDecision
 from ._startup import checking_startup
 
 logger = logging.getLogger("genai_ratelimit")

@@ -2,27 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal, NoReturn
 
-from fastapi import Request, Response
+from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from typing_extensions import Unpack
 
-from .. import RateLimiterError
-from .._openai_headers import (
-    ErrorFormat,
-    ResourceHeaders,
-    error_body,
-    family_headers,
-    refusal_message,
-    retry_headers,
-    too_large_error_body,
-)
+from .._openai_headers import ErrorFormat
 from .._tiers_config import (
     TIER_BUDGET_KEYS,
     tier_token_limits_from_env,
@@ -35,30 +27,14 @@ from .._usage import (
     prompt_tokens,
 )
 from ..metrics import request_outcomes
-from ..reservation import Reservation, Resource, WindowState
-from ..reservation import Scope as BudgetScope
+from ..reservation import Reservation
 from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
-from ._dependency import RateLimit, _is_async_limiter
+from ._answer import refuse
+from ._dependency import _AsyncRateLimit
+from ._identity import Identify
 from ._ledger import _ledger_of
 from ._options import OnUnavailable, SharedOptions
-from ._policy import (
-    AsyncWindowLimiter,
-    Identify,
-    SyncWindowLimiter,
-    Windows,
-    _now_ms,
-    _scope_kind,
-    _tightest,
-    window_name,
-)
-from ._responses import (
-    _record_allowed,
-    _record_extra,
-    _record_shadow,
-    allowed_headers,
-    refuse,
-    shadow_headers,
-)
+from ._plan import AsyncWindowLimiter, Facts, SyncWindowLimiter, Windows
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -112,7 +88,7 @@ def _json_error(error: ValueError) -> str:
 
 
 
-class TokenRateLimit(RateLimit):
+class TokenRateLimit(_AsyncRateLimit):
     """A FastAPI dependency that limits requests AND tokens: before the route runs it
     estimates what the request may spend, and reserves one request plus that many tokens in
     ONE `reserve` call (all or nothing: a request refused on tokens spends no request budget,
@@ -224,9 +200,6 @@ class TokenRateLimit(RateLimit):
             for tier, budget in self.token_limits.items()
         }
         self.estimate: Estimate | None = estimate
-        # Whether the in-flight slot rides on the reserve (decided on first use: the limiter).
-        self._fused: bool | None = None
-        self._is_async = limiter is None or _is_async_limiter(limiter)
 
     @staticmethod
     def _positive(name: str, value: object) -> int:
@@ -239,14 +212,6 @@ class TokenRateLimit(RateLimit):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(limiter={self._limiter!r}, tiers={sorted(self.tier_limits)}, "
                 f"on_unavailable={self.on_unavailable!r}, namespace={self.namespace!r})")
-
-    @staticmethod
-    def _fuses(limiter: Any) -> bool:
-        """Whether `limiter.reserve` takes in_flight= (this package's limiters do)."""
-        try:
-            return "in_flight" in inspect.signature(limiter.reserve).parameters
-        except (TypeError, ValueError):
-            return False
 
     def key_budgets(self) -> list[tuple[tuple[object, ...], object]]:
         return [*super().key_budgets(),
@@ -310,158 +275,37 @@ class TokenRateLimit(RateLimit):
     def _bad_body(self, request: Request, message: str) -> NoReturn:
         refuse(request, 400, message, {}, invalid_request_body(self.error_format, message))
 
-    async def __call__(self, request: Request, response: Response) -> None:
-        found = self._identity_and_tier(request)
-        if found is None:
-            return
-        identity, tier = found
-        windows, token_windows = self._windows[tier], self.token_windows_of(tier)
+    async def _facts_async(self, request: Request) -> Facts | None:
+        """RateLimit's facts, plus the token windows, the estimate (which may read the body)
+        and the request's scopes."""
+        facts = self._facts(request)
+        if facts is None:
+            return None
+        tier = facts.tier
         _ledger_of(request).decided = True
         tokens = await self.estimate_tokens(request, tier)
-        scopes = await self._scopes.of(request) if self._scopes else ()
-        if self._refuse_if_too_large(request, response, identity, windows, token_windows, tokens,
-                                     scopes):
-            return  # shadow mode: the route runs, nothing was reserved
-        limiter = self.limiter
-        # An enforced cap on a limiter that can: the slot is taken in the reserve's own script
-        # execution (one round trip; all or nothing) and given back with the reconcile's. A
-        # shadow cap never fuses: it takes its slot apart, in its own keys.
-        slot = None
-        if self._fused is None:
-            self._fused = self.mode == "enforce" and self._fuses(limiter)
-        if self._fused:
-            slot = self._in_flight_slot(request, response, identity, tier)
-        elif not await self._take_slot_async(request, response, identity, tier, self._is_async):
-            return
-        counted = self._already_counted(request, identity, windows)
-        # Requests already counted by another dependency of this route: reserve tokens only.
-        request_windows: Windows = () if counted is not None else windows
-        arguments: dict[str, Any] = {"cost": 1, "token_windows": token_windows, "tokens": tokens}
-        if scopes:
-            arguments["scopes"] = scopes
-        if slot is not None:
-            arguments["in_flight"] = (slot[0], self.lease_seconds)
+        scopes = tuple(await self._scopes.of(request)) if self._scopes else ()
+        return dataclasses.replace(facts, token_windows=self.token_windows_of(tier), tokens=tokens,
+                                   scopes=scopes)
+
+    def _fuses(self, limiter: Any) -> bool:
+        """An enforced cap on a limiter whose `reserve` takes in_flight= (this package's): the
+        slot is taken in the reserve's own script execution (one round trip; all or nothing)
+        and given back with the reconcile's. A shadow cap never fuses: it takes its slot
+        apart, in its own keys."""
+        if self.mode != "enforce":
+            return False
         try:
-            reservation: Reservation = await self._limiter_call(
-                limiter.reserve, identity, request_windows, **arguments)
-        except RateLimiterError as exc:
-            self._unavailable(request, identity, exc)
-            return
-        if slot is not None and reservation.lease is not None:
-            # Granted: held for the middleware (reconcile-and-release); refused: the 429.
-            self._hold(request, response, identity, slot, limiter, self._is_async, reservation.lease)
-        if not reservation.allowed:
-            if reservation.scope is not None:
-                self._refuse_scope(request, response, identity, reservation,
-                                   tokens if reservation.resource == "tokens" else 1)
-            else:
-                self._refuse(request, response, identity, windows, token_windows, reservation,
-                             tokens)
-            return  # shadow mode: the route runs, nothing was reserved
+            return "in_flight" in inspect.signature(limiter.reserve).parameters
+        except (TypeError, ValueError):
+            return False
+
+    def _keep(self, request: Request, tier: str, reservation: Reservation) -> None:
+        """An allowed reservation, kept in the request's ledger for the reconcile."""
         ledger = _ledger_of(request)
-        ledger.entries.append((limiter, self._is_async, reservation))
+        ledger.entries.append((self.limiter, self._limiter_is_async, reservation))
         ledger.charge_streamed = ledger.charge_streamed or self.aborted_stream == "streamed"
         if reservation.tokens and (reservation.member or reservation.shared_entries):
-            tally = request_outcomes(limiter)  # as the limiter counts reserved tokens
+            tally = request_outcomes(self.limiter)  # as the limiter counts reserved tokens
             tally.add_tokens("reserved", tier=tier, mode=self.mode, count=reservation.tokens)
             ledger.tiers[id(reservation)] = (tally, tier, self.mode)
-        requests_state = _tightest(reservation.windows, "requests")
-        if counted is None and requests_state is not None and requests_state.remaining is not None:
-            decision = (True, requests_state.remaining, 0, requests_state.window_seconds)
-            self._remember(request, identity, windows, decision)
-            if self.mode != "shadow":
-                _record_allowed(request, response, requests_state.limit, requests_state.remaining,
-                                requests_state.window_seconds)
-        elif counted is not None:
-            _, remaining, _, window_seconds = counted
-            limit = next(lim for lim, seconds in windows if seconds == window_seconds)
-            requests_state = WindowState(limit, window_seconds, "requests", remaining)
-        self._count(request, "allowed")
-        tokens_state = _tightest(reservation.windows, "tokens")
-        states = [state for state in (requests_state, tokens_state) if state is not None]
-        if self.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
-            shadow = [("X-RateLimit-Shadow-Tokens-Remaining", str(tokens_state.remaining))
-                      ] if tokens_state is not None and tokens_state.remaining is not None else []
-            if requests_state is not None and requests_state.remaining is not None:
-                shadow = allowed_headers(requests_state.limit, requests_state.remaining,
-                                         requests_state.window_seconds) + shadow
-            _record_shadow(request, response, shadow_headers(shadow, "allow"))
-            return
-        extra = family_headers(self.error_format, reservation.timestamp_ms or _now_ms(), *(
-            ResourceHeaders(state.resource, state.limit, state.remaining, state.window_seconds * 1000)
-            for state in states))
-        extra += self._ietf_fields(identity, windows, token_windows, [
-            (state.resource, state.window_seconds, state.remaining or 0, state.window_seconds)
-            for state in states])
-        _record_extra(request, response, extra)
-
-    def _refuse_if_too_large(self, request: Request, response: Response, identity: str,
-                             windows: Windows, token_windows: Windows, tokens: int,
-                             scopes: Sequence[BudgetScope] = ()) -> bool:
-        """The 429 of an estimate no wait can make fit (above a token window's limit, its
-        scopes' included). Returns True when shadow mode let it through instead, False when
-        the estimate fits."""
-        limit, window_seconds = min([*token_windows, *(w for s in scopes for w in s.token_windows)])
-        if tokens <= limit:
-            return False
-        # The scope of the window that cannot fit it: the user's own, else a scope's.
-        kind = "user" if (limit, window_seconds) in token_windows else next(
-            _scope_kind(s) for s in scopes if (limit, window_seconds) in s.token_windows)
-        self._count(request, "too_large", window_seconds, "tokens", kind)
-        refusal = [
-            ("X-RateLimit-Limit", str(limit)),
-            ("X-RateLimit-Window", window_name(window_seconds)),
-            ("X-RateLimit-Resource", "tokens"),
-            *family_headers(self.error_format, _now_ms(),
-                            ResourceHeaders("requests", windows[0][0], None, None),
-                            ResourceHeaders("tokens", limit, None, None)),
-            *self._ietf_fields(identity, windows, token_windows, ()),
-        ]
-        body = too_large_error_body(self.error_format, "tokens", window_seconds, limit, tokens)
-        if self.mode == "shadow":
-            self._would_refuse(request, response, identity, None, limit, window_seconds,
-                               body["detail"], refusal)
-            return True
-        headers = {**dict(refusal[:3]), "x-should-retry": "false", **dict(refusal[3:])}
-        refuse(request, 429, body["detail"], headers, body)
-
-    def _refuse(self, request: Request, response: Response, identity: str, windows: Windows,
-                token_windows: Windows, reservation: Reservation, tokens: int) -> None:
-        """The 429 of a reservation refused by one of its windows: retry later (in shadow
-        mode: records it as would-refuse and returns)."""
-        resource, window_seconds = reservation.resource, reservation.window_seconds
-        budget = token_windows if resource == "tokens" else windows
-        limit = next(lim for lim, seconds in budget if seconds == window_seconds)
-        retry_ms = reservation.retry_after_ms
-        states = []
-        resources: tuple[tuple[Resource, Windows], ...] = (("requests", windows), ("tokens", token_windows))
-        for name, resource_windows in resources:
-            if name == resource:
-                states.append(ResourceHeaders(name, limit, 0, retry_ms))
-                continue
-            state = _tightest(reservation.windows, name)
-            states.append(ResourceHeaders(name, state.limit, state.remaining, retry_ms) if state is not None
-                          else ResourceHeaders(name, resource_windows[0][0], None, retry_ms))
-        refusal = [
-            ("X-RateLimit-Limit", str(limit)),
-            ("X-RateLimit-Remaining", "0"),
-            ("X-RateLimit-Window", window_name(window_seconds)),
-            ("X-RateLimit-Resource", resource),
-            *family_headers(self.error_format, reservation.timestamp_ms or _now_ms(), *states),
-            *self._ietf_fields(identity, windows, token_windows,
-                               [(resource, window_seconds, 0, reservation.retry_after_s)]),
-        ]
-        message = refusal_message(resource, window_seconds, limit,
-                                  tokens if resource == "tokens" else 1, retry_ms)
-        self._count(request, "rejected", window_seconds, resource, "user")
-        if self.mode == "shadow":
-            self._would_refuse(request, response, identity, None, limit, window_seconds,
-                               message, refusal)
-            return
-        headers = {
-            **dict(retry_headers(reservation.retry_after_s, retry_ms, self.max_client_wait_seconds)),
-            **dict(refusal),
-        }
-        refuse(request, 429, "Rate limit exceeded", headers,
-               error_body(self.error_format, 429, "Rate limit exceeded", message, resource))
-

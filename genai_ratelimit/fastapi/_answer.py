@@ -1,0 +1,261 @@
+"""The answer room: a plan's outcome (`_plan.Outcome`) as status, headers and body.
+
+One function, `answer`, over every verdict: the contract's X-RateLimit-* and, beside them,
+the error format's family (OpenAI's or Anthropic's x-ratelimit-* headers and error bodies),
+the IETF RateLimit fields, and shadow mode (a verdict renamed X-RateLimit-Shadow-*, never
+enforced). Allowed headers reach every response type through the ASGI scope, where
+RateLimitHeadersMiddleware finds them; a refusal is kept in the request's ledger, where the
+middleware writes it whatever the app's exception handlers make of the exception.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from fastapi import HTTPException, Request, Response
+
+from .._ietf_headers import Policy, ServiceLimit, ietf_headers
+from .._openai_headers import (
+    UNAVAILABLE_MESSAGE,
+    ResourceHeaders,
+    error_body,
+    family_headers,
+    retry_headers,
+    too_large_error_body,
+)
+from ..reservation import Resource
+from ._ledger import _TOKENS_KEY, _TokenLedger
+from ._plan import Allowed, Facts, Outcome, Refused, Windows, window_name
+
+if TYPE_CHECKING:
+    from ._dependency import RateLimit
+
+logger = logging.getLogger("genai_ratelimit")
+
+
+_SCOPE_KEY = "genai_ratelimit.decision"
+# The allowed decisions already taken for this request, by (key space, key identity, windows):
+# a second dependency that would count the same request in the same keys reuses the decision.
+_COUNTED_KEY = "genai_ratelimit.counted"
+# The ids of the shared decisions shadow mode already counted as would-refuse for this request.
+_SHADOWED_KEY = "genai_ratelimit.shadowed"
+
+
+class _AllowedDecision:
+    """The tightest allowed decision of this request (several RateLimit dependencies on one
+    route keep the one with the fewest remaining; ties: the shorter window). Lives in the ASGI
+    scope; the middleware puts it there before the app runs, so shallow scope copies share it."""
+
+    __slots__ = ("limit", "remaining", "window_seconds", "extra", "shadow")
+
+    def __init__(self) -> None:
+        self.limit = 0
+        self.remaining = -1  # -1: nothing recorded yet
+        self.window_seconds = 0
+        # OpenAI's x-ratelimit-*-requests/-tokens of an allowed TokenRateLimit decision.
+        self.extra: list[tuple[str, str]] = []
+        # A shadow dependency's verdict: X-RateLimit-Shadow-* only, beside the enforced ones.
+        self.shadow: list[tuple[str, str]] = []
+
+    def offer(self, limit: int, remaining: int, window_seconds: int) -> None:
+        if self.remaining < 0 or (remaining, window_seconds) < (self.remaining, self.window_seconds):
+            self.limit, self.remaining, self.window_seconds = limit, remaining, window_seconds
+
+    def headers(self) -> list[tuple[str, str]]:
+        if self.remaining < 0:
+            return [*self.extra, *self.shadow]
+        return [*allowed_headers(self.limit, self.remaining, self.window_seconds, lower=True),
+                *self.extra, *self.shadow]
+
+
+def allowed_headers(limit: int, remaining: int, window_seconds: int, *, lower: bool = False
+                    ) -> list[tuple[str, str]]:
+    """The contract's trio of an allowed decision."""
+    names = ("x-ratelimit-limit", "x-ratelimit-remaining", "x-ratelimit-window") if lower else \
+        ("X-RateLimit-Limit", "X-RateLimit-Remaining", "X-RateLimit-Window")
+    return list(zip(names, (str(limit), str(remaining), window_name(window_seconds)), strict=True))
+
+
+def shadow_headers(headers: list[tuple[str, str]], verdict: str) -> list[tuple[str, str]]:
+    """A shadow verdict's headers: its X-RateLimit-* renamed X-RateLimit-Shadow-* (provider
+    families, IETF fields and retry instructions left out: they describe what is enforced),
+    plus X-RateLimit-Shadow: would-refuse when it would have refused."""
+    renamed = [("x-ratelimit-shadow-" + name[len("x-ratelimit-"):].lower(), value)
+               for name, value in headers if name.lower().startswith("x-ratelimit-")
+               and not name.lower().startswith(("x-ratelimit-shadow", "x-ratelimit-limit-",
+                                                "x-ratelimit-remaining-", "x-ratelimit-reset-"))]
+    return [*renamed, *([("x-ratelimit-shadow", verdict)] if verdict == "would-refuse" else [])]
+
+
+def _record_shadow(request: Request, response: Response, headers: list[tuple[str, str]]) -> None:
+    """A shadow dependency's verdict, on every response type; never an enforced header."""
+    decision = request.scope.get(_SCOPE_KEY)
+    if not isinstance(decision, _AllowedDecision):
+        decision = _AllowedDecision()
+        request.scope[_SCOPE_KEY] = decision
+    refusing = ("x-ratelimit-shadow", "would-refuse")
+    if refusing in decision.shadow and refusing not in headers:
+        return  # a would-refuse verdict of this request stands (e.g. its in-flight cap)
+    decision.shadow = headers
+    for name, value in headers:
+        response.headers[name] = value
+
+
+
+_warned_no_middleware = False
+
+
+def _record_allowed(request: Request, response: Response, limit: int, remaining: int,
+                    window_seconds: int) -> None:
+    global _warned_no_middleware
+    decision = request.scope.get(_SCOPE_KEY)
+    if not isinstance(decision, _AllowedDecision):
+        decision = _AllowedDecision()  # no middleware: only the sub-response carries it
+        request.scope[_SCOPE_KEY] = decision
+        if not _warned_no_middleware:
+            _warned_no_middleware = True
+            logger.warning(
+                "RateLimitHeadersMiddleware is not installed: X-RateLimit-* headers reach only "
+                "responses FastAPI builds from a route's return value, not a Response the route "
+                "returns itself (StreamingResponse, JSONResponse). Add "
+                "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware).")
+    decision.offer(limit, remaining, window_seconds)
+    for name, value in decision.headers():
+        response.headers[name] = value
+
+
+class RateLimitRefusal(HTTPException):
+    """The 429 (or 503) of a rate-limit dependency: an HTTPException that carries the
+    response the middleware writes (status, headers, `body`), whatever exception handlers
+    the app registered."""
+
+    def __init__(self, status_code: int, detail: str, headers: dict[str, str],
+                 body: dict[str, Any]) -> None:
+        super().__init__(status_code=status_code, detail=detail, headers=headers)
+        self.body = body
+
+
+def refuse(request: Request, status: int, detail: str, headers: dict[str, str],
+           body: dict[str, Any]) -> NoReturn:
+    """Every refusal of the FastAPI layer passes here (the one place that records a
+    refusal): the response is kept in the request's ledger, where RateLimitHeadersMiddleware
+    finds it and writes it itself, status, headers and body (in the error format's shape),
+    whatever the app's exception handlers made of the exception. Without the middleware,
+    FastAPI's handler answers {"detail": ...} with the same status and headers."""
+    ledger = request.scope.get(_TOKENS_KEY)
+    if isinstance(ledger, _TokenLedger):
+        ledger.refusal = (status, headers, body)
+    raise RateLimitRefusal(status, detail, headers, body)
+
+
+def _record_extra(request: Request, response: Response, extra: list[tuple[str, str]]) -> None:
+    """The provider family's headers of an allowed decision, on every response type."""
+    decision_record = request.scope.get(_SCOPE_KEY)
+    if isinstance(decision_record, _AllowedDecision):
+        decision_record.extra = extra
+    for name, value in extra:
+        response.headers[name] = value
+
+
+def answer(dependency: RateLimit, request: Request, response: Response, facts: Facts,
+           outcome: Outcome) -> None:
+    """Applies a plan's outcome: holds its lease, remembers its decision for the route's other
+    dependencies, then each verdict in order (a refusal raises, unless in shadow mode)."""
+    if outcome.hold is not None:
+        dependency._hold(request, facts.identity, outcome.hold)
+    if outcome.remember is not None:
+        dependency._remember(request, facts.identity, facts.windows, outcome.remember)
+    for verdict in outcome.verdicts:
+        if isinstance(verdict, Allowed):
+            _allowed(dependency, request, response, facts, verdict)
+        elif isinstance(verdict, Refused):
+            _refused(dependency, request, response, facts, verdict)
+        else:
+            dependency._unavailable(request, facts.identity, verdict.error)
+
+
+def _allowed(dependency: RateLimit, request: Request, response: Response, facts: Facts,
+             verdict: Allowed) -> None:
+    if verdict.reservation is not None:
+        dependency._keep(request, facts.tier, verdict.reservation)
+    dependency._count(request, "allowed")
+    requests = next((s for s in verdict.states if s.resource == "requests"), None)
+    if dependency.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
+        shadow = [("X-RateLimit-Shadow-Tokens-Remaining", str(s.remaining))
+                  for s in verdict.states if s.resource == "tokens" and s.remaining is not None]
+        if requests is not None and requests.remaining is not None:
+            shadow = allowed_headers(requests.limit, requests.remaining, requests.window_seconds) + shadow
+        _record_shadow(request, response, shadow_headers(shadow, "allow"))
+        return
+    if verdict.record and requests is not None and requests.remaining is not None:
+        _record_allowed(request, response, requests.limit, requests.remaining, requests.window_seconds)
+    # A window is back to its full limit one window length from now (this request is its
+    # newest entry): the reset of the provider families' headers.
+    extra = family_headers(dependency.error_format, verdict.now_ms, *(
+        ResourceHeaders(s.resource, s.limit, s.remaining, s.window_seconds * 1000)
+        for s in verdict.states))
+    extra += ietf_fields(dependency, facts, [
+        (s.resource, s.window_seconds, s.remaining or 0, s.window_seconds) for s in verdict.states])
+    _record_extra(request, response, extra)
+
+
+def _refused(dependency: RateLimit, request: Request, response: Response, facts: Facts,
+             verdict: Refused) -> None:
+    dependency._count(request, verdict.outcome, verdict.window_seconds, verdict.resource, verdict.scope)
+    error_format = dependency.error_format
+    if verdict.message is None:  # an estimate no wait can make fit
+        limit = int(verdict.contract[0][1])
+        assert verdict.window_seconds is not None
+        body = too_large_error_body(error_format, "tokens", verdict.window_seconds, limit,
+                                    verdict.requested)
+        message = detail = body["detail"]
+    else:
+        message, detail = verdict.message, "Rate limit exceeded"
+        resource: Resource = "tokens" if verdict.resource == "tokens" else "requests"
+        body = error_body(error_format, 429, detail, message, resource)
+    refusal = list(verdict.contract)
+    if verdict.family is not None:
+        refusal += family_headers(error_format, verdict.now_ms, *verdict.family)
+    if verdict.ietf is not None:
+        refusal += ietf_fields(dependency, facts, verdict.ietf)
+    if dependency.mode == "shadow":
+        dependency._would_refuse(request, response, facts.identity, verdict.once, message, refusal)
+        return
+    retry = [("x-should-retry", "false")] if verdict.retry is None else \
+        retry_headers(*verdict.retry, dependency.max_client_wait_seconds)
+    refuse(request, 429, detail, {**dict(retry), **dict(refusal)}, body)
+
+
+def unavailable(request: Request, error_format: Any) -> NoReturn:
+    """The 503 of a limiter that could not decide (on_unavailable="deny")."""
+    refuse(request, 503, "Rate limiter unavailable", {"Retry-After": "1", "x-should-retry": "true"},
+           error_body(error_format, 503, "Rate limiter unavailable", UNAVAILABLE_MESSAGE))
+
+
+def ietf_fields(dependency: RateLimit, facts: Facts,
+                limits: Any) -> list[tuple[str, str]]:
+    """RateLimit-Policy (every window of the budget) and RateLimit (`limits`: (resource,
+    window_seconds, remaining, seconds until more)) when headers="ietf"/"both", else []."""
+    keys = dependency._partition_keys
+    if keys is None:
+        return []
+    service = [ServiceLimit(_policy_name(resource, seconds), remaining, reset)
+               for resource, seconds, remaining, reset in limits]
+    return ietf_headers(_ietf_policies(facts.windows, facts.token_windows), service,
+                        keys.of(facts.identity))
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_name(resource: str, window_seconds: int) -> str:
+    """The IETF policy name of a window: "requests-minute", "tokens-day", "requests-3600s"."""
+    return f"{resource}-{window_name(window_seconds)}"
+
+
+@functools.lru_cache(maxsize=256)  # one entry per tier's budget: built once
+def _ietf_policies(windows: Windows, token_windows: Windows) -> tuple[Policy, ...]:
+    """The IETF quota policies of a budget: its request windows, then its token windows."""
+    return (*(Policy(_policy_name("requests", seconds), limit, seconds, None) for limit, seconds in windows),
+            *(Policy(_policy_name("tokens", seconds), limit, seconds, "tokens")
+              for limit, seconds in token_windows))

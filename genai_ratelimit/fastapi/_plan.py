@@ -1,0 +1,430 @@
+"""The decision of one dependency for one request, as an I/O-free plan.
+
+`plan(facts, policy)` is a generator: it yields each limiter call it needs (a `Call`: the
+method's name and its arguments), is sent each call's answer (or has the limiter's
+RateLimiterError thrown into it), and returns an `Outcome`: the in-flight lease to hold, the
+decision to remember for the route's other dependencies, and its verdicts in order — `Allowed`,
+`Refused` (one value for every kind of 429: windows, tokens, scopes, concurrency, too large) or
+`Unavailable`. In enforce mode a refusal is the last verdict; in shadow mode the plan goes on
+(a request beyond its in-flight cap is still decided by its windows).
+
+RateLimit and TokenRateLimit differ in their `Facts` (a token estimate or none), not in this
+code; the drivers (`run`, `run_async`) only move the calls to the limiter, with or without
+`await`, and `_answer` turns the outcome into status, headers and body. Nothing here reads a
+request, a clock other than `Policy.clock`, or Redis.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from .. import RateLimiterError
+from .._openai_headers import ResourceHeaders, format_duration, refusal_message
+from ..lease import HINT_WITHOUT_HISTORY_MS, Lease
+from ..reservation import Reservation, Resource, WindowState
+from ..reservation import Scope as BudgetScope
+
+Windows = tuple[tuple[int, int], ...]
+Decision = tuple[bool, int, int, int]
+
+# 0 is no window length: it stands for the in-flight cap (max_in_flight) in the headers.
+CONCURRENT = 0
+_WINDOW_NAMES = {CONCURRENT: "concurrent", 1: "second", 60: "minute", 3_600: "hour", 86_400: "day"}
+
+
+class SyncWindowLimiter(Protocol):
+    def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> Decision: ...
+
+
+class AsyncWindowLimiter(Protocol):
+    def check_windows(self, user_id: str, windows: Sequence[tuple[int, int]]) -> Awaitable[Decision]: ...
+
+
+def window_name(window_seconds: int) -> str:
+    """The X-RateLimit-Window value: "second", "minute", "hour", "day", else e.g. "600s"."""
+    return _WINDOW_NAMES.get(window_seconds, f"{window_seconds}s")
+
+
+def scope_kind(scope: BudgetScope) -> str:
+    """X-RateLimit-Scope of a refusal by this scope: upstream, route or model."""
+    return "upstream" if scope.shared else scope.name.split(":", 1)[0]
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def tightest(states: Sequence[WindowState], resource: str) -> WindowState | None:
+    """The user's own window of `resource` with the fewest units remaining (ties: the
+    shorter), among those the decision reached (scopes' windows left out)."""
+    reached = [w for w in states
+               if w.resource == resource and w.remaining is not None and w.scope is None]
+    return min(reached, key=lambda w: (w.remaining, w.window_seconds)) if reached else None
+
+
+def in_flight_wait(retry_after: float, lease_expiry_ms: int) -> tuple[int, int]:
+    """(retry-after-ms, Retry-After in whole seconds, rounded up) of a concurrency 429: the
+    dependency's in_flight_retry_after (a slot frees when a request in flight ends, usually
+    within seconds), never later than the soonest lease's expiry, which frees a slot at the
+    latest. Both are at most 60 s, the longest wait the openai and anthropic SDKs act on."""
+    retry_ms = max(0, min(round(retry_after * 1000), lease_expiry_ms, 60_000))
+    return retry_ms, -(-retry_ms // 1000)
+
+
+# --- what goes in ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """What a dependency decides with, the same for each of its requests."""
+
+    shadow: bool = False
+    lease_seconds: float = 300
+    # A fixed Retry-After (s) for the concurrency 429 instead of the limiter's hint.
+    in_flight_retry_after: float | None = None
+    # The in-flight slot rides on the token reserve's own script execution.
+    fused: bool = False
+    # The method that decides request windows: check_windows or its detailed twin.
+    decide: str = "check_windows"
+    clock: Callable[[], int] = now_ms
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What is known of one request before the limiter is asked."""
+
+    identity: str
+    tier: str
+    windows: Windows
+    # A TokenRateLimit's: the token windows and the estimate (None: a request budget).
+    token_windows: Windows = ()
+    tokens: int | None = None
+    scopes: tuple[BudgetScope, ...] = ()
+    # The decision of another dependency of this route on the same keys and budget.
+    counted: Decision | None = None
+    # The in-flight cap of the tier (None: none), and the lease another dependency of this
+    # request already holds on the same key (the cap is then checked against it, not taken).
+    cap: int | None = None
+    held: Lease | None = None
+
+
+class Call(NamedTuple):
+    """One limiter call: limiter.<method>(*args, **kwargs)."""
+
+    method: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+
+# --- what comes out -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Allowed:
+    """The request runs. `states`: its tightest own windows (requests, then tokens);
+    `record`: whether the requests state is this route's contract trio (not when another
+    dependency's decision already gave it); `reservation`: a token reservation to reconcile."""
+
+    states: tuple[WindowState, ...]
+    now_ms: int
+    record: bool = True
+    reservation: Reservation | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A 429. `contract`: its X-RateLimit-* headers; `retry`: (Retry-After s, retry-after-ms),
+    None when no wait can help (x-should-retry: false); `family`: the provider family's
+    states (None: left out, e.g. a scope's or a concurrency 429); `ietf`: the IETF RateLimit
+    field's (resource, window, remaining, reset) (None: no IETF fields); `message`: what the
+    body says (None for a too-large estimate: its body says it). `outcome`, `resource`,
+    `window_seconds` and `scope` are what the metrics count it as; `once`: the decision
+    shadow mode counts once per request when two dependencies share it (None: always)."""
+
+    contract: tuple[tuple[str, str], ...]
+    retry: tuple[int, int] | None
+    message: str | None
+    outcome: str
+    resource: str
+    window_seconds: int | None
+    scope: str = "user"
+    family: tuple[ResourceHeaders, ...] | None = None
+    ietf: tuple[tuple[Resource, int, int, int], ...] | None = None
+    now_ms: int = 0
+    once: int | None = None
+    requested: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    """Redis could not decide."""
+
+    error: RateLimiterError
+
+
+Verdict = Allowed | Refused | Unavailable
+
+
+@dataclass(slots=True)
+class Outcome:
+    hold: Lease | None = None
+    remember: Decision | None = None
+    verdicts: list[Verdict] = field(default_factory=list)
+
+
+Plan = Generator[Call, Any, Outcome]
+
+
+# --- the plan -------------------------------------------------------------------------------
+
+
+def plan(facts: Facts, policy: Policy) -> Plan:
+    """The calls one request needs and what they mean (see the module's docstring)."""
+    out = Outcome()
+    if facts.tokens is not None:
+        too_large = _too_large(facts, policy)
+        if too_large is not None:  # shadow mode too: the route runs, nothing is reserved
+            out.verdicts.append(too_large)
+            return out
+    in_flight = None
+    if facts.cap is not None:
+        if facts.held is not None:
+            if facts.held.held > facts.cap:  # the limiter was not asked: no hint of its own
+                out.verdicts.append(_concurrency(facts.cap, HINT_WITHOUT_HISTORY_MS,
+                                                 max(0, facts.held.expires_at_ms - policy.clock()),
+                                                 policy))
+                if not policy.shadow:
+                    return out
+        elif policy.fused:
+            in_flight = (facts.cap, policy.lease_seconds)
+        else:
+            try:
+                lease = yield Call("acquire", (facts.identity, facts.cap, policy.lease_seconds), {})
+            except RateLimiterError as exc:
+                out.verdicts.append(Unavailable(exc))
+                return out
+            if not _take(lease, facts.cap, out, policy):
+                return out
+    windows = () if facts.counted is not None else facts.windows
+    if facts.tokens is None and not facts.scopes:
+        decision = facts.counted
+        if decision is None:
+            try:
+                decision = yield Call(policy.decide, (facts.identity, facts.windows), {})
+            except RateLimiterError as exc:
+                out.verdicts.append(Unavailable(exc))
+                return out
+            out.remember = decision
+        out.verdicts.append(_window_verdict(facts, policy, decision, *_exact(decision, policy)))
+        return out
+    arguments: dict[str, Any] = {"scopes": facts.scopes} if facts.scopes else {}
+    if facts.tokens is not None:
+        arguments.update(cost=1, token_windows=facts.token_windows, tokens=facts.tokens)
+    if in_flight is not None:
+        arguments["in_flight"] = in_flight
+    try:
+        reservation: Reservation = yield Call("reserve", (facts.identity, windows), arguments)
+    except RateLimiterError as exc:
+        out.verdicts.append(Unavailable(exc))
+        return out
+    if in_flight is not None and reservation.lease is not None and not _take(
+            reservation.lease, in_flight[0], out, policy):
+        return out
+    if not reservation.allowed and reservation.scope is not None:
+        out.verdicts.append(_scope_refusal(facts, reservation))
+        return out
+    if facts.tokens is not None:
+        out.verdicts.append(_token_verdict(facts, policy, reservation, out))
+        return out
+    stamp = reservation.timestamp_ms or policy.clock()
+    if facts.counted is not None:
+        decision, exact = facts.counted, _exact(facts.counted, policy)
+    elif not reservation.allowed:
+        decision = (False, 0, reservation.retry_after_s, reservation.window_seconds)
+        exact = (reservation.retry_after_ms, stamp)
+    else:
+        state = tightest(reservation.windows, "requests")
+        assert state is not None and state.remaining is not None
+        decision = out.remember = (True, state.remaining, 0, state.window_seconds)
+        exact = (0, stamp)
+    out.verdicts.append(_window_verdict(facts, policy, decision, *exact))
+    return out
+
+
+def run(steps: Plan, limiter: Any) -> Outcome:
+    """The blocking driver: each call on the limiter, in this thread."""
+    try:
+        call = next(steps)
+        while True:
+            try:
+                answer = getattr(limiter, call.method)(*call.args, **call.kwargs)
+            except RateLimiterError as exc:
+                call = steps.throw(exc)
+            else:
+                call = steps.send(answer)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+async def run_async(steps: Plan, limiter: Any,
+                    offload: Callable[..., Awaitable[Any]] | None = None) -> Outcome:
+    """The asyncio driver: each call awaited, or, for a blocking limiter, `offload(fn)`
+    (the threadpool)."""
+    try:
+        call = next(steps)
+        while True:
+            method = getattr(limiter, call.method)
+            try:
+                if offload is None:
+                    answer = await method(*call.args, **call.kwargs)
+                else:
+                    answer = await offload(functools.partial(method, *call.args, **call.kwargs))
+            except RateLimiterError as exc:
+                call = steps.throw(exc)
+            else:
+                call = steps.send(answer)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+
+
+# --- the rooms of the plan ------------------------------------------------------------------
+
+
+def _exact(decision: Decision, policy: Policy) -> tuple[int, int]:
+    """The exact wait in ms and the decision's time: a WindowDecision carries both; any
+    other limiter's 4-tuple gets its rounded wait and the policy's clock."""
+    return (getattr(decision, "retry_after_ms", decision[2] * 1000),
+            getattr(decision, "timestamp_ms", 0) or policy.clock())
+
+
+def _take(lease: Lease, cap: int, out: Outcome, policy: Policy) -> bool:
+    """A granted lease is held; a refused one is the concurrency 429. False: stop here."""
+    if lease.allowed:
+        out.hold = lease
+        return True
+    # The soonest lease's expiry is only a bound (a request that ends frees its slot
+    # sooner): announce the limiter's hint, from how long this cap's requests are held.
+    # A Lease without a bound of its own (retry_bound_ms 0) tells it in retry_after_ms.
+    out.verdicts.append(_concurrency(cap, lease.retry_after_ms,
+                                     lease.retry_bound_ms or lease.retry_after_ms, policy))
+    return policy.shadow
+
+
+def _concurrency(cap: int, hint_ms: int, expiry_ms: int, policy: Policy) -> Refused:
+    """The concurrency 429. `hint_ms`: the limiter's guess of when a slot frees; `expiry_ms`:
+    the soonest held lease's expiry, which frees a slot at the latest."""
+    retry_after = hint_ms / 1000 if policy.in_flight_retry_after is None else policy.in_flight_retry_after
+    retry_ms, retry_s = in_flight_wait(retry_after, expiry_ms)
+    message = (f"Too many concurrent requests: Limit {cap} in flight. A slot frees when one "
+               f"of them ends; please try again in {format_duration(retry_ms)} (a slot is "
+               f"free again within {format_duration(expiry_ms)} at the latest).")
+    return Refused((("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
+                    ("X-RateLimit-Window", window_name(CONCURRENT))),
+                   (retry_s, retry_ms), message, "concurrency_rejected", "in_flight", None)
+
+
+def _too_large(facts: Facts, policy: Policy) -> Refused | None:
+    """The 429 of an estimate no wait can make fit (above a token window's limit, its scopes'
+    included); None when it fits."""
+    assert facts.tokens is not None
+    limit, window_seconds = min([*facts.token_windows,
+                                 *(w for s in facts.scopes for w in s.token_windows)])
+    if facts.tokens <= limit:
+        return None
+    # The scope of the window that cannot fit it: the user's own, else a scope's.
+    kind = "user" if (limit, window_seconds) in facts.token_windows else next(
+        scope_kind(s) for s in facts.scopes if (limit, window_seconds) in s.token_windows)
+    return Refused((("X-RateLimit-Limit", str(limit)), ("X-RateLimit-Window", window_name(window_seconds)),
+                    ("X-RateLimit-Resource", "tokens")),
+                   None, None, "too_large", "tokens", window_seconds, kind,
+                   family=(ResourceHeaders("requests", facts.windows[0][0], None, None),
+                           ResourceHeaders("tokens", limit, None, None)),
+                   ietf=(), now_ms=policy.clock(), requested=facts.tokens)
+
+
+def _window_verdict(facts: Facts, policy: Policy, decision: Decision, retry_ms: int,
+                    stamp: int) -> Verdict:
+    """A request-window decision (check_windows' 4-tuple) as a verdict."""
+    allowed, remaining, retry_s, window_seconds = decision
+    limit = next((lim for lim, seconds in facts.windows if seconds == window_seconds),
+                 facts.windows[0][0])
+    if allowed:
+        return Allowed((WindowState(limit, window_seconds, "requests", remaining),), stamp)
+    return Refused((("X-RateLimit-Limit", str(limit)), ("X-RateLimit-Remaining", "0"),
+                    ("X-RateLimit-Window", window_name(window_seconds))),
+                   (retry_s, retry_ms), refusal_message("requests", window_seconds, limit, 1, retry_ms),
+                   "rejected", "requests", window_seconds,
+                   family=(ResourceHeaders("requests", limit, 0, retry_ms),),
+                   ietf=(("requests", window_seconds, 0, retry_s),), now_ms=stamp, once=id(decision))
+
+
+def _scope_refusal(facts: Facts, reservation: Reservation) -> Refused:
+    """The 429 of a refusal by a scope. An upstream's (shared) message says that the
+    service, not the user, is at capacity; a route's or a model's names that budget. The
+    provider families' headers and the IETF fields describe the user's own budget: left out."""
+    scope = reservation.scope
+    assert scope is not None
+    resource, window_seconds = reservation.resource, reservation.window_seconds
+    limit = next(w.limit for w in reservation.windows if w.scope == scope
+                 and w.resource == resource and w.window_seconds == window_seconds)
+    retry_ms = reservation.retry_after_ms
+    kind = scope_kind(scope)
+    if scope.shared:
+        message = (f"The service is at capacity: its upstream {scope.name} allows {limit} "
+                   f"{resource} per {window_name(window_seconds)} for all users together. "
+                   f"This is not your own rate limit. Please try again in "
+                   f"{format_duration(retry_ms)}.")
+    else:
+        requested = facts.tokens if resource == "tokens" and facts.tokens is not None else 1
+        message = (f"{refusal_message(resource, window_seconds, limit, requested, retry_ms)} "
+                   f"(the budget of {kind} {scope.name.split(':', 1)[-1]})")
+    return Refused((("X-RateLimit-Limit", str(limit)), ("X-RateLimit-Remaining", "0"),
+                    ("X-RateLimit-Window", window_name(window_seconds)),
+                    ("X-RateLimit-Scope", kind), ("X-RateLimit-Resource", resource)),
+                   (reservation.retry_after_s, retry_ms), message, "rejected", resource,
+                   window_seconds, kind)
+
+
+def _token_verdict(facts: Facts, policy: Policy, reservation: Reservation, out: Outcome) -> Verdict:
+    """A token reservation by the user's own windows as a verdict."""
+    assert facts.tokens is not None
+    stamp = reservation.timestamp_ms or policy.clock()
+    if not reservation.allowed:
+        resource, window_seconds = reservation.resource, reservation.window_seconds
+        budget = facts.token_windows if resource == "tokens" else facts.windows
+        limit = next(lim for lim, seconds in budget if seconds == window_seconds)
+        retry_ms = reservation.retry_after_ms
+        family: list[ResourceHeaders] = []
+        own: Windows
+        name: Resource
+        for name, own in (("requests", facts.windows), ("tokens", facts.token_windows)):
+            if name == resource:
+                family.append(ResourceHeaders(name, limit, 0, retry_ms))
+                continue
+            state = tightest(reservation.windows, name)
+            family.append(ResourceHeaders(name, state.limit, state.remaining, retry_ms) if state is not None
+                          else ResourceHeaders(name, own[0][0], None, retry_ms))
+        requested = facts.tokens if resource == "tokens" else 1
+        return Refused((("X-RateLimit-Limit", str(limit)), ("X-RateLimit-Remaining", "0"),
+                        ("X-RateLimit-Window", window_name(window_seconds)),
+                        ("X-RateLimit-Resource", resource)),
+                       (reservation.retry_after_s, retry_ms),
+                       refusal_message(resource, window_seconds, limit, requested, retry_ms),
+                       "rejected", resource, window_seconds, family=tuple(family),
+                       ietf=((resource, window_seconds, 0, reservation.retry_after_s),), now_ms=stamp)
+    requests_state = tightest(reservation.windows, "requests")
+    record = False
+    if facts.counted is not None:
+        _, remaining, _, window_seconds = facts.counted
+        limit = next(lim for lim, seconds in facts.windows if seconds == window_seconds)
+        requests_state = WindowState(limit, window_seconds, "requests", remaining)
+    elif requests_state is not None and requests_state.remaining is not None:
+        out.remember = (True, requests_state.remaining, 0, requests_state.window_seconds)
+        record = True
+    states = tuple(state for state in (requests_state, tightest(reservation.windows, "tokens"))
+                   if state is not None)
+    return Allowed(states, stamp, record, reservation)

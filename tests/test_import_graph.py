@@ -137,10 +137,4 @@ def test_no_function_imports_a_module_of_the_package(name: str) -> None:
 
 
 # The lazy imports that remain, each with its reason; the list only shrinks.
-LAZY_ALLOWED: dict[str, set[str]] = {
-    # The start-up checks read the dependencies' and the middleware's own types while the
-    # dependencies' module imports the checks: until the HTTP floor is one decision plan
-    # (issue 31), the checks import them when they run.
-    "genai_ratelimit.fastapi._startup": {"genai_ratelimit.fastapi._dependency",
-                                         "genai_ratelimit.fastapi._middleware"},
-}
+LAZY_ALLOWED: dict[str, set[str]] = {}

@@ -157,6 +157,7 @@ class RateLimit:
 
     # TokenRateLimit charges tokens: its scopes keep their token windows.
     _charges_tokens = False
+    _rate_limit_dependency = True  # the start-up checks' mark (_startup.dependencies_of)
     __signature__ = ClassSignature()
 
     def __new__(cls, limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,

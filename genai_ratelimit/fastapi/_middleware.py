@@ -11,8 +11,8 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._usage import UsageScanner
-from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
 from ._answer import _SCOPE_KEY, _AllowedDecision
+from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
 from ._startup import checking_startup
 
 logger = logging.getLogger("genai_ratelimit")
@@ -54,6 +54,8 @@ class RateLimitHeadersMiddleware:
         app.add_middleware(RateLimitHeadersMiddleware,
                            error_envelope=lambda status, body: {"ok": False, "error": body})
     """
+
+    _rate_limit_headers = True  # the start-up checks' mark (_startup.has_headers_middleware)
 
     def __init__(self, app: ASGIApp, *,
                  error_envelope: Callable[[int, dict[str, Any]], Any] | None = None) -> None:

@@ -42,21 +42,19 @@ def _calls(dependant: Any) -> Iterator[Any]:
 
 def dependencies_of(app: Any) -> list[RateLimit]:
     """Every RateLimit / TokenRateLimit the app's routes (and their routers) depend on, each
-    once, in route order."""
-    from ._dependency import RateLimit
-
+    once, in route order. (Known by their class's mark: this module is imported by theirs.)"""
     found: list[RateLimit] = []
     for route in getattr(app, "routes", ()):
         for call in _calls(getattr(route, "dependant", None)):
-            if isinstance(call, RateLimit) and not any(call is seen for seen in found):
+            marked = getattr(type(call), "_rate_limit_dependency", False)
+            if marked and not any(call is seen for seen in found):
                 found.append(call)
     return found
 
 
 def has_headers_middleware(app: Any) -> bool:
-    from ._middleware import RateLimitHeadersMiddleware
-
-    return any(getattr(m, "cls", None) is RateLimitHeadersMiddleware
+    """Whether RateLimitHeadersMiddleware (known by its class's mark) wraps the app."""
+    return any(getattr(getattr(m, "cls", None), "_rate_limit_headers", False)
                for m in getattr(app, "user_middleware", ()))
 
 

@@ -61,12 +61,13 @@ X-RateLimit-Shadow-* headers (X-RateLimit-Shadow: would-refuse when it would hav
 IETF headers: `headers="ietf"` adds RateLimit-Policy and RateLimit (draft-ietf-httpapi-
 ratelimit-headers-10, see genai_ratelimit._ietf_headers) beside the contract's X-RateLimit-*.
 
-The package's rooms: _options (the shared keywords), _identity (who a request is, its key
-identity), _policy (I/O-free: what to decide, what to answer), _responses (every header and
-body family), _middleware, _ledger (leases and token reservations of a request), _scopes
-(upstream caps, route and model budgets), _dependency and _tokens (the thin sync/async
-drivers of RateLimit and TokenRateLimit), _startup (the start-up checks and
-rate_limit_lifespan).
+The package's rooms: _plan (THE decision, I/O-free: a request's facts in, the limiter calls
+it needs out, an outcome back; shared by RateLimit and TokenRateLimit), _answer (an outcome as
+status, headers and body: every header family, shadow verdicts), _dependency and _tokens (each
+dependency's facts, and the sync and asyncio drivers that run the plan's calls), _options (the
+shared keywords), _identity (who a request is, its key identity), _middleware, _ledger (leases
+and token reservations of a request), _scopes (upstream caps, route and model budgets),
+_startup (the start-up checks and rate_limit_lifespan).
 
 Requires the `fastapi` extra: pip install genai-ratelimit[fastapi].
 """

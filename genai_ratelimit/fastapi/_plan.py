@@ -257,36 +257,36 @@ def plan(facts: Facts, policy: Policy) -> Plan:
 
 def run(steps: Plan, limiter: Any) -> Outcome:
     """The blocking driver: each call on the limiter, in this thread."""
-    try:
-        call = next(steps)
-        while True:
-            try:
-                answer = getattr(limiter, call.method)(*call.args, **call.kwargs)
-            except RateLimiterError as exc:
-                call = steps.throw(exc)
-            else:
-                call = steps.send(answer)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+    step = _advance(steps, None, None)
+    while isinstance(step, Call):
+        try:
+            answer, error = getattr(limiter, step.method)(*step.args, **step.kwargs), None
+        except RateLimiterError as exc:
+            answer, error = None, exc
+        step = _advance(steps, answer, error)
+    return step
 
 
 async def run_async(steps: Plan, limiter: Any,
                     offload: Callable[..., Awaitable[Any]] | None = None) -> Outcome:
     """The asyncio driver: each call awaited, or, for a blocking limiter, `offload(fn)`
     (the threadpool)."""
+    step = _advance(steps, None, None)
+    while isinstance(step, Call):
+        method = getattr(limiter, step.method)
+        try:
+            answer, error = await (method(*step.args, **step.kwargs) if offload is None else
+                                   offload(functools.partial(method, *step.args, **step.kwargs))), None
+        except RateLimiterError as exc:
+            answer, error = None, exc
+        step = _advance(steps, answer, error)
+    return step
+
+
+def _advance(steps: Plan, answer: Any, error: RateLimiterError | None) -> Call | Outcome:
+    """The plan's next call, given the last one's answer or error; its outcome when done."""
     try:
-        call = next(steps)
-        while True:
-            method = getattr(limiter, call.method)
-            try:
-                if offload is None:
-                    answer = await method(*call.args, **call.kwargs)
-                else:
-                    answer = await offload(functools.partial(method, *call.args, **call.kwargs))
-            except RateLimiterError as exc:
-                call = steps.throw(exc)
-            else:
-                call = steps.send(answer)
+        return steps.throw(error) if error is not None else steps.send(answer)
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
 

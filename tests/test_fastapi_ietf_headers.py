@@ -18,8 +18,8 @@ import http_sfv
 import pytest
 import redis
 
-from genai_ratelimit._ietf_headers import PARTITION_KEY_SECRET_ENV, PartitionKeys
 from genai_ratelimit.fastapi import RateLimit, TokenRateLimit, key_identity
+from genai_ratelimit.fastapi._ietf_headers import PARTITION_KEY_SECRET_ENV, PartitionKeys
 from test_fastapi import (  # noqa: F401  (fixtures, by name)
     AnyLimiter,
     TestClient,

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from genai_ratelimit import TIER_LIMITS, TIER_TOKEN_LIMITS
-from genai_ratelimit._openai_headers import format_duration
+from genai_ratelimit.fastapi._openai_headers import format_duration
 from helpers_async import loop_factory_of
 from helpers_uvicorn import HTTPX_SOCKETS
 from test_fastapi_server import KEYS, UvicornApp, clean_env

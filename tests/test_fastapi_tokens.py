@@ -21,14 +21,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from genai_ratelimit import TIER_LIMITS, TIER_TOKEN_LIMITS, AsyncRateLimiter, RateLimiter
-from genai_ratelimit._openai_headers import format_duration
-from genai_ratelimit._usage import UsageScanner, estimate_openai_tokens
 from genai_ratelimit.fastapi import (
     RateLimit,
     RateLimitHeadersMiddleware,
     TokenRateLimit,
     record_usage,
 )
+from genai_ratelimit.fastapi._openai_headers import format_duration
+from genai_ratelimit.fastapi._usage import UsageScanner, estimate_openai_tokens
 from helpers_async import LimiterFactory
 from redis_server import free_port
 
@@ -560,7 +560,7 @@ def test_the_stream_scanner_keeps_the_last_usage_and_stops_at_done() -> None:
 
 
 def test_the_scanners_keep_only_what_they_need() -> None:
-    from genai_ratelimit import _usage
+    from genai_ratelimit.fastapi import _usage
 
     json_scanner = UsageScanner("json")
     json_scanner.feed(b'{"usage": {"total_tokens": 5}, "pad": "' + b"x" * _usage.MAX_JSON_BYTES + b'"}')

@@ -1,4 +1,4 @@
-"""The FastAPI layer wired to genai_ratelimit._usage and genai_ratelimit.proxies, through
+"""The FastAPI layer wired to genai_ratelimit.fastapi._usage and genai_ratelimit.proxies, through
 Starlette's TestClient on the session's real Redis: a maximum the upstream would refuse is the
 route's 422 (nothing reserved), one it accepts ("50000", 50000.0) is reserved in full; the
 default identify counts an anonymous IPv6 client per /64 and refuses a request without an

@@ -122,7 +122,7 @@ def refusal(identify: object, req: Request) -> HTTPException:
 def test_an_unknown_address_is_refused_with_a_distinct_500_and_a_warning(
         identify: object, req: Request, why: str, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from genai_ratelimit import proxies
+    from genai_ratelimit.fastapi import _clients as proxies
 
     monkeypatch.setattr(proxies, "_last_unknown_warning", float("-inf"))
     with caplog.at_level(logging.WARNING, logger="genai_ratelimit"):

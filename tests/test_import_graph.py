@@ -80,6 +80,21 @@ def imports_of(name: str) -> tuple[set[str], list[tuple[int, str]]]:
 GRAPH = {name: imports_of(name) for name in MODULES}
 
 
+def test_http_only_modules_live_under_fastapi() -> None:
+    """What serves only the HTTP floor lives in it: a root module that imports the floor is one
+    of its public faces (a re-export, no code of its own), and nothing of the core imports it."""
+    faces = {name for name, (top, _) in GRAPH.items() if not name.startswith(f"{PACKAGE}.fastapi")
+             and any(t.startswith(f"{PACKAGE}.fastapi") for t in top)}
+    assert faces <= HTTP_FLOOR_FACES
+    for name in faces:
+        tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+        assert all(isinstance(node, ast.ImportFrom | ast.Assign) or (
+            isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) for node in tree.body), name
+    importers = [name for name, (top, _) in GRAPH.items() if HTTP_FLOOR_FACES & top
+                 and not name.startswith(f"{PACKAGE}.fastapi")]
+    assert importers == []
+
+
 def test_the_graph_is_read() -> None:
     # A reader that found nothing would pass every test below.
     assert "genai_ratelimit.fastapi._dependency" in GRAPH["genai_ratelimit.fastapi"][0]
@@ -116,10 +131,14 @@ def test_no_import_circle_in_the_package() -> None:
     assert real == [], "import circles: " + "; ".join(" -> ".join(c) for c in real)
 
 
+# The HTTP floor: genai_ratelimit.fastapi and the public re-exports of its parts.
+HTTP_FLOOR_FACES = {f"{PACKAGE}.proxies"}
+
+
 def test_the_core_never_imports_the_http_floor() -> None:
     offenders = []
     for name, (top, lazy) in GRAPH.items():
-        if name.startswith(f"{PACKAGE}.fastapi"):
+        if name.startswith(f"{PACKAGE}.fastapi") or name in HTTP_FLOOR_FACES:
             continue
         for target in sorted(top) + [t for _, t in lazy]:
             if target == f"{PACKAGE}.fastapi" or target.startswith(f"{PACKAGE}.fastapi."):

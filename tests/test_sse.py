@@ -1,4 +1,4 @@
-"""genai_ratelimit._usage.EventStreamParser: a text/event-stream read as the WHATWG HTML
+"""genai_ratelimit.fastapi._usage.EventStreamParser: a text/event-stream read as the WHATWG HTML
 standard's "event stream interpretation" says, incrementally. The standard's own example
 streams (written here as vectors: the stream, the events it dispatches), each fed whole, one
 byte at a time and in random splits, with LF, CR and CRLF line ends; random streams against
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from genai_ratelimit._usage import EventStreamParser, ServerSentEvent, UsageScanner
+from genai_ratelimit.fastapi._usage import EventStreamParser, ServerSentEvent, UsageScanner
 
 M = "message"
 

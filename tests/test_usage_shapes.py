@@ -1,4 +1,4 @@
-"""genai_ratelimit._usage, the I/O-free half of TokenRateLimit: what the estimate counts for
+"""genai_ratelimit.fastapi._usage, the I/O-free half of TokenRateLimit: what the estimate counts for
 each API (every text the upstream bills), the maximum a request asks for as the upstream reads
 it, and the usage every response shape reports (OpenAI chat completions, OpenAI Responses,
 Anthropic Messages; JSON and streamed), absurd numbers included, and what an interrupted
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from genai_ratelimit import _usage
 from genai_ratelimit._native import MAX_LIMIT
-from genai_ratelimit._usage import (
+from genai_ratelimit.fastapi import _usage
+from genai_ratelimit.fastapi._usage import (
     InvalidTokenCount,
     UsageScanner,
     estimate_openai_tokens,

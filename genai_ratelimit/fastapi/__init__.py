@@ -59,15 +59,18 @@ Shadow mode: `RateLimit(..., mode="shadow")` (and TokenRateLimit) decides and co
 X-RateLimit-Shadow-* headers (X-RateLimit-Shadow: would-refuse when it would have refused),
 `shadow_count`, the limiter's metrics and a throttled log line.
 IETF headers: `headers="ietf"` adds RateLimit-Policy and RateLimit (draft-ietf-httpapi-
-ratelimit-headers-10, see genai_ratelimit._ietf_headers) beside the contract's X-RateLimit-*.
+ratelimit-headers-10, see genai_ratelimit.fastapi._ietf_headers) beside the contract's X-RateLimit-*.
 
 The package's rooms: _plan (THE decision, I/O-free: a request's facts in, the limiter calls
 it needs out, an outcome back; shared by RateLimit and TokenRateLimit), _answer (an outcome as
-status, headers and body: every header family, shadow verdicts), _dependency and _tokens (each
-dependency's facts, and the sync and asyncio drivers that run the plan's calls), _options (the
-shared keywords), _identity (who a request is, its key identity), _middleware, _ledger (leases
-and token reservations of a request), _scopes (upstream caps, route and model budgets),
-_startup (the start-up checks and rate_limit_lifespan).
+status, headers and body: every header family, shadow verdicts), _openai_headers and
+_ietf_headers (the header families and bodies), _dependency and _tokens (each dependency's
+facts, and the sync and asyncio drivers that run the plan's calls), _options (the shared
+keywords), _clients (who a request is: networks, trusted proxies, its key identity;
+genai_ratelimit.proxies is its public face), _usage (the token estimate, the usage of a JSON
+body or an SSE stream), _middleware, _ledger (leases and token reservations of a request),
+_scopes (upstream caps, route and model budgets), _startup (the start-up checks and
+rate_limit_lifespan).
 
 Requires the `fastapi` extra: pip install genai-ratelimit[fastapi].
 """
@@ -82,16 +85,15 @@ except ImportError as exc:  # the core package works without FastAPI; this packa
     raise ImportError("genai_ratelimit.fastapi needs FastAPI: pip install 'genai-ratelimit[fastapi]'"
                       f" ({exc})") from exc
 
-from .._usage import estimate_openai_tokens
-from ..proxies import Anonymous
+from ._clients import Anonymous, Identify, default_identify, key_identity
 from ._dependency import RateLimit
-from ._identity import Identify, default_identify, key_identity
 from ._ledger import in_flight_lease, record_usage
 from ._middleware import RateLimitHeadersMiddleware
 from ._plan import window_name
 from ._scopes import Upstream
 from ._startup import RateLimitConfigError, check_app, rate_limit_lifespan
 from ._tokens import TokenRateLimit
+from ._usage import estimate_openai_tokens
 
 __all__ = [
     "Anonymous",

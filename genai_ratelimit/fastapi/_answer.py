@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from fastapi import HTTPException, Request, Response
 
-from .._ietf_headers import Policy, ServiceLimit, ietf_headers
-from .._openai_headers import (
+from ..reservation import Resource
+from ._ietf_headers import Policy, ServiceLimit, ietf_headers
+from ._ledger import _TOKENS_KEY, _TokenLedger
+from ._openai_headers import (
     UNAVAILABLE_MESSAGE,
     ResourceHeaders,
     error_body,
@@ -25,8 +27,6 @@ from .._openai_headers import (
     retry_headers,
     too_large_error_body,
 )
-from ..reservation import Resource
-from ._ledger import _TOKENS_KEY, _TokenLedger
 from ._plan import Allowed, Facts, Outcome, Refused, Windows, window_name
 
 if TYPE_CHECKING:

@@ -16,8 +16,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from typing_extensions import Unpack
 
 from .. import RateLimiterError
-from .._ietf_headers import HeaderMode, PartitionKeys
-from .._openai_headers import ErrorFormat
 from .._tiers_config import (
     TIER_BUDGET_KEYS,
     TierConfigError,
@@ -31,12 +29,13 @@ from ..aio import AsyncRateLimiter
 from ..lease import Lease
 from ..limiter import RateLimiter
 from ..metrics import request_outcomes
-from ..proxies import UnknownClientAddress
 from ..reservation import Reservation
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
 from ._answer import _COUNTED_KEY, _SHADOWED_KEY, _record_shadow, answer, shadow_headers, unavailable
-from ._identity import _NAMESPACE_PATTERN, Identify, default_identify, key_identity
+from ._clients import _NAMESPACE_PATTERN, Identify, UnknownClientAddress, default_identify, key_identity
+from ._ietf_headers import HeaderMode, PartitionKeys
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _LeaseLedger
+from ._openai_headers import ErrorFormat
 from ._options import ClassSignature, Mode, OnUnavailable, SharedOptions, options_from
 from ._plan import (
     AsyncWindowLimiter,
@@ -84,7 +83,7 @@ class RateLimit:
                    draws on one budget. None: no namespace, the contract's keys, whatever the
                    budget (two budgets on the same keys are refused at start-up).
 
-    Keyword-only (see genai_ratelimit._openai_headers for the shapes):
+    Keyword-only (see genai_ratelimit.fastapi._openai_headers for the shapes):
 
     error_format   "openai" (default): 429/503 bodies carry OpenAI's `error` object beside the
                    contract's `detail`, responses OpenAI's x-ratelimit-*-requests headers;
@@ -106,7 +105,7 @@ class RateLimit:
                    default 60); never an enforced header, body or retry instruction.
     headers        "contract" (default): the contract's X-RateLimit-* (and the error
                    format's family). "ietf" or "both" (the same): those, plus the IETF
-                   draft's RateLimit-Policy and RateLimit fields (genai_ratelimit._ietf_headers).
+                   draft's RateLimit-Policy and RateLimit fields (genai_ratelimit.fastapi._ietf_headers).
     partition_key_secret
                    the secret of the IETF fields' partition keys (pk), an HMAC of the
                    identity: None reads $GENAI_RATELIMIT_PARTITION_KEY_SECRET, else a random

@@ -10,10 +10,10 @@ from typing import Any
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .._usage import UsageScanner
 from ._answer import _SCOPE_KEY, _AllowedDecision
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _TOKENS_KEY, _LeaseLedger, _TokenLedger
 from ._startup import checking_startup
+from ._usage import UsageScanner
 
 logger = logging.getLogger("genai_ratelimit")
 

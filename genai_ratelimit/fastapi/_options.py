@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
-from .._ietf_headers import HEADER_MODES, HeaderMode
 from .._native import MAX_LIMIT
-from .._openai_headers import ERROR_FORMATS, ErrorFormat
 from ..lease import DEFAULT_LEASE_SECONDS
+from ._ietf_headers import HEADER_MODES, HeaderMode
+from ._openai_headers import ERROR_FORMATS, ErrorFormat
 
 if TYPE_CHECKING:
     from ._scopes import Upstream, UpstreamOf

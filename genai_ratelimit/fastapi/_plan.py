@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from .. import RateLimiterError
-from .._openai_headers import ResourceHeaders, format_duration, refusal_message
 from ..lease import HINT_WITHOUT_HISTORY_MS, Lease
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
+from ._openai_headers import ResourceHeaders, format_duration, refusal_message
 
 Windows = tuple[tuple[int, int], ...]
 Decision = tuple[bool, int, int, int]

@@ -15,8 +15,8 @@ from .._tiers_config import (
     scope_sections_from_env,
     validate_scope_budget,
 )
-from .._usage import requested_model
 from ..reservation import Scope as BudgetScope
+from ._usage import requested_model
 
 logger = logging.getLogger("genai_ratelimit")
 

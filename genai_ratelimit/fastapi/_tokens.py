@@ -14,27 +14,27 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from typing_extensions import Unpack
 
-from .._openai_headers import ErrorFormat
 from .._tiers_config import (
     TIER_BUDGET_KEYS,
     tier_token_limits_from_env,
     validate_token_limits,
 )
-from .._usage import (
+from ..metrics import request_outcomes
+from ..reservation import Reservation
+from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
+from ._answer import refuse
+from ._clients import Identify
+from ._dependency import _AsyncRateLimit
+from ._ledger import _ledger_of
+from ._openai_headers import ErrorFormat
+from ._options import OnUnavailable, SharedOptions
+from ._plan import AsyncWindowLimiter, Facts, SyncWindowLimiter, Windows
+from ._usage import (
     MAX_REQUEST_JSON_BYTES,
     InvalidTokenCount,
     estimate_openai_tokens,
     prompt_tokens,
 )
-from ..metrics import request_outcomes
-from ..reservation import Reservation
-from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
-from ._answer import refuse
-from ._dependency import _AsyncRateLimit
-from ._identity import Identify
-from ._ledger import _ledger_of
-from ._options import OnUnavailable, SharedOptions
-from ._plan import AsyncWindowLimiter, Facts, SyncWindowLimiter, Windows
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -144,7 +144,7 @@ class TokenRateLimit(_AsyncRateLimit):
 
     Responses carry the contract's X-RateLimit-* (for the request windows; on a 429 for the
     window that refused, with X-RateLimit-Resource: requests|tokens) and OpenAI's
-    x-ratelimit-limit|remaining|reset-requests|tokens (see genai_ratelimit._openai_headers
+    x-ratelimit-limit|remaining|reset-requests|tokens (see genai_ratelimit.fastapi._openai_headers
     for what reset means on a sliding log), and retry-after-ms beside Retry-After on a 429.
 
     Keys: the request windows are RateLimit's keys; the token windows are

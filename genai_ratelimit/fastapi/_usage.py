@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from ._native import MAX_LIMIT
+from .._native import MAX_LIMIT
 
 __all__ = ["estimate_openai_tokens", "prompt_characters", "prompt_tokens",
            "requested_completion_tokens", "parse_token_count", "InvalidTokenCount",

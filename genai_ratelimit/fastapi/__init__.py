@@ -88,6 +88,7 @@ from ._identity import default_identify, key_identity
 from ._ledger import in_flight_lease, record_usage
 from ._middleware import RateLimitHeadersMiddleware
 from ._policy import Identify, window_name
+from ._proxy import forward_to_upstream
 from ._scopes import Upstream
 from ._startup import RateLimitConfigError, check_app, rate_limit_lifespan
 from ._tokens import TokenRateLimit
@@ -109,6 +110,7 @@ __all__ = [
     "rate_limit_lifespan",
     "check_app",
     "RateLimitConfigError",
+    "forward_to_upstream",
 ]
 
 if TYPE_CHECKING:

@@ -12,7 +12,8 @@ with the example's own tiers file. The clients are the real openai and anthropic
   closed, and no in-flight slot is left (the tier's max_in_flight admits new streams); one
   that leaves while a JSON answer is awaited closes the upstream request too;
 - the upstream's status, headers and body pass through, but for the limiter's headers, and
-  an upstream error charges no tokens.
+  an upstream error charges no tokens; forward_to_upstream, in process, sends the client's
+  headers but the hop-by-hop ones and those it is told to replace.
 
 Each test prints its figures (pytest -s): requests, tokens reconciled, leaks."""
 
@@ -27,10 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
 import openai
 import pytest
 import redis
+from fastapi import FastAPI, Request, Response
+from fastapi.testclient import TestClient
 
+from genai_ratelimit.fastapi import forward_to_upstream
 from helpers_core import logged
 from helpers_uvicorn import HTTPX_SOCKETS, UvicornServer
 from test_fastapi_cancel import wait_for
@@ -279,3 +284,46 @@ def test_the_upstreams_answer_passes_through_but_for_the_limiters_headers(
     with gateway.client(timeout=10.0) as through:
         assert through.post("/v1/messages", json=request).status_code == 401
     no_errors_logged(gateway)
+
+
+def test_forward_to_upstream_sends_the_clients_headers_but_the_hops_and_those_it_replaces() -> None:
+    """forward_to_upstream alone (no budget on the route), in process: the upstream echoes the
+    headers and the body it was sent."""
+    async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = (await receive())["body"]
+        seen = [[name.decode(), value.decode()] for name, value in scope["headers"]]
+        answer = json.dumps({"headers": seen, "body": json.loads(body),
+                             "query": scope["query_string"].decode()})
+        await send({"type": "http.response.start", "status": 201, "headers": [
+            (b"content-type", b"application/json"), (b"connection", b"close, x-hop"), (b"x-hop", b"1"),
+            (b"x-ratelimit-limit-tokens", b"1"), (b"ratelimit-policy", b'"p";q=1'), (b"x-kept", b"yes")]})
+        await send({"type": "http.response.body", "body": answer.encode()})
+
+    upstream = httpx.AsyncClient(base_url="http://upstream.test/base",
+                                 transport=httpx.ASGITransport(app=echo))
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward_to_upstream(request, upstream, headers={"authorization": "Bearer sk-upstream",
+                                                                     "x-api-key": None})
+
+    with TestClient(app) as client:
+        answer = client.post("/v1/chat/completions?trace=1",
+                             json={"stream": True, "stream_options": {"x": 1}},
+                             headers={"authorization": "Bearer sk-gateway", "x-api-key": "sk-gateway",
+                                      "connection": "keep-alive, x-private", "x-private": "hop",
+                                      "accept-encoding": "gzip", "x-client": "kept"})
+    assert answer.status_code == 201
+    assert answer.headers["x-kept"] == "yes"
+    assert not {"x-hop", "x-ratelimit-limit-tokens", "ratelimit-policy"} & set(answer.headers)
+    sent = answer.json()
+    names = [name for name, _ in sent["headers"]]
+    assert names.count("authorization") == names.count("accept-encoding") == names.count("host") == 1
+    assert {name: value for name, value in sent["headers"]
+            if name in ("authorization", "accept-encoding", "host", "x-client")} == {
+        "authorization": "Bearer sk-upstream", "accept-encoding": "identity", "host": "upstream.test",
+        "x-client": "kept"}
+    assert not {"x-api-key", "x-private"} & set(names)
+    assert sent["query"] == "trace=1"
+    assert sent["body"] == {"stream": True, "stream_options": {"x": 1, "include_usage": True}}

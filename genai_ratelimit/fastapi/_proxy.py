@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -66,10 +67,14 @@ def _connection_tokens(headers: list[tuple[str, str]]) -> set[str]:
             for token in value.split(",") if token.strip()}
 
 
-def upstream_request_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """The client's request headers (lower-case names) as the upstream gets them."""
-    dropped = HOP_BY_HOP | _REQUEST_SET_BY_HOP | _connection_tokens(headers)
+def upstream_request_headers(headers: list[tuple[str, str]],
+                             replaced: Mapping[str, str | None] | None = None) -> list[tuple[str, str]]:
+    """The client's request headers (lower-case names) as the upstream gets them; those named
+    in `replaced` take its value instead (None: left out)."""
+    replaced = {name.lower(): value for name, value in (replaced or {}).items()}
+    dropped = HOP_BY_HOP | _REQUEST_SET_BY_HOP | _connection_tokens(headers) | set(replaced)
     return [(name, value) for name, value in headers if name not in dropped] + \
+        [(name, value) for name, value in replaced.items() if value is not None] + \
         [("accept-encoding", "identity")]
 
 
@@ -173,12 +178,16 @@ class UpstreamResponse(Response):
 
 
 async def forward_to_upstream(request: Request, client: httpx.AsyncClient, path: str | None = None, *,
+                              headers: Mapping[str, str | None] | None = None,
                               include_stream_usage: bool = True) -> Response:
     """Sends `request` to the upstream with `client` (its `base_url` is the upstream's; `path`,
     default the request's own path, with the request's query string) and returns the
     upstream's answer as a streamed response: status, headers and body as the upstream sent
-    them, but for the headers named in this module's docstring. A chat completions stream is
-    made to carry its usage (`include_stream_usage=False` leaves the body alone).
+    them, but for the headers named in this module's docstring. `headers` replaces the
+    request's headers of those names (None: not sent), e.g. the upstream's API key in place
+    of the gateway's own: `{"authorization": f"Bearer {key}", "x-api-key": None}`. A chat
+    completions stream is made to carry its usage (`include_stream_usage=False` leaves the
+    body alone).
 
     Upstream unreachable: 502; timed out before it answered: 504; both in the error shape of
     the openai and anthropic SDKs. Use it in a route behind a TokenRateLimit, with
@@ -189,11 +198,10 @@ async def forward_to_upstream(request: Request, client: httpx.AsyncClient, path:
     body = await request.body()
     if include_stream_usage and target.rstrip("/").endswith("/chat/completions"):
         body = with_stream_usage(body)
-    headers = upstream_request_headers([(name.decode("latin-1").lower(), value.decode("latin-1"))
-                                        for name, value in request.scope["headers"]])
+    sent = upstream_request_headers([(name.decode("latin-1").lower(), value.decode("latin-1"))
+                                     for name, value in request.scope["headers"]], headers)
     params: Any = request.url.query or None
-    outgoing = client.build_request(request.method, target, params=params, headers=headers,
-                                    content=body)
+    outgoing = client.build_request(request.method, target, params=params, headers=sent, content=body)
     upstream: httpx.Response | None = None
     failure: httpx.TransportError | None = None
     async with anyio.create_task_group() as group:

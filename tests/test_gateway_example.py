@@ -13,7 +13,9 @@ with the example's own tiers file. The clients are the real openai and anthropic
   that leaves while a JSON answer is awaited closes the upstream request too;
 - the upstream's status, headers and body pass through, but for the limiter's headers, and
   an upstream error charges no tokens; forward_to_upstream, in process, sends the client's
-  headers but the hop-by-hop ones and those it is told to replace.
+  headers but the hop-by-hop ones and those it is told to replace; an upstream that cannot
+  be reached is a 502 charged nothing, one that does not answer in time a 504 that keeps the
+  estimate.
 
 Each test prints its figures (pytest -s): requests, tokens reconciled, leaks."""
 
@@ -32,12 +34,14 @@ import httpx
 import openai
 import pytest
 import redis
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.testclient import TestClient
 
-from genai_ratelimit.fastapi import forward_to_upstream
+from genai_ratelimit import RateLimiter
+from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, TokenRateLimit, forward_to_upstream
 from helpers_core import logged
 from helpers_uvicorn import HTTPX_SOCKETS, UvicornServer
+from redis_server import free_port
 from test_fastapi_cancel import wait_for
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
@@ -327,3 +331,39 @@ def test_forward_to_upstream_sends_the_clients_headers_but_the_hops_and_those_it
     assert not {"x-api-key", "x-private"} & set(names)
     assert sent["query"] == "trace=1"
     assert sent["body"] == {"stream": True, "stream_options": {"x": 1, "include_usage": True}}
+
+
+def test_an_unreachable_upstream_is_a_502_charged_nothing_a_silent_one_a_504_that_keeps_its_estimate(
+        upstream: UvicornServer, redis_url: str, redis_client: redis.Redis) -> None:
+    """forward_to_upstream in process (TestClient), behind a TokenRateLimit on the session's
+    Redis: nothing listens on the first upstream's port; the fake upstream takes 10 s to
+    answer a "slow" model's JSON, the client of the second waits 0.3 s."""
+    budget = TokenRateLimit(RateLimiter(redis_url), identify=lambda request: ("gateway-errors", "free"),
+                            tier_limits={"free": {"per_minute": 100, "per_day": 1000}},
+                            token_limits={"free": {"per_minute": 10_000, "per_day": 100_000}})
+    unreachable = httpx.AsyncClient(base_url=f"http://127.0.0.1:{free_port()}")
+    silent = httpx.AsyncClient(base_url=upstream.base_url, timeout=0.3)
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+
+    @app.post("/unreachable/v1/chat/completions", dependencies=[Depends(budget)])
+    async def to_unreachable(request: Request) -> Response:
+        return await forward_to_upstream(request, unreachable, "/v1/chat/completions")
+
+    @app.post("/silent/v1/chat/completions", dependencies=[Depends(budget)])
+    async def to_silent(request: Request) -> Response:
+        return await forward_to_upstream(request, silent, "/v1/chat/completions")
+
+    request = {"model": "slow-1", "max_tokens": 100, "messages": MESSAGES}
+    charges = "ratelimit:gateway-errors:60:tokens"
+    with TestClient(app) as client:
+        refused = client.post("/unreachable/v1/chat/completions", json=request)
+        assert refused.status_code == 502 and refused.json()["error"]["code"] == "upstream_unavailable"
+        assert logged(redis_client, charges) == []  # nothing reached an upstream: nothing charged
+        timed_out = client.post("/silent/v1/chat/completions", json=request)
+        assert timed_out.status_code == 504 and timed_out.json()["error"]["code"] == "upstream_timeout"
+        kept = [cost for _, cost in logged(redis_client, charges)]
+        assert len(kept) == 1 and kept[0] > 100  # the estimate: the upstream may have generated
+        client.portal.call(silent.aclose)
+        client.portal.call(unreachable.aclose)
+    assert len(logged(redis_client, "ratelimit:gateway-errors:60")) == 2  # both counted as requests

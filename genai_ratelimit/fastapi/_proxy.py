@@ -157,8 +157,8 @@ class UpstreamResponse(Response):
                         await send({"type": "http.response.body", "body": b"", "more_body": False})
                     except OSError:
                         pass  # the client is gone (an ASGI 2.4 server raises on send)
-                    except httpx.TransportError as error:
-                        failure = error  # the upstream broke off: the client's stream must too
+                    except Exception as error:  # raised below, as itself, not in an ExceptionGroup
+                        failure = error  # e.g. the upstream broke off: the client's stream must too
                     finally:
                         group.cancel_scope.cancel()
 
@@ -173,7 +173,8 @@ class UpstreamResponse(Response):
             with anyio.CancelScope(shield=True):
                 await self.upstream.aclose()
         if failure is not None:
-            logger.warning("upstream %s broke off mid-response: %r", self.upstream.url, failure)
+            if isinstance(failure, httpx.TransportError):
+                logger.warning("upstream %s broke off mid-response: %r", self.upstream.url, failure)
             raise failure
 
 
@@ -203,7 +204,7 @@ async def forward_to_upstream(request: Request, client: httpx.AsyncClient, path:
     params: Any = request.url.query or None
     outgoing = client.build_request(request.method, target, params=params, headers=sent, content=body)
     upstream: httpx.Response | None = None
-    failure: httpx.TransportError | None = None
+    failure: Exception | None = None
     async with anyio.create_task_group() as group:
         # The upstream may take minutes before its first byte (a long answer that is not
         # streamed): a client that leaves meanwhile cancels the request, which closes its
@@ -213,7 +214,7 @@ async def forward_to_upstream(request: Request, client: httpx.AsyncClient, path:
             nonlocal upstream, failure
             try:
                 upstream = await client.send(outgoing, stream=True)
-            except httpx.TransportError as error:
+            except Exception as error:  # judged below, outside the task group
                 failure = error
             finally:
                 group.cancel_scope.cancel()
@@ -230,8 +231,10 @@ async def forward_to_upstream(request: Request, client: httpx.AsyncClient, path:
         return _error(502, "upstream_unavailable", f"the upstream could not be reached: {failure!r}")
     if isinstance(failure, httpx.TimeoutException):
         return _error(504, "upstream_timeout", f"the upstream did not answer in time: {failure!r}")
-    if failure is not None:
+    if isinstance(failure, httpx.TransportError):
         return _error(502, "upstream_unavailable", f"the upstream failed: {failure!r}")
+    if failure is not None:
+        raise failure  # not the upstream's failure (a bad URL, say): the route's own error
     if upstream is None:
         # The client left before the upstream answered (nginx's 499: nobody reads it). The
         # upstream may have generated meanwhile: the reservation stays as it is.

@@ -15,7 +15,9 @@ with the example's own tiers file. The clients are the real openai and anthropic
   an upstream error charges no tokens; forward_to_upstream, in process, sends the client's
   headers but the hop-by-hop ones and those it is told to replace; an upstream that cannot
   be reached is a 502 charged nothing, one that does not answer in time a 504 that keeps the
-  estimate.
+  estimate;
+- a bad setting stops the gateway with one line naming it; `python app.py KEY` prints the
+  id a key is counted under.
 
 Each test prints its figures (pytest -s): requests, tokens reconciled, leaks."""
 
@@ -23,6 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -367,3 +373,25 @@ def test_an_unreachable_upstream_is_a_502_charged_nothing_a_silent_one_a_504_tha
         client.portal.call(silent.aclose)
         client.portal.call(unreachable.aclose)
     assert len(logged(redis_client, "ratelimit:gateway-errors:60")) == 2  # both counted as requests
+
+
+@pytest.mark.parametrize(("variable", "value", "message"), [
+    ("GATEWAY_UPSTREAM_URL", "", "gateway: GATEWAY_UPSTREAM_URL is not set (the upstream's base URL"),
+    ("GATEWAY_KEY_TIERS", "/nonexistent/tiers.json", "gateway: GATEWAY_KEY_TIERS=/nonexistent/tiers.json"),
+    ("GATEWAY_UPSTREAM_TIMEOUT", "ten", "gateway: GATEWAY_UPSTREAM_TIMEOUT: could not convert"),
+])
+def test_a_bad_setting_stops_the_gateway_with_one_line_naming_it(variable: str, value: str, message: str,
+                                                                 tmp_path: Path) -> None:
+    shutil.copy(GATEWAY / "app.py", tmp_path / "app.py")  # imported from a copy: no __pycache__ here
+    environment = {**os.environ, "GATEWAY_UPSTREAM_URL": "http://127.0.0.1:9", variable: value}
+    environment.pop("GENAI_RATELIMIT_TIERS", None)
+    started = subprocess.run([sys.executable, "-c", "import app"], cwd=tmp_path, env=environment,
+                             capture_output=True, text=True, timeout=60)
+    assert started.returncode == 1
+    assert started.stderr.startswith(message) and started.stderr.count("\n") == 1, started.stderr
+
+
+def test_app_py_prints_the_id_a_key_is_counted_under() -> None:
+    printed = subprocess.run([sys.executable, "app.py", PRO_KEY, "sk-other"], cwd=GATEWAY,
+                             capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0 and printed.stdout.split() == [key_id(PRO_KEY), key_id("sk-other")]

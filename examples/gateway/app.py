@@ -53,10 +53,10 @@ if __name__ == "__main__":  # python app.py KEY...: the ids to put in GATEWAY_KE
     raise SystemExit(0)
 
 
-def _environment(name: str, default: str | None = None) -> str:
+def _environment(name: str, default: str | None = None, what: str = "") -> str:
     value = os.environ.get(name, "").strip() or default
     if value is None:
-        raise SystemExit(f"gateway: {name} is not set (the upstream's base URL, e.g. https://api.openai.com)")
+        raise SystemExit(f"gateway: {name} is not set ({what})")
     return value
 
 
@@ -74,7 +74,7 @@ def _key_tiers(path: str | None) -> dict[str, str]:
     return tiers
 
 
-UPSTREAM_URL = _environment("GATEWAY_UPSTREAM_URL")
+UPSTREAM_URL = _environment("GATEWAY_UPSTREAM_URL", what="the upstream's base URL, e.g. https://api.openai.com")
 ANTHROPIC_UPSTREAM_URL = _environment("GATEWAY_ANTHROPIC_UPSTREAM_URL", UPSTREAM_URL)
 KEY_TIERS = _key_tiers(os.environ.get("GATEWAY_KEY_TIERS") or None)
 try:
@@ -95,8 +95,9 @@ openai_budget = TokenRateLimit(limiter)
 anthropic_budget = TokenRateLimit(limiter, error_format="anthropic")
 
 
-def authenticate(request: Request) -> None:
-    """Who is asking, for the limiter: request.state.user_id and request.state.tier."""
+async def authenticate(request: Request) -> None:
+    """Who is asking, for the limiter: request.state.user_id and request.state.tier. (async:
+    it does no I/O, so it runs on the event loop, not in FastAPI's threadpool.)"""
     authorization = request.headers.get("authorization", "")
     scheme, _, bearer = authorization.partition(" ")
     api_key = request.headers.get("x-api-key") or (bearer.strip() if scheme.lower() == "bearer" else "")

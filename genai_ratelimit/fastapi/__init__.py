@@ -90,6 +90,7 @@ from ._dependency import RateLimit
 from ._ledger import in_flight_lease, record_usage
 from ._middleware import RateLimitHeadersMiddleware
 from ._plan import window_name
+from ._proxy import forward_to_upstream
 from ._scopes import Upstream
 from ._startup import RateLimitConfigError, check_app, rate_limit_lifespan
 from ._tokens import TokenRateLimit
@@ -112,6 +113,7 @@ __all__ = [
     "rate_limit_lifespan",
     "check_app",
     "RateLimitConfigError",
+    "forward_to_upstream",
 ]
 
 if TYPE_CHECKING:

@@ -81,7 +81,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
-        install-asan install-debug demo serve bench bench-instructions bench-gcra bench-weighted bench-leases bench-scopes bench-metrics bench-cluster bench-replicas \
+        install-asan install-debug demo serve bench bench-instructions bench-gcra bench-http bench-weighted bench-leases bench-scopes bench-metrics bench-cluster bench-replicas \
         bench-builds \
         metrics-dashboard dashboard-pictures dist wheel test-wheel docs clean
 
@@ -97,6 +97,7 @@ help:
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-instructions  server instructions per script call (callgrind): the check vs the seed"
 	@echo "make bench-gcra     GCRA (check_rate) vs the sorted-set and compact checks: server time, memory"
+	@echo "make bench-http     the FastAPI layer's own CPU per request vs the same route unlimited"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
 	@echo "make bench-cluster  a single node vs a 3-master Redis Cluster, and the slot lookup's cost"
 	@echo "make bench-replicas a master + replica vs a 3+3 cluster, min_replicas=1 vs without"
@@ -278,6 +279,9 @@ bench-instructions: install
 	$(PY) benchmarks/script_instructions.py
 
 # GCRA (check_rate) against the sorted-set and compact checks, server time and memory (one run).
+bench-http: install
+	$(PY) benchmarks/http_cpu.py
+
 bench-gcra: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/gcra.py

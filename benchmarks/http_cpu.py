@@ -11,6 +11,10 @@ process and is not counted), so a loaded machine changes the figures less than w
 Contenders, in rotating order, each for R requests per round after 200 warm-up ones:
 
   unlimited (baseline)        the same handler behind RateLimitHeadersMiddleware, no dependency
+  no-op Depends (reference)   an async dependency taking (request, response) that does nothing:
+                              FastAPI's own price of a dependency
+  limiter call alone          `await limiter.check_windows_detailed(...)` in a loop, no HTTP: the
+                              Redis round trip's CPU on this side (the floor under any route)
   minute+day, zset            Depends(RateLimit(...)), a budget no run reaches: every request allowed
   minute+day, compact         the same on AsyncRateLimiter(storage="compact")
   minute+day, 429             a budget of 1 a minute, spent: every request refused
@@ -34,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fastapi import Depends, FastAPI  # noqa: E402
+from fastapi import Depends, FastAPI, Request, Response  # noqa: E402
 
 from benchlib import RedisTarget, load_average, print_ratio_table  # noqa: E402
 from genai_ratelimit import AsyncRateLimiter  # noqa: E402
@@ -87,6 +91,21 @@ async def call(app: FastAPI) -> int:
     return status
 
 
+async def noop(request: Request, response: Response) -> None:
+    """A dependency that does nothing, with the parameters RateLimit takes."""
+
+
+async def cpu_per_call(limiter: AsyncRateLimiter, requests: int) -> tuple[float]:
+    """µs of CPU per limiter call alone, after 200 warm-up ones."""
+    windows = ((10**12, 60), (10**12, 86_400))
+    for _ in range(200):
+        await limiter.check_windows_detailed("alone", windows)
+    start = time.process_time_ns()
+    for _ in range(requests):
+        await limiter.check_windows_detailed("alone", windows)
+    return ((time.process_time_ns() - start) / requests / 1e3,)
+
+
 async def cpu_per_request(app: FastAPI, expect: int, requests: int) -> tuple[float]:
     """µs of this process's CPU per request over `requests` requests, after 200 warm-up ones."""
     for _ in range(200):
@@ -101,8 +120,10 @@ async def cpu_per_request(app: FastAPI, expect: int, requests: int) -> tuple[flo
 async def run(url: str, rounds: int, requests: int) -> dict[str, list[tuple[float]]]:
     limiter = AsyncRateLimiter(url)
     compact = AsyncRateLimiter(url, storage="compact")
-    contenders: dict[str, tuple[FastAPI, int]] = {
+    contenders: dict[str, tuple[FastAPI | None, int]] = {
         "unlimited (baseline)": (build(None), 200),
+        "no-op Depends (reference)": (build(noop), 200),
+        "limiter call alone": (None, 0),
         "minute+day, zset": (build(RateLimit(limiter, BIG, namespace="a")), 200),
         "minute+day, compact": (build(RateLimit(compact, BIG, namespace="b")), 200),
         "minute+day, 429": (build(RateLimit(limiter, SPENT, namespace="c")), 429),
@@ -110,7 +131,9 @@ async def run(url: str, rounds: int, requests: int) -> dict[str, list[tuple[floa
             limiter, BIG, namespace="d", token_limits=BIG_TOKENS, max_in_flight={"free": 10**6},
             model_limits={"gpt-4o": {"per_minute": 10**12, "tokens_per_minute": 10**12}})), 200),
     }
-    await call(contenders["minute+day, 429"][0])  # spends the budget of 1
+    spent = contenders["minute+day, 429"][0]
+    assert spent is not None
+    await call(spent)  # spends the budget of 1
     rows: dict[str, list[tuple[float]]] = {name: [] for name in contenders}
     names = list(contenders)
     for round_index in range(rounds):
@@ -119,7 +142,8 @@ async def run(url: str, rounds: int, requests: int) -> dict[str, list[tuple[floa
             order.reverse()
         for name in order:
             app, expect = contenders[name]
-            rows[name].append(await cpu_per_request(app, expect, requests))
+            rows[name].append(await cpu_per_request(app, expect, requests) if app is not None
+                              else await cpu_per_call(limiter, requests))
     await limiter.aclose()
     await compact.aclose()
     return rows

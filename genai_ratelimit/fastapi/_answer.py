@@ -48,9 +48,12 @@ class _AllowedDecision:
     route keep the one with the fewest remaining; ties: the shorter window). Lives in the ASGI
     scope; the middleware puts it there before the app runs, so shallow scope copies share it."""
 
-    __slots__ = ("limit", "remaining", "window_seconds", "extra", "shadow")
+    __slots__ = ("limit", "remaining", "window_seconds", "extra", "shadow", "middleware")
 
-    def __init__(self) -> None:
+    def __init__(self, middleware: bool = False) -> None:
+        # Made by RateLimitHeadersMiddleware, which writes the headers onto the response
+        # itself: the dependency then leaves FastAPI's sub-response alone.
+        self.middleware = middleware
         self.limit = 0
         self.remaining = -1  # -1: nothing recorded yet
         self.window_seconds = 0
@@ -99,8 +102,9 @@ def _record_shadow(request: Request, response: Response, headers: list[tuple[str
     if refusing in decision.shadow and refusing not in headers:
         return  # a would-refuse verdict of this request stands (e.g. its in-flight cap)
     decision.shadow = headers
-    for name, value in headers:
-        response.headers[name] = value
+    if not decision.middleware:
+        for name, value in headers:
+            response.headers[name] = value
 
 
 
@@ -122,8 +126,9 @@ def _record_allowed(request: Request, response: Response, limit: int, remaining:
                 "returns itself (StreamingResponse, JSONResponse). Add "
                 "app.add_middleware(genai_ratelimit.fastapi.RateLimitHeadersMiddleware).")
     decision.offer(limit, remaining, window_seconds)
-    for name, value in decision.headers():
-        response.headers[name] = value
+    if not decision.middleware:
+        for name, value in decision.headers():
+            response.headers[name] = value
 
 
 class RateLimitRefusal(HTTPException):
@@ -155,6 +160,8 @@ def _record_extra(request: Request, response: Response, extra: list[tuple[str, s
     decision_record = request.scope.get(_SCOPE_KEY)
     if isinstance(decision_record, _AllowedDecision):
         decision_record.extra = extra
+        if decision_record.middleware:
+            return
     for name, value in extra:
         response.headers[name] = value
 

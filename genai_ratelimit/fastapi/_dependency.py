@@ -28,7 +28,7 @@ from .._tiers_config import (
 from ..aio import AsyncRateLimiter
 from ..lease import Lease
 from ..limiter import RateLimiter
-from ..metrics import request_outcomes
+from ..metrics import RequestOutcomes, request_outcomes
 from ..reservation import Reservation
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
 from ._answer import _COUNTED_KEY, _SHADOWED_KEY, _record_shadow, answer, shadow_headers, unavailable
@@ -261,6 +261,7 @@ class RateLimit:
         self._fail_open_lock = threading.Lock()  # the threadpool may fail open in parallel
         self._checked_apps: set[int] = set()  # id() of the apps whose start-up checks passed
         self._plan_policy: Policy | None = None
+        self._limiter_facts: tuple[Any, tuple[object, ...], RequestOutcomes] | None = None
 
     @property
     def limiter(self) -> Any:
@@ -345,11 +346,17 @@ class RateLimit:
     def _counted_key(self, identity: str, windows: Windows) -> tuple[object, ...]:
         """Which keys a check of `identity` would count in: the limiter's Redis and key prefix
         (the limiter object itself when it does not say), the identity and the budget."""
-        limiter = self.limiter
-        url, prefix = getattr(limiter, "url", None), getattr(limiter, "key_prefix", None)
-        space: tuple[object, ...] = (url, prefix) if isinstance(url, str) and isinstance(prefix, str) \
-            else (id(limiter),)
-        return (*space, identity, windows)
+        return (*self._of_limiter()[1], identity, windows)
+
+    def _of_limiter(self) -> tuple[Any, tuple[object, ...], RequestOutcomes]:
+        """(the limiter, its key space, its request_outcomes), read once per limiter."""
+        limiter, cached = self.limiter, self._limiter_facts
+        if cached is None or cached[0] is not limiter:
+            url, prefix = getattr(limiter, "url", None), getattr(limiter, "key_prefix", None)
+            space: tuple[object, ...] = (url, prefix) if isinstance(url, str) and \
+                isinstance(prefix, str) else (id(limiter),)
+            cached = self._limiter_facts = (limiter, space, request_outcomes(limiter))
+        return cached
 
     def _remember(self, request: Request, identity: str, windows: Windows, decision: Decision) -> None:
         request.scope.setdefault(_COUNTED_KEY, {})[self._counted_key(identity, windows)] = decision
@@ -367,7 +374,7 @@ class RateLimit:
         note[1] = True
         if self.mode == "shadow" and outcome in ("rejected", "too_large", "concurrency_rejected"):
             outcome = "shadow_would_refuse"
-        tally = request_outcomes(self.limiter)
+        tally = self._of_limiter()[2]
         tally.add(outcome, tier=note[0], scope=scope, mode=self.mode, resource=resource,
                   window_seconds="none" if window_seconds is None else str(window_seconds))
         running = request.scope.get(_IN_FLIGHT_KEY)

@@ -72,7 +72,7 @@ class RateLimitHeadersMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        decision = _AllowedDecision()
+        decision = _AllowedDecision(middleware=True)
         scope[_SCOPE_KEY] = decision
         ledger = _TokenLedger(middleware=True)
         scope[_TOKENS_KEY] = ledger

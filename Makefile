@@ -278,10 +278,12 @@ bench-instructions: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/script_instructions.py
 
-# GCRA (check_rate) against the sorted-set and compact checks, server time and memory (one run).
+# The FastAPI layer's own CPU per request against the same route unlimited (one run).
 bench-http: install
+	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/http_cpu.py
 
+# GCRA (check_rate) against the sorted-set and compact checks, server time and memory (one run).
 bench-gcra: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/gcra.py

@@ -184,33 +184,26 @@ class RateLimit:
         namespace: str | None = None,
         **options: Unpack[SharedOptions],
     ) -> None:
-        opts = options_from(options)
-        self.options = opts
-        error_format, headers, mode = opts.error_format, opts.headers, opts.mode
-        max_client_wait_seconds, log_user_ids = opts.max_client_wait_seconds, opts.log_user_ids
-        unavailable_log_interval = opts.unavailable_log_interval
-        shadow_log_interval, partition_key_secret = opts.shadow_log_interval, opts.partition_key_secret
-        max_in_flight, lease_seconds = opts.max_in_flight, opts.lease_seconds
-        upstream, route_limits, model_limits = opts.upstream, opts.route_limits, opts.model_limits
+        opts = self.options = options_from(options)
         self.in_flight_retry_after = (None if opts.in_flight_retry_after is None
                                       else float(opts.in_flight_retry_after))
-        self.error_format: ErrorFormat = error_format
-        self.max_client_wait_seconds = float(max_client_wait_seconds)
-        self.unavailable_log_interval = float(unavailable_log_interval)
-        self.log_user_ids = log_user_ids
+        self.error_format: ErrorFormat = opts.error_format
+        self.max_client_wait_seconds = float(opts.max_client_wait_seconds)
+        self.unavailable_log_interval = float(opts.unavailable_log_interval)
+        self.log_user_ids = opts.log_user_ids
         self._unavailable_log = _LogThrottle(self.unavailable_log_interval)
-        self.mode: Mode = mode
-        self.headers: HeaderMode = headers
-        self._shadow_log = _LogThrottle(float(shadow_log_interval))
+        self.mode: Mode = opts.mode
+        self.headers: HeaderMode = opts.headers
+        self._shadow_log = _LogThrottle(float(opts.shadow_log_interval))
         self._shadow_count = 0
         self._partition_keys: PartitionKeys | None = None
-        if headers != "contract":
-            self._partition_keys = PartitionKeys(partition_key_secret)
+        if opts.headers != "contract":
+            self._partition_keys = PartitionKeys(opts.partition_key_secret)
             if self._partition_keys.per_process:
                 logger.warning(
                     "RateLimit(headers=%r) has no partition_key_secret (nor $%s): the IETF "
                     "RateLimit fields' partition keys come from a random secret of this process, "
-                    "so they differ between workers and restarts", headers,
+                    "so they differ between workers and restarts", opts.headers,
                     "GENAI_RATELIMIT_PARTITION_KEY_SECRET")
         if namespace is not None:
             if not isinstance(namespace, str):
@@ -226,20 +219,18 @@ class RateLimit:
             raise TypeError(
                 f"limiter must be a RateLimiter or AsyncRateLimiter, not {type(limiter).__name__}")
         from_file = tier_limits is None
-        self.lease_seconds = lease_seconds
+        self.lease_seconds = opts.lease_seconds
         if tier_limits is None:
             tiers_in_flight = tier_max_in_flight_from_env() or {}
             tier_limits = tier_limits_from_env() or TIER_LIMITS
         else:
             tiers_in_flight = max_in_flight_of_tiers(tier_limits)
         self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)
-        self._scopes = _Scopes(upstream, route_limits, model_limits, from_file,
+        self._scopes = _Scopes(opts.upstream, opts.route_limits, opts.model_limits, from_file,
                                tokens=self._charges_tokens, shadow=opts.mode == "shadow")
         self._limiter_is_async = limiter is None or _is_async_limiter(limiter)
-        defaults: dict[str, int] = {}
-        for tier, cap in (max_in_flight or {}).items():
-            if tier in self.tier_limits:  # a tier the budget does not know never applies
-                defaults[tier] = cap
+        # A tier the budget does not know never applies.
+        defaults = {tier: cap for tier, cap in (opts.max_in_flight or {}).items() if tier in self.tier_limits}
         # Per tier, the most requests of one identity in flight at once (absent: no cap).
         self.max_in_flight: dict[str, int] = {**defaults, **tiers_in_flight}
         if self.max_in_flight and limiter is not None and not (
@@ -299,10 +290,7 @@ class RateLimit:
     def _space(self) -> tuple[object, ...]:
         """The limiter's Redis and key prefix (the limiter itself when it does not say; the
         default limiter's: $REDIS_URL)."""
-        if self._limiter is None:
-            return ("default limiter",)
-        url, prefix = getattr(self._limiter, "url", None), getattr(self._limiter, "key_prefix", None)
-        return (url, prefix) if isinstance(url, str) and isinstance(prefix, str) else (id(self._limiter),)
+        return ("default limiter",) if self._limiter is None else self._of_limiter()[1]
 
     def mark_checked(self, app: object) -> None:
         """The start-up checks of `app` passed (rate_limit_lifespan, or the first request)."""

@@ -1,9 +1,10 @@
 """The FastAPI layer wired to genai_ratelimit._usage and genai_ratelimit.proxies, through
 Starlette's TestClient on the real Redis of the package's own pytest plugin: a maximum the
-upstream would refuse is the route's 422 (nothing reserved), one it accepts ("50000", 50000.0) is reserved in full; the
-default identify counts an anonymous IPv6 client per /64 and refuses a request without an
-address (500, never `ip:unknown`); and TokenRateLimit(aborted_stream=...) picks what a stream
-that ends without its usage costs: its estimate (the default) or what it streamed."""
+upstream would refuse is the route's 422 (nothing reserved), one it accepts ("50000",
+50000.0) is reserved in full; the default identify counts an anonymous IPv6 client per /64
+and refuses a request without an address (500, never `ip:unknown`); and
+TokenRateLimit(aborted_stream=...) picks what a stream that ends without its usage costs: its
+estimate (the default) or what it streamed."""
 
 from __future__ import annotations
 

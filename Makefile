@@ -366,8 +366,10 @@ wheel: venv
 	  build/wheel-raw/genai_ratelimit-*.whl
 	cp build/wheel-raw/genai_ratelimit-*.tar.gz $(WHEEL_DIR)/
 	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl
-	$(PIP) install -q "abi3audit==0.0.26"
+	$(PIP) install -q "abi3audit==0.0.26" "twine>=6"
 	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl
+	$(PY) -m twine check --strict $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl \
+	  $(WHEEL_DIR)/genai_ratelimit-*.tar.gz
 	@ls -l $(WHEEL_DIR)/genai_ratelimit-*
 endif
 

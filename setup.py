@@ -162,7 +162,8 @@ def fail_missing(libraries: list[tuple[str, str]], toolchain: list[str]) -> None
             packages = " ".join(PACKAGES[key][index] for key in keys)
             lines.append(f"  {distribution + ':':15} {command} {packages}")
     if not MACOS:
-        lines.append("Or install the prebuilt manylinux wheel (built by `make wheel`), which needs none of them.")
+        lines.append("Or install the prebuilt manylinux wheel (built by `make wheel`), "
+                     "which needs none of them.")
     fail("\n".join(lines))
 
 

@@ -138,8 +138,9 @@ def test_without_redis_a_test_fails_saying_what_to_install(user_project: pytest.
     user_project.makepyfile(test_needs="def test_needs(ratelimit_factory):\n    pass\n")
     result = run(user_project)
     result.assert_outcomes(errors=1)
-    result.stdout.fnmatch_lines(["*genai-ratelimit's pytest plugin: redis-server is not on PATH: install "
-                                 "Redis (apt-get install redis-server, brew install redis) or set REDIS_URL*"])
+    result.stdout.fnmatch_lines([
+        "*genai-ratelimit's pytest plugin: redis-server is not on PATH: install "
+        "Redis (apt-get install redis-server, brew install redis) or set REDIS_URL*"])
 
 
 def test_ratelimit_missing_redis_skip_skips_instead(user_project: pytest.Pytester,

@@ -14,14 +14,15 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 import venv
 import warnings
 from contextlib import redirect_stderr
 from pathlib import Path
+from platform import machine
 from typing import Any
 
 import pytest
+import tomllib
 import trove_classifiers
 import yaml
 
@@ -112,7 +113,7 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_twine_check_passes_on_the_sdist_and_the_wheel(dist: Path) -> None:
     files = sorted(dist.iterdir())
     assert [f.name for f in files] == [
-        f"genai_ratelimit-{genai_ratelimit.__version__}-cp310-abi3-linux_{_machine()}.whl",
+        f"genai_ratelimit-{genai_ratelimit.__version__}-cp310-abi3-linux_{machine()}.whl",
         f"genai_ratelimit-{genai_ratelimit.__version__}.tar.gz"]
     output = run(sys.executable, "-m", "twine", "check", "--strict", *files)
     assert output.count("PASSED") == 2, output
@@ -130,11 +131,6 @@ def test_the_wheel_passes_the_smoke_test_in_a_fresh_venv(dist: Path, tmp_path: P
     assert command[0] == "python" and command[1:] == CIBUILDWHEEL["test-sources"]
     output = run(python, ROOT / command[1], cwd=tmp_path)
     assert f"from {tmp_path / 'venv'}" in output and "decide on Linux" in output
-
-
-def _machine() -> str:
-    import platform
-    return platform.machine()
 
 
 # --- cibuildwheel and the release workflow -------------------------------------------------------

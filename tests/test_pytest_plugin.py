@@ -75,6 +75,17 @@ def test_the_fixtures_are_listed_in_a_user_s_project(user_project: pytest.Pytest
         assert re.search(rf"^{name}( \[session scope\])? -- .*genai_ratelimit", output, re.MULTILINE), name
 
 
+def test_with_autoloading_off_the_plugin_loads_by_name(user_project: pytest.Pytester,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    user_project.makepyfile(test_one="""
+        def test_one(ratelimit_factory):
+            assert ratelimit_factory.rate_limiter().check("u", 1, 60) == (True, 0, 0)
+        """)
+    run(user_project).assert_outcomes(errors=1)  # fixture 'ratelimit_factory' not found
+    run(user_project, "-p", "genai_ratelimit.pytest_plugin").assert_outcomes(passed=1)
+
+
 def test_the_docs_test_files_pass_sync_async_and_fastapi(user_project: pytest.Pytester) -> None:
     files = user_files_of_the_docs()
     assert set(files) == {"test_quota.py", "test_quota_async.py", "test_app.py"}

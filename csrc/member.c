@@ -12,6 +12,10 @@
  * The same wiped page tells the limiters that a fork happened (rl_fork_generation), so
  * they drop their parent's sockets without a getpid() syscall on every call.
  *
+ * Portability: Linux has getrandom(2) and libuuid (util-linux, found by setup.py with
+ * pkg-config); macOS has getentropy(2), at most 256 bytes a call, and the uuid functions in
+ * its C library (<uuid/uuid.h>), which setup.py selects with RL_SYSTEM_UUID.
+ *
  * GIL contract: the page is module state, used only with the GIL held (args.c).
  */
 #include "native.h"
@@ -22,7 +26,11 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <unistd.h>
-#include <uuid.h>
+#ifdef RL_SYSTEM_UUID
+#include <uuid/uuid.h> /* the C library's (macOS) */
+#else
+#include <uuid.h> /* libuuid's */
+#endif
 
 #define RL_RANDOM_PAGE 4096
 
@@ -96,19 +104,34 @@ rl_fork_generation(rl_random *r)
     return r->generation;
 }
 
+/* Fills buf with kernel randomness. 0, or -1 with errno. */
 static int
-refill(rl_random_page *page)
+kernel_random(unsigned char *buf, size_t len)
 {
     size_t got = 0;
-    while (got < sizeof(page->bytes)) {
-        ssize_t n = getrandom(page->bytes + got, sizeof(page->bytes) - got, 0);
+    while (got < len) {
+#ifdef __APPLE__
+        size_t n = len - got < 256 ? len - got : 256; /* getentropy's most per call */
+        if (getentropy(buf + got, n) < 0)
+            return -1;
+#else
+        ssize_t n = getrandom(buf + got, len - got, 0);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
             return -1;
         }
+#endif
         got += (size_t)n;
     }
+    return 0;
+}
+
+static int
+refill(rl_random_page *page)
+{
+    if (kernel_random(page->bytes, sizeof(page->bytes)) < 0)
+        return -1;
     page->pid = getpid();
     page->used = 0;
     page->filled = 1;

@@ -16,6 +16,7 @@
  */
 #include "native.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -484,7 +485,7 @@ deliver(rl_module_state *state, rl_metrics *metrics, rl_event *ev)
             freeReplyObject(ev->reply);
             ev->reply = NULL;
             break;
-        default: /* the handshake is complete */
+        default: /* the handshake is complete, or the replicas acknowledged (WAIT) */
             value = Py_NewRef(Py_None);
             break;
         }
@@ -619,6 +620,46 @@ Pipeline_push_command(PipelineObject *self, PyTypeObject *defining_class, PyObje
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(Pipeline_push_wait_doc,
+"push_wait($self, future, replicas, timeout_ms, /)\n--\n\n"
+"min_replicas: queues the engine's WAIT (the blocking limiter's, csrc/proto.c), which\n"
+"covers every write queued before it. The future gets None when at least `replicas`\n"
+"acknowledged within timeout_ms, else RateLimiterUnavailable (\"not replicated: ...\").\n"
+"Its reply is due after timeout plus timeout_ms.");
+
+static PyObject *
+Pipeline_push_wait(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
+                   Py_ssize_t nargs, PyObject *kwnames)
+{
+    rl_module_state *state = PyType_GetModuleState(defining_class);
+    rl_error err = {RL_OK, ""};
+    if (nargs != 3 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "push_wait(future, replicas, timeout_ms) takes 3 positional arguments");
+        return NULL;
+    }
+    if (!ready(self))
+        return NULL;
+    long replicas = PyLong_AsLong(args[1]);
+    if (replicas == -1 && PyErr_Occurred())
+        return NULL;
+    long long timeout_ms = PyLong_AsLongLong(args[2]);
+    if (timeout_ms == -1 && PyErr_Occurred())
+        return NULL;
+    if (replicas < 1 || replicas > RL_MAX_REPLICAS || timeout_ms < 1 ||
+        timeout_ms > RL_MAX_REPLICA_TIMEOUT_MS) {
+        PyErr_Format(PyExc_ValueError,
+                     "replicas must be between 1 and %d and timeout_ms between 1 and %lld",
+                     RL_MAX_REPLICAS, (long long)RL_MAX_REPLICA_TIMEOUT_MS);
+        return NULL;
+    }
+    if (rl_proto_push_wait(&self->proto, (int)replicas, timeout_ms, rl_monotonic() + self->timeout,
+                           args[0], &err) != RL_OK)
+        return rl_raise(state, &err); /* nothing was queued */
+    Py_INCREF(args[0]);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(Pipeline_take_doc,
 "take($self, /)\n--\n\n"
 "The bytes queued since the last take() (to be written now), or None. A bytearray when\n"
@@ -709,10 +750,31 @@ Pipeline_feed(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
     return PyBool_FromLong(out_after > out_before);
 }
 
+/* The failure of a WAIT cut off by exc, whose rl_status is cause: the engine's judgement
+   (rl_proto_wait_failed), or exc itself. New reference, or NULL with an exception set. */
+static PyObject *
+wait_failure(rl_module_state *state, PyObject *exc, rl_status cause)
+{
+    rl_error err = {cause, ""};
+    PyObject *text = PyObject_Str(exc);
+    const char *said = text != NULL ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
+    if (said == NULL) {
+        Py_XDECREF(text);
+        return NULL;
+    }
+    snprintf(err.message, sizeof(err.message), "%s", said);
+    Py_DECREF(text);
+    if (rl_proto_wait_failed(cause, &err) == cause)
+        return Py_NewRef(exc);
+    return rl_exception(state, &err);
+}
+
 /* Pops every entry. With replays != NULL, decisions that the replay rule sends again are
-   appended to it as (future, request); every other waiting future fails with exc. */
+   appended to it as (future, request); every other waiting future fails with exc (whose
+   rl_status is cause: a WAIT's failure is the engine's judgement of it). */
 static int
-pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *replays)
+pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, rl_status cause,
+        PyObject *replays)
 {
     int failed = 0;
     PyObject *first_type = NULL, *first_value = NULL, *first_tb = NULL;
@@ -756,6 +818,8 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
                     (void)resolve(state, future, Py_NewRef(exc), 1);
                     PyErr_Clear();
                     PyErr_Restore(t, v, tb);
+                } else if (e.step == RL_STEP_WAIT) {
+                    rc = resolve(state, future, wait_failure(state, exc, cause), 1);
                 } else {
                     rc = resolve(state, future, Py_NewRef(exc), 1);
                 }
@@ -778,52 +842,93 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
     return 0;
 }
 
+/* Checks (exception, status) at args[first]; *cause: the status. 0, or -1 with TypeError
+   or ValueError. */
 static int
-one_exception(const char *name, Py_ssize_t nargs, PyObject *kwnames, PyObject *const *args)
+exception_and_status(const char *name, Py_ssize_t nargs, PyObject *kwnames, PyObject *const *args,
+                     Py_ssize_t first, rl_status *cause)
 {
-    if (nargs != 1 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
-        PyErr_Format(PyExc_TypeError, "%s(exception) takes 1 positional argument", name);
+    if (nargs != first + 2 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments", name, first + 2);
         return -1;
     }
-    if (!PyExceptionInstance_Check(args[0])) {
+    if (!PyExceptionInstance_Check(args[first])) {
         PyErr_Format(PyExc_TypeError, "%s() needs an exception instance", name);
         return -1;
     }
+    long status = PyLong_AsLong(args[first + 1]);
+    if (status == -1 && PyErr_Occurred())
+        return -1;
+    if (status <= RL_OK || status > RL_ERR_REDIRECT) {
+        PyErr_Format(PyExc_ValueError, "%s(): status must be one of the STATUS_* constants", name);
+        return -1;
+    }
+    *cause = (rl_status)status;
     return 0;
 }
 
 PyDoc_STRVAR(Pipeline_fail_all_doc,
-"fail_all($self, exception, /)\n--\n\n"
+"fail_all($self, exception, status, /)\n--\n\n"
 "Fails every pending future with the exception (those not done yet) and forgets them;\n"
-"the queued bytes are dropped too.");
+"the queued bytes are dropped too. status: why (a STATUS_* constant); a WAIT's future\n"
+"gets the engine's judgement of that failure (fail_wait).");
 
 static PyObject *
 Pipeline_fail_all(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
                   Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (one_exception("fail_all", nargs, kwnames, args) < 0 || !ready(self))
+    rl_status cause;
+    if (exception_and_status("fail_all", nargs, kwnames, args, 0, &cause) < 0 || !ready(self))
         return NULL;
-    if (pop_all(self, PyType_GetModuleState(defining_class), args[0], NULL) < 0)
+    if (pop_all(self, PyType_GetModuleState(defining_class), args[0], cause, NULL) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Pipeline_fail_wait_doc,
+"fail_wait($self, future, exception, status, /)\n--\n\n"
+"Fails the future of a WAIT that was never sent (push_wait) as the engine judges a WAIT\n"
+"cut off by exception, whose rl_status is status: a broken connection is \"not\n"
+"replicated\", anything else (a timeout, a closed limiter) is the exception itself.");
+
+static PyObject *
+Pipeline_fail_wait(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
+                   Py_ssize_t nargs, PyObject *kwnames)
+{
+    rl_module_state *state = PyType_GetModuleState(defining_class);
+    rl_status cause;
+    if (exception_and_status("fail_wait", nargs, kwnames, args, 1, &cause) < 0 || !ready(self))
+        return NULL;
+    if (resolve(state, args[0], wait_failure(state, args[1], cause), 1) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(Pipeline_take_replays_doc,
 "take_replays($self, exception, /)\n--\n\n"
-"For a connection that broke: empties the FIFO, switches each waiting decision that the\n"
-"replay rule sends again (once, marked) to its replay form and returns those as\n"
-"[(future, request)], oldest first; every other waiting future fails with exception.");
+"For a connection that broke (STATUS_IO): empties the FIFO, switches each waiting decision\n"
+"that the replay rule sends again (once, marked) to its replay form and returns those as\n"
+"[(future, request)], oldest first; every other waiting future fails with exception (a\n"
+"WAIT's with the engine's judgement of it).");
 
 static PyObject *
 Pipeline_take_replays(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
                       Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (one_exception("take_replays", nargs, kwnames, args) < 0 || !ready(self))
+    if (nargs != 1 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "take_replays(exception) takes 1 positional argument");
+        return NULL;
+    }
+    if (!PyExceptionInstance_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take_replays() needs an exception instance");
+        return NULL;
+    }
+    if (!ready(self))
         return NULL;
     PyObject *replays = PyList_New(0);
     if (replays == NULL)
         return NULL;
-    if (pop_all(self, PyType_GetModuleState(defining_class), args[0], replays) < 0) {
+    if (pop_all(self, PyType_GetModuleState(defining_class), args[0], RL_ERR_IO, replays) < 0) {
         Py_DECREF(replays);
         return NULL;
     }
@@ -914,8 +1019,12 @@ static PyMethodDef Pipeline_methods[] = {
     {"take", (PyCFunction)Pipeline_take, METH_NOARGS, Pipeline_take_doc},
     {"feed", (PyCFunction)(void (*)(void))Pipeline_feed,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_feed_doc},
+    {"push_wait", (PyCFunction)(void (*)(void))Pipeline_push_wait,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_push_wait_doc},
     {"fail_all", (PyCFunction)(void (*)(void))Pipeline_fail_all,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_fail_all_doc},
+    {"fail_wait", (PyCFunction)(void (*)(void))Pipeline_fail_wait,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_fail_wait_doc},
     {"take_replays", (PyCFunction)(void (*)(void))Pipeline_take_replays,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_take_replays_doc},
     {"oldest_deadline", (PyCFunction)Pipeline_oldest_deadline, METH_NOARGS,

@@ -290,8 +290,12 @@ module_exec(PyObject *module)
         /* The bounds of a script's reply (native.h), for the tests and the fuzzer's model. */
         add_long_long(module, "MAX_UNIX_MS", RL_MAX_UNIX_MS) < 0 ||
         add_long_long(module, "MAX_CLOCK_SKEW_MS", RL_MAX_CLOCK_SKEW_MS) < 0 ||
-        /* The _rl_status of an exception whose call a cluster may send elsewhere. */
+        /* The rl_status of a failure: the engine tags its exceptions with it, and the
+           asyncio driver names its own (a timeout, a lost connection, a closed limiter). */
         PyModule_AddIntConstant(module, "STATUS_CONNECT", RL_ERR_CONNECT) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_TIMEOUT", RL_ERR_TIMEOUT) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_PROTOCOL", RL_ERR_PROTOCOL) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_CLOSED", RL_ERR_CLOSED) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_IO", RL_ERR_IO) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_SERVER", RL_ERR_SERVER) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_REDIRECT", RL_ERR_REDIRECT) < 0 ||

@@ -41,15 +41,17 @@
 
 #include "base.h" /* errors, wipe, clocks: the floor every room stands on */
 
-#define RL_MAX_WINDOWS 32                  /* windows decided by one check */
-#define RL_CLUSTER_SLOTS 16384             /* hash slots of a Redis Cluster */
-#define RL_MAX_SCOPES 8                    /* scopes (besides the user's own) in one decision */
-#define RL_MAX_SCOPE_NAME 256              /* bytes of a scope's name, in UTF-8 */
-#define RL_MEMBER_LEN 36                   /* canonical UUID text, without the NUL */
-#define RL_MAX_REPLY_BYTES 65536           /* a decision's reply is tiny: more is garbage */
-#define RL_MAX_LIMIT 9007199254740991LL    /* 2^53 - 1: exact in Lua's doubles */
-#define RL_MAX_WINDOW_SECONDS 3153600000LL /* 100 years of 365 days */
-#define RL_MAX_TIMEOUT_SECONDS 86400.0     /* timeouts: one day at most (no overflow) */
+#define RL_MAX_WINDOWS 32                    /* windows decided by one check */
+#define RL_CLUSTER_SLOTS 16384               /* hash slots of a Redis Cluster */
+#define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
+#define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
+#define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
+#define RL_MAX_REPLY_BYTES 65536             /* a decision's reply is tiny: more is garbage */
+#define RL_MAX_LIMIT 9007199254740991LL      /* 2^53 - 1: exact in Lua's doubles */
+#define RL_MAX_WINDOW_SECONDS 3153600000LL   /* 100 years of 365 days */
+#define RL_MAX_TIMEOUT_SECONDS 86400.0       /* timeouts: one day at most (no overflow) */
+#define RL_MAX_REPLICA_TIMEOUT_MS 86400000LL /* replica_timeout_ms: one day at most */
+#define RL_MAX_REPLICAS 86400000             /* min_replicas: the options' one bound */
 
 /* What the scripts of lua/ can answer: rl_script_decode holds every integer of a reply to
    these before it computes anything from it; outside them a reply is malformed. A count
@@ -208,6 +210,7 @@ typedef enum {
     RL_STEP_SCRIPT_LOAD, /* queued by the engine after NOSCRIPT */
     RL_STEP_DECISION,    /* a rate-limit decision (EVALSHA) */
     RL_STEP_COMMAND,     /* any other command: the raw reply goes to the caller */
+    RL_STEP_WAIT,        /* min_replicas: WAIT after an admission, judged by the engine */
 } rl_step;
 
 typedef struct {
@@ -216,6 +219,8 @@ typedef struct {
     rl_script_id script;   /* SCRIPT LOAD: the script being loaded */
     int last;              /* handshake: the step whose success completes it */
     int large;             /* a CLUSTER command: its reply may list every slot */
+    int replicas;          /* WAIT: the replicas that must acknowledge (min_replicas) */
+    long long wait_ms;     /* WAIT: its timeout (replica_timeout_ms) */
     double deadline;       /* monotonic seconds by which the reply is due */
     double sent;           /* decisions, commands: monotonic seconds when queued (metrics
                               on), else 0 */
@@ -368,6 +373,20 @@ rl_status rl_proto_push_decision(rl_proto *p, rl_prepared *d, double deadline, v
                                  void *holder, rl_error *err);
 rl_status rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
                                 double deadline, void *token, rl_error *err);
+/* min_replicas, the one rule of both drivers: queues WAIT replicas timeout_ms behind the
+   admission it covers (same write: WAIT covers every earlier write of the connection). Its
+   reply is due by deadline plus WAIT's own time. Its event (RL_STEP_WAIT) is judged by the
+   engine: RL_OK when at least `replicas` acknowledged, else RL_ERR_SERVER "not replicated:
+   N of the M replicas ..." (an error reply keeps its kind, AUTH or SERVER). On failure
+   nothing is queued. */
+rl_status rl_proto_push_wait(rl_proto *p, int replicas, long long timeout_ms, double deadline,
+                             void *token, rl_error *err);
+/* A WAIT whose reply never came: a connection that broke (RL_ERR_IO) or fell out of step
+   (RL_ERR_PROTOCOL) leaves the admission unconfirmed: RL_ERR_SERVER "not replicated: the
+   connection broke waiting for the replicas (...)" (err rewritten). Any other cause (a
+   timeout, a closed limiter, no memory) is returned as it is. The decision ran: it is
+   never resent, not elsewhere either. */
+rl_status rl_proto_wait_failed(rl_status cause, rl_error *err);
 /* The bytes to write now, and how many of them were written. */
 const char *rl_proto_output(const rl_proto *p, size_t *len);
 void rl_proto_consume(rl_proto *p, size_t written);

@@ -156,7 +156,8 @@ class _Connection(asyncio.Protocol):
             return False
         if self.pipeline.pending or not self.pipeline.idle_is_stale(self._fd):
             return True
-        self.abort(RateLimiterUnavailable("Redis sent bytes on an idle connection"))
+        self.abort(RateLimiterUnavailable("Redis sent bytes on an idle connection"),
+                   _native.STATUS_PROTOCOL)
         return False
 
     def data_received(self, data: bytes) -> None:
@@ -164,7 +165,8 @@ class _Connection(asyncio.Protocol):
             wrote = self.pipeline.feed(data)
         except Exception as exc:  # garbage from the server: this connection is done
             self.abort(exc if isinstance(exc, RateLimiterError)
-                       else RateLimiterUnavailable(f"cannot decode Redis's reply: {exc}"))
+                       else RateLimiterUnavailable(f"cannot decode Redis's reply: {exc}"),
+                       _native.STATUS_PROTOCOL)
             return
         if wrote:
             self._schedule_flush()
@@ -194,7 +196,7 @@ class _Connection(asyncio.Protocol):
         # the script answers "already counted" for a request its first attempt logged.
         # Everything else fails with `error`.
         replays = [] if self.pool.limiter._closed else self.pipeline.take_replays(error)
-        self._close(error)
+        self._close(error, _native.STATUS_IO)
         if replays:
             self.pool.replay(replays)
 
@@ -245,7 +247,7 @@ class _Connection(asyncio.Protocol):
         wait, self._next_wait = self._next_wait, None
         assert wait is not None
         limiter = self.pool.limiter
-        self.pipeline.push_command(wait, *limiter._wait_words)
+        self.pipeline.push_wait(wait, limiter._min_replicas, limiter._replica_timeout_ms)
         self.waiting = True
         self._quiet_until = max(self._quiet_until, time.monotonic()
                                 + limiter._replica_timeout_ms / 1000 + self.timeout)
@@ -321,23 +323,25 @@ class _Connection(asyncio.Protocol):
         left = max(deadline, self._quiet_until) - time.monotonic()
         if left <= 0:
             self.abort(RateLimiterTimeout(
-                f"Redis did not answer within {self.timeout:g} s (socket_timeout)"))
+                f"Redis did not answer within {self.timeout:g} s (socket_timeout)"),
+                _native.STATUS_TIMEOUT)
         else:
             self._timer = self.loop.call_later(left, self._on_timer)
 
     # -- closing
-    def abort(self, exc: Exception) -> None:
-        """Fails every pending check with exc and drops the connection (it may be out of step)."""
+    def abort(self, exc: Exception, status: int) -> None:
+        """Fails every pending check with exc, whose rl_status is status (_native.STATUS_*),
+        and drops the connection (it may be out of step)."""
         if not self.closed:
             self.pool.limiter._codec._record_outcome("connection_error")
         transport = self.transport
-        self._close(exc)
+        self._close(exc, status)
         if transport is not None:
             transport.abort()
 
     def close(self, exc: Exception) -> None:
         transport = self.transport
-        self._close(exc)
+        self._close(exc, _native.STATUS_CLOSED)
         if transport is None:
             return
         if transport.get_extra_info("sslcontext") is not None:
@@ -348,7 +352,7 @@ class _Connection(asyncio.Protocol):
         else:
             transport.close()
 
-    def _close(self, exc: Exception) -> None:
+    def _close(self, exc: Exception, status: int) -> None:
         if self.closed:
             return
         self.closed = True
@@ -356,9 +360,9 @@ class _Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         wait, self._next_wait = self._next_wait, None
-        if wait is not None and not wait.done():  # never sent: no reply will resolve it
-            wait.set_exception(exc)
-        self.pipeline.fail_all(exc)
+        if wait is not None:  # never sent: no reply will resolve it
+            self.pipeline.fail_wait(wait, exc, status)
+        self.pipeline.fail_all(exc, status)
         self.pool.discard(self)
 
 
@@ -456,23 +460,23 @@ class _LoopPool:
         try:
             await asyncio.wait_for(self._connect(conn, options), limiter._connect_timeout)
         except asyncio.TimeoutError:
-            conn.abort(RateLimiterTimeout("connect timed out"))
+            conn.abort(RateLimiterTimeout("connect timed out"), _native.STATUS_TIMEOUT)
             raise RateLimiterTimeout(
                 f"timed out connecting to Redis at {where} "
                 f"(connect_timeout {limiter._connect_timeout:g} s)") from None
         except RateLimiterError:
-            conn.abort(RateLimiterUnavailable("handshake failed"))
+            conn.abort(RateLimiterUnavailable("handshake failed"), _native.STATUS_CONNECT)
             raise
         except ssl.SSLError as exc:
-            conn.abort(RateLimiterUnavailable("TLS handshake failed"))
+            conn.abort(RateLimiterUnavailable("TLS handshake failed"), _native.STATUS_CONNECT)
             raise RateLimiterUnavailable(
                 f"TLS handshake with Redis at {where} failed: {exc.reason or exc}") from None
         except OSError as exc:
-            conn.abort(RateLimiterUnavailable("connect failed"))
+            conn.abort(RateLimiterUnavailable("connect failed"), _native.STATUS_CONNECT)
             raise RateLimiterUnavailable(
                 f"cannot connect to Redis at {where}: {exc.strerror or exc}") from None
         except BaseException:  # cancelled (e.g. the loop shuts down mid-connect): no leak
-            conn.abort(RateLimiterUnavailable("connect cancelled"))
+            conn.abort(RateLimiterUnavailable("connect cancelled"), _native.STATUS_CONNECT)
             raise
         if limiter._closed:
             conn.close(RateLimiterError("the rate limiter is closed"))
@@ -559,7 +563,6 @@ class AsyncRateLimiter:
                                           min_replicas, replica_timeout_ms)
         self._min_replicas = native["min_replicas"]
         self._replica_timeout_ms = native["replica_timeout_ms"]
-        self._wait_words = ("WAIT", str(self._min_replicas), str(self._replica_timeout_ms))
         # The tasks that give back what a cancelled call took (_leave), until they end.
         self._leftovers: set[asyncio.Task[None]] = set()
         self._ssl = _ssl_context(options) if options.tls else None
@@ -661,8 +664,8 @@ class AsyncRateLimiter:
     async def _confirmed(self, conn: _Connection, request: Any, result: Any,
                          wait: asyncio.Future[Any]) -> Any:
         """An allowing admission fewer replicas than asked acknowledged in time raises
-        RateLimiterUnavailable: it is no admission (the blocking limiter's rule,
-        csrc/conn.c read_wait). A refusal waits for nothing."""
+        RateLimiterUnavailable: it is no admission (the engine's rule, csrc/proto.c
+        rl_proto_push_wait, the blocking limiter's too). A refusal waits for nothing."""
         try:
             allowed = bool(result[0])
         except (TypeError, IndexError, KeyError):
@@ -674,20 +677,12 @@ class AsyncRateLimiter:
         await self._replicated(wait)
         return result
 
-    async def _replicated(self, wait: asyncio.Future[Any]) -> None:
-        """WAIT's answer judged: fewer replicas than min_replicas raise. The WAIT is
+    @staticmethod
+    async def _replicated(wait: asyncio.Future[Any]) -> None:
+        """The WAIT's outcome as the engine judged it (Pipeline.push_wait: fewer replicas
+        than min_replicas, or a connection that broke, raise "not replicated"). The WAIT is
         shared (_Connection.join_wait): a cancelled caller must not cancel it."""
-        try:
-            acked = await asyncio.shield(wait)
-        except RateLimiterTimeout:
-            raise
-        except RateLimiterUnavailable as exc:
-            raise RateLimiterUnavailable(f"not replicated: {exc}") from None
-        if not isinstance(acked, int) or acked < self._min_replicas:
-            raise RateLimiterUnavailable(
-                f"not replicated: {acked} of the {self._min_replicas} replicas required "
-                f"acknowledged the admission within {self._replica_timeout_ms} ms "
-                "(min_replicas); it does not count as allowed")
+        await asyncio.shield(wait)
 
     async def _run_cluster(self, request: Any, decision: bool = False,
                            admission: bool = False, sent: _Sent | None = None) -> Any:
@@ -757,7 +752,7 @@ class AsyncRateLimiter:
             error = RateLimiterTimeout(f"{pool.options.describe()} did not answer within "
                                        f"{share:.3f} s")
             if conn is not None:
-                conn.abort(error)
+                conn.abort(error, _native.STATUS_TIMEOUT)
             raise error from None
 
     async def _read_map(self, root: _LoopPool, deadline: float, route: Any = None) -> Any:

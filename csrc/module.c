@@ -37,30 +37,6 @@ get_state(PyObject *module)
     return (rl_module_state *)PyModule_GetState(module);
 }
 
-/* Tags exc with the rl_status it reports (attribute _rl_status) and the error's own text
-   (_rl_detail: a redirect's is the server's "MOVED 3999 host:port"): the asyncio
-   limiter's router (routing.c) reads these, never the message. Steals exc; returns it, or
-   NULL. */
-static PyObject *
-with_status(PyObject *exc, const rl_error *err)
-{
-    PyObject *value = exc != NULL ? PyLong_FromLong((long)err->kind) : NULL;
-    PyObject *detail =
-        value != NULL
-            ? PyUnicode_DecodeUTF8(err->message, (Py_ssize_t)strlen(err->message), "replace")
-            : NULL;
-    if (detail == NULL || PyObject_SetAttrString(exc, "_rl_status", value) < 0 ||
-        PyObject_SetAttrString(exc, "_rl_detail", detail) < 0) {
-        Py_XDECREF(value);
-        Py_XDECREF(detail);
-        Py_XDECREF(exc);
-        return NULL;
-    }
-    Py_DECREF(value);
-    Py_DECREF(detail);
-    return exc;
-}
-
 PyObject *
 rl_exception(rl_module_state *state, const rl_error *err)
 {
@@ -90,7 +66,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
             return NULL;
         exc = PyObject_CallFunctionObjArgs(state->Unavailable, text, NULL);
         Py_DECREF(text);
-        return with_status(exc, err);
+        return exc;
     }
     case RL_OK: /* a bug: report it rather than fail without an exception */
         return PyObject_CallFunction(PyExc_SystemError, "s",
@@ -107,7 +83,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
         return NULL;
     PyObject *exc = PyObject_CallFunctionObjArgs(type, message, NULL);
     Py_DECREF(message);
-    return with_status(exc, err);
+    return exc;
 }
 
 PyObject *
@@ -294,6 +270,7 @@ module_exec(PyObject *module)
            asyncio driver names its own (a timeout, a lost connection, a closed limiter). */
         PyModule_AddIntConstant(module, "STATUS_CONNECT", RL_ERR_CONNECT) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_TIMEOUT", RL_ERR_TIMEOUT) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_AUTH", RL_ERR_AUTH) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_PROTOCOL", RL_ERR_PROTOCOL) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_CLOSED", RL_ERR_CLOSED) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_IO", RL_ERR_IO) < 0 ||

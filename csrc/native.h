@@ -373,6 +373,11 @@ rl_status rl_proto_push_decision(rl_proto *p, rl_prepared *d, double deadline, v
                                  void *holder, rl_error *err);
 rl_status rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
                                 double deadline, void *token, rl_error *err);
+/* A command whose entry also carries holder (the asyncio router's RouteRead: its reply is
+   handed to the read that asked it). */
+rl_status rl_proto_push_held_command(rl_proto *p, int argc, const char **argv,
+                                     const size_t *argvlen, double deadline, void *token,
+                                     void *holder, rl_error *err);
 /* min_replicas, the one rule of both drivers: queues WAIT replicas timeout_ms behind the
    admission it covers (same write: WAIT covers every earlier write of the connection). Its
    reply is due by deadline plus WAIT's own time. Its event (RL_STEP_WAIT) is judged by the
@@ -610,12 +615,14 @@ typedef struct {
     double seconds;
     double read_deadline;
     rl_status status;
+    int own_error; /* rl_route_failed gave up with an error of its own, written into err */
 } rl_route;
 
 void rl_route_begin(rl_route *rt, int slot, double deadline);
 rl_route_action rl_route_next(rl_router *r, rl_route *rt, rl_error *err);
 /* The try on rt->node failed with st (err: its error; a server's text for a redirect).
-   1: go on (rl_route_next); 0: give up with rt->status (err rewritten when it says more). */
+   1: go on (rl_route_next); 0: give up with rt->status (err rewritten, and rt->own_error
+   set, when the router's own error says more). */
 int rl_route_failed(rl_router *r, rl_route *rt, rl_status st, rl_error *err);
 
 /* A read of the map or of the sentinels: the questions one after another, each answer
@@ -779,6 +786,19 @@ typedef struct {
 PyObject *rl_raise(rl_module_state *state, const rl_error *err);
 /* The exception instance for err (a new reference), or NULL with an exception set. */
 PyObject *rl_exception(rl_module_state *state, const rl_error *err);
+
+/* routing.c, GIL held: how the Pipeline (codec.c) hands C replies and C statuses to the
+   router, with no Python object in between. route is a Route, read a RouteRead (checked by
+   the caller).
+   rl_routing_failed: the try of route failed with st (err) on the connection: 1 the call
+   goes on (Route.go_on), 0 it gives up with err, -1 with the router's own error, written
+   into err.
+   rl_routing_question: the question read asks now, handed out (the Pipeline queues its
+   words), or NULL when it asks none or one is out already.
+   rl_routing_answer: the reply (st RL_OK) or the failure of the question handed out. */
+int rl_routing_failed(PyObject *route, rl_status st, rl_error *err);
+const rl_question *rl_routing_question(PyObject *read);
+void rl_routing_answer(PyObject *read, rl_status st, const redisReply *reply, const rl_error *err);
 
 /* Parses a method's arguments into d (shape, script, windows with their costs, reconcile's
    entry) and *user_id (borrowed), validating all of it. 0, or -1 with an exception. */

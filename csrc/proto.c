@@ -435,9 +435,17 @@ rl_status
 rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
                       double deadline, void *token, rl_error *err)
 {
+    return rl_proto_push_held_command(p, argc, argv, argvlen, deadline, token, NULL, err);
+}
+
+rl_status
+rl_proto_push_held_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
+                           double deadline, void *token, void *holder, rl_error *err)
+{
     rl_entry e = {.step = RL_STEP_COMMAND,
                   .deadline = deadline,
                   .token = token,
+                  .holder = holder,
                   .sent = p->metrics != NULL ? rl_monotonic() : 0,
                   .op = argc > 0 ? rl_metrics_command_op(argv[0], argvlen[0]) : RL_OP_COMMAND};
     e.large = argc > 0 && argvlen[0] == 7 && strncasecmp(argv[0], "CLUSTER", 7) == 0;

@@ -25,7 +25,13 @@ from collections.abc import AsyncGenerator, Coroutine, Sequence
 from typing import Any
 
 from . import _native
-from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
+from ._native import (
+    RateLimiterAuthError,
+    RateLimiterError,
+    RateLimiterTimeout,
+    RateLimiterUnavailable,
+    WindowDecision,
+)
 from ._url import RedisOptions
 from .lease import (
     DEFAULT_LEASE_SECONDS,
@@ -103,6 +109,33 @@ class _Sent:
 class _Abandoned(Exception):
     """Thrown into the plan of a cancelled reserve in place of a step it will not send: the
     plan refunds the steps it took, as for a step that failed."""
+
+
+def _connection_status(exc: BaseException) -> int:
+    """The rl_status (_native.STATUS_*) of a connection this module could not open or use
+    (_LoopPool.get, _open): what the router hears of it. A timeout is a timeout, a refused
+    password a refused password, a closed limiter closed; anything else, the node could not
+    be reached."""
+    if isinstance(exc, RateLimiterTimeout):
+        return _native.STATUS_TIMEOUT
+    if isinstance(exc, RateLimiterAuthError):
+        return _native.STATUS_AUTH
+    if isinstance(exc, RateLimiterUnavailable):
+        return _native.STATUS_CONNECT
+    return _native.STATUS_CLOSED
+
+
+def _replay_failure(request: Any, exc: Exception) -> Exception:
+    """What the caller of a replay that found no connection hears: exc, handed to its
+    call's route first (when routed), or the router's own error when it says more."""
+    route = request.route
+    if route is None or not isinstance(exc, RateLimiterError):
+        return exc
+    try:
+        route.failed(_connection_status(exc), exc)
+    except RateLimiterError as own:
+        return own
+    return exc
 
 
 def _ignore_result(future: asyncio.Future[Any]) -> None:
@@ -262,6 +295,17 @@ class _Connection(asyncio.Protocol):
         self._quiet_until = max(self._quiet_until, time.monotonic() + self.timeout)
         if self._next_wait is not None:
             self._schedule_flush()
+
+    def submit_question(self, read: Any) -> asyncio.Future[Any]:
+        """Queues a router's question (Pipeline.push_question): its reply goes to the
+        RouteRead in C; the future gets None once the read took it."""
+        if self.closed:
+            raise RateLimiterUnavailable("connection to Redis lost")
+        future = self.loop.create_future()
+        self.pipeline.push_question(future, read)
+        self._schedule_flush()
+        self._arm_timer()
+        return future
 
     def submit_command(self, words: tuple[str | bytes, ...]) -> asyncio.Future[Any]:
         """Queues any Redis command; the future gets its reply (Pipeline.push_command)."""
@@ -513,10 +557,10 @@ class _LoopPool:
                 if not future.done():
                     conn.resubmit(future, request, extend)
         except Exception as exc:  # no connection to be had: the callers hear why
-            for future, _ in pairs:
+            for future, request in pairs:
                 if not future.done():
                     self.limiter._codec._record_outcome("unavailable")
-                    future.set_exception(exc)
+                    future.set_exception(_replay_failure(request, exc))
 
     def discard(self, conn: _Connection) -> None:
         try:
@@ -697,24 +741,37 @@ class AsyncRateLimiter:
         assert router is not None
         root = self._pool()
         route = router.route(request.slot, time.monotonic() + self._socket_timeout)
+        # Every failure of the request on a connection goes to the route in C (Pipeline:
+        # the engine's status, or the one this module names for a connection it drops).
+        request.route = route
         error: BaseException | None = None
         while True:
             action, value, asking = route.next()
             if action == _native.ROUTE_SEND:
                 pool = root.node(value)
+                wait = None
                 try:
                     conn = pool.pick() or await self._connection(pool, decision)
                     if asking:
                         conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
-                    if not (admission and self._min_replicas):
-                        return await self._reply(conn.submit(request), sent)
-                    future, wait = conn.admit(request)
-                    result = await self._reply(future, sent)
-                except RateLimiterError as exc:
-                    if not self._try_elsewhere(route, exc):
+                    if admission and self._min_replicas:
+                        future, wait = conn.admit(request)
+                    else:
+                        future = conn.submit(request)
+                except RateLimiterError as exc:  # no connection to send it on
+                    if not self._try_elsewhere(route, _connection_status(exc), exc):
                         raise
                     error = exc
                     continue
+                try:
+                    result = await self._reply(future, sent)
+                except RateLimiterError as exc:
+                    if not route.go_on:  # the router had it (Request.route) and gave up
+                        raise
+                    error = exc
+                    continue
+                if wait is None:
+                    return result
                 # min_replicas: the admission ran here; never sent elsewhere from now on.
                 return await self._confirmed(conn, request, result, wait)
             if action == _native.ROUTE_READ:
@@ -726,34 +783,45 @@ class AsyncRateLimiter:
                 raise error
 
     @staticmethod
-    def _try_elsewhere(route: Any, exc: RateLimiterError) -> bool:
-        """Route.failed(exc), with the router's own error (when it says more) raised
-        without exc chained to it."""
+    def _try_elsewhere(route: Any, status: int, exc: RateLimiterError) -> bool:
+        """Route.failed(status, exc), with the router's own error (when it says more)
+        raised without exc chained to it."""
         try:
-            return bool(route.failed(exc))
+            return bool(route.failed(status, exc))
         except RateLimiterError as own:
             raise own from None
 
-    async def _ask_one(self, pool: _LoopPool, words: tuple[bytes, ...], until: float) -> Any:
-        """One question of a read to one node, by its share of the read's deadline (the
-        router's): a frozen node costs a fraction of the call. Its connection is dropped on
-        a timeout."""
+    async def _ask_one(self, pool: _LoopPool, read: Any, until: float) -> None:
+        """Asks one node the read's question, by its share of the read's deadline (the
+        router's): a frozen node costs a fraction of the call. The reply, or whatever cuts
+        it off, goes to the read (from the Pipeline, or here when the question never
+        reached one). Its connection is dropped on a timeout."""
         share = max(0.0, until - time.monotonic())
         conn: _Connection | None = None
+        asked = False
 
-        async def ask() -> Any:
-            nonlocal conn
+        async def ask() -> None:
+            nonlocal conn, asked
             conn = pool.pick() or await pool.get()
-            return await conn.submit_command(words)
+            future = conn.submit_question(read)
+            asked = True
+            await future
 
         try:
-            return await asyncio.wait_for(ask(), share)
+            await asyncio.wait_for(ask(), share)
         except asyncio.TimeoutError:
             error = RateLimiterTimeout(f"{pool.options.describe()} did not answer within "
                                        f"{share:.3f} s")
-            if conn is not None:
-                conn.abort(error, _native.STATUS_TIMEOUT)
-            raise error from None
+            if asked:
+                assert conn is not None
+                conn.abort(error, _native.STATUS_TIMEOUT)  # the read hears of it there
+            else:
+                if conn is not None:
+                    conn.abort(error, _native.STATUS_TIMEOUT)
+                read.failed(_native.STATUS_TIMEOUT, error)
+        except RateLimiterError as exc:  # no connection to ask on
+            if not asked:
+                read.failed(_connection_status(exc), exc)
 
     async def _read_map(self, root: _LoopPool, deadline: float, route: Any = None) -> Any:
         """One read of the slot map or of the sentinels: asks what the router asks, whom it
@@ -764,16 +832,11 @@ class AsyncRateLimiter:
         assert router is not None
         read = router.read(deadline, route)
         try:
-            question = read.step()
+            question = read.question()
             while question is not None:
-                sentinel, index, words, until = question
-                pool = root.node(index, sentinel)
-                try:
-                    reply = await self._ask_one(pool, words, until)
-                except RateLimiterError as exc:
-                    question = read.step(None, exc)
-                else:
-                    question = read.step(reply)
+                sentinel, index, until = question
+                await self._ask_one(root.node(index, sentinel), read, until)
+                question = read.question()
         finally:
             replaced = read.end()
         stale = root.nodes.get(replaced) if replaced >= 0 else None

@@ -146,10 +146,8 @@ Codec_init(CodecObject *self, PyObject *args, PyObject *kwargs)
         return -1;
     if (rl_parse_storage(storage, &self->storage) < 0)
         return -1;
-    if (prefix_len == 0) {
-        PyErr_SetString(PyExc_ValueError, "key_prefix must not be empty");
+    if (rl_check_key_prefix(prefix_len) < 0)
         return -1;
-    }
     char *copy = PyMem_Malloc((size_t)prefix_len + 1);
     if (copy == NULL) {
         PyErr_NoMemory();

@@ -116,6 +116,10 @@ debug_check_wiped(PyObject *Py_UNUSED(module), PyObject *arg)
 #endif
 
 static PyMethodDef module_methods[] = {
+    {"check_options", (PyCFunction)(void (*)(void))rl_check_options, METH_VARARGS | METH_KEYWORDS,
+     "check_options(key_prefix, clock, connect_timeout, socket_timeout, max_connections,\n"
+     "    storage, min_replicas, replica_timeout_ms, hash_tag=False)\n--\n\n"
+     "Validates a limiter's options (both limiters'), raising TypeError or ValueError."},
     {"_set_client_clock", rl_set_client_clock, METH_O,
      "_set_client_clock(ms, /)\n--\n\nFor tests: clock='client' limiters read ms (unix ms) "
      "instead of the system clock until called with None."},

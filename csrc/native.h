@@ -52,6 +52,7 @@
 #define RL_MAX_TIMEOUT_SECONDS 86400.0       /* timeouts: one day at most (no overflow) */
 #define RL_MAX_REPLICA_TIMEOUT_MS 86400000LL /* replica_timeout_ms: one day at most */
 #define RL_MAX_REPLICAS 86400000             /* min_replicas: the options' one bound */
+#define RL_MAX_CONNECTIONS 4096              /* max_connections of a limiter */
 
 /* What the scripts of lua/ can answer: rl_script_decode holds every integer of a reply to
    these before it computes anything from it; outside them a reply is malformed. A count
@@ -821,6 +822,19 @@ int rl_parse_storage(const char *name, rl_storage *out);
 /* 0 when seconds is a usable timeout (0 < seconds <= RL_MAX_TIMEOUT_SECONDS), else -1
    with a ValueError naming the parameter. */
 int rl_check_timeout(const char *name, double seconds);
+/* The options of a limiter, validated once, here, for both limiters: key_prefix not empty
+   (also Codec's), timeouts, 1 <= max_connections <= RL_MAX_CONNECTIONS, 0 <= min_replicas
+   <= RL_MAX_REPLICAS, 1 <= replica_timeout_ms <= RL_MAX_REPLICA_TIMEOUT_MS. 0, or -1 with
+   a ValueError naming the option. */
+int rl_check_key_prefix(Py_ssize_t len);
+int rl_check_limiter_values(double connect_timeout, double socket_timeout,
+                            Py_ssize_t key_prefix_len, long long max_connections,
+                            long long min_replicas, long long replica_timeout_ms);
+/* _native.check_options(key_prefix, clock, connect_timeout, socket_timeout, max_connections,
+   storage, min_replicas, replica_timeout_ms, hash_tag=False): the constructor's options of
+   either limiter, their types and values (TypeError / ValueError), before anything is
+   made; the values' rules are rl_check_limiter_values's. Module function (args.c). */
+PyObject *rl_check_options(PyObject *module, PyObject *args, PyObject *kwargs);
 /* The Python result of a decision of d's shape (see rl_shape). Returns a new reference. */
 PyObject *rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r);
 /* Vectorcall argument matching: the first `positional` names may be given by position,

@@ -53,6 +53,17 @@ MAX_UNIX_MS: int
 MAX_CLOCK_SKEW_MS: int
 
 def _set_client_clock(ms: int | None, /) -> None: ...
+def check_options(
+    key_prefix: object,
+    clock: object,
+    connect_timeout: object,
+    socket_timeout: object,
+    max_connections: object,
+    storage: object,
+    min_replicas: object,
+    replica_timeout_ms: object,
+    hash_tag: bool = False,
+) -> None: ...
 
 @final
 class WindowDecision(structseq[Any], tuple[bool, int, int, int]):

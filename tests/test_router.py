@@ -21,7 +21,6 @@ import pytest
 from genai_ratelimit import (
     AsyncRateLimiter,
     RateLimiterAuthError,
-    RateLimiterError,
     RateLimiterTimeout,
     RateLimiterUnavailable,
     _native,

@@ -1,6 +1,8 @@
 /*
  * args.c - everything a decision needs before any I/O: argument validation, the kill
  * switch, the member, the clock and the formatted EVALSHA; and the result tuples after.
+ * The limiters' constructor options are validated here too, once for both limiters
+ * (rl_check_options, rl_check_limiter_values).
  * Shared by the blocking limiter (limiter.c) and the asyncio codec (codec.c), so both
  * answer exactly alike.
  *
@@ -779,6 +781,146 @@ rl_parse_storage(const char *name, rl_storage *out)
     }
     PyErr_Format(PyExc_ValueError, "storage must be 'zset' or 'compact', got '%.100s'", name);
     return -1;
+}
+
+int
+rl_check_key_prefix(Py_ssize_t len)
+{
+    if (len > 0)
+        return 0;
+    PyErr_SetString(PyExc_ValueError, "key_prefix must not be empty");
+    return -1;
+}
+
+/* ValueError "name must be between low and high, got value" unless it is. */
+static int
+check_range(const char *name, long long value, long long low, long long high)
+{
+    if (value >= low && value <= high)
+        return 0;
+    PyErr_Format(PyExc_ValueError, "%s must be between %lld and %lld, got %lld", name, low, high,
+                 value);
+    return -1;
+}
+
+int
+rl_check_limiter_values(double connect_timeout, double socket_timeout, Py_ssize_t key_prefix_len,
+                        long long max_connections, long long min_replicas,
+                        long long replica_timeout_ms)
+{
+    if (rl_check_timeout("connect_timeout", connect_timeout) < 0 ||
+        rl_check_timeout("socket_timeout", socket_timeout) < 0 ||
+        rl_check_key_prefix(key_prefix_len) < 0 ||
+        check_range("max_connections", max_connections, 1, RL_MAX_CONNECTIONS) < 0 ||
+        check_range("min_replicas", min_replicas, 0, RL_MAX_REPLICAS) < 0 ||
+        check_range("replica_timeout_ms", replica_timeout_ms, 1, RL_MAX_REPLICA_TIMEOUT_MS) < 0)
+        return -1;
+    return 0;
+}
+
+/* A number of seconds (int or float, not bool) into *out; an int too large for a double
+   is +inf (refused by the range check). 0, or -1 with TypeError. */
+static int
+seconds_of(PyObject *value, const char *name, double *out)
+{
+    if (PyBool_Check(value) || !(PyLong_Check(value) || PyFloat_Check(value))) {
+        rl_type_error(value, "%s must be a number of seconds, not ", name);
+        return -1;
+    }
+    *out = PyFloat_AsDouble(value);
+    if (*out == -1.0 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        PyErr_Clear();
+        *out = PyObject_RichCompareBool(value, Py_False, Py_GT) == 1 ? Py_HUGE_VAL : -Py_HUGE_VAL;
+        PyErr_Clear();
+    }
+    return 0;
+}
+
+/* An int option (not bool) into *out. 0, or -1 with TypeError, or with check_range's
+   ValueError for one beyond the long long range (low..high: the option's range). */
+static int
+int_option_of(PyObject *value, const char *name, long long low, long long high, long long *out)
+{
+    int overflow = 0;
+    if (PyBool_Check(value) || !PyLong_Check(value)) {
+        rl_type_error(value, "%s must be an int, not ", name);
+        return -1;
+    }
+    *out = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (*out == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow != 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be between %lld and %lld, got %S", name, low, high,
+                     value);
+        return -1;
+    }
+    return 0;
+}
+
+PyObject *
+rl_check_options(PyObject *Py_UNUSED(module), PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {
+        "key_prefix", "clock",        "connect_timeout",    "socket_timeout", "max_connections",
+        "storage",    "min_replicas", "replica_timeout_ms", "hash_tag",       NULL};
+    PyObject *prefix, *clock, *connect, *socket, *connections, *storage, *replicas, *wait_ms;
+    int hash_tag = 0;
+    double connect_timeout, socket_timeout;
+    long long max_connections, min_replicas, replica_timeout_ms;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOOO|p", keywords, &prefix, &clock,
+                                     &connect, &socket, &connections, &storage, &replicas, &wait_ms,
+                                     &hash_tag))
+        return NULL;
+    if (!PyUnicode_Check(prefix))
+        return rl_type_error(prefix, "key_prefix must be a str, not ");
+    if (rl_check_key_prefix(PyUnicode_GetLength(prefix)) < 0)
+        return NULL;
+    if (hash_tag) {
+        /* Cluster: the user id's hash tag follows the prefix; a brace in it would move it. */
+        for (int i = 0; i < 2; i++) {
+            PyObject *brace = PyUnicode_FromString(i == 0 ? "{" : "}");
+            int found = brace != NULL ? PySequence_Contains(prefix, brace) : -1;
+            Py_XDECREF(brace);
+            if (found < 0)
+                return NULL;
+            if (found) {
+                PyErr_SetString(PyExc_ValueError,
+                                "key_prefix must not contain '{' or '}' with a Redis Cluster "
+                                "URL: the user id's hash tag follows the prefix");
+                return NULL;
+            }
+        }
+    }
+    if (!PyUnicode_Check(clock) || (PyUnicode_CompareWithASCIIString(clock, "server") != 0 &&
+                                    PyUnicode_CompareWithASCIIString(clock, "client") != 0)) {
+        PyErr_Format(PyExc_ValueError, "clock must be 'server' or 'client', got %R", clock);
+        return NULL;
+    }
+    if (storage != Py_None) {
+        rl_storage parsed;
+        const char *name = PyUnicode_Check(storage) ? PyUnicode_AsUTF8AndSize(storage, NULL) : NULL;
+        if (name == NULL) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "storage must be 'zset' or 'compact', got %R", storage);
+            return NULL;
+        }
+        if (rl_parse_storage(name, &parsed) < 0)
+            return NULL;
+    }
+    if (seconds_of(connect, "connect_timeout", &connect_timeout) < 0 ||
+        seconds_of(socket, "socket_timeout", &socket_timeout) < 0 ||
+        int_option_of(connections, "max_connections", 1, RL_MAX_CONNECTIONS, &max_connections) <
+            0 ||
+        int_option_of(replicas, "min_replicas", 0, RL_MAX_REPLICAS, &min_replicas) < 0 ||
+        int_option_of(wait_ms, "replica_timeout_ms", 1, RL_MAX_REPLICA_TIMEOUT_MS,
+                      &replica_timeout_ms) < 0)
+        return NULL;
+    if (rl_check_limiter_values(connect_timeout, socket_timeout, PyUnicode_GetLength(prefix),
+                                max_connections, min_replicas, replica_timeout_ms) < 0)
+        return NULL;
+    Py_RETURN_NONE;
 }
 
 int

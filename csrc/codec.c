@@ -16,6 +16,7 @@
  */
 #include "native.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -24,6 +25,7 @@
 typedef struct {
     PyObject_HEAD
     rl_prepared prepared; /* windows + formatted command + replay form (owned) */
+    PyObject *route;      /* the Route of its call (strong), or NULL: not routed */
 } RequestObject;
 
 static void
@@ -31,6 +33,7 @@ Request_dealloc(RequestObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
     rl_prepared_clear(&self->prepared);
+    Py_CLEAR(self->route);
     freefunc tp_free = (freefunc)PyType_GetSlot(tp, Py_tp_free);
     tp_free(self);
     Py_DECREF(tp);
@@ -63,7 +66,36 @@ Request_get_reloaded(RequestObject *self, void *Py_UNUSED(closure))
     return PyBool_FromLong(self->prepared.reloaded);
 }
 
+static PyObject *
+Request_get_route(RequestObject *self, void *Py_UNUSED(closure))
+{
+    return Py_NewRef(self->route != NULL ? self->route : Py_None);
+}
+
+/* A Route (or None): every failure of the request on a Pipeline goes to it from then on. */
+static int
+Request_set_route(RequestObject *self, PyObject *value, void *Py_UNUSED(closure))
+{
+    rl_module_state *state = PyType_GetModuleState(Py_TYPE(self));
+    if (value == NULL || value == Py_None) {
+        Py_CLEAR(self->route);
+        return 0;
+    }
+    if (state == NULL || !Py_IS_TYPE(value, (PyTypeObject *)state->RouteType)) {
+        PyErr_SetString(PyExc_TypeError, "route must be a Route (Router.route) or None");
+        return -1;
+    }
+    PyObject *old = self->route;
+    self->route = Py_NewRef(value);
+    Py_XDECREF(old);
+    return 0;
+}
+
 static PyGetSetDef Request_getset[] = {
+    {"route", (getter)Request_get_route, (setter)Request_set_route,
+     "The Route of the call (cluster, Sentinel), or None. A failure of the request on a\n"
+     "Pipeline is handed to it there (Route.go_on says whether the call goes on).",
+     NULL},
     {"slot", (getter)Request_get_slot, NULL,
      "The Redis Cluster hash slot of the request's keys (-1 outside cluster mode).", NULL},
     {"command", (getter)Request_get_command, NULL, "The RESP-encoded EVALSHA.", NULL},
@@ -114,10 +146,8 @@ Codec_init(CodecObject *self, PyObject *args, PyObject *kwargs)
         return -1;
     if (rl_parse_storage(storage, &self->storage) < 0)
         return -1;
-    if (prefix_len == 0) {
-        PyErr_SetString(PyExc_ValueError, "key_prefix must not be empty");
+    if (rl_check_key_prefix(prefix_len) < 0)
         return -1;
-    }
     char *copy = PyMem_Malloc((size_t)prefix_len + 1);
     if (copy == NULL) {
         PyErr_NoMemory();
@@ -171,6 +201,7 @@ encode(CodecObject *self, PyTypeObject *defining_class, rl_shape shape, PyObject
         return NULL;
     }
     req->prepared = p; /* takes ownership of the command */
+    req->route = NULL;
     return (PyObject *)req;
 }
 
@@ -469,10 +500,19 @@ deliver(rl_module_state *state, rl_metrics *metrics, rl_event *ev)
     RequestObject *req = (RequestObject *)ev->entry.holder;
     PyObject *value;
     int rc;
-    if (ev->status != RL_OK) {
+    if (ev->entry.step == RL_STEP_COMMAND && ev->entry.holder != NULL) {
+        /* A router's question: its reply, or its failure, goes to the read that asked. */
+        rl_routing_answer((PyObject *)ev->entry.holder, ev->status, ev->reply, &ev->error);
+        if (ev->reply != NULL)
+            freeReplyObject(ev->reply);
+        ev->reply = NULL;
+        rc = resolve(state, future, Py_NewRef(Py_None), 0);
+    } else if (ev->status != RL_OK) {
         if (metrics != NULL && ev->entry.step == RL_STEP_DECISION &&
             rl_script_decides(req->prepared.script))
             rl_metrics_count(&metrics->unavailable);
+        if (ev->entry.step == RL_STEP_DECISION && req->route != NULL)
+            (void)rl_routing_failed(req->route, ev->status, &ev->error);
         rc = resolve(state, future, rl_exception(state, &ev->error), 1);
     } else {
         switch (ev->entry.step) {
@@ -484,7 +524,7 @@ deliver(rl_module_state *state, rl_metrics *metrics, rl_event *ev)
             freeReplyObject(ev->reply);
             ev->reply = NULL;
             break;
-        default: /* the handshake is complete */
+        default: /* the handshake is complete, or the replicas acknowledged (WAIT) */
             value = Py_NewRef(Py_None);
             break;
         }
@@ -619,6 +659,95 @@ Pipeline_push_command(PipelineObject *self, PyTypeObject *defining_class, PyObje
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(Pipeline_push_wait_doc,
+"push_wait($self, future, replicas, timeout_ms, /)\n--\n\n"
+"min_replicas: queues the engine's WAIT (the blocking limiter's, csrc/proto.c), which\n"
+"covers every write queued before it. The future gets None when at least `replicas`\n"
+"acknowledged within timeout_ms, else RateLimiterUnavailable (\"not replicated: ...\").\n"
+"Its reply is due after timeout plus timeout_ms.");
+
+static PyObject *
+Pipeline_push_wait(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
+                   Py_ssize_t nargs, PyObject *kwnames)
+{
+    rl_module_state *state = PyType_GetModuleState(defining_class);
+    rl_error err = {RL_OK, ""};
+    if (nargs != 3 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "push_wait(future, replicas, timeout_ms) takes 3 positional arguments");
+        return NULL;
+    }
+    if (!ready(self))
+        return NULL;
+    long replicas = PyLong_AsLong(args[1]);
+    if (replicas == -1 && PyErr_Occurred())
+        return NULL;
+    long long timeout_ms = PyLong_AsLongLong(args[2]);
+    if (timeout_ms == -1 && PyErr_Occurred())
+        return NULL;
+    if (replicas < 1 || replicas > RL_MAX_REPLICAS || timeout_ms < 1 ||
+        timeout_ms > RL_MAX_REPLICA_TIMEOUT_MS) {
+        PyErr_Format(PyExc_ValueError,
+                     "replicas must be between 1 and %d and timeout_ms between 1 and %lld",
+                     RL_MAX_REPLICAS, (long long)RL_MAX_REPLICA_TIMEOUT_MS);
+        return NULL;
+    }
+    if (rl_proto_push_wait(&self->proto, (int)replicas, timeout_ms, rl_monotonic() + self->timeout,
+                           args[0], &err) != RL_OK)
+        return rl_raise(state, &err); /* nothing was queued */
+    Py_INCREF(args[0]);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Pipeline_push_question_doc,
+"push_question($self, future, read, /)\n--\n\n"
+"Queues the question a RouteRead asks now (RouteRead.question). Its reply, or the failure\n"
+"that cuts it off (this connection's, or one that keeps it from being queued), goes\n"
+"straight to the read (the router parses it, csrc/router.c); the future then gets None,\n"
+"and read.question() says what to ask next.");
+
+static PyObject *
+Pipeline_push_question(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
+                       Py_ssize_t nargs, PyObject *kwnames)
+{
+    rl_module_state *state = PyType_GetModuleState(defining_class);
+    rl_error err = {RL_OK, ""};
+    if (nargs != 2 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "push_question(future, read) takes 2 positional arguments");
+        return NULL;
+    }
+    if (!ready(self))
+        return NULL;
+    if (!Py_IS_TYPE(args[1], (PyTypeObject *)state->RouteReadType)) {
+        PyErr_SetString(PyExc_TypeError, "push_question() needs a RouteRead (Router.read)");
+        return NULL;
+    }
+    const rl_question *q = rl_routing_question(args[1]);
+    if (q == NULL) {
+        PyErr_SetString(PyExc_ValueError, "the read asks nothing now (over, or asked already)");
+        return NULL;
+    }
+    const char *argv[3];
+    size_t argvlen[3];
+    for (int i = 0; i < q->argc && i < 3; i++) {
+        argv[i] = q->argv[i];
+        argvlen[i] = q->argvlen[i];
+    }
+    if (rl_proto_push_held_command(&self->proto, q->argc < 3 ? q->argc : 3, argv, argvlen,
+                                   rl_monotonic() + self->timeout, args[0], args[1],
+                                   &err) != RL_OK) {
+        /* Nothing was queued: the read hears why at once, as from a reply. */
+        rl_routing_answer(args[1], err.kind, NULL, &err);
+        if (resolve(state, args[0], Py_NewRef(Py_None), 0) < 0)
+            return NULL;
+        Py_RETURN_NONE;
+    }
+    Py_INCREF(args[0]);
+    Py_INCREF(args[1]);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(Pipeline_take_doc,
 "take($self, /)\n--\n\n"
 "The bytes queued since the last take() (to be written now), or None. A bytearray when\n"
@@ -709,10 +838,56 @@ Pipeline_feed(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
     return PyBool_FromLong(out_after > out_before);
 }
 
-/* Pops every entry. With replays != NULL, decisions that the replay rule sends again are
-   appended to it as (future, request); every other waiting future fails with exc. */
+/* The rl_error of a failure the driver met (exc, whose status its caller named): cause and
+   exc's text. 0, or -1 with an exception set. */
 static int
-pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *replays)
+error_of(PyObject *exc, rl_status cause, rl_error *err)
+{
+    err->kind = cause;
+    err->message[0] = '\0';
+    PyObject *text = PyObject_Str(exc);
+    const char *said = text != NULL ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
+    if (said == NULL) {
+        Py_XDECREF(text);
+        return -1;
+    }
+    snprintf(err->message, sizeof(err->message), "%s", said);
+    Py_DECREF(text);
+    return 0;
+}
+
+/* The failure of a WAIT cut off by exc, whose rl_status is cause: the engine's judgement
+   (rl_proto_wait_failed), or exc itself. New reference, or NULL with an exception set. */
+static PyObject *
+wait_failure(rl_module_state *state, PyObject *exc, rl_status cause)
+{
+    rl_error err;
+    if (error_of(exc, cause, &err) < 0)
+        return NULL;
+    if (rl_proto_wait_failed(cause, &err) == cause)
+        return Py_NewRef(exc);
+    return rl_exception(state, &err);
+}
+
+/* The failure of a routed decision cut off by exc (cause): handed to its route, which may
+   give up with an error of its own (then that one), else exc. New reference, or NULL. */
+static PyObject *
+routed_failure(rl_module_state *state, PyObject *route, PyObject *exc, rl_status cause)
+{
+    rl_error err;
+    if (error_of(exc, cause, &err) < 0)
+        return NULL;
+    if (rl_routing_failed(route, cause, &err) < 0)
+        return rl_exception(state, &err);
+    return Py_NewRef(exc);
+}
+
+/* Pops every entry. With replays != NULL, decisions that the replay rule sends again are
+   appended to it as (future, request); every other waiting future fails with exc (whose
+   rl_status is cause: a WAIT's failure is the engine's judgement of it). */
+static int
+pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, rl_status cause,
+        PyObject *replays)
 {
     int failed = 0;
     PyObject *first_type = NULL, *first_value = NULL, *first_tb = NULL;
@@ -720,6 +895,16 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
     while (rl_proto_pop(&self->proto, &e)) {
         PyObject *future = (PyObject *)e.token;
         int rc = 0;
+        if (e.step == RL_STEP_COMMAND && e.holder != NULL) {
+            /* A router's question: the read that asked hears why it got no answer. */
+            rl_error err;
+            if (error_of(exc, cause, &err) < 0) {
+                err.kind = cause;
+                snprintf(err.message, sizeof(err.message), "the connection failed");
+                PyErr_Clear();
+            }
+            rl_routing_answer((PyObject *)e.holder, cause, NULL, &err);
+        }
         if (future != NULL) {
             int replay = 0, waiting = 0; /* waiting: a caller still awaits this decision */
             if (e.step == RL_STEP_DECISION) {
@@ -756,6 +941,15 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
                     (void)resolve(state, future, Py_NewRef(exc), 1);
                     PyErr_Clear();
                     PyErr_Restore(t, v, tb);
+                } else if (e.step == RL_STEP_WAIT) {
+                    rc = resolve(state, future, wait_failure(state, exc, cause), 1);
+                } else if (e.step == RL_STEP_COMMAND && e.holder != NULL) {
+                    rc = resolve(state, future, Py_NewRef(Py_None), 0); /* the read took it */
+                } else if (e.step == RL_STEP_DECISION && waiting &&
+                           ((RequestObject *)e.holder)->route != NULL) {
+                    rc = resolve(
+                        state, future,
+                        routed_failure(state, ((RequestObject *)e.holder)->route, exc, cause), 1);
                 } else {
                     rc = resolve(state, future, Py_NewRef(exc), 1);
                 }
@@ -778,52 +972,93 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, PyObject *r
     return 0;
 }
 
+/* Checks (exception, status) at args[first]; *cause: the status. 0, or -1 with TypeError
+   or ValueError. */
 static int
-one_exception(const char *name, Py_ssize_t nargs, PyObject *kwnames, PyObject *const *args)
+exception_and_status(const char *name, Py_ssize_t nargs, PyObject *kwnames, PyObject *const *args,
+                     Py_ssize_t first, rl_status *cause)
 {
-    if (nargs != 1 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
-        PyErr_Format(PyExc_TypeError, "%s(exception) takes 1 positional argument", name);
+    if (nargs != first + 2 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd positional arguments", name, first + 2);
         return -1;
     }
-    if (!PyExceptionInstance_Check(args[0])) {
+    if (!PyExceptionInstance_Check(args[first])) {
         PyErr_Format(PyExc_TypeError, "%s() needs an exception instance", name);
         return -1;
     }
+    long status = PyLong_AsLong(args[first + 1]);
+    if (status == -1 && PyErr_Occurred())
+        return -1;
+    if (status <= RL_OK || status > RL_ERR_REDIRECT) {
+        PyErr_Format(PyExc_ValueError, "%s(): status must be one of the STATUS_* constants", name);
+        return -1;
+    }
+    *cause = (rl_status)status;
     return 0;
 }
 
 PyDoc_STRVAR(Pipeline_fail_all_doc,
-"fail_all($self, exception, /)\n--\n\n"
+"fail_all($self, exception, status, /)\n--\n\n"
 "Fails every pending future with the exception (those not done yet) and forgets them;\n"
-"the queued bytes are dropped too.");
+"the queued bytes are dropped too. status: why (a STATUS_* constant); a WAIT's future\n"
+"gets the engine's judgement of that failure (fail_wait).");
 
 static PyObject *
 Pipeline_fail_all(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
                   Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (one_exception("fail_all", nargs, kwnames, args) < 0 || !ready(self))
+    rl_status cause;
+    if (exception_and_status("fail_all", nargs, kwnames, args, 0, &cause) < 0 || !ready(self))
         return NULL;
-    if (pop_all(self, PyType_GetModuleState(defining_class), args[0], NULL) < 0)
+    if (pop_all(self, PyType_GetModuleState(defining_class), args[0], cause, NULL) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Pipeline_fail_wait_doc,
+"fail_wait($self, future, exception, status, /)\n--\n\n"
+"Fails the future of a WAIT that was never sent (push_wait) as the engine judges a WAIT\n"
+"cut off by exception, whose rl_status is status: a broken connection is \"not\n"
+"replicated\", anything else (a timeout, a closed limiter) is the exception itself.");
+
+static PyObject *
+Pipeline_fail_wait(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
+                   Py_ssize_t nargs, PyObject *kwnames)
+{
+    rl_module_state *state = PyType_GetModuleState(defining_class);
+    rl_status cause;
+    if (exception_and_status("fail_wait", nargs, kwnames, args, 1, &cause) < 0 || !ready(self))
+        return NULL;
+    if (resolve(state, args[0], wait_failure(state, args[1], cause), 1) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(Pipeline_take_replays_doc,
 "take_replays($self, exception, /)\n--\n\n"
-"For a connection that broke: empties the FIFO, switches each waiting decision that the\n"
-"replay rule sends again (once, marked) to its replay form and returns those as\n"
-"[(future, request)], oldest first; every other waiting future fails with exception.");
+"For a connection that broke (STATUS_IO): empties the FIFO, switches each waiting decision\n"
+"that the replay rule sends again (once, marked) to its replay form and returns those as\n"
+"[(future, request)], oldest first; every other waiting future fails with exception (a\n"
+"WAIT's with the engine's judgement of it).");
 
 static PyObject *
 Pipeline_take_replays(PipelineObject *self, PyTypeObject *defining_class, PyObject *const *args,
                       Py_ssize_t nargs, PyObject *kwnames)
 {
-    if (one_exception("take_replays", nargs, kwnames, args) < 0 || !ready(self))
+    if (nargs != 1 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "take_replays(exception) takes 1 positional argument");
+        return NULL;
+    }
+    if (!PyExceptionInstance_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "take_replays() needs an exception instance");
+        return NULL;
+    }
+    if (!ready(self))
         return NULL;
     PyObject *replays = PyList_New(0);
     if (replays == NULL)
         return NULL;
-    if (pop_all(self, PyType_GetModuleState(defining_class), args[0], replays) < 0) {
+    if (pop_all(self, PyType_GetModuleState(defining_class), args[0], RL_ERR_IO, replays) < 0) {
         Py_DECREF(replays);
         return NULL;
     }
@@ -914,8 +1149,14 @@ static PyMethodDef Pipeline_methods[] = {
     {"take", (PyCFunction)Pipeline_take, METH_NOARGS, Pipeline_take_doc},
     {"feed", (PyCFunction)(void (*)(void))Pipeline_feed,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_feed_doc},
+    {"push_question", (PyCFunction)(void (*)(void))Pipeline_push_question,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_push_question_doc},
+    {"push_wait", (PyCFunction)(void (*)(void))Pipeline_push_wait,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_push_wait_doc},
     {"fail_all", (PyCFunction)(void (*)(void))Pipeline_fail_all,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_fail_all_doc},
+    {"fail_wait", (PyCFunction)(void (*)(void))Pipeline_fail_wait,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_fail_wait_doc},
     {"take_replays", (PyCFunction)(void (*)(void))Pipeline_take_replays,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Pipeline_take_replays_doc},
     {"oldest_deadline", (PyCFunction)Pipeline_oldest_deadline, METH_NOARGS,

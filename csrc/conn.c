@@ -757,27 +757,18 @@ is_admission(rl_shape shape)
            shape == RL_SHAPE_RESERVE || shape == RL_SHAPE_ACQUIRE || shape == RL_SHAPE_GCRA;
 }
 
-/* min_replicas: queues WAIT cfg->min_replicas cfg->replica_timeout_ms on conn, its reply
-   due by deadline plus WAIT's own time. The decision it follows is queued first, so both go
-   out in one write and WAIT covers the decision's write: no round trip of its own. */
+/* min_replicas: queues the engine's WAIT on conn (rl_proto_push_wait) behind the decision
+   queued first, so both go out in one write: no round trip of its own. */
 static rl_status
 queue_wait(rl_conn *conn, const rl_config *cfg, double deadline, const void *token, rl_error *err)
 {
-    char replicas[24], timeout[24];
-    int rn = snprintf(replicas, sizeof(replicas), "%d", cfg->min_replicas);
-    int tn = snprintf(timeout, sizeof(timeout), "%lld", cfg->replica_timeout_ms);
-    const char *argv[3] = {"WAIT", replicas, timeout};
-    size_t argvlen[3] = {4, (size_t)rn, (size_t)tn};
-    return rl_proto_push_command(&conn->proto, 3, argv, argvlen,
-                                 deadline + (double)cfg->replica_timeout_ms / 1000.0, (void *)token,
-                                 err);
+    return rl_proto_push_wait(&conn->proto, cfg->min_replicas, cfg->replica_timeout_ms, deadline,
+                              (void *)token, err);
 }
 
-/* Reads the reply of the WAIT queued with token and judges it: RL_OK when at least
-   cfg->min_replicas replicas acknowledged, RL_ERR_SERVER when fewer did (or WAIT was
-   refused, or the connection broke: the decision ran, so it is never resent, not
-   elsewhere either: it is only unconfirmed), or the exchange's error. *in_step: the
-   connection can be reused. */
+/* Reads the reply of the WAIT queued with token: the engine's judgement of it, or of its
+   absence (rl_proto_wait_failed), or the exchange's error. *in_step: the connection can be
+   reused. */
 static rl_status
 read_wait(rl_conn *conn, const rl_config *cfg, const void *token, double deadline, int *in_step,
           rl_error *err)
@@ -789,32 +780,12 @@ read_wait(rl_conn *conn, const rl_config *cfg, const void *token, double deadlin
     do
         st = conn_exchange(conn, token, NULL, deadline, &ev, err);
     while (st == RL_ERR_INTERRUPTED); /* the deadline still bounds it */
-    if (st == RL_ERR_IO) {
-        char said[200];
-        snprintf(said, sizeof(said), "%.199s", err->message);
-        return rl_error_set(err, RL_ERR_SERVER,
-                            "not replicated: the connection broke waiting for the replicas "
-                            "(%.200s)",
-                            said);
-    }
     if (st != RL_OK)
-        return st;
+        return rl_proto_wait_failed(st, err);
     *in_step = !ev.fatal;
-    long long acked = -1;
-    if (ev.status == RL_OK && ev.reply != NULL && ev.reply->type == REDIS_REPLY_INTEGER)
-        acked = ev.reply->integer;
-    if (ev.reply != NULL)
-        freeReplyObject(ev.reply);
-    if (ev.status != RL_OK) {
+    if (ev.status != RL_OK)
         *err = ev.error;
-        return ev.status;
-    }
-    if (acked >= cfg->min_replicas)
-        return RL_OK;
-    return rl_error_set(err, RL_ERR_SERVER,
-                        "not replicated: %lld of the %d replicas required acknowledged the "
-                        "admission within %lld ms (min_replicas); it does not count as allowed",
-                        acked < 0 ? 0 : acked, cfg->min_replicas, cfg->replica_timeout_ms);
+    return ev.status;
 }
 
 /* min_replicas, when no WAIT went out with the decision (the engine sent the decision

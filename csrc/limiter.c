@@ -203,24 +203,9 @@ Limiter_init(LimiterObject *self, PyObject *args, PyObject *kwargs)
         PyErr_Format(PyExc_ValueError, "db must be >= 0, got %lld", db);
         return -1;
     }
-    if (min_replicas < 0 || replica_timeout_ms < 1 || replica_timeout_ms > 86400000) {
-        PyErr_Format(PyExc_ValueError,
-                     "min_replicas must be >= 0 and replica_timeout_ms between 1 and 86400000, "
-                     "got %d and %lld",
-                     min_replicas, replica_timeout_ms);
+    if (rl_check_limiter_values(connect_timeout, socket_timeout, prefix_len, max_connections,
+                                min_replicas, replica_timeout_ms) < 0)
         return -1;
-    }
-    if (rl_check_timeout("connect_timeout", connect_timeout) < 0 ||
-        rl_check_timeout("socket_timeout", socket_timeout) < 0)
-        return -1;
-    if (max_connections < 1) {
-        PyErr_SetString(PyExc_ValueError, "max_connections must be >= 1");
-        return -1;
-    }
-    if (prefix_len == 0) {
-        PyErr_SetString(PyExc_ValueError, "key_prefix must not be empty");
-        return -1;
-    }
     if (tls && host == NULL) {
         PyErr_SetString(PyExc_ValueError, "TLS needs a TCP host (rediss://), not a unix socket");
         return -1;

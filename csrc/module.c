@@ -37,30 +37,6 @@ get_state(PyObject *module)
     return (rl_module_state *)PyModule_GetState(module);
 }
 
-/* Tags exc with the rl_status it reports (attribute _rl_status) and the error's own text
-   (_rl_detail: a redirect's is the server's "MOVED 3999 host:port"): the asyncio
-   limiter's router (routing.c) reads these, never the message. Steals exc; returns it, or
-   NULL. */
-static PyObject *
-with_status(PyObject *exc, const rl_error *err)
-{
-    PyObject *value = exc != NULL ? PyLong_FromLong((long)err->kind) : NULL;
-    PyObject *detail =
-        value != NULL
-            ? PyUnicode_DecodeUTF8(err->message, (Py_ssize_t)strlen(err->message), "replace")
-            : NULL;
-    if (detail == NULL || PyObject_SetAttrString(exc, "_rl_status", value) < 0 ||
-        PyObject_SetAttrString(exc, "_rl_detail", detail) < 0) {
-        Py_XDECREF(value);
-        Py_XDECREF(detail);
-        Py_XDECREF(exc);
-        return NULL;
-    }
-    Py_DECREF(value);
-    Py_DECREF(detail);
-    return exc;
-}
-
 PyObject *
 rl_exception(rl_module_state *state, const rl_error *err)
 {
@@ -90,7 +66,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
             return NULL;
         exc = PyObject_CallFunctionObjArgs(state->Unavailable, text, NULL);
         Py_DECREF(text);
-        return with_status(exc, err);
+        return exc;
     }
     case RL_OK: /* a bug: report it rather than fail without an exception */
         return PyObject_CallFunction(PyExc_SystemError, "s",
@@ -107,7 +83,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
         return NULL;
     PyObject *exc = PyObject_CallFunctionObjArgs(type, message, NULL);
     Py_DECREF(message);
-    return with_status(exc, err);
+    return exc;
 }
 
 PyObject *
@@ -140,6 +116,10 @@ debug_check_wiped(PyObject *Py_UNUSED(module), PyObject *arg)
 #endif
 
 static PyMethodDef module_methods[] = {
+    {"check_options", (PyCFunction)(void (*)(void))rl_check_options, METH_VARARGS | METH_KEYWORDS,
+     "check_options(key_prefix, clock, connect_timeout, socket_timeout, max_connections,\n"
+     "    storage, min_replicas, replica_timeout_ms, hash_tag=False)\n--\n\n"
+     "Validates a limiter's options (both limiters'), raising TypeError or ValueError."},
     {"_set_client_clock", rl_set_client_clock, METH_O,
      "_set_client_clock(ms, /)\n--\n\nFor tests: clock='client' limiters read ms (unix ms) "
      "instead of the system clock until called with None."},
@@ -290,8 +270,13 @@ module_exec(PyObject *module)
         /* The bounds of a script's reply (native.h), for the tests and the fuzzer's model. */
         add_long_long(module, "MAX_UNIX_MS", RL_MAX_UNIX_MS) < 0 ||
         add_long_long(module, "MAX_CLOCK_SKEW_MS", RL_MAX_CLOCK_SKEW_MS) < 0 ||
-        /* The _rl_status of an exception whose call a cluster may send elsewhere. */
+        /* The rl_status of a failure: the engine tags its exceptions with it, and the
+           asyncio driver names its own (a timeout, a lost connection, a closed limiter). */
         PyModule_AddIntConstant(module, "STATUS_CONNECT", RL_ERR_CONNECT) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_TIMEOUT", RL_ERR_TIMEOUT) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_AUTH", RL_ERR_AUTH) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_PROTOCOL", RL_ERR_PROTOCOL) < 0 ||
+        PyModule_AddIntConstant(module, "STATUS_CLOSED", RL_ERR_CLOSED) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_IO", RL_ERR_IO) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_SERVER", RL_ERR_SERVER) < 0 ||
         PyModule_AddIntConstant(module, "STATUS_REDIRECT", RL_ERR_REDIRECT) < 0 ||

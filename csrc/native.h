@@ -41,15 +41,18 @@
 
 #include "base.h" /* errors, wipe, clocks: the floor every room stands on */
 
-#define RL_MAX_WINDOWS 32                  /* windows decided by one check */
-#define RL_CLUSTER_SLOTS 16384             /* hash slots of a Redis Cluster */
-#define RL_MAX_SCOPES 8                    /* scopes (besides the user's own) in one decision */
-#define RL_MAX_SCOPE_NAME 256              /* bytes of a scope's name, in UTF-8 */
-#define RL_MEMBER_LEN 36                   /* canonical UUID text, without the NUL */
-#define RL_MAX_REPLY_BYTES 65536           /* a decision's reply is tiny: more is garbage */
-#define RL_MAX_LIMIT 9007199254740991LL    /* 2^53 - 1: exact in Lua's doubles */
-#define RL_MAX_WINDOW_SECONDS 3153600000LL /* 100 years of 365 days */
-#define RL_MAX_TIMEOUT_SECONDS 86400.0     /* timeouts: one day at most (no overflow) */
+#define RL_MAX_WINDOWS 32                    /* windows decided by one check */
+#define RL_CLUSTER_SLOTS 16384               /* hash slots of a Redis Cluster */
+#define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
+#define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
+#define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
+#define RL_MAX_REPLY_BYTES 65536             /* a decision's reply is tiny: more is garbage */
+#define RL_MAX_LIMIT 9007199254740991LL      /* 2^53 - 1: exact in Lua's doubles */
+#define RL_MAX_WINDOW_SECONDS 3153600000LL   /* 100 years of 365 days */
+#define RL_MAX_TIMEOUT_SECONDS 86400.0       /* timeouts: one day at most (no overflow) */
+#define RL_MAX_REPLICA_TIMEOUT_MS 86400000LL /* replica_timeout_ms: one day at most */
+#define RL_MAX_REPLICAS 86400000             /* min_replicas: the options' one bound */
+#define RL_MAX_CONNECTIONS 4096              /* max_connections of a limiter */
 
 /* What the scripts of lua/ can answer: rl_script_decode holds every integer of a reply to
    these before it computes anything from it; outside them a reply is malformed. A count
@@ -208,6 +211,7 @@ typedef enum {
     RL_STEP_SCRIPT_LOAD, /* queued by the engine after NOSCRIPT */
     RL_STEP_DECISION,    /* a rate-limit decision (EVALSHA) */
     RL_STEP_COMMAND,     /* any other command: the raw reply goes to the caller */
+    RL_STEP_WAIT,        /* min_replicas: WAIT after an admission, judged by the engine */
 } rl_step;
 
 typedef struct {
@@ -216,6 +220,8 @@ typedef struct {
     rl_script_id script;   /* SCRIPT LOAD: the script being loaded */
     int last;              /* handshake: the step whose success completes it */
     int large;             /* a CLUSTER command: its reply may list every slot */
+    int replicas;          /* WAIT: the replicas that must acknowledge (min_replicas) */
+    long long wait_ms;     /* WAIT: its timeout (replica_timeout_ms) */
     double deadline;       /* monotonic seconds by which the reply is due */
     double sent;           /* decisions, commands: monotonic seconds when queued (metrics
                               on), else 0 */
@@ -368,6 +374,25 @@ rl_status rl_proto_push_decision(rl_proto *p, rl_prepared *d, double deadline, v
                                  void *holder, rl_error *err);
 rl_status rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
                                 double deadline, void *token, rl_error *err);
+/* A command whose entry also carries holder (the asyncio router's RouteRead: its reply is
+   handed to the read that asked it). */
+rl_status rl_proto_push_held_command(rl_proto *p, int argc, const char **argv,
+                                     const size_t *argvlen, double deadline, void *token,
+                                     void *holder, rl_error *err);
+/* min_replicas, the one rule of both drivers: queues WAIT replicas timeout_ms behind the
+   admission it covers (same write: WAIT covers every earlier write of the connection). Its
+   reply is due by deadline plus WAIT's own time. Its event (RL_STEP_WAIT) is judged by the
+   engine: RL_OK when at least `replicas` acknowledged, else RL_ERR_SERVER "not replicated:
+   N of the M replicas ..." (an error reply keeps its kind, AUTH or SERVER). On failure
+   nothing is queued. */
+rl_status rl_proto_push_wait(rl_proto *p, int replicas, long long timeout_ms, double deadline,
+                             void *token, rl_error *err);
+/* A WAIT whose reply never came: a connection that broke (RL_ERR_IO) or fell out of step
+   (RL_ERR_PROTOCOL) leaves the admission unconfirmed: RL_ERR_SERVER "not replicated: the
+   connection broke waiting for the replicas (...)" (err rewritten). Any other cause (a
+   timeout, a closed limiter, no memory) is returned as it is. The decision ran: it is
+   never resent, not elsewhere either. */
+rl_status rl_proto_wait_failed(rl_status cause, rl_error *err);
 /* The bytes to write now, and how many of them were written. */
 const char *rl_proto_output(const rl_proto *p, size_t *len);
 void rl_proto_consume(rl_proto *p, size_t written);
@@ -591,12 +616,14 @@ typedef struct {
     double seconds;
     double read_deadline;
     rl_status status;
+    int own_error; /* rl_route_failed gave up with an error of its own, written into err */
 } rl_route;
 
 void rl_route_begin(rl_route *rt, int slot, double deadline);
 rl_route_action rl_route_next(rl_router *r, rl_route *rt, rl_error *err);
 /* The try on rt->node failed with st (err: its error; a server's text for a redirect).
-   1: go on (rl_route_next); 0: give up with rt->status (err rewritten when it says more). */
+   1: go on (rl_route_next); 0: give up with rt->status (err rewritten, and rt->own_error
+   set, when the router's own error says more). */
 int rl_route_failed(rl_router *r, rl_route *rt, rl_status st, rl_error *err);
 
 /* A read of the map or of the sentinels: the questions one after another, each answer
@@ -761,6 +788,19 @@ PyObject *rl_raise(rl_module_state *state, const rl_error *err);
 /* The exception instance for err (a new reference), or NULL with an exception set. */
 PyObject *rl_exception(rl_module_state *state, const rl_error *err);
 
+/* routing.c, GIL held: how the Pipeline (codec.c) hands C replies and C statuses to the
+   router, with no Python object in between. route is a Route, read a RouteRead (checked by
+   the caller).
+   rl_routing_failed: the try of route failed with st (err) on the connection: 1 the call
+   goes on (Route.go_on), 0 it gives up with err, -1 with the router's own error, written
+   into err.
+   rl_routing_question: the question read asks now, handed out (the Pipeline queues its
+   words), or NULL when it asks none or one is out already.
+   rl_routing_answer: the reply (st RL_OK) or the failure of the question handed out. */
+int rl_routing_failed(PyObject *route, rl_status st, rl_error *err);
+const rl_question *rl_routing_question(PyObject *read);
+void rl_routing_answer(PyObject *read, rl_status st, const redisReply *reply, const rl_error *err);
+
 /* Parses a method's arguments into d (shape, script, windows with their costs, reconcile's
    entry) and *user_id (borrowed), validating all of it. 0, or -1 with an exception. */
 int rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
@@ -782,6 +822,19 @@ int rl_parse_storage(const char *name, rl_storage *out);
 /* 0 when seconds is a usable timeout (0 < seconds <= RL_MAX_TIMEOUT_SECONDS), else -1
    with a ValueError naming the parameter. */
 int rl_check_timeout(const char *name, double seconds);
+/* The options of a limiter, validated once, here, for both limiters: key_prefix not empty
+   (also Codec's), timeouts, 1 <= max_connections <= RL_MAX_CONNECTIONS, 0 <= min_replicas
+   <= RL_MAX_REPLICAS, 1 <= replica_timeout_ms <= RL_MAX_REPLICA_TIMEOUT_MS. 0, or -1 with
+   a ValueError naming the option. */
+int rl_check_key_prefix(Py_ssize_t len);
+int rl_check_limiter_values(double connect_timeout, double socket_timeout,
+                            Py_ssize_t key_prefix_len, long long max_connections,
+                            long long min_replicas, long long replica_timeout_ms);
+/* _native.check_options(key_prefix, clock, connect_timeout, socket_timeout, max_connections,
+   storage, min_replicas, replica_timeout_ms, hash_tag=False): the constructor's options of
+   either limiter, their types and values (TypeError / ValueError), before anything is
+   made; the values' rules are rl_check_limiter_values's. Module function (args.c). */
+PyObject *rl_check_options(PyObject *module, PyObject *args, PyObject *kwargs);
 /* The Python result of a decision of d's shape (see rl_shape). Returns a new reference. */
 PyObject *rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r);
 /* Vectorcall argument matching: the first `positional` names may be given by position,

@@ -12,7 +12,9 @@
  *     the same command once more;
  *   - the classification of every reply into a result or one rl_error kind, and of what
  *     makes the connection unusable (garbage, a reply nobody asked for, an oversized one);
- *   - the replay rule after a broken connection (rl_proto_replay).
+ *   - the replay rule after a broken connection (rl_proto_replay);
+ *   - min_replicas: the WAIT after an admission and how its reply, or its absence, is
+ *     judged (rl_proto_push_wait, rl_proto_wait_failed).
  * Drivers only move bytes: they write rl_proto_output(), feed what they read, and take
  * completed requests from rl_proto_next().
  *
@@ -433,13 +435,52 @@ rl_status
 rl_proto_push_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
                       double deadline, void *token, rl_error *err)
 {
+    return rl_proto_push_held_command(p, argc, argv, argvlen, deadline, token, NULL, err);
+}
+
+rl_status
+rl_proto_push_held_command(rl_proto *p, int argc, const char **argv, const size_t *argvlen,
+                           double deadline, void *token, void *holder, rl_error *err)
+{
     rl_entry e = {.step = RL_STEP_COMMAND,
                   .deadline = deadline,
                   .token = token,
+                  .holder = holder,
                   .sent = p->metrics != NULL ? rl_monotonic() : 0,
                   .op = argc > 0 ? rl_metrics_command_op(argv[0], argvlen[0]) : RL_OP_COMMAND};
     e.large = argc > 0 && argvlen[0] == 7 && strncasecmp(argv[0], "CLUSTER", 7) == 0;
     return queue_words(p, argc, argv, argvlen, &e, err);
+}
+
+rl_status
+rl_proto_push_wait(rl_proto *p, int replicas, long long timeout_ms, double deadline, void *token,
+                   rl_error *err)
+{
+    char count[24], timeout[24];
+    int cn = snprintf(count, sizeof(count), "%d", replicas);
+    int tn = snprintf(timeout, sizeof(timeout), "%lld", timeout_ms);
+    const char *argv[3] = {"WAIT", count, timeout};
+    size_t argvlen[3] = {4, (size_t)cn, (size_t)tn};
+    rl_entry e = {.step = RL_STEP_WAIT,
+                  .deadline = deadline + (double)timeout_ms / 1000.0, /* WAIT's own time */
+                  .token = token,
+                  .replicas = replicas,
+                  .wait_ms = timeout_ms,
+                  .sent = p->metrics != NULL ? rl_monotonic() : 0,
+                  .op = RL_OP_COMMAND};
+    return queue_words(p, 3, argv, argvlen, &e, err);
+}
+
+rl_status
+rl_proto_wait_failed(rl_status cause, rl_error *err)
+{
+    if (cause != RL_ERR_IO && cause != RL_ERR_PROTOCOL)
+        return cause;
+    char said[200];
+    snprintf(said, sizeof(said), "%.199s", err->message);
+    return rl_error_set(err, RL_ERR_SERVER,
+                        "not replicated: the connection broke waiting for the replicas (%.200s)",
+                        said);
 }
 
 const char *
@@ -635,6 +676,23 @@ rl_proto_eviction_warning(const rl_proto *p, char *buf, size_t size)
              p->maxmemory, p->eviction_policy);
 }
 
+/* Judges WAIT's reply (rl_proto_push_wait): RL_OK when enough replicas acknowledged the
+   admission. Anything but an integer counts as none. */
+static rl_status
+judge_wait(const rl_entry *e, const redisReply *r, rl_error *err)
+{
+    if (r->type == REDIS_REPLY_ERROR)
+        return rl_error_set(err, is_auth_refusal(r) ? RL_ERR_AUTH : RL_ERR_SERVER,
+                            "not replicated: Redis answered an error: %.240s", r->str);
+    long long acked = r->type == REDIS_REPLY_INTEGER ? r->integer : 0;
+    if (acked >= e->replicas)
+        return RL_OK;
+    return rl_error_set(err, RL_ERR_SERVER,
+                        "not replicated: %lld of the %d replicas required acknowledged the "
+                        "admission within %lld ms (min_replicas); it does not count as allowed",
+                        acked < 0 ? 0 : acked, e->replicas, e->wait_ms);
+}
+
 /* Judges SCRIPT LOAD's reply: RL_OK, a refusal (kept for the decision that follows), or
    PROTOCOL (fatal). */
 static rl_status
@@ -794,6 +852,13 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
                     rl_metrics_decision(p->metrics, e.decision, &ev->result);
             }
             ev->fatal = st == RL_ERR_PROTOCOL; /* garbage: out of step; an error reply is not */
+            break;
+        case RL_STEP_WAIT:
+            if (p->metrics != NULL && e.sent > 0)
+                rl_metrics_latency(p->metrics, e.op, rl_monotonic() - e.sent);
+            st = judge_wait(&e, reply, &ev->error);
+            freeReplyObject(reply);
+            ev->status = st;
             break;
         case RL_STEP_COMMAND:
         default:

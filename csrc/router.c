@@ -828,6 +828,7 @@ rl_route_failed(rl_router *r, rl_route *rt, rl_status st, rl_error *err)
     int go_on = 0, slot, node;
     double now = rl_monotonic();
     rt->last_status = rt->status = st;
+    rt->own_error = 0;
     pthread_mutex_lock(&r->mutex);
     switch (st) {
     case RL_ERR_REDIRECT:
@@ -836,6 +837,7 @@ rl_route_failed(rl_router *r, rl_route *rt, rl_status st, rl_error *err)
             /* MOVED is the only answer tried again without a pause: bound it (nodes that
                send a call back and forth), the others by the deadline. */
             if (++rt->moved >= RL_CLUSTER_MAX_ATTEMPTS) {
+                rt->own_error = 1;
                 rt->status = rl_error_set(err, RL_ERR_IO,
                                           "the Redis Cluster answered MOVED %d times to one call",
                                           RL_CLUSTER_MAX_ATTEMPTS);

@@ -9,16 +9,19 @@
  *   RouteRead  one read of the map or of the sentinels: step() says what to ask whom,
  *              and takes each reply (or the exception of a failed question).
  *
- * Replies come as aio.py's decoded values (bytes, int, None, lists: codec.c's
- * reply_to_python) and are turned back into a redisReply tree of our own for the router,
- * so the blocking and the asyncio limiter parse a map with the same code. Exceptions are
- * read by their _rl_status and _rl_detail (module.c), never by their message.
+ * Replies and failures reach the router as C values, never through Python objects: the
+ * Pipeline of codec.c hands a question's redisReply, or its rl_status and rl_error, to the
+ * RouteRead that asked it (rl_routing_answer), and a routed decision's failure to its
+ * Route (rl_routing_failed), both here. aio.py names the status of the failures it meets
+ * itself (a connection it could not open, a question that timed out): Route.failed(status,
+ * exc), RouteRead.failed(status, exc).
  *
  * GIL contract: every function here runs with the GIL held (the router's calls take its
  * own mutex briefly and never block). Nothing here does I/O.
  */
 #include "native.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -31,6 +34,7 @@ typedef struct {
     PyObject_HEAD
     RouterObject *owner; /* strong */
     rl_route route;
+    int go_on; /* the failure of the try under way was handed over: the call goes on */
 } RouteObject;
 
 typedef struct {
@@ -38,135 +42,40 @@ typedef struct {
     RouterObject *owner; /* strong */
     RouteObject *call;   /* strong, or NULL: the call this read is for */
     rl_read read;
+    int more;  /* rl_read_step left a question in read.q */
+    int out;   /* that question was handed to a Pipeline, which answers it */
     int ended; /* rl_read_end was called */
 } RouteReadObject;
 
-/* ------------------------------------------------------------- replies */
+/* ------------------------------------------------------------- failures */
 
-#define RL_REPLY_DEPTH 8 /* the deepest reply the router reads (CLUSTER SHARDS: 4) */
-
-/* Frees a reply made by reply_from_python (our allocation, not hiredis's). */
-static void
-reply_free(redisReply *r)
+/* The failure an aio.py exception reports, with the status its caller names (a STATUS_*
+   constant) and the exception's text. 0, or -1 with TypeError / ValueError set. */
+static int
+named_failure(PyObject *status, PyObject *exc, rl_error *err)
 {
-    if (r == NULL)
-        return;
-    if (r->type == REDIS_REPLY_ARRAY) {
-        for (size_t i = 0; i < r->elements; i++)
-            reply_free(r->element[i]);
-        free(r->element);
+    long kind = PyLong_AsLong(status);
+    if (kind == -1 && PyErr_Occurred())
+        return -1;
+    if (kind <= RL_OK || kind > RL_ERR_REDIRECT) {
+        PyErr_SetString(PyExc_ValueError, "status must be one of the STATUS_* constants");
+        return -1;
     }
-    free(r->str);
-    free(r);
-}
-
-/* A redisReply of our own for a decoded reply value. New allocation (reply_free), or NULL
-   with an exception set. */
-static redisReply *
-reply_from_python(PyObject *value, int depth)
-{
-    redisReply *r = calloc(1, sizeof(*r));
-    if (r == NULL) {
-        PyErr_NoMemory();
-        return NULL;
+    if (!PyExceptionInstance_Check(exc)) {
+        PyErr_SetString(PyExc_TypeError, "exc must be an exception instance");
+        return -1;
     }
-    if (value == Py_None) {
-        r->type = REDIS_REPLY_NIL;
-    } else if (PyBytes_Check(value)) {
-        char *data;
-        Py_ssize_t len;
-        if (PyBytes_AsStringAndSize(value, &data, &len) < 0)
-            goto error;
-        r->type = REDIS_REPLY_STRING;
-        r->str = malloc((size_t)len + 1);
-        if (r->str == NULL) {
-            PyErr_NoMemory();
-            goto error;
-        }
-        memcpy(r->str, data, (size_t)len);
-        r->str[len] = '\0';
-        r->len = (size_t)len;
-    } else if (PyLong_Check(value)) {
-        r->type = REDIS_REPLY_INTEGER;
-        r->integer = PyLong_AsLongLong(value);
-        if (r->integer == -1 && PyErr_Occurred())
-            goto error;
-    } else if (PyList_Check(value)) {
-        Py_ssize_t n = PyList_Size(value);
-        if (n < 0)
-            goto error;
-        if (depth >= RL_REPLY_DEPTH) {
-            PyErr_SetString(PyExc_ValueError, "a reply nested deeper than a slot map");
-            goto error;
-        }
-        r->type = REDIS_REPLY_ARRAY;
-        r->element = calloc(n > 0 ? (size_t)n : 1, sizeof(redisReply *));
-        if (r->element == NULL) {
-            PyErr_NoMemory();
-            goto error;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *item = PyList_GetItem(value, i); /* borrowed */
-            if (item == NULL || (r->element[i] = reply_from_python(item, depth + 1)) == NULL)
-                goto error;
-            r->elements = (size_t)i + 1;
-        }
-    } else {
-        PyErr_Format(PyExc_TypeError, "a reply holds bytes, int, None or lists, not %s",
-                     Py_TYPE(value) == NULL ? "?" : "another type");
-        goto error;
-    }
-    return r;
-error:
-    reply_free(r);
-    return NULL;
-}
-
-/* The rl_status and the detail of an exception a question or a try failed with: its
-   _rl_status and _rl_detail when the engine made it; aio.py's own errors carry none: a
-   RateLimiterTimeout is a timeout, a plain RateLimiterUnavailable a lost or refused
-   connection, a RateLimiterError the limiter closed. Never fails. */
-static rl_status
-status_of(rl_module_state *state, PyObject *exc, rl_error *err)
-{
-    rl_status st = RL_ERR_PROTOCOL;
-    PyObject *value = PyObject_GetAttrString(exc, "_rl_status");
-    if (value == NULL)
-        PyErr_Clear(); /* none: aio.py made it */
-    if (value != NULL) {
-        long kind = PyLong_AsLong(value);
-        Py_DECREF(value);
-        PyErr_Clear(); /* not an int: PROTOCOL */
-        if (kind > RL_OK && kind <= RL_ERR_REDIRECT)
-            st = (rl_status)kind;
-    } else if (PyObject_IsInstance(exc, state->Timeout) == 1) {
-        st = RL_ERR_TIMEOUT;
-    } else if ((PyObject *)Py_TYPE(exc) == state->Unavailable) {
-        st = RL_ERR_IO;
-    } else if ((PyObject *)Py_TYPE(exc) == state->Error) {
-        st = RL_ERR_CLOSED;
-    }
-    PyErr_Clear();
-    err->kind = st;
+    err->kind = (rl_status)kind;
     err->message[0] = '\0';
-    PyObject *detail = PyObject_GetAttrString(exc, "_rl_detail");
-    if (detail == NULL) {
-        PyErr_Clear();
-        detail = PyObject_Str(exc);
+    PyObject *text = PyObject_Str(exc);
+    const char *said = text != NULL ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
+    if (said == NULL) {
+        Py_XDECREF(text);
+        return -1;
     }
-    if (detail != NULL && PyUnicode_Check(detail)) {
-        Py_ssize_t len;
-        const char *text = PyUnicode_AsUTF8AndSize(detail, &len);
-        if (text != NULL) {
-            size_t n =
-                (size_t)len < sizeof(err->message) - 1 ? (size_t)len : sizeof(err->message) - 1;
-            memcpy(err->message, text, n);
-            err->message[n] = '\0';
-        }
-    }
-    Py_XDECREF(detail);
-    PyErr_Clear();
-    return st;
+    snprintf(err->message, sizeof(err->message), "%s", said);
+    Py_DECREF(text);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- Router */
@@ -439,6 +348,7 @@ Route_next(RouteObject *self, PyTypeObject *defining_class, PyObject *const *Py_
     }
     rl_error err = {RL_OK, ""};
     rl_route *rt = &self->route;
+    self->go_on = 0; /* a new try: its failure is yet to be handed over */
     switch (rl_route_next(&self->owner->router, rt, &err)) {
     case RL_ROUTE_SEND:
         return Py_BuildValue("(iiO)", (int)RL_ROUTE_SEND, rt->node,
@@ -455,29 +365,45 @@ Route_next(RouteObject *self, PyTypeObject *defining_class, PyObject *const *Py_
     }
 }
 
+int
+rl_routing_failed(PyObject *route, rl_status st, rl_error *err)
+{
+    RouteObject *self = (RouteObject *)route;
+    self->go_on = rl_route_failed(&self->owner->router, &self->route, st, err);
+    if (self->go_on)
+        return 1;
+    return self->route.own_error ? -1 : 0;
+}
+
 PyDoc_STRVAR(Route_failed_doc,
-             "failed($self, exc, /)\n--\n\n"
-             "The try on the node failed with exc. True: ask next() again; False: raise exc\n"
-             "(or the router's own error, which this raises when it says more).");
+             "failed($self, status, exc, /)\n--\n\n"
+             "The try failed with exc before its request reached a Pipeline (no connection to\n"
+             "send it on, or a replay that found none), status naming why (STATUS_*). True:\n"
+             "ask next() again; False: raise exc; raises the router's own error when it says\n"
+             "more. A failure the Pipeline met went to the route already (go_on).");
 
 static PyObject *
 Route_failed(RouteObject *self, PyTypeObject *defining_class, PyObject *const *args,
              Py_ssize_t nargs, PyObject *kwnames)
 {
     rl_module_state *state = PyType_GetModuleState(defining_class);
-    if (nargs != 1 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "failed(exc) takes 1 positional argument");
+    if (nargs != 2 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "failed(status, exc) takes 2 positional arguments");
         return NULL;
     }
     rl_error err;
-    rl_status st = status_of(state, args[0], &err);
-    char before[sizeof(err.message)];
-    memcpy(before, err.message, sizeof(before));
-    if (rl_route_failed(&self->owner->router, &self->route, st, &err))
-        Py_RETURN_TRUE;
-    if (err.kind != st || strcmp(before, err.message) != 0)
+    if (named_failure(args[0], args[1], &err) < 0)
+        return NULL;
+    int outcome = rl_routing_failed((PyObject *)self, err.kind, &err);
+    if (outcome < 0)
         return rl_raise(state, &err); /* the router's own error */
-    Py_RETURN_FALSE;
+    return PyBool_FromLong(outcome);
+}
+
+static PyObject *
+Route_get_go_on(RouteObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->go_on);
 }
 
 static PyObject *
@@ -496,6 +422,10 @@ static PyMethodDef Route_methods[] = {
 
 static PyGetSetDef Route_getset[] = {
     {"deadline", (getter)Route_get_deadline, NULL, "The call's deadline (time.monotonic()).", NULL},
+    {"go_on", (getter)Route_get_go_on, NULL,
+     "True when the failure of the try under way (since next()), handed to the route by a\n"
+     "Pipeline or by failed(), lets the call go on: ask next() again.",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -539,59 +469,78 @@ RouteRead_dealloc(RouteReadObject *self)
     Py_DECREF(tp);
 }
 
-PyDoc_STRVAR(RouteRead_step_doc,
-             "step($self, reply=None, exc=None, /)\n--\n\n"
-             "Hands back the answer to the last question (its decoded reply, or the exception\n"
-             "it failed with; nothing the first time) and returns the next question:\n"
-             "(sentinel, index, words, deadline), sentinel True when index is a sentinel's,\n"
-             "deadline its share (time.monotonic()); or None when the read is over.");
+/* Hands the answer to the question out to the router: 1 when another question follows. */
+static void
+answer_read(RouteReadObject *self, rl_status st, const redisReply *reply, const rl_error *err)
+{
+    self->out = 0;
+    if (self->ended || !self->more)
+        return; /* the read moved on: nobody asked this any more */
+    self->more = rl_read_step(&self->owner->router, &self->read, st, reply, err);
+}
+
+void
+rl_routing_answer(PyObject *read, rl_status st, const redisReply *reply, const rl_error *err)
+{
+    answer_read((RouteReadObject *)read, st, reply, err);
+}
+
+const rl_question *
+rl_routing_question(PyObject *read)
+{
+    RouteReadObject *self = (RouteReadObject *)read;
+    if (self->ended || !self->read.started || !self->more || self->out)
+        return NULL;
+    self->out = 1;
+    return &self->read.q;
+}
+
+PyDoc_STRVAR(RouteRead_question_doc,
+             "question($self, /)\n--\n\n"
+             "The question to ask now, (sentinel, index, deadline): sentinel True when index\n"
+             "is a sentinel's, deadline its share (time.monotonic()); None when the read is\n"
+             "over. Ask it with Pipeline.push_question(future, read): the reply goes to the\n"
+             "router from there. The first call starts the read.");
 
 static PyObject *
-RouteRead_step(RouteReadObject *self, PyTypeObject *defining_class, PyObject *const *args,
-               Py_ssize_t nargs, PyObject *kwnames)
+RouteRead_question(RouteReadObject *self, PyObject *Py_UNUSED(ignored))
 {
-    rl_module_state *state = PyType_GetModuleState(defining_class);
-    if (nargs > 2 || (kwnames != NULL && PyTuple_Size(kwnames) != 0)) {
-        PyErr_SetString(PyExc_TypeError, "step(reply=None, exc=None) takes at most 2 arguments");
-        return NULL;
-    }
     if (self->ended) {
         PyErr_SetString(PyExc_ValueError, "the read is over");
         return NULL;
     }
-    PyObject *reply = nargs > 0 ? args[0] : Py_None, *exc = nargs > 1 ? args[1] : Py_None;
-    rl_error err = {RL_OK, ""};
-    rl_status st = RL_OK;
-    redisReply *tree = NULL;
-    if (exc != Py_None) {
-        st = status_of(state, exc, &err);
-    } else if (self->read.started) {
-        if ((tree = reply_from_python(reply, 0)) == NULL) {
-            if (!PyErr_ExceptionMatches(PyExc_TypeError) &&
-                !PyErr_ExceptionMatches(PyExc_ValueError))
-                return NULL; /* out of memory */
-            PyErr_Clear();   /* a reply that is no slot map: the router says so */
-            st = rl_error_set(&err, RL_ERR_PROTOCOL,
-                              "a node answered something else than a "
-                              "map");
-        }
+    if (!self->read.started) {
+        rl_error err = {RL_OK, ""};
+        self->more = rl_read_step(&self->owner->router, &self->read, RL_OK, NULL, &err);
     }
-    int more = rl_read_step(&self->owner->router, &self->read, st, tree, &err);
-    reply_free(tree);
-    if (!more)
+    if (!self->more)
         Py_RETURN_NONE;
     const rl_question *q = &self->read.q;
-    PyObject *words = PyTuple_New(q->argc);
-    if (words == NULL)
+    return Py_BuildValue("(Oid)", q->sentinel ? Py_True : Py_False, q->target, q->deadline);
+}
+
+PyDoc_STRVAR(RouteRead_failed_doc,
+             "failed($self, status, exc, /)\n--\n\n"
+             "The question now was never answered, for a reason the driver met itself (no\n"
+             "connection to ask it on, no answer within its share), status naming it\n"
+             "(STATUS_*). Not for a question handed to a Pipeline: that one answers it.");
+
+static PyObject *
+RouteRead_failed(RouteReadObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    rl_error err;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "failed(status, exc) takes 2 positional arguments");
         return NULL;
-    for (int i = 0; i < q->argc; i++) {
-        PyObject *word = PyBytes_FromStringAndSize(q->argv[i], (Py_ssize_t)q->argvlen[i]);
-        if (word == NULL || PyTuple_SetItem(words, i, word) < 0) {
-            Py_DECREF(words);
-            return NULL;
-        }
     }
-    return Py_BuildValue("(OiNd)", q->sentinel ? Py_True : Py_False, q->target, words, q->deadline);
+    if (named_failure(args[0], args[1], &err) < 0)
+        return NULL;
+    if (self->ended || !self->read.started || !self->more || self->out) {
+        PyErr_SetString(PyExc_ValueError, "no question of this read waits for its answer here");
+        return NULL;
+    }
+    answer_read(self, err.kind, NULL, &err);
+    Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(RouteRead_end_doc,
@@ -625,8 +574,8 @@ RouteRead_error(RouteReadObject *self, PyTypeObject *defining_class,
 }
 
 static PyMethodDef RouteRead_methods[] = {
-    {"step", (PyCFunction)(void (*)(void))RouteRead_step,
-     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, RouteRead_step_doc},
+    {"question", (PyCFunction)RouteRead_question, METH_NOARGS, RouteRead_question_doc},
+    {"failed", (PyCFunction)(void (*)(void))RouteRead_failed, METH_FASTCALL, RouteRead_failed_doc},
     {"end", (PyCFunction)RouteRead_end, METH_NOARGS, RouteRead_end_doc},
     {"error", (PyCFunction)(void (*)(void))RouteRead_error,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, RouteRead_error_doc},

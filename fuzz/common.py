@@ -137,7 +137,7 @@ class Future:
                 pipeline.feed(b"+OK\r\n")
             except (RateLimiterError, *TOLERATED):
                 pass
-            pipeline.fail_all(RateLimiterError("closed from a callback"))
+            pipeline.fail_all(RateLimiterError("closed from a callback"), _native.STATUS_CLOSED)
 
     def set_result(self, value) -> None:
         self._set("result", value)

@@ -393,7 +393,7 @@ def TestOneInput(data: bytes) -> None:
                 if request.command not in commands_sent or not request.replayed or future.done():
                     raise AssertionError(f"take_replays handed out {future!r}, {request!r}")
         else:
-            pipeline.fail_all(RateLimiterError("connection closed"))
+            pipeline.fail_all(RateLimiterError("connection closed"), _native.STATUS_CLOSED)
     except HostileError:
         pass
     if pipeline.pending != 0:

@@ -25,7 +25,13 @@ from collections.abc import AsyncGenerator, Coroutine, Sequence
 from typing import Any
 
 from . import _native
-from ._native import RateLimiterError, RateLimiterTimeout, RateLimiterUnavailable, WindowDecision
+from ._native import (
+    RateLimiterAuthError,
+    RateLimiterError,
+    RateLimiterTimeout,
+    RateLimiterUnavailable,
+    WindowDecision,
+)
 from ._url import RedisOptions
 from .lease import (
     DEFAULT_LEASE_SECONDS,
@@ -105,6 +111,33 @@ class _Abandoned(Exception):
     plan refunds the steps it took, as for a step that failed."""
 
 
+def _connection_status(exc: BaseException) -> int:
+    """The rl_status (_native.STATUS_*) of a connection this module could not open or use
+    (_LoopPool.get, _open): what the router hears of it. A timeout is a timeout, a refused
+    password a refused password, a closed limiter closed; anything else, the node could not
+    be reached."""
+    if isinstance(exc, RateLimiterTimeout):
+        return _native.STATUS_TIMEOUT
+    if isinstance(exc, RateLimiterAuthError):
+        return _native.STATUS_AUTH
+    if isinstance(exc, RateLimiterUnavailable):
+        return _native.STATUS_CONNECT
+    return _native.STATUS_CLOSED
+
+
+def _replay_failure(request: Any, exc: Exception) -> Exception:
+    """What the caller of a replay that found no connection hears: exc, handed to its
+    call's route first (when routed), or the router's own error when it says more."""
+    route = request.route
+    if route is None or not isinstance(exc, RateLimiterError):
+        return exc
+    try:
+        route.failed(_connection_status(exc), exc)
+    except RateLimiterError as own:
+        return own
+    return exc
+
+
 def _ignore_result(future: asyncio.Future[Any]) -> None:
     """For a command nobody waits for (ASKING): a refusal shows in the next reply."""
     if not future.cancelled():
@@ -156,7 +189,8 @@ class _Connection(asyncio.Protocol):
             return False
         if self.pipeline.pending or not self.pipeline.idle_is_stale(self._fd):
             return True
-        self.abort(RateLimiterUnavailable("Redis sent bytes on an idle connection"))
+        self.abort(RateLimiterUnavailable("Redis sent bytes on an idle connection"),
+                   _native.STATUS_PROTOCOL)
         return False
 
     def data_received(self, data: bytes) -> None:
@@ -164,7 +198,8 @@ class _Connection(asyncio.Protocol):
             wrote = self.pipeline.feed(data)
         except Exception as exc:  # garbage from the server: this connection is done
             self.abort(exc if isinstance(exc, RateLimiterError)
-                       else RateLimiterUnavailable(f"cannot decode Redis's reply: {exc}"))
+                       else RateLimiterUnavailable(f"cannot decode Redis's reply: {exc}"),
+                       _native.STATUS_PROTOCOL)
             return
         if wrote:
             self._schedule_flush()
@@ -194,7 +229,7 @@ class _Connection(asyncio.Protocol):
         # the script answers "already counted" for a request its first attempt logged.
         # Everything else fails with `error`.
         replays = [] if self.pool.limiter._closed else self.pipeline.take_replays(error)
-        self._close(error)
+        self._close(error, _native.STATUS_IO)
         if replays:
             self.pool.replay(replays)
 
@@ -245,7 +280,7 @@ class _Connection(asyncio.Protocol):
         wait, self._next_wait = self._next_wait, None
         assert wait is not None
         limiter = self.pool.limiter
-        self.pipeline.push_command(wait, *limiter._wait_words)
+        self.pipeline.push_wait(wait, limiter._min_replicas, limiter._replica_timeout_ms)
         self.waiting = True
         self._quiet_until = max(self._quiet_until, time.monotonic()
                                 + limiter._replica_timeout_ms / 1000 + self.timeout)
@@ -260,6 +295,17 @@ class _Connection(asyncio.Protocol):
         self._quiet_until = max(self._quiet_until, time.monotonic() + self.timeout)
         if self._next_wait is not None:
             self._schedule_flush()
+
+    def submit_question(self, read: Any) -> asyncio.Future[Any]:
+        """Queues a router's question (Pipeline.push_question): its reply goes to the
+        RouteRead in C; the future gets None once the read took it."""
+        if self.closed:
+            raise RateLimiterUnavailable("connection to Redis lost")
+        future = self.loop.create_future()
+        self.pipeline.push_question(future, read)
+        self._schedule_flush()
+        self._arm_timer()
+        return future
 
     def submit_command(self, words: tuple[str | bytes, ...]) -> asyncio.Future[Any]:
         """Queues any Redis command; the future gets its reply (Pipeline.push_command)."""
@@ -321,23 +367,25 @@ class _Connection(asyncio.Protocol):
         left = max(deadline, self._quiet_until) - time.monotonic()
         if left <= 0:
             self.abort(RateLimiterTimeout(
-                f"Redis did not answer within {self.timeout:g} s (socket_timeout)"))
+                f"Redis did not answer within {self.timeout:g} s (socket_timeout)"),
+                _native.STATUS_TIMEOUT)
         else:
             self._timer = self.loop.call_later(left, self._on_timer)
 
     # -- closing
-    def abort(self, exc: Exception) -> None:
-        """Fails every pending check with exc and drops the connection (it may be out of step)."""
+    def abort(self, exc: Exception, status: int) -> None:
+        """Fails every pending check with exc, whose rl_status is status (_native.STATUS_*),
+        and drops the connection (it may be out of step)."""
         if not self.closed:
             self.pool.limiter._codec._record_outcome("connection_error")
         transport = self.transport
-        self._close(exc)
+        self._close(exc, status)
         if transport is not None:
             transport.abort()
 
     def close(self, exc: Exception) -> None:
         transport = self.transport
-        self._close(exc)
+        self._close(exc, _native.STATUS_CLOSED)
         if transport is None:
             return
         if transport.get_extra_info("sslcontext") is not None:
@@ -348,7 +396,7 @@ class _Connection(asyncio.Protocol):
         else:
             transport.close()
 
-    def _close(self, exc: Exception) -> None:
+    def _close(self, exc: Exception, status: int) -> None:
         if self.closed:
             return
         self.closed = True
@@ -356,9 +404,9 @@ class _Connection(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         wait, self._next_wait = self._next_wait, None
-        if wait is not None and not wait.done():  # never sent: no reply will resolve it
-            wait.set_exception(exc)
-        self.pipeline.fail_all(exc)
+        if wait is not None:  # never sent: no reply will resolve it
+            self.pipeline.fail_wait(wait, exc, status)
+        self.pipeline.fail_all(exc, status)
         self.pool.discard(self)
 
 
@@ -456,23 +504,23 @@ class _LoopPool:
         try:
             await asyncio.wait_for(self._connect(conn, options), limiter._connect_timeout)
         except asyncio.TimeoutError:
-            conn.abort(RateLimiterTimeout("connect timed out"))
+            conn.abort(RateLimiterTimeout("connect timed out"), _native.STATUS_TIMEOUT)
             raise RateLimiterTimeout(
                 f"timed out connecting to Redis at {where} "
                 f"(connect_timeout {limiter._connect_timeout:g} s)") from None
         except RateLimiterError:
-            conn.abort(RateLimiterUnavailable("handshake failed"))
+            conn.abort(RateLimiterUnavailable("handshake failed"), _native.STATUS_CONNECT)
             raise
         except ssl.SSLError as exc:
-            conn.abort(RateLimiterUnavailable("TLS handshake failed"))
+            conn.abort(RateLimiterUnavailable("TLS handshake failed"), _native.STATUS_CONNECT)
             raise RateLimiterUnavailable(
                 f"TLS handshake with Redis at {where} failed: {exc.reason or exc}") from None
         except OSError as exc:
-            conn.abort(RateLimiterUnavailable("connect failed"))
+            conn.abort(RateLimiterUnavailable("connect failed"), _native.STATUS_CONNECT)
             raise RateLimiterUnavailable(
                 f"cannot connect to Redis at {where}: {exc.strerror or exc}") from None
         except BaseException:  # cancelled (e.g. the loop shuts down mid-connect): no leak
-            conn.abort(RateLimiterUnavailable("connect cancelled"))
+            conn.abort(RateLimiterUnavailable("connect cancelled"), _native.STATUS_CONNECT)
             raise
         if limiter._closed:
             conn.close(RateLimiterError("the rate limiter is closed"))
@@ -509,10 +557,10 @@ class _LoopPool:
                 if not future.done():
                     conn.resubmit(future, request, extend)
         except Exception as exc:  # no connection to be had: the callers hear why
-            for future, _ in pairs:
+            for future, request in pairs:
                 if not future.done():
                     self.limiter._codec._record_outcome("unavailable")
-                    future.set_exception(exc)
+                    future.set_exception(_replay_failure(request, exc))
 
     def discard(self, conn: _Connection) -> None:
         try:
@@ -559,7 +607,6 @@ class AsyncRateLimiter:
                                           min_replicas, replica_timeout_ms)
         self._min_replicas = native["min_replicas"]
         self._replica_timeout_ms = native["replica_timeout_ms"]
-        self._wait_words = ("WAIT", str(self._min_replicas), str(self._replica_timeout_ms))
         # The tasks that give back what a cancelled call took (_leave), until they end.
         self._leftovers: set[asyncio.Task[None]] = set()
         self._ssl = _ssl_context(options) if options.tls else None
@@ -661,8 +708,8 @@ class AsyncRateLimiter:
     async def _confirmed(self, conn: _Connection, request: Any, result: Any,
                          wait: asyncio.Future[Any]) -> Any:
         """An allowing admission fewer replicas than asked acknowledged in time raises
-        RateLimiterUnavailable: it is no admission (the blocking limiter's rule,
-        csrc/conn.c read_wait). A refusal waits for nothing."""
+        RateLimiterUnavailable: it is no admission (the engine's rule, csrc/proto.c
+        rl_proto_push_wait, the blocking limiter's too). A refusal waits for nothing."""
         try:
             allowed = bool(result[0])
         except (TypeError, IndexError, KeyError):
@@ -674,20 +721,12 @@ class AsyncRateLimiter:
         await self._replicated(wait)
         return result
 
-    async def _replicated(self, wait: asyncio.Future[Any]) -> None:
-        """WAIT's answer judged: fewer replicas than min_replicas raise. The WAIT is
+    @staticmethod
+    async def _replicated(wait: asyncio.Future[Any]) -> None:
+        """The WAIT's outcome as the engine judged it (Pipeline.push_wait: fewer replicas
+        than min_replicas, or a connection that broke, raise "not replicated"). The WAIT is
         shared (_Connection.join_wait): a cancelled caller must not cancel it."""
-        try:
-            acked = await asyncio.shield(wait)
-        except RateLimiterTimeout:
-            raise
-        except RateLimiterUnavailable as exc:
-            raise RateLimiterUnavailable(f"not replicated: {exc}") from None
-        if not isinstance(acked, int) or acked < self._min_replicas:
-            raise RateLimiterUnavailable(
-                f"not replicated: {acked} of the {self._min_replicas} replicas required "
-                f"acknowledged the admission within {self._replica_timeout_ms} ms "
-                "(min_replicas); it does not count as allowed")
+        await asyncio.shield(wait)
 
     async def _run_cluster(self, request: Any, decision: bool = False,
                            admission: bool = False, sent: _Sent | None = None) -> Any:
@@ -702,24 +741,37 @@ class AsyncRateLimiter:
         assert router is not None
         root = self._pool()
         route = router.route(request.slot, time.monotonic() + self._socket_timeout)
+        # Every failure of the request on a connection goes to the route in C (Pipeline:
+        # the engine's status, or the one this module names for a connection it drops).
+        request.route = route
         error: BaseException | None = None
         while True:
             action, value, asking = route.next()
             if action == _native.ROUTE_SEND:
                 pool = root.node(value)
+                wait = None
                 try:
                     conn = pool.pick() or await self._connection(pool, decision)
                     if asking:
                         conn.submit_command(("ASKING",)).add_done_callback(_ignore_result)
-                    if not (admission and self._min_replicas):
-                        return await self._reply(conn.submit(request), sent)
-                    future, wait = conn.admit(request)
-                    result = await self._reply(future, sent)
-                except RateLimiterError as exc:
-                    if not self._try_elsewhere(route, exc):
+                    if admission and self._min_replicas:
+                        future, wait = conn.admit(request)
+                    else:
+                        future = conn.submit(request)
+                except RateLimiterError as exc:  # no connection to send it on
+                    if not self._try_elsewhere(route, _connection_status(exc), exc):
                         raise
                     error = exc
                     continue
+                try:
+                    result = await self._reply(future, sent)
+                except RateLimiterError as exc:
+                    if not route.go_on:  # the router had it (Request.route) and gave up
+                        raise
+                    error = exc
+                    continue
+                if wait is None:
+                    return result
                 # min_replicas: the admission ran here; never sent elsewhere from now on.
                 return await self._confirmed(conn, request, result, wait)
             if action == _native.ROUTE_READ:
@@ -731,34 +783,45 @@ class AsyncRateLimiter:
                 raise error
 
     @staticmethod
-    def _try_elsewhere(route: Any, exc: RateLimiterError) -> bool:
-        """Route.failed(exc), with the router's own error (when it says more) raised
-        without exc chained to it."""
+    def _try_elsewhere(route: Any, status: int, exc: RateLimiterError) -> bool:
+        """Route.failed(status, exc), with the router's own error (when it says more)
+        raised without exc chained to it."""
         try:
-            return bool(route.failed(exc))
+            return bool(route.failed(status, exc))
         except RateLimiterError as own:
             raise own from None
 
-    async def _ask_one(self, pool: _LoopPool, words: tuple[bytes, ...], until: float) -> Any:
-        """One question of a read to one node, by its share of the read's deadline (the
-        router's): a frozen node costs a fraction of the call. Its connection is dropped on
-        a timeout."""
+    async def _ask_one(self, pool: _LoopPool, read: Any, until: float) -> None:
+        """Asks one node the read's question, by its share of the read's deadline (the
+        router's): a frozen node costs a fraction of the call. The reply, or whatever cuts
+        it off, goes to the read (from the Pipeline, or here when the question never
+        reached one). Its connection is dropped on a timeout."""
         share = max(0.0, until - time.monotonic())
         conn: _Connection | None = None
+        asked = False
 
-        async def ask() -> Any:
-            nonlocal conn
+        async def ask() -> None:
+            nonlocal conn, asked
             conn = pool.pick() or await pool.get()
-            return await conn.submit_command(words)
+            future = conn.submit_question(read)
+            asked = True
+            await future
 
         try:
-            return await asyncio.wait_for(ask(), share)
+            await asyncio.wait_for(ask(), share)
         except asyncio.TimeoutError:
             error = RateLimiterTimeout(f"{pool.options.describe()} did not answer within "
                                        f"{share:.3f} s")
-            if conn is not None:
-                conn.abort(error)
-            raise error from None
+            if asked:
+                assert conn is not None
+                conn.abort(error, _native.STATUS_TIMEOUT)  # the read hears of it there
+            else:
+                if conn is not None:
+                    conn.abort(error, _native.STATUS_TIMEOUT)
+                read.failed(_native.STATUS_TIMEOUT, error)
+        except RateLimiterError as exc:  # no connection to ask on
+            if not asked:
+                read.failed(_connection_status(exc), exc)
 
     async def _read_map(self, root: _LoopPool, deadline: float, route: Any = None) -> Any:
         """One read of the slot map or of the sentinels: asks what the router asks, whom it
@@ -769,16 +832,11 @@ class AsyncRateLimiter:
         assert router is not None
         read = router.read(deadline, route)
         try:
-            question = read.step()
+            question = read.question()
             while question is not None:
-                sentinel, index, words, until = question
-                pool = root.node(index, sentinel)
-                try:
-                    reply = await self._ask_one(pool, words, until)
-                except RateLimiterError as exc:
-                    question = read.step(None, exc)
-                else:
-                    question = read.step(reply)
+                sentinel, index, until = question
+                await self._ask_one(root.node(index, sentinel), read, until)
+                question = read.question()
         finally:
             replaced = read.end()
         stale = root.nodes.get(replaced) if replaced >= 0 else None

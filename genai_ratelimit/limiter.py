@@ -5,14 +5,13 @@ reply. `check` and `check_windows` are the C methods themselves, with no Python 
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
 from . import _native
-from ._url import DEFAULT_URL, STORAGES, RedisOptions, parse_redis_url
+from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
 from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, lease_maker, make_lease
 from .metrics import count_reconcile, count_reservation
 from .reservation import (
@@ -59,17 +58,6 @@ class NativeOptions(TypedDict):
     replica_timeout_ms: int
 
 
-def _positive_seconds(name: str, value: float) -> float:
-    """A timeout: a number of seconds in (0, MAX_TIMEOUT_SECONDS]. The C types check the
-    same bound (one day: larger values would overflow the millisecond arithmetic)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0 or value > _native.MAX_TIMEOUT_SECONDS:
-        raise ValueError(f"{name} must be a positive number of seconds, at most "
-                         f"{_native.MAX_TIMEOUT_SECONDS} (one day), got {value!r}")
-    return float(value)
-
-
 def limiter_options(
     url: str | None,
     key_prefix: str,
@@ -82,40 +70,25 @@ def limiter_options(
     min_replicas: int | None = None,
     replica_timeout_ms: int | None = None,
 ) -> tuple[RedisOptions, NativeOptions]:
-    """Validates the constructor's arguments. Returns the parsed URL and the keyword
-    arguments of the C limiter. Shared by the sync and async limiters."""
+    """Merges the URL and the constructor's arguments (an argument may not contradict the
+    URL) and has the extension validate every option (_native.check_options: the one copy
+    of the rules, the C limiter's own). Returns the parsed URL and the keyword arguments of
+    the C limiter. Shared by the sync and async limiters."""
     if url is None:
         url = os.environ.get("REDIS_URL") or DEFAULT_URL
     options = parse_redis_url(url)
-    if storage is not None and storage not in STORAGES:
-        raise ValueError(f"storage must be 'zset' or 'compact', got {storage!r}")
-    if storage is not None and options.storage not in (None, storage):
-        raise ValueError(f"storage={storage!r} contradicts the URL's storage={options.storage}")
-    if not isinstance(key_prefix, str):
-        raise TypeError(f"key_prefix must be a str, not {type(key_prefix).__name__}")
-    if not key_prefix:
-        raise ValueError("key_prefix must not be empty")
-    if options.mode == "cluster" and ("{" in key_prefix or "}" in key_prefix):
-        raise ValueError("key_prefix must not contain '{' or '}' with a Redis Cluster URL: "
-                         "the user id's hash tag follows the prefix")
-    if clock not in ("server", "client"):
-        raise ValueError(f"clock must be 'server' or 'client', got {clock!r}")
-    if isinstance(max_connections, bool) or not isinstance(max_connections, int):
-        raise TypeError(f"max_connections must be an int, not {type(max_connections).__name__}")
-    if not 1 <= max_connections <= 4096:
-        raise ValueError(f"max_connections must be between 1 and 4096, got {max_connections}")
     replication = {}
-    for name, given, in_url, default, low in (
-            ("min_replicas", min_replicas, options.min_replicas, 0, 0),
-            ("replica_timeout_ms", replica_timeout_ms, options.replica_timeout_ms, 100, 1)):
+    for name, given, in_url, default in (
+            ("min_replicas", min_replicas, options.min_replicas, 0),
+            ("replica_timeout_ms", replica_timeout_ms, options.replica_timeout_ms, 100)):
         if given is not None and in_url is not None and given != in_url:
             raise ValueError(f"{name}={given!r} contradicts the URL's {name}={in_url}")
-        value = given if given is not None else in_url if in_url is not None else default
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-        if not low <= value <= 86_400_000:
-            raise ValueError(f"{name} must be between {low} and 86400000, got {value}")
-        replication[name] = value
+        replication[name] = given if given is not None else in_url if in_url is not None else default
+    _native.check_options(key_prefix, clock, connect_timeout, socket_timeout, max_connections,
+                          storage, replication["min_replicas"], replication["replica_timeout_ms"],
+                          hash_tag=options.mode == "cluster")
+    if storage is not None and options.storage not in (None, storage):
+        raise ValueError(f"storage={storage!r} contradicts the URL's storage={options.storage}")
     native = NativeOptions(
         host=options.host,
         port=options.port,
@@ -123,8 +96,8 @@ def limiter_options(
         db=options.db,
         username=options.username,
         password=options.password,
-        connect_timeout=_positive_seconds("connect_timeout", connect_timeout),
-        socket_timeout=_positive_seconds("socket_timeout", socket_timeout),
+        connect_timeout=float(connect_timeout),
+        socket_timeout=float(socket_timeout),
         key_prefix=key_prefix,
         client_clock=clock == "client",
         max_connections=max_connections,

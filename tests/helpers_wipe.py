@@ -117,10 +117,11 @@ def pipeline_written() -> None:
 
 def pipeline_failed() -> None:
     """Never written: the connection failed, every entry is dropped (fail_all)."""
-    from genai_ratelimit import RateLimiterUnavailable
+    from genai_ratelimit import RateLimiterUnavailable, _native
 
     pipeline = handshake()
-    pipeline.fail_all(RateLimiterUnavailable("connection lost"))  # type: ignore[attr-defined]
+    lost = RateLimiterUnavailable("connection lost")
+    pipeline.fail_all(lost, _native.STATUS_IO)  # type: ignore[attr-defined]
     del pipeline
 
 

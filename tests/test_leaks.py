@@ -150,7 +150,7 @@ CHILD = textwrap.dedent('''
                 pipeline.take()
                 garbage = b"!garbage\\r\\n" if step == 8 else b"*2\\r\\n:1\\r\\n$3\\r\\nabc\\r\\n"
                 expect(RateLimiterError, pipeline.feed, garbage)
-                pipeline.fail_all(RateLimiterError("closed"))
+                pipeline.fail_all(RateLimiterError("closed"), _native.STATUS_CLOSED)
                 if future.done():
                     future.exception()
         loop.close()

@@ -9,10 +9,12 @@ conftest's too."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import redis
 
+from genai_ratelimit import _native
 from genai_ratelimit._url import parse_redis_url
 from helpers_async import LimiterFactory
 from helpers_core import (
@@ -214,10 +216,33 @@ def test_non_string_url_raises_type_error(make_limiter):
     pytest.param({"socket_timeout": "1"}, TypeError, id="str-socket-timeout"),
     pytest.param({"max_connections": 0}, ValueError, id="zero-connections"),
     pytest.param({"max_connections": 2.0}, TypeError, id="float-connections"),
+    pytest.param({"max_connections": 4097}, ValueError, id="too-many-connections"),
+    pytest.param({"min_replicas": 86_400_001}, ValueError, id="too-many-replicas"),
+    pytest.param({"replica_timeout_ms": 86_400_001}, ValueError, id="too-long-replica-timeout"),
+    pytest.param({"min_replicas": 1.0}, TypeError, id="float-replicas"),
+    pytest.param({"storage": "lists"}, ValueError, id="storage"),
 ])
 def test_bad_constructor_option_is_refused(make_limiter, redis_url, kwargs, error):
     with pytest.raises(error):
         make_limiter(redis_url, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    pytest.param({"max_connections": 4097}, "max_connections must be between 1 and 4096, got 4097",
+                 id="connections"),
+    pytest.param({"min_replicas": 86_400_001},
+                 "min_replicas must be between 0 and 86400000, got 86400001", id="replicas"),
+    pytest.param({"replica_timeout_ms": 0}, "replica_timeout_ms must be between 1 and 86400000, "
+                 "got 0", id="replica-timeout"),
+    pytest.param({"socket_timeout": 0.0}, "socket_timeout must be a positive number of seconds",
+                 id="timeout"),
+])
+def test_the_c_limiter_refuses_what_the_constructors_refuse(kwargs, message):
+    """One copy of the options' rules (args.c): the extension's own type, made without the
+    Python constructor, refuses the same values with the same message."""
+    options = {"host": "127.0.0.1", "port": 1, **kwargs}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _native.Limiter(**options)
 
 
 @pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)

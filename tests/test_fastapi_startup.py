@@ -1,7 +1,7 @@
 """A misconfigured app does not start, whichever documented way it was built.
 
 The ways the README and docs/ build an app: `FastAPI()` + `app.add_middleware(
-RateLimitHeadersMiddleware)` (README, getting-started.md, fastapi-guide.md and most pages),
+RateLimitHeadersMiddleware)` (README, getting-started.md, fastapi.md and most pages),
 `FastAPI(lifespan=rate_limit_lifespan)` + the middleware (fastapi.md), a lifespan of one's
 own around `rate_limit_lifespan` (fastapi.md), `FastAPI(middleware=[Middleware(...)])` and
 an app wrapped in the middleware from outside (fastapi.md). Each app is one module's

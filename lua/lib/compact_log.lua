@@ -621,3 +621,14 @@ local function compact_log(n, now)
   log.peek_freeing_stamp = log.freeing_stamp
   return log
 end
+
+-- The storage as the entry scripts see it (lib/zset_log.lua's four names): one string per
+-- window; the compact log; a check's reply names its entry by its time and tie (8th).
+local KEYS_PER_WINDOW, open_log, TIE_NAMES_ENTRY = 1, compact_log, true
+
+-- The OOM probe: SETRANGE may grow memory, so a Redis over its maxmemory refuses it while
+-- the script has written nothing; with an empty value it changes nothing (and creates no
+-- key). Later writes are then let through, as the script can no longer stop halfway.
+local function oom_probe()
+  redis.call('SETRANGE', KEYS[1], 0, '')
+end

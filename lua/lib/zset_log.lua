@@ -373,3 +373,19 @@ local function zset_log(n, now)
 
   return log
 end
+
+-- The storage as the entry scripts see it: setup.py builds each script that includes
+-- "lib/{storage}_log.lua" once with this file and once with lib/compact_log.lua, which
+-- defines the same four names. KEYS_PER_WINDOW: the keys of one window in KEYS (its set,
+-- weights and totals); open_log(n, now): the log of a call's n windows; TIE_NAMES_ENTRY:
+-- whether a check's reply names its entry by a tie (8th element): no, its member does.
+local KEYS_PER_WINDOW, open_log, TIE_NAMES_ENTRY = 3, zset_log, false
+
+-- The OOM probe, run before anything is written: Redis refuses a command that may grow
+-- memory (ZADD) under OOM only while the script has written nothing yet, and a trim that
+-- removed an entry would let every later ZADD through. So one such command goes first,
+-- one that changes nothing (XX: only existing members; "" is never a member): over
+-- maxmemory it fails the whole script with -OOM, and nothing was written.
+local function oom_probe()
+  redis.call('ZADD', KEYS[1], 'XX', 0, '')
+end

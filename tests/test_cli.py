@@ -513,6 +513,38 @@ def test_every_key_kind_is_read_back_from_its_name(hash_tag: bool) -> None:
         assert parse_key(other, "ratelimit", hash_tag) is None, other
 
 
+@pytest.mark.parametrize("hash_tag", [False, True], ids=["single", "cluster"])
+def test_an_owner_is_spelled_as_the_extension_writes_it(hash_tag: bool) -> None:
+    """tagged() is csrc/script.c's rl_key_user (_native.key_owner), no second copy: on a
+    cluster ids that differ only by escaping keep distinct tags."""
+    from genai_ratelimit import _native
+    from genai_ratelimit._keyspace import tagged
+
+    owners = ["u", "a}b", "{a}", "100%", "%7B", "%257B", "\u00e9"]
+    spelled = [tagged(owner, hash_tag) for owner in owners]
+    assert spelled == [_native.key_owner(owner, hash_tag) for owner in owners]
+    assert spelled == ([f"{{{o}}}" for o in ["u", "a%7Db", "%7Ba%7D", "100%25", "%257B", "%25257B",
+                                             "\u00e9"]] if hash_tag else owners)
+
+
+def test_the_keys_a_limiter_writes_read_back_to_its_calls(limiter: Any, redis_client: redis.Redis,
+                                                          user_id: str, storage: str) -> None:
+    """What the limiter wrote in Redis, read with the rule it wrote it with: the window and
+    the leases of the call's user; their companions (":leases:stats") are no key of the
+    reading."""
+    from genai_ratelimit._keyspace import parse_key
+
+    user = f"{user_id}:a{{b}}%7B"
+    assert limiter.check(user, 5, 60)[0] is True
+    assert limiter.acquire(user, 2).allowed
+    names = [key.decode() for key in redis_client.keys("ratelimit:*")]
+    read = [parse_key(name, "ratelimit", False) for name in names]
+    assert sorted(map(repr, filter(None, read))) == sorted(map(repr, [
+        KeyName("window", user, 60, storage=storage), KeyName("leases", user)]))
+    assert [name for name, key in zip(names, read, strict=True) if key is None] == \
+        [f"ratelimit:{user}:leases:stats"]
+
+
 # ------------------------------------------------------------------------------- ACL
 
 def documented_acl_line(user: str) -> list[str]:

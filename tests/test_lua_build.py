@@ -2,8 +2,9 @@
 shared files of lua/lib/ it stands on ("-- include: lib/x.lua" lines), the build
 (setup.py) prepends them in that order, and the extension embeds and sends exactly that
 text, whose SHA1 is the one it calls. A script written over a storage names
-"lib/{storage}_log.lua" and is embedded once per storage (one file per operation). No window arithmetic is kept twice: a function is
-defined in one file only, and no run of lines of one file repeats in another."""
+"lib/{storage}_log.lua" and is embedded once per storage (one file per operation). No window
+arithmetic is kept twice: a function is defined in one file only, and no run of lines of one
+file repeats in another."""
 
 from __future__ import annotations
 
@@ -57,7 +58,8 @@ def assembled(name: str, storage: str | None) -> str:
 
 
 @pytest.mark.parametrize(("names", "script"), list(EMBEDDED.items()),
-                         ids=[f"{name}-{storage}" if storage else name for name, storage in EMBEDDED.values()])
+                         ids=[f"{name}-{storage}" if storage else name
+                              for name, storage in EMBEDDED.values()])
 def test_an_embedded_script_is_its_includes_then_its_file(
         names: tuple[str, str], script: tuple[str, str | None]) -> None:
     sha_name, source_name = names
@@ -78,7 +80,8 @@ def test_a_script_over_a_storage_is_embedded_once_per_storage() -> None:
     for name, storage in EMBEDDED.values():
         over.setdefault(name, set()).add(storage)
     for name, storages in over.items():
-        generic = any("{storage}" in line for line in INCLUDE.findall((LUA / name).read_text(encoding="utf-8")))
+        text = (LUA / name).read_text(encoding="utf-8")
+        generic = any("{storage}" in line for line in INCLUDE.findall(text))
         assert storages == (set(STORAGES) if generic else {None}), name
 
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-import re
 
 from fastapi import Request
 
+from .._keyspace import NAMESPACE_PATTERN
 from ..proxies import Anonymous, ClientNetworks
 
 logger = logging.getLogger("genai_ratelimit")
@@ -15,7 +15,7 @@ logger = logging.getLogger("genai_ratelimit")
 # A user id beginning with one of these is stored as "user:<id>": they mark the anonymous
 # key space ("ip:"), escaped user ids ("user:"), namespaces ("ns:") and shadow budgets ("shadow:").
 _RESERVED_PREFIXES = ("ip:", "user:", "ns:", "shadow:")
-_NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_NAMESPACE_PATTERN = NAMESPACE_PATTERN  # defined once, in genai_ratelimit._keyspace
 
 
 def key_identity(user_id: str, namespace: str | None = None) -> str:

@@ -126,20 +126,21 @@ typedef enum {
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. args.c names a decision's script in the
-   sorted-set storage; rl_prepare swaps in the compact storage's twin (rl_script_of). */
+   sorted-set storage; rl_prepare swaps in the same operation built over the compact storage
+   (rl_script_of): one file of lua/ per operation, built once per storage by setup.py. */
 typedef enum {
     RL_SCRIPT_WINDOW,            /* lua/sliding_window.lua: check, check_windows, reserve */
     RL_SCRIPT_RECONCILE,         /* lua/reconcile.lua */
     RL_SCRIPT_PEEK,              /* lua/peek.lua: read-only */
     RL_SCRIPT_RESET,             /* lua/reset.lua: either storage's windows */
     RL_SCRIPT_LEASE,             /* lua/lease.lua: acquire, release, renew */
-    RL_SCRIPT_COMPACT_WINDOW,    /* lua/compact_window.lua */
-    RL_SCRIPT_COMPACT_RECONCILE, /* lua/compact_reconcile.lua */
-    RL_SCRIPT_COMPACT_PEEK,      /* lua/compact_peek.lua: read-only */
+    RL_SCRIPT_COMPACT_WINDOW,    /* lua/sliding_window.lua over the compact storage */
+    RL_SCRIPT_COMPACT_RECONCILE, /* lua/reconcile.lua over the compact storage */
+    RL_SCRIPT_COMPACT_PEEK,      /* lua/peek.lua over the compact storage: read-only */
     RL_SCRIPT_IN_FLIGHT,         /* lua/reserve_in_flight.lua: reserve with an in-flight slot */
     RL_SCRIPT_RECONCILE_RELEASE, /* lua/reconcile_release.lua: reconcile and release */
-    RL_SCRIPT_COMPACT_IN_FLIGHT, /* lua/compact_reserve_in_flight.lua */
-    RL_SCRIPT_COMPACT_RECONCILE_RELEASE, /* lua/compact_reconcile_release.lua */
+    RL_SCRIPT_COMPACT_IN_FLIGHT, /* lua/reserve_in_flight.lua over the compact storage */
+    RL_SCRIPT_COMPACT_RECONCILE_RELEASE, /* lua/reconcile_release.lua over the compact one */
     RL_SCRIPT_GCRA,                      /* lua/gcra.lua: check_rate, either storage */
     RL_SCRIPT_COUNT,
 } rl_script_id;

@@ -394,13 +394,14 @@ int
 rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len, int hash_tag,
             rl_key_reading *out)
 {
-    const char *rest = name + prefix_len + 1, *digits;
+    const char *rest, *digits;
     size_t rest_len, digits_len;
     long long seconds = 0;
 
     memset(out, 0, sizeof(*out));
     if (len <= prefix_len || memcmp(name, prefix, prefix_len) != 0 || name[prefix_len] != ':')
         return -1;
+    rest = name + prefix_len + 1;
     rest_len = len - prefix_len - 1;
     if (hash_tag) { /* "{owner}:...": the tag ends at the first '}' (rl_key_user) */
         const char *end = memchr(rest, '}', rest_len);
@@ -468,8 +469,8 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
     if (digits_len == 0)
         return -1;
     for (size_t i = 0; i < digits_len; i++) {
-        if (digits[i] < '0' || digits[i] > '9' || seconds > (LLONG_MAX - 9) / 10)
-            return -1;
+        if (digits[i] < '0' || digits[i] > '9' || seconds > (LLONG_MAX - (digits[i] - '0')) / 10)
+            return -1; /* not a number of seconds, or one beyond LLONG_MAX */
         seconds = seconds * 10 + (digits[i] - '0');
     }
     out->seconds = seconds;

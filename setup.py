@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 # (its file, the storage it is built over). A script written over a storage names
 # "lib/{storage}_log.lua" in an include line and is built once per storage, that line
 # naming lib/zset_log.lua or lib/compact_log.lua (each defines the storage's log and the
-# names the scripts use: KEYS_PER_WINDOW, open_log, TIE_NAMES_ENTRY, oom_probe).
+# names the scripts use: KEYS_PER_WINDOW, open_log, TIE_NAMES_ENTRY).
 LUA = HERE / "lua"
 SCRIPTS: dict[str, tuple[Path, str | None]] = {
     "RL_SCRIPT": (LUA / "sliding_window.lua", "zset"),

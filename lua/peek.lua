@@ -24,5 +24,5 @@ still in it, or -1 when it is empty.
 --]]
 
 local n = #KEYS / KEYS_PER_WINDOW
-local now = script_now(ARGV[2], false)
-return peek_windows(n, now, open_log(n, now))
+local log, now = open_log(n, ARGV[2], false, false)
+return peek_windows(n, now, log)

@@ -17,5 +17,5 @@ the release comes first and only frees memory.
 --]]
 
 local n = (#KEYS - 2) / KEYS_PER_WINDOW
-local now = script_now(ARGV[4], true)
-return reconcile_release(n, open_log(n, now), now)
+local log, now = open_log(n, ARGV[4], true, false)
+return reconcile_release(n, log, now)

@@ -23,11 +23,10 @@ soonest lease expires when refused}. A refused slot decides no window: element 4
 window) is 0; elements 3 and 7 are the hint.
 --]]
 
--- The storage's OOM probe, as sliding_window.lua's: over maxmemory nothing is written.
-oom_probe()
 local n = (#KEYS - 2) / KEYS_PER_WINDOW
-local now = script_now(ARGV[2], true)
-local reply, tie, slot = reserve_in_flight(n, now, open_log(n, now))
+-- The storage's OOM probe, as sliding_window.lua's: over maxmemory nothing is written.
+local log, now = open_log(n, ARGV[2], true, true)
+local reply, tie, slot = reserve_in_flight(n, now, log)
 reply[8] = tie
 reply[9] = slot
 return reply

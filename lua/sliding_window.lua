@@ -32,12 +32,11 @@ left (lib/compact_log.lua). A rejection writes nothing (compact: but the trims o
 windows it reached), and no key after the rejecting window is touched.
 
 A Redis over its maxmemory refuses the script with an OOM error before it writes
-anything (the storage's oom_probe), rather than admitting requests it cannot log.
+anything (the storage's OOM probe, open_log's), rather than admitting requests it cannot log.
 --]]
 
-oom_probe()
 local n = #KEYS / KEYS_PER_WINDOW
-local now = script_now(ARGV[2], true)
-local reply, tie = decide_and_log(n, now, open_log(n, now), ARGV[3 * n + 3])
+local log, now = open_log(n, ARGV[2], true, true) -- the OOM probe first, then the clock
+local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 3])
 if TIE_NAMES_ENTRY then reply[8] = tie end
 return reply

@@ -79,9 +79,9 @@ end
 -- call's replay marker: a replay whose first attempt was allowed and logged in KEYS[n]
 -- (the longest window, where it stays longest) is allowed again, logging nothing, and
 -- reports that entry's time. On allow every window logs the entry with its cost, and the
--- reply's now_ms is the entry's time: log.at when the storage logged it at a later
--- millisecond than now (lib/compact_log.lua). Returns the reply and the entry's tie
--- (lib/compact_log.lua; 0 for sorted sets).
+-- reply's now_ms is the entry's time, the one log.tie() gives with the tie when the storage
+-- may log it at a later millisecond than now (lib/compact_log.lua). Returns the reply and
+-- the entry's tie (lib/compact_log.lua; 0 for sorted sets).
 local function decide_and_log(n, now, log, marker)
   if marker == '1' then
     local at, tie = log.logged(n, ARGV[1])
@@ -92,14 +92,14 @@ local function decide_and_log(n, now, log, marker)
     end
   end
   local reply = decide(n, now, log.trim, log.freeing_stamp)
-  local tie = 0
+  local tie, at = 0, nil
   if reply[1] == 1 then
-    tie = log.tie()
+    tie, at = log.tie()
     for i = 1, n do
       local window_ms, _, cost = window_of(i)
       log.add(i, ARGV[1], cost, window_ms, tie)
     end
-    if log.at then reply[5] = log.at end
+    if at then reply[5] = at end
   end
   log.flush()
   return reply, tie

@@ -32,21 +32,26 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
-# Each script of lua/ and the prefix of its C names (RL_SCRIPT_SHA1, rl_script_source, ...).
-SCRIPTS = {
-    "RL_SCRIPT": HERE / "lua" / "sliding_window.lua",
-    "RL_RECONCILE": HERE / "lua" / "reconcile.lua",
-    "RL_PEEK": HERE / "lua" / "peek.lua",
-    "RL_RESET": HERE / "lua" / "reset.lua",
-    "RL_LEASE": HERE / "lua" / "lease.lua",
-    "RL_COMPACT": HERE / "lua" / "compact_window.lua",
-    "RL_COMPACT_RECONCILE": HERE / "lua" / "compact_reconcile.lua",
-    "RL_COMPACT_PEEK": HERE / "lua" / "compact_peek.lua",
-    "RL_IN_FLIGHT": HERE / "lua" / "reserve_in_flight.lua",
-    "RL_RECONCILE_RELEASE": HERE / "lua" / "reconcile_release.lua",
-    "RL_COMPACT_IN_FLIGHT": HERE / "lua" / "compact_reserve_in_flight.lua",
-    "RL_COMPACT_RECONCILE_RELEASE": HERE / "lua" / "compact_reconcile_release.lua",
-    "RL_GCRA": HERE / "lua" / "gcra.lua",
+# Each script of lua/ and the prefix of its C names (RL_SCRIPT_SHA1, rl_script_source, ...):
+# (its file, the storage it is built over). A script written over a storage names
+# "lib/{storage}_log.lua" in an include line and is built once per storage, that line
+# naming lib/zset_log.lua or lib/compact_log.lua (each defines the storage's log and the
+# names the scripts use: KEYS_PER_WINDOW, open_log, TIE_NAMES_ENTRY).
+LUA = HERE / "lua"
+SCRIPTS: dict[str, tuple[Path, str | None]] = {
+    "RL_SCRIPT": (LUA / "sliding_window.lua", "zset"),
+    "RL_RECONCILE": (LUA / "reconcile.lua", "zset"),
+    "RL_PEEK": (LUA / "peek.lua", "zset"),
+    "RL_RESET": (LUA / "reset.lua", None),
+    "RL_LEASE": (LUA / "lease.lua", None),
+    "RL_COMPACT": (LUA / "sliding_window.lua", "compact"),
+    "RL_COMPACT_RECONCILE": (LUA / "reconcile.lua", "compact"),
+    "RL_COMPACT_PEEK": (LUA / "peek.lua", "compact"),
+    "RL_IN_FLIGHT": (LUA / "reserve_in_flight.lua", "zset"),
+    "RL_RECONCILE_RELEASE": (LUA / "reconcile_release.lua", "zset"),
+    "RL_COMPACT_IN_FLIGHT": (LUA / "reserve_in_flight.lua", "compact"),
+    "RL_COMPACT_RECONCILE_RELEASE": (LUA / "reconcile_release.lua", "compact"),
+    "RL_GCRA": (LUA / "gcra.lua", None),
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 # A script names the shared files of lua/lib/ it is built on, one "-- include: lib/x.lua"
@@ -207,10 +212,14 @@ def c_string_literal(text: str) -> str:
     return "\n".join(lines) if lines else '    ""'
 
 
-def script_includes(path: Path) -> list[Path]:
-    """The shared files a script of lua/ names in its "-- include:" lines, in order."""
+def script_includes(path: Path, storage: str | None) -> list[Path]:
+    """The shared files a script of lua/ names in its "-- include:" lines, in order, with
+    the storage's name in the place of "{storage}"."""
     text = path.read_text(encoding="utf-8")
-    includes = [path.parent / name for name in INCLUDE_LINE.findall(text)]
+    names = INCLUDE_LINE.findall(text)
+    if any("{storage}" in name for name in names) != (storage is not None):
+        fail(f"{path.relative_to(HERE)}: an include of \"{{storage}}\" needs a storage, and only it")
+    includes = [path.parent / name.replace("{storage}", storage or "") for name in names]
     for included in includes:
         if not included.is_file():
             fail(f"{path.relative_to(HERE)} includes {included.relative_to(HERE)}, which is missing")
@@ -219,21 +228,22 @@ def script_includes(path: Path) -> list[Path]:
     return includes
 
 
-def script_text(path: Path) -> str:
-    """What is embedded and sent for a script of lua/: the shared files it includes, in
-    order, then its own text. Its SHA1 is the SHA1 of exactly this."""
-    parts = [included.read_text(encoding="utf-8") for included in script_includes(path)]
+def script_text(path: Path, storage: str | None) -> str:
+    """What is embedded and sent for a script of lua/ over a storage: the shared files it
+    includes, in order, then its own text. Its SHA1 is the SHA1 of exactly this."""
+    parts = [included.read_text(encoding="utf-8") for included in script_includes(path, storage)]
     return "".join(part if part.endswith("\n") else part + "\n" for part in parts) + \
         path.read_text(encoding="utf-8")
 
 
-def script_definitions(prefix: str, path: Path) -> str:
+def script_definitions(prefix: str, path: Path, storage: str | None) -> str:
     """The C definitions of one script: its SHA1, its source and SCRIPT LOAD of it."""
-    source = script_text(path)
+    source = script_text(path, storage)
     sha1 = hashlib.sha1(source.encode("utf-8")).hexdigest()
     name = prefix.lower()
+    over = f", storage {storage}" if storage else ""
     return (
-        f"/* {path.relative_to(HERE)} */\n"
+        f"/* {path.relative_to(HERE)}{over} */\n"
         f'#define {prefix}_SHA1 "{sha1}"\n'
         f"static const char {name}_source[] =\n"
         f"{c_string_literal(source)};\n"
@@ -247,7 +257,7 @@ def script_definitions(prefix: str, path: Path) -> str:
 
 def write_script_header() -> None:
     """Embeds the scripts of lua/ (the only copy of each algorithm) and their SHA1s."""
-    missing = [path for path in SCRIPTS.values() if not path.exists()]
+    missing = [path for path, _ in SCRIPTS.values() if not path.exists()]
     if missing:
         if SCRIPT_HEADER.exists():
             return
@@ -256,7 +266,8 @@ def write_script_header() -> None:
         "/* Generated by setup.py from the scripts of lua/. Do not edit. */\n"
         "#ifndef GENAI_RATELIMIT_SCRIPT_SOURCE_H\n"
         "#define GENAI_RATELIMIT_SCRIPT_SOURCE_H\n"
-        + "".join(script_definitions(prefix, path) for prefix, path in SCRIPTS.items())
+        + "".join(script_definitions(prefix, path, storage)
+                  for prefix, (path, storage) in SCRIPTS.items())
         + "#endif\n"
     )
     if not SCRIPT_HEADER.exists() or SCRIPT_HEADER.read_text() != content:
@@ -318,7 +329,7 @@ def build_extension() -> Extension:
         define_macros=define_macros,
         py_limited_api=True,
         depends=[str(p.relative_to(HERE)) for p in (HERE / "csrc").glob("*.h")]
-        + [f"lua/{path.name}" for path in SCRIPTS.values()]
+        + sorted({f"lua/{path.name}" for path, _ in SCRIPTS.values()})
         + [f"lua/lib/{path.name}" for path in sorted((HERE / "lua" / "lib").glob("*.lua"))],
         include_dirs=include_dirs,
         library_dirs=library_dirs,

@@ -123,6 +123,15 @@ static PyMethodDef module_methods[] = {
     {"_set_client_clock", rl_set_client_clock, METH_O,
      "_set_client_clock(ms, /)\n--\n\nFor tests: clock='client' limiters read ms (unix ms) "
      "instead of the system clock until called with None."},
+    {"key_owner", rl_key_owner, METH_VARARGS,
+     "key_owner(owner, hash_tag, /)\n--\n\nThe owner (a user id, a shared scope's name) as "
+     "the limiter's keys spell it: on a Redis Cluster (hash_tag) a hash tag, \"{owner}\" with "
+     "'%', '{' and '}' percent-encoded."},
+    {"read_key", rl_read_key, METH_VARARGS,
+     "read_key(name, prefix, hash_tag, /)\n--\n\nWhat a key's name says, read with the rule "
+     "the limiter writes it with: (kind, owner, seconds, tokens, scope, suffix), kind "
+     "'window', 'scope', 'shared' or 'leases', suffix 'w' (weights), 'c' (compact) or ''; "
+     "None for a name that is not one of its window or leases keys."},
 #ifdef RL_DEBUG_HOOKS
     {"_debug_check_wiped", debug_check_wiped, METH_O,
      "_debug_check_wiped(data, /)\n--\n\nDebug builds: aborts when the bytes hold the wipe "

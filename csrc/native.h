@@ -129,20 +129,21 @@ typedef enum {
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. args.c names a decision's script in the
-   sorted-set storage; rl_prepare swaps in the compact storage's twin (rl_script_of). */
+   sorted-set storage; rl_prepare swaps in the same operation built over the compact storage
+   (rl_script_of): one file of lua/ per operation, built once per storage by setup.py. */
 typedef enum {
     RL_SCRIPT_WINDOW,            /* lua/sliding_window.lua: check, check_windows, reserve */
     RL_SCRIPT_RECONCILE,         /* lua/reconcile.lua */
     RL_SCRIPT_PEEK,              /* lua/peek.lua: read-only */
     RL_SCRIPT_RESET,             /* lua/reset.lua: either storage's windows */
     RL_SCRIPT_LEASE,             /* lua/lease.lua: acquire, release, renew */
-    RL_SCRIPT_COMPACT_WINDOW,    /* lua/compact_window.lua */
-    RL_SCRIPT_COMPACT_RECONCILE, /* lua/compact_reconcile.lua */
-    RL_SCRIPT_COMPACT_PEEK,      /* lua/compact_peek.lua: read-only */
+    RL_SCRIPT_COMPACT_WINDOW,    /* lua/sliding_window.lua over the compact storage */
+    RL_SCRIPT_COMPACT_RECONCILE, /* lua/reconcile.lua over the compact storage */
+    RL_SCRIPT_COMPACT_PEEK,      /* lua/peek.lua over the compact storage: read-only */
     RL_SCRIPT_IN_FLIGHT,         /* lua/reserve_in_flight.lua: reserve with an in-flight slot */
     RL_SCRIPT_RECONCILE_RELEASE, /* lua/reconcile_release.lua: reconcile and release */
-    RL_SCRIPT_COMPACT_IN_FLIGHT, /* lua/compact_reserve_in_flight.lua */
-    RL_SCRIPT_COMPACT_RECONCILE_RELEASE, /* lua/compact_reconcile_release.lua */
+    RL_SCRIPT_COMPACT_IN_FLIGHT, /* lua/reserve_in_flight.lua over the compact storage */
+    RL_SCRIPT_COMPACT_RECONCILE_RELEASE, /* lua/reconcile_release.lua over the compact one */
     RL_SCRIPT_GCRA,                      /* lua/gcra.lua: check_rate, either storage */
     RL_SCRIPT_COUNT,
 } rl_script_id;
@@ -721,6 +722,28 @@ long long rl_script_format(const char *prefix, size_t prefix_len, const char *us
    it. out needs rl_key_user_room(user_len) bytes. Returns the bytes written. */
 size_t rl_key_user(char *out, const char *user, size_t user_len, int hash_tag);
 #define rl_key_user_room(user_len) (3 * (user_len) + 2)
+/* The key grammar read back (the command line's view of the keys rl_script_format and
+   rl_key_user write): what one key's name says. Pointers are into the name read; the owner
+   (in a hash tag) and the scope name are still percent-encoded (rl_key_unescape). */
+typedef enum { RL_KEY_WINDOW, RL_KEY_SCOPE, RL_KEY_SHARED, RL_KEY_LEASES } rl_key_kind;
+typedef struct {
+    rl_key_kind kind;  /* a user's window, a user's scope window, a shared scope's, leases */
+    const char *owner; /* the user id, or a shared scope's name */
+    size_t owner_len;
+    long long seconds; /* the window's length (0 for leases) */
+    int tokens;        /* a token window (":tokens") */
+    const char *scope; /* a user's scope name (after ":scope="), or NULL */
+    size_t scope_len;
+    char suffix; /* 'w' (the weights), 'c' (the compact string) or 0 (the window's set) */
+} rl_key_reading;
+/* Reads a key's name "{prefix}:{owner}:..." as written with hash_tag (see window_key and
+   write_lease_keys in script.c). Returns 0 and fills *out, or -1 for a name that is none of
+   the limiter's window or leases keys (a running-totals ":t" or a ":stats" key, say). */
+int rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len, int hash_tag,
+                rl_key_reading *out);
+/* Writes text with every "%XX" (uppercase hex, as rl_key_user and window_key escape) decoded
+   to its byte; out needs len bytes. Returns the bytes written. */
+size_t rl_key_unescape(char *out, const char *text, size_t len);
 /* The Redis Cluster hash slot (CRC16-XMODEM mod 16384) of a key whose hash tag is the
    user's part written by rl_key_user(..., 1), computed without building it (cluster.c). */
 int rl_user_slot(const char *user, size_t user_len);
@@ -814,6 +837,11 @@ int rl_log_warning(const char *message);
 int rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int client_clock,
                PyObject *user_id, rl_prepared *out);
 void rl_prepared_clear(rl_prepared *p);
+/* _native.key_owner(owner, hash_tag) -> str and _native.read_key(name, prefix, hash_tag)
+   -> (kind, owner, seconds, tokens, scope, suffix) | None: module functions, METH_VARARGS
+   (keyspace.c, over script.c's rl_key_user and rl_key_read). */
+PyObject *rl_key_owner(PyObject *module, PyObject *args);
+PyObject *rl_read_key(PyObject *module, PyObject *args);
 /* _native._set_client_clock(ms | None): module function, METH_O (args.c). */
 PyObject *rl_set_client_clock(PyObject *module, PyObject *ms);
 /* The storage named `name` ("zset", the default when NULL, or "compact") into *out. 0, or

@@ -14,6 +14,7 @@
 #include "script_source.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -379,6 +380,122 @@ rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
     }
     *cursor++ = '}';
     return (size_t)(cursor - out);
+}
+
+/* Whether the len bytes at text end with the NUL-terminated suffix. */
+static int
+ends_with(const char *text, size_t len, const char *suffix)
+{
+    size_t n = strlen(suffix);
+    return len >= n && memcmp(text + len - n, suffix, n) == 0;
+}
+
+int
+rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len, int hash_tag,
+            rl_key_reading *out)
+{
+    const char *rest, *digits;
+    size_t rest_len, digits_len;
+    long long seconds = 0;
+
+    memset(out, 0, sizeof(*out));
+    if (len <= prefix_len || memcmp(name, prefix, prefix_len) != 0 || name[prefix_len] != ':')
+        return -1;
+    rest = name + prefix_len + 1;
+    rest_len = len - prefix_len - 1;
+    if (hash_tag) { /* "{owner}:...": the tag ends at the first '}' (rl_key_user) */
+        const char *end = memchr(rest, '}', rest_len);
+        if (rest_len == 0 || rest[0] != '{' || end == NULL ||
+            (size_t)(end - rest) + 1 >= rest_len || end[1] != ':')
+            return -1;
+        out->owner = rest + 1;
+        out->owner_len = (size_t)(end - rest) - 1;
+        rest_len -= (size_t)(end - rest) + 2;
+        rest = end + 2;
+    }
+    /* write_lease_keys: "{owner}:leases" (its ":stats" companion is no key of the reading). */
+    if ((rest_len == 6 && memcmp(rest, "leases", 6) == 0) || ends_with(rest, rest_len, ":leases")) {
+        if (!hash_tag) {
+            out->owner = rest;
+            out->owner_len = rest_len > 7 ? rest_len - 7 : 0;
+        } else if (rest_len != 6) {
+            return -1;
+        }
+        out->kind = RL_KEY_LEASES;
+        return out->owner_len > 0 ? 0 : -1;
+    }
+    /* window_key, read from its end: the storage's suffix, "shared" or "scope=", "tokens",
+       the digits; what is left is the owner. */
+    if (ends_with(rest, rest_len, ":w") || ends_with(rest, rest_len, ":c")) {
+        out->suffix = rest[rest_len - 1];
+        rest_len -= 2;
+    }
+    if (ends_with(rest, rest_len, ":shared")) {
+        out->kind = RL_KEY_SHARED;
+        rest_len -= 7;
+    } else {
+        for (size_t i = rest_len; i >= 7; i--) { /* the last ":scope=", whose name has no ':' */
+            if (memcmp(rest + i - 7, ":scope=", 7) == 0) {
+                out->scope = rest + i;
+                out->scope_len = rest_len - i;
+                if (out->scope_len == 0)
+                    return -1;
+                out->kind = RL_KEY_SCOPE;
+                rest_len = i - 7;
+                break;
+            }
+            if (rest[i - 1] == ':')
+                break;
+        }
+    }
+    if (ends_with(rest, rest_len, ":tokens")) {
+        out->tokens = 1;
+        rest_len -= 7;
+    }
+    digits = rest;
+    digits_len = rest_len;
+    if (!hash_tag) {
+        const char *colon = NULL;
+        for (size_t i = rest_len; i > 0 && colon == NULL; i--)
+            if (rest[i - 1] == ':')
+                colon = rest + i - 1;
+        if (colon == NULL || colon == rest)
+            return -1;
+        out->owner = rest;
+        out->owner_len = (size_t)(colon - rest);
+        digits = colon + 1;
+        digits_len = rest_len - out->owner_len - 1;
+    }
+    if (digits_len == 0)
+        return -1;
+    for (size_t i = 0; i < digits_len; i++) {
+        if (digits[i] < '0' || digits[i] > '9' || seconds > (LLONG_MAX - (digits[i] - '0')) / 10)
+            return -1; /* not a number of seconds, or one beyond LLONG_MAX */
+        seconds = seconds * 10 + (digits[i] - '0');
+    }
+    out->seconds = seconds;
+    return seconds >= 1 ? 0 : -1;
+}
+
+size_t
+rl_key_unescape(char *out, const char *text, size_t len)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    size_t n = 0;
+    for (size_t i = 0; i < len; i++) {
+        const char *high = NULL, *low = NULL;
+        if (text[i] == '%' && i + 2 < len) {
+            high = memchr(hex, text[i + 1], 16);
+            low = memchr(hex, text[i + 2], 16);
+        }
+        if (high != NULL && low != NULL) {
+            out[n++] = (char)((high - hex) << 4 | (low - hex));
+            i += 2;
+        } else {
+            out[n++] = text[i];
+        }
+    }
+    return n;
 }
 
 /* The keys of one window, per storage: in the sorted-set storage (lib/zset_log.lua) the

@@ -5,7 +5,8 @@ and the one raw read of a value, a user's in-flight leases (no script reads them
 
 Windows themselves are always read through the limiter's peek, of the storage the key's
 name says (":c": compact, else sorted sets), never here. The key grammar is csrc/script.c's
-(window_key, write_user_key, format_lease), read from the end of the name:
+(window_key, write_user_key, format_lease), and so is its reading (rl_key_read, exported as
+_native.read_key, and the hash tag as _native.key_owner): a key is read from its end,
 
     {prefix}:{owner}:{seconds}[:tokens][:scope={name} | :shared][:w | :c]
     {prefix}:{owner}:leases
@@ -24,16 +25,21 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["KeyName", "Identity", "Storage", "ScanReport", "parse_key", "identity_of", "shown", "quoted",
+from . import _native
+
+__all__ = ["KeyName", "Identity", "Storage", "ScanReport", "NAMESPACE_PATTERN", "parse_key", "identity_of",
+           "shown", "quoted",
            "glob_escape", "tagged", "user_key_pattern", "scan",
            "node_url", "read_leases", "SCAN_COUNT", "scan_calls_per_master"]
 
 # SCAN's COUNT: the limiter's connections take replies of at most 64 elements, and a step
 # of COUNT 10 returns about 10 keys (a few more while Redis rehashes).
 SCAN_COUNT = 10
-# A FastAPI namespace (genai_ratelimit.fastapi: 1 to 64 of A-Z a-z 0-9 _ . -).
-_NAMESPACE = re.compile(r"ns:([A-Za-z0-9_.\-]{1,64}):(.*)", re.DOTALL)
-_PERCENT = re.compile(r"%([0-9A-F]{2})")
+# A FastAPI namespace (RateLimit(namespace=...)): 1 to 64 of A-Z a-z 0-9 _ . -, the one
+# definition (genai_ratelimit.fastapi checks a namespace with it), and the key identity
+# "ns:<namespace>:<identity>" it makes.
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+_NAMESPACE = re.compile(rf"ns:({NAMESPACE_PATTERN.pattern}):(.*)", re.DOTALL)
 
 Kind = Literal["window", "scope", "shared", "leases"]
 Storage = Literal["zset", "compact"]
@@ -82,48 +88,15 @@ def identity_of(key: str) -> Identity:
     return Identity(key, rest, "user", namespace)
 
 
-def _percent_decoded(text: str) -> str:
-    return _PERCENT.sub(lambda m: chr(int(m[1], 16)), text)
-
-
 def parse_key(name: str, prefix: str, hash_tag: bool) -> KeyName | None:
-    """What a key's name says, or None for a name that is not one of the limiter's."""
-    if not name.startswith(prefix + ":"):
+    """What a key's name says, or None for a name that is not one of the limiter's
+    (the extension's reading, _native.read_key, of the names it writes)."""
+    read = _native.read_key(name, prefix, hash_tag)
+    if read is None:
         return None
-    rest = name[len(prefix) + 1:]
-    owner: str | None = None
-    if hash_tag:  # "{owner}:suffix": the tag ends at the first '}' (its own are encoded)
-        end = rest.find("}")
-        if not rest.startswith("{") or end < 0 or rest[end + 1:end + 2] != ":":
-            return None
-        owner, rest = _percent_decoded(rest[1:end]), rest[end + 2:]
-    if rest == "leases" or rest.endswith(":leases"):
-        found = owner if owner is not None else rest[:-len(":leases")]
-        return KeyName("leases", found) if found and (owner is None or rest == "leases") else None
-    weights = rest.endswith(":w")
-    compact = rest.endswith(":c")
-    rest = rest[:-2] if weights or compact else rest
-    shared = rest.endswith(":shared")
-    rest = rest[:-7] if shared else rest
-    scope = None
-    marker = rest.rfind(":scope=")
-    if not shared and marker >= 0 and ":" not in rest[marker + 7:]:
-        scope, rest = _percent_decoded(rest[marker + 7:]), rest[:marker]
-        if not scope:
-            return None
-    tokens = rest.endswith(":tokens")
-    rest = rest[:-7] if tokens else rest
-    if owner is None:
-        owner, _, digits = rest.rpartition(":")
-        if not owner:
-            return None
-    else:
-        digits = rest
-    if not digits.isdigit() or not digits.isascii() or int(digits) < 1:
-        return None
-    kind: Kind = "shared" if shared else "scope" if scope is not None else "window"
-    return KeyName(kind, owner, int(digits), tokens, scope, weights,
-                   "compact" if compact else "zset")
+    kind, owner, seconds, tokens, scope, suffix = read
+    return KeyName(kind, owner, seconds, tokens, scope, suffix == "w",
+                   "compact" if suffix == "c" else "zset")
 
 
 def shown(text: str) -> str:
@@ -155,10 +128,8 @@ def glob_escape(text: str) -> str:
 
 
 def tagged(owner: str, hash_tag: bool) -> str:
-    """An owner as its keys spell it: on a cluster, the hash tag (csrc/script.c rl_key_user)."""
-    if not hash_tag:
-        return owner
-    return "{" + "".join(f"%{ord(c):02X}" if c in "%{}" else c for c in owner) + "}"
+    """An owner as its keys spell it: on a cluster, the hash tag (_native.key_owner)."""
+    return _native.key_owner(owner, hash_tag)
 
 
 def user_key_pattern(prefix: str, owner: str, hash_tag: bool, namespaces: bool = False) -> str:

@@ -1,7 +1,7 @@
 """Type stubs of the C extension genai_ratelimit._native (csrc/)."""
 
 from collections.abc import Sequence
-from typing import Any, ClassVar, final
+from typing import Any, ClassVar, Literal, final
 
 from _typeshed import structseq
 from typing_extensions import disjoint_base
@@ -64,6 +64,13 @@ def check_options(
     replica_timeout_ms: object,
     hash_tag: bool = False,
 ) -> None: ...
+def key_owner(owner: str, hash_tag: bool, /) -> str: ...
+def read_key(
+    name: str, prefix: str, hash_tag: bool, /
+) -> (
+    tuple[Literal["window", "scope", "shared", "leases"], str, int, bool, str | None, Literal["w", "c", ""]]
+    | None
+): ...
 
 @final
 class WindowDecision(structseq[Any], tuple[bool, int, int, int]):

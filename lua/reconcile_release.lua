@@ -1,13 +1,14 @@
 -- include: lib/clock.lua
--- include: lib/zset_log.lua
+-- include: lib/{storage}_log.lua
 -- include: lib/lease.lua
 -- include: lib/set_cost.lua
 -- include: lib/in_flight.lua
 --[[
-reconcile_release.lua - reconcile and release in one script execution (storage "zset"):
-the slot of lease ARGV[1] given back, then the entry's cost set (lib/in_flight.lua).
+reconcile_release.lua - reconcile and release in one script execution, embedded once per
+storage ("zset", "compact"): the slot of lease ARGV[1] given back, then the entry's cost
+set (lib/in_flight.lua).
 
-KEYS       reconcile.lua's, then the user's leases and their
+KEYS       reconcile.lua's (per storage), then the user's leases and their
            stats (lease.lua's KEYS[1..2])
 ARGV       reconcile.lua's (lib/set_cost.lua); the member is the lease id
 
@@ -15,6 +16,6 @@ Returns {windows whose entry was found, 1 when the lease was still held}. No OOM
 the release comes first and only frees memory.
 --]]
 
-local n = (#KEYS - 2) / 3
-local now = script_now(ARGV[4], true)
-return reconcile_release(n, zset_log(n, now), now)
+local n = (#KEYS - 2) / KEYS_PER_WINDOW
+local log, now = open_log(n, ARGV[4], true, false)
+return reconcile_release(n, log, now)

@@ -1,32 +1,32 @@
 -- include: lib/clock.lua
 -- include: lib/decide.lua
--- include: lib/zset_log.lua
+-- include: lib/{storage}_log.lua
 -- include: lib/lease.lua
 -- include: lib/set_cost.lua
 -- include: lib/in_flight.lua
 --[[
-reserve_in_flight.lua - reserve with an in-flight slot, in one script execution (storage
-"zset"): the user's slot (lease.lua's acquire, the lease id being the entry's member) and
-sliding_window.lua's decision, all or nothing (lib/in_flight.lua).
+reserve_in_flight.lua - reserve with an in-flight slot, in one script execution, embedded
+once per storage ("zset", "compact"): the user's slot (lease.lua's acquire, the lease id
+being the entry's member) and sliding_window.lua's decision, all or nothing
+(lib/in_flight.lua).
 
-KEYS       sliding_window.lua's KEYS[1..3n], then the user's leases and their stats
-           (lease.lua's KEYS[1..2])
+KEYS       sliding_window.lua's (per storage: KEYS[1..3n] or KEYS[1..n]), then the user's
+           leases and their stats (lease.lua's KEYS[1..2])
 ARGV[1..3n+2]  the decision's (the member is also the lease id)
 ARGV[3n+3] the most concurrent holders; ARGV[3n+4] the lease's length in ms
 ARGV[3n+5] optional: "1" marks a replay after a lost reply
 
-Returns the decision's 7 elements, the entry's tie (0 in the sorted-set storage) and
-{slot granted 1/0, holders, the hint in ms when refused (lease.lua's), the lease's expiry,
-ms until the soonest lease expires when refused}. A refused slot decides no window:
-element 4 (the window) is 0; elements 3 and 7 are the hint.
+Returns the decision's 7 elements, the entry's tie (0 in the sorted-set storage; in the
+compact one it names the entry, and now_ms is the entry's time) and {slot granted 1/0,
+holders, the hint in ms when refused (lease.lua's), the lease's expiry, ms until the
+soonest lease expires when refused}. A refused slot decides no window: element 4 (the
+window) is 0; elements 3 and 7 are the hint.
 --]]
 
--- The OOM probe of the decision's script: over maxmemory nothing is written.
-redis.call('ZADD', KEYS[1], 'XX', 0, '')
-
-local n = (#KEYS - 2) / 3
-local now = script_now(ARGV[2], true)
-local reply, tie, slot = reserve_in_flight(n, now, zset_log(n, now))
+local n = (#KEYS - 2) / KEYS_PER_WINDOW
+-- The storage's OOM probe, as sliding_window.lua's: over maxmemory nothing is written.
+local log, now = open_log(n, ARGV[2], true, true)
+local reply, tie, slot = reserve_in_flight(n, now, log)
 reply[8] = tie
 reply[9] = slot
 return reply

@@ -513,6 +513,82 @@ def test_every_key_kind_is_read_back_from_its_name(hash_tag: bool) -> None:
         assert parse_key(other, "ratelimit", hash_tag) is None, other
 
 
+@pytest.mark.parametrize("hash_tag", [False, True], ids=["single", "cluster"])
+def test_an_owner_is_spelled_as_the_extension_writes_it(hash_tag: bool) -> None:
+    """tagged() is csrc/script.c's rl_key_user (_native.key_owner), no second copy: on a
+    cluster ids that differ only by escaping keep distinct tags."""
+    from genai_ratelimit import _native
+    from genai_ratelimit._keyspace import tagged
+
+    owners = ["u", "a}b", "{a}", "100%", "%7B", "%257B", "\u00e9"]
+    spelled = [tagged(owner, hash_tag) for owner in owners]
+    assert spelled == [_native.key_owner(owner, hash_tag) for owner in owners]
+    assert spelled == ([f"{{{o}}}" for o in ["u", "a%7Db", "%7Ba%7D", "100%25", "%257B", "%25257B",
+                                             "\u00e9"]] if hash_tag else owners)
+
+
+@pytest.mark.parametrize("hash_tag", [False, True], ids=["single", "cluster"])
+def test_any_name_is_read_whole_or_refused(hash_tag: bool) -> None:
+    """_native.read_key over names made of the grammar's pieces, in any order (a bounded,
+    seeded run; under make test-asan it also proves the C reader stays in its bytes): each
+    is refused (None) or read to parts that spell it again."""
+    import random
+
+    from genai_ratelimit import _native
+
+    pieces = [":", "{", "}", "%", "%7B", "%7b", "%7D", "%25", "%3A", "%G", "a", "60", "\u00e9",
+              "\udcff"]
+    rnd = random.Random(31)
+
+    def junk() -> str:
+        return "".join(rnd.choice(pieces) for _ in range(rnd.randint(0, 3)))
+
+    fields = ["60", "0", "007", "tokens", "shared", "leases", "stats", "w", "c", "t", "scope="]
+    read = 0
+    for _ in range(20_000):
+        owner = junk()
+        spelled = rnd.choice([owner, _native.key_owner(owner, hash_tag), "{" + owner + "}"])
+        chosen = [rnd.choice(fields) for _ in range(rnd.randint(1, 4))]
+        chosen = [field + junk() if field == "scope=" or rnd.random() < 0.1 else field for field in chosen]
+        name = rnd.choice(["p:", "p", "q:", "p::"]) + spelled + ":" + ":".join(chosen)
+        parts = _native.read_key(name, "p", hash_tag)
+        if parts is None:
+            continue
+        read += 1
+        kind, owner, seconds, tokens, scope, suffix = parts
+        if kind == "leases":
+            assert (seconds, tokens, scope, suffix) == (0, False, None, "")
+            tail = "leases"
+        else:
+            scope_field = "" if scope is None else ":scope=" + "".join(
+                f"%{ord(c):02X}" if c in "%:{}" else c for c in scope)
+            tail = (f"{seconds}{':tokens' if tokens else ''}{':shared' if kind == 'shared' else ''}"
+                    f"{scope_field}{':' + suffix if suffix else ''}")
+        # A name spelled otherwise (a leading zero, "%7b" left as it is, ...) reads to the same
+        # parts as the one the limiter writes: that one is read back to them.
+        again = f"p:{_native.key_owner(owner, hash_tag)}:{tail}"
+        assert _native.read_key(again, "p", hash_tag) == parts, (name, again)
+    assert read > 200  # names of every kind were read, not only refused
+
+
+def test_the_keys_a_limiter_writes_read_back_to_its_calls(limiter: Any, redis_client: redis.Redis,
+                                                          user_id: str, storage: str) -> None:
+    """What the limiter wrote in Redis, read with the rule it wrote it with: the window and
+    the leases of the call's user; their companions (":leases:stats") are no key of the
+    reading."""
+    from genai_ratelimit._keyspace import parse_key
+
+    user = f"{user_id}:a{{b}}%7B"
+    assert limiter.check(user, 5, 60)[0] is True
+    assert limiter.acquire(user, 2).allowed
+    names = [key.decode() for key in redis_client.keys("ratelimit:*")]
+    read = [parse_key(name, "ratelimit", False) for name in names]
+    assert sorted(map(repr, filter(None, read))) == sorted(map(repr, [
+        KeyName("window", user, 60, storage=storage), KeyName("leases", user)]))
+    assert [name for name, key in zip(names, read, strict=True) if key is None] == \
+        [f"ratelimit:{user}:leases:stats"]
+
+
 # ------------------------------------------------------------------------------- ACL
 
 def documented_acl_line(user: str) -> list[str]:

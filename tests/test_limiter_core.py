@@ -332,7 +332,7 @@ def test_script_sha1_is_the_sha1_of_the_lua_file_with_its_includes():
     from genai_ratelimit import SCRIPT_SHA1
     from test_lua_build import assembled
 
-    assert SCRIPT_SHA1 == hashlib.sha1(assembled("sliding_window.lua").encode()).hexdigest()
+    assert SCRIPT_SHA1 == hashlib.sha1(assembled("sliding_window.lua", "zset").encode()).hexdigest()
 
 
 def test_tier_limits_are_the_contracts_budgets():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import ipaddress
 import logging
-import re
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
@@ -262,7 +261,6 @@ Identify = Callable[[Request], "tuple[str, str | None]"]
 # A user id beginning with one of these is stored as "user:<id>": they mark the anonymous
 # key space ("ip:"), escaped user ids ("user:"), namespaces ("ns:") and shadow budgets ("shadow:").
 _RESERVED_PREFIXES = ("ip:", "user:", "ns:", "shadow:")
-_NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def key_identity(user_id: str, namespace: str | None = None) -> str:

@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from typing_extensions import Unpack
 
 from .. import RateLimiterError
+from .._keyspace import NAMESPACE_PATTERN
 from .._tiers_config import (
     TIER_BUDGET_KEYS,
     TierConfigError,
@@ -32,7 +33,7 @@ from ..metrics import RequestOutcomes, request_outcomes
 from ..reservation import Reservation
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
 from ._answer import _COUNTED_KEY, _SHADOWED_KEY, _record_shadow, answer, shadow_headers, unavailable
-from ._clients import _NAMESPACE_PATTERN, Identify, UnknownClientAddress, default_identify, key_identity
+from ._clients import Identify, UnknownClientAddress, default_identify, key_identity
 from ._ietf_headers import HeaderMode, PartitionKeys
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _LeaseLedger
 from ._openai_headers import ErrorFormat
@@ -208,7 +209,7 @@ class RateLimit:
         if namespace is not None:
             if not isinstance(namespace, str):
                 raise TypeError(f"namespace must be a str or None, not {type(namespace).__name__}")
-            if not _NAMESPACE_PATTERN.fullmatch(namespace):
+            if not NAMESPACE_PATTERN.fullmatch(namespace):
                 raise ValueError("namespace must be 1 to 64 of the characters A-Z a-z 0-9 _ . -, "
                                  f"got {namespace!r}")
         if on_unavailable not in ("deny", "allow"):

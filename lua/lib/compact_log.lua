@@ -127,8 +127,14 @@ local function compact_entries(key)
   return count
 end
 
--- The compact log of a call's n windows (KEYS[1..n]) at `now`.
-local function compact_log(n, now)
+-- The compact log of a call's n windows (KEYS[1..n]), and the request's time it is read
+-- at (script_now(given, writes), lib/clock.lua). `probe`: the OOM probe runs first, before the
+-- clock is read: SETRANGE may grow memory, so a Redis over its maxmemory refuses it while
+-- the script has written nothing; with an empty value it changes nothing (and creates no
+-- key). Later writes are then let through, as the script can no longer stop halfway.
+local function compact_log(n, given, writes, probe)
+  if probe then redis.call('SETRANGE', KEYS[1], 0, '') end
+  local now = script_now(given, writes)
   -- Its functions' slots made at once (the table is sized once, not grown field by field).
   -- log.at: the time the decision's entries are logged at (log.tie), false before: now, or
   -- a later millisecond (see the header); the reply names it.
@@ -401,7 +407,7 @@ local function compact_log(n, now)
   end
 
   -- The tie a decision over windows 1..n (measured) gives its entries: above every tie
-  -- they hold at its time. That time (log.at) is now, or the next millisecond with a tie
+  -- they hold at its time, and that time (log.at): now, or the next millisecond with a tie
   -- left in every window.
   function log.tie()
     local at = now
@@ -429,7 +435,7 @@ local function compact_log(n, now)
       end
       if tie < TIE_LIMIT then
         log.at = at
-        return tie
+        return tie, at
       end
       at = at + 1
     end
@@ -619,5 +625,9 @@ local function compact_log(n, now)
   end
 
   log.peek_freeing_stamp = log.freeing_stamp
-  return log
+  return log, now
 end
+
+-- The storage as the entry scripts see it (lib/zset_log.lua's three names): one string per
+-- window; the compact log; a check's reply names its entry by its time and tie (8th).
+local KEYS_PER_WINDOW, open_log, TIE_NAMES_ENTRY = 1, compact_log, true

@@ -74,12 +74,14 @@ local function decided_before(n, now, used_of)
   return allowed_reply(n, now, remaining_of)
 end
 
--- A decision that logs (sliding_window.lua, compact_window.lua), over `log`, a storage of
+-- A decision that logs (sliding_window.lua, reserve_in_flight.lua), over `log`, a storage of
 -- lib/zset_log.lua or lib/compact_log.lua. ARGV[1] is the member to log, `marker` the
 -- call's replay marker: a replay whose first attempt was allowed and logged in KEYS[n]
 -- (the longest window, where it stays longest) is allowed again, logging nothing, and
--- reports that entry's time. On allow every window logs the entry with its cost. Returns
--- the reply and the entry's tie (lib/compact_log.lua; 0 for sorted sets).
+-- reports that entry's time. On allow every window logs the entry with its cost, and the
+-- reply's now_ms is the entry's time, the one log.tie() gives with the tie when the storage
+-- may log it at a later millisecond than now (lib/compact_log.lua). Returns the reply and
+-- the entry's tie (lib/compact_log.lua; 0 for sorted sets).
 local function decide_and_log(n, now, log, marker)
   if marker == '1' then
     local at, tie = log.logged(n, ARGV[1])
@@ -90,19 +92,20 @@ local function decide_and_log(n, now, log, marker)
     end
   end
   local reply = decide(n, now, log.trim, log.freeing_stamp)
-  local tie = 0
+  local tie, at = 0, nil
   if reply[1] == 1 then
-    tie = log.tie()
+    tie, at = log.tie()
     for i = 1, n do
       local window_ms, _, cost = window_of(i)
       log.add(i, ARGV[1], cost, window_ms, tie)
     end
+    if at then reply[5] = at end
   end
   log.flush()
   return reply, tie
 end
 
--- What decide_and_log would answer now, without writing (peek.lua, compact_peek.lua): the
+-- What decide_and_log would answer now, without writing (peek.lua, either storage): the
 -- windows' trims accounted for, not done. The reply has an 8th element, {used_1, oldest_1,
 -- ..., used_n, oldest_n}: every window's used cost and its oldest entry's time (unix ms),
 -- or -1 when it is empty.

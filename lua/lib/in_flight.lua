@@ -2,9 +2,9 @@
 lib/in_flight.lua - a GenAI request's way in and out in one script execution each: its
 in-flight slot (lib/lease.lua) together with its reservation (lib/decide.lua), and its
 reconcile (lib/set_cost.lua) together with the slot's release. Prepended by the build
-(setup.py) to reserve_in_flight.lua, compact_reserve_in_flight.lua, reconcile_release.lua
-and compact_reconcile_release.lua; functions only. The user's leases key and its stats key
-(lib/lease.lua) are the last two KEYS.
+(setup.py) to reserve_in_flight.lua and reconcile_release.lua, over either storage;
+functions only. The user's leases key and its stats key (lib/lease.lua) are the last two
+KEYS.
 --]]
 
 -- Takes the slot and decides the windows, all or nothing: a refused slot decides no window

@@ -24,9 +24,17 @@ version of this library, which kept no totals, gets them built once (O(entries))
 script that may write, and is walked entry by entry by a read-only one (peek).
 --]]
 
--- The log of a call's n windows at `now`: functions over KEYS[i], KEYS[n + i] and
--- KEYS[2n + i], with what the last measure of each window found kept for the search.
-local function zset_log(n, now)
+-- The log of a call's n windows, and the request's time it is read at (script_now(given,
+-- writes), lib/clock.lua): functions over KEYS[i], KEYS[n + i] and KEYS[2n + i], with what
+-- the last measure of each window found kept for the search. `probe`: the OOM probe runs
+-- first, before the clock is read and anything is written. Redis refuses a command that
+-- may grow memory (ZADD) under OOM only while the script has written nothing yet, and a
+-- trim that removed an entry would let every later ZADD through. So one such command goes
+-- first, one that changes nothing (XX: only existing members; "" is never a member): over
+-- maxmemory it fails the whole script with -OOM, and nothing was written.
+local function zset_log(n, given, writes, probe)
+  if probe then redis.call('ZADD', KEYS[1], 'XX', 0, '') end
+  local now = script_now(given, writes)
   local log = {}
   -- Per window measured: the weights' total of the entries still in the window; how many
   -- of the first entries (by rank) have left it but are still in the set (0 after a
@@ -257,7 +265,8 @@ local function zset_log(n, now)
     return nil
   end
 
-  -- The tie of a decision's entries: none here (lib/compact_log.lua needs one).
+  -- The tie of a decision's entries: none here (lib/compact_log.lua needs one), and no
+  -- other time than now for them.
   function log.tie() return 0 end
 
   -- Nothing is kept for later here: every change was written when it was made.
@@ -371,5 +380,13 @@ local function zset_log(n, now)
     return 1
   end
 
-  return log
+  return log, now
 end
+
+-- The storage as the entry scripts see it: setup.py builds each script that includes
+-- "lib/{storage}_log.lua" once with this file and once with lib/compact_log.lua, which
+-- defines the same three names. KEYS_PER_WINDOW: the keys of one window in KEYS (its set,
+-- weights and totals); open_log(n, given, writes, probe): the log of a call's n windows
+-- and the time it is read at; TIE_NAMES_ENTRY: whether a check's reply names its entry by a tie (8th
+-- element): no, its member does.
+local KEYS_PER_WINDOW, open_log, TIE_NAMES_ENTRY = 3, zset_log, false

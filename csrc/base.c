@@ -1,17 +1,22 @@
 /*
- * base.c - the ground floor: errors, the wipe of secrets and the clocks, used by every
- * other room of the extension and calling none of them (it includes base.h only).
+ * base.c - the ground floor: errors, the wipe of secrets, the clocks and what differs
+ * between Linux and macOS, used by every other room of the extension and calling none of them (it includes base.h only).
  *
  * GIL contract: no Python object is touched here; any thread may call any of these with
  * or without the GIL.
  */
 #include "base.h"
 
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 rl_status
 rl_error_set(rl_error *err, rl_status kind, const char *fmt, ...)
@@ -27,8 +32,15 @@ rl_error_set(rl_error *err, rl_status kind, const char *fmt, ...)
 void
 rl_wipe(void *buf, size_t len)
 {
-    if (buf != NULL && len > 0)
-        explicit_bzero(buf, len);
+    if (buf == NULL || len == 0)
+        return;
+#ifdef __APPLE__
+    /* No explicit_bzero: memset through a volatile pointer, which the optimiser must keep. */
+    void *(*volatile keep)(void *, int, size_t) = memset;
+    keep(buf, 0, len);
+#else
+    explicit_bzero(buf, len);
+#endif
 }
 
 #ifdef RL_DEBUG_HOOKS
@@ -59,4 +71,62 @@ rl_monotonic(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* ------------------------------------------------------------- portability */
+
+int
+rl_socket(int domain, int type, int protocol)
+{
+#ifdef SOCK_CLOEXEC
+    return socket(domain, type | SOCK_CLOEXEC, protocol);
+#else
+    int fd = socket(domain, type, protocol);
+    if (fd < 0)
+        return -1;
+    int one = 1;
+    if (fcntl(fd, F_SETFD, FD_CLOEXEC) != 0
+#ifdef SO_NOSIGPIPE
+        || setsockopt(fd, SOL_SOCKET, SO_NOSIGPIPE, &one, sizeof(one)) != 0
+#endif
+    ) {
+        int saved = errno;
+        close(fd);
+        errno = saved;
+        return -1;
+    }
+    return fd;
+#endif
+}
+
+#if defined(__APPLE__)
+#define RL_COND_CLOCK CLOCK_REALTIME /* no pthread_condattr_setclock */
+#else
+#define RL_COND_CLOCK CLOCK_MONOTONIC
+#endif
+
+int
+rl_cond_init(pthread_cond_t *cond)
+{
+#if defined(__APPLE__)
+    return pthread_cond_init(cond, NULL);
+#else
+    pthread_condattr_t attr;
+    int rc = pthread_condattr_init(&attr);
+    if (rc != 0)
+        return rc;
+    (void)pthread_condattr_setclock(&attr, RL_COND_CLOCK);
+    rc = pthread_cond_init(cond, &attr);
+    pthread_condattr_destroy(&attr);
+    return rc;
+#endif
+}
+
+void
+rl_cond_deadline(struct timespec *until, double seconds)
+{
+    clock_gettime(RL_COND_CLOCK, until);
+    long long ns = (long long)until->tv_nsec + (long long)(seconds * 1e9);
+    until->tv_sec += (time_t)(ns / 1000000000LL);
+    until->tv_nsec = (long)(ns % 1000000000LL);
 }

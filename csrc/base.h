@@ -1,7 +1,7 @@
 /*
  * base.h - the ground floor of genai_ratelimit._native: what every other room uses and
- * nothing it needs from them. Errors (rl_status, rl_error), the wipe of secrets and the
- * clocks. base.c includes this header only, so it cannot call up a floor; native.h
+ * nothing it needs from them. Errors (rl_status, rl_error), the wipe of secrets, the
+ * clocks, and the few calls whose spelling differs between Linux and macOS (portability). base.c includes this header only, so it cannot call up a floor; native.h
  * includes it for everyone else.
  *
  * GIL contract: nothing here touches a Python object; every function may run with or
@@ -10,7 +10,9 @@
 #ifndef GENAI_RATELIMIT_BASE_H
 #define GENAI_RATELIMIT_BASE_H
 
+#include <pthread.h>
 #include <stddef.h>
+#include <time.h>
 
 /* ------------------------------------------------------------------ errors */
 
@@ -58,5 +60,30 @@ void rl_check_wiped(const void *buf, size_t len, const char *what);
 
 long long rl_clock_ms(void); /* unix time in milliseconds */
 double rl_monotonic(void);   /* seconds, for deadlines */
+
+/* ------------------------------------------------------------- portability */
+
+/* Linux spells these in one call; macOS (no SOCK_CLOEXEC, MSG_NOSIGNAL or
+   pthread_condattr_setclock) needs a second one. Nothing else in the extension names them. */
+
+/* A socket closed on exec that never raises SIGPIPE (a peer that went away is an EPIPE the
+   caller sees): -1 with errno on failure. */
+int rl_socket(int domain, int type, int protocol);
+
+/* The flags of send() on such a socket: MSG_NOSIGNAL where it exists, 0 where the socket
+   itself says so (SO_NOSIGPIPE). */
+#ifdef MSG_NOSIGNAL
+#define RL_SEND_FLAGS MSG_NOSIGNAL
+#else
+#define RL_SEND_FLAGS 0
+#endif
+
+/* pthread_cond_init of a condition variable that pthread_cond_timedwait times on the clock
+   rl_cond_deadline reads: the monotonic clock where the platform lets one choose, the
+   real-time clock otherwise. 0, or the pthread error. */
+int rl_cond_init(pthread_cond_t *cond);
+
+/* The absolute time, on that clock, `seconds` from now, for pthread_cond_timedwait. */
+void rl_cond_deadline(struct timespec *until, double seconds);
 
 #endif

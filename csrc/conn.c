@@ -240,7 +240,6 @@ resolve(const char *host, int port, double deadline, struct addrinfo **out, cons
 
     size_t host_len = strlen(host);
     rl_lookup *lookup = calloc(1, sizeof(*lookup) + host_len + 1);
-    pthread_condattr_t attr;
     pthread_attr_t thread_attr;
     pthread_t thread;
     if (lookup == NULL)
@@ -249,10 +248,7 @@ resolve(const char *host, int port, double deadline, struct addrinfo **out, cons
     memcpy(lookup->port, port_text, sizeof(port_text));
     lookup->refs = 2;
     pthread_mutex_init(&lookup->mutex, NULL);
-    pthread_condattr_init(&attr);
-    (void)pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    pthread_cond_init(&lookup->done_cond, &attr);
-    pthread_condattr_destroy(&attr);
+    (void)rl_cond_init(&lookup->done_cond);
     pthread_attr_init(&thread_attr);
     pthread_attr_setdetachstate(&thread_attr, PTHREAD_CREATE_DETACHED);
     rc = pthread_create(&thread, &thread_attr, lookup_main, lookup);
@@ -270,10 +266,7 @@ resolve(const char *host, int port, double deadline, struct addrinfo **out, cons
         if (left <= 0)
             break;
         struct timespec until;
-        clock_gettime(CLOCK_MONOTONIC, &until);
-        long long ns = (long long)until.tv_nsec + (long long)(left * 1e9);
-        until.tv_sec += (time_t)(ns / 1000000000LL);
-        until.tv_nsec = (long)(ns % 1000000000LL);
+        rl_cond_deadline(&until, left);
         (void)pthread_cond_timedwait(&lookup->done_cond, &lookup->mutex, &until);
     }
     int done = lookup->done;
@@ -363,7 +356,7 @@ open_socket(const rl_config *cfg, double deadline, int *out_fd, rl_error *err)
         memset(&sa, 0, sizeof(sa));
         sa.sun_family = AF_UNIX;
         memcpy(sa.sun_path, cfg->unix_path, strlen(cfg->unix_path) + 1);
-        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        int fd = rl_socket(AF_UNIX, SOCK_STREAM, 0);
         if (fd < 0)
             return rl_error_set(err, RL_ERR_CONNECT, "cannot create a socket: %s", strerror(errno));
         rl_status st = connect_fd(fd, (struct sockaddr *)&sa, sizeof(sa), deadline, where, err);
@@ -383,7 +376,7 @@ open_socket(const rl_config *cfg, double deadline, int *out_fd, rl_error *err)
         return st;
     st = rl_error_set(err, RL_ERR_CONNECT, "no address for Redis host %s", where);
     for (struct addrinfo *ai = list; ai != NULL; ai = ai->ai_next) {
-        int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+        int fd = rl_socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
         if (fd < 0) {
             st = rl_error_set(err, RL_ERR_CONNECT, "cannot create a socket: %s", strerror(errno));
             continue;
@@ -473,7 +466,7 @@ static ssize_t
 conn_write(rl_conn *conn, const char *buf, size_t len)
 {
     if (conn->ssl == NULL)
-        return send(conn->fd, buf, len, MSG_NOSIGNAL);
+        return send(conn->fd, buf, len, RL_SEND_FLAGS);
     ERR_clear_error();
     int n = SSL_write(conn->ssl, buf, len > 1048576 ? 1048576 : (int)len);
     return n > 0 ? n : ssl_failure(conn, n);
@@ -958,7 +951,6 @@ rl_call_abandon(rl_call *call)
 int
 rl_pool_init(rl_pool *pool, int max_open)
 {
-    pthread_condattr_t attr;
     int rc;
     pool->warning_state = 0;
     pool->warning[0] = '\0';
@@ -968,14 +960,7 @@ rl_pool_init(rl_pool *pool, int max_open)
     pool->closed = 0;
     if ((rc = pthread_mutex_init(&pool->mutex, NULL)) != 0)
         goto fail;
-    if ((rc = pthread_condattr_init(&attr)) != 0) {
-        pthread_mutex_destroy(&pool->mutex);
-        goto fail;
-    }
-    (void)pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-    rc = pthread_cond_init(&pool->available, &attr);
-    pthread_condattr_destroy(&attr);
-    if (rc != 0) {
+    if ((rc = rl_cond_init(&pool->available)) != 0) {
         pthread_mutex_destroy(&pool->mutex);
         goto fail;
     }
@@ -1033,12 +1018,7 @@ rl_pool_after_fork(rl_pool *pool)
     pool->idle = NULL;
     pool->open = 0;
     (void)pthread_mutex_init(&pool->mutex, NULL);
-    pthread_condattr_t attr;
-    if (pthread_condattr_init(&attr) == 0) {
-        (void)pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-        (void)pthread_cond_init(&pool->available, &attr);
-        pthread_condattr_destroy(&attr);
-    }
+    (void)rl_cond_init(&pool->available);
 }
 
 rl_status
@@ -1091,10 +1071,7 @@ rl_pool_acquire(rl_pool *pool, rl_conn **out, double deadline, double *connectin
                                 max_open);
         }
         struct timespec until;
-        clock_gettime(CLOCK_MONOTONIC, &until);
-        long long ns = (long long)until.tv_nsec + (long long)(left * 1e9);
-        until.tv_sec += (time_t)(ns / 1000000000LL);
-        until.tv_nsec = (long)(ns % 1000000000LL);
+        rl_cond_deadline(&until, left);
         (void)pthread_cond_timedwait(&pool->available, &pool->mutex, &until);
     }
 }

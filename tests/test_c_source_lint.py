@@ -293,6 +293,29 @@ def test_every_c_file_compiles_with_wall_wextra_werror(switches, tmp_path):
 
 
 
+# The calls whose spelling differs on macOS: named in csrc/base.c only, which has a branch for
+# both. The macOS branch is compiled here with the Linux spellings hidden (no Mac runs here).
+LINUX_ONLY = ("SOCK_CLOEXEC", "MSG_NOSIGNAL", "pthread_condattr_setclock", "explicit_bzero")
+
+
+def test_only_the_base_room_names_the_linux_only_calls():
+    offenders = [f"{path.name}: {name}" for path in C_FILES if path.name != "base.c"
+                 for name in LINUX_ONLY if name in strip_comments_and_literals(path.read_text())]
+    assert offenders == []
+
+
+def test_the_base_rooms_macos_branch_compiles_with_the_linux_spellings_hidden(tmp_path):
+    hide = tmp_path / "as_on_macos.h"
+    hide.write_text("#include <sys/socket.h>\n#undef SOCK_CLOEXEC\n#undef MSG_NOSIGNAL\n"
+                    "#define SO_NOSIGPIPE 0x1022\n")
+    compiler = shlex.split(sysconfig.get_config_var("CC") or "cc")
+    result = subprocess.run([*compiler, "-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-D__APPLE__",
+                             "-include", str(hide), str(CSRC / "base.c")],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and not result.stderr.strip(), result.stderr
+    assert "SO_NOSIGPIPE" in (CSRC / "base.c").read_text()  # the branch this compiled
+
+
 # ------------------------------------------------------- the Limited API (abi3, 3.10+)
 
 LIMITED_API = ["Py_LIMITED_API", "0x030A0000"]

@@ -838,31 +838,13 @@ Pipeline_feed(PipelineObject *self, PyTypeObject *defining_class, PyObject *cons
     return PyBool_FromLong(out_after > out_before);
 }
 
-/* The rl_error of a failure the driver met (exc, whose status its caller named): cause and
-   exc's text. 0, or -1 with an exception set. */
-static int
-error_of(PyObject *exc, rl_status cause, rl_error *err)
-{
-    err->kind = cause;
-    err->message[0] = '\0';
-    PyObject *text = PyObject_Str(exc);
-    const char *said = text != NULL ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
-    if (said == NULL) {
-        Py_XDECREF(text);
-        return -1;
-    }
-    snprintf(err->message, sizeof(err->message), "%s", said);
-    Py_DECREF(text);
-    return 0;
-}
-
 /* The failure of a WAIT cut off by exc, whose rl_status is cause: the engine's judgement
    (rl_proto_wait_failed), or exc itself. New reference, or NULL with an exception set. */
 static PyObject *
 wait_failure(rl_module_state *state, PyObject *exc, rl_status cause)
 {
     rl_error err;
-    if (error_of(exc, cause, &err) < 0)
+    if (rl_error_from(exc, cause, &err) < 0)
         return NULL;
     if (rl_proto_wait_failed(cause, &err) == cause)
         return Py_NewRef(exc);
@@ -875,7 +857,7 @@ static PyObject *
 routed_failure(rl_module_state *state, PyObject *route, PyObject *exc, rl_status cause)
 {
     rl_error err;
-    if (error_of(exc, cause, &err) < 0)
+    if (rl_error_from(exc, cause, &err) < 0)
         return NULL;
     if (rl_routing_failed(route, cause, &err) < 0)
         return rl_exception(state, &err);
@@ -898,7 +880,7 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, rl_status c
         if (e.step == RL_STEP_COMMAND && e.holder != NULL) {
             /* A router's question: the read that asked hears why it got no answer. */
             rl_error err;
-            if (error_of(exc, cause, &err) < 0) {
+            if (rl_error_from(exc, cause, &err) < 0) {
                 err.kind = cause;
                 snprintf(err.message, sizeof(err.message), "the connection failed");
                 PyErr_Clear();

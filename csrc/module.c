@@ -86,6 +86,22 @@ rl_exception(rl_module_state *state, const rl_error *err)
     return exc;
 }
 
+int
+rl_error_from(PyObject *exc, rl_status kind, rl_error *err)
+{
+    err->kind = kind;
+    err->message[0] = '\0';
+    PyObject *text = PyObject_Str(exc);
+    const char *said = text != NULL ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
+    if (said == NULL) {
+        Py_XDECREF(text);
+        return -1;
+    }
+    snprintf(err->message, sizeof(err->message), "%s", said);
+    Py_DECREF(text);
+    return 0;
+}
+
 PyObject *
 rl_raise(rl_module_state *state, const rl_error *err)
 {

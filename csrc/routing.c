@@ -65,17 +65,7 @@ named_failure(PyObject *status, PyObject *exc, rl_error *err)
         PyErr_SetString(PyExc_TypeError, "exc must be an exception instance");
         return -1;
     }
-    err->kind = (rl_status)kind;
-    err->message[0] = '\0';
-    PyObject *text = PyObject_Str(exc);
-    const char *said = text != NULL ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
-    if (said == NULL) {
-        Py_XDECREF(text);
-        return -1;
-    }
-    snprintf(err->message, sizeof(err->message), "%s", said);
-    Py_DECREF(text);
-    return 0;
+    return rl_error_from(exc, (rl_status)kind, err);
 }
 
 /* ---------------------------------------------------------------- Router */

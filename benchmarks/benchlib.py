@@ -449,6 +449,14 @@ def load_average() -> str:
     return f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} ({os.cpu_count()} CPUs)"
 
 
+def round_order(names: Sequence[str], round_index: int) -> list[str]:
+    """The contenders' order in round `round_index`: rotated by one each round and reversed on
+    odd rounds, so that no contender always runs first, last or after the same neighbour."""
+    shift = round_index % len(names)
+    order = [*names[shift:], *names[:shift]]
+    return order[::-1] if round_index % 2 else order
+
+
 def print_ratio_table(rows: dict[str, list[tuple[float, ...]]], baseline: str,
                       columns: Sequence[tuple[str, str]], ratios: Sequence[tuple[int, str]]) -> None:
     """A markdown table of one row per contender: the median over rounds of each value

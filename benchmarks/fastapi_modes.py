@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fastapi import Depends, FastAPI  # noqa: E402
 
-from benchlib import RedisTarget, load_average, print_ratio_table  # noqa: E402
+from benchlib import RedisTarget, load_average, print_ratio_table, round_order  # noqa: E402
 from genai_ratelimit import AsyncRateLimiter  # noqa: E402
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware  # noqa: E402
 
@@ -106,10 +106,7 @@ async def run(url: str, rounds: int, seconds: float) -> dict[str, list[tuple[flo
     rows: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     names = list(contenders)
     for round_index in range(rounds):
-        order = names[round_index % len(names):] + names[:round_index % len(names)]
-        if round_index % 2:
-            order.reverse()
-        for name in order:
+        for name in round_order(names, round_index):
             app, expect = contenders[name]
             rows[name].append(await timed(app, expect, seconds))
     await limiter.aclose()

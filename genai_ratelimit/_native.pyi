@@ -118,6 +118,10 @@ _PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, 
 _RateResult = tuple[bool, int, int, int, int]
 GCRA_SHA1: str
 GCRA_SOURCE: str
+GCRA_WINDOWS_SHA1: str
+GCRA_WINDOWS_SOURCE: str
+COMPACT_GCRA_WINDOWS_SHA1: str
+COMPACT_GCRA_WINDOWS_SOURCE: str
 
 @disjoint_base
 class Limiter:
@@ -154,7 +158,12 @@ class Limiter:
         self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> tuple[bool, int, int, int]: ...
     def check_windows_detailed(
-        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        gcra: tuple[int, int, int] | None = None,
     ) -> WindowDecision: ...
     def _reserve(
         self,
@@ -247,7 +256,12 @@ class Codec:
         self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> Request | tuple[bool, int, int, int]: ...
     def check_windows_detailed(
-        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        gcra: tuple[int, int, int] | None = None,
     ) -> Request | WindowDecision: ...
     def reserve(
         self,

@@ -17,7 +17,7 @@ from redis.cluster import RedisCluster as ClusterClient
 
 from genai_ratelimit import RateLimiter, _native
 from genai_ratelimit._tiers_config import TIERS_FILE_ENV
-from genai_ratelimit.fastapi import RateLimit
+from genai_ratelimit.fastapi import RateLimit, TokenRateLimit
 from helpers_async import LimiterFactory
 from test_fastapi import (  # noqa: F401  (fixtures, by name)
     AnyLimiter,
@@ -173,3 +173,19 @@ def test_on_a_cluster_the_bucket_and_the_windows_share_the_users_slot(
                 assert client.exists(f"ratelimit:{{{user}}}:60:gcra") == 1
     finally:
         client.close()
+
+
+def test_a_burst_where_one_reserve_decides_is_refused_when_built(limiter: AnyLimiter) -> None:
+    with pytest.raises(ValueError, match="burst .tier 'free'. is decided by a RateLimit without scopes"):
+        TokenRateLimit(limiter=limiter, tier_limits=BURSTY)
+    with pytest.raises(ValueError, match="RateLimit with tokens or scopes decides in one reserve"):
+        RateLimit(limiter=limiter, tier_limits=BURSTY, route_limits={"per_minute": 10})
+
+
+def test_a_burst_needs_a_limiter_that_decides_it() -> None:
+    class Windows:
+        def check_windows(self, user_id: str, windows: object) -> tuple[bool, int, int, int]:
+            raise AssertionError("never asked")
+
+    with pytest.raises(TypeError, match="burst needs a limiter with check_windows_detailed"):
+        RateLimit(limiter=Windows(), tier_limits=BURSTY)  # type: ignore[arg-type]

@@ -248,6 +248,13 @@ class RateLimit:
         self._gcra: dict[str, tuple[int, int, int]] = {
             tier: (budget["per_minute"], 60, budget["burst"])
             for tier, budget in self.tier_limits.items() if "burst" in budget}
+        if self._gcra and (self._charges_tokens or self._scopes):
+            raise ValueError(f"burst (tier {sorted(self._gcra)[0]!r}) is decided by a RateLimit "
+                             f"without scopes; {type(self).__name__} with tokens or scopes decides "
+                             f"in one reserve, which has no GCRA bucket: remove burst from its tiers")
+        if self._gcra and limiter is not None and not callable(getattr(limiter, "check_windows_detailed", None)):
+            raise TypeError(f"burst needs a limiter with check_windows_detailed(gcra=...) "
+                            f"(RateLimiter, AsyncRateLimiter), not {type(limiter).__name__}")
         self.namespace: str | None = namespace
         self.identify: Identify = identify or default_identify
         self.on_unavailable: OnUnavailable = on_unavailable

@@ -5,7 +5,6 @@ all or nothing across the bucket and the windows, a replay after a lost reply ch
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from pathlib import Path

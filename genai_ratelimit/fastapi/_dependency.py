@@ -252,7 +252,8 @@ class RateLimit:
             raise ValueError(f"burst (tier {sorted(self._gcra)[0]!r}) is decided by a RateLimit "
                              f"without scopes; {type(self).__name__} with tokens or scopes decides "
                              f"in one reserve, which has no GCRA bucket: remove burst from its tiers")
-        if self._gcra and limiter is not None and not callable(getattr(limiter, "check_windows_detailed", None)):
+        if self._gcra and limiter is not None and \
+                not callable(getattr(limiter, "check_windows_detailed", None)):
             raise TypeError(f"burst needs a limiter with check_windows_detailed(gcra=...) "
                             f"(RateLimiter, AsyncRateLimiter), not {type(limiter).__name__}")
         self.namespace: str | None = namespace

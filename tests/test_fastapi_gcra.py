@@ -29,11 +29,11 @@ from test_fastapi import (  # noqa: F401  (fixtures, by name)
 )
 from test_idempotent_retry import ReplyDroppingProxy, redis_port  # noqa: F401  (fixture)
 
-pytestmark = [
-    pytest.mark.not_asan(reason="FastAPI over TestClient, as test_fastapi.py, which runs under ASan"),
-    pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline the async "
-                                   "tests drive on hiredis 1.x"),
-]
+# The HTTP cases: left out of make test-asan / test-hiredis1, as test_fastapi_shadow.py's (the
+# limiter calls below them run there).
+NOT_ASAN = pytest.mark.not_asan(reason="FastAPI over TestClient, as test_fastapi.py, which runs under ASan")
+NO_HIREDIS1 = pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline "
+                                             "the async tests drive on hiredis 1.x")
 
 # 6 a minute (one every 10 s), 2 at once; 40 a day.
 BURSTY = {"free": {"per_minute": 6, "per_day": 40, "burst": 2}}
@@ -51,6 +51,8 @@ def decide(limiter: Any, user_id: str, windows: tuple[tuple[int, int], ...],
     return (bool(d[0]), d[1], d[2], d[3], d.retry_after_ms)
 
 
+@NOT_ASAN
+@NO_HIREDIS1
 def test_the_burst_then_a_minute_refusal_with_the_theoretical_arrival_times_wait(
         limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str) -> None:
     client = client_for(RateLimit(limiter=limiter, tier_limits=BURSTY))
@@ -111,6 +113,8 @@ def test_a_malformed_gcra_is_refused_before_any_io(blocking: Any, user_id: str,
         decide(blocking, user_id, ((5, 60),), gcra)
 
 
+@NOT_ASAN
+@NO_HIREDIS1
 def test_the_tiers_file_gives_the_burst(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         limiter: AnyLimiter, client_for: Callable[..., TestClient],
                                         user_id: str) -> None:
@@ -174,6 +178,8 @@ def test_on_a_cluster_the_bucket_and_the_windows_share_the_users_slot(
         client.close()
 
 
+@NOT_ASAN
+@NO_HIREDIS1
 def test_a_burst_where_one_reserve_decides_is_refused_when_built(limiter: AnyLimiter) -> None:
     with pytest.raises(ValueError, match="burst .tier 'free'. is decided by a RateLimit without scopes"):
         TokenRateLimit(limiter=limiter, tier_limits=BURSTY)
@@ -181,6 +187,8 @@ def test_a_burst_where_one_reserve_decides_is_refused_when_built(limiter: AnyLim
         RateLimit(limiter=limiter, tier_limits=BURSTY, route_limits={"per_minute": 10})
 
 
+@NOT_ASAN
+@NO_HIREDIS1
 def test_a_burst_needs_a_limiter_that_decides_it() -> None:
     class Windows:
         def check_windows(self, user_id: str, windows: object) -> tuple[bool, int, int, int]:

@@ -440,13 +440,20 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
         out->kind = RL_KEY_LEASES;
         return out->owner_len > 0 ? 0 : -1;
     }
-    /* window_key, read from its end: the storage's suffix, "shared" or "scope=", "tokens",
-       the digits; what is left is the owner. */
-    if (ends_with(rest, rest_len, ":w") || ends_with(rest, rest_len, ":c")) {
+    /* format_gcra: "{owner}:{seconds}:gcra", a GCRA bucket: the digits and the owner, as a
+       window's (no window key ends in ":gcra": a scope's name has its ':' encoded). */
+    if (ends_with(rest, rest_len, ":gcra")) {
+        out->kind = RL_KEY_GCRA;
+        rest_len -= 5;
+    } else if (ends_with(rest, rest_len, ":w") || ends_with(rest, rest_len, ":c")) {
+        /* window_key, read from its end: the storage's suffix, "shared" or "scope=",
+           "tokens", the digits; what is left is the owner. */
         out->suffix = rest[rest_len - 1];
         rest_len -= 2;
     }
-    if (ends_with(rest, rest_len, ":shared")) {
+    if (out->kind == RL_KEY_GCRA) {
+        /* nothing but the digits and the owner */
+    } else if (ends_with(rest, rest_len, ":shared")) {
         out->kind = RL_KEY_SHARED;
         rest_len -= 7;
     } else {
@@ -464,7 +471,7 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
                 break;
         }
     }
-    if (ends_with(rest, rest_len, ":tokens")) {
+    if (out->kind != RL_KEY_GCRA && ends_with(rest, rest_len, ":tokens")) {
         out->tokens = 1;
         rest_len -= 7;
     }

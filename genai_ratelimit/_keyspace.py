@@ -10,6 +10,7 @@ _native.read_key, and the hash tag as _native.key_owner): a key is read from its
 
     {prefix}:{owner}:{seconds}[:tokens][:scope={name} | :shared][:w | :c]
     {prefix}:{owner}:leases
+    {prefix}:{owner}:{seconds}:gcra       (a GCRA bucket: check_rate, a tier's burst)
 
 On a Redis Cluster the owner is a hash tag, "{owner}" with '%', '{' and '}' percent-encoded.
 The owner is a user id (the FastAPI layer's identity: "ip:<host>", "user:<id>" or the id,
@@ -41,7 +42,7 @@ SCAN_COUNT = 10
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _NAMESPACE = re.compile(rf"ns:({NAMESPACE_PATTERN.pattern}):(.*)", re.DOTALL)
 
-Kind = Literal["window", "scope", "shared", "leases"]
+Kind = Literal["window", "scope", "shared", "leases", "gcra"]
 Storage = Literal["zset", "compact"]
 
 
@@ -49,7 +50,8 @@ Storage = Literal["zset", "compact"]
 class KeyName:
     """What one key's name says."""
 
-    kind: Kind  # a user's own window, a user's scope window, a shared scope's window, leases
+    kind: Kind  # a user's own window, a user's scope window, a shared scope's window, leases,
+    # a GCRA bucket (seconds: its period)
     owner: str  # the user id (identity) of the key, or a shared scope's name
     seconds: int = 0  # the window's length (0 for leases)
     tokens: bool = False  # a token window

@@ -68,7 +68,7 @@ def key_owner(owner: str, hash_tag: bool, /) -> str: ...
 def read_key(
     name: str, prefix: str, hash_tag: bool, /
 ) -> (
-    tuple[Literal["window", "scope", "shared", "leases"], str, int, bool, str | None, Literal["w", "c", ""]]
+    tuple[Literal["window", "scope", "shared", "leases", "gcra"], str, int, bool, str | None, Literal["w", "c", ""]]
     | None
 ): ...
 

@@ -257,7 +257,7 @@ class Masters:
     async def scan(self, pattern: str, max_keys: int) -> ScanReport:
         report = await scan(self.scanned, pattern, max_keys)
         for key in (parse_key(k, self.prefix, self.hash_tag) for k in report.keys):
-            if key is not None and key.kind != "leases":
+            if key is not None and key.kind not in ("leases", "gcra"):
                 self.held.setdefault((key.kind, key.owner, key.scope, key.seconds, key.tokens),
                                      set()).add(key.storage)
         return report

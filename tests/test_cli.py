@@ -109,6 +109,21 @@ def test_reset_frees_every_window_or_the_ones_named(redis_url: str, redis_client
     assert redis_client.keys(f"ratelimit:{user_id}:*") == []
 
 
+def test_reset_forgets_the_users_gcra_buckets_too(redis_url: str, redis_client: redis.Redis,
+                                                  user_id: str) -> None:
+    with RateLimiter(redis_url) as limiter:
+        assert limiter.check_rate(user_id, 6, 60, 1)[0] is True
+        assert limiter.check_windows_detailed(user_id, [(9, 86_400)], gcra=(1, 3_600, 1))[0] is True
+        # Another user whose id starts with this one's keeps its bucket.
+        assert limiter.check_rate(f"{user_id}:x", 6, 60, 1)[0] is True
+        assert limiter.check_rate(user_id, 6, 60, 1)[0] is False
+    everything = run("--url", redis_url, "reset", user_id)
+    assert everything.stdout == f"reset {user_id!r} (every window): 1 entries removed\n"
+    assert redis_client.keys(f"ratelimit:{user_id}:*") == [f"ratelimit:{user_id}:x:60:gcra".encode()]
+    with RateLimiter(redis_url) as limiter:
+        assert limiter.check_rate(user_id, 6, 60, 1)[0] is True  # the bucket is full again
+
+
 def test_top_ranks_users_by_their_closest_window_with_scan_only(
         redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
     used = {f"{user_id}-a": 1, f"{user_id}-b": 4, f"{user_id}-c": 2, f"{user_id}:d": 5}
@@ -508,8 +523,11 @@ def test_every_key_kind_is_read_back_from_its_name(hash_tag: bool) -> None:
                      hash_tag) == KeyName("scope", user, 60, True, "model:gpt-4o", storage="compact")
     assert parse_key(name("openai/gpt-4o", "60:tokens:shared:c"), "ratelimit", hash_tag) == KeyName(
         "shared", "openai/gpt-4o", 60, True, storage="compact")
+    # A GCRA bucket (check_rate, a tier's burst): its period, nothing else.
+    assert parse_key(name(user, "60:gcra"), "ratelimit", hash_tag) == KeyName("gcra", user, 60)
     for other in ("ratelimit", "ratelimit:", "other:a:60", name(user, "x"), name(user, "0"),
-                  name(user, "60:scope="), "ratelimitx:a:60"):
+                  name(user, "60:scope="), "ratelimitx:a:60", name(user, "gcra"),
+                  name(user, "0:gcra"), name(user, "60:tokens:gcra"), name(user, "60:gcra:c")):
         assert parse_key(other, "ratelimit", hash_tag) is None, other
 
 

@@ -1,7 +1,8 @@
-"""A tier's `burst`: its minute budget decided as GCRA (rate per_minute per 60 s, up to `burst`
-at once) with the tier's other windows in one script execution (lua/gcra_windows.lua), through
-RateLimit, for every limiter kind and storage; and check_windows_detailed(gcra=...) itself:
-all or nothing across the bucket and the windows, a replay after a lost reply charged once."""
+"""GCRA with windows, in one decision (check_windows_detailed(gcra=...), lua/gcra_windows.lua),
+for every limiter kind and both storages: all or nothing across the bucket and the windows, a
+replay after a lost reply charged once, the cluster, reset; and a FastAPI tier's `burst`: its
+minute budget decided as GCRA (rate per_minute per 60 s, up to `burst` at once) with the
+tier's other windows in one call, through RateLimit and the tiers file."""
 
 from __future__ import annotations
 
@@ -196,3 +197,15 @@ def test_a_burst_needs_a_limiter_that_decides_it() -> None:
 
     with pytest.raises(TypeError, match="burst needs a limiter with check_windows_detailed"):
         RateLimit(limiter=Windows(), tier_limits=BURSTY)  # type: ignore[arg-type]
+
+
+def test_reset_of_every_window_forgets_the_bucket_too(blocking: Any, user_id: str,
+                                                      redis_client: redis.Redis) -> None:
+    for expected in (True, True, False):
+        assert decide(blocking, user_id, ((9, 86_400),), (6, 60, 2))[0] is expected
+    assert blocking.reset(user_id, [(9, 86_400)]) == 2  # windows named: the bucket stays
+    assert redis_client.exists(f"ratelimit:{user_id}:60:gcra") == 1
+    assert decide(blocking, user_id, ((9, 86_400),), (6, 60, 2))[0] is False
+    assert blocking.reset(user_id) == 0  # every key: no entries left, the bucket deleted
+    assert redis_client.keys(f"ratelimit:{user_id}:*") == []
+    assert decide(blocking, user_id, ((9, 86_400),), (6, 60, 2))[:2] == (True, 1)

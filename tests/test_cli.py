@@ -109,6 +109,28 @@ def test_reset_frees_every_window_or_the_ones_named(redis_url: str, redis_client
     assert redis_client.keys(f"ratelimit:{user_id}:*") == []
 
 
+def test_inspect_shows_a_tiers_gcra_bucket_and_any_other_the_user_has(
+        tmp_path: Path, redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text("[free]\nper_minute = 6\nper_day = 50\nburst = 2\n", encoding="utf-8")
+    with RateLimiter(redis_url) as limiter:
+        for _ in range(2):
+            assert limiter.check_windows_detailed(user_id, [(50, 86_400)], gcra=(6, 60, 2))[0]
+        assert limiter.check_rate(user_id, 1, 3_600, 1)[0] is True
+    full_at = [int(redis_client.get(f"ratelimit:{user_id}:{p}:gcra")[:-6]) for p in (60, 3_600)]
+    before = redis_client.dump(f"ratelimit:{user_id}:60:gcra")
+    report = run_json("--url", redis_url, "--tiers", str(tiers), "inspect", user_id)
+    assert redis_client.dump(f"ratelimit:{user_id}:60:gcra") == before, "inspect writes nothing"
+    # The minute is the bucket, not a window: only the day is peeked as one.
+    assert [(w["window_seconds"], w["used"]) for w in report["windows"] if not w["tokens"]] == [
+        (86_400, 2)]
+    assert [(b["period_seconds"], b["rate"], b["burst"], b["full_at_ms"])
+            for b in report["buckets"]] == [(60, 6, 2, full_at[0]), (3_600, None, None, full_at[1])]
+    table = run("--url", redis_url, "--tiers", str(tiers), "inspect", user_id).stdout
+    assert "GCRA bucket 60 s (6 per 60 s, burst 2): full again at " in table
+    assert "GCRA bucket 3600 s (rate and burst: the app's): full again at " in table
+
+
 def test_reset_forgets_the_users_gcra_buckets_too(redis_url: str, redis_client: redis.Redis,
                                                   user_id: str) -> None:
     with RateLimiter(redis_url) as limiter:

@@ -603,14 +603,22 @@ def check(args: argparse.Namespace, out: TextIO) -> int:
     default, named = _user_tiers(args, budgets)
     tier = named.get(identity_of(args.user).user, named.get(args.user, default))
     requests, tokens = budgets.windows(tier)
+    bucket = budgets.bucket(tier)
     with RateLimiter(args.url, **_options(args)) as limiter:
-        if args.tokens is None:
+        if args.tokens is None and bucket is not None:  # the app's decision: one call
+            allowed, remaining, retry, window = limiter.check_windows_detailed(
+                args.user, requests, cost=args.cost, gcra=bucket)
+            resource = "requests"
+        elif args.tokens is None:
             allowed, remaining, retry, window = limiter.check_windows(args.user, requests,
                                                                       cost=args.cost)
             resource = "requests"
         else:
             if not tokens:
                 raise UsageError(f"tier {tier!r} has no token budget")
+            if bucket is not None:
+                raise UsageError(f"tier {tier!r} has a burst: TokenRateLimit refuses it, so "
+                                 "no token decision has one (docs/gcra.md)")
             r = limiter.reserve(args.user, requests, cost=args.cost, token_windows=tokens,
                                 tokens=args.tokens)
             allowed, remaining, retry, window, resource = (r.allowed, r.remaining,

@@ -131,6 +131,20 @@ def test_inspect_shows_a_tiers_gcra_bucket_and_any_other_the_user_has(
     assert "GCRA bucket 3600 s (rate and burst: the app's): full again at " in table
 
 
+def test_check_decides_a_tiers_burst_as_the_app_does(tmp_path: Path, redis_url: str,
+                                                     user_id: str) -> None:
+    tiers = tmp_path / "tiers.json"
+    tiers.write_text(json.dumps({"free": {"per_minute": 6, "per_day": 50, "burst": 2}}),
+                     encoding="utf-8")
+    done = [run("--url", redis_url, "--tiers", str(tiers), "check", user_id, "--json")
+            for _ in range(3)]
+    assert [d.returncode for d in done] == [0, 0, 1]  # exit 1 once refused
+    answers = [json.loads(d.stdout) for d in done]
+    assert [(a["allowed"], a["remaining"], a["window_seconds"]) for a in answers] == [
+        (True, 1, 60), (True, 0, 60), (False, 0, 60)]
+    assert 9 <= answers[2]["retry_after_s"] <= 10
+
+
 def test_reset_forgets_the_users_gcra_buckets_too(redis_url: str, redis_client: redis.Redis,
                                                   user_id: str) -> None:
     with RateLimiter(redis_url) as limiter:

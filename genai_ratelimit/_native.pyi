@@ -65,12 +65,11 @@ def check_options(
     hash_tag: bool = False,
 ) -> None: ...
 def key_owner(owner: str, hash_tag: bool, /) -> str: ...
+_KeyKind = Literal["window", "scope", "shared", "leases", "gcra"]
+
 def read_key(
     name: str, prefix: str, hash_tag: bool, /
-) -> (
-    tuple[Literal["window", "scope", "shared", "leases", "gcra"], str, int, bool, str | None, Literal["w", "c", ""]]
-    | None
-): ...
+) -> tuple[_KeyKind, str, int, bool, str | None, Literal["w", "c", ""]] | None: ...
 
 @final
 class WindowDecision(structseq[Any], tuple[bool, int, int, int]):

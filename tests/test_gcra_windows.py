@@ -209,3 +209,12 @@ def test_reset_of_every_window_forgets_the_bucket_too(blocking: Any, user_id: st
     assert blocking.reset(user_id) == 0  # every key: no entries left, the bucket deleted
     assert redis_client.keys(f"ratelimit:{user_id}:*") == []
     assert decide(blocking, user_id, ((9, 86_400),), (6, 60, 2))[:2] == (True, 1)
+
+
+def test_the_kill_switch_allows_with_the_fewest_limit_and_sends_nothing(
+        blocking: Any, user_id: str, redis_client: redis.Redis,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RATE_LIMIT_DISABLED", "1")
+    answer = decide(blocking, user_id, ((100, 86_400),), (6, 60, 2))
+    assert answer == (True, 2, 0, 60, 0)  # the bucket's burst is the tightest limit
+    assert redis_client.keys(f"ratelimit:{user_id}:*") == []

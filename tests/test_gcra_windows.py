@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from redis.cluster import RedisCluster as ClusterClient
 
 from genai_ratelimit import RateLimiter, _native
@@ -28,6 +30,7 @@ from test_fastapi import (  # noqa: F401  (fixtures, by name)
     client_for,
     limiter,
 )
+from test_gcra import ReferenceGcra
 from test_idempotent_retry import ReplyDroppingProxy, redis_port  # noqa: F401  (fixture)
 
 # The HTTP cases: left out of make test-asan / test-hiredis1, as test_fastapi_shadow.py's (the
@@ -218,3 +221,71 @@ def test_the_kill_switch_allows_with_the_fewest_limit_and_sends_nothing(
     answer = decide(blocking, user_id, ((100, 86_400),), (6, 60, 2))
     assert answer == (True, 2, 0, 60, 0)  # the bucket's burst is the tightest limit
     assert redis_client.keys(f"ratelimit:{user_id}:*") == []
+
+
+class ReferenceLog:
+    """A sliding-window log by its definition: an entry logged at t is in the window at now
+    while t > now - window_ms; a request of `cost` fits when the costs in the window and it
+    stay within the limit; a refusal waits until the oldest entries whose leaving frees
+    enough have left."""
+
+    def __init__(self, limit: int, window_seconds: int) -> None:
+        self.limit, self.window_ms = limit, window_seconds * 1000
+        self.entries: list[tuple[int, int]] = []
+
+    def left(self, now: int, cost: int) -> tuple[int, int]:
+        """(what remains after `cost` (negative: it does not fit), the wait in ms if not)."""
+        live = [(t, c) for t, c in self.entries if t > now - self.window_ms]
+        remaining = self.limit - sum(c for _, c in live) - cost
+        freed, wait = 0, 0
+        for t, c in live:
+            if remaining + freed >= 0:
+                break
+            freed += c
+            wait = max(1, t + self.window_ms - now)
+        return remaining, wait
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rate=st.sampled_from([(5, 60), (7, 60), (3, 1), (1, 1), (2, 7)]), burst=st.integers(1, 6),
+       window=st.sampled_from([1, 10, 60]), limit=st.integers(1, 12),
+       steps=st.lists(st.tuples(st.one_of(st.integers(0, 50), st.integers(0, 20_000)),
+                                st.integers(1, 4)), min_size=1, max_size=20),
+       start=st.integers(10**12, 10**13))  # unix ms of 2001 to 2286
+def test_every_decision_is_the_bucket_and_the_logs_all_or_nothing(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis, user_id: str,
+        rate: tuple[int, int], burst: int, window: int, limit: int,
+        steps: list[tuple[int, int]], start: int) -> None:
+    """Sequences of (advance the clock, cost) against the reference GCRA (test_gcra.py's)
+    and a reference log: the bucket decides first; a refusal by either charges neither."""
+    limiter = make_limiter(redis_url, clock="client")
+    per, period = rate
+    bucket, log = ReferenceGcra(per, period, burst), ReferenceLog(limit, window)
+    user = f"{user_id}-{per}-{period}-{burst}-{window}-{limit}-{start}-{len(steps)}"
+    now = start
+    stale = redis_client.keys(f"ratelimit:{user}:*")  # an example hypothesis runs again
+    if stale:
+        redis_client.delete(*stale)
+    try:
+        for advance, cost in steps:
+            now += advance
+            cost = min(cost, burst, limit)
+            _native._set_client_clock(now)
+            answer = decide(limiter, user, ((limit, window),), (per, period, burst), cost=cost)
+            saved = bucket.tat
+            by_bucket = bucket.decide(now, cost)
+            if not by_bucket[0]:
+                expected = (False, 0, by_bucket[2], period, by_bucket[3])
+            else:
+                left, wait = log.left(now, cost)
+                if left < 0:
+                    bucket.tat = saved  # all or nothing: the bucket is not charged
+                    expected = (False, 0, math.ceil(wait / 1000), window, wait)
+                else:
+                    log.entries.append((now, cost))
+                    fewest = min((by_bucket[1], period), (left, window), key=lambda x: x[0])
+                    expected = (True, fewest[0], 0, fewest[1], 0)
+            assert answer == expected, (now, cost)
+    finally:
+        _native._set_client_clock(None)

@@ -60,14 +60,14 @@ if ARGV[g + 4] == '1' and log.logged(n, ARGV[1]) then
   local reply, tie = decide_and_log(n, now, log, '1')
   return tied(with_bucket(reply, math.min(left, burst - 1)), tie)
 end
-local bucket = gcra_decide(gkey, now, interval, scale, burst, cost, false)
+local bucket = gcra_decide(gkey, now, interval, scale, burst, cost, false) -- read only
 if bucket[1] == 0 then
   log.flush()
   return tied({0, 0, bucket[3], 1, now, {0}, bucket[4]}, 0)
 end
 local reply, tie = decide_and_log(n, now, log, nil)
 if reply[1] == 1 then -- the windows logged the request: the bucket is charged too
-  gcra_decide(gkey, now, interval, scale, burst, cost, true)
+  gcra_store(gkey, now, bucket[6], scale)
   return tied(with_bucket(reply, bucket[2]), tie)
 end
 return tied(with_bucket(reply, bucket[2] + cost), tie)

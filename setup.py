@@ -52,6 +52,8 @@ SCRIPTS: dict[str, tuple[Path, str | None]] = {
     "RL_COMPACT_IN_FLIGHT": (LUA / "reserve_in_flight.lua", "compact"),
     "RL_COMPACT_RECONCILE_RELEASE": (LUA / "reconcile_release.lua", "compact"),
     "RL_GCRA": (LUA / "gcra.lua", None),
+    "RL_GCRA_WINDOWS": (LUA / "gcra_windows.lua", "zset"),
+    "RL_COMPACT_GCRA_WINDOWS": (LUA / "gcra_windows.lua", "compact"),
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 # A script names the shared files of lua/lib/ it is built on, one "-- include: lib/x.lua"

@@ -329,6 +329,9 @@ parse_cursor(PyObject *value, rl_prepared *d)
     return 0;
 }
 
+static int gcra_bucket(rl_prepared *d, long long rate, long long seconds, long long burst,
+                       long long cost);
+
 /* check_rate(user_id, rate, period_seconds, burst, *, cost=1): one GCRA decision. The
    windows hold its one bucket (limit: burst, seconds: the period, cost), read by the kill
    switch and the metrics as check's window; the emission interval period / rate is sent as
@@ -337,12 +340,60 @@ static int
 parse_gcra(PyObject *const *v, rl_prepared *d)
 {
     long long rate, seconds, burst, cost = 1;
-    rl_windows *w = &d->windows;
     if (positive_int(v[1], "rate", RL_MAX_LIMIT, &rate) < 0 ||
         positive_int(v[2], "period_seconds", RL_MAX_WINDOW_SECONDS, &seconds) < 0 ||
         positive_int(v[3], "burst", RL_MAX_LIMIT, &burst) < 0 ||
         (v[4] != NULL && positive_int(v[4], "cost", RL_MAX_LIMIT, &cost) < 0))
         return -1;
+    d->windows.count = 0;
+    return gcra_bucket(d, rate, seconds, burst, cost);
+}
+
+/* check_windows_detailed's gcra=(rate, period_seconds, burst): the bucket becomes window 0,
+   before the logged windows (already parsed, with their cost), decided with them in one
+   script (lua/gcra_windows.lua). 0, or -1 with an exception. */
+static int
+parse_gcra_windows(PyObject *value, PyObject *cost_value, rl_prepared *d)
+{
+    long long rate, seconds, burst, cost = 1;
+    rl_windows *w = &d->windows;
+    if (!PyTuple_Check(value) || PyTuple_Size(value) != 3) {
+        rl_type_error(value, "gcra must be a (rate, period_seconds, burst) tuple, not ");
+        return -1;
+    }
+    if (positive_int(PyTuple_GetItem(value, 0), "gcra's rate", RL_MAX_LIMIT, &rate) < 0 ||
+        positive_int(PyTuple_GetItem(value, 1), "gcra's period_seconds", RL_MAX_WINDOW_SECONDS,
+                     &seconds) < 0 ||
+        positive_int(PyTuple_GetItem(value, 2), "gcra's burst", RL_MAX_LIMIT, &burst) < 0 ||
+        (cost_value != NULL && positive_int(cost_value, "cost", RL_MAX_LIMIT, &cost) < 0))
+        return -1;
+    if (w->count >= RL_MAX_WINDOWS) {
+        PyErr_Format(PyExc_ValueError,
+                     "at most %d windows can be checked at once, the bucket "
+                     "included, got %d",
+                     RL_MAX_WINDOWS, w->count + 1);
+        return -1;
+    }
+    for (int i = w->count; i > 0; i--) {
+        w->seconds[i] = w->seconds[i - 1];
+        w->limit[i] = w->limit[i - 1];
+        w->cost[i] = w->cost[i - 1];
+        w->tokens[i] = w->tokens[i - 1];
+        w->scope[i] = w->scope[i - 1];
+    }
+    w->count++;
+    if (gcra_bucket(d, rate, seconds, burst, cost) < 0)
+        return -1;
+    d->script = RL_SCRIPT_GCRA_WINDOWS;
+    return 0;
+}
+
+/* Window 0 of d: a GCRA bucket of `rate` per `seconds`, `burst` at once, for a request of
+   `cost` (d->windows.count already counts it). 0, or -1 with an exception. */
+static int
+gcra_bucket(rl_prepared *d, long long rate, long long seconds, long long burst, long long cost)
+{
+    rl_windows *w = &d->windows;
     if (cost > burst) {
         PyErr_Format(PyExc_ValueError,
                      "cost %lld can never be allowed: a burst of %lld admits at most %lld at once",
@@ -367,7 +418,8 @@ parse_gcra(PyObject *const *v, rl_prepared *d)
                      rate, seconds, burst, d->gcra_scale);
         return -1;
     }
-    w->count = 1;
+    if (w->count == 0)
+        w->count = 1;
     w->limit[0] = burst;
     w->seconds[0] = seconds;
     w->cost[0] = cost;
@@ -381,7 +433,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                  rl_prepared *d, PyObject **user_id)
 {
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
-    static const char *const windows_names[] = {"user_id", "windows", "cost"};
+    static const char *const windows_names[] = {"user_id", "windows", "cost", "gcra"};
     static const char *const reserve_names[] = {"user_id", "windows", "cost",     "token_windows",
                                                 "tokens",  "scopes",  "in_flight"};
     static const char *const reconcile_names[] = {"user_id",      "windows", "member",
@@ -456,10 +508,12 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     case RL_SHAPE_WINDOWS:
     case RL_SHAPE_DETAILED:
         if (rl_parse_args(shape == RL_SHAPE_WINDOWS ? "check_windows" : "check_windows_detailed",
-                          args, nargs, kwnames, windows_names, 3, 2, 2, v) < 0 ||
+                          args, nargs, kwnames, windows_names, shape == RL_SHAPE_WINDOWS ? 3 : 4, 2,
+                          2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
-            add_windows(&d->windows, v[1], "windows", 0, 0, 0) < 0 ||
-            set_cost(d, v[2], "cost", 0) < 0)
+            add_windows(&d->windows, v[1], "windows", 0, v[3] != NULL && v[3] != Py_None, 0) < 0 ||
+            set_cost(d, v[2], "cost", 0) < 0 ||
+            (v[3] != NULL && v[3] != Py_None && parse_gcra_windows(v[3], v[2], d) < 0))
             return -1;
         break;
     case RL_SHAPE_RESERVE:
@@ -697,7 +751,8 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
                 best = i;
         }
         out->disabled = 1;
-        if (out->script == RL_SCRIPT_WINDOW || out->script == RL_SCRIPT_IN_FLIGHT)
+        if (out->script == RL_SCRIPT_WINDOW || out->script == RL_SCRIPT_IN_FLIGHT ||
+            out->script == RL_SCRIPT_GCRA_WINDOWS)
             out->member[0] = '\0';
         r->allowed = 1;
         r->remaining = out->windows.limit[best];
@@ -724,7 +779,7 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         return warn_kill_switch(state);
     }
     if ((out->script == RL_SCRIPT_WINDOW || out->script == RL_SCRIPT_IN_FLIGHT ||
-         out->shape == RL_SHAPE_ACQUIRE) &&
+         out->script == RL_SCRIPT_GCRA_WINDOWS || out->shape == RL_SHAPE_ACQUIRE) &&
         rl_member_uuid4(state->random, out->member) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;

@@ -245,7 +245,7 @@ static PyMethodDef Codec_methods[] = {
      "A Request, or the kill switch's final tuple."},
     {"check_windows_detailed", (PyCFunction)(void (*)(void))Codec_check_windows_detailed,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "check_windows_detailed($self, /, user_id, windows, *, cost=1)\n--\n\n"
+     "check_windows_detailed($self, /, user_id, windows, *, cost=1, gcra=None)\n--\n\n"
      "A Request, or the kill switch's final WindowDecision."},
     {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,

@@ -388,10 +388,12 @@ PyDoc_STRVAR(Limiter_check_windows_doc,
 LIMITER_METHOD(check_windows, RL_SHAPE_WINDOWS)
 
 PyDoc_STRVAR(Limiter_check_windows_detailed_doc,
-"check_windows_detailed($self, /, user_id, windows, *, cost=1)\n--\n\n"
+"check_windows_detailed($self, /, user_id, windows, *, cost=1, gcra=None)\n--\n\n"
 "-> WindowDecision\n\n"
 "check_windows, answered as a WindowDecision: the same 4-tuple, with the exact wait\n"
-"(retry_after_ms) and the decision's time (timestamp_ms) as attributes.");
+"(retry_after_ms) and the decision's time (timestamp_ms) as attributes. gcra=(rate,\n"
+"period_seconds, burst): a GCRA bucket (check_rate's key) decided first, with the windows,\n"
+"all or nothing (lua/gcra_windows.lua); windows may then be empty.");
 
 LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 

@@ -145,6 +145,8 @@ typedef enum {
     RL_SCRIPT_COMPACT_IN_FLIGHT, /* lua/reserve_in_flight.lua over the compact storage */
     RL_SCRIPT_COMPACT_RECONCILE_RELEASE, /* lua/reconcile_release.lua over the compact one */
     RL_SCRIPT_GCRA,                      /* lua/gcra.lua: check_rate, either storage */
+    RL_SCRIPT_GCRA_WINDOWS,              /* lua/gcra_windows.lua: check_windows_detailed(gcra=) */
+    RL_SCRIPT_COMPACT_GCRA_WINDOWS,      /* lua/gcra_windows.lua over the compact storage */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -159,6 +161,8 @@ typedef enum {
 rl_script_id rl_script_of(rl_script_id script, rl_storage storage);
 /* 1 for a decision that logs a request (check, check_windows, reserve), either storage. */
 int rl_script_decides(rl_script_id script);
+/* 1 for a decision over a GCRA bucket and windows (lua/gcra_windows.lua), either storage. */
+int rl_script_gcra_windows(rl_script_id script);
 /* 1 for a peek (read-only), either storage. */
 int rl_script_peeks(rl_script_id script);
 /* 1 for a reconcile, either storage, with or without a release. */
@@ -184,7 +188,9 @@ typedef struct {
     long long lease_limit; /* acquire, reserve with in_flight: the most concurrent holders */
     long long lease_ms;    /* acquire, renew, reserve with in_flight: the lease's length */
     long long gcra_units;  /* GCRA: the emission interval T in units of 1/gcra_scale ms */
-    long long gcra_scale;  /* GCRA: rate / gcd(rate, period_ms); windows: burst, period, cost */
+    long long gcra_scale;  /* GCRA: rate / gcd(rate, period_ms); windows: burst, period, cost
+                              (check_rate: the only window; with gcra=: window 0, the
+                              bucket, before the logged windows) */
     int disabled;          /* the kill switch answered: result is final, no I/O */
     rl_result result;      /* the kill switch's answer when disabled */
     char *command;         /* formatted EVALSHA (redisFreeCommand), NULL when disabled */
@@ -725,9 +731,10 @@ size_t rl_key_user(char *out, const char *user, size_t user_len, int hash_tag);
 /* The key grammar read back (the command line's view of the keys rl_script_format and
    rl_key_user write): what one key's name says. Pointers are into the name read; the owner
    (in a hash tag) and the scope name are still percent-encoded (rl_key_unescape). */
-typedef enum { RL_KEY_WINDOW, RL_KEY_SCOPE, RL_KEY_SHARED, RL_KEY_LEASES } rl_key_kind;
+typedef enum { RL_KEY_WINDOW, RL_KEY_SCOPE, RL_KEY_SHARED, RL_KEY_LEASES, RL_KEY_GCRA } rl_key_kind;
 typedef struct {
-    rl_key_kind kind;  /* a user's window, a user's scope window, a shared scope's, leases */
+    rl_key_kind kind;  /* a user's window, a user's scope window, a shared scope's, leases, a
+                          GCRA bucket ("{owner}:{seconds}:gcra", seconds its period) */
     const char *owner; /* the user id, or a shared scope's name */
     size_t owner_len;
     long long seconds; /* the window's length (0 for leases) */

@@ -64,6 +64,14 @@ static const struct {
                                              sizeof(rl_compact_reconcile_release_load_command) - 1},
     [RL_SCRIPT_GCRA] = {RL_GCRA_SHA1, rl_gcra_source, sizeof(rl_gcra_source) - 1,
                         rl_gcra_load_command, sizeof(rl_gcra_load_command) - 1},
+    [RL_SCRIPT_GCRA_WINDOWS] = {RL_GCRA_WINDOWS_SHA1, rl_gcra_windows_source,
+                                sizeof(rl_gcra_windows_source) - 1, rl_gcra_windows_load_command,
+                                sizeof(rl_gcra_windows_load_command) - 1},
+    [RL_SCRIPT_COMPACT_GCRA_WINDOWS] = {RL_COMPACT_GCRA_WINDOWS_SHA1,
+                                        rl_compact_gcra_windows_source,
+                                        sizeof(rl_compact_gcra_windows_source) - 1,
+                                        rl_compact_gcra_windows_load_command,
+                                        sizeof(rl_compact_gcra_windows_load_command) - 1},
 };
 
 rl_script_id
@@ -82,6 +90,8 @@ rl_script_of(rl_script_id script, rl_storage storage)
         return RL_SCRIPT_COMPACT_IN_FLIGHT;
     case RL_SCRIPT_RECONCILE_RELEASE:
         return RL_SCRIPT_COMPACT_RECONCILE_RELEASE;
+    case RL_SCRIPT_GCRA_WINDOWS:
+        return RL_SCRIPT_COMPACT_GCRA_WINDOWS;
     default: /* reset reads either storage; leases are sorted sets in both */
         return script;
     }
@@ -92,7 +102,13 @@ rl_script_decides(rl_script_id script)
 {
     return script == RL_SCRIPT_WINDOW || script == RL_SCRIPT_COMPACT_WINDOW ||
            script == RL_SCRIPT_IN_FLIGHT || script == RL_SCRIPT_COMPACT_IN_FLIGHT ||
-           script == RL_SCRIPT_GCRA;
+           script == RL_SCRIPT_GCRA || rl_script_gcra_windows(script);
+}
+
+int
+rl_script_gcra_windows(rl_script_id script)
+{
+    return script == RL_SCRIPT_GCRA_WINDOWS || script == RL_SCRIPT_COMPACT_GCRA_WINDOWS;
 }
 
 int
@@ -424,13 +440,20 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
         out->kind = RL_KEY_LEASES;
         return out->owner_len > 0 ? 0 : -1;
     }
-    /* window_key, read from its end: the storage's suffix, "shared" or "scope=", "tokens",
-       the digits; what is left is the owner. */
-    if (ends_with(rest, rest_len, ":w") || ends_with(rest, rest_len, ":c")) {
+    /* format_gcra: "{owner}:{seconds}:gcra", a GCRA bucket: the digits and the owner, as a
+       window's (no window key ends in ":gcra": a scope's name has its ':' encoded). */
+    if (ends_with(rest, rest_len, ":gcra")) {
+        out->kind = RL_KEY_GCRA;
+        rest_len -= 5;
+    } else if (ends_with(rest, rest_len, ":w") || ends_with(rest, rest_len, ":c")) {
+        /* window_key, read from its end: the storage's suffix, "shared" or "scope=",
+           "tokens", the digits; what is left is the owner. */
         out->suffix = rest[rest_len - 1];
         rest_len -= 2;
     }
-    if (ends_with(rest, rest_len, ":shared")) {
+    if (out->kind == RL_KEY_GCRA) {
+        /* nothing but the digits and the owner */
+    } else if (ends_with(rest, rest_len, ":shared")) {
         out->kind = RL_KEY_SHARED;
         rest_len -= 7;
     } else {
@@ -448,7 +471,7 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
                 break;
         }
     }
-    if (ends_with(rest, rest_len, ":tokens")) {
+    if (out->kind != RL_KEY_GCRA && ends_with(rest, rest_len, ":tokens")) {
         out->tokens = 1;
         rest_len -= 7;
     }
@@ -532,6 +555,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     const int per_window = window_keys[d->storage].count;
     /* the leases key and its stats key, last */
     const int slot_keys = 2 * rl_script_holds_slot(d->script);
+    /* with gcra=: window 0 is the bucket, whose one key and four values come last */
+    const int first = rl_script_gcra_windows(d->script);
     size_t owner_len = user_len, scope_room = 0;
     for (int k = 0; k < d->nscopes; k++) {
         if (d->scopes[k].name_len > owner_len)
@@ -542,7 +567,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     size_t key_room = prefix_len + 1 + rl_key_user_room(owner_len) + RL_NUMBER_TEXT +
                       RL_KEY_SUFFIXES + scope_room;
     /* reset.lua's pattern and base (the pattern escapes each byte at most once). */
-    size_t need = (size_t)w->count * (3 * key_room + 3 * RL_NUMBER_TEXT) + 4 * key_room;
+    size_t need = (size_t)w->count * (3 * key_room + 4 * RL_NUMBER_TEXT) + 4 * key_room;
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
     int argc = 0;
@@ -564,10 +589,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc++] = 7;
     argv[argc] = rl_script_sha1(d->script);
     argvlen[argc++] = strlen(argv[1]);
-    argvlen[argc] =
-        (size_t)snprintf(numkeys, sizeof(numkeys), "%d", per_window * w->count + slot_keys);
+    argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d",
+                                     per_window * (w->count - first) + slot_keys + first);
     argv[argc++] = numkeys;
-    for (int i = 0; i < w->count; i++) {
+    for (int i = first; i < w->count; i++) {
         char *key = cursor;
         size_t key_len = window_key(cursor, prefix, prefix_len, user, user_len, d, i);
         for (int k = 0; k < per_window; k++) {
@@ -576,12 +601,21 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             if (k > 0) /* another key of the window: its key, then its suffix */
                 memcpy(cursor, key, key_len);
             memcpy(cursor + key_len, suffix, suffix_len);
-            keys[k * w->count + i] = cursor;
-            keylens[k * w->count + i] = key_len + suffix_len;
+            keys[k * (w->count - first) + i - first] = cursor;
+            keylens[k * (w->count - first) + i - first] = key_len + suffix_len;
             cursor += key_len + suffix_len;
         }
     }
-    argc += per_window * w->count;
+    argc += per_window * (w->count - first);
+    if (first) { /* the bucket's key, last: format_gcra's */
+        char *key = cursor;
+        cursor = write_user_key(cursor, prefix, prefix_len, user, user_len, d->hash_tag);
+        cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", w->seconds[0]);
+        memcpy(cursor, ":gcra", 5);
+        cursor += 5;
+        argv[argc] = key;
+        argvlen[argc++] = (size_t)(cursor - key);
+    }
     if (slot_keys) { /* the leases key and its stats key, as format_lease names them */
         char *leases = cursor;
         cursor = write_lease_keys(cursor, prefix, prefix_len, user, user_len, d->hash_tag,
@@ -638,9 +672,18 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         }
     } else {
         argc++;
-        for (int i = 0; i < w->count; i++) {
+        for (int i = first; i < w->count; i++) {
             const long long values[3] = {w->seconds[i] * 1000LL, w->limit[i], w->cost[i]};
             for (int k = 0; k < 3; k++) {
+                char *text = cursor;
+                cursor += snprintf(cursor, RL_NUMBER_TEXT, "%lld", values[k]);
+                argv[argc] = text;
+                argvlen[argc++] = (size_t)(cursor - text);
+            }
+        }
+        if (first) { /* the bucket: interval, scale, burst, cost (lua/gcra_windows.lua) */
+            const long long values[4] = {d->gcra_units, d->gcra_scale, w->limit[0], w->cost[0]};
+            for (int k = 0; k < 4; k++) {
                 char *text = cursor;
                 cursor += snprintf(cursor, RL_NUMBER_TEXT, "%lld", values[k]);
                 argv[argc] = text;
@@ -1077,9 +1120,8 @@ decode_window(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_
     /* peek: a usage array 8th; the compact storage's decision: the entry's tie 8th; with an
        in-flight slot: the tie 8th and the slot's answer 9th */
     int slot = d->script == RL_SCRIPT_IN_FLIGHT || d->script == RL_SCRIPT_COMPACT_IN_FLIGHT;
-    size_t elements = slot                                                                  ? 9
-                      : rl_script_peeks(d->script) || d->script == RL_SCRIPT_COMPACT_WINDOW ? 8
-                                                                                            : 7;
+    int tied = d->script == RL_SCRIPT_COMPACT_WINDOW || d->script == RL_SCRIPT_COMPACT_GCRA_WINDOWS;
+    size_t elements = slot ? 9 : rl_script_peeks(d->script) || tied ? 8 : 7;
     long long v[5] = {0, 0, 0, 0, 0}, retry_ms = 0;
     const redisReply *each;
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != elements)
@@ -1111,6 +1153,9 @@ decode_window(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_
         /* The wait until enough of the window's entries leave it: at most the window, and
            the skew of the clock that stamped them. retry_after_s is that wait rounded up. */
         long long longest_wait = w->seconds[window - 1] * 1000 + RL_MAX_CLOCK_SKEW_MS;
+        if (window == 1 && rl_script_gcra_windows(d->script)) /* the bucket: its depth */
+            longest_wait = (w->limit[0] * d->gcra_units + d->gcra_scale - 1) / d->gcra_scale +
+                           RL_MAX_CLOCK_SKEW_MS;
         if (within(name, "remaining", remaining, 0, 0, err) != RL_OK ||
             within(name, "retry_ms", retry_ms, 1, longest_wait, err) != RL_OK ||
             within(name, "retry_after_s", retry, ceil_seconds(retry_ms), ceil_seconds(retry_ms),

@@ -10,6 +10,7 @@ _native.read_key, and the hash tag as _native.key_owner): a key is read from its
 
     {prefix}:{owner}:{seconds}[:tokens][:scope={name} | :shared][:w | :c]
     {prefix}:{owner}:leases
+    {prefix}:{owner}:{seconds}:gcra       (a GCRA bucket: check_rate, a tier's burst)
 
 On a Redis Cluster the owner is a hash tag, "{owner}" with '%', '{' and '}' percent-encoded.
 The owner is a user id (the FastAPI layer's identity: "ip:<host>", "user:<id>" or the id,
@@ -30,7 +31,7 @@ from . import _native
 __all__ = ["KeyName", "Identity", "Storage", "ScanReport", "NAMESPACE_PATTERN", "parse_key", "identity_of",
            "shown", "quoted",
            "glob_escape", "tagged", "user_key_pattern", "scan",
-           "node_url", "read_leases", "SCAN_COUNT", "scan_calls_per_master"]
+           "node_url", "read_leases", "read_bucket", "SCAN_COUNT", "scan_calls_per_master"]
 
 # SCAN's COUNT: the limiter's connections take replies of at most 64 elements, and a step
 # of COUNT 10 returns about 10 keys (a few more while Redis rehashes).
@@ -41,7 +42,7 @@ SCAN_COUNT = 10
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _NAMESPACE = re.compile(rf"ns:({NAMESPACE_PATTERN.pattern}):(.*)", re.DOTALL)
 
-Kind = Literal["window", "scope", "shared", "leases"]
+Kind = Literal["window", "scope", "shared", "leases", "gcra"]
 Storage = Literal["zset", "compact"]
 
 
@@ -49,7 +50,8 @@ Storage = Literal["zset", "compact"]
 class KeyName:
     """What one key's name says."""
 
-    kind: Kind  # a user's own window, a user's scope window, a shared scope's window, leases
+    kind: Kind  # a user's own window, a user's scope window, a shared scope's window, leases,
+    # a GCRA bucket (seconds: its period)
     owner: str  # the user id (identity) of the key, or a shared scope's name
     seconds: int = 0  # the window's length (0 for leases)
     tokens: bool = False  # a token window
@@ -206,3 +208,22 @@ async def read_leases(command: Command, key: str, now_ms: int,
     reply = await command("ZRANGEBYSCORE", key, f"({now_ms}", "+inf", "WITHSCORES", "LIMIT", "0",
                           str(shown_at_most))
     return held, [int(float(reply[i])) for i in range(1, len(reply), 2)]
+
+
+async def read_bucket(command: Command, key: str) -> int | None:
+    """When a GCRA bucket (lua/lib/gcra.lua's key) is full again: its theoretical arrival
+    time, rounded up to a whole ms; None when the key does not exist (the bucket is full).
+    The value's two forms are lib/gcra.lua's: the integer "<ms><6 digits>" (the digits
+    scale * 1000 + the remainder in 1/scale ms) and the string "<ms>:<remainder>:<scale>".
+    Read raw, as the leases are: only the time is read here, never a decision (the rate and
+    the burst are the caller's; check_rate decides)."""
+    raw = await command("GET", key)
+    if raw is None:
+        return None
+    text = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
+    parts = text.split(":")
+    if len(parts) == 3 and all(part.isdigit() for part in parts):
+        return int(parts[0]) + (int(parts[1]) > 0)
+    if len(parts) == 1 and text.isdigit() and len(text) > 6:
+        return int(text[:-6]) + (int(text[-6:]) % 1000 > 0)
+    raise ValueError(f"{key!r} holds no GCRA time: {text[:40]!r}")

@@ -65,12 +65,11 @@ def check_options(
     hash_tag: bool = False,
 ) -> None: ...
 def key_owner(owner: str, hash_tag: bool, /) -> str: ...
+_KeyKind = Literal["window", "scope", "shared", "leases", "gcra"]
+
 def read_key(
     name: str, prefix: str, hash_tag: bool, /
-) -> (
-    tuple[Literal["window", "scope", "shared", "leases"], str, int, bool, str | None, Literal["w", "c", ""]]
-    | None
-): ...
+) -> tuple[_KeyKind, str, int, bool, str | None, Literal["w", "c", ""]] | None: ...
 
 @final
 class WindowDecision(structseq[Any], tuple[bool, int, int, int]):
@@ -118,6 +117,10 @@ _PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, 
 _RateResult = tuple[bool, int, int, int, int]
 GCRA_SHA1: str
 GCRA_SOURCE: str
+GCRA_WINDOWS_SHA1: str
+GCRA_WINDOWS_SOURCE: str
+COMPACT_GCRA_WINDOWS_SHA1: str
+COMPACT_GCRA_WINDOWS_SOURCE: str
 
 @disjoint_base
 class Limiter:
@@ -154,7 +157,12 @@ class Limiter:
         self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> tuple[bool, int, int, int]: ...
     def check_windows_detailed(
-        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        gcra: tuple[int, int, int] | None = None,
     ) -> WindowDecision: ...
     def _reserve(
         self,
@@ -247,7 +255,12 @@ class Codec:
         self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
     ) -> Request | tuple[bool, int, int, int]: ...
     def check_windows_detailed(
-        self, user_id: str, windows: Sequence[tuple[int, int]], *, cost: int = 1
+        self,
+        user_id: str,
+        windows: Sequence[tuple[int, int]],
+        *,
+        cost: int = 1,
+        gcra: tuple[int, int, int] | None = None,
     ) -> Request | WindowDecision: ...
     def reserve(
         self,

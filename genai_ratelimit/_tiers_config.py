@@ -64,6 +64,7 @@ from ._native import MAX_LIMIT
 from .tiers import DEFAULT_TIER, TIER_TOKEN_LIMITS
 
 __all__ = [
+    "BURST_KEY",
     "TIERS_FILE_ENV",
     "TIER_BUDGET_KEYS",
     "TIER_TOKEN_KEYS",
@@ -97,6 +98,9 @@ TIER_TOKEN_KEYS: dict[str, str] = {"tokens_per_second": "per_second",
                                    "tokens_per_hour": "per_hour", "tokens_per_day": "per_day"}
 # The optional cap on a tier's concurrent requests (in-flight leases).
 MAX_IN_FLIGHT_KEY = "max_in_flight"
+# The optional burst of a tier's minute budget: per_minute is then decided as GCRA (rate
+# per_minute per 60 s, up to `burst` at once; docs/gcra.md) instead of a sliding minute log.
+BURST_KEY = "burst"
 
 
 # The tables of a tiers file that are sections, not tiers.
@@ -136,7 +140,7 @@ def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, di
     if not data:
         raise TierConfigError(f"{source}: no tiers defined")
     allowed = {**TIER_BUDGET_KEYS,
-               **({**TIER_TOKEN_KEYS, MAX_IN_FLIGHT_KEY: 0} if token_keys else {})}
+               **({**TIER_TOKEN_KEYS, MAX_IN_FLIGHT_KEY: 0, BURST_KEY: 0} if token_keys else {})}
     tiers: dict[str, dict[str, int]] = {}
     for tier, budget in data.items():
         if tier in SCOPE_SECTIONS:
@@ -154,6 +158,9 @@ def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, di
             raise TierConfigError(f"{source}: tier {tier!r}: missing a window: give at least one "
                                   f"of {', '.join(TIER_BUDGET_KEYS)}")
         checked = {key: _budget(source, tier, key, budget[key]) for key in allowed if key in budget}
+        if BURST_KEY in checked and "per_minute" not in checked:
+            raise TierConfigError(f"{source}: tier {tier!r}: burst applies to per_minute (the "
+                                  f"minute budget decided as GCRA): give per_minute too")
         # A longer window never allows fewer than a shorter one (it could never be reached).
         for keys in (list(TIER_BUDGET_KEYS), list(TIER_TOKEN_KEYS)):
             given = [key for key in keys if key in checked]
@@ -171,12 +178,13 @@ def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, di
 def validate_tier_limits(data: object, source: str = "tier_limits") -> dict[str, dict[str, int]]:
     """Checks tier budgets strictly: a mapping of non-empty tier names to exactly
     {"per_minute": int >= 1, "per_day": int >= 1}, per_day not below per_minute, with a `free`
-    tier; a tier may also carry a token budget, "tokens_per_minute" and "tokens_per_day"
+    tier; a tier may also carry "burst" (int >= 1, with per_minute: the minute budget decided as
+    GCRA, kept in the result) and a token budget, "tokens_per_minute" and "tokens_per_day"
     together (see token_limits_of_tiers), checked the same way and left out of the result.
     Returns a fresh dict of the request budgets (later changes to `data` do not leak in).
     Raises TierConfigError (a ValueError) naming `source` and the first problem found."""
     tiers = _tier_tables(data, source, token_keys=True)
-    return {tier: {key: budget[key] for key in TIER_BUDGET_KEYS if key in budget}
+    return {tier: {key: budget[key] for key in (*TIER_BUDGET_KEYS, BURST_KEY) if key in budget}
             for tier, budget in tiers.items()}
 
 

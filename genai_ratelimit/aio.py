@@ -903,13 +903,15 @@ class AsyncRateLimiter:
             return request
         return await self._run(request, True, True)  # type: ignore[no-any-return]
 
-    async def check_windows_detailed(self, user_id: str, windows: Any, *,
-                                     cost: int = 1) -> WindowDecision:
+    async def check_windows_detailed(self, user_id: str, windows: Any, *, cost: int = 1,
+                                     gcra: tuple[int, int, int] | None = None) -> WindowDecision:
         """check_windows, answered as a WindowDecision: the same 4-tuple, with the exact wait
-        (retry_after_ms) and the decision's time (timestamp_ms) as attributes."""
+        (retry_after_ms) and the decision's time (timestamp_ms) as attributes. gcra=(rate,
+        period_seconds, burst): a GCRA bucket decided with the windows, all or nothing
+        (docs/gcra.md)."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        request = self._codec.check_windows_detailed(user_id, windows, cost=cost)
+        request = self._codec.check_windows_detailed(user_id, windows, cost=cost, gcra=gcra)
         if type(request) is WindowDecision:  # the kill switch answered
             return request
         return await self._run(request, True, True)  # type: ignore[no-any-return]

@@ -50,6 +50,7 @@ from ._keyspace import (
     node_url,
     parse_key,
     quoted,
+    read_bucket,
     read_leases,
     scan,
     shown,
@@ -120,11 +121,22 @@ class Budgets:
         return name
 
     def windows(self, tier: str) -> tuple[Windows, Windows]:
-        """The tier's (limit, window_seconds) request and token windows."""
+        """The tier's (limit, window_seconds) request and token windows (a minute budget
+        with a burst is a GCRA bucket, not a window: Budgets.bucket)."""
         request_budget = self.requests[tier]
         token_budget = self.tokens.get(tier) or self.tokens.get(DEFAULT_TIER) or {}
-        return ([(request_budget[k], s) for k, s in WINDOW_OF.items()],
+        bucket = self.bucket(tier)
+        return ([(request_budget[k], s) for k, s in WINDOW_OF.items()
+                 if k in request_budget and (bucket is None or s != bucket[1])],
                 [(token_budget[k], s) for k, s in WINDOW_OF.items() if k in token_budget])
+
+
+    def bucket(self, tier: str) -> tuple[int, int, int] | None:
+        """The tier's minute budget as GCRA, (per_minute, 60, burst), when it has a burst."""
+        budget = self.requests[tier]
+        if "burst" not in budget or "per_minute" not in budget:
+            return None
+        return budget["per_minute"], 60, budget["burst"]
 
 
 def _budgets(args: argparse.Namespace) -> Budgets:
@@ -257,7 +269,7 @@ class Masters:
     async def scan(self, pattern: str, max_keys: int) -> ScanReport:
         report = await scan(self.scanned, pattern, max_keys)
         for key in (parse_key(k, self.prefix, self.hash_tag) for k in report.keys):
-            if key is not None and key.kind != "leases":
+            if key is not None and key.kind not in ("leases", "gcra"):
                 self.held.setdefault((key.kind, key.owner, key.scope, key.seconds, key.tokens),
                                      set()).add(key.storage)
         return report
@@ -381,6 +393,12 @@ def inspect(args: argparse.Namespace, out: TextIO) -> int:
         table.append([_window_cell(w, rows), w["resource"], shown(w["scope"] or "-"),
                       str(w["used"]), _limit(w), _time(w["oldest_ms"]), _retry(w)])
     _print_table(table, out, left=3)
+    for bucket in report["buckets"]:
+        budget = (f"{bucket['rate']} per {bucket['period_seconds']} s, burst {bucket['burst']}"
+                  if bucket["rate"] is not None else "rate and burst: the app's")
+        state = ("full" if bucket["full_at_ms"] is None
+                 else f"full again at {_time(bucket['full_at_ms'])}")
+        out.write(f"GCRA bucket {bucket['period_seconds']} s ({budget}): {state}\n")
     leases = report["leases"]
     cap = "no cap" if leases["max_in_flight"] is None else f"of {leases['max_in_flight']}"
     soonest = f", soonest expiry {_time(leases['expires_ms'][0])}" if leases["expires_ms"] else ""
@@ -414,11 +432,16 @@ async def _inspect(args: argparse.Namespace, budgets: Budgets, tier: str,
                 if k is not None]
         requests, tokens = budgets.windows(tier)
         windows = await _peek_windows(masters, args.user, list(requests), list(tokens))
-        now = windows[0]["now_ms"]
+        if windows:
+            now = windows[0]["now_ms"]
+        else:  # a tier whose only budget is a GCRA bucket: Redis's clock, as a peek reads it
+            seconds, micros = await masters.limiter._command("TIME")
+            now = int(seconds) * 1000 + int(micros) // 1000
         scope_rows: list[dict[str, Any]] = []
         for name, limits in _scopes_of([k for k in keys if k.owner == args.user], budgets):
             scope_rows += await _peek_windows(masters, args.user, *_split(limits), (name, False))
         leases = await _leases(args, masters, hash_tag, now)
+        buckets = await _buckets(args, masters, hash_tag, keys, budgets.bucket(tier), now)
         upstreams, scans = [], [found]
         for name in args.upstream:
             limits, upstream_scan = await _upstream_limits(args, masters, budgets, name, hash_tag)
@@ -429,7 +452,7 @@ async def _inspect(args: argparse.Namespace, budgets: Budgets, tier: str,
     finally:
         await masters.aclose()
     return {"user": args.user, "identity": _identity_json(identity), "tier": tier,
-            "now_ms": now, "windows": windows, "scopes": scope_rows,
+            "now_ms": now, "windows": windows, "scopes": scope_rows, "buckets": buckets,
             "leases": {**leases, "max_in_flight": budgets.max_in_flight.get(tier)},
             "upstreams": upstreams, "namespaces": namespaces, "scan": _scan_json(*scans)}
 
@@ -462,10 +485,8 @@ async def _upstream_limits(args: argparse.Namespace, masters: Masters, budgets: 
     return limits, found
 
 
-async def _leases(args: argparse.Namespace, masters: Masters, hash_tag: bool,
-                  now_ms: int) -> dict[str, Any]:
-    """The user's in-flight leases, read on the master that holds their key."""
-    key = f"{args.key_prefix}:{tagged(args.user, hash_tag)}:leases"
+async def _node_of(masters: Masters, key: str, hash_tag: bool) -> Any:
+    """The master that holds `key`."""
     node = masters.nodes.get(None)
     if node is None and hash_tag:  # a cluster: the master of the key's slot
         slot = int(await masters.limiter._command("CLUSTER", "KEYSLOT", key))
@@ -474,8 +495,35 @@ async def _leases(args: argparse.Namespace, masters: Masters, hash_tag: bool,
         node = next(iter(masters.nodes.values()), None)
     if node is None:
         raise RateLimiterError(f"no master of the cluster serves {key!r}")
+    return node
+
+
+async def _leases(args: argparse.Namespace, masters: Masters, hash_tag: bool,
+                  now_ms: int) -> dict[str, Any]:
+    """The user's in-flight leases, read on the master that holds their key."""
+    key = f"{args.key_prefix}:{tagged(args.user, hash_tag)}:leases"
+    node = await _node_of(masters, key, hash_tag)
     held, expires = await read_leases(node._command, key, now_ms)
     return {"key": key, "held": held, "expires_ms": expires}
+
+
+async def _buckets(args: argparse.Namespace, masters: Masters, hash_tag: bool,
+                   keys: list[KeyName], bucket: tuple[int, int, int] | None,
+                   now_ms: int) -> list[dict[str, Any]]:
+    """The user's GCRA buckets: the tier's (a burst) and every other the SCAN found, each with
+    when it is full again (None: it is full now)."""
+    periods = sorted({k.seconds for k in keys if k.kind == "gcra" and k.owner == args.user} |
+                     ({bucket[1]} if bucket is not None else set()))
+    rows = []
+    for period in periods:
+        key = f"{args.key_prefix}:{tagged(args.user, hash_tag)}:{period}:gcra"
+        full_at = await read_bucket((await _node_of(masters, key, hash_tag))._command, key)
+        tier_rate = bucket is not None and bucket[1] == period
+        rows.append({"period_seconds": period, "key": key,
+                     "rate": bucket[0] if tier_rate and bucket else None,
+                     "burst": bucket[2] if tier_rate and bucket else None,
+                     "full_at_ms": full_at if full_at is not None and full_at > now_ms else None})
+    return rows
 
 
 async def _namespaces_of(masters: Masters, user: str,
@@ -555,14 +603,22 @@ def check(args: argparse.Namespace, out: TextIO) -> int:
     default, named = _user_tiers(args, budgets)
     tier = named.get(identity_of(args.user).user, named.get(args.user, default))
     requests, tokens = budgets.windows(tier)
+    bucket = budgets.bucket(tier)
     with RateLimiter(args.url, **_options(args)) as limiter:
-        if args.tokens is None:
+        if args.tokens is None and bucket is not None:  # the app's decision: one call
+            allowed, remaining, retry, window = limiter.check_windows_detailed(
+                args.user, requests, cost=args.cost, gcra=bucket)
+            resource = "requests"
+        elif args.tokens is None:
             allowed, remaining, retry, window = limiter.check_windows(args.user, requests,
                                                                       cost=args.cost)
             resource = "requests"
         else:
             if not tokens:
                 raise UsageError(f"tier {tier!r} has no token budget")
+            if bucket is not None:
+                raise UsageError(f"tier {tier!r} has a burst: TokenRateLimit refuses it, so "
+                                 "no token decision has one (docs/gcra.md)")
             r = limiter.reserve(args.user, requests, cost=args.cost, token_windows=tokens,
                                 tokens=args.tokens)
             allowed, remaining, retry, window, resource = (r.allowed, r.remaining,

@@ -265,8 +265,8 @@ class RateLimiter(_native.Limiter):
               token_windows: Sequence[tuple[int, int]] | None = None) -> int:
         """Forgets user_id's entries in `windows` (and `token_windows`), given as the
         (limit, window_seconds) pairs of check_windows: one script execution. With neither,
-        every window of the user, found by SCAN (see docs/operations.md: not atomic). Returns the
-        number of entries removed."""
+        every window of the user, and its GCRA buckets (docs/gcra.md), found by SCAN (see
+        docs/operations.md: not atomic). Returns the number of entries removed."""
         if windows is not None or token_windows is not None:
             return self._reset(user_id, windows,
                                token_windows=token_windows)[0]

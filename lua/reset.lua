@@ -18,7 +18,8 @@ suffix: "<digits>", "<digits>:tokens", either followed by ":scope=<name>" (a rou
 model's budget of the user; the name holds no ':'), and any of those followed by ":w" (a
 user id may hold ':', so "ratelimit:a:" also starts user "a:b"'s keys, whose suffix is
 "b:60"). A window's companions end in ":w" (weights) or ":t" (running totals); a compact
-window is its window's key and ":c". Both storages' keys are reset. A shared scope's keys (":shared", an upstream's caps) are no user's.
+window is its window's key and ":c". Both storages' keys are reset, and the user's GCRA
+buckets ("<digits>:gcra", lua/gcra.lua's and lua/gcra_windows.lua's; no entries to count). A shared scope's keys (":shared", an upstream's caps) are no user's.
 
 Returns {entries removed (the windows' entries), the cursor to go on from ("0": done)}. A
 window's key it cannot read (a compact value of another layout version, e.g. a newer
@@ -54,7 +55,8 @@ for _, key in ipairs(step[2]) do
       string.find(suffix, '^%d+:c$') or string.find(suffix, '^%d+:tokens:c$') then
     removed = removed + entries(key)
     redis.call('DEL', key)
-  elseif string.find(suffix, '^%d+:[wt]$') or string.find(suffix, '^%d+:tokens:[wt]$') then
+  elseif string.find(suffix, '^%d+:[wt]$') or string.find(suffix, '^%d+:tokens:[wt]$') or
+      string.find(suffix, '^%d+:gcra$') then
     redis.call('DEL', key)
   end
 end

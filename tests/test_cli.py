@@ -109,6 +109,57 @@ def test_reset_frees_every_window_or_the_ones_named(redis_url: str, redis_client
     assert redis_client.keys(f"ratelimit:{user_id}:*") == []
 
 
+def test_inspect_shows_a_tiers_gcra_bucket_and_any_other_the_user_has(
+        tmp_path: Path, redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text("[free]\nper_minute = 6\nper_day = 50\nburst = 2\n", encoding="utf-8")
+    with RateLimiter(redis_url) as limiter:
+        for _ in range(2):
+            assert limiter.check_windows_detailed(user_id, [(50, 86_400)], gcra=(6, 60, 2))[0]
+        assert limiter.check_rate(user_id, 1, 3_600, 1)[0] is True
+    full_at = [int(redis_client.get(f"ratelimit:{user_id}:{p}:gcra")[:-6]) for p in (60, 3_600)]
+    before = redis_client.dump(f"ratelimit:{user_id}:60:gcra")
+    report = run_json("--url", redis_url, "--tiers", str(tiers), "inspect", user_id)
+    assert redis_client.dump(f"ratelimit:{user_id}:60:gcra") == before, "inspect writes nothing"
+    # The minute is the bucket, not a window: only the day is peeked as one.
+    assert [(w["window_seconds"], w["used"]) for w in report["windows"] if not w["tokens"]] == [
+        (86_400, 2)]
+    assert [(b["period_seconds"], b["rate"], b["burst"], b["full_at_ms"])
+            for b in report["buckets"]] == [(60, 6, 2, full_at[0]), (3_600, None, None, full_at[1])]
+    table = run("--url", redis_url, "--tiers", str(tiers), "inspect", user_id).stdout
+    assert "GCRA bucket 60 s (6 per 60 s, burst 2): full again at " in table
+    assert "GCRA bucket 3600 s (rate and burst: the app's): full again at " in table
+
+
+def test_check_decides_a_tiers_burst_as_the_app_does(tmp_path: Path, redis_url: str,
+                                                     user_id: str) -> None:
+    tiers = tmp_path / "tiers.json"
+    tiers.write_text(json.dumps({"free": {"per_minute": 6, "per_day": 50, "burst": 2}}),
+                     encoding="utf-8")
+    done = [run("--url", redis_url, "--tiers", str(tiers), "check", user_id, "--json")
+            for _ in range(3)]
+    assert [d.returncode for d in done] == [0, 0, 1]  # exit 1 once refused
+    answers = [json.loads(d.stdout) for d in done]
+    assert [(a["allowed"], a["remaining"], a["window_seconds"]) for a in answers] == [
+        (True, 1, 60), (True, 0, 60), (False, 0, 60)]
+    assert 9 <= answers[2]["retry_after_s"] <= 10
+
+
+def test_reset_forgets_the_users_gcra_buckets_too(redis_url: str, redis_client: redis.Redis,
+                                                  user_id: str) -> None:
+    with RateLimiter(redis_url) as limiter:
+        assert limiter.check_rate(user_id, 6, 60, 1)[0] is True
+        assert limiter.check_windows_detailed(user_id, [(9, 86_400)], gcra=(1, 3_600, 1))[0] is True
+        # Another user whose id starts with this one's keeps its bucket.
+        assert limiter.check_rate(f"{user_id}:x", 6, 60, 1)[0] is True
+        assert limiter.check_rate(user_id, 6, 60, 1)[0] is False
+    everything = run("--url", redis_url, "reset", user_id)
+    assert everything.stdout == f"reset {user_id!r} (every window): 1 entries removed\n"
+    assert redis_client.keys(f"ratelimit:{user_id}:*") == [f"ratelimit:{user_id}:x:60:gcra".encode()]
+    with RateLimiter(redis_url) as limiter:
+        assert limiter.check_rate(user_id, 6, 60, 1)[0] is True  # the bucket is full again
+
+
 def test_top_ranks_users_by_their_closest_window_with_scan_only(
         redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
     used = {f"{user_id}-a": 1, f"{user_id}-b": 4, f"{user_id}-c": 2, f"{user_id}:d": 5}
@@ -508,8 +559,11 @@ def test_every_key_kind_is_read_back_from_its_name(hash_tag: bool) -> None:
                      hash_tag) == KeyName("scope", user, 60, True, "model:gpt-4o", storage="compact")
     assert parse_key(name("openai/gpt-4o", "60:tokens:shared:c"), "ratelimit", hash_tag) == KeyName(
         "shared", "openai/gpt-4o", 60, True, storage="compact")
+    # A GCRA bucket (check_rate, a tier's burst): its period, nothing else.
+    assert parse_key(name(user, "60:gcra"), "ratelimit", hash_tag) == KeyName("gcra", user, 60)
     for other in ("ratelimit", "ratelimit:", "other:a:60", name(user, "x"), name(user, "0"),
-                  name(user, "60:scope="), "ratelimitx:a:60"):
+                  name(user, "60:scope="), "ratelimitx:a:60", name(user, "gcra"),
+                  name(user, "0:gcra"), name(user, "60:tokens:gcra"), name(user, "60:gcra:c")):
         assert parse_key(other, "ratelimit", hash_tag) is None, other
 
 

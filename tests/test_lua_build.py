@@ -37,6 +37,8 @@ EMBEDDED = {
     ("COMPACT_RECONCILE_RELEASE_SHA1", "COMPACT_RECONCILE_RELEASE_SOURCE"):
         ("reconcile_release.lua", "compact"),
     ("GCRA_SHA1", "GCRA_SOURCE"): ("gcra.lua", None),
+    ("GCRA_WINDOWS_SHA1", "GCRA_WINDOWS_SOURCE"): ("gcra_windows.lua", "zset"),
+    ("COMPACT_GCRA_WINDOWS_SHA1", "COMPACT_GCRA_WINDOWS_SOURCE"): ("gcra_windows.lua", "compact"),
 }
 STORAGES = ("zset", "compact")
 # What each storage's file defines for the scripts written over a storage (beside the

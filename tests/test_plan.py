@@ -71,6 +71,19 @@ def headers(verdict: Refused) -> dict[str, str]:
 # --- request windows (RateLimit) --------------------------------------------------------------
 
 
+def test_a_tiers_burst_is_one_detailed_check_with_the_minute_as_gcra() -> None:
+    facts = Facts("alice", "free", MINUTE_DAY, gcra=(5, 60, 2))
+    calls, out = drive(facts, ENFORCE, [(True, 1, 0, 60)])
+    assert calls == [Call("check_windows_detailed", ("alice", ((100, 86_400),)), {"gcra": (5, 60, 2)})]
+    assert out.verdicts == [Allowed((WindowState(5, 60, "requests", 1),), NOW)]
+    # A refusal by the bucket names the minute, with per_minute as the limit.
+    _, out = drive(facts, ENFORCE, [(False, 0, 12, 60)])
+    (refused,) = out.verdicts
+    assert isinstance(refused, Refused) and refused.retry == (12, 12_000)
+    assert headers(refused) == {"X-RateLimit-Limit": "5", "X-RateLimit-Remaining": "0",
+                                "X-RateLimit-Window": "minute"}
+
+
 def test_a_request_budget_is_one_detailed_check_and_an_allowed_verdict() -> None:
     calls, out = drive(Facts("alice", "free", MINUTE_DAY), ENFORCE, [(True, 4, 0, 60)])
     assert calls == [Call("check_windows_detailed", ("alice", MINUTE_DAY), {})]

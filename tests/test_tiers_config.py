@@ -161,6 +161,11 @@ MALFORMED = [
     ("blank.json", '{" ": {"per_minute": 5, "per_day": 100}, "free": {"per_minute": 5, "per_day": 100}}',
      "tier names must be non-empty"),
     ("tiers.yaml", "free: {per_minute: 5, per_day: 100}\n", "use a .json or .toml file"),
+    ("burst0.json", '{"free": {"per_minute": 5, "burst": 0}}', "burst must be an integer >= 1"),
+    ("burstfloat.toml", "[free]\nper_minute = 5\nburst = 2.5\n", "burst must be an integer >= 1"),
+    ("burstbool.json", '{"free": {"per_minute": 5, "burst": true}}', "burst must be an integer >= 1"),
+    ("burstalone.json", '{"free": {"per_day": 100, "burst": 3}}',
+     "burst applies to per_minute (the minute budget decided as GCRA): give per_minute too"),
 ]
 
 
@@ -347,3 +352,20 @@ def test_malformed_scope_sections_fail_when_the_file_is_read(
     with pytest.raises(TierConfigError, match=problem) as caught:
         load_tier_limits(tiers)
     assert str(tiers) in str(caught.value)
+
+
+# --- burst: the minute budget as GCRA (docs/gcra.md) -----------------------------------------
+
+
+@pytest.mark.parametrize("name,text", [
+    ("tiers.json", json.dumps({"free": {"per_minute": 6, "per_day": 50, "burst": 2}})),
+    ("tiers.toml", "[free]\nper_minute = 6\nper_day = 50\nburst = 2\n"),
+])
+def test_a_tiers_files_burst_spaces_the_minute_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limiter: RateLimiter, user_id: str,
+        name: str, text: str) -> None:
+    monkeypatch.setenv(TIERS_FILE_ENV, str(write(tmp_path, name, text)))
+    dependency = RateLimit(limiter=limiter)
+    assert dependency.tier_limits == {"free": {"per_minute": 6, "per_day": 50, "burst": 2}}
+    # 6 a minute would admit 6 at once as a log; as GCRA, 2 at once, then one per 10 s.
+    assert statuses(dependency, user_id, "free", 3) == [200, 200, 429]

@@ -244,6 +244,18 @@ class RateLimit:
                         if key in budget)
             for tier, budget in self.tier_limits.items()
         }
+        # Per tier with a burst: its minute budget as GCRA, (per_minute, 60, burst) (Facts.gcra).
+        self._gcra: dict[str, tuple[int, int, int]] = {
+            tier: (budget["per_minute"], 60, budget["burst"])
+            for tier, budget in self.tier_limits.items() if "burst" in budget}
+        if self._gcra and (self._charges_tokens or self._scopes):
+            raise ValueError(f"burst (tier {sorted(self._gcra)[0]!r}) is decided by a RateLimit "
+                             f"without scopes; {type(self).__name__} with tokens or scopes decides "
+                             f"in one reserve, which has no GCRA bucket: remove burst from its tiers")
+        if self._gcra and limiter is not None and \
+                not callable(getattr(limiter, "check_windows_detailed", None)):
+            raise TypeError(f"burst needs a limiter with check_windows_detailed(gcra=...) "
+                            f"(RateLimiter, AsyncRateLimiter), not {type(limiter).__name__}")
         self.namespace: str | None = namespace
         self.identify: Identify = identify or default_identify
         self.on_unavailable: OnUnavailable = on_unavailable
@@ -479,7 +491,8 @@ class RateLimit:
             # included), never two of one key: a second cap on the same key checks the slot
             # already taken.
             held = leases.lease_of(self._counted_key(identity, ()))
-        return Facts(identity, tier, windows, counted=counted, cap=cap, held=held)
+        return Facts(identity, tier, windows, counted=counted, cap=cap, held=held,
+                     gcra=self._gcra.get(tier))
 
     def __call__(self, request: Request, response: Response) -> Any:
         # A plain def: FastAPI runs it in its threadpool, where the blocking C call belongs.

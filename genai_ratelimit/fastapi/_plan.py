@@ -110,6 +110,9 @@ class Facts:
     # request already holds on the same key (the cap is then checked against it, not taken).
     cap: int | None = None
     held: Lease | None = None
+    # The tier's minute budget as GCRA, (per_minute, 60, burst) (the tier's `burst`): decided
+    # with the other windows in one check_windows_detailed(gcra=...) call; None: a log.
+    gcra: tuple[int, int, int] | None = None
 
 
 class Call(NamedTuple):
@@ -214,7 +217,8 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         decision = facts.counted
         if decision is None:
             try:
-                decision = yield Call(policy.decide, (facts.identity, facts.windows), {})
+                decision = yield (Call(policy.decide, (facts.identity, facts.windows), {})
+                                  if facts.gcra is None else _gcra_call(facts))
             except RateLimiterError as exc:
                 out.verdicts.append(Unavailable(exc))
                 return out
@@ -299,6 +303,15 @@ def _exact(decision: Decision, policy: Policy) -> tuple[int, int]:
     other limiter's 4-tuple gets its rounded wait and the policy's clock."""
     return (getattr(decision, "retry_after_ms", decision[2] * 1000),
             getattr(decision, "timestamp_ms", 0) or policy.clock())
+
+
+def _gcra_call(facts: Facts) -> Call:
+    """The decision of a tier with a burst: its minute budget as a GCRA bucket (the window of
+    the bucket's period left out of the logged ones), decided with them all or nothing; a
+    refusal by the bucket answers that window's length, so the headers name it."""
+    assert facts.gcra is not None
+    windows = tuple(w for w in facts.windows if w[1] != facts.gcra[1])
+    return Call("check_windows_detailed", (facts.identity, windows), {"gcra": facts.gcra})
 
 
 def _take(lease: Lease, cap: int, out: Outcome, policy: Policy) -> bool:

@@ -79,13 +79,23 @@ local function gcra_value(ms, rem, scale)
   return string.format('%.0f:%.0f:%.0f', ms, rem, scale)
 end
 
+-- Stores the TAT now + `after` units (1/scale ms) in `key`: an allowed decision's write.
+-- Kept until the whole burst is available again (the TAT), and a second more: an idle user
+-- costs nothing. The only write, and the first: Redis over maxmemory refuses this SET (it
+-- may grow memory) before anything was written.
+local function gcra_store(key, now, after, scale)
+  local ms, r = gcra_divmod(after, scale)
+  redis.call('SET', key, gcra_value(now + ms, r, scale), 'PX', ms + (r > 0 and 1 or 0) + 1000)
+end
+
 -- One decision on `key` at `now` (unix ms): {allowed, remaining, retry_after_s, retry_ms,
 -- now}. remaining: how many more requests of cost 1 the bucket admits at `now` after this
 -- decision (on a refusal too: a refused cost of 5 may leave 3). retry_ms: on a refusal the
 -- exact wait, rounded up to a whole ms, until this same request would be allowed (the
 -- earliest t with max(TAT, t) + cost * T - t <= burst * T, i.e. t = TAT - (burst - cost) * T);
 -- >= 1. retry_after_s = ceil(retry_ms / 1000). On allow both are 0.
--- `write`: store the new TAT on allow (false: a read-only look).
+-- `write`: store the new TAT on allow (false: a read-only look; the reply's 6th element is
+-- then what gcra_store needs to store it later, nil on a refusal).
 local function gcra_decide(key, now, interval, scale, burst, cost, write)
   local tat, rem = gcra_read(redis.call('GET', key), scale)
   local depth = burst * interval -- burst * T, in units
@@ -98,14 +108,10 @@ local function gcra_decide(key, now, interval, scale, burst, cost, write)
   if used and used + need <= depth then
     local after = used + need -- TAT_new - now, in units
     if write then
-      local ms, r = gcra_divmod(after, scale)
-      -- Kept until the whole burst is available again (TAT_new), and a second more: an idle user
-      -- costs nothing. The only write, and the first: Redis over maxmemory refuses this
-      -- SET (it may grow memory) before anything was written.
-      redis.call('SET', key, gcra_value(now + ms, r, scale), 'PX',
-                 ms + (r > 0 and 1 or 0) + 1000)
+      gcra_store(key, now, after, scale)
+      return {1, (gcra_divmod(depth - after, interval)), 0, 0, now}
     end
-    return {1, (gcra_divmod(depth - after, interval)), 0, 0, now}
+    return {1, (gcra_divmod(depth - after, interval)), 0, 0, now, after}
   end
   local remaining = 0
   if used and used <= depth then remaining = (gcra_divmod(depth - used, interval)) end

@@ -207,10 +207,11 @@ local function compact_log(n, given, writes, probe)
   local rare_ops
 
   -- Writes the header, and the replay table when it changed (it follows the header); a
-  -- value of layout 1 or of the short form is rewritten whole (in the full form).
+  -- value of layout 1 is rewritten whole in the full form, one in the short form again in
+  -- the short form (exactly its size) while it stays under READ bytes.
   local function save_header(st)
     if st.version ~= COMPACT_VERSION then
-      rare_ops().compact(st, 0)
+      rare_ops().compact(st, 0, st.version == SHORT_VERSION)
       return
     end
     local bytes = header_bytes(st)
@@ -354,26 +355,39 @@ local function compact_log(n, given, writes, probe)
 
     -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
     -- entries `entries` (raw, in st's layout) and room for `room` more.
+    -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
+    -- entries `entries` (raw, in st's layout) and room for `room` more; with no room and
+    -- under READ bytes, in the short form.
     local function rewrite(st, entries, room)
+      local slots = replay_table(st) -- cut where the value's header has it, before it moves
       st.E = st.S + 2 + st.C
       st.fmt = entry_format(st.S, st.C)
-      st.data = header_size(st.C) + SLOT_SIZE * st.R
+      local short = st.C > 0 and SHORT_WEIGHTED or SHORT_PLAIN
+      st.version = SHORT_VERSION
+      if room > 0 or short + #slots + #entries >= READ then
+        short, st.version = header_size(st.C), COMPACT_VERSION
+      end
+      st.data = short + SLOT_SIZE * st.R
       st.head = st.data
       st.tail = st.data + #entries
       st.count = #entries / st.E
       st.size = st.tail + room * st.E
-      redis.call('SET', st.key, header_bytes(st) .. replay_table(st) .. entries ..
-        string.rep('\0', room * st.E), 'KEEPTTL')
+      local header
+      if st.version == SHORT_VERSION then header = short_header(st) else header = header_bytes(st) end
+      redis.call('SET', st.key, header .. slots .. entries .. string.rep('\0', room * st.E),
+        'KEEPTTL')
       st.exists, st.dirty, st.table_dirty = true, false, false
-      st.version, st.whole = COMPACT_VERSION, false -- st.bytes is stale
+      st.whole = false -- st.bytes is stale
     end
 
-    -- Copies the entries to a fresh string with room for capacity_for(count + extra): drops
-    -- the ones that left and what was room, as memory copies.
-    local function compact(st, extra)
+    -- Copies the entries to a fresh string with room for capacity_for(count + extra) (none
+    -- when `exact`): drops the ones that left and what was room, as memory copies.
+    local function compact(st, extra, exact)
       local entries = ''
       if st.count > 0 then entries = redis.call('GETRANGE', st.key, st.head, st.tail - 1) end
-      rewrite(st, entries, capacity_for(st.count + extra) - st.count)
+      local room = 0
+      if not exact then room = capacity_for(st.count + extra) - st.count end
+      rewrite(st, entries, room)
     end
 
     -- Rewrites every entry in a new layout (O(entries) in Lua: rare): the stored times

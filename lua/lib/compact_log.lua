@@ -52,7 +52,7 @@ local HEADER = '>BBBBI6I4I4I4I6I6I2B' -- layout 2, every window; then '>I7I7' wh
 local HEADER_PLAIN, HEADER_WEIGHTED = 37, 51
 local HEADER_V1 = '>BBBBI6I4I4I4I7I7I6I6I2B' -- layout 1 (read, then rewritten as 2)
 local HEADER_SIZE = 51 -- layout 1's, and layout 2's when C > 0
-local READ = 512 -- the bytes a header read takes: a shorter value is read whole
+local READ = 256 -- the bytes a header read takes: a shorter value is read whole
 local SHORT_VERSION = 3 -- layout 2's short form: a value kept exactly its size, under READ
 local SHORT = '>BBBBI6I2B' -- its header; then '>I7I7' when C > 0
 local SHORT_PLAIN, SHORT_WEIGHTED = 13, 27
@@ -146,7 +146,7 @@ local function compact_header(key)
     last = last, next_tie = next_tie, next_slot = next_slot, E = E,
     data = size_of_header + SLOT_SIZE * R, count = (tail - head) / E,
     fmt = entry_format(S, C), bytes = bytes, whole = #bytes < READ, gone = 0,
-    dead_total = origin, oldest = first, dirty = false, table_dirty = false, table = false}
+    dead_total = origin, oldest = first} -- dirty, table_dirty, table: nil (false)
 end
 
 -- The replay table of a parsed header (cut from its first bytes when first needed).
@@ -353,8 +353,6 @@ local function compact_log(n, given, writes, probe)
       return table.concat(parts)
     end
 
-    -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
-    -- entries `entries` (raw, in st's layout) and room for `room` more.
     -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
     -- entries `entries` (raw, in st's layout) and room for `room` more; with no room and
     -- under READ bytes, in the short form.
@@ -581,8 +579,15 @@ local function compact_log(n, given, writes, probe)
       if fresh or (st.last <= now and at < 256 ^ st.S and (cost == 1 or st.C > 0) and
           (st.C == 0 or st.total + cost < 256 ^ st.C)) then
         local slots, R, next_slot = '', st.R or 0, st.next_slot or 0
-        if slot then
-          slots, R, next_slot = fresh_table(st, now - window_ms, slot)
+        local s = next_slot * SLOT_SIZE
+        if slot and R == REPLAY_SLOTS and
+            struct.unpack('>I6', replay_table(st), s + 9) > now - window_ms then
+          -- A full table whose oldest admission is still in the window: it makes room.
+          local old = replay_table(st)
+          slots = string.sub(old, 1, s) .. slot .. string.sub(old, s + SLOT_SIZE + 1)
+          next_slot = (next_slot + 1) % REPLAY_SLOTS
+        elseif slot then
+          slots, R = fresh_table(st, now - window_ms, slot)
           next_slot = 0
         elseif R > 0 then
           slots = replay_table(st)

@@ -126,7 +126,11 @@ local function compact_header(key)
     end
     head = size_of_header + SLOT_SIZE * R
     tail, size, first, last = #bytes, #bytes, 0, 0
-    if tail > head and S >= 4 and S <= 6 then
+    -- No offsets to cross-check: a value cut short (or of unknown widths) is refused here.
+    if tail < head or S < 4 or S > 6 or (C ~= 0 and C ~= 6 and C ~= 7) or
+        (tail - head) % (S + 2 + C) ~= 0 then
+      S = nil
+    elseif tail > head then
       local at = string.sub(entry_format(S, 0), 1, 3) -- the stored time's format
       first = base + struct.unpack(at, bytes, head + 1)
       last = base + struct.unpack(at, bytes, tail - (S + 2 + C) + 1)

@@ -15,26 +15,44 @@ the replay slot) and an EXPIRE; a refusal that needs the oldest entry finds its 
 Server time is mostly per redis.call and per object made (a closure, a table, a string):
 the functions of the rare paths and of the searches are made only when a call needs them.
 
-The value, layout version 1 (integers big-endian, unsigned):
-  0   1 B  version (1); another version is refused, never misread
+The value, layout version 2 (integers big-endian, unsigned), in one of two forms.
+The full form (byte 0 = 2):
+  0   1 B  version (2); another version is refused, never misread (1 is read, below)
   1   1 B  S: the width of an entry's time (4, 5 or 6 bytes, from the window's length)
   2   1 B  C: the width of an entry's running total (0: every entry costs 1; else 6 or 7)
-  3   1 B  R: slots of the replay table (0, or REPLAY_SLOTS in a decision's longest window)
+  3   1 B  R: slots of the replay table (0 to REPLAY_SLOTS; only a decision's longest
+           window has any)
   4   6 B  base: an entry's time is base + its stored time, unix ms
   10  4 B  head: byte offset of the first entry (the ones before it have left)
   14  4 B  tail: byte offset past the last entry (room follows)
   18  4 B  size: the string's length (the room ends there)
-  22  7 B  origin: the running total before the first entry (C > 0; 0 otherwise)
-  29  7 B  total: the running total of the last entry (origin when empty; C > 0)
-  36  6 B  first: the first entry's time, unix ms (when there is one)
-  42  6 B  last: the last entry's time, unix ms (when there is one)
-  48  2 B  next tie: a tie above every tie of the entries at time `last` (0 when one there
+  22  6 B  first: the first entry's time, unix ms (when there is one)
+  28  6 B  last: the last entry's time, unix ms (when there is one)
+  34  2 B  next tie: a tie above every tie of the entries at time `last` (0 when one there
            has tie 65,535: that millisecond has none left)
-  50  1 B  next slot of the replay table
-  51  16R  the replay table: R slots of {request id: the first 8 bytes of its UUID4,
-           its time (6 B, unix ms), its tie (2 B)}, the most recent admissions
-  51+16R   entries, each {time - base (S B), tie (2 B), running total (C B)}, sorted by
-           (time, tie); the running total includes the entry's own cost
+  36  1 B  next slot of the replay table
+  37  (C > 0 only) 7 B origin: the running total before the first entry; 7 B total: the
+           running total of the last entry (origin when empty)
+  37 or 51  16R  the replay table: R slots of {request id: the first 8 bytes of its UUID4,
+           its time (6 B, unix ms), its tie (2 B)}, recent admissions; the next slot is the
+           oldest, or, while R < REPLAY_SLOTS, the slots are oldest first and the table
+           grows (to REPLAY_SLOTS at once in this form)
+  then     entries, each {time - base (S B), tie (2 B), running total (C B)}, sorted by
+           (time, tie); the running total includes the entry's own cost; then room
+The short form (byte 0 = 3), a value under READ bytes kept exactly its size (no room, no
+entry that left), so that a window of few entries costs little: {version, S, C, R (1 B
+each), base (6 B), next tie (2 B), next slot (1 B)} (13 B), origin and total (7 B each)
+when C > 0, the replay table, the entries. head is where the table ends, tail and size the
+value's length; first and last are read from the first and last entries. Its header read
+(GETRANGE 0 .. READ - 1) takes it whole, so an admission writes it again whole, with one
+SET that sets its TTL too; its replay table keeps the admissions whose entries are still in
+the window (up to REPLAY_SLOTS, oldest first; one slot for one admission). A value that
+grows to READ bytes takes the full form (with room); one that shrinks under it the short
+form again at its next admission.
+Layout 1 (byte 0 = 1, the previous release's) is read as it is: the full form's fields in
+the order version, S, C, R, base, head, tail, size, origin (7 B), total (7 B), first, last,
+next tie, next slot (51 B in every window), then a table of 8 slots; any write rewrites it
+in layout 2 (its entries are the same bytes).
 An entry is identified by (time, tie): one decision logs one entry in each of its windows,
 at one time and with one tie, above every tie its windows hold at that time, so no two
 entries of a window share both, and the entries of one millisecond are in the order of

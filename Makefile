@@ -97,6 +97,7 @@ help:
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-instructions  server instructions per script call (callgrind): the check vs the seed"
 	@echo "make bench-gcra     GCRA (check_rate) vs the sorted-set and compact checks: server time, memory"
+	@echo "make bench-compact  compact vs sorted sets at 1 to 100,000 entries: memory, allowed-check server time"
 	@echo "make bench-http     the FastAPI layer's own CPU per request vs the same route unlimited"
 	@echo "make bench-weighted weighted checks, a 100,000-entry window, reserve/reconcile vs plain"
 	@echo "make bench-cluster  a single node vs a 3-master Redis Cluster, and the slot lookup's cost"
@@ -287,6 +288,13 @@ bench-http: install
 bench-gcra: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/gcra.py
+
+# The compact storage against the sorted sets at 1 to 100,000 entries: memory and the server
+# time of an allowed check (one run). BASELINE=<file>: another compact script beside them.
+.PHONY: bench-compact
+bench-compact: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/compact_sizes.py $(if $(BASELINE),--baseline $(BASELINE),)
 
 # Weighted checks, a 100,000-entry window, reserve + reconcile vs the plain check (one run).
 bench-weighted: install

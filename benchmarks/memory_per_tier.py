@@ -81,8 +81,13 @@ def main() -> int:
                     if args.storage == "compact":
                         key += ":c"
                         value = raw.getrange(key, 0, 50)
-                        entries = (int.from_bytes(value[14:18], "big") -
-                                   int.from_bytes(value[10:14], "big")) // (2 + value[1] + value[2])
+                        size = 2 + value[1] + value[2]  # an entry's bytes
+                        if value[0] == 3:  # layout 2's short form: the entries end the value
+                            start = (27 if value[2] else 13) + 16 * value[3]
+                            entries = (raw.strlen(key) - start) // size
+                        else:  # the full header: the entries' offsets
+                            entries = (int.from_bytes(value[14:18], "big") -
+                                       int.from_bytes(value[10:14], "big")) // size
                     else:
                         entries = admin.zcard(key)
                     if entries != limit:

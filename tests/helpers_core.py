@@ -518,8 +518,16 @@ def _compact_value(client: redis.Redis, key: str) -> tuple[dict[str, int], bytes
     fields = {
         "version": head[0], "S": head[1], "C": head[2], "R": head[3],
         "base": int.from_bytes(head[4:10], "big"), "head": int.from_bytes(head[10:14], "big"),
-        "tail": int.from_bytes(head[14:18], "big"), "origin": int.from_bytes(head[22:29], "big"),
+        "tail": int.from_bytes(head[14:18], "big"),
     }
+    if fields["version"] == 1:  # layout 1: the running totals' origin always in the header
+        fields["origin"] = int.from_bytes(head[22:29], "big")
+    elif fields["version"] == 2:  # layout 2: after the 37 bytes every window has, if weighted
+        fields["origin"] = int.from_bytes(head[37:44], "big") if fields["C"] else 0
+    else:  # layout 2's short form (3): a 13-byte header, the origin after it if weighted
+        fields["origin"] = int.from_bytes(head[13:20], "big") if fields["C"] else 0
+        fields["head"] = (27 if fields["C"] else 13) + 16 * fields["R"]
+        fields["tail"] = len(value)
     return fields, value[fields["head"]:fields["tail"]]
 
 

@@ -35,7 +35,7 @@ def test_a_window_is_one_string_named_by_its_key_and_c(compact: Any, redis_clien
         key = f"ratelimit:{user_id}:{seconds}:c"
         assert redis_client.type(key) == b"string"
         assert seconds < redis_client.pttl(key) <= seconds * 1000 + 1000
-        assert redis_client.getrange(key, 0, 0) == b"\x01"  # layout version 1
+        assert redis_client.getrange(key, 0, 0) == b"\x03"  # layout 2, short form (1 entry)
     assert [cost for _, cost in logged(redis_client, f"ratelimit:{user_id}:60")] == [2]
 
 
@@ -45,10 +45,10 @@ def test_a_value_of_an_unknown_layout_version_is_refused_never_misread(
     compact.check(user_id, 5, 60)
     key = f"ratelimit:{user_id}:60:c"
     value = redis_client.get(key)
-    redis_client.set(key, b"\x02" + value[1:])
+    redis_client.set(key, b"\x04" + value[1:])
     with pytest.raises(RateLimiterUnavailable, match="unknown compact layout"):
         compact.check(user_id, 5, 60)
-    assert redis_client.get(key) == b"\x02" + value[1:]
+    assert redis_client.get(key) == b"\x04" + value[1:]
 
 
 @pytest.mark.storages("compact", reason="the compact storage's OOM probe")
@@ -268,3 +268,75 @@ def test_ties_stay_in_order_with_clocks_behind_and_after_a_refund(
         _native._set_client_clock(None)
     assert sorted(logged(redis_client, f"ratelimit:{user_id}:60:tokens")) == sorted(
         (r.timestamp_ms, 100 + n) for n, r in enumerate(held) if n not in (4, 8))
+
+
+def _layout_1_value(base: int, entries: list[tuple[int, int]], replays: list[tuple[str, int, int]],
+                    room: int = 4) -> bytes:
+    """A plain window's value in layout 1 (the previous release's, lua/lib/compact_log.lua's
+    header: 51 bytes, a replay table of 8 slots, 4-byte times): entries (time, tie) and
+    replay slots (request id, time, tie), oldest first."""
+    data = 51 + 16 * 8
+    packed = b"".join((at - base).to_bytes(4, "big") + tie.to_bytes(2, "big") for at, tie in entries)
+    tail = data + len(packed)
+    slots = b"".join(bytes.fromhex(member.replace("-", "")[:16]) + at.to_bytes(6, "big") +
+                     tie.to_bytes(2, "big") for member, at, tie in replays)
+    header = (bytes([1, 4, 0, 8]) + base.to_bytes(6, "big") + data.to_bytes(4, "big") +
+              tail.to_bytes(4, "big") + (tail + 6 * room).to_bytes(4, "big") + bytes(14) +
+              entries[0][0].to_bytes(6, "big") + entries[-1][0].to_bytes(6, "big") +
+              (entries[-1][1] + 1).to_bytes(2, "big") + bytes([len(replays) % 8]))
+    return header + slots + bytes(16 * 8 - len(slots)) + packed + bytes(6 * room)
+
+
+@pytest.mark.storages("compact", reason="the compact storage's layouts")
+def test_a_window_of_layout_1_is_read_and_rewritten_as_layout_2(
+        redis_client: redis.Redis, user_id: str) -> None:
+    """A value written by the previous layout (version 1) is decided on as it is: a peek reads
+    it without writing, a replay finds its id in the old table, a refusal whose trim dropped an
+    entry and an admission both rewrite it as layout 2, with the same entries."""
+    sha = redis_client.script_load(_native.COMPACT_SOURCE)
+    peek_sha = redis_client.script_load(_native.COMPACT_PEEK_SOURCE)
+    key = f"ratelimit:{user_id}:60:c"
+    now = server_ms(redis_client)
+    first = str(uuid.uuid4())
+    entries = [(now - 70_000, 0), (now - 30_000, 0), (now - 20_000, 0), (now - 20_000, 1),
+               (now - 10_000, 0)]
+    value = _layout_1_value(now - 120_000, entries, [(first, now - 20_000, 1)])
+    redis_client.set(key, value, px=70_000)
+
+    def run(script: str, member: str, at: int, limit: int, replay: bool = False) -> list[Any]:
+        argv: list[Any] = [member, at, 60_000, limit, 1] + (["1"] if replay else [])
+        return redis_client.evalsha(script, 1, key, *argv)  # type: ignore[no-any-return]
+
+    peeked = run(peek_sha, str(uuid.uuid4()), now, 5)
+    assert peeked[:2] == [1, 0] and peeked[7] == [4, now - 30_000]
+    assert redis_client.get(key) == value  # read, never written
+    replayed = run(sha, first, now, 5, replay=True)
+    assert replayed[0] == 1 and replayed[4] == now - 20_000 and replayed[7] == 1
+    assert redis_client.get(key)[0] == 2  # the replay's trim dropped the oldest: rewritten
+    assert logged(redis_client, f"ratelimit:{user_id}:60") == [(at, 1) for at, _ in entries[1:]]
+    refused = run(sha, str(uuid.uuid4()), now, 4)
+    assert refused[:2] == [0, 0] and refused[6] == 30_000  # the oldest left 30 s from now
+    allowed = run(sha, str(uuid.uuid4()), now, 5)
+    assert allowed[:2] == [1, 0] and allowed[7] == 1  # above the ties of its millisecond
+    assert redis_client.get(key)[0] == 3  # a short value: layout 2's short form
+    assert logged(redis_client, f"ratelimit:{user_id}:60") == [
+        (at, 1) for at, _ in entries[1:]] + [(now, 1)]
+    assert 0 < redis_client.pttl(key) <= 61_000
+
+
+@pytest.mark.storages("compact", reason="the compact storage's layouts")
+def test_a_small_window_takes_no_more_memory_than_its_sorted_set(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        user_id: str) -> None:
+    """Layout 2 keeps a short window exactly its size (no room, a replay slot per admission
+    still in the window): MEMORY USAGE at 1, 2 and 10 entries is at most the sorted set's."""
+    limiters = {s: make_limiter(redis_url, storage=s) for s in ("zset", "compact")}
+    for entries in (1, 2, 10):
+        usage = {}
+        for storage, limiter in limiters.items():
+            user = f"{user_id}{entries}"
+            for _ in range(entries):
+                assert limiter.check(user, 100, 86400)[0]
+            key = f"ratelimit:{user}:86400" + (":c" if storage == "compact" else "")
+            usage[storage] = redis_client.memory_usage(key, samples=0)
+        assert usage["compact"] <= usage["zset"], (entries, usage)

@@ -250,9 +250,9 @@ def test_reset_deletes_a_compact_window_it_cannot_read(limiter: Any, redis_clien
             limiter.check_windows(user_id, WINDOWS)
         unreadable = key(user_id, 60, ":c")
         value = redis_client.get(unreadable)
-        assert value is not None and value[:1] == b"\x01"
+        assert value is not None and value[:1] == b"\x03"  # layout 2's short form
         if damage == "newer layout":
-            redis_client.set(unreadable, b"\x02" + value[1:])
+            redis_client.set(unreadable, b"\x04" + value[1:])
         elif damage == "cut short":
             redis_client.set(unreadable, value[:20])
         else:

@@ -15,26 +15,44 @@ the replay slot) and an EXPIRE; a refusal that needs the oldest entry finds its 
 Server time is mostly per redis.call and per object made (a closure, a table, a string):
 the functions of the rare paths and of the searches are made only when a call needs them.
 
-The value, layout version 1 (integers big-endian, unsigned):
-  0   1 B  version (1); another version is refused, never misread
+The value, layout version 2 (integers big-endian, unsigned), in one of two forms.
+The full form (byte 0 = 2):
+  0   1 B  version (2); another version is refused, never misread (1 is read, below)
   1   1 B  S: the width of an entry's time (4, 5 or 6 bytes, from the window's length)
   2   1 B  C: the width of an entry's running total (0: every entry costs 1; else 6 or 7)
-  3   1 B  R: slots of the replay table (0, or REPLAY_SLOTS in a decision's longest window)
+  3   1 B  R: slots of the replay table (0 to REPLAY_SLOTS; only a decision's longest
+           window has any)
   4   6 B  base: an entry's time is base + its stored time, unix ms
   10  4 B  head: byte offset of the first entry (the ones before it have left)
   14  4 B  tail: byte offset past the last entry (room follows)
   18  4 B  size: the string's length (the room ends there)
-  22  7 B  origin: the running total before the first entry (C > 0; 0 otherwise)
-  29  7 B  total: the running total of the last entry (origin when empty; C > 0)
-  36  6 B  first: the first entry's time, unix ms (when there is one)
-  42  6 B  last: the last entry's time, unix ms (when there is one)
-  48  2 B  next tie: a tie above every tie of the entries at time `last` (0 when one there
+  22  6 B  first: the first entry's time, unix ms (when there is one)
+  28  6 B  last: the last entry's time, unix ms (when there is one)
+  34  2 B  next tie: a tie above every tie of the entries at time `last` (0 when one there
            has tie 65,535: that millisecond has none left)
-  50  1 B  next slot of the replay table
-  51  16R  the replay table: R slots of {request id: the first 8 bytes of its UUID4,
-           its time (6 B, unix ms), its tie (2 B)}, the most recent admissions
-  51+16R   entries, each {time - base (S B), tie (2 B), running total (C B)}, sorted by
-           (time, tie); the running total includes the entry's own cost
+  36  1 B  next slot of the replay table
+  37  (C > 0 only) 7 B origin: the running total before the first entry; 7 B total: the
+           running total of the last entry (origin when empty)
+  37 or 51  16R  the replay table: R slots of {request id: the first 8 bytes of its UUID4,
+           its time (6 B, unix ms), its tie (2 B)}, recent admissions; the next slot is the
+           oldest, or, while R < REPLAY_SLOTS, the slots are oldest first and the table
+           grows (to REPLAY_SLOTS at once in this form)
+  then     entries, each {time - base (S B), tie (2 B), running total (C B)}, sorted by
+           (time, tie); the running total includes the entry's own cost; then room
+The short form (byte 0 = 3), a value under READ bytes kept exactly its size (no room, no
+entry that left), so that a window of few entries costs little: {version, S, C, R (1 B
+each), base (6 B), next tie (2 B), next slot (1 B)} (13 B), origin and total (7 B each)
+when C > 0, the replay table, the entries. head is where the table ends, tail and size the
+value's length; first and last are read from the first and last entries. Its header read
+(GETRANGE 0 .. READ - 1) takes it whole, so an admission writes it again whole, with one
+SET that sets its TTL too; its replay table keeps the admissions whose entries are still in
+the window (up to REPLAY_SLOTS, oldest first; one slot for one admission). A value that
+grows to READ bytes takes the full form (with room); one that shrinks under it the short
+form again at its next admission.
+Layout 1 (byte 0 = 1, the previous release's) is read as it is: the full form's fields in
+the order version, S, C, R, base, head, tail, size, origin (7 B), total (7 B), first, last,
+next tie, next slot (51 B in every window), then a table of 8 slots; any write rewrites it
+in layout 2 (its entries are the same bytes).
 An entry is identified by (time, tie): one decision logs one entry in each of its windows,
 at one time and with one tie, above every tie its windows hold at that time, so no two
 entries of a window share both, and the entries of one millisecond are in the order of
@@ -47,9 +65,15 @@ their windows 1 ms later than the request's time would have them leave (the only
 that then differ from the sorted sets'), and the reply names that time.
 --]]
 
-local COMPACT_VERSION = 1
-local HEADER = '>BBBBI6I4I4I4I7I7I6I6I2B'
-local HEADER_SIZE = 51
+local COMPACT_VERSION = 2
+local HEADER = '>BBBBI6I4I4I4I6I6I2B' -- layout 2, every window; then '>I7I7' when C > 0
+local HEADER_PLAIN, HEADER_WEIGHTED = 37, 51
+local HEADER_V1 = '>BBBBI6I4I4I4I7I7I6I6I2B' -- layout 1 (read, then rewritten as 2)
+local HEADER_SIZE = 51 -- layout 1's, and layout 2's when C > 0
+local READ = 256 -- the bytes a header read takes: a shorter value is read whole
+local SHORT_VERSION = 3 -- layout 2's short form: a value kept exactly its size, under READ
+local SHORT = '>BBBBI6I2B' -- its header; then '>I7I7' when C > 0
+local SHORT_PLAIN, SHORT_WEIGHTED = 13, 27
 local REPLAY_SLOTS = 8
 local SLOT_SIZE = 16
 local TIE_LIMIT = 65536
@@ -84,31 +108,72 @@ local function entry_format(S, C)
   return '>I6I2I7'
 end
 
--- The parsed header of the string at `key`, or {exists = false}; its first bytes (the
--- replay table among them) are kept for replay_table. An unknown layout version is an
--- error reply (never misread).
+-- The header's size in layout 2: the running totals' fields only in a weighted window.
+local function header_size(C)
+  if C == 0 then return HEADER_PLAIN end
+  return HEADER_WEIGHTED
+end
+
+-- The parsed header of the string at `key`, or {exists = false}; its first READ bytes (the
+-- replay table among them; the whole value when it is shorter: `whole`) are kept. Layout 1
+-- is read as well (its `version` kept: a write rewrites it as layout 2); another version is
+-- an error reply (never misread).
 local function compact_header(key)
-  local bytes = redis.call('GETRANGE', key, 0, HEADER_SIZE + REPLAY_SLOTS * SLOT_SIZE - 1)
-  if bytes == '' then return {key = key, exists = false, gone = 0} end
+  local bytes = redis.call('GETRANGE', key, 0, READ - 1)
+  if bytes == '' then return {key = key, exists = false, gone = 0, whole = true} end
   local version = string.byte(bytes, 1)
-  if #bytes < HEADER_SIZE or version ~= COMPACT_VERSION then
+  local _, S, C, R, base, head, tail, size, origin, total, first, last, next_tie, next_slot
+  local size_of_header = HEADER_SIZE
+  if version == COMPACT_VERSION and #bytes >= HEADER_PLAIN then
+    _, S, C, R, base, head, tail, size, first, last, next_tie, next_slot =
+      struct.unpack(HEADER, bytes)
+    origin, total, size_of_header = 0, 0, header_size(C)
+    if C > 0 and #bytes >= HEADER_WEIGHTED then
+      origin, total = struct.unpack('>I7I7', bytes, HEADER_PLAIN + 1)
+    end
+  elseif version == SHORT_VERSION and #bytes >= SHORT_PLAIN and #bytes < READ then
+    -- The short form: the value ends where its entries do; the first and last entries'
+    -- times are read from them.
+    _, S, C, R, base, next_tie, next_slot = struct.unpack(SHORT, bytes)
+    origin, total, size_of_header = 0, 0, SHORT_PLAIN
+    if C > 0 then
+      size_of_header = SHORT_WEIGHTED
+      if #bytes >= SHORT_WEIGHTED then
+        origin, total = struct.unpack('>I7I7', bytes, SHORT_PLAIN + 1)
+      end
+    end
+    head = size_of_header + SLOT_SIZE * R
+    tail, size, first, last = #bytes, #bytes, 0, 0
+    -- No offsets to cross-check: a value cut short (or of unknown widths) is refused here.
+    if tail < head or S < 4 or S > 6 or (C ~= 0 and C ~= 6 and C ~= 7) or
+        (tail - head) % (S + 2 + C) ~= 0 then
+      S = nil
+    elseif tail > head then
+      local at = string.sub(entry_format(S, 0), 1, 3) -- the stored time's format
+      first = base + struct.unpack(at, bytes, head + 1)
+      last = base + struct.unpack(at, bytes, tail - (S + 2 + C) + 1)
+    end
+  elseif version == 1 and #bytes >= HEADER_SIZE then
+    _, S, C, R, base, head, tail, size, origin, total, first, last, next_tie, next_slot =
+      struct.unpack(HEADER_V1, bytes)
+  end
+  if not S or #bytes < size_of_header then
     error({err = 'genai-ratelimit: ' .. key .. ' holds an unknown compact layout (version ' ..
       tostring(version) .. ', ' .. #bytes .. ' header bytes)'})
   end
-  local _, S, C, R, base, head, tail, size, origin, total, first, last, next_tie, next_slot =
-    struct.unpack(HEADER, bytes)
   local E = S + 2 + C
   -- One constructor: the table is sized once, not grown field by field.
-  return {key = key, exists = true, S = S, C = C, R = R, base = base, head = head,
-    tail = tail, size = size, origin = origin, total = total, first = first, last = last,
-    next_tie = next_tie, next_slot = next_slot, E = E, data = HEADER_SIZE + SLOT_SIZE * R,
-    count = (tail - head) / E, fmt = entry_format(S, C), bytes = bytes, gone = 0,
-    dead_total = origin, oldest = first, dirty = false, table_dirty = false, table = false}
+  return {key = key, exists = true, version = version, S = S, C = C, R = R, base = base,
+    head = head, tail = tail, size = size, origin = origin, total = total, first = first,
+    last = last, next_tie = next_tie, next_slot = next_slot, E = E,
+    data = size_of_header + SLOT_SIZE * R, count = (tail - head) / E,
+    fmt = entry_format(S, C), bytes = bytes, whole = #bytes < READ, gone = 0,
+    dead_total = origin, oldest = first} -- dirty, table_dirty, table: nil (false)
 end
 
 -- The replay table of a parsed header (cut from its first bytes when first needed).
 local function replay_table(st)
-  if not st.table then st.table = string.sub(st.bytes, HEADER_SIZE + 1, st.data) end
+  if not st.table then st.table = string.sub(st.bytes, st.data - SLOT_SIZE * st.R + 1, st.data) end
   return st.table
 end
 
@@ -132,8 +197,12 @@ end
 -- clock is read: SETRANGE may grow memory, so a Redis over its maxmemory refuses it while
 -- the script has written nothing; with an empty value it changes nothing (and creates no
 -- key). Later writes are then let through, as the script can no longer stop halfway.
+-- The probe is needed only by a script that may write another key before its windows (the
+-- leases of reserve_in_flight.lua: #KEYS > n): a compact window's writes (SET, SETRANGE)
+-- are all refused over maxmemory while the script has written nothing, so the first one is
+-- its own probe.
 local function compact_log(n, given, writes, probe)
-  if probe then redis.call('SETRANGE', KEYS[1], 0, '') end
+  if probe and #KEYS > n then redis.call('SETRANGE', KEYS[1], 0, '') end
   local now = script_now(given, writes)
   -- Its functions' slots made at once (the table is sized once, not grown field by field).
   -- log.at: the time the decision's entries are logged at (log.tie), false before: now, or
@@ -143,12 +212,30 @@ local function compact_log(n, given, writes, probe)
   local state = {} -- per window: its header, as loaded and changed, and the last measure
 
   local function header_bytes(st)
-    return struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R, st.base, st.head, st.tail,
-      st.size, st.origin, st.total, st.first, st.last, st.next_tie, st.next_slot)
+    local bytes = struct.pack(HEADER, COMPACT_VERSION, st.S, st.C, st.R, st.base, st.head,
+      st.tail, st.size, st.first, st.last, st.next_tie, st.next_slot)
+    if st.C == 0 then return bytes end
+    return bytes .. struct.pack('>I7I7', st.origin, st.total)
   end
 
-  -- Writes the header, and the replay table when it changed (it follows the header).
+  -- A short value's header (layout 2's short form).
+  local function short_header(st)
+    local bytes = struct.pack(SHORT, SHORT_VERSION, st.S, st.C, st.R, st.base, st.next_tie,
+      st.next_slot)
+    if st.C == 0 then return bytes end
+    return bytes .. struct.pack('>I7I7', st.origin, st.total)
+  end
+
+  local rare_ops
+
+  -- Writes the header, and the replay table when it changed (it follows the header); a
+  -- value of layout 1 is rewritten whole in the full form, one in the short form again in
+  -- the short form (exactly its size) while it stays under READ bytes.
   local function save_header(st)
+    if st.version ~= COMPACT_VERSION then
+      rare_ops().compact(st, 0, st.version == SHORT_VERSION)
+      return
+    end
     local bytes = header_bytes(st)
     if st.table_dirty then bytes = bytes .. st.table end
     redis.call('SETRANGE', st.key, 0, bytes)
@@ -260,7 +347,7 @@ local function compact_log(n, given, writes, probe)
   -- their functions are made on first use. A function made per call costs even when
   -- unused, and most calls take none of these.
   local rare
-  local function rare_ops()
+  function rare_ops()
     if rare then return rare end
     -- Entries k .. k + count - 1 (0 = the first after head): their values, flat.
     local function read(st, k, count)
@@ -289,26 +376,38 @@ local function compact_log(n, given, writes, probe)
     end
 
     -- Rewrites the whole string (SET, keeping its TTL): the header, the replay table, the
-    -- entries `entries` (raw, in st's layout) and room for `room` more.
+    -- entries `entries` (raw, in st's layout) and room for `room` more; with no room and
+    -- under READ bytes, in the short form.
     local function rewrite(st, entries, room)
+      local slots = replay_table(st) -- cut where the value's header has it, before it moves
       st.E = st.S + 2 + st.C
       st.fmt = entry_format(st.S, st.C)
-      st.data = HEADER_SIZE + SLOT_SIZE * st.R
+      local short = st.C > 0 and SHORT_WEIGHTED or SHORT_PLAIN
+      st.version = SHORT_VERSION
+      if room > 0 or short + #slots + #entries >= READ then
+        short, st.version = header_size(st.C), COMPACT_VERSION
+      end
+      st.data = short + SLOT_SIZE * st.R
       st.head = st.data
       st.tail = st.data + #entries
       st.count = #entries / st.E
       st.size = st.tail + room * st.E
-      redis.call('SET', st.key, header_bytes(st) .. replay_table(st) .. entries ..
-        string.rep('\0', room * st.E), 'KEEPTTL')
+      local header
+      if st.version == SHORT_VERSION then header = short_header(st) else header = header_bytes(st) end
+      redis.call('SET', st.key, header .. slots .. entries .. string.rep('\0', room * st.E),
+        'KEEPTTL')
       st.exists, st.dirty, st.table_dirty = true, false, false
+      st.whole = false -- st.bytes is stale
     end
 
-    -- Copies the entries to a fresh string with room for capacity_for(count + extra): drops
-    -- the ones that left and what was room, as memory copies.
-    local function compact(st, extra)
+    -- Copies the entries to a fresh string with room for capacity_for(count + extra) (none
+    -- when `exact`): drops the ones that left and what was room, as memory copies.
+    local function compact(st, extra, exact)
       local entries = ''
       if st.count > 0 then entries = redis.call('GETRANGE', st.key, st.head, st.tail - 1) end
-      rewrite(st, entries, capacity_for(st.count + extra) - st.count)
+      local room = 0
+      if not exact then room = capacity_for(st.count + extra) - st.count end
+      rewrite(st, entries, room)
     end
 
     -- Rewrites every entry in a new layout (O(entries) in Lua: rare): the stored times
@@ -463,19 +562,95 @@ local function compact_log(n, given, writes, probe)
     return nil
   end
 
+  -- The replay table of window st rewritten with a new admission's `slot`: the slots of the
+  -- admissions still in the window (logged after `edge`), oldest first, then the new one;
+  -- the REPLAY_SLOTS latest. Returns it and its number of slots (the next slot is then 0:
+  -- the oldest, or a slot to add while there are fewer than REPLAY_SLOTS).
+  local function fresh_table(st, edge, slot)
+    local kept, R = {}, st.exists and st.R or 0
+    local slots = R > 0 and replay_table(st) or ''
+    for j = 0, R - 1 do
+      local s = (st.next_slot + j) % R * SLOT_SIZE
+      if struct.unpack('>I6', slots, s + 9) > edge then
+        kept[#kept + 1] = string.sub(slots, s + 1, s + SLOT_SIZE)
+      end
+    end
+    kept[#kept + 1] = slot
+    local from = math.max(1, #kept - REPLAY_SLOTS + 1)
+    return table.concat(kept, '', from), #kept - from + 1
+  end
+
   -- Logs an entry at now with `cost` and `tie` in window i (after its trim), recording
   -- `member` in its replay table when it is the decision's longest window (i = n). The key
   -- lives window_ms + 1 s.
   function log.add(i, member, cost, window_ms, tie)
     local now = log.at or now -- the entry's time (log.tie)
     local st = state[i]
-    local slots = i == n and REPLAY_SLOTS or 0
-    if not st.exists then
-      st.S, st.C, st.R = stamp_width(window_ms), cost ~= 1 and 6 or 0, slots
-      st.base, st.origin, st.total, st.first, st.last = now - window_ms, 0, 0, 0, 0
-      st.next_tie, st.next_slot, st.table = 0, 0, string.rep('\0', SLOT_SIZE * slots)
-      rare_ops().rewrite(st, '', capacity_for(1))
+    local slot = nil
+    if i == n then
+      local id_high, id_low = request_id(member)
+      slot = struct.pack('>I4I4I6I2', id_high, id_low, now, tie)
     end
+    if st.whole then
+      -- A short value (its header read took it whole; or none yet) that the entry is
+      -- appended to: written again whole in layout 2, exactly its size (no room), the
+      -- entries that left dropped, the replay table holding only the admissions still in
+      -- the window: one SET, its TTL with it.
+      local fresh = not st.exists or st.count == 0
+      local at = fresh or now - st.base
+      if fresh or (st.last <= now and at < 256 ^ st.S and (cost == 1 or st.C > 0) and
+          (st.C == 0 or st.total + cost < 256 ^ st.C)) then
+        local slots, R, next_slot = '', st.R or 0, st.next_slot or 0
+        local s = next_slot * SLOT_SIZE
+        if slot and R == REPLAY_SLOTS and
+            struct.unpack('>I6', replay_table(st), s + 9) > now - window_ms then
+          -- A full table whose oldest admission is still in the window: it makes room.
+          local old = replay_table(st)
+          slots = string.sub(old, 1, s) .. slot .. string.sub(old, s + SLOT_SIZE + 1)
+          next_slot = (next_slot + 1) % REPLAY_SLOTS
+        elseif slot then
+          slots, R = fresh_table(st, now - window_ms, slot)
+          next_slot = 0
+        elseif R > 0 then
+          slots = replay_table(st)
+        end
+        local entries = ''
+        if fresh then
+          -- A new window, or an empty one: its layout from this entry.
+          st.S, st.C, st.base, st.origin, st.total = stamp_width(window_ms),
+            cost ~= 1 and 6 or 0, now - window_ms, 0, 0
+          st.E, st.fmt, st.count, st.first = st.S + 2 + st.C, entry_format(st.S, st.C), 0, now
+          at = now - st.base
+        else
+          entries = string.sub(st.bytes, st.head + 1, st.tail)
+        end
+        local total = nil
+        if st.C > 0 then
+          total = st.total + cost
+          st.total = total
+        end
+        entries = entries .. struct.pack(st.fmt, at, tie, total)
+        st.last, st.next_tie, st.count = now, (tie + 1) % TIE_LIMIT, st.count + 1
+        st.R, st.next_slot = R, next_slot
+        -- The short form while the value stays under READ bytes (read whole), else the full.
+        local short = SHORT_PLAIN
+        if st.C > 0 then short = SHORT_WEIGHTED end
+        st.version = SHORT_VERSION
+        if short + #slots + #entries >= READ then
+          short, st.version = header_size(st.C), COMPACT_VERSION
+        end
+        st.data = short + SLOT_SIZE * R
+        st.head, st.tail = st.data, st.data + #entries
+        st.size = st.tail
+        local header
+        if st.version == SHORT_VERSION then header = short_header(st) else header = header_bytes(st) end
+        redis.call('SET', st.key, header .. slots .. entries, 'PX', window_ms + 1000)
+        st.exists, st.whole, st.table, st.bytes = true, false, false, nil
+        st.dirty, st.table_dirty = false, false
+        return
+      end
+    end
+    local slots = slot and REPLAY_SLOTS or 0
     if slots < st.R then slots = st.R end
     local at = now - st.base
     local base = st.base
@@ -494,7 +669,14 @@ local function compact_log(n, given, writes, probe)
     local C = st.C
     if cost ~= 1 and C == 0 then C = 6 end
     if cost == 1 and st.count == 0 then C = 0 end
-    if C ~= st.C or slots > st.R or base ~= st.base or S ~= st.S then
+    if slots > st.R then
+      -- A replay table to grow (its slots so far oldest first): the new slots after them,
+      -- the next one the first new one.
+      st.table = replay_table(st) .. string.rep('\0', SLOT_SIZE * (slots - st.R))
+      st.R, st.next_slot = slots, st.R
+      if C == st.C and base == st.base and S == st.S then rare_ops().compact(st, 1) end
+    end
+    if C ~= st.C or base ~= st.base or S ~= st.S then
       rare_ops().relayout(st, base, C, slots, 1, S)
       at = now - st.base
     end
@@ -512,7 +694,9 @@ local function compact_log(n, given, writes, probe)
     elseif st.C > 0 then
       total = search_ops().total_at(st, k - 1, found, from) + cost
     end
-    if st.tail + st.E > st.size then rare_ops().compact(st, 1) end
+    if st.tail + st.E > st.size or st.version ~= COMPACT_VERSION then
+      rare_ops().compact(st, 1)
+    end
     local bytes = struct.pack(st.fmt, at, tie, total)
     if k < st.count then
       -- Another clock behind: the later entries move one place up, their totals by cost.
@@ -524,20 +708,14 @@ local function compact_log(n, given, writes, probe)
     -- The last entry now (another clock behind leaves the last one as it was).
     if now == st.last then st.next_tie = (tie + 1) % TIE_LIMIT end
     st.tail, st.count, st.total = st.tail + st.E, st.count + 1, st.total + (total and cost or 0)
-    if i == n then
+    if slot then
       -- One write: the header, then the replay table up to and including this admission's
       -- slot (the slots after it keep their bytes).
       local s = st.next_slot * SLOT_SIZE
-      local id_high, id_low = request_id(member)
       local before = ''
-      if s > 0 and st.table then
-        before = string.sub(st.table, 1, s)
-      elseif s > 0 then
-        before = string.sub(st.bytes, HEADER_SIZE + 1, HEADER_SIZE + s)
-      end
+      if s > 0 then before = string.sub(replay_table(st), 1, s) end
       st.next_slot = (st.next_slot + 1) % st.R
-      redis.call('SETRANGE', st.key, 0, header_bytes(st) .. before ..
-        struct.pack('>I4I4I6I2', id_high, id_low, now, tie))
+      redis.call('SETRANGE', st.key, 0, header_bytes(st) .. before .. slot)
       -- The table read with the header is stale now: nothing of this call reads it again
       -- (an add is its window's last change), and a read would fail, not misread.
       st.table, st.bytes, st.dirty, st.table_dirty = false, nil, false, false

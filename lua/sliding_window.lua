@@ -20,9 +20,9 @@ ARGV[3i], ARGV[3i+1], ARGV[3i+2]
            window length in ms, limit and cost of KEYS[i] (limit and cost in cost units)
 ARGV[3n+3] optional: "1" marks a replay of a call whose reply was lost. If the member is
            already logged in KEYS[n] (the longest window, where it stays longest; compact:
-           in its replay table of the 8 latest admissions still in the window), the first attempt was allowed
-           and logged: answer allow again, write nothing, and report that entry's time as
-           now_ms.
+           in its replay table of the 8 latest admissions still in the window), the first
+           attempt was allowed and logged: answer allow again, write nothing, and report that
+           entry's time as now_ms.
 
 Returns lib/decide.lua's reply {allowed, remaining, retry_after_s, i, now_ms,
 {remaining per window}, retry_ms}; compact adds an 8th element, the tie of the entry

@@ -45,9 +45,10 @@ from fastapi.testclient import TestClient
 
 from genai_ratelimit import RateLimiter
 from genai_ratelimit.fastapi import RateLimitHeadersMiddleware, TokenRateLimit, forward_to_upstream
+from genai_ratelimit.testing import ThrowawayRedis
 from helpers_core import logged
 from helpers_uvicorn import HTTPX_SOCKETS, UvicornServer
-from redis_server import free_port
+from redis_server import env_redis_url, free_port
 from test_fastapi_cancel import wait_for
 
 # Left out of make test-asan / test-hiredis1, and why (the markers are pyproject.toml's).
@@ -69,6 +70,14 @@ FREE_PER_MINUTE, FREE_TOKENS_PER_MINUTE, FREE_IN_FLIGHT = 5, 20_000, 2
 def key_id(api_key: str) -> str:
     """examples/gateway/app.py's identity of a key (its README says the same)."""
     return "key-" + hashlib.sha256(api_key.encode()).hexdigest()[:16]
+
+
+@pytest.fixture(scope="module")
+def redis_url(ratelimit_redis_server: ThrowawayRedis) -> str:
+    """The gateway's Redis, as a user's own gateway tests would get it: the throwaway
+    redis-server of the package's pytest plugin (a unix socket, stopped by its pid), or
+    REDIS_URL when set. redis_client (tests/conftest.py) flushes it before each test."""
+    return env_redis_url() or ratelimit_redis_server.url
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,9 @@ Contenders, in rotating order, each for R requests per round after 200 warm-up o
   limiter call alone          `await limiter.check_windows_detailed(...)` in a loop, no HTTP: the
                               Redis round trip's CPU on this side (the floor under any route)
   minute+day, zset            Depends(RateLimit(...)), a budget no run reaches: every request allowed
+  minute+day, no I/O          the same on a limiter whose check_windows_detailed answers a decision
+                              it keeps (made by Redis once, before the run) without a round trip:
+                              the package's own Python in a route, without the noise of the I/O
   minute+day, compact         the same on AsyncRateLimiter(storage="compact")
   minute+day, 429             a budget of 1 a minute, spent: every request refused
   token route, capped         TokenRateLimit with max_in_flight and a model budget (reserve with
@@ -120,11 +123,19 @@ async def cpu_per_request(app: FastAPI, expect: int, requests: int) -> tuple[flo
 async def run(url: str, rounds: int, requests: int) -> dict[str, list[tuple[float]]]:
     limiter = AsyncRateLimiter(url)
     compact = AsyncRateLimiter(url, storage="compact")
+    in_memory = AsyncRateLimiter(url)
+    kept = await in_memory.check_windows_detailed("kept", ((10**12, 60), (10**12, 86_400)))
+
+    async def answer_kept(user_id: str, windows: Any, *, cost: int = 1) -> Any:
+        return kept
+
+    in_memory.check_windows_detailed = answer_kept  # type: ignore[method-assign]
     contenders: dict[str, tuple[FastAPI | None, int]] = {
         "unlimited (baseline)": (build(None), 200),
         "no-op Depends (reference)": (build(noop), 200),
         "limiter call alone": (None, 0),
         "minute+day, zset": (build(RateLimit(limiter, BIG, namespace="a")), 200),
+        "minute+day, no I/O": (build(RateLimit(in_memory, BIG, namespace="e")), 200),
         "minute+day, compact": (build(RateLimit(compact, BIG, namespace="b")), 200),
         "minute+day, 429": (build(RateLimit(limiter, SPENT, namespace="c")), 429),
         "token route, capped": (build(TokenRateLimit(
@@ -143,6 +154,7 @@ async def run(url: str, rounds: int, requests: int) -> dict[str, list[tuple[floa
                               else await cpu_per_call(limiter, requests))
     await limiter.aclose()
     await compact.aclose()
+    await in_memory.aclose()
     return rows
 
 

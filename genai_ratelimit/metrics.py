@@ -225,6 +225,16 @@ class RequestOutcomes:
     def add_tokens(self, state: str, *, tier: str, mode: str, count: int) -> None:
         """Counts `count` tokens of a TokenRateLimit request of `tier`: state "reserved",
         "charged" or "refunded"."""
+        key = (tier, mode, state)
+        if type(count) is int and count >= 0:  # noqa: E721 - bool is not a count
+            with self._lock:  # a series already counted was checked when it was first counted
+                try:
+                    known = self._tokens.get(key)
+                except TypeError:  # an unhashable label: refused below
+                    known = None
+                if known is not None:
+                    self._tokens[key] = known + count
+                    return
         if state not in ("reserved", "charged", "refunded"):
             raise ValueError(f"state must be reserved, charged or refunded, got {state!r}")
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -243,9 +253,17 @@ class RequestOutcomes:
     def add(self, outcome: str, *, tier: str, scope: str, mode: str, window_seconds: str,
             resource: str) -> None:
         """Counts one request in `outcome` (one of OUTCOMES) with these labels (non-empty)."""
+        labels = (outcome, tier, scope, mode, window_seconds, resource)
+        with self._lock:  # a series already counted was checked when it was first counted
+            try:
+                count = self._counts.get(labels)
+            except TypeError:  # an unhashable label: refused below
+                count = None
+            if count is not None:
+                self._counts[labels] = count + 1
+                return
         if outcome not in _OUTCOME_SET:
             raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
-        labels = (outcome, tier, scope, mode, window_seconds, resource)
         if not all(isinstance(value, str) and value for value in labels):
             raise ValueError(f"every label must be a non-empty str, got {labels!r}")
         with self._lock:
@@ -253,10 +271,27 @@ class RequestOutcomes:
                 labels = (outcome, "other", "other", mode, "other", "other")
             self._counts[labels] = self._counts.get(labels, 0) + 1
 
-    def enter(self, tier: str) -> Callable[[], None]:
-        """One more request of `tier` in flight; call the answer (once) when it is over."""
+    def _add_running(self, outcome: str, tier: str, scope: str, mode: str, window_seconds: str,
+                    resource: str) -> Callable[[], None]:
+        """add(outcome, ...) and enter(tier) for a request that runs (the FastAPI layer's),
+        under one hold of the lock when the series was counted before. Returns enter's
+        leave()."""
+        labels = (outcome, tier, scope, mode, window_seconds, resource)
         with self._lock:
-            self._in_flight[tier] = self._in_flight.get(tier, 0) + 1
+            try:
+                count = self._counts.get(labels)
+            except TypeError:  # an unhashable label: refused by add()
+                count = None
+            if count is not None:
+                self._counts[labels] = count + 1
+                self._in_flight[tier] = self._in_flight.get(tier, 0) + 1
+                return self._leaver(tier)
+        self.add(outcome, tier=tier, scope=scope, mode=mode, window_seconds=window_seconds,
+                 resource=resource)
+        return self.enter(tier)
+
+    def _leaver(self, tier: str) -> Callable[[], None]:
+        """The leave() of one request of `tier` counted in flight: once only."""
         done = False
 
         def leave() -> None:
@@ -266,6 +301,12 @@ class RequestOutcomes:
                     done = True
                     self._in_flight[tier] -= 1
         return leave
+
+    def enter(self, tier: str) -> Callable[[], None]:
+        """One more request of `tier` in flight; call the answer (once) when it is over."""
+        with self._lock:
+            self._in_flight[tier] = self._in_flight.get(tier, 0) + 1
+        return self._leaver(tier)
 
     def snapshot(self) -> tuple[tuple[tuple[str, str, str, str, str, str, int], ...],
                                 tuple[tuple[str, int], ...]]:

@@ -72,6 +72,34 @@ class _AllowedDecision:
         return [*allowed_headers(self.limit, self.remaining, self.window_seconds, lower=True),
                 *self.extra, *self.shadow]
 
+    def raw_headers(self) -> list[tuple[bytes, bytes]]:
+        """headers(), as the ASGI message carries them (latin-1 bytes), for the middleware.
+        The names and the limit's and window's values come from small caches."""
+        raw = [(_header_name(name), value.encode("latin-1"))
+               for name, value in (*self.extra, *self.shadow)] if self.extra or self.shadow else []
+        if self.remaining < 0:
+            return raw
+        return [(b"x-ratelimit-limit", _number_bytes(self.limit)),
+                (b"x-ratelimit-remaining", str(self.remaining).encode()),
+                (b"x-ratelimit-window", _window_bytes(self.window_seconds)), *raw]
+
+
+@functools.lru_cache(maxsize=256)
+def _header_name(name: str) -> bytes:
+    """A header name in latin-1 (names come from a small set: this package's)."""
+    return name.encode("latin-1")
+
+
+@functools.lru_cache(maxsize=1024)
+def _number_bytes(number: int) -> bytes:
+    """A limit as header bytes (limits come from the configuration: a small set)."""
+    return str(number).encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _window_bytes(window_seconds: int) -> bytes:
+    return window_name(window_seconds).encode("latin-1")
+
 
 def allowed_headers(limit: int, remaining: int, window_seconds: int, *, lower: bool = False
                     ) -> list[tuple[str, str]]:
@@ -188,7 +216,11 @@ def _allowed(dependency: RateLimit, request: Request, response: Response, facts:
     if verdict.reservation is not None:
         dependency._keep(request, facts.tier, verdict.reservation)
     dependency._count(request, "allowed")
-    requests = next((s for s in verdict.states if s.resource == "requests"), None)
+    requests = None
+    for state in verdict.states:
+        if state.resource == "requests":
+            requests = state
+            break
     if dependency.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
         shadow = [("X-RateLimit-Shadow-Tokens-Remaining", str(s.remaining))
                   for s in verdict.states if s.resource == "tokens" and s.remaining is not None]
@@ -200,11 +232,13 @@ def _allowed(dependency: RateLimit, request: Request, response: Response, facts:
         _record_allowed(request, response, requests.limit, requests.remaining, requests.window_seconds)
     # A window is back to its full limit one window length from now (this request is its
     # newest entry): the reset of the provider families' headers.
-    extra = family_headers(dependency.error_format, verdict.now_ms, *(
+    error_format = dependency.error_format
+    extra = [] if error_format == "plain" else family_headers(error_format, verdict.now_ms, *[
         ResourceHeaders(s.resource, s.limit, s.remaining, s.window_seconds * 1000)
-        for s in verdict.states))
-    extra += ietf_fields(dependency, facts, [
-        (s.resource, s.window_seconds, s.remaining or 0, s.window_seconds) for s in verdict.states])
+        for s in verdict.states])
+    if dependency._partition_keys is not None:
+        extra += ietf_fields(dependency, facts, [
+            (s.resource, s.window_seconds, s.remaining or 0, s.window_seconds) for s in verdict.states])
     _record_extra(request, response, extra)
 
 

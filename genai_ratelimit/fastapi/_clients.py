@@ -83,6 +83,10 @@ def state_value(request: Request, name: str) -> Any:
     """request.state.<name>, or None when the app set none. Starlette's State raises (and
     formats a message) for every missing attribute; its dict is read directly when it has
     one, which is several times cheaper on the anonymous path."""
+    scope = getattr(request, "scope", None)
+    values = scope.get("state") if isinstance(scope, dict) else None
+    if isinstance(values, dict):  # the dict Starlette's request.state reads and writes
+        return values.get(name)
     state = request.state
     values = getattr(state, "_state", None)  # an instance attribute: no __getattr__ call
     if isinstance(values, dict):
@@ -100,6 +104,12 @@ class Anonymous(str):
 
     def __new__(cls, host: str) -> Anonymous:
         return super().__new__(cls, f"ip:{host}")
+
+
+@functools.lru_cache(maxsize=4096)  # the most recent clients' networks, as _network_text
+def _anonymous(network: str) -> Anonymous:
+    """Anonymous(network), one object per network (an Anonymous is immutable)."""
+    return Anonymous(network)
 
 
 class UnknownClientAddress(LookupError):
@@ -170,7 +180,7 @@ class ClientNetworks:
         user_id = state_value(request, "user_id")
         if user_id is None or user_id == "":
             try:
-                user_id = Anonymous(self.network_of(request))
+                user_id = _anonymous(self.network_of(request))
             except UnknownClientAddress as unknown:
                 _refuse_unknown_client(request, unknown)
         return user_id, state_value(request, "tier")

@@ -351,7 +351,10 @@ class RateLimit:
 
     def _of_limiter(self) -> tuple[Any, tuple[object, ...], RequestOutcomes]:
         """(the limiter, its key space, its request_outcomes), read once per limiter."""
-        limiter, cached = self.limiter, self._limiter_facts
+        cached = self._limiter_facts
+        if cached is not None and cached[0] is self._limiter:
+            return cached
+        limiter = self.limiter
         if cached is None or cached[0] is not limiter:
             url, prefix = getattr(limiter, "url", None), getattr(limiter, "key_prefix", None)
             space: tuple[object, ...] = (url, prefix) if isinstance(url, str) and \
@@ -368,19 +371,23 @@ class RateLimit:
         every request this dependency decides lands in exactly one outcome. A refusal in
         shadow mode is counted as shadow_would_refuse. A request that runs is in flight (by
         tier) until the middleware sees its response end."""
-        notes = request.scope.get(_OUTCOME_KEY)
+        request_scope = request.scope
+        notes = request_scope.get(_OUTCOME_KEY)
         note = notes.get(id(self)) if isinstance(notes, dict) else None
         if note is None or note[1]:
             return
         note[1] = True
-        if self.mode == "shadow" and outcome in ("rejected", "too_large", "concurrency_rejected"):
+        mode = self.mode
+        if mode == "shadow" and outcome in ("rejected", "too_large", "concurrency_rejected"):
             outcome = "shadow_would_refuse"
         tally = self._of_limiter()[2]
-        tally.add(outcome, tier=note[0], scope=scope, mode=self.mode, resource=resource,
-                  window_seconds="none" if window_seconds is None else str(window_seconds))
-        running = request.scope.get(_IN_FLIGHT_KEY)
-        if outcome in _RUNS and isinstance(running, dict) and id(tally) not in running:
-            running[id(tally)] = tally.enter(note[0])
+        seconds = "none" if window_seconds is None else str(window_seconds)
+        running = request_scope.get(_IN_FLIGHT_KEY) if outcome in _RUNS else None
+        if isinstance(running, dict) and id(tally) not in running:
+            running[id(tally)] = tally._add_running(outcome, note[0], scope, mode, seconds, resource)
+        else:
+            tally.add(outcome, tier=note[0], scope=scope, mode=mode, resource=resource,
+                      window_seconds=seconds)
 
     def _hold(self, request: Request, identity: str, lease: Lease) -> None:
         """Keeps an allowed lease for the middleware to release when the response is over."""

@@ -87,11 +87,10 @@ class RateLimitHeadersMiddleware:
             nonlocal scanner, replaced_body
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", ()))
-                extra = decision.headers()
+                extra = decision.raw_headers()
                 if extra:
                     present = {bytes(name).lower() for name, _ in headers}
-                    headers += [(name.encode("latin-1"), value.encode("latin-1"))
-                                for name, value in extra if name.encode("latin-1") not in present]
+                    headers += [(name, value) for name, value in extra if name not in present]
                     message = {**message, "headers": headers}
                 if ledger.refusal is not None:
                     # Our refusal owns the response: its status, headers and body, whatever an
@@ -114,9 +113,14 @@ class RateLimitHeadersMiddleware:
                     replaced_body = True
                     return
                 if ledger.entries and not ledger.reported:
-                    found = {bytes(name).lower(): bytes(value).decode("latin-1") for name, value in headers}
-                    scanner = UsageScanner.for_response(found.get(b"content-type", ""),
-                                                        found.get(b"content-encoding", ""),
+                    content_type = content_encoding = ""
+                    for name, value in headers:  # the last of each, as a dict of them keeps
+                        lowered = bytes(name).lower()
+                        if lowered == b"content-type":
+                            content_type = bytes(value).decode("latin-1")
+                        elif lowered == b"content-encoding":
+                            content_encoding = bytes(value).decode("latin-1")
+                    scanner = UsageScanner.for_response(content_type, content_encoding,
                                                         count_streamed=ledger.charge_streamed)
             elif message["type"] == "http.response.body":
                 if replaced_body:

@@ -32,6 +32,7 @@ The 429 body keeps the contract's `detail` and adds OpenAI's `error` object, whi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -81,7 +82,7 @@ def format_duration(milliseconds: int) -> str:
     hours, rest = divmod(milliseconds, 3_600_000)
     minutes, rest = divmod(rest, 60_000)
     seconds, millis = divmod(rest, 1000)
-    text = f"{seconds}.{millis:03d}".rstrip("0").rstrip(".") + "s"
+    text = f"{seconds}.{millis:03d}".rstrip("0") + "s" if millis else f"{seconds}s"
     if hours:
         return f"{hours}h{minutes}m{text}"
     if minutes:
@@ -105,12 +106,20 @@ def rate_limit_headers(*resources: ResourceHeaders) -> list[tuple[str, str]]:
     """x-ratelimit-limit-<r>, x-ratelimit-remaining-<r>, x-ratelimit-reset-<r> per resource."""
     headers: list[tuple[str, str]] = []
     for state in resources:
-        headers.append((f"x-ratelimit-limit-{state.resource}", str(state.limit)))
+        limit_name, remaining_name, reset_name = _openai_names(state.resource)
+        headers.append((limit_name, str(state.limit)))
         if state.remaining is not None:
-            headers.append((f"x-ratelimit-remaining-{state.resource}", str(max(0, state.remaining))))
+            headers.append((remaining_name, str(max(0, state.remaining))))
         if state.reset_ms is not None:
-            headers.append((f"x-ratelimit-reset-{state.resource}", format_duration(state.reset_ms)))
+            headers.append((reset_name, format_duration(state.reset_ms)))
     return headers
+
+
+@functools.lru_cache(maxsize=16)
+def _openai_names(resource: str) -> tuple[str, str, str]:
+    """OpenAI's three header names of a resource."""
+    return (f"x-ratelimit-limit-{resource}", f"x-ratelimit-remaining-{resource}",
+            f"x-ratelimit-reset-{resource}")
 
 
 def retry_headers(retry_after_s: int, retry_after_ms: int, max_client_wait_seconds: float

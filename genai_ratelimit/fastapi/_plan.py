@@ -61,9 +61,12 @@ def now_ms() -> int:
 def tightest(states: Sequence[WindowState], resource: str) -> WindowState | None:
     """The user's own window of `resource` with the fewest units remaining (ties: the
     shorter), among those the decision reached (scopes' windows left out)."""
-    reached = [w for w in states
-               if w.resource == resource and w.remaining is not None and w.scope is None]
-    return min(reached, key=lambda w: (w.remaining, w.window_seconds)) if reached else None
+    best: WindowState | None = None
+    for w in states:  # the first of the least (remaining, window_seconds), as min() picks
+        if w.resource == resource and w.remaining is not None and w.scope is None and (
+                best is None or (w.remaining, w.window_seconds) < (best.remaining, best.window_seconds)):
+            best = w
+    return best
 
 
 def in_flight_wait(retry_after: float, lease_expiry_ms: int) -> tuple[int, int]:
@@ -363,8 +366,11 @@ def _window_verdict(facts: Facts, policy: Policy, decision: Decision, retry_ms: 
                     stamp: int) -> Verdict:
     """A request-window decision (check_windows' 4-tuple) as a verdict."""
     allowed, remaining, retry_s, window_seconds = decision
-    limit = next((lim for lim, seconds in facts.windows if seconds == window_seconds),
-                 facts.windows[0][0])
+    limit = facts.windows[0][0]  # the window that decided, else the first
+    for window_limit, seconds in facts.windows:
+        if seconds == window_seconds:
+            limit = window_limit
+            break
     if allowed:
         return Allowed((WindowState(limit, window_seconds, "requests", remaining),), stamp)
     return Refused((("X-RateLimit-Limit", str(limit)), ("X-RateLimit-Remaining", "0"),

@@ -7,6 +7,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 
@@ -19,6 +20,9 @@ from ..reservation import Scope as BudgetScope
 from ._usage import requested_model
 
 logger = logging.getLogger("genai_ratelimit")
+
+# The most route path templates whose Scope is kept (an app's routes: a handful).
+_MAX_CACHED_ROUTES = 1024
 
 
 def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool
@@ -119,6 +123,18 @@ class _Scopes:
                     raise ValueError(f"{what}: token budgets need TokenRateLimit (a RateLimit "
                                      "charges no tokens)")
         self.reads_model = bool(self.model_budgets) or any(u.models for u in self.upstreams)
+        # The Scopes of the fixed budgets, each made on its first request (a Scope checks its
+        # windows when made) and kept: by model, by route path template (both bounded by the
+        # configuration and the app's routes) and by fixed upstream (its index).
+        self._model_scopes: dict[str, BudgetScope | None] = {}
+        self._route_scopes: dict[str, BudgetScope | None] = {}
+        self._upstream_scopes: dict[int, BudgetScope | None] = {}
+
+    def _named(self, scope: BudgetScope | None) -> BudgetScope | None:
+        """A shadow budget's scopes count in keys of their own, shared ones too."""
+        if scope is None or not self.shadow:
+            return scope
+        return dataclasses.replace(scope, name=f"shadow:{scope.name}")
 
     def __bool__(self) -> bool:
         return bool(self.upstreams or self.upstream_of or self.route_budget or self.model_budgets)
@@ -131,16 +147,33 @@ class _Scopes:
         path = getattr(request.scope.get("route"), "path", None)
         return path if isinstance(path, str) and path else "*"
 
-    async def of(self, request: Request) -> tuple[BudgetScope, ...]:
+    async def of(self, request: Request, document: Mapping[str, Any] | None = None
+                 ) -> tuple[BudgetScope, ...]:
+        """The Scopes of one request. `document`: its JSON body, when the caller decoded
+        it already (the body is then not decoded again for its `model`)."""
         found: list[BudgetScope | None] = []
         if self.route_budget:
-            found.append(_scope_of(f"route:{self.route_of(request)}", self.route_budget, False,
-                                   self.tokens))
-        model = requested_model(await request.body()) if self.reads_model else None
+            path = self.route_of(request)
+            if path in self._route_scopes:
+                found.append(self._route_scopes[path])
+            else:
+                scope = self._named(_scope_of(f"route:{path}", self.route_budget, False, self.tokens))
+                if len(self._route_scopes) < _MAX_CACHED_ROUTES:
+                    self._route_scopes[path] = scope
+                found.append(scope)
+        model = None
+        if self.reads_model:
+            model = requested_model(await request.body() if document is None else document)
         if model is not None and model in self.model_budgets:
-            found.append(_scope_of(f"model:{model}", self.model_budgets[model], False,
-                                   self.tokens))
-        upstreams = [u for u in self.upstreams if not u.models or model in u.models]
+            if model not in self._model_scopes:
+                self._model_scopes[model] = self._named(_scope_of(
+                    f"model:{model}", self.model_budgets[model], False, self.tokens))
+            found.append(self._model_scopes[model])
+        for index, upstream in enumerate(self.upstreams):
+            if not upstream.models or model in upstream.models:
+                if index not in self._upstream_scopes:
+                    self._upstream_scopes[index] = self._named(upstream.scope(self.tokens))
+                found.append(self._upstream_scopes[index])
         if self.upstream_of is not None:
             chosen = self.upstream_of(request)
             if inspect.isawaitable(chosen):
@@ -149,10 +182,6 @@ class _Scopes:
                 raise TypeError(f"upstream(request) must return an Upstream or None, "
                                 f"not {type(chosen).__name__}")
             if chosen is not None:
-                upstreams.append(chosen)
-        found += [u.scope(self.tokens) for u in upstreams]
-        scopes = tuple(scope for scope in found if scope is not None)
-        if self.shadow:  # a shadow budget's scopes count in keys of their own, shared ones too
-            scopes = tuple(dataclasses.replace(scope, name=f"shadow:{scope.name}") for scope in scopes)
-        return scopes
+                found.append(self._named(chosen.scope(self.tokens)))
+        return tuple(scope for scope in found if scope is not None)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import json
 import logging
@@ -19,7 +18,6 @@ from .._tiers_config import (
     tier_token_limits_from_env,
     validate_token_limits,
 )
-from ..metrics import request_outcomes
 from ..reservation import Reservation
 from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
 from ._answer import refuse
@@ -224,11 +222,16 @@ class TokenRateLimit(_AsyncRateLimit):
 
     async def estimate_tokens(self, request: Request, tier: str) -> int:
         """The tokens this request is reserved for: `estimate(request)`, else the default."""
+        return (await self._estimate(request, tier))[0]
+
+    async def _estimate(self, request: Request, tier: str) -> tuple[int, Mapping[str, Any] | None]:
+        """(estimate_tokens, the JSON object of the body when the default estimate decoded
+        one: the scopes read its `model` there instead of decoding the body again)."""
         if self.estimate is not None:
             value = self.estimate(request)
             if inspect.isawaitable(value):
                 value = await value
-            return self._positive("the token estimate", value)
+            return self._positive("the token estimate", value), None
         default = self.default_max_tokens.get(tier, self._default_max_fallback)
         body = await request.body()
         document = self._request_document(request, body)
@@ -244,7 +247,7 @@ class TokenRateLimit(_AsyncRateLimit):
         if self.aborted_stream == "streamed":
             ledger = _ledger_of(request)
             ledger.prompt_tokens = max(ledger.prompt_tokens, prompt_tokens(document))
-        return tokens
+        return tokens, document if isinstance(document, Mapping) else None
 
     def _request_document(self, request: Request, body: bytes) -> Mapping[str, Any] | bytes:
         """The body the default estimate reads: a JSON object (decoded here, once); the bytes
@@ -283,10 +286,13 @@ class TokenRateLimit(_AsyncRateLimit):
             return None
         tier = facts.tier
         _ledger_of(request).decided = True
-        tokens = await self.estimate_tokens(request, tier)
-        scopes = tuple(await self._scopes.of(request)) if self._scopes else ()
-        return dataclasses.replace(facts, token_windows=self.token_windows_of(tier), tokens=tokens,
-                                   scopes=scopes)
+        if type(self).estimate_tokens is TokenRateLimit.estimate_tokens:
+            tokens, document = await self._estimate(request, tier)
+        else:  # a subclass's own estimate
+            tokens, document = await self.estimate_tokens(request, tier), None
+        scopes = await self._scopes.of(request, document) if self._scopes else ()
+        return Facts(facts.identity, tier, facts.windows, self.token_windows_of(tier), tokens,
+                     scopes, facts.counted, facts.cap, facts.held)
 
     def _fuses(self, limiter: Any) -> bool:
         """An enforced cap on a limiter whose `reserve` takes in_flight= (this package's): the
@@ -306,6 +312,6 @@ class TokenRateLimit(_AsyncRateLimit):
         ledger.entries.append((self.limiter, self._limiter_is_async, reservation))
         ledger.charge_streamed = ledger.charge_streamed or self.aborted_stream == "streamed"
         if reservation.tokens and (reservation.member or reservation.shared_entries):
-            tally = request_outcomes(self.limiter)  # as the limiter counts reserved tokens
+            tally = self._of_limiter()[2]  # as the limiter counts reserved tokens
             tally.add_tokens("reserved", tier=tier, mode=self.mode, count=reservation.tokens)
             ledger.tiers[id(reservation)] = (tally, tier, self.mode)

@@ -139,6 +139,8 @@ def _text_characters(value: object) -> int:
             continue
         elif isinstance(item, (int, float)):
             total += _number_characters(item)  # token ids of a prompt, tool arguments
+        elif isinstance(item, (list, tuple)):  # before Mapping: an ABC's check costs more
+            stack.extend(item)
         elif isinstance(item, Mapping):
             for key, child in item.items():
                 if not isinstance(key, str):
@@ -153,8 +155,6 @@ def _text_characters(value: object) -> int:
                         stack.append(child)
                 else:
                     stack.append(child)
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
     return total
 
 
@@ -164,9 +164,14 @@ def prompt_characters(body: Mapping[str, Any]) -> int:
     (Responses, embeddings), `suffix`, and the JSON of `tools`, `functions`,
     `response_format` and `text` (the Responses API's output schema). Images, audio and
     files are not counted (their size in base64 says little of their tokens)."""
-    characters = sum(_text_characters(body.get(key)) for key in _TEXT_FIELDS if key in body)
-    characters += sum(_json_characters(body.get(key)) for key in _JSON_FIELDS
-                      if isinstance(body.get(key), (Mapping, list)))
+    characters = 0
+    for key in _TEXT_FIELDS:
+        if key in body:
+            characters += _text_characters(body.get(key))
+    for key in _JSON_FIELDS:
+        value = body.get(key)
+        if value is not None and isinstance(value, (dict, list, Mapping)):
+            characters += _json_characters(value)
     return characters
 
 

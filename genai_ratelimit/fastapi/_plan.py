@@ -96,7 +96,7 @@ class Policy:
     clock: Callable[[], int] = now_ms
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Facts:
     """What is known of one request before the limiter is asked."""
 
@@ -129,7 +129,7 @@ class Call(NamedTuple):
 # --- what comes out -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Allowed:
     """The request runs. `states`: its tightest own windows (requests, then tokens);
     `record`: whether the requests state is this route's contract trio (not when another
@@ -141,7 +141,7 @@ class Allowed:
     reservation: Reservation | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Refused:
     """A 429. `contract`: its X-RateLimit-* headers; `retry`: (Retry-After s, retry-after-ms),
     None when no wait can help (x-should-retry: false); `family`: the provider family's
@@ -165,7 +165,7 @@ class Refused:
     requested: int = 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Unavailable:
     """Redis could not decide."""
 

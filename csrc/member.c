@@ -16,7 +16,7 @@
  * pkg-config); macOS has getentropy(2), at most 256 bytes a call, and the uuid functions in
  * its C library (<uuid/uuid.h>), which setup.py selects with RL_SYSTEM_UUID.
  *
- * GIL contract: the page is module state, used only with the GIL held (args.c).
+ * GIL contract: the page is module state, used only with the GIL held (py_request.c).
  */
 #include "native.h"
 

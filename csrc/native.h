@@ -2,12 +2,12 @@
  * native.h - the private header of genai_ratelimit._native (base.h, the ground floor,
  * is included from here).
  *
- * Layers: args.c prepares a decision (GIL held); proto.c is the protocol engine of one
+ * Layers: py_request.c prepares a decision (GIL held); proto.c is the protocol engine of one
  * connection, with no I/O in it (handshake steps, the request FIFO, NOSCRIPT reload, the
  * replay rule, reply classification); conn.c drives it over blocking sockets for the
- * Limiter (limiter.c), codec.c wraps it for the asyncio Protocol in aio.py. router.c is the
+ * Limiter (py_limiter.c), py_codec.c wraps it for the asyncio Protocol in aio.py. router.c is the
  * routing of a cluster or a Sentinel set, with no I/O in it either: cluster.c drives it
- * over conn.c's pools, routing.c wraps it for aio.py. Calls only go down a floor, never
+ * over conn.c's pools, py_routing.c wraps it for aio.py. Calls only go down a floor, never
  * up: cluster.c -> router.c, conn.c -> proto.c -> script.c -> base.c (errors, wipe, clocks),
  * and base.c calls no other room (tests/test_c_source_lint.py checks that the rooms'
  * calls form no circle).
@@ -15,7 +15,7 @@
  * Two error conventions that never mix:
  *   - code that runs without the GIL (conn.c, the I/O half of script.c) returns an
  *     rl_status and fills an rl_error; it never touches a Python object;
- *   - code that holds the GIL (module.c, the argument half of script.c) raises Python
+ *   - code that holds the GIL (py_module.c, the argument half of script.c) raises Python
  *     exceptions, and turns an rl_error into one in exactly one place, rl_raise().
  *
  * Lock order: release the GIL, then take a pool mutex. No thread ever waits for a pool
@@ -128,7 +128,7 @@ typedef enum {
                            now_ms), one GCRA decision (lua/gcra.lua) */
 } rl_shape;
 
-/* The scripts of lua/, embedded at build time. args.c names a decision's script in the
+/* The scripts of lua/, embedded at build time. py_request.c names a decision's script in the
    sorted-set storage; rl_prepare swaps in the same operation built over the compact storage
    (rl_script_of): one file of lua/ per operation, built once per storage by setup.py. */
 typedef enum {
@@ -171,7 +171,7 @@ int rl_script_reconciles(rl_script_id script);
 int rl_script_holds_slot(rl_script_id script);
 #define RL_MAX_TIE 65535 /* compact storage: an entry's tie is 2 bytes */
 
-/* One decision, prepared with the GIL held (args.c), then sent by either driver. */
+/* One decision, prepared with the GIL held (py_request.c), then sent by either driver. */
 typedef struct {
     rl_shape shape;
     rl_script_id script;
@@ -295,7 +295,7 @@ typedef struct {
 } rl_latency;
 
 /* Counters of one limiter, updated with relaxed atomics from any thread (the blocking
-   driver updates them without the GIL) and read with the GIL held (metrics.c). */
+   driver updates them without the GIL) and read with the GIL held (py_metrics.c). */
 typedef struct {
     unsigned long long allowed;           /* decisions allowed */
     unsigned long long unavailable;       /* decisions that raised (Redis unreachable, ...) */
@@ -796,7 +796,7 @@ typedef struct {
     PyTypeObject *CodecType;
     PyTypeObject *RequestType;
     PyTypeObject *PipelineType;
-    PyTypeObject *RouterType; /* routing.c */
+    PyTypeObject *RouterType; /* py_routing.c */
     PyTypeObject *RouteType;
     PyTypeObject *RouteReadType;
     /* check_windows_detailed's answer (a struct sequence) */
@@ -821,7 +821,7 @@ PyObject *rl_exception(rl_module_state *state, const rl_error *err);
    status the driver names: kind and exc's text. 0, or -1 with an exception set. */
 int rl_error_from(PyObject *exc, rl_status kind, rl_error *err);
 
-/* routing.c, GIL held: how the Pipeline (codec.c) hands C replies and C statuses to the
+/* py_routing.c, GIL held: how the Pipeline (py_codec.c) hands C replies and C statuses to the
    router, with no Python object in between. route is a Route, read a RouteRead (checked by
    the caller).
    rl_routing_failed: the try of route failed with st (err) on the connection: 1 the call
@@ -849,10 +849,10 @@ int rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, in
 void rl_prepared_clear(rl_prepared *p);
 /* _native.key_owner(owner, hash_tag) -> str and _native.read_key(name, prefix, hash_tag)
    -> (kind, owner, seconds, tokens, scope, suffix) | None: module functions, METH_VARARGS
-   (keyspace.c, over script.c's rl_key_user and rl_key_read). */
+   (py_keyspace.c, over script.c's rl_key_user and rl_key_read). */
 PyObject *rl_key_owner(PyObject *module, PyObject *args);
 PyObject *rl_read_key(PyObject *module, PyObject *args);
-/* _native._set_client_clock(ms | None): module function, METH_O (args.c). */
+/* _native._set_client_clock(ms | None): module function, METH_O (py_request.c). */
 PyObject *rl_set_client_clock(PyObject *module, PyObject *ms);
 /* The storage named `name` ("zset", the default when NULL, or "compact") into *out. 0, or
    -1 with a ValueError. */
@@ -871,7 +871,7 @@ int rl_check_limiter_values(double connect_timeout, double socket_timeout,
 /* _native.check_options(key_prefix, clock, connect_timeout, socket_timeout, max_connections,
    storage, min_replicas, replica_timeout_ms, hash_tag=False): the constructor's options of
    either limiter, their types and values (TypeError / ValueError), before anything is
-   made; the values' rules are rl_check_limiter_values's. Module function (args.c). */
+   made; the values' rules are rl_check_limiter_values's. Module function (py_request.c). */
 PyObject *rl_check_options(PyObject *module, PyObject *args, PyObject *kwargs);
 /* The Python result of a decision of d's shape (see rl_shape). Returns a new reference. */
 PyObject *rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r);
@@ -881,7 +881,7 @@ PyObject *rl_result_object(rl_module_state *state, const rl_prepared *d, const r
 int rl_parse_args(const char *fname, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                   const char *const *names, int n, int positional, int required, PyObject **out);
 
-/* ------------------------------------- the Limited API's gaps (limited.c, GIL held) */
+/* ------------------------------------- the Limited API's gaps (py_limited.c, GIL held) */
 
 /* Raises TypeError: the printf-style text, then the name of obj's type (as tp_name would
    give it), e.g. rl_type_error(v, "%s must be an int, not ", name). Returns NULL. */

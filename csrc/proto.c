@@ -2,7 +2,7 @@
  * proto.c - the protocol engine of one Redis connection, with no I/O in it.
  *
  * Both limiters drive it: the blocking loop in conn.c (sockets, deadlines, the GIL
- * released) and the asyncio Protocol in aio.py through codec.c's Pipeline. The engine
+ * released) and the asyncio Protocol in aio.py through py_codec.c's Pipeline. The engine
  * owns what must behave the same on both paths, once:
  *   - the handshake steps (AUTH [user] password, SELECT db, PING on TLS) and how their
  *     replies are judged (a refused password is an auth error, anything else that is not

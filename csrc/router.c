@@ -1,7 +1,7 @@
 /*
  * router.c - the routing of a Redis Cluster or a Sentinel set, with no I/O in it (the
  * same move as proto.c, one floor up). Both limiters drive it: cluster.c over blocking
- * sockets, aio.py through _native.Router (routing.c). It owns, once:
+ * sockets, aio.py through _native.Router (py_routing.c). It owns, once:
  *   - the hash slot of a key (CRC16 of the hash tag);
  *   - the map: the nodes met (seeds first, never removed) and which serves each slot, read
  *     from CLUSTER SHARDS (Redis 7) or CLUSTER SLOTS (before); or, behind sentinels, the

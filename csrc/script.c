@@ -1079,7 +1079,7 @@ decode_gcra(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_er
     }
     long long allowed = v[0], remaining = v[1], retry = v[2], retry_ms = v[3], now = v[4];
     long long burst = w->limit[0], cost = w->cost[0];
-    /* burst * interval < 2^52 (args.c): no overflow; the depth in ms, rounded up. */
+    /* burst * interval < 2^52 (py_request.c): no overflow; the depth in ms, rounded up. */
     long long depth_ms = (burst * d->gcra_units + d->gcra_scale - 1) / d->gcra_scale;
     if (within(name, "allowed", allowed, 0, 1, err) != RL_OK ||
         within(name, "now", now, 0, RL_MAX_UNIX_MS, err) != RL_OK)

@@ -6,7 +6,7 @@ tuples, ranges, generators, dicts, pairs of the wrong length; keyword arguments 
 unknown and duplicated) and calls Codec.check / check_windows, plus the blocking Limiter
 (pointed at a unix socket that does not exist, so a valid check fails fast at connect).
 
-The oracle is a Python model of the rules in csrc/args.c: a valid call must give a Request
+The oracle is a Python model of the rules in csrc/py_request.c: a valid call must give a Request
 whose EVALSHA is exactly what the model expects (keys, member, clock, windows sorted
 shortest first); an invalid one must raise the model's exception type (TypeError or
 ValueError), and Codec and Limiter must agree. Anything else is a crash.
@@ -248,7 +248,7 @@ def TestOneInput(data: bytes) -> None:
     style = fdp.ConsumeIntInRange(0, 5)
     cost = make_number(fdp) if fdp.ConsumeIntInRange(0, 2) == 0 else None
 
-    # Expected outcome of the argument matching (csrc/args.c rl_parse_args).
+    # Expected outcome of the argument matching (csrc/py_request.c rl_parse_args).
     args: tuple = tuple(values)
     kwargs: dict = {}
     argument_error = None

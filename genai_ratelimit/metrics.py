@@ -64,7 +64,7 @@ __all__ = [
 
 NAMESPACE = "genai_ratelimit"
 
-# The upper bounds (seconds) of the latency histogram's finite buckets (csrc/metrics.c).
+# The upper bounds (seconds) of the latency histogram's finite buckets (csrc/py_metrics.c).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # The `op` of a round trip: a limiter method's name, "ping", or "command" (SCAN, CLUSTER ...).

@@ -80,7 +80,7 @@ class Scope:
             raise ValueError(f"Scope {self.name!r} needs at least one window or token window")
 
     def native(self) -> tuple[str, bool, Windows, Windows]:
-        """The C layer's form (csrc/args.c add_scopes)."""
+        """The C layer's form (csrc/py_request.c add_scopes)."""
         return (self.name, self.shared, tuple(self.windows), tuple(self.token_windows))
 
     def windows_of(self, resource: Resource) -> Sequence[tuple[int, int]]:

@@ -250,6 +250,22 @@ def test_the_base_room_sees_no_floor_above_it():
             f"{name} includes {includes}: the ground floor must not see the rooms above it")
 
 
+# A call of the Python API (a function or a macro: PyLong_AsLong(, Py_INCREF(, _PyArg_...).
+PYTHON_CALL = re.compile(r"\b_?Py[A-Za-z0-9_]*\s*\(")
+
+
+@pytest.mark.parametrize("path", C_FILES, ids=lambda p: p.name)
+def test_a_c_files_name_says_whether_it_is_a_python_face(path):
+    """py_*.c are the Python faces (GIL held, Python API); every other file calls none of the
+    Python API, so the layout shows which C runs without Python (docs/architecture.md)."""
+    calls = sorted(set(m.group(0).rstrip("( ") for m in
+                       PYTHON_CALL.finditer(strip_comments_and_literals(path.read_text()))))
+    if path.name.startswith("py_"):
+        assert calls, f"{path.name} calls no Python API: it is not a Python face, rename it"
+    else:
+        assert calls == [], f"{path.name} calls the Python API ({calls[:5]}): a py_*.c file's work"
+
+
 def test_the_extension_exports_only_its_init_function():
     nm = shutil.which("nm")
     assert nm, "nm (binutils) is needed to list the extension's exported symbols"

@@ -238,7 +238,7 @@ def test_bad_constructor_option_is_refused(make_limiter, redis_url, kwargs, erro
                  id="timeout"),
 ])
 def test_the_c_limiter_refuses_what_the_constructors_refuse(kwargs, message):
-    """One copy of the options' rules (args.c): the extension's own type, made without the
+    """One copy of the options' rules (py_request.c): the extension's own type, made without the
     Python constructor, refuses the same values with the same message."""
     options = {"host": "127.0.0.1", "port": 1, **kwargs}
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -1,4 +1,4 @@
-"""The limiters' metrics: counters kept in C (csrc/metrics.c) that equal the decisions made,
+"""The limiters' metrics: counters kept in C (csrc/py_metrics.c) that equal the decisions made,
 from threads and from coroutines; failures, replays and connection errors counted where
 they happen; and their export to Prometheus (prometheus_client) and OpenTelemetry. Real
 redis-server, real faults (a closed port, a proxy that loses a reply).

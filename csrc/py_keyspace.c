@@ -1,5 +1,5 @@
 /*
- * keyspace.c - the Python face of the key grammar: the command line and genai_ratelimit's
+ * py_keyspace.c - the Python face of the key grammar: the command line and genai_ratelimit's
  * _keyspace read the limiter's keys with the rule script.c writes them with (rl_key_user,
  * rl_key_read), never a second copy of it.
  *

@@ -1,8 +1,8 @@
 /*
- * codec.c - the C half of the asyncio limiter (genai_ratelimit/aio.py).
+ * py_codec.c - the C half of the asyncio limiter (genai_ratelimit/aio.py).
  *
  *   Codec     validates a check and formats its EVALSHA exactly like the blocking limiter
- *             (args.c), returning either the kill switch's final answer or a Request.
+ *             (py_request.c), returning either the kill switch's final answer or a Request.
  *   Request   one prepared decision: the command bytes and its windows.
  *   Pipeline  one asyncio connection's protocol: the engine of proto.c (handshake, FIFO,
  *             NOSCRIPT reload, reply classification, replay rule: the same code the

@@ -1,5 +1,5 @@
 /*
- * routing.c - the asyncio limiter's face of the router (router.c): the types Router,
+ * py_routing.c - the asyncio limiter's face of the router (router.c): the types Router,
  * Route and RouteRead of genai_ratelimit._native, driven by aio.py the way cluster.c
  * drives the router over blocking sockets.
  *
@@ -10,7 +10,7 @@
  *              and takes each reply (or the exception of a failed question).
  *
  * Replies and failures reach the router as C values, never through Python objects: the
- * Pipeline of codec.c hands a question's redisReply, or its rl_status and rl_error, to the
+ * Pipeline of py_codec.c hands a question's redisReply, or its rl_status and rl_error, to the
  * RouteRead that asked it (rl_routing_answer), and a routed decision's failure to its
  * Route (rl_routing_failed), both here. aio.py names the status of the failures it meets
  * itself (a connection it could not open, a question that timed out): Route.failed(status,

@@ -1,5 +1,5 @@
 /*
- * limiter.c - the Limiter type: the blocking rate limiter that genai_ratelimit.RateLimiter
+ * py_limiter.c - the Limiter type: the blocking rate limiter that genai_ratelimit.RateLimiter
  * subclasses. One call = one decision: validate and format with the GIL held, then release
  * the GIL for the pool and the socket, then build the result tuple with the GIL again.
  *
@@ -34,7 +34,7 @@ typedef struct {
     unsigned long fork_generation; /* rl_fork_generation() at the last call; 0 before */
     rl_random *random;             /* the module's page of randomness (its fork generation) */
     int metrics_on;                /* count into metrics (constructor's metrics=True) */
-    rl_metrics metrics;            /* this limiter's counters (metrics.c) */
+    rl_metrics metrics;            /* this limiter's counters (py_metrics.c) */
 } LimiterObject;
 
 static rl_module_state *

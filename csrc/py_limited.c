@@ -1,5 +1,5 @@
 /*
- * limited.c - what the Limited API (Py_LIMITED_API = 3.10: one abi3 wheel for every CPython
+ * py_limited.c - what the Limited API (Py_LIMITED_API = 3.10: one abi3 wheel for every CPython
  * from 3.10 on) leaves out and the extension needs: the name of an object's type for
  * error messages. PyTypeObject is opaque there (no tp_name), and "%T" only came in 3.13.
  *

@@ -1,5 +1,5 @@
 /*
- * module.c - genai_ratelimit._native: module state, exceptions, multi-phase init, and
+ * py_module.c - genai_ratelimit._native: module state, exceptions, multi-phase init, and
  * the one place where a C-level rl_error becomes a Python exception (rl_raise).
  *
  * GIL contract: everything here runs with the GIL held.
@@ -44,7 +44,7 @@ rl_exception(rl_module_state *state, const rl_error *err)
     switch (err->kind) {
     case RL_ERR_NOMEM:
         /* CPython's own MemoryError (preallocated: making one may need memory), set as the
-           current exception: the caller takes it from there (resolve() in codec.c does). */
+           current exception: the caller takes it from there (resolve() in py_codec.c does). */
         PyErr_NoMemory();
         return NULL;
     case RL_ERR_TIMEOUT:

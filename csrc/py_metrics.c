@@ -1,5 +1,5 @@
 /*
- * metrics.c - the counters of one limiter: decisions by outcome, rejections by the window
+ * py_metrics.c - the counters of one limiter: decisions by outcome, rejections by the window
  * that refused (its length, resource and scope), tokens reserved, charged and refunded,
  * leases taken and given back, Redis round-trip latency in fixed buckets per op, replays and
  * connection errors.

@@ -25,7 +25,7 @@ script that may write, and is walked entry by entry by a read-only one (peek).
 --]]
 
 -- The functions of the weighted windows, and of the calls other than a check's decision
--- (a replay's lookup, peek's look, reconcile's set_cost): built by zset_log at their first
+-- (peek's look, reconcile's set_cost): built by zset_log at their first
 -- need in an execution, so that a check over plain windows creates none of these closures
 -- (a script's functions are made anew on every execution: a closure costs the server about
 -- a thousand instructions). `now` is the call's time; `probed`: the OOM probe has run (or
@@ -258,14 +258,6 @@ local function zset_weighted(n, now, probed)
     return freeing_stamp(i, need, false)
   end
 
-  -- When `member` is logged in window i (a replay whose first attempt counted): its time
-  -- and tie (always 0 here: members tell entries apart); else nil.
-  function long.logged(i, member)
-    local at = redis.call('ZSCORE', KEYS[i], member)
-    if at then return tonumber(at), 0 end
-    return nil
-  end
-
   -- Adds `delta` to the totals of window i's weighted entries after the total `after`
   -- (the entries after one whose cost changed or that came in before them).
   local function shift_totals_after(i, after, delta)
@@ -408,22 +400,25 @@ local function zset_log(n, given, writes, probe)
   local lazy = probe == 'lazy'
   if probe and not lazy then redis.call('ZADD', KEYS[1], 'XX', 0, '') end
   local now = script_now(given, writes)
-  -- Per plain window measured: its live entries (live_of) and the time at or before which
-  -- entries have left it (bound_of), its trim being owed; nil for a weighted one.
-  local live_of, bound_of, weighted = {}, {}, nil
+  -- owed[i]: the time at or before which plain window i's entries have left it, its trim
+  -- being owed (nil for a weighted window, or once trimmed); owed[n + i]: its live entries.
+  -- Times go to Redis as text made here once ("%d"): a number argument is formatted by
+  -- Redis's "%.17g", which costs the server more.
+  local owed, weighted, now_text = {}, nil, nil
   local log = {}
 
   -- Window i's used cost at now (its trim owed, for a plain window).
   function log.trim(i, window_ms)
     local extra = redis.call('HGET', KEYS[n + i], '')
     if extra then
-      bound_of[i] = nil
+      owed[i] = nil
       weighted = weighted or zset_weighted(n, now, not lazy)
       return weighted.trim(i, window_ms, tonumber(extra))
     end
     local bound = now - window_ms
+    if bound % 1 == 0 then bound = string.format('%d', bound) end
     local live = redis.call('ZCOUNT', KEYS[i], '(' .. bound, '+inf')
-    live_of[i], bound_of[i] = live, bound
+    owed[i], owed[n + i] = bound, live
     return live
   end
 
@@ -431,8 +426,8 @@ local function zset_log(n, given, writes, probe)
   -- none does; after trim(i). In a plain window every entry costs 1: the need-th live one,
   -- after the gone ones still in the set.
   function log.freeing_stamp(i, window_ms, need)
-    if not bound_of[i] then return weighted.freeing_stamp(i, window_ms, need) end
-    local at = redis.call('ZCARD', KEYS[i]) - live_of[i] + need - 1
+    if not owed[i] then return weighted.freeing_stamp(i, window_ms, need) end
+    local at = redis.call('ZCARD', KEYS[i]) - owed[n + i] + need - 1
     local score = redis.call('ZRANGE', KEYS[i], at, at, 'WITHSCORES')[2]
     return score and tonumber(score)
   end
@@ -441,12 +436,13 @@ local function zset_log(n, given, writes, probe)
   -- window: the ZADD first (under OOM Redis refuses it, nothing written), then its owed
   -- trim; a first weighted entry then starts the weights (zset_weighted's weigh).
   function log.add(i, member, cost, window_ms)
-    local bound = bound_of[i]
+    local bound = owed[i]
     if not bound then return weighted.add(i, member, cost, window_ms) end
-    bound_of[i] = nil
+    owed[i] = nil
+    if not now_text then now_text = now % 1 == 0 and string.format('%d', now) or now end
     local key = KEYS[i]
     local seconds = window_ms / 1000 + 1
-    redis.call('ZADD', key, now, member)
+    redis.call('ZADD', key, now_text, member)
     redis.call('ZREMRANGEBYSCORE', key, '-inf', bound)
     redis.call('EXPIRE', key, seconds)
     if cost ~= 1 then
@@ -463,19 +459,28 @@ local function zset_log(n, given, writes, probe)
   -- logged in: a refusal's, a replay's) are done, as a trim before the decision would have.
   function log.flush()
     for i = 1, n do
-      local bound = bound_of[i]
+      local bound = owed[i]
       if bound then
         redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', bound)
-        bound_of[i] = nil
+        owed[i] = nil
       end
     end
   end
 
-  -- The rest (logged, look, peek_freeing_stamp, set_cost) is zset_weighted's.
-  setmetatable(log, {__index = function(_, name)
-    weighted = weighted or zset_weighted(n, now, not lazy)
-    return weighted[name]
-  end})
+  -- When `member` is logged in window i (a replay whose first attempt counted): its time
+  -- and tie (always 0 here: members tell entries apart); else nil.
+  function log.logged(i, member)
+    local at = redis.call('ZSCORE', KEYS[i], member)
+    if at then return tonumber(at), 0 end
+    return nil
+  end
+
+  -- The rest (peek's look, reconcile's set_cost) is zset_weighted's, for the scripts other
+  -- than the check, which uses none of it.
+  if not lazy then
+    weighted = zset_weighted(n, now, true)
+    log.look, log.peek_freeing_stamp, log.set_cost = weighted.look, weighted.peek_freeing_stamp, weighted.set_cost
+  end
   return log, now
 end
 

@@ -25,11 +25,12 @@ script that may write, and is walked entry by entry by a read-only one (peek).
 --]]
 
 -- The functions of the weighted windows, and of the calls other than a check's decision
--- (peek's look, reconcile's set_cost): built by zset_log at their first
--- need in an execution, so that a check over plain windows creates none of these closures
--- (a script's functions are made anew on every execution: a closure costs the server about
--- a thousand instructions). `now` is the call's time; `probed`: the OOM probe has run (or
--- is not wanted), else trim runs it before its first write (see zset_log).
+-- (peek's look, reconcile's set_cost): built by zset_log at their first need in an
+-- execution, so that a check over plain windows creates none of these closures (a script's
+-- functions are made anew on every execution, each closure several hundred to a couple of
+-- thousand server instructions with its upvalues). `now` is the call's time; `probed`: the
+-- OOM probe has run (or is not wanted), else trim runs it before its first write (see
+-- zset_log).
 local function zset_weighted(n, now, probed)
   local long = {} -- the long way
   -- Per window measured: the weights' total of the entries still in the window; how many

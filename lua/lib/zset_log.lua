@@ -405,76 +405,78 @@ local function zset_log(n, given, writes, probe)
   -- being owed (nil for a weighted window, or once trimmed); owed[n + i]: its live entries.
   -- Times go to Redis as text made here once ("%d"): a number argument is formatted by
   -- Redis's "%.17g", which costs the server more.
-  local owed, weighted, now_text = {}, nil, nil
-  local log = {}
-
-  -- Window i's used cost at now (its trim owed, for a plain window).
-  function log.trim(i, window_ms)
-    local extra = redis.call('HGET', KEYS[n + i], '')
-    if extra then
-      owed[i] = nil
-      weighted = weighted or zset_weighted(n, now, not lazy)
-      return weighted.trim(i, window_ms, tonumber(extra))
-    end
-    local bound = now - window_ms
-    if bound % 1 == 0 then bound = string.format('%d', bound) end
-    local live = redis.call('ZCOUNT', KEYS[i], '(' .. bound, '+inf')
-    owed[i], owed[n + i] = bound, live
-    return live
-  end
-
-  -- The time of window i's oldest live entry whose leaving frees `need` units, or nil when
-  -- none does; after trim(i). In a plain window every entry costs 1: the need-th live one,
-  -- after the gone ones still in the set.
-  function log.freeing_stamp(i, window_ms, need)
-    if not owed[i] then return weighted.freeing_stamp(i, window_ms, need) end
-    local at = redis.call('ZCARD', KEYS[i]) - owed[n + i] + need - 1
-    local score = redis.call('ZRANGE', KEYS[i], at, at, 'WITHSCORES')[2]
-    return score and tonumber(score)
-  end
-
-  -- Logs `member` at now in window i with `cost`; the keys live window_ms + 1 s. A plain
-  -- window: the ZADD first (under OOM Redis refuses it, nothing written), then its owed
-  -- trim; a first weighted entry then starts the weights (zset_weighted's weigh).
-  function log.add(i, member, cost, window_ms)
-    local bound = owed[i]
-    if not bound then return weighted.add(i, member, cost, window_ms) end
-    owed[i] = nil
-    if not now_text then now_text = now % 1 == 0 and string.format('%d', now) or now end
-    local key = KEYS[i]
-    local seconds = window_ms / 1000 + 1
-    redis.call('ZADD', key, now_text, member)
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', bound)
-    redis.call('EXPIRE', key, seconds)
-    if cost ~= 1 then
-      weighted = weighted or zset_weighted(n, now, true)
-      weighted.weigh(i, member, cost, seconds, 0, nil)
-    end
-  end
-
-  -- The tie of a decision's entries: none here (lib/compact_log.lua needs one), and no
-  -- other time than now for them.
-  function log.tie() return 0 end
-
-  -- The end of a decision: the trims still owed (the plain windows measured but not
-  -- logged in: a refusal's, a replay's) are done, as a trim before the decision would have.
-  function log.flush()
-    for i = 1, n do
-      local bound = owed[i]
-      if bound then
-        redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', bound)
+  -- The tables are made by constructors, sized once: a table grown field by field is
+  -- resized at every power of two, which costs the server more than its closures.
+  local owed, weighted, now_text = {nil, nil}, nil, nil
+  local log = {
+    -- Window i's used cost at now (its trim owed, for a plain window).
+    trim = function(i, window_ms)
+      local extra = redis.call('HGET', KEYS[n + i], '')
+      if extra then
         owed[i] = nil
+        weighted = weighted or zset_weighted(n, now, not lazy)
+        return weighted.trim(i, window_ms, tonumber(extra))
       end
-    end
-  end
+      local bound = now - window_ms
+      if bound % 1 == 0 then bound = string.format('%d', bound) end
+      local live = redis.call('ZCOUNT', KEYS[i], '(' .. bound, '+inf')
+      owed[i], owed[n + i] = bound, live
+      return live
+    end,
 
-  -- When `member` is logged in window i (a replay whose first attempt counted): its time
-  -- and tie (always 0 here: members tell entries apart); else nil.
-  function log.logged(i, member)
-    local at = redis.call('ZSCORE', KEYS[i], member)
-    if at then return tonumber(at), 0 end
-    return nil
-  end
+    -- The time of window i's oldest live entry whose leaving frees `need` units, or nil when
+    -- none does; after trim(i). In a plain window every entry costs 1: the need-th live one,
+    -- after the gone ones still in the set.
+    freeing_stamp = function(i, window_ms, need)
+      if not owed[i] then return weighted.freeing_stamp(i, window_ms, need) end
+      local at = redis.call('ZCARD', KEYS[i]) - owed[n + i] + need - 1
+      local score = redis.call('ZRANGE', KEYS[i], at, at, 'WITHSCORES')[2]
+      return score and tonumber(score)
+    end,
+
+    -- Logs `member` at now in window i with `cost`; the keys live window_ms + 1 s. A plain
+    -- window: the ZADD first (under OOM Redis refuses it, nothing written), then its owed
+    -- trim; a first weighted entry then starts the weights (zset_weighted's weigh).
+    add = function(i, member, cost, window_ms)
+      local bound = owed[i]
+      if not bound then return weighted.add(i, member, cost, window_ms) end
+      owed[i] = nil
+      if not now_text then now_text = now % 1 == 0 and string.format('%d', now) or now end
+      local key = KEYS[i]
+      local seconds = window_ms / 1000 + 1
+      redis.call('ZADD', key, now_text, member)
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', bound)
+      redis.call('EXPIRE', key, seconds)
+      if cost ~= 1 then
+        weighted = weighted or zset_weighted(n, now, true)
+        weighted.weigh(i, member, cost, seconds, 0, nil)
+      end
+    end,
+
+    -- The tie of a decision's entries: none here (lib/compact_log.lua needs one), and no
+    -- other time than now for them.
+    tie = function() return 0 end,
+
+    -- The end of a decision: the trims still owed (the plain windows measured but not
+    -- logged in: a refusal's, a replay's) are done, as a trim before the decision would have.
+    flush = function()
+      for i = 1, n do
+        local bound = owed[i]
+        if bound then
+          redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', bound)
+          owed[i] = nil
+        end
+      end
+    end,
+
+    -- When `member` is logged in window i (a replay whose first attempt counted): its time
+    -- and tie (always 0 here: members tell entries apart); else nil.
+    logged = function(i, member)
+      local at = redis.call('ZSCORE', KEYS[i], member)
+      if at then return tonumber(at), 0 end
+      return nil
+    end,
+  }
 
   -- The rest (peek's look, reconcile's set_cost) is zset_weighted's, for the scripts other
   -- than the check, which uses none of it.

@@ -482,7 +482,8 @@ local function zset_log(n, given, writes, probe)
   -- than the check, which uses none of it.
   if not lazy then
     weighted = zset_weighted(n, now, true)
-    log.look, log.peek_freeing_stamp, log.set_cost = weighted.look, weighted.peek_freeing_stamp, weighted.set_cost
+    log.look, log.set_cost = weighted.look, weighted.set_cost
+    log.peek_freeing_stamp = weighted.peek_freeing_stamp
   end
   return log, now
 end

@@ -36,7 +36,7 @@ anything (the storage's OOM probe, open_log's), rather than admitting requests i
 --]]
 
 local n = #KEYS / KEYS_PER_WINDOW
-local log, now = open_log(n, ARGV[2], true, true) -- the OOM probe first, then the clock
+local log, now = open_log(n, ARGV[2], true, 'lazy') -- the OOM probe when needed (the storage's)
 local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 3])
 if TIE_NAMES_ENTRY then reply[8] = tie end
 return reply

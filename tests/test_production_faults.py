@@ -96,6 +96,50 @@ def test_a_full_redis_refuses_the_check_and_writes_nothing(servers, make_limiter
     client.close()
 
 
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
+def test_a_full_redis_refuses_a_check_over_a_weighted_window_and_writes_nothing(
+        servers, make_limiter: LimiterFactory):
+    """A weighted window is trimmed before the decision (its weights go with the entries
+    leaving): the OOM probe runs before that trim, so a full Redis refuses the check and the
+    set and its weights are left exactly as they were."""
+    server = servers("--maxmemory", "8mb", "--maxmemory-policy", "noeviction")
+    client = redis.Redis.from_url(server.url)
+    user = f"full-w-{uuid.uuid4().hex[:8]}"
+    key = f"ratelimit:{user}:60"
+    now_ms = int(time.time() * 1000)
+    client.zadd(key, {"expired-entry": now_ms - 120_000, "live-entry": now_ms - 1_000})
+    client.hset(f"{key}:w", mapping={"expired-entry": 3, "": 2})
+    fill_until_out_of_memory(client)
+    before = (entries(client, key), client.hgetall(f"{key}:w"))
+    limiter = make_limiter(server.url, connect_timeout=2, socket_timeout=2)
+    with pytest.raises(RateLimiterUnavailable, match="out of memory"):
+        limiter.check(user, 10, 60)
+    assert (entries(client, key), client.hgetall(f"{key}:w")) == before
+    client.close()
+
+
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
+def test_a_full_redis_answers_a_refusal_which_logs_nothing(servers, make_limiter: LimiterFactory):
+    """Over plain windows the check's first write is the entry's ZADD, which Redis refuses
+    under OOM: a refusal, which adds nothing, is answered, and the window is unchanged."""
+    server = servers("--maxmemory", "8mb", "--maxmemory-policy", "noeviction")
+    client = redis.Redis.from_url(server.url)
+    user = f"full-r-{uuid.uuid4().hex[:8]}"
+    key = f"ratelimit:{user}:60"
+    now_ms = int(time.time() * 1000)
+    client.zadd(key, {f"live-{i}": now_ms - 1_000 + i for i in range(3)})
+    fill_until_out_of_memory(client)
+    before = entries(client, key)
+    limiter = make_limiter(server.url, connect_timeout=2, socket_timeout=2)
+    allowed, remaining, retry_after_s = limiter.check(user, 3, 60)
+    assert (allowed, remaining) == (False, 0) and 58 <= retry_after_s <= 60
+    assert entries(client, key) == before
+    with pytest.raises(RateLimiterUnavailable, match="out of memory"):
+        limiter.check(user, 4, 60)  # room for one more: the ZADD is refused
+    assert entries(client, key) == before
+    client.close()
+
+
 def test_after_memory_is_freed_the_same_limiter_counts_again(servers, make_limiter: LimiterFactory):
     server = servers("--maxmemory", "8mb", "--maxmemory-policy", "noeviction")
     client = redis.Redis.from_url(server.url)

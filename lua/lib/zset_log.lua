@@ -24,18 +24,15 @@ version of this library, which kept no totals, gets them built once (O(entries))
 script that may write, and is walked entry by entry by a read-only one (peek).
 --]]
 
--- The log of a call's n windows, and the request's time it is read at (script_now(given,
--- writes), lib/clock.lua): functions over KEYS[i], KEYS[n + i] and KEYS[2n + i], with what
--- the last measure of each window found kept for the search. `probe`: the OOM probe runs
--- first, before the clock is read and anything is written. Redis refuses a command that
--- may grow memory (ZADD) under OOM only while the script has written nothing yet, and a
--- trim that removed an entry would let every later ZADD through. So one such command goes
--- first, one that changes nothing (XX: only existing members; "" is never a member): over
--- maxmemory it fails the whole script with -OOM, and nothing was written.
-local function zset_log(n, given, writes, probe)
-  if probe then redis.call('ZADD', KEYS[1], 'XX', 0, '') end
-  local now = script_now(given, writes)
-  local log = {}
+-- The functions of the weighted windows, and of the calls other than a check's decision
+-- (peek's look, reconcile's set_cost): built by zset_log at their first need in an
+-- execution, so that a check over plain windows creates none of these closures (a script's
+-- functions are made anew on every execution, each closure several hundred to a couple of
+-- thousand server instructions with its upvalues). `now` is the call's time; `probed`: the
+-- OOM probe has run (or is not wanted), else trim runs it before its first write (see
+-- zset_log).
+local function zset_weighted(n, now, probed)
+  local long = {} -- the long way
   -- Per window measured: the weights' total of the entries still in the window; how many
   -- of the first entries (by rank) have left it but are still in the set (0 after a
   -- trim); the running total up to and including the last of those (the first live
@@ -127,10 +124,15 @@ local function zset_log(n, given, writes, probe)
     return tonumber(redis.call('ZSCORE', totals, '')) + r + 1
   end
 
-  -- Drops the entries that left window i; returns its used cost.
-  function log.trim(i, window_ms)
+  -- Drops the entries that left window i, whose weights' "" field is `extra` (the caller
+  -- read it: a number, the window holds weighted entries); returns its used cost. The OOM
+  -- probe first when it has not run: this trim's writes may come first.
+  function long.trim(i, window_ms, extra)
     local key, weights, totals = keys_of(i)
-    local extra = tonumber(redis.call('HGET', weights, ''))
+    if not probed then
+      redis.call('ZADD', KEYS[1], 'XX', 0, '')
+      probed = true
+    end
     local dead_total = nil
     if extra then
       -- Weighted entries may be leaving: take their weight off the total first.
@@ -166,7 +168,7 @@ local function zset_log(n, given, writes, probe)
   -- Window i as trim would leave it, without writing: its used cost and its oldest
   -- entry's time (nil when empty). The entries at or before now - window_ms count as
   -- gone, and so do their weights.
-  function log.look(i, window_ms)
+  function long.look(i, window_ms)
     local key, weights, totals = keys_of(i)
     local gone = redis.call('ZCOUNT', key, '-inf', now - window_ms)
     local extra = tonumber(redis.call('HGET', weights, ''))
@@ -248,29 +250,14 @@ local function zset_log(n, given, writes, probe)
     return hit[1] and tonumber(redis.call('ZSCORE', key, hit[1])) or nil
   end
 
-  function log.freeing_stamp(i, _, need)
+  function long.freeing_stamp(i, _, need)
     return freeing_stamp(i, need, true)
   end
 
   -- peek's: never writes (a window without totals is walked).
-  function log.peek_freeing_stamp(i, _, need)
+  function long.peek_freeing_stamp(i, _, need)
     return freeing_stamp(i, need, false)
   end
-
-  -- When `member` is logged in window i (a replay whose first attempt counted): its time
-  -- and tie (always 0 here: members tell entries apart); else nil.
-  function log.logged(i, member)
-    local at = redis.call('ZSCORE', KEYS[i], member)
-    if at then return tonumber(at), 0 end
-    return nil
-  end
-
-  -- The tie of a decision's entries: none here (lib/compact_log.lua needs one), and no
-  -- other time than now for them.
-  function log.tie() return 0 end
-
-  -- Nothing is kept for later here: every change was written when it was made.
-  function log.flush() end
 
   -- Adds `delta` to the totals of window i's weighted entries after the total `after`
   -- (the entries after one whose cost changed or that came in before them).
@@ -280,15 +267,12 @@ local function zset_log(n, given, writes, probe)
     for j = 1, #later do redis.call('ZINCRBY', totals, delta, later[j]) end
   end
 
-  -- Logs `member` at now in window i with `cost`; the keys live window_ms + 1 s. Called
-  -- after the decision trimmed the window (trim's findings are used).
-  function log.add(i, member, cost, window_ms)
+  -- The weights and running totals of `member`, just logged at now in window i (trimmed)
+  -- with `cost`, whose weighted entries' total was `extra` and totals' origin `before`
+  -- (nil: no totals) before it; the keys live `seconds`.
+  function long.weigh(i, member, cost, seconds, extra, before)
     local key, weights, totals = keys_of(i)
-    local seconds = window_ms / 1000 + 1
-    local before = dead_total_of[i]
-    local weighted = extra_of[i] > 0
-    redis.call('ZADD', key, now, member)
-    redis.call('EXPIRE', key, seconds)
+    local weighted = extra > 0
     if cost ~= 1 then
       redis.call('HSET', weights, member, cost)
       redis.call('HINCRBY', weights, '', cost - 1)
@@ -311,9 +295,19 @@ local function zset_log(n, given, writes, probe)
       if cost ~= 1 then redis.call('ZADD', totals, total, member) end
     elseif cost ~= 1 then
       -- The window's cost up to here is the origin plus what the trim left and this cost.
-      redis.call('ZADD', totals, before + count - 1 + extra_of[i] + cost, member)
+      redis.call('ZADD', totals, before + count - 1 + extra + cost, member)
     end
     redis.call('EXPIRE', totals, seconds)
+  end
+
+  -- Logs `member` at now in window i with `cost`; the keys live window_ms + 1 s. Called
+  -- after the decision trimmed the window (trim's findings are used).
+  function long.add(i, member, cost, window_ms)
+    local key = KEYS[i]
+    local seconds = window_ms / 1000 + 1
+    redis.call('ZADD', key, now, member)
+    redis.call('EXPIRE', key, seconds)
+    long.weigh(i, member, cost, seconds, extra_of[i], dead_total_of[i])
   end
 
   -- Sets the cost of the entry `member` logged at `score` in window i to `cost` (0
@@ -321,7 +315,7 @@ local function zset_log(n, given, writes, probe)
   -- tie, a compact log's, is not needed).
   -- Returns 1 when it was, else 0. Setting the same cost twice changes nothing. The
   -- totals of the weighted entries after it move by the difference (O(those entries)).
-  function log.set_cost(i, member, score, _, cost, window_ms)
+  function long.set_cost(i, member, score, _, cost, window_ms)
     local key, weights, totals = keys_of(i)
     local logged = tonumber(redis.call('ZSCORE', key, member))
     if logged ~= score or score <= now - window_ms then return 0 end
@@ -380,6 +374,117 @@ local function zset_log(n, given, writes, probe)
     return 1
   end
 
+  return long
+end
+
+-- The log of a call's n windows, and the request's time it is read at (script_now(given,
+-- writes), lib/clock.lua): functions over KEYS[i], KEYS[n + i] and KEYS[2n + i].
+--
+-- A check over plain windows (no weights: the weights' "" field is absent) takes the
+-- short way: the window's used cost is counted (ZCOUNT of the entries after
+-- now - window_ms), not trimmed first; the trim comes after the entry's ZADD (add), or at
+-- the end of a decision that logged nothing (flush). An allowed check runs HGET, ZCOUNT,
+-- ZADD, ZREMRANGEBYSCORE and EXPIRE per window. A weighted window goes the long way
+-- (zset_weighted, built then).
+--
+-- `probe`, the OOM probe. Redis refuses a command that may grow memory (ZADD) under OOM
+-- only while the script has written nothing yet, and a trim that removed an entry would
+-- let every later ZADD through. The probe is such a command that changes nothing (ZADD XX:
+-- only existing members; "" is never a member): over maxmemory it fails the whole script
+-- with -OOM, and nothing was written. true: it runs first, before the clock is read (the
+-- scripts that write before the log does: leases, reconcile). 'lazy' (sliding_window.lua,
+-- whose only writes are the log's): it runs only before a write Redis would let through,
+-- a weighted window's trim; over plain windows the first write is the entry's own ZADD,
+-- which Redis refuses itself. So a full Redis still refuses every check that would log,
+-- with nothing written, and answers a refusal (which logs nothing; its trims only free).
+local function zset_log(n, given, writes, probe)
+  local lazy = probe == 'lazy'
+  if probe and not lazy then redis.call('ZADD', KEYS[1], 'XX', 0, '') end
+  local now = script_now(given, writes)
+  -- owed[i]: the time at or before which plain window i's entries have left it, its trim
+  -- being owed (nil for a weighted window, or once trimmed); owed[n + i]: its live entries.
+  -- Times go to Redis as text made here once ("%d"): a number argument is formatted by
+  -- Redis's "%.17g", which costs the server more.
+  -- The tables are made by constructors, sized once: a table grown field by field is
+  -- resized at every power of two, which costs the server more than its closures.
+  local owed, weighted, now_text = {nil, nil}, nil, nil
+  local log = {
+    -- Window i's used cost at now (its trim owed, for a plain window).
+    trim = function(i, window_ms)
+      local extra = redis.call('HGET', KEYS[n + i], '')
+      if extra then
+        owed[i] = nil
+        weighted = weighted or zset_weighted(n, now, not lazy)
+        return weighted.trim(i, window_ms, tonumber(extra))
+      end
+      local bound = now - window_ms
+      if bound % 1 == 0 then bound = string.format('%d', bound) end
+      local live = redis.call('ZCOUNT', KEYS[i], '(' .. bound, '+inf')
+      owed[i], owed[n + i] = bound, live
+      return live
+    end,
+
+    -- The time of window i's oldest live entry whose leaving frees `need` units, or nil when
+    -- none does; after trim(i). In a plain window every entry costs 1: the need-th live one,
+    -- after the gone ones still in the set.
+    freeing_stamp = function(i, window_ms, need)
+      if not owed[i] then return weighted.freeing_stamp(i, window_ms, need) end
+      local at = redis.call('ZCARD', KEYS[i]) - owed[n + i] + need - 1
+      local score = redis.call('ZRANGE', KEYS[i], at, at, 'WITHSCORES')[2]
+      return score and tonumber(score)
+    end,
+
+    -- Logs `member` at now in window i with `cost`; the keys live window_ms + 1 s. A plain
+    -- window: the ZADD first (under OOM Redis refuses it, nothing written), then its owed
+    -- trim; a first weighted entry then starts the weights (zset_weighted's weigh).
+    add = function(i, member, cost, window_ms)
+      local bound = owed[i]
+      if not bound then return weighted.add(i, member, cost, window_ms) end
+      owed[i] = nil
+      if not now_text then now_text = now % 1 == 0 and string.format('%d', now) or now end
+      local key = KEYS[i]
+      local seconds = window_ms / 1000 + 1
+      redis.call('ZADD', key, now_text, member)
+      redis.call('ZREMRANGEBYSCORE', key, '-inf', bound)
+      redis.call('EXPIRE', key, seconds)
+      if cost ~= 1 then
+        weighted = weighted or zset_weighted(n, now, true)
+        weighted.weigh(i, member, cost, seconds, 0, nil)
+      end
+    end,
+
+    -- The tie of a decision's entries: none here (lib/compact_log.lua needs one), and no
+    -- other time than now for them.
+    tie = function() return 0 end,
+
+    -- The end of a decision: the trims still owed (the plain windows measured but not
+    -- logged in: a refusal's, a replay's) are done, as a trim before the decision would have.
+    flush = function()
+      for i = 1, n do
+        local bound = owed[i]
+        if bound then
+          redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', bound)
+          owed[i] = nil
+        end
+      end
+    end,
+
+    -- When `member` is logged in window i (a replay whose first attempt counted): its time
+    -- and tie (always 0 here: members tell entries apart); else nil.
+    logged = function(i, member)
+      local at = redis.call('ZSCORE', KEYS[i], member)
+      if at then return tonumber(at), 0 end
+      return nil
+    end,
+  }
+
+  -- The rest (peek's look, reconcile's set_cost) is zset_weighted's, for the scripts other
+  -- than the check, which uses none of it.
+  if not lazy then
+    weighted = zset_weighted(n, now, true)
+    log.look, log.set_cost = weighted.look, weighted.set_cost
+    log.peek_freeing_stamp = weighted.peek_freeing_stamp
+  end
   return log, now
 end
 

@@ -222,19 +222,26 @@ class RequestOutcomes:
         self._in_flight: dict[str, int] = {}
         self._tokens: dict[tuple[str, str, str], int] = {}
 
+    def _bump_known(self, series: dict[Any, int], key: tuple[Any, ...], n: int) -> bool:
+        """Adds n to a series counted before (its labels were checked when it was first
+        counted) and answers True; False for a new series or an unhashable label (the caller
+        checks and counts it)."""
+        with self._lock:
+            try:
+                known = series.get(key)
+            except TypeError:
+                return False
+            if known is None:
+                return False
+            series[key] = known + n
+            return True
+
     def add_tokens(self, state: str, *, tier: str, mode: str, count: int) -> None:
         """Counts `count` tokens of a TokenRateLimit request of `tier`: state "reserved",
         "charged" or "refunded"."""
-        key = (tier, mode, state)
-        if type(count) is int and count >= 0:  # noqa: E721 - bool is not a count
-            with self._lock:  # a series already counted was checked when it was first counted
-                try:
-                    known = self._tokens.get(key)
-                except TypeError:  # an unhashable label: refused below
-                    known = None
-                if known is not None:
-                    self._tokens[key] = known + count
-                    return
+        if type(count) is int and count >= 0 and self._bump_known(  # noqa: E721 - bool is not a count
+                self._tokens, (tier, mode, state), count):
+            return
         if state not in ("reserved", "charged", "refunded"):
             raise ValueError(f"state must be reserved, charged or refunded, got {state!r}")
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -254,14 +261,8 @@ class RequestOutcomes:
             resource: str) -> None:
         """Counts one request in `outcome` (one of OUTCOMES) with these labels (non-empty)."""
         labels = (outcome, tier, scope, mode, window_seconds, resource)
-        with self._lock:  # a series already counted was checked when it was first counted
-            try:
-                count = self._counts.get(labels)
-            except TypeError:  # an unhashable label: refused below
-                count = None
-            if count is not None:
-                self._counts[labels] = count + 1
-                return
+        if self._bump_known(self._counts, labels, 1):
+            return
         if outcome not in _OUTCOME_SET:
             raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
         if not all(isinstance(value, str) and value for value in labels):

@@ -222,10 +222,15 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
             "socket_timeout": args.timeout}
 
 
+def _url(args: argparse.Namespace) -> str:
+    """--url, else $REDIS_URL, else the default (what a limiter given no URL reads), kept in
+    args.url for the commands' other limiters."""
+    args.url = args.url or os.environ.get("REDIS_URL") or "redis://localhost:6379/0"
+    return str(args.url)
+
+
 def _redis_options(args: argparse.Namespace) -> RedisOptions:
-    url = args.url or os.environ.get("REDIS_URL") or "redis://localhost:6379/0"
-    args.url = url
-    return parse_redis_url(url)
+    return parse_redis_url(_url(args))
 
 
 def _without_storage(url: str) -> str:
@@ -243,7 +248,7 @@ def _other_storage(limiter: RateLimiter | AsyncRateLimiter, args: argparse.Names
                    kind: type[Any]) -> Any:
     """A limiter like `limiter` (a RateLimiter or AsyncRateLimiter: `kind`) of the other
     storage: the command line reads each key with the storage its name says."""
-    return kind(_without_storage(args.url), storage=_other_storage_name(limiter), **_options(args))
+    return kind(_without_storage(_url(args)), storage=_other_storage_name(limiter), **_options(args))
 
 
 @dataclass

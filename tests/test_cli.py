@@ -109,6 +109,18 @@ def test_reset_frees_every_window_or_the_ones_named(redis_url: str, redis_client
     assert redis_client.keys(f"ratelimit:{user_id}:*") == []
 
 
+def test_reset_of_named_windows_reads_redis_url_when_no_url_is_given(
+        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    # Both storages' keys are reset, so the command opens a limiter of the other storage too:
+    # on the URL $REDIS_URL names, like its first one.
+    for _ in range(3):
+        assert run("--url", redis_url, "check", user_id).returncode == 0
+    done = run("reset", user_id, "--window", "60", env={"REDIS_URL": redis_url})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"reset {user_id!r} (60 s): 3 entries removed\n"
+    assert redis_client.zcard(f"ratelimit:{user_id}:86400") == 3
+
+
 def test_inspect_shows_a_tiers_gcra_bucket_and_any_other_the_user_has(
         tmp_path: Path, redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
     tiers = tmp_path / "tiers.toml"

@@ -239,6 +239,21 @@ def test_scopes_with_the_windows_already_counted_reserve_the_scopes_only() -> No
     assert out.verdicts == [Allowed((WindowState(5, 60, "requests", 3),), NOW)]
 
 
+
+def test_only_a_decision_the_route_shares_is_counted_once_in_shadow_mode() -> None:
+    # check_windows' decision is remembered for the route's other dependencies: its id names it.
+    _, out = drive(Facts("shadow:alice", "free", MINUTE_DAY), SHADOW, [(False, 0, 30, 60)])
+    [verdict] = out.verdicts
+    assert isinstance(verdict, Refused) and out.remember is not None
+    assert verdict.once == id(out.remember)
+    # A scope reserve refused by the user's own windows makes a decision no one keeps: once
+    # it is gone its id may name another dependency's, so it is counted every time.
+    route = Scope("route:/v1/x", windows=[(2, 60)])
+    refused = reservation(False, retry_after_ms=30_000, windows=(WindowState(5, 60, "requests", 0),))
+    _, out = drive(Facts("shadow:alice", "free", MINUTE_DAY, scopes=(route,)), SHADOW, [refused])
+    [verdict] = out.verdicts
+    assert isinstance(verdict, Refused) and verdict.once is None and out.remember is None
+
 # --- the blocking driver ----------------------------------------------------------------------
 
 

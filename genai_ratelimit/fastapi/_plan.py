@@ -251,8 +251,11 @@ def plan(facts: Facts, policy: Policy) -> Plan:
     if facts.counted is not None:
         decision, exact = facts.counted, _exact(facts.counted, policy)
     elif not reservation.allowed:
+        # This dependency's own refusal, shared with no other: counted as its own in shadow.
         decision = (False, 0, reservation.retry_after_s, reservation.window_seconds)
-        exact = (reservation.retry_after_ms, stamp)
+        out.verdicts.append(_window_verdict(facts, policy, decision, reservation.retry_after_ms,
+                                            stamp, shared=False))
+        return out
     else:
         state = tightest(reservation.windows, "requests")
         assert state is not None and state.remaining is not None
@@ -363,8 +366,11 @@ def _too_large(facts: Facts, policy: Policy) -> Refused | None:
 
 
 def _window_verdict(facts: Facts, policy: Policy, decision: Decision, retry_ms: int,
-                    stamp: int) -> Verdict:
-    """A request-window decision (check_windows' 4-tuple) as a verdict."""
+                    stamp: int, *, shared: bool = True) -> Verdict:
+    """A request-window decision (check_windows' 4-tuple) as a verdict. `shared`: the decision
+    lives on in the request (remembered for, or taken from, the route's other dependencies),
+    so its id names it for shadow mode's count-once; a decision of this dependency alone is
+    gone after the plan and its id may be reused: counted every time (once=None)."""
     allowed, remaining, retry_s, window_seconds = decision
     limit = facts.windows[0][0]  # the window that decided, else the first
     for window_limit, seconds in facts.windows:
@@ -378,7 +384,8 @@ def _window_verdict(facts: Facts, policy: Policy, decision: Decision, retry_ms: 
                    (retry_s, retry_ms), refusal_message("requests", window_seconds, limit, 1, retry_ms),
                    "rejected", "requests", window_seconds,
                    family=(ResourceHeaders("requests", limit, 0, retry_ms),),
-                   ietf=(("requests", window_seconds, 0, retry_s),), now_ms=stamp, once=id(decision))
+                   ietf=(("requests", window_seconds, 0, retry_s),), now_ms=stamp,
+                   once=id(decision) if shared else None)
 
 
 def _scope_refusal(facts: Facts, reservation: Reservation) -> Refused:

@@ -222,10 +222,8 @@ def _allowed(dependency: RateLimit, request: Request, response: Response, facts:
             requests = state
             break
     if dependency.mode == "shadow":  # an observer: its verdict in X-RateLimit-Shadow-* only
-        shadow = [("X-RateLimit-Shadow-Tokens-Remaining", str(s.remaining))
-                  for s in verdict.states if s.resource == "tokens" and s.remaining is not None]
-        if requests is not None and requests.remaining is not None:
-            shadow = allowed_headers(requests.limit, requests.remaining, requests.window_seconds) + shadow
+        shadow = [] if requests is None or requests.remaining is None else \
+            allowed_headers(requests.limit, requests.remaining, requests.window_seconds)
         _record_shadow(request, response, shadow_headers(shadow, "allow"))
         return
     if verdict.record and requests is not None and requests.remaining is not None:

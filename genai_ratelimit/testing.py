@@ -156,11 +156,15 @@ class ThrowawayRedis:
         base = None if len(tempfile.gettempdir()) < _MAX_SOCKET_PATH - 40 else "/tmp"
         self.directory = Path(tempfile.mkdtemp(prefix="genai-ratelimit-", dir=base))
         log = self.directory / "redis.log"
-        self._process = subprocess.Popen(
-            [self.binary, "--port", "0", "--unixsocket", self.unix_path, "--unixsocketperm", "700",
-             "--save", "", "--appendonly", "no", "--dir", str(self.directory),
-             "--logfile", str(log)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            self._process = subprocess.Popen(
+                [self.binary, "--port", "0", "--unixsocket", self.unix_path, "--unixsocketperm",
+                 "700", "--save", "", "--appendonly", "no", "--dir", str(self.directory),
+                 "--logfile", str(log)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except BaseException:
+            self.stop()  # removes the directory made for it
+            raise
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline and self._process.poll() is None:
             try:
@@ -254,13 +258,15 @@ class LimiterFactory:
     def close(self) -> None:
         """Closes every limiter it made (an async one on a loop of its own: the loops the test
         ran it on have closed their connections as they shut down)."""
-        for limiter in self._limiters:
-            limiter.close()
-        left = [limiter for limiter in self._async_limiters if not limiter.closed]
-        if left:
-            asyncio.run(_close_all(left))
-        self._limiters.clear()
-        self._async_limiters.clear()
+        limiters, self._limiters = self._limiters, []
+        async_limiters, self._async_limiters = self._async_limiters, []
+        try:
+            for limiter in limiters:
+                limiter.close()
+        finally:  # one that fails to close leaves none of the others open
+            left = [limiter for limiter in async_limiters if not limiter.closed]
+            if left:
+                asyncio.run(_close_all(left))
 
 
 async def _close_all(limiters: list[AsyncRateLimiter]) -> None:

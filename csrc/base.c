@@ -84,12 +84,12 @@ rl_socket(int domain, int type, int protocol)
     int fd = socket(domain, type, protocol);
     if (fd < 0)
         return -1;
-    int one = 1;
-    if (fcntl(fd, F_SETFD, FD_CLOEXEC) != 0
+    int failed = fcntl(fd, F_SETFD, FD_CLOEXEC) != 0;
 #ifdef SO_NOSIGPIPE
-        || setsockopt(fd, SOL_SOCKET, SO_NOSIGPIPE, &one, sizeof(one)) != 0
+    int one = 1;
+    failed = failed || setsockopt(fd, SOL_SOCKET, SO_NOSIGPIPE, &one, sizeof(one)) != 0;
 #endif
-    ) {
+    if (failed) {
         int saved = errno;
         close(fd);
         errno = saved;

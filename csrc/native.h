@@ -818,8 +818,9 @@ PyObject *rl_raise(rl_module_state *state, const rl_error *err);
 /* The exception instance for err (a new reference), or NULL with an exception set. */
 PyObject *rl_exception(rl_module_state *state, const rl_error *err);
 /* Its inverse: the rl_error of a failure a driver met (exc, an exception instance) whose
-   status the driver names: kind and exc's text. 0, or -1 with an exception set. */
-int rl_error_from(PyObject *exc, rl_status kind, rl_error *err);
+   status the driver names: kind and exc's text (a fixed text when exc's cannot be rendered).
+   Never fails: no exception is left set. */
+void rl_error_from(PyObject *exc, rl_status kind, rl_error *err);
 
 /* py_routing.c, GIL held: how the Pipeline (py_codec.c) hands C replies and C statuses to the
    router, with no Python object in between. route is a Route, read a RouteRead (checked by

@@ -844,8 +844,7 @@ static PyObject *
 wait_failure(rl_module_state *state, PyObject *exc, rl_status cause)
 {
     rl_error err;
-    if (rl_error_from(exc, cause, &err) < 0)
-        return NULL;
+    rl_error_from(exc, cause, &err);
     if (rl_proto_wait_failed(cause, &err) == cause)
         return Py_NewRef(exc);
     return rl_exception(state, &err);
@@ -857,8 +856,7 @@ static PyObject *
 routed_failure(rl_module_state *state, PyObject *route, PyObject *exc, rl_status cause)
 {
     rl_error err;
-    if (rl_error_from(exc, cause, &err) < 0)
-        return NULL;
+    rl_error_from(exc, cause, &err);
     if (rl_routing_failed(route, cause, &err) < 0)
         return rl_exception(state, &err);
     return Py_NewRef(exc);
@@ -880,11 +878,7 @@ pop_all(PipelineObject *self, rl_module_state *state, PyObject *exc, rl_status c
         if (e.step == RL_STEP_COMMAND && e.holder != NULL) {
             /* A router's question: the read that asked hears why it got no answer. */
             rl_error err;
-            if (rl_error_from(exc, cause, &err) < 0) {
-                err.kind = cause;
-                snprintf(err.message, sizeof(err.message), "the connection failed");
-                PyErr_Clear();
-            }
+            rl_error_from(exc, cause, &err);
             rl_routing_answer((PyObject *)e.holder, cause, NULL, &err);
         }
         if (future != NULL) {

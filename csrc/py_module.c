@@ -86,20 +86,20 @@ rl_exception(rl_module_state *state, const rl_error *err)
     return exc;
 }
 
-int
+void
 rl_error_from(PyObject *exc, rl_status kind, rl_error *err)
 {
     err->kind = kind;
-    err->message[0] = '\0';
     PyObject *text = PyObject_Str(exc);
     const char *said = text != NULL ? PyUnicode_AsUTF8AndSize(text, NULL) : NULL;
     if (said == NULL) {
-        Py_XDECREF(text);
-        return -1;
+        /* A text that cannot be rendered (lone surrogates, a failing __str__) must not keep
+           the failure from reaching whoever waits on it: the status says what happened. */
+        PyErr_Clear();
+        said = "the connection failed (its error could not be rendered as text)";
     }
     snprintf(err->message, sizeof(err->message), "%s", said);
-    Py_DECREF(text);
-    return 0;
+    Py_XDECREF(text);
 }
 
 PyObject *

@@ -65,7 +65,8 @@ named_failure(PyObject *status, PyObject *exc, rl_error *err)
         PyErr_SetString(PyExc_TypeError, "exc must be an exception instance");
         return -1;
     }
-    return rl_error_from(exc, (rl_status)kind, err);
+    rl_error_from(exc, (rl_status)kind, err);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- Router */

@@ -14,7 +14,9 @@ so quote these beside the commandstats rows of `make bench`, not instead of them
 
 Contenders: an empty script (the floor of any EVALSHA), the seed's four-command script (client
 time), the same with the server's TIME, this package's check as the extension sends it
-(server clock, client clock; one window, and minute + day).
+(server clock, client clock; one window, and minute + day), and the same check loaded once as
+a Redis Function (`FUNCTION LOAD`, called with `FCALL`): the library's definitions made once
+per server instead of once per call (an experiment: the extension sends EVALSHA).
 """
 
 from __future__ import annotations
@@ -55,6 +57,18 @@ def four_op(user: str, member: str, now: int) -> Sequence[object]:
     return [1, f"{user}:60", now, 60_000, BIG, member]
 
 
+def as_function(script: str) -> str:
+    """The check as a Redis Functions library: the library part (every `local function` the
+    build prepends) is run once by FUNCTION LOAD, the entry script's body per FCALL. KEYS and
+    ARGV are upvalues the registered function sets (a library may not read globals)."""
+    entry = script.index("--[[\nsliding_window.lua")
+    return ("#!lua name=genai_ratelimit_bench\nlocal KEYS, ARGV\n" + script[:entry] +
+            "\nredis.register_function('check', function(keys, args)\nKEYS, ARGV = keys, args\n" +
+            script[entry:] + "\nend)\n")
+
+
+FUNCTION_PREFIX = "#!lua name="
+
 FOUR_OP_TIME = ORIGINAL_FOUR_OP_SCRIPT.replace(
     "local now = tonumber(ARGV[1])",
     "local t = redis.call('TIME')\n"
@@ -67,6 +81,9 @@ CONTENDERS: dict[str, tuple[str, Argv]] = {
     "check, server clock (default)": (SCRIPT_TEXT, ours([60], False)),
     "check, client clock": (SCRIPT_TEXT, ours([60], True)),
     "check_windows minute + day, server clock": (SCRIPT_TEXT, ours([60, 86400], False)),
+    "check, server clock, as a Redis Function (FCALL)": (as_function(SCRIPT_TEXT), ours([60], False)),
+    "minute + day, server clock, as a Redis Function (FCALL)":
+        (as_function(SCRIPT_TEXT), ours([60, 86400], False)),
 }
 BASELINE = "seed four-op script (client time)"
 
@@ -97,11 +114,19 @@ def run_server(script: str, argv: Argv, calls: int, workdir: Path) -> int:
                 if time.monotonic() > deadline:
                     raise RuntimeError("redis-server under callgrind did not start") from None
                 time.sleep(0.1)
-        sha = client.script_load(script)
+        function = script.startswith(FUNCTION_PREFIX)
+        if function:
+            client.function_load(script, replace=True)
+        else:
+            sha = client.script_load(script)
         pipe = client.pipeline(transaction=False)
         for i in range(calls):
-            pipe.evalsha(sha, *argv(f"gbench:ir:user_{i % USERS}", str(uuid.uuid4()),
-                                    int(time.time() * 1000)))
+            arguments = argv(f"gbench:ir:user_{i % USERS}", str(uuid.uuid4()),
+                             int(time.time() * 1000))
+            if function:
+                pipe.execute_command("FCALL", "check", *arguments)
+            else:
+                pipe.evalsha(sha, *arguments)
             if len(pipe) == 500:
                 check(pipe.execute())
         check(pipe.execute())

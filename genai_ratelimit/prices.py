@@ -84,6 +84,7 @@ _POWERS_OF_TEN = frozenset(10**exponent for exponent in range(16))
 
 PRICE_KINDS = ("input", "cached_input", "cache_write", "output", "request_fee")
 _REQUIRED_KINDS = ("input", "output")
+_CACHE_KINDS = ("cached_input", "cache_write")  # None: the input price
 _TABLE_FIELDS = ("version", "currency", "units_per_currency", "models", "rules", "default")
 _RULE_FIELDS = ("match", "price_as")
 # The Anthropic Messages usage fields, each a disjoint kind of billed tokens.
@@ -260,8 +261,8 @@ class ModelPrice:
     def __post_init__(self) -> None:
         for kind in PRICE_KINDS:
             value = getattr(self, kind)
-            if value is None:
-                object.__setattr__(self, kind, self.input if _is_integer(self.input) else None)
+            if value is None and kind in _CACHE_KINDS:
+                object.__setattr__(self, kind, self.input)  # checked first: PRICE_KINDS[0]
             else:
                 _price("ModelPrice", kind, value)
 

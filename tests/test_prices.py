@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,6 +28,7 @@ from genai_ratelimit import (
     UnpricedModel,
 )
 from genai_ratelimit.prices import MAX_MODEL_NAME_CHARS, MAX_PRICE, TOKENS_PER_PRICE
+from helpers_docs import DOCS, code_blocks
 
 EXAMPLE_TABLE = Path(__file__).resolve().parent.parent / "examples" / "prices.example.toml"
 
@@ -452,6 +454,11 @@ def test_a_model_price_built_by_hand_is_checked() -> None:
         ModelPrice(input=1, output=1, cache_write=-1)
     with pytest.raises(PriceTableError, match="input"):
         ModelPrice(input=1.5, output=1)  # type: ignore[arg-type]
+    with pytest.raises(PriceTableError, match="request_fee"):
+        ModelPrice(input=1, output=1, request_fee=None)  # type: ignore[arg-type]
+    with pytest.raises(PriceTableError, match="output"):
+        ModelPrice(input=1, output=None)  # type: ignore[arg-type]
+    assert ModelPrice(input=4, output=1).cache_write == 4
 
 
 def test_a_table_built_by_hand_is_checked() -> None:
@@ -576,3 +583,12 @@ def test_the_public_names_are_exported() -> None:
         assert getattr(genai_ratelimit, name) is getattr(genai_ratelimit.prices, name)
     assert issubclass(PriceTableError, ValueError)
     assert issubclass(UnpricedModel, LookupError)
+
+
+def test_the_docs_table_is_a_valid_price_table() -> None:
+    tables = [block for block in code_blocks(DOCS / "spend-budgets.md")
+              if block.language == "toml"]
+    assert tables
+    for block in tables:
+        table = PriceTable.from_mapping(tomllib.loads(block.code), source=block.name)
+        assert table.priced_as("gpt-4o-2024-08-06") == "gpt-4o"

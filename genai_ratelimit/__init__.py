@@ -19,6 +19,7 @@ from ._version import __version__
 from .aio import AsyncRateLimiter
 from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
+from .prices import ModelPrice, PriceRule, PriceTable, PriceTableError, TokenUsage, UnpricedModel
 from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
@@ -35,6 +36,12 @@ __all__ = [
     "Scope",
     "Lease",
     "AsyncLease",
+    "PriceTable",
+    "ModelPrice",
+    "PriceRule",
+    "TokenUsage",
+    "UnpricedModel",
+    "PriceTableError",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from .._native import MAX_LIMIT
+from ..prices import ANTHROPIC_USAGE_FIELDS, usage_count
 
 __all__ = ["estimate_openai_tokens", "prompt_characters", "prompt_tokens",
            "requested_completion_tokens", "parse_token_count", "InvalidTokenCount",
@@ -57,9 +58,9 @@ _SKIPPED_KEYS = frozenset(("type", "role", "id", "index", "cache_control", "medi
                            "mime_type", "detail", "format", "status", "signature",
                            "encrypted_content", "image_url", "url", "file_data", "file_url",
                            "logprobs"))
-# The Anthropic usage fields, all billed (cache reads and writes included).
-_ANTHROPIC_FIELDS = ("input_tokens", "output_tokens", "cache_creation_input_tokens",
-                     "cache_read_input_tokens")
+# The Anthropic usage fields, all billed (cache reads and writes included): the prices'
+# list, which reads each as its own kind.
+_ANTHROPIC_FIELDS = ANTHROPIC_USAGE_FIELDS
 _ANTHROPIC_INPUT_FIELDS = _ANTHROPIC_FIELDS[:1] + _ANTHROPIC_FIELDS[2:]
 # Responses API events that close a response and carry its usage.
 _RESPONSE_FINAL_EVENTS = frozenset(("response.completed", "response.incomplete", "response.failed"))
@@ -268,8 +269,7 @@ def estimate_openai_tokens(body: bytes | bytearray | Mapping[str, Any], default_
 # --- the response ----------------------------------------------------------------------
 
 
-def _count(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+_count = usage_count  # what a count in a usage is: one rule, the prices' (an int >= 0)
 
 
 def usage_total(usage: object) -> int | None:

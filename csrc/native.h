@@ -43,6 +43,7 @@
 
 #define RL_MAX_WINDOWS 32                    /* windows decided by one check */
 #define RL_CLUSTER_SLOTS 16384               /* hash slots of a Redis Cluster */
+#define RL_MAX_BUDGETS 16 /* calendar budgets decided by one hold */
 #define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
 #define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
 #define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
@@ -109,7 +110,24 @@ typedef struct {
     long long slot_retry_ms;  /* in_flight refused: the hint (lua/lib/lease.lua), at most: */
     long long retry_bound_ms; /* a refused lease or slot: the wait until the soonest lease
                                  expires (0 otherwise) */
+    int kind; /* budget hold: 0 allowed, 1 permanent, 2 until_reset, 3 in_flight; -1: the
+                 periods sent do not hold the script's now (now_ms) */
+    long long start_of[RL_MAX_BUDGETS]; /* budget hold: each budget's period start (ms) */
+    long long end_of[RL_MAX_BUDGETS];   /* and end (ms); remaining_of: each one's remaining */
 } rl_result;
+
+/* A calendar budget of a hold or a settle (genai_ratelimit/periods.py computes the numbers;
+   lua/lib/budget.lua decides). Key: "{prefix}:{owner}:{period_start_ms}:budget={name}". */
+typedef struct {
+    const char *owner; /* UTF-8, borrowed from the caller's str: valid until rl_prepare ends */
+    size_t owner_len;
+    const char *name; /* the same */
+    size_t name_len;
+    long long limit;     /* hold: the budget's limit (>= 1) */
+    long long amount;    /* hold: the amount to hold; settle: the actual usage (>= 0) */
+    long long bounds[4]; /* hold: previous period's start, start, end, next period's end;
+                            settle: bounds[0], the admitting period's start */
+} rl_budget;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */
 typedef enum {
@@ -126,6 +144,10 @@ typedef enum {
     RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
     RL_SHAPE_GCRA,      /* _check_rate(): (allowed, remaining, retry_after_s, retry_after_ms,
                            now_ms), one GCRA decision (lua/gcra.lua) */
+    RL_SHAPE_BUDGET_HOLD,   /* _hold_budgets(): (allowed, refused index, kind, now_ms, hold id,
+                               remaining, period starts, period ends) or None (periods
+                               stale: the script's now is in the reply's now_ms) */
+    RL_SHAPE_BUDGET_SETTLE, /* _settle_budgets(): the number of budgets whose hold was found */
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. py_request.c names a decision's script in the
@@ -147,6 +169,8 @@ typedef enum {
     RL_SCRIPT_GCRA,                      /* lua/gcra.lua: check_rate, either storage */
     RL_SCRIPT_GCRA_WINDOWS,              /* lua/gcra_windows.lua: check_windows_detailed(gcra=) */
     RL_SCRIPT_COMPACT_GCRA_WINDOWS,      /* lua/gcra_windows.lua over the compact storage */
+    RL_SCRIPT_BUDGET_HOLD,               /* lua/budget_hold.lua: calendar budgets, a hold */
+    RL_SCRIPT_BUDGET_SETTLE,             /* lua/budget_settle.lua: a hold settled */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -188,6 +212,9 @@ typedef struct {
     long long lease_limit; /* acquire, reserve with in_flight: the most concurrent holders */
     long long lease_ms;    /* acquire, renew, reserve with in_flight: the lease's length */
     long long gcra_units;  /* GCRA: the emission interval T in units of 1/gcra_scale ms */
+    int nbudgets;                         /* budget hold / settle: entries of budgets[] */
+    rl_budget budgets[RL_MAX_BUDGETS];    /* owners and names cleared by rl_prepare */
+    long long hold_ms;                    /* budget hold: a key outlives its period by this */
     long long gcra_scale;  /* GCRA: rate / gcd(rate, period_ms); windows: burst, period, cost
                               (check_rate: the only window; with gcra=: window 0, the
                               bucket, before the logged windows) */

@@ -19,6 +19,7 @@ from ._version import __version__
 from .aio import AsyncRateLimiter
 from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
+from .periods import Budget, BudgetHold, BudgetPeriod
 from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
@@ -35,6 +36,9 @@ __all__ = [
     "Scope",
     "Lease",
     "AsyncLease",
+    "Budget",
+    "BudgetHold",
+    "BudgetPeriod",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

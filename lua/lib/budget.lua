@@ -1,0 +1,110 @@
+--[[
+lib/budget.lua - calendar budgets with holds in flight: each budget counts units (requests,
+tokens or money micro-units: the caller's amounts) in one period of a calendar (a day, a
+week, a month in a time zone). Prepended by the build (setup.py) to the scripts that name
+it in an "-- include:" line; it defines functions only.
+
+One hash per budget and period, "{prefix}:{owner}:{period_start_ms}:budget={name}"
+(script.c), holding
+    spent    the period's settled total
+    held     the sum of the holds in flight
+    <id>     one field per hold in flight: its amount (a UUID4: never "spent" or "held")
+so its memory is O(1) in the requests of the period (O(holds in flight)). Time zones stay
+in Python (genai_ratelimit/periods.py): a script sees plain integers, the boundaries of
+three periods per budget (the one the client's clock falls in and its two neighbours), and
+picks the one that holds its own now (the server's TIME, or the client's clock).
+
+A budget refuses an amount a when
+    a > limit                        "permanent": it can never pass (kind 1)
+    spent + a > limit                "until_reset": no room before the period ends (kind 2)
+    spent + held + a > limit         "in_flight": room once holds settle (kind 3)
+The kinds are tested in that order; the first budget that refuses names the refusal.
+--]]
+
+local BUDGET_FIELDS = 6 -- ARGV per budget: limit, amount, previous start, start, end, next end
+
+-- The period of budget i (1-based) that holds `now`: (key, start, end), or nil when none
+-- of the three does (the client's clock is a period or more away from the script's).
+local function budget_period(i, now, first)
+  local a = first + (i - 1) * BUDGET_FIELDS
+  local previous, start = tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3])
+  local stop, following = tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  if now < start then
+    if now < previous then return nil end
+    return KEYS[3 * i - 2], previous, start
+  elseif now >= stop then
+    if now >= following then return nil end
+    return KEYS[3 * i], stop, following
+  end
+  return KEYS[3 * i - 1], start, stop
+end
+
+-- Decides a hold of budgets 1..n (ARGV from `first`, KEYS three per budget) under id at
+-- now; on allow holds every amount, all or nothing. hold_ms: how long after its period's
+-- end a key outlives it (the longest hold). Returns {allowed, refusing index (0-based, -1
+-- on allow), kind, now, {remaining}, {period start}, {period end}}; {0, -1, 0, now, {}, {},
+-- {}} when a budget's periods do not hold now (the caller recomputes them from now).
+local function budget_hold(n, id, now, hold_ms, first)
+  local keys, starts, ends, limits, amounts = {}, {}, {}, {}, {}
+  local spent, held, remaining = {}, {}, {}
+  for i = 1, n do
+    local key, start, stop = budget_period(i, now, first)
+    if not key then return {0, -1, 0, now, {}, {}, {}} end
+    keys[i], starts[i], ends[i] = key, start, stop
+  end
+  -- A replay of a hold whose reply was lost: the id is already held, in every budget.
+  local replay = redis.call('HEXISTS', keys[1], id) == 1
+  local refused, kind = -1, 0
+  for i = 1, n do
+    local a = first + (i - 1) * BUDGET_FIELDS
+    limits[i], amounts[i] = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+    local values = redis.call('HMGET', keys[i], 'spent', 'held')
+    spent[i], held[i] = tonumber(values[1]) or 0, tonumber(values[2]) or 0
+    local k = 0
+    if replay then
+      k = 0
+    elseif amounts[i] > limits[i] then
+      k = 1
+    elseif spent[i] + amounts[i] > limits[i] then
+      k = 2
+    elseif spent[i] + held[i] + amounts[i] > limits[i] then
+      k = 3
+    end
+    if k > 0 and refused < 0 then refused, kind = i - 1, k end
+    remaining[i] = math.max(0, limits[i] - spent[i] - held[i])
+  end
+  if refused >= 0 or replay then
+    return {refused >= 0 and 0 or 1, refused, kind, now, remaining, starts, ends}
+  end
+  -- The first write is HINCRBY, which Redis refuses over maxmemory before anything is
+  -- written; once a script has written, Redis lets it finish.
+  for i = 1, n do
+    redis.call('HINCRBY', keys[i], 'held', amounts[i])
+    redis.call('HSET', keys[i], id, amounts[i])
+    -- Relative to the script's now (a client clock may differ from the server's): the
+    -- key lives until its period's end plus hold_ms, never shortened by a later hold.
+    local ttl = ends[i] + hold_ms - now
+    if redis.call('PTTL', keys[i]) < ttl then redis.call('PEXPIRE', keys[i], ttl) end
+    remaining[i] = math.max(0, remaining[i] - amounts[i])
+  end
+  return {1, -1, 0, now, remaining, starts, ends}
+end
+
+-- Settles hold id in KEYS[1..n] (the periods that admitted it), budget i to actual
+-- ARGV[first + i - 1]: spent += actual, held -= the amount held, the hold's field removed.
+-- A hold no longer there (settled already, or its key expired) is left alone, so a replay
+-- changes nothing. Returns the number of budgets whose hold was found.
+local function budget_settle(n, id, first)
+  local found = 0
+  for i = 1, n do
+    local amount = tonumber(redis.call('HGET', KEYS[i], id))
+    if amount then
+      -- HINCRBY first: over maxmemory Redis refuses it before any write (see above).
+      redis.call('HINCRBY', KEYS[i], 'spent', tonumber(ARGV[first + i - 1]))
+      redis.call('HINCRBY', KEYS[i], 'held', 0 - amount) -- never "-0"
+      redis.call('HDEL', KEYS[i], id)
+      found = found + 1
+    end
+  end
+  return found
+end

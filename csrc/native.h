@@ -43,7 +43,7 @@
 
 #define RL_MAX_WINDOWS 32                    /* windows decided by one check */
 #define RL_CLUSTER_SLOTS 16384               /* hash slots of a Redis Cluster */
-#define RL_MAX_BUDGETS 16 /* calendar budgets decided by one hold */
+#define RL_MAX_BUDGETS 16                    /* calendar budgets decided by one hold */
 #define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
 #define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
 #define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
@@ -144,10 +144,12 @@ typedef enum {
     RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
     RL_SHAPE_GCRA,      /* _check_rate(): (allowed, remaining, retry_after_s, retry_after_ms,
                            now_ms), one GCRA decision (lua/gcra.lua) */
-    RL_SHAPE_BUDGET_HOLD,   /* _hold_budgets(): (allowed, refused index, kind, now_ms, hold id,
-                               remaining, period starts, period ends) or None (periods
-                               stale: the script's now is in the reply's now_ms) */
-    RL_SHAPE_BUDGET_SETTLE, /* _settle_budgets(): the number of budgets whose hold was found */
+    /* _hold_budgets(): (allowed, refused index, kind, now_ms, hold id, ((remaining, period
+       start, period end) per budget)); kind -1: the periods sent do not hold the script's
+       now (now_ms), nothing was decided */
+    RL_SHAPE_BUDGET_HOLD,
+    /* _settle_budgets(): the number of budgets whose hold was found */
+    RL_SHAPE_BUDGET_SETTLE,
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. py_request.c names a decision's script in the
@@ -212,9 +214,6 @@ typedef struct {
     long long lease_limit; /* acquire, reserve with in_flight: the most concurrent holders */
     long long lease_ms;    /* acquire, renew, reserve with in_flight: the lease's length */
     long long gcra_units;  /* GCRA: the emission interval T in units of 1/gcra_scale ms */
-    int nbudgets;                         /* budget hold / settle: entries of budgets[] */
-    rl_budget budgets[RL_MAX_BUDGETS];    /* owners and names cleared by rl_prepare */
-    long long hold_ms;                    /* budget hold: a key outlives its period by this */
     long long gcra_scale;  /* GCRA: rate / gcd(rate, period_ms); windows: burst, period, cost
                               (check_rate: the only window; with gcra=: window 0, the
                               bucket, before the logged windows) */
@@ -229,6 +228,11 @@ typedef struct {
     int slot;        /* cluster: the keys' hash slot, set by rl_script_format (-1 otherwise) */
     int reloaded;    /* the engine sent it again after NOSCRIPT (proto.c): a WAIT sent right
                         after its first form ran before it */
+    /* budget hold and settle: the budgets (owners and names cleared by rl_prepare) */
+    int nbudgets;
+    rl_budget budgets[RL_MAX_BUDGETS];
+    /* budget hold: a key outlives its period's end by this (the longest hold) */
+    long long hold_ms;
 } rl_prepared;
 
 /* The bytes to send for a decision: its replay form once it was marked for replay. */

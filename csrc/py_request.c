@@ -533,11 +533,16 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const hold_names[] = {"user_id", "budgets", "hold_ms"};
     static const char *const settle_names[] = {"user_id", "budgets", "hold_id"};
     static const rl_script_id scripts[] = {
-        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,    [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
-        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,  [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
-        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,       [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
-        [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW, [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
-        [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,   [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
+        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
+        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,
+        [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
+        [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
+        [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,
+        [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
         [RL_SHAPE_GCRA] = RL_SCRIPT_GCRA,
         [RL_SHAPE_BUDGET_HOLD] = RL_SCRIPT_BUDGET_HOLD,
         [RL_SHAPE_BUDGET_SETTLE] = RL_SCRIPT_BUDGET_SETTLE,

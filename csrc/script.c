@@ -76,8 +76,7 @@ static const struct {
                                sizeof(rl_budget_hold_source) - 1, rl_budget_hold_load_command,
                                sizeof(rl_budget_hold_load_command) - 1},
     [RL_SCRIPT_BUDGET_SETTLE] = {RL_BUDGET_SETTLE_SHA1, rl_budget_settle_source,
-                                 sizeof(rl_budget_settle_source) - 1,
-                                 rl_budget_settle_load_command,
+                                 sizeof(rl_budget_settle_source) - 1, rl_budget_settle_load_command,
                                  sizeof(rl_budget_settle_load_command) - 1},
 };
 
@@ -997,7 +996,9 @@ decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out
             integer_at(reply->element[6], k, &end, err) != RL_OK ||
             within(name, "remaining", remaining, 0, b->limit, err) != RL_OK)
             return err->kind;
-        int j = start == b->bounds[0] ? 0 : start == b->bounds[1] ? 1 : start == b->bounds[2] ? 2 : -1;
+        int j = -1; /* which of the three periods sent */
+        for (int i = 0; i < 3 && j < 0; i++)
+            j = start == b->bounds[i] ? i : -1;
         if (j < 0 || end != b->bounds[j + 1] || now < start || now >= end)
             return rl_error_set(err, RL_ERR_PROTOCOL,
                                 "the budget hold script answered the period [%lld, %lld) at now = "

@@ -978,7 +978,7 @@ class AsyncRateLimiter:
         allowed, _, kind, _, hold_id, periods = raw
         if not (allowed and hold_id and kind >= 0):
             return
-        settle = tuple((row[0], row[1], start, 0) for row, (_, start, _) in zip(rows, periods))
+        settle = tuple((row[0], row[1], start, 0) for row, (_, start, _) in zip(rows, periods, strict=True))
         try:
             if not self._closed:
                 await self._run(self._codec.settle_budgets(rows[0][0], settle, hold_id))

@@ -241,7 +241,7 @@ class RateLimiter(_native.Limiter):
                 elif name == "settle_budgets":
                     answer = self._settle_budgets(*positional, **keywords)
                 elif name == "validate":
-                    answer: object = _native.Codec(self.key_prefix).reserve(*positional, **keywords)
+                    answer = _native.Codec(self.key_prefix).reserve(*positional, **keywords)
                 elif name == "release":
                     answer = self._release(*positional)
                 else:

@@ -249,14 +249,15 @@ def hold_plan(budgets: object, amount: object, hold_seconds: object = DEFAULT_HO
     guess = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     for _ in range(_STALE_TRIES):
         rows = tuple((b.owner, b.name, b.limit, a) + _neighbours(b, guess)
-                     for b, a in zip(chosen, amounts))
+                     for b, a in zip(chosen, amounts, strict=True))
         answer = yield ("hold_budgets", (chosen[0].owner, rows, hold_ms), {})
         allowed, refused, kind, script_now, hold_id, periods = answer
         if kind >= 0:
+            answered = zip(chosen, amounts, periods, strict=True)
             return BudgetHold(
                 allowed=bool(allowed), hold_id=hold_id, now_ms=script_now,
                 periods=tuple(BudgetPeriod(b, a, remaining, start, end)
-                              for b, a, (remaining, start, end) in zip(chosen, amounts, periods)),
+                              for b, a, (remaining, start, end) in answered),
                 refused=None if allowed else refused,
                 reason=None if allowed else _REASONS[kind])
         guess = script_now
@@ -276,6 +277,6 @@ def settle_plan(hold: object, actual: object) -> Plan:
     if not hold.allowed or not hold.hold_id:
         return 0
     rows = tuple((p.budget.owner, p.budget.name, p.period_start_ms, a)
-                 for p, a in zip(hold.periods, actuals))
+                 for p, a in zip(hold.periods, actuals, strict=True))
     found: int = yield ("settle_budgets", (hold.periods[0].budget.owner, rows, hold.hold_id), {})
     return found

@@ -20,6 +20,7 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fake_redis import FakeRedis, Reply
 from genai_ratelimit import (
     AsyncRateLimiter,
     Budget,
@@ -30,7 +31,6 @@ from genai_ratelimit import (
 )
 from genai_ratelimit.periods import period_bounds
 from genai_ratelimit.testing import ManualClock
-from fake_redis import FakeRedis, Reply
 
 pytestmark = pytest.mark.storages("zset", reason="budgets keep no window log: one hash per "
                                                  "budget and period in either storage")
@@ -227,7 +227,7 @@ def test_a_refusal_by_any_level_holds_nothing_anywhere(limiter: Any,
     starts = [p.period_start_ms for p in first.periods]
 
     def state() -> list[dict[str, int]]:
-        return [stored(redis_client, b, start) for b, start in zip(levels, starts)]
+        return [stored(redis_client, b, start) for b, start in zip(levels, starts, strict=True)]
 
     before = state()
     assert [s["held"] for s in before] == [80, 80, 80, 80]

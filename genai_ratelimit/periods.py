@@ -151,11 +151,23 @@ def period_bounds(period: str, zone: ZoneInfo, instant_ms: int) -> tuple[int, in
     return start, end
 
 
+# The last neighbours computed per (period, tz): a hold's budgets mostly share a calendar,
+# and the period changes once a day at most. Read and replaced whole (no lock needed).
+_last_neighbours: dict[tuple[str, str], tuple[int, int, int, int]] = {}
+
+
 def _neighbours(budget: Budget, instant_ms: int) -> tuple[int, int, int, int]:
     """(previous start, start, end, next end) around the period holding the instant."""
+    calendar = (budget.period, budget.tz)
+    known = _last_neighbours.get(calendar)
+    if known is not None and known[1] <= instant_ms < known[2]:
+        return known
     start, end = budget.period_at(instant_ms)
     previous, _ = budget.period_at(start - 1)
     _, following = budget.period_at(end)
+    if len(_last_neighbours) >= 256:
+        _last_neighbours.clear()
+    _last_neighbours[calendar] = (previous, start, end, following)
     return previous, start, end, following
 
 

@@ -10,6 +10,7 @@ bad input refused before any I/O. Budgets keep no window log: the storage does n
 from __future__ import annotations
 
 import asyncio
+import random
 import threading
 from datetime import datetime, timezone
 from typing import Any
@@ -56,9 +57,12 @@ def budget_key(budget: Budget, start_ms: int, prefix: str = "ratelimit") -> str:
 
 
 def stored(client: redis.Redis, budget: Budget, start_ms: int) -> dict[str, int]:
-    """The budget's hash in that period: spent, held (0 when absent) and one field per hold."""
+    """The budget's hash in that period: spent, held (0 when absent) and one field per hold
+    (not "until", the key's expiry, which test_a_hold_then_settle_moves_the_amount_to_spent
+    reads)."""
     fields = client.hgetall(budget_key(budget, start_ms))
-    return {"spent": 0, "held": 0, **{k.decode(): int(v) for k, v in fields.items()}}
+    return {"spent": 0, "held": 0, **{k.decode(): int(v) for k, v in fields.items()
+                                      if k != b"until"}}
 
 
 # ------------------------------------------------------------- periods, no I/O
@@ -180,9 +184,16 @@ def test_a_hold_then_settle_moves_the_amount_to_spent(limiter: Any,
     assert limiter.settle_budgets(hold, 999) == 0
     assert stored(redis_client, budget, period.period_start_ms) == {"spent": 120, "held": 0}
     # The key lives until its period's end plus the longest hold (a day by default).
-    ttl = redis_client.pttl(budget_key(budget, period.period_start_ms))
+    key = budget_key(budget, period.period_start_ms)
+    ttl = redis_client.pttl(key)
     expected = period.period_end_ms + 86_400_000 - hold.now_ms
     assert expected - 5_000 <= ttl <= expected
+    assert int(redis_client.hget(key, "until")) == period.period_end_ms + 86_400_000
+    # A longer hold extends the key's life; a shorter one never shortens it.
+    limiter.hold_budgets(budget, 1, hold_seconds=2 * 86_400)
+    assert redis_client.pttl(key) > expected + 86_400_000 - 5_000
+    limiter.hold_budgets(budget, 1, hold_seconds=60)
+    assert redis_client.pttl(key) > expected + 86_400_000 - 5_000
 
 
 def test_a_settle_above_the_hold_is_charged_and_zero_gives_it_back(
@@ -435,3 +446,82 @@ def test_cluster_keys_of_different_owners_are_refused_before_any_io() -> None:
 def test_rate_limiter_and_async_share_the_names() -> None:
     for name in ("hold_budgets", "settle_budgets"):
         assert callable(getattr(RateLimiter, name)) and callable(getattr(AsyncRateLimiter, name))
+
+
+def test_a_client_clock_just_before_midnight_needs_one_round_trip(
+        make_limiter: Any, redis_url: str, redis_client: redis.Redis) -> None:
+    """The client guesses 23:59:59.999 while the script decides at 00:00:00.001 (another
+    app server's clock, or the server's): the neighbouring period sent with the guess is
+    the script's, so one call holds it in the new day."""
+    from genai_ratelimit.periods import hold_plan
+    from genai_ratelimit.reservation import advance
+
+    limiter = make_limiter(redis_url, clock="client")
+
+    def send(positional: tuple[Any, ...]) -> Any:  # the C call the limiter's driver makes
+        if isinstance(limiter, RateLimiter):
+            return limiter._hold_budgets(*positional)
+        inner = limiter.inner
+        return limiter.run(inner._run(inner._codec.hold_budgets(*positional)))
+
+    budget = Budget("key-1", "daily", 100, "day", "Europe/Paris")
+    midnight = paris_ms(2026, 12, 6, 0, 0, 0)
+    plan = hold_plan([budget], 5, now_ms=midnight - 1)
+    call, result = advance(plan)
+    calls = 0
+    with ManualClock(midnight + 1):
+        while call is not None:
+            calls += 1
+            call, result = advance(plan, send(call[1]))
+    assert calls == 1
+    assert result.allowed and result.periods[0].period_start_ms == midnight
+    assert stored(redis_client, budget, midnight)["held"] == 5
+
+
+def test_reset_of_an_owner_leaves_its_budgets_alone(limiter: Any,
+                                                    redis_client: redis.Redis) -> None:
+    budget = Budget("user_8421", "daily", 100, "day")
+    hold = limiter.hold_budgets(budget, 10)
+    limiter.check("user_8421", 5, 60)
+    assert limiter.reset("user_8421") == 1
+    assert stored(redis_client, budget, hold.periods[0].period_start_ms)["held"] == 10
+
+
+@pytest.mark.parametrize("seed", [7, 2026])
+def test_random_holds_and_settles_leave_every_level_equal_to_its_settled_sum(
+        limiter: Any, redis_client: redis.Redis, seed: int) -> None:
+    """1,000 random holds and settles over 3 levels (an org, 2 teams, 4 users): every
+    level's spent is the sum of its settled actuals, held the sum of its open holds, and no
+    refusal held anything."""
+    rng = random.Random(seed)
+    org = Budget("org", "monthly", 5_000, level="org")
+    teams = [Budget(f"team-{t}", "monthly", 2_000, level="team") for t in range(2)]
+    users = [Budget(f"user-{u}", "daily", 600, "day", "Europe/Paris", level="user")
+             for u in range(4)]
+    spent: dict[Budget, int] = dict.fromkeys([org, *teams, *users], 0)
+    open_holds: list[tuple[BudgetHold, int]] = []
+    starts: dict[Budget, int] = {}
+    for _ in range(1000):
+        if open_holds and rng.random() < 0.45:
+            hold, _amount = open_holds.pop(rng.randrange(len(open_holds)))
+            actual = rng.randrange(0, 80)
+            assert limiter.settle_budgets(hold, actual) == 3
+            for period in hold.periods:
+                spent[period.budget] += actual
+            continue
+        user = rng.randrange(4)
+        levels = [org, teams[user // 2], users[user]]
+        amount = rng.randrange(1, 60)
+        hold = limiter.hold_budgets(levels, amount)
+        for period in hold.periods:
+            starts[period.budget] = period.period_start_ms
+        if hold.allowed:
+            open_holds.append((hold, amount))
+    for budget in spent:
+        if budget not in starts:
+            continue
+        held = sum(a for h, a in open_holds if any(p.budget == budget for p in h.periods))
+        state = stored(redis_client, budget, starts[budget])
+        assert (state["spent"], state["held"]) == (spent[budget], held), budget.owner
+        assert len(state) == 2 + sum(1 for h, _ in open_holds
+                                     if any(p.budget == budget for p in h.periods))

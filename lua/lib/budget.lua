@@ -8,7 +8,9 @@ One hash per budget and period, "{prefix}:{owner}:{period_start_ms}:budget={name
 (script.c), holding
     spent    the period's settled total
     held     the sum of the holds in flight
-    <id>     one field per hold in flight: its amount (a UUID4: never "spent" or "held")
+    until    when the key expires, in the scripts' clock (its period's end + the longest
+             hold): a hold with a longer hold_ms extends it, none shortens it
+    <id>     one field per hold in flight: its amount (a UUID4: never another field's name)
 so its memory is O(1) in the requests of the period (O(holds in flight)). Time zones stay
 in Python (genai_ratelimit/periods.py): a script sees plain integers, the boundaries of
 three periods per budget (the one the client's clock falls in and its two neighbours), and
@@ -44,22 +46,25 @@ end
 -- end a key outlives it (the longest hold). Returns {allowed, refusing index (0-based, -1
 -- on allow), kind, now, {remaining}, {period start}, {period end}}; {0, -1, 0, now, {}, {},
 -- {}} when a budget's periods do not hold now (the caller recomputes them from now).
+-- Two Redis calls per budget on allow (HMGET, HSET), one more when the key's life grows.
 local function budget_hold(n, id, now, hold_ms, first)
   local keys, starts, ends, limits, amounts = {}, {}, {}, {}, {}
-  local spent, held, remaining = {}, {}, {}
+  local spent, held, untils, remaining = {}, {}, {}, {}
   for i = 1, n do
     local key, start, stop = budget_period(i, now, first)
     if not key then return {0, -1, 0, now, {}, {}, {}} end
     keys[i], starts[i], ends[i] = key, start, stop
   end
-  -- A replay of a hold whose reply was lost: the id is already held, in every budget.
-  local replay = redis.call('HEXISTS', keys[1], id) == 1
-  local refused, kind = -1, 0
+  local refused, kind, replay = -1, 0, false
   for i = 1, n do
     local a = first + (i - 1) * BUDGET_FIELDS
     limits[i], amounts[i] = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-    local values = redis.call('HMGET', keys[i], 'spent', 'held')
+    -- "until": the time (the scripts' clock) the key lives to, its TTL's end.
+    local values = redis.call('HMGET', keys[i], 'spent', 'held', 'until', id)
     spent[i], held[i] = tonumber(values[1]) or 0, tonumber(values[2]) or 0
+    untils[i] = tonumber(values[3]) or 0
+    -- A replay of a hold whose reply was lost: the id is already held, in every budget.
+    if i == 1 and values[4] then replay = true end
     local k = 0
     if replay then
       k = 0
@@ -76,15 +81,18 @@ local function budget_hold(n, id, now, hold_ms, first)
   if refused >= 0 or replay then
     return {refused >= 0 and 0 or 1, refused, kind, now, remaining, starts, ends}
   end
-  -- The first write is HINCRBY, which Redis refuses over maxmemory before anything is
+  -- The first write is HSET, which Redis refuses over maxmemory before anything is
   -- written; once a script has written, Redis lets it finish.
   for i = 1, n do
-    redis.call('HINCRBY', keys[i], 'held', amounts[i])
-    redis.call('HSET', keys[i], id, amounts[i])
-    -- Relative to the script's now (a client clock may differ from the server's): the
-    -- key lives until its period's end plus hold_ms, never shortened by a later hold.
-    local ttl = ends[i] + hold_ms - now
-    if redis.call('PTTL', keys[i]) < ttl then redis.call('PEXPIRE', keys[i], ttl) end
+    local target = ends[i] + hold_ms
+    if target > untils[i] then
+      redis.call('HSET', keys[i], 'held', held[i] + amounts[i], id, amounts[i], 'until', target)
+      -- Relative to the script's now (a client clock may differ from the server's): the
+      -- key lives until its period's end plus hold_ms, never shortened by a later hold.
+      redis.call('PEXPIRE', keys[i], target - now)
+    else
+      redis.call('HSET', keys[i], 'held', held[i] + amounts[i], id, amounts[i])
+    end
     remaining[i] = math.max(0, remaining[i] - amounts[i])
   end
   return {1, -1, 0, now, remaining, starts, ends}
@@ -97,11 +105,12 @@ end
 local function budget_settle(n, id, first)
   local found = 0
   for i = 1, n do
-    local amount = tonumber(redis.call('HGET', KEYS[i], id))
+    local values = redis.call('HMGET', KEYS[i], 'spent', 'held', id)
+    local amount = tonumber(values[3])
     if amount then
-      -- HINCRBY first: over maxmemory Redis refuses it before any write (see above).
-      redis.call('HINCRBY', KEYS[i], 'spent', tonumber(ARGV[first + i - 1]))
-      redis.call('HINCRBY', KEYS[i], 'held', 0 - amount) -- never "-0"
+      -- HSET first: over maxmemory Redis refuses it before any write (see above).
+      redis.call('HSET', KEYS[i], 'spent', (tonumber(values[1]) or 0) + tonumber(ARGV[first + i - 1]),
+                 'held', (tonumber(values[2]) or 0) - amount)
       redis.call('HDEL', KEYS[i], id)
       found = found + 1
     end

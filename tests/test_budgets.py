@@ -525,3 +525,85 @@ def test_random_holds_and_settles_leave_every_level_equal_to_its_settled_sum(
         assert (state["spent"], state["held"]) == (spent[budget], held), budget.owner
         assert len(state) == 2 + sum(1 for h, _ in open_holds
                                      if any(p.budget == budget for p in h.periods))
+
+
+def test_one_owners_budgets_are_held_on_a_redis_cluster(make_limiter: Any,
+                                                        redis_cluster: Any) -> None:
+    """On a cluster each owner's keys carry it as their hash tag: one owner's budgets are held
+    and settled there, in one script; budgets of two owners are refused before any I/O."""
+    from redis.cluster import RedisCluster as ClusterClient
+
+    limiter = make_limiter(redis_cluster.url)
+    monthly = Budget("org:acme", "monthly_usd", 1_000, level="org")
+    daily = Budget("org:acme", "daily_usd", 100, "day", "Europe/Paris", level="org")
+    hold = limiter.hold_budgets([monthly, daily], 60)
+    assert hold.allowed
+    assert not limiter.hold_budgets([monthly, daily], 60).allowed
+    assert limiter.settle_budgets(hold, 50) == 2
+    inspector = ClusterClient(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    try:
+        key = (f"ratelimit:{{org:acme}}:{hold.periods[1].period_start_ms}"
+               ":budget=daily_usd")
+        assert int(inspector.hget(key, "spent")) == 50
+    finally:
+        inspector.close()
+    with pytest.raises(ValueError, match="hash slot"):
+        limiter.hold_budgets([monthly, Budget("user:1", "daily", 10)], 1)
+
+
+WORKER = '''
+import json, random, sys, threading
+from genai_ratelimit import Budget, RateLimiter
+
+url, seed = sys.argv[1], int(sys.argv[2])
+limiter = RateLimiter(url)
+budget = Budget("org:multi", "monthly", 3000, "month", "Europe/Paris")
+settled, lock = [], threading.Lock()
+
+def work(index):
+    rng = random.Random(seed * 100 + index)
+    for _ in range(30):
+        hold = limiter.hold_budgets(budget, 15)
+        if hold.allowed:
+            actual = rng.randrange(0, 16)
+            assert limiter.settle_budgets(hold, actual) == 1
+            with lock:
+                settled.append(actual)
+
+threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(settled))
+'''
+
+
+def test_four_processes_of_eight_threads_settle_exactly_under_the_cap(
+        redis_url: str, redis_client: redis.Redis, tmp_path: Any) -> None:
+    """4 processes x 8 threads hold 15 and settle 0 to 15 against one org's 3,000: spent +
+    held (sampled in Redis) never passes the cap, and the final spent is the sum of every
+    settled actual."""
+    import json
+    import subprocess
+    import sys
+
+    budget = Budget("org:multi", "monthly", 3000, "month", "Europe/Paris")
+    key = budget_key(budget, budget.period_at(int(redis_client.time()[0]) * 1000)[0])
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER, encoding="utf-8")
+    workers = [subprocess.Popen([sys.executable, str(script), redis_url, str(seed)],
+                                stdout=subprocess.PIPE, text=True) for seed in range(4)]
+    samples = []
+    while any(w.poll() is None for w in workers):
+        spent, held = redis_client.hmget(key, "spent", "held")
+        samples.append(int(spent or 0) + int(held or 0))
+    settled = []
+    for w in workers:
+        out, _ = w.communicate(timeout=60)
+        assert w.returncode == 0
+        settled += json.loads(out)
+    assert samples and max(samples) <= 3000
+    assert stored(redis_client, budget, budget.period_at(
+        int(redis_client.time()[0]) * 1000)[0]) == {"spent": sum(settled), "held": 0}
+    assert len(settled) >= 200  # 3,000 / 15 admitted at least before the cap bites

@@ -762,10 +762,19 @@ size_t rl_key_user(char *out, const char *user, size_t user_len, int hash_tag);
 /* The key grammar read back (the command line's view of the keys rl_script_format and
    rl_key_user write): what one key's name says. Pointers are into the name read; the owner
    (in a hash tag) and the scope name are still percent-encoded (rl_key_unescape). */
-typedef enum { RL_KEY_WINDOW, RL_KEY_SCOPE, RL_KEY_SHARED, RL_KEY_LEASES, RL_KEY_GCRA } rl_key_kind;
+typedef enum {
+    RL_KEY_WINDOW,
+    RL_KEY_SCOPE,
+    RL_KEY_SHARED,
+    RL_KEY_LEASES,
+    RL_KEY_GCRA,
+    RL_KEY_BUDGET
+} rl_key_kind;
 typedef struct {
     rl_key_kind kind;  /* a user's window, a user's scope window, a shared scope's, leases, a
-                          GCRA bucket ("{owner}:{seconds}:gcra", seconds its period) */
+                          GCRA bucket ("{owner}:{seconds}:gcra", seconds its period), a
+                          calendar budget ("{owner}:{start_ms}:budget={name}", seconds its
+                          period's start in ms, scope its name) */
     const char *owner; /* the user id, or a shared scope's name */
     size_t owner_len;
     long long seconds; /* the window's length (0 for leases) */

@@ -553,9 +553,25 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
         out->kind = RL_KEY_LEASES;
         return out->owner_len > 0 ? 0 : -1;
     }
+    /* budget_key: "{owner}:{period_start_ms}:budget={name}", a calendar budget: its last
+       field starts with "budget=" (no window's does) and holds no ':'; the start's digits
+       are read as a window's seconds, the name as a scope's. */
+    for (size_t i = rest_len; i > 0; i--) {
+        if (rest[i - 1] != ':')
+            continue;
+        if (rest_len - i > 7 && memcmp(rest + i, "budget=", 7) == 0) {
+            out->kind = RL_KEY_BUDGET;
+            out->scope = rest + i + 7;
+            out->scope_len = rest_len - i - 7;
+            rest_len = i - 1;
+        }
+        break;
+    }
     /* format_gcra: "{owner}:{seconds}:gcra", a GCRA bucket: the digits and the owner, as a
        window's (no window key ends in ":gcra": a scope's name has its ':' encoded). */
-    if (ends_with(rest, rest_len, ":gcra")) {
+    if (out->kind == RL_KEY_BUDGET) {
+        /* nothing but the digits and the owner are left */
+    } else if (ends_with(rest, rest_len, ":gcra")) {
         out->kind = RL_KEY_GCRA;
         rest_len -= 5;
     } else if (ends_with(rest, rest_len, ":w") || ends_with(rest, rest_len, ":c")) {
@@ -564,7 +580,7 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
         out->suffix = rest[rest_len - 1];
         rest_len -= 2;
     }
-    if (out->kind == RL_KEY_GCRA) {
+    if (out->kind == RL_KEY_GCRA || out->kind == RL_KEY_BUDGET) {
         /* nothing but the digits and the owner */
     } else if (ends_with(rest, rest_len, ":shared")) {
         out->kind = RL_KEY_SHARED;
@@ -584,7 +600,8 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
                 break;
         }
     }
-    if (out->kind != RL_KEY_GCRA && ends_with(rest, rest_len, ":tokens")) {
+    if (out->kind != RL_KEY_GCRA && out->kind != RL_KEY_BUDGET &&
+        ends_with(rest, rest_len, ":tokens")) {
         out->tokens = 1;
         rest_len -= 7;
     }

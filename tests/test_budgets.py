@@ -607,3 +607,14 @@ def test_four_processes_of_eight_threads_settle_exactly_under_the_cap(
     assert stored(redis_client, budget, budget.period_at(
         int(redis_client.time()[0]) * 1000)[0]) == {"spent": sum(settled), "held": 0}
     assert len(settled) >= 200  # 3,000 / 15 admitted at least before the cap bites
+
+
+@pytest.mark.parametrize("hash_tag", [False, True])
+def test_the_key_grammar_reads_a_budget_key_back(hash_tag: bool) -> None:
+    """_native.read_key (the command line's reading) takes a budget's key for a budget, its
+    owner, its period's start and its name, never for a window."""
+    owner, name, start = "org:a{c}me", "usd:daily%", 1_793_487_600_000
+    tagged = _native.key_owner(owner, hash_tag)
+    key = f"ratelimit:{tagged}:{start}:budget=usd%3Adaily%25"
+    assert _native.read_key(key, "ratelimit", hash_tag) == ("budget", owner, start, False, name, "")
+    assert _native.read_key(f"ratelimit:{tagged}:{start}:budget=", "ratelimit", hash_tag) is None

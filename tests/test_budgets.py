@@ -26,6 +26,7 @@ from genai_ratelimit import (
     AsyncRateLimiter,
     Budget,
     BudgetHold,
+    BudgetPeriod,
     RateLimiter,
     RateLimiterError,
     _native,
@@ -422,7 +423,7 @@ def test_a_cancelled_async_hold_leaves_nothing_held(loop_factory: Any, redis_url
     assert int(redis_client.hget(key, "held") or 0) == 0
 
 
-def test_a_malformed_hold_reply_raises(make_limiter: Any) -> None:
+def test_a_malformed_hold_or_settle_reply_raises(make_limiter: Any) -> None:
     budget = Budget("org", "monthly", 50)
     bad = [b"*2\r\n:1\r\n:0\r\n", b":1\r\n",
            b"*7\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*0\r\n*0\r\n*0\r\n",  # no periods
@@ -432,6 +433,13 @@ def test_a_malformed_hold_reply_raises(make_limiter: Any) -> None:
             limiter = make_limiter(fake.url, socket_timeout=2.0)
             with pytest.raises(RateLimiterError):
                 limiter.hold_budgets(budget, 1)
+    hold = BudgetHold(allowed=True, hold_id="6f1c1b4e-8a31-4c55-9c1e-2f3b8f1a7d10", now_ms=1,
+                      periods=(BudgetPeriod(budget, 1, 49, 0, 10),))
+    for data in (b"+OK\r\n", b":2\r\n", b":-1\r\n", b"*1\r\n:1\r\n"):  # 1 budget: 0 or 1
+        with FakeRedis(Reply(data)) as fake:
+            limiter = make_limiter(fake.url, socket_timeout=2.0)
+            with pytest.raises(RateLimiterError):
+                limiter.settle_budgets(hold, 1)
 
 
 def test_cluster_keys_of_different_owners_are_refused_before_any_io() -> None:

@@ -626,3 +626,28 @@ def test_the_key_grammar_reads_a_budget_key_back(hash_tag: bool) -> None:
     key = f"ratelimit:{tagged}:{start}:budget=usd%3Adaily%25"
     assert _native.read_key(key, "ratelimit", hash_tag) == ("budget", owner, start, False, name, "")
     assert _native.read_key(f"ratelimit:{tagged}:{start}:budget=", "ratelimit", hash_tag) is None
+
+
+def test_a_replay_across_midnight_finds_the_hold_of_its_first_attempt(
+        redis_client: redis.Redis) -> None:
+    """The first attempt held at 23:59:59.999 and its reply was lost; the replay (the same
+    command with the marker, the server's clock now past midnight) answers from the old day
+    and holds nothing in the new one. Without the marker the same call is a new hold."""
+    budget = Budget("org", "daily", 100, "day", "Europe/Paris")
+    midnight = paris_ms(2026, 12, 6, 0, 0, 0)
+    before, after = midnight - 1, midnight + 5
+    previous, start, end, following = (budget.period_at(midnight - 86_400_001)[0],
+                                       *budget.period_at(before),
+                                       budget.period_at(midnight)[1])
+    keys = [budget_key(budget, s) for s in (previous, start, end)]
+    hold_id = "0b9f7a52-3c1d-4e8f-a6b2-9d0e1f2a3b4c"
+    rest = [3_600_000, 100, 30, previous, start, end, following]
+    script = _native.BUDGET_HOLD_SOURCE
+    first = redis_client.eval(script, 3, *keys, hold_id, before, *rest)
+    assert first[:3] == [1, -1, 0] and first[5:] == [[start], [end]]
+    replay = redis_client.eval(script, 3, *keys, hold_id, after, *rest, "1")
+    assert replay[:3] == [1, -1, 0] and replay[5:] == [[start], [end]]
+    assert redis_client.exists(keys[2]) == 0
+    fresh = redis_client.eval(script, 3, *keys, hold_id, after, *rest)
+    assert fresh[5:] == [[end], [following]]
+    assert stored(redis_client, budget, end)["held"] == 30

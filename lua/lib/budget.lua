@@ -47,13 +47,26 @@ end
 -- on allow), kind, now, {remaining}, {period start}, {period end}}; {0, -1, 0, now, {}, {},
 -- {}} when a budget's periods do not hold now (the caller recomputes them from now).
 -- Two Redis calls per budget on allow (HMGET, HSET), one more when the key's life grows.
-local function budget_hold(n, id, now, hold_ms, first)
+-- replayed: the call carries proto.c's replay marker (its first reply was lost): a budget
+-- whose id is held in any of its three periods answers from that period, so a replay that
+-- crosses a boundary finds the hold its first attempt made instead of holding anew.
+local function budget_hold(n, id, now, hold_ms, first, replayed)
   local keys, starts, ends, limits, amounts = {}, {}, {}, {}, {}
   local spent, held, untils, remaining = {}, {}, {}, {}
   for i = 1, n do
     local key, start, stop = budget_period(i, now, first)
     if not key then return {0, -1, 0, now, {}, {}, {}} end
     keys[i], starts[i], ends[i] = key, start, stop
+    if replayed then
+      local a = first + (i - 1) * BUDGET_FIELDS
+      for j = 0, 2 do
+        if redis.call('HEXISTS', KEYS[3 * i - 2 + j], id) == 1 then
+          keys[i], starts[i], ends[i] = KEYS[3 * i - 2 + j], tonumber(ARGV[a + 2 + j]),
+                                        tonumber(ARGV[a + 3 + j])
+          break
+        end
+      end
+    end
   end
   local refused, kind, replay = -1, 0, false
   for i = 1, n do

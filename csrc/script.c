@@ -1017,8 +1017,7 @@ decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out
         for (int i = 0; i < 3 && j < 0; i++)
             j = start == b->bounds[i] ? i : -1;
         /* now lies in the period, but for a replay that found its hold across a boundary */
-        if (j < 0 || end != b->bounds[j + 1] ||
-            ((now < start || now >= end) && d->replay == NULL))
+        if (j < 0 || end != b->bounds[j + 1] || ((now < start || now >= end) && d->replay == NULL))
             return rl_error_set(err, RL_ERR_PROTOCOL,
                                 "the budget hold script answered the period [%lld, %lld) at now = "
                                 "%lld for budget %zu: not one of the periods sent",

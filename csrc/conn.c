@@ -747,7 +747,8 @@ static int
 is_admission(rl_shape shape)
 {
     return shape == RL_SHAPE_CHECK || shape == RL_SHAPE_WINDOWS || shape == RL_SHAPE_DETAILED ||
-           shape == RL_SHAPE_RESERVE || shape == RL_SHAPE_ACQUIRE || shape == RL_SHAPE_GCRA;
+           shape == RL_SHAPE_RESERVE || shape == RL_SHAPE_ACQUIRE || shape == RL_SHAPE_GCRA ||
+           shape == RL_SHAPE_BUDGET_HOLD;
 }
 
 /* min_replicas: queues the engine's WAIT on conn (rl_proto_push_wait) behind the decision

@@ -43,6 +43,7 @@
 
 #define RL_MAX_WINDOWS 32                    /* windows decided by one check */
 #define RL_CLUSTER_SLOTS 16384               /* hash slots of a Redis Cluster */
+#define RL_MAX_BUDGETS 16                    /* calendar budgets decided by one hold */
 #define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
 #define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
 #define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
@@ -109,7 +110,24 @@ typedef struct {
     long long slot_retry_ms;  /* in_flight refused: the hint (lua/lib/lease.lua), at most: */
     long long retry_bound_ms; /* a refused lease or slot: the wait until the soonest lease
                                  expires (0 otherwise) */
+    int kind; /* budget hold: 0 allowed, 1 permanent, 2 until_reset, 3 in_flight; -1: the
+                 periods sent do not hold the script's now (now_ms) */
+    long long start_of[RL_MAX_BUDGETS]; /* budget hold: each budget's period start (ms) */
+    long long end_of[RL_MAX_BUDGETS];   /* and end (ms); remaining_of: each one's remaining */
 } rl_result;
+
+/* A calendar budget of a hold or a settle (genai_ratelimit/periods.py computes the numbers;
+   lua/lib/budget.lua decides). Key: "{prefix}:{owner}:{period_start_ms}:budget={name}". */
+typedef struct {
+    const char *owner; /* UTF-8, borrowed from the caller's str: valid until rl_prepare ends */
+    size_t owner_len;
+    const char *name; /* the same */
+    size_t name_len;
+    long long limit;     /* hold: the budget's limit (>= 1) */
+    long long amount;    /* hold: the amount to hold; settle: the actual usage (>= 0) */
+    long long bounds[4]; /* hold: previous period's start, start, end, next period's end;
+                            settle: bounds[0], the admitting period's start */
+} rl_budget;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */
 typedef enum {
@@ -126,6 +144,12 @@ typedef enum {
     RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
     RL_SHAPE_GCRA,      /* _check_rate(): (allowed, remaining, retry_after_s, retry_after_ms,
                            now_ms), one GCRA decision (lua/gcra.lua) */
+    /* _hold_budgets(): (allowed, refused index, kind, now_ms, hold id, ((remaining, period
+       start, period end) per budget)); kind -1: the periods sent do not hold the script's
+       now (now_ms), nothing was decided */
+    RL_SHAPE_BUDGET_HOLD,
+    /* _settle_budgets(): the number of budgets whose hold was found */
+    RL_SHAPE_BUDGET_SETTLE,
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. py_request.c names a decision's script in the
@@ -147,6 +171,8 @@ typedef enum {
     RL_SCRIPT_GCRA,                      /* lua/gcra.lua: check_rate, either storage */
     RL_SCRIPT_GCRA_WINDOWS,              /* lua/gcra_windows.lua: check_windows_detailed(gcra=) */
     RL_SCRIPT_COMPACT_GCRA_WINDOWS,      /* lua/gcra_windows.lua over the compact storage */
+    RL_SCRIPT_BUDGET_HOLD,               /* lua/budget_hold.lua: calendar budgets, a hold */
+    RL_SCRIPT_BUDGET_SETTLE,             /* lua/budget_settle.lua: a hold settled */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -202,6 +228,11 @@ typedef struct {
     int slot;        /* cluster: the keys' hash slot, set by rl_script_format (-1 otherwise) */
     int reloaded;    /* the engine sent it again after NOSCRIPT (proto.c): a WAIT sent right
                         after its first form ran before it */
+    /* budget hold and settle: the budgets (owners and names cleared by rl_prepare) */
+    int nbudgets;
+    rl_budget budgets[RL_MAX_BUDGETS];
+    /* budget hold: a key outlives its period's end by this (the longest hold) */
+    long long hold_ms;
 } rl_prepared;
 
 /* The bytes to send for a decision: its replay form once it was marked for replay. */
@@ -731,10 +762,19 @@ size_t rl_key_user(char *out, const char *user, size_t user_len, int hash_tag);
 /* The key grammar read back (the command line's view of the keys rl_script_format and
    rl_key_user write): what one key's name says. Pointers are into the name read; the owner
    (in a hash tag) and the scope name are still percent-encoded (rl_key_unescape). */
-typedef enum { RL_KEY_WINDOW, RL_KEY_SCOPE, RL_KEY_SHARED, RL_KEY_LEASES, RL_KEY_GCRA } rl_key_kind;
+typedef enum {
+    RL_KEY_WINDOW,
+    RL_KEY_SCOPE,
+    RL_KEY_SHARED,
+    RL_KEY_LEASES,
+    RL_KEY_GCRA,
+    RL_KEY_BUDGET
+} rl_key_kind;
 typedef struct {
     rl_key_kind kind;  /* a user's window, a user's scope window, a shared scope's, leases, a
-                          GCRA bucket ("{owner}:{seconds}:gcra", seconds its period) */
+                          GCRA bucket ("{owner}:{seconds}:gcra", seconds its period), a
+                          calendar budget ("{owner}:{start_ms}:budget={name}", seconds its
+                          period's start in ms, scope its name) */
     const char *owner; /* the user id, or a shared scope's name */
     size_t owner_len;
     long long seconds; /* the window's length (0 for leases) */

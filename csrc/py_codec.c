@@ -219,6 +219,8 @@ CODEC_METHOD(reconcile, RL_SHAPE_RECONCILE)
 CODEC_METHOD(peek, RL_SHAPE_PEEK)
 CODEC_METHOD(reset, RL_SHAPE_RESET)
 CODEC_METHOD(check_rate, RL_SHAPE_GCRA)
+CODEC_METHOD(hold_budgets, RL_SHAPE_BUDGET_HOLD)
+CODEC_METHOD(settle_budgets, RL_SHAPE_BUDGET_SETTLE)
 
 static PyObject *
 Codec_get_metrics(CodecObject *self, PyObject *Py_UNUSED(ignored))
@@ -265,6 +267,14 @@ static PyMethodDef Codec_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "check_rate($self, /, user_id, rate, period_seconds, burst, *, cost=1)\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._check_rate's shape)."},
+    {"hold_budgets", (PyCFunction)(void (*)(void))Codec_hold_budgets,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "hold_budgets($self, /, user_id, budgets, hold_ms)\n--\n\n"
+     "A Request, or the kill switch's final tuple (Limiter._hold_budgets's shape)."},
+    {"settle_budgets", (PyCFunction)(void (*)(void))Codec_settle_budgets,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "settle_budgets($self, /, user_id, budgets, hold_id)\n--\n\n"
+     "A Request (the kill switch never answers it)."},
     {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
      "A Request (the kill switch never answers it)."},

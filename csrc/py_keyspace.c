@@ -71,11 +71,9 @@ rl_key_owner(PyObject *Py_UNUSED(module), PyObject *args)
 PyObject *
 rl_read_key(PyObject *Py_UNUSED(module), PyObject *args)
 {
-    static const char *const kinds[] = {[RL_KEY_WINDOW] = "window",
-                                        [RL_KEY_SCOPE] = "scope",
-                                        [RL_KEY_SHARED] = "shared",
-                                        [RL_KEY_LEASES] = "leases",
-                                        [RL_KEY_GCRA] = "gcra"};
+    static const char *const kinds[] = {
+        [RL_KEY_WINDOW] = "window", [RL_KEY_SCOPE] = "scope", [RL_KEY_SHARED] = "shared",
+        [RL_KEY_LEASES] = "leases", [RL_KEY_GCRA] = "gcra",   [RL_KEY_BUDGET] = "budget"};
     PyObject *name, *prefix, *name_bytes = NULL, *prefix_bytes = NULL, *result = NULL;
     PyObject *owner = NULL, *scope = NULL;
     char *name_data, *prefix_data;

@@ -443,6 +443,24 @@ PyDoc_STRVAR(Limiter_check_rate_doc,
 
 LIMITER_METHOD(check_rate, RL_SHAPE_GCRA)
 
+PyDoc_STRVAR(Limiter_hold_budgets_doc,
+"_hold_budgets($self, /, user_id, budgets, hold_ms)\n--\n\n"
+"-> (allowed, refused, kind, now_ms, hold_id, ((remaining, start_ms, end_ms), ...))\n\n"
+"Holds amounts in calendar budgets, all or nothing, in one script execution\n"
+"(lua/budget_hold.lua). budgets: (owner, name, limit, amount, previous_start, start, end,\n"
+"next_end) tuples (genai_ratelimit/periods.py); user_id: the owner whose slot the script\n"
+"runs in. kind -1: the periods sent do not hold the script's now_ms (ask again).");
+
+LIMITER_METHOD(hold_budgets, RL_SHAPE_BUDGET_HOLD)
+
+PyDoc_STRVAR(Limiter_settle_budgets_doc,
+"_settle_budgets($self, /, user_id, budgets, hold_id)\n--\n\n"
+"-> the number of budgets whose hold was found\n\n"
+"Settles a hold (lua/budget_settle.lua): budgets are (owner, name, period_start, actual)\n"
+"tuples naming the periods that admitted it. Settling twice changes nothing.");
+
+LIMITER_METHOD(settle_budgets, RL_SHAPE_BUDGET_SETTLE)
+
 PyDoc_STRVAR(Limiter_reset_doc,
 "_reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
 "-> (entries_removed, next_cursor)\n\n"
@@ -574,6 +592,10 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_peek_doc},
     {"_check_rate", (PyCFunction)(void (*)(void))Limiter_check_rate,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_rate_doc},
+    {"_hold_budgets", (PyCFunction)(void (*)(void))Limiter_hold_budgets,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_hold_budgets_doc},
+    {"_settle_budgets", (PyCFunction)(void (*)(void))Limiter_settle_budgets,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_settle_budgets_doc},
     {"_reset", (PyCFunction)(void (*)(void))Limiter_reset,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reset_doc},
     {"metrics", (PyCFunction)Limiter_get_metrics, METH_NOARGS, Limiter_metrics_doc},

@@ -59,6 +59,8 @@ static const int shape_ops[] = {
     [RL_SHAPE_RELEASE] = RL_OP_RELEASE,
     [RL_SHAPE_RENEW] = RL_OP_RENEW,
     [RL_SHAPE_GCRA] = RL_OP_CHECK, /* check_rate: a check's latency, outcome and rejections */
+    [RL_SHAPE_BUDGET_HOLD] = RL_OP_RESERVE,     /* hold_budgets: a reservation's latency */
+    [RL_SHAPE_BUDGET_SETTLE] = RL_OP_RECONCILE, /* settle_budgets: a reconcile's */
 };
 
 /* The `scope` label of each rl_scope_kind. */

@@ -429,6 +429,91 @@ gcra_bucket(rl_prepared *d, long long rate, long long seconds, long long burst, 
     return 0;
 }
 
+/* _hold_budgets's budgets: a tuple of (owner, name, limit, amount, previous_start, start,
+   end, next_end) tuples (hold), or _settle_budgets's: of (owner, name, start, actual)
+   (settle). genai_ratelimit/periods.py computes the periods; here they are checked to be
+   in order, so the script only picks one. Tuples only: owners and names are borrowed
+   (rl_budget). 0, or -1 with an exception. */
+static int
+add_budgets(rl_prepared *d, PyObject *budgets, int hold)
+{
+    static const char *const bound_names[] = {"previous_start", "start", "end", "next_end"};
+    Py_ssize_t n, size = hold ? 8 : 4;
+    if (!PyTuple_Check(budgets)) {
+        rl_type_error(budgets, "budgets must be a tuple, not ");
+        return -1;
+    }
+    n = PyTuple_Size(budgets);
+    if (n < 1 || n > RL_MAX_BUDGETS) {
+        PyErr_Format(PyExc_ValueError, "1 to %d budgets can be decided at once, got %zd",
+                     RL_MAX_BUDGETS, n);
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *t = PyTuple_GetItem(budgets, k);
+        rl_budget *b = &d->budgets[k];
+        Py_ssize_t len;
+        if (!PyTuple_Check(t) || PyTuple_Size(t) != size) {
+            rl_type_error(t, "budgets[%zd] must be a tuple of %zd items, got ", k, size);
+            return -1;
+        }
+        b->owner = rl_user_id_utf8(PyTuple_GetItem(t, 0), &len);
+        if (b->owner == NULL)
+            return -1;
+        b->owner_len = (size_t)len;
+        if (!PyUnicode_Check(PyTuple_GetItem(t, 1))) {
+            rl_type_error(PyTuple_GetItem(t, 1), "a budget's name must be a str, not ");
+            return -1;
+        }
+        b->name = PyUnicode_AsUTF8AndSize(PyTuple_GetItem(t, 1), &len);
+        if (b->name == NULL)
+            return -1;
+        if (len == 0 || len > RL_MAX_SCOPE_NAME) {
+            PyErr_Format(PyExc_ValueError,
+                         "a budget's name must hold 1 to %d bytes of UTF-8, got %zd",
+                         RL_MAX_SCOPE_NAME, len);
+            return -1;
+        }
+        b->name_len = (size_t)len;
+        d->nbudgets = (int)k + 1;
+        if (!hold) {
+            if (non_negative_int(PyTuple_GetItem(t, 2), "a budget's start", RL_MAX_UNIX_MS,
+                                 &b->bounds[0]) < 0 ||
+                non_negative_int(PyTuple_GetItem(t, 3), "actual", RL_MAX_LIMIT, &b->amount) < 0)
+                return -1;
+            b->limit = 0;
+            continue;
+        }
+        if (positive_int(PyTuple_GetItem(t, 2), "a budget's limit", RL_MAX_LIMIT, &b->limit) < 0 ||
+            non_negative_int(PyTuple_GetItem(t, 3), "amount", RL_MAX_LIMIT, &b->amount) < 0)
+            return -1;
+        for (int j = 0; j < 4; j++) {
+            if (non_negative_int(PyTuple_GetItem(t, 4 + j), bound_names[j], RL_MAX_UNIX_MS,
+                                 &b->bounds[j]) < 0)
+                return -1;
+            if (j > 0 && b->bounds[j] <= b->bounds[j - 1]) {
+                PyErr_Format(PyExc_ValueError, "budgets[%zd]: %s must come after %s", k,
+                             bound_names[j], bound_names[j - 1]);
+                return -1;
+            }
+        }
+    }
+    for (int k = 0; k < d->nbudgets; k++) { /* one key per budget and period */
+        for (int j = 0; j < k; j++) {
+            const rl_budget *a = &d->budgets[j], *b = &d->budgets[k];
+            if (a->owner_len == b->owner_len && a->name_len == b->name_len &&
+                memcmp(a->owner, b->owner, a->owner_len) == 0 &&
+                memcmp(a->name, b->name, a->name_len) == 0) {
+                PyErr_Format(PyExc_ValueError, "budget %R of %R appears twice",
+                             PyTuple_GetItem(PyTuple_GetItem(budgets, k), 1),
+                             PyTuple_GetItem(PyTuple_GetItem(budgets, k), 0));
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
 int
 rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                  rl_prepared *d, PyObject **user_id)
@@ -445,13 +530,22 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const release_names[] = {"user_id", "lease_id"};
     static const char *const renew_names[] = {"user_id", "lease_id", "lease_seconds"};
     static const char *const gcra_names[] = {"user_id", "rate", "period_seconds", "burst", "cost"};
+    static const char *const hold_names[] = {"user_id", "budgets", "hold_ms"};
+    static const char *const settle_names[] = {"user_id", "budgets", "hold_id"};
     static const rl_script_id scripts[] = {
-        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,    [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
-        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,  [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
-        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,       [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
-        [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW, [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
-        [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,   [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
+        [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
+        [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,
+        [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
+        [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW,
+        [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
+        [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,
+        [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
         [RL_SHAPE_GCRA] = RL_SCRIPT_GCRA,
+        [RL_SHAPE_BUDGET_HOLD] = RL_SCRIPT_BUDGET_HOLD,
+        [RL_SHAPE_BUDGET_SETTLE] = RL_SCRIPT_BUDGET_SETTLE,
     };
     PyObject *v[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
@@ -473,7 +567,21 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->lease_ms = 0;
     d->gcra_units = 0;
     d->gcra_scale = 0;
+    d->nbudgets = 0;
+    d->hold_ms = 0;
     switch (shape) {
+    case RL_SHAPE_BUDGET_HOLD:
+        if (rl_parse_args("_hold_budgets", args, nargs, kwnames, hold_names, 3, 3, 3, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || add_budgets(d, v[1], 1) < 0 ||
+            non_negative_int(v[2], "hold_ms", RL_MAX_UNIX_MS, &d->hold_ms) < 0)
+            return -1;
+        break;
+    case RL_SHAPE_BUDGET_SETTLE:
+        if (rl_parse_args("_settle_budgets", args, nargs, kwnames, settle_names, 3, 3, 3, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || add_budgets(d, v[1], 0) < 0 ||
+            parse_member(v[2], "hold's", d->member) < 0)
+            return -1;
+        break;
     case RL_SHAPE_GCRA:
         if (rl_parse_args("check_rate", args, nargs, kwnames, gcra_names, 5, 4, 4, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL || parse_gcra(v, d) < 0)
@@ -666,6 +774,10 @@ forget_scope_names(rl_prepared *p)
         p->scopes[k].name = NULL;
         p->scopes[k].name_len = 0;
     }
+    for (int k = 0; k < p->nbudgets; k++) {
+        p->budgets[k].owner = p->budgets[k].name = NULL;
+        p->budgets[k].owner_len = p->budgets[k].name_len = 0;
+    }
 }
 
 /* Cluster mode: the one hash slot of d's keys, into d->slot. A window's keys carry its
@@ -694,6 +806,18 @@ cluster_slot(rl_prepared *d, const char *user, size_t user_len)
                             "another shared scope's (their keys live in different slots)");
             return -1;
         }
+    }
+    for (int k = 0; k < d->nbudgets && d->slot >= 0; k++) {
+        int slot = rl_user_slot(d->budgets[k].owner, d->budgets[k].owner_len);
+        if (slot >= 0 && slot != d->slot) {
+            PyErr_SetString(PyExc_ValueError,
+                            "on a Redis Cluster one hold's budgets must share a hash slot: "
+                            "budgets of owners whose keys live in different slots cannot be "
+                            "held in one script (hold them in one owner's keys, or apart)");
+            return -1;
+        }
+        if (slot < 0)
+            d->slot = -1;
     }
     if (user_slot < 0 || d->slot < 0) {
         PyErr_NoMemory();
@@ -727,7 +851,26 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
        and refuse the user once the switch went off. */
     int disabled = out->shape != RL_SHAPE_RECONCILE && out->shape != RL_SHAPE_RESET &&
                    out->shape != RL_SHAPE_RELEASE && out->shape != RL_SHAPE_RENEW &&
-                   kill_switch_on();
+                   out->shape != RL_SHAPE_BUDGET_SETTLE && kill_switch_on();
+    if (disabled && out->shape == RL_SHAPE_BUDGET_HOLD) {
+        /* Allowed and nothing held: the hold has no id, so its settle sends nothing
+           (periods.py); each budget's remaining is its limit, in the period the client's
+           clock falls in. */
+        rl_result *r = &out->result;
+        memset(r, 0, sizeof(*r));
+        out->disabled = 1;
+        out->member[0] = '\0';
+        r->allowed = 1;
+        r->window = -1;
+        r->now_ms = rl_clock_ms();
+        for (int k = 0; k < out->nbudgets; k++) {
+            r->remaining_of[k] = out->budgets[k].limit;
+            r->start_of[k] = out->budgets[k].bounds[1];
+            r->end_of[k] = out->budgets[k].bounds[2];
+        }
+        forget_scope_names(out);
+        return warn_kill_switch(state);
+    }
     if (disabled && out->shape == RL_SHAPE_ACQUIRE) {
         /* The lease is granted and nothing is held: it has no id, so its release and renew
            send nothing (lease.py). */
@@ -780,7 +923,8 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
         return warn_kill_switch(state);
     }
     if ((out->script == RL_SCRIPT_WINDOW || out->script == RL_SCRIPT_IN_FLIGHT ||
-         out->script == RL_SCRIPT_GCRA_WINDOWS || out->shape == RL_SHAPE_ACQUIRE) &&
+         out->script == RL_SCRIPT_GCRA_WINDOWS || out->shape == RL_SHAPE_ACQUIRE ||
+         out->shape == RL_SHAPE_BUDGET_HOLD) &&
         rl_member_uuid4(state->random, out->member) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;

@@ -106,13 +106,39 @@ slot_object(const rl_prepared *d, const rl_result *r)
                          r->slot ? d->member : "", r->expires_ms, r->now_ms, r->retry_bound_ms);
 }
 
+/* A budget hold's answer: (allowed, refused index (-1 on allow), kind (0 allowed,
+   1 permanent, 2 until_reset, 3 in_flight, -1 periods stale), now_ms, hold id ("" when
+   nothing was held), ((remaining, period_start_ms, period_end_ms) per budget)). New
+   reference, or NULL. */
+static PyObject *
+budget_hold_object(const rl_prepared *d, const rl_result *r)
+{
+    const Py_ssize_t n = r->kind < 0 ? 0 : d->nbudgets;
+    PyObject *periods = PyTuple_New(n);
+    if (periods == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        /* PyTuple_SetItem steals item even when it fails (it cannot on a fresh tuple). */
+        PyObject *item = Py_BuildValue("(LLL)", r->remaining_of[k], r->start_of[k], r->end_of[k]);
+        if (item == NULL || PyTuple_SetItem(periods, k, item) < 0) {
+            Py_DECREF(periods);
+            return NULL;
+        }
+    }
+    /* "N" steals periods, also when building the tuple fails. */
+    return Py_BuildValue("(NiiLsN)", PyBool_FromLong(r->allowed), r->window, r->kind, r->now_ms,
+                         r->allowed ? d->member : "", periods);
+}
+
 PyObject *
 rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r)
 {
     const rl_windows *w = &d->windows;
     PyObject *t, *item;
     Py_ssize_t size;
-    if (d->shape == RL_SHAPE_RECONCILE)
+    if (d->shape == RL_SHAPE_BUDGET_HOLD)
+        return budget_hold_object(d, r);
+    if (d->shape == RL_SHAPE_RECONCILE || d->shape == RL_SHAPE_BUDGET_SETTLE)
         return PyLong_FromLongLong(r->found); /* with release: the lease's answer is not told */
     if (d->shape == RL_SHAPE_RESET)
         return Py_BuildValue("(Ls)", r->found, r->cursor);

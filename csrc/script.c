@@ -72,6 +72,12 @@ static const struct {
                                         sizeof(rl_compact_gcra_windows_source) - 1,
                                         rl_compact_gcra_windows_load_command,
                                         sizeof(rl_compact_gcra_windows_load_command) - 1},
+    [RL_SCRIPT_BUDGET_HOLD] = {RL_BUDGET_HOLD_SHA1, rl_budget_hold_source,
+                               sizeof(rl_budget_hold_source) - 1, rl_budget_hold_load_command,
+                               sizeof(rl_budget_hold_load_command) - 1},
+    [RL_SCRIPT_BUDGET_SETTLE] = {RL_BUDGET_SETTLE_SHA1, rl_budget_settle_source,
+                                 sizeof(rl_budget_settle_source) - 1, rl_budget_settle_load_command,
+                                 sizeof(rl_budget_settle_load_command) - 1},
 };
 
 rl_script_id
@@ -371,6 +377,113 @@ format_gcra(const char *prefix, size_t prefix_len, const char *user, size_t user
     return len;
 }
 
+/* Writes the key of budget b in the period starting at start_ms into out (room:
+   budget_key_room) and returns its length. The one place that names a calendar budget's
+   hash (lua/lib/budget.lua):
+
+     {prefix}:{owner}:{period_start_ms}:budget={name}
+
+   with the name's '%', ':', '{' and '}' percent-encoded as a scope's (window_key). Its last
+   field starts with "budget=" and holds no ':', so it is never a window's (digits,
+   "tokens", "scope=...", "shared", "w", "t", "c"), a GCRA bucket's ("gcra") nor a lease
+   key's ("leases", "stats"): the key reader takes it for no window. */
+static size_t
+budget_key(char *out, const char *prefix, size_t prefix_len, const rl_budget *b, int hash_tag,
+           long long start_ms)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    char *cursor = write_user_key(out, prefix, prefix_len, b->owner, b->owner_len, hash_tag);
+    cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", start_ms);
+    memcpy(cursor, ":budget=", 8);
+    cursor += 8;
+    for (size_t j = 0; j < b->name_len; j++) {
+        unsigned char c = (unsigned char)b->name[j];
+        if (c == '%' || c == ':' || c == '{' || c == '}') {
+            *cursor++ = '%';
+            *cursor++ = hex[c >> 4];
+            *cursor++ = hex[c & 15];
+        } else {
+            *cursor++ = (char)c;
+        }
+    }
+    return (size_t)(cursor - out);
+}
+
+static size_t
+budget_key_room(size_t prefix_len, const rl_budget *b)
+{
+    return prefix_len + 1 + rl_key_user_room(b->owner_len) + RL_NUMBER_TEXT + 8 + 3 * b->name_len;
+}
+
+#define RL_BUDGET_ARGV (7 + 9 * RL_MAX_BUDGETS)
+
+/* Formats a hold, "EVALSHA sha 3n keys... id now hold_ms (limit amount previous start end
+   next)..." (the header of lua/budget_hold.lua), or a settle, "EVALSHA sha n keys... id
+   actual..." (lua/budget_settle.lua). Returns the length and sets *out, or -1 (out of
+   memory). now_ms < 0 passes "" so the script reads the server's clock. */
+static long long
+format_budgets(const char *prefix, size_t prefix_len, const rl_prepared *d, long long now_ms,
+               char **out)
+{
+    const int hold = d->script == RL_SCRIPT_BUDGET_HOLD, per_key = hold ? 3 : 1;
+    const int n = d->nbudgets, nkeys = per_key * n;
+    const char *argv[RL_BUDGET_ARGV];
+    size_t argvlen[RL_BUDGET_ARGV];
+    char numbers[3 + 6 * RL_MAX_BUDGETS][RL_NUMBER_TEXT];
+    char *arena, *cursor;
+    size_t need = 0;
+    int argc = 0, used = 0;
+    long long len;
+
+    *out = NULL;
+    for (int k = 0; k < n; k++)
+        need += (size_t)per_key * budget_key_room(prefix_len, &d->budgets[k]);
+    if ((arena = malloc(need)) == NULL)
+        return -1;
+    cursor = arena;
+    argv[argc] = "EVALSHA";
+    argvlen[argc++] = 7;
+    argv[argc] = rl_script_sha1(d->script);
+    argvlen[argc++] = strlen(argv[1]);
+    argvlen[argc] = (size_t)snprintf(numbers[used], RL_NUMBER_TEXT, "%d", nkeys);
+    argv[argc++] = numbers[used++];
+    for (int k = 0; k < n; k++) {
+        const rl_budget *b = &d->budgets[k];
+        for (int j = 0; j < per_key; j++) {
+            /* hold: the previous, current and next period (starts: bounds 0, 1, 2) */
+            argvlen[argc] = budget_key(cursor, prefix, prefix_len, b, d->hash_tag, b->bounds[j]);
+            argv[argc++] = cursor;
+            cursor += argvlen[argc - 1];
+        }
+    }
+    argv[argc] = d->member;
+    argvlen[argc++] = strlen(d->member);
+    if (hold) {
+        argvlen[argc] =
+            now_ms >= 0 ? (size_t)snprintf(numbers[used], RL_NUMBER_TEXT, "%lld", now_ms) : 0;
+        argv[argc++] = now_ms >= 0 ? numbers[used++] : "";
+        argvlen[argc] = (size_t)snprintf(numbers[used], RL_NUMBER_TEXT, "%lld", d->hold_ms);
+        argv[argc++] = numbers[used++];
+    }
+    for (int k = 0; k < n; k++) {
+        const rl_budget *b = &d->budgets[k];
+        const long long values[6] = {b->limit,     b->amount,    b->bounds[0],
+                                     b->bounds[1], b->bounds[2], b->bounds[3]};
+        const int first = hold ? 0 : 1, last = hold ? 6 : 2; /* settle: the actual only */
+        for (int j = first; j < last; j++) {
+            argvlen[argc] = (size_t)snprintf(numbers[used], RL_NUMBER_TEXT, "%lld", values[j]);
+            argv[argc++] = numbers[used++];
+        }
+    }
+    len = redisFormatCommandArgv(out, argc, argv, argvlen);
+    free(arena);
+    if (len < 0 || *out == NULL) {
+        *out = NULL;
+        return -1;
+    }
+    return len;
+}
+
 size_t
 rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
 {
@@ -440,9 +553,25 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
         out->kind = RL_KEY_LEASES;
         return out->owner_len > 0 ? 0 : -1;
     }
+    /* budget_key: "{owner}:{period_start_ms}:budget={name}", a calendar budget: its last
+       field starts with "budget=" (no window's does) and holds no ':'; the start's digits
+       are read as a window's seconds, the name as a scope's. */
+    for (size_t i = rest_len; i > 0; i--) {
+        if (rest[i - 1] != ':')
+            continue;
+        if (rest_len - i > 7 && memcmp(rest + i, "budget=", 7) == 0) {
+            out->kind = RL_KEY_BUDGET;
+            out->scope = rest + i + 7;
+            out->scope_len = rest_len - i - 7;
+            rest_len = i - 1;
+        }
+        break;
+    }
     /* format_gcra: "{owner}:{seconds}:gcra", a GCRA bucket: the digits and the owner, as a
        window's (no window key ends in ":gcra": a scope's name has its ':' encoded). */
-    if (ends_with(rest, rest_len, ":gcra")) {
+    if (out->kind == RL_KEY_BUDGET) {
+        /* nothing but the digits and the owner are left */
+    } else if (ends_with(rest, rest_len, ":gcra")) {
         out->kind = RL_KEY_GCRA;
         rest_len -= 5;
     } else if (ends_with(rest, rest_len, ":w") || ends_with(rest, rest_len, ":c")) {
@@ -451,7 +580,7 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
         out->suffix = rest[rest_len - 1];
         rest_len -= 2;
     }
-    if (out->kind == RL_KEY_GCRA) {
+    if (out->kind == RL_KEY_GCRA || out->kind == RL_KEY_BUDGET) {
         /* nothing but the digits and the owner */
     } else if (ends_with(rest, rest_len, ":shared")) {
         out->kind = RL_KEY_SHARED;
@@ -471,7 +600,8 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
                 break;
         }
     }
-    if (out->kind != RL_KEY_GCRA && ends_with(rest, rest_len, ":tokens")) {
+    if (out->kind != RL_KEY_GCRA && out->kind != RL_KEY_BUDGET &&
+        ends_with(rest, rest_len, ":tokens")) {
         out->tokens = 1;
         rest_len -= 7;
     }
@@ -577,6 +707,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         return format_lease(prefix, prefix_len, user, user_len, d, now_ms, out);
     if (d->script == RL_SCRIPT_GCRA)
         return format_gcra(prefix, prefix_len, user, user_len, d, now_ms, out);
+    if (d->script == RL_SCRIPT_BUDGET_HOLD || d->script == RL_SCRIPT_BUDGET_SETTLE)
+        return format_budgets(prefix, prefix_len, d, now_ms, out);
     *out = NULL;
     if (need > sizeof(stack_arena)) {
         arena = malloc(need);
@@ -832,6 +964,74 @@ decode_reconcile_release(const redisReply *reply, const rl_prepared *d, rl_resul
     memset(out, 0, sizeof(*out));
     out->found = found;
     out->slot = (int)released;
+    return RL_OK;
+}
+
+/* lua/budget_hold.lua: {allowed, refusing index, kind, now, {remaining}, {start}, {end}},
+   checked against the request: each budget's period is one of the three sent, its
+   remaining at most its limit; or {0, -1, 0, now, {}, {}, {}}: the periods sent do not
+   hold the script's now (kind -1 here; the caller computes them anew from now). */
+static rl_status
+decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    static const char name[] = "budget hold";
+    const int n = d->nbudgets;
+    long long v[4];
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 7)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the budget hold script: %s%s, expected an "
+                            "array of 4 integers and 3 arrays",
+                            rl_reply_type_name(reply->type),
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
+    for (size_t i = 0; i < 4; i++) {
+        if (integer_at(reply, i, &v[i], err) != RL_OK)
+            return err->kind;
+    }
+    long long allowed = v[0], refused = v[1], kind = v[2], now = v[3];
+    if (within(name, "allowed", allowed, 0, 1, err) != RL_OK ||
+        within(name, "now", now, 0, RL_MAX_UNIX_MS, err) != RL_OK ||
+        within(name, "refused", refused, -1, allowed ? -1 : n - 1, err) != RL_OK ||
+        within(name, "kind", kind, allowed || refused < 0 ? 0 : 1, allowed || refused < 0 ? 0 : 3,
+               err) != RL_OK)
+        return err->kind;
+    const int stale = !allowed && refused < 0;
+    const size_t count = stale ? 0 : (size_t)n;
+    for (size_t i = 4; i < 7; i++) {
+        const redisReply *e = reply->element[i];
+        if (e == NULL || e->type != REDIS_REPLY_ARRAY || e->elements != count)
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "unexpected reply to the budget hold script: element %zu is %s, "
+                                "expected an array of %zu integers",
+                                i + 1, e ? rl_reply_type_name(e->type) : "missing", count);
+    }
+    memset(out, 0, sizeof(*out));
+    for (size_t k = 0; k < count; k++) {
+        const rl_budget *b = &d->budgets[k];
+        long long remaining, start, end;
+        if (integer_at(reply->element[4], k, &remaining, err) != RL_OK ||
+            integer_at(reply->element[5], k, &start, err) != RL_OK ||
+            integer_at(reply->element[6], k, &end, err) != RL_OK ||
+            within(name, "remaining", remaining, 0, b->limit, err) != RL_OK)
+            return err->kind;
+        int j = -1; /* which of the three periods sent */
+        for (int i = 0; i < 3 && j < 0; i++)
+            j = start == b->bounds[i] ? i : -1;
+        /* now lies in the period, but for a replay that found its hold across a boundary */
+        if (j < 0 || end != b->bounds[j + 1] || ((now < start || now >= end) && d->replay == NULL))
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "the budget hold script answered the period [%lld, %lld) at now = "
+                                "%lld for budget %zu: not one of the periods sent",
+                                start, end, now, k);
+        out->remaining_of[k] = remaining;
+        out->start_of[k] = start;
+        out->end_of[k] = end;
+    }
+    out->allowed = (int)allowed;
+    out->window = (int)refused;
+    out->kind = stale ? -1 : (int)kind;
+    out->now_ms = now;
+    out->evaluated = (int)count;
+    out->slot = -1;
     return RL_OK;
 }
 
@@ -1241,6 +1441,19 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
         return decode_lease(reply, d, out, err);
     case RL_SCRIPT_GCRA:
         return decode_gcra(reply, d, out, err);
+    case RL_SCRIPT_BUDGET_HOLD:
+        return decode_budget_hold(reply, d, out, err);
+    case RL_SCRIPT_BUDGET_SETTLE:
+        if (reply->type != REDIS_REPLY_INTEGER)
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "unexpected reply to the budget settle script: %s, expected an "
+                                "integer from 0 to %d",
+                                rl_reply_type_name(reply->type), d->nbudgets);
+        if (within("budget settle", "found", reply->integer, 0, d->nbudgets, err) != RL_OK)
+            return err->kind;
+        memset(out, 0, sizeof(*out));
+        out->found = reply->integer;
+        return RL_OK;
     default:
         return decode_window(reply, d, out, err);
     }

@@ -19,6 +19,7 @@ from ._version import __version__
 from .aio import AsyncRateLimiter
 from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
+from .periods import Budget, BudgetHold, BudgetPeriod
 from .prices import ModelPrice, PriceRule, PriceTable, PriceTableError, TokenUsage, UnpricedModel
 from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
@@ -42,6 +43,9 @@ __all__ = [
     "TokenUsage",
     "UnpricedModel",
     "PriceTableError",
+    "Budget",
+    "BudgetHold",
+    "BudgetPeriod",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

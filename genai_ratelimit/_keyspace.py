@@ -42,7 +42,7 @@ SCAN_COUNT = 10
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 _NAMESPACE = re.compile(rf"ns:({NAMESPACE_PATTERN.pattern}):(.*)", re.DOTALL)
 
-Kind = Literal["window", "scope", "shared", "leases", "gcra"]
+Kind = Literal["window", "scope", "shared", "leases", "gcra", "budget"]
 Storage = Literal["zset", "compact"]
 
 
@@ -51,7 +51,8 @@ class KeyName:
     """What one key's name says."""
 
     kind: Kind  # a user's own window, a user's scope window, a shared scope's window, leases,
-    # a GCRA bucket (seconds: its period)
+    # a GCRA bucket (seconds: its period), a calendar budget (seconds: its period's start in
+    # unix ms, scope: its name)
     owner: str  # the user id (identity) of the key, or a shared scope's name
     seconds: int = 0  # the window's length (0 for leases)
     tokens: bool = False  # a token window

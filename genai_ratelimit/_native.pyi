@@ -115,12 +115,23 @@ class RateLimiterAuthError(RateLimiterUnavailable): ...
 _PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, int, int | None], ...], int]
 # _check_rate (GCRA): (allowed, remaining, retry_after_s, retry_after_ms, now_ms)
 _RateResult = tuple[bool, int, int, int, int]
+# (allowed, refused index, kind (0 allow, 1 permanent, 2 until_reset, 3 in_flight, -1 stale
+# periods), now_ms, hold id, ((remaining, period_start_ms, period_end_ms), ...))
+_HoldResult = tuple[bool, int, int, int, str, tuple[tuple[int, int, int], ...]]
+# (owner, name, limit, amount, previous_start, start, end, next_end)
+_HoldRow = tuple[str, str, int, int, int, int, int, int]
+# (owner, name, period_start, actual)
+_SettleRow = tuple[str, str, int, int]
 GCRA_SHA1: str
 GCRA_SOURCE: str
 GCRA_WINDOWS_SHA1: str
 GCRA_WINDOWS_SOURCE: str
 COMPACT_GCRA_WINDOWS_SHA1: str
 COMPACT_GCRA_WINDOWS_SOURCE: str
+BUDGET_HOLD_SHA1: str
+BUDGET_HOLD_SOURCE: str
+BUDGET_SETTLE_SHA1: str
+BUDGET_SETTLE_SOURCE: str
 
 @disjoint_base
 class Limiter:
@@ -201,6 +212,12 @@ class Limiter:
     def _check_rate(
         self, user_id: str, rate: int, period_seconds: int, burst: int, *, cost: int = 1
     ) -> _RateResult: ...
+    def _hold_budgets(
+        self, user_id: str, budgets: tuple[_HoldRow, ...], hold_ms: int
+    ) -> _HoldResult: ...
+    def _settle_budgets(
+        self, user_id: str, budgets: tuple[_SettleRow, ...], hold_id: str
+    ) -> int: ...
     def _reset(
         self,
         user_id: str,
@@ -299,6 +316,12 @@ class Codec:
     def check_rate(
         self, user_id: str, rate: int, period_seconds: int, burst: int, *, cost: int = 1
     ) -> Request | _RateResult: ...
+    def hold_budgets(
+        self, user_id: str, budgets: tuple[_HoldRow, ...], hold_ms: int
+    ) -> Request | _HoldResult: ...
+    def settle_budgets(
+        self, user_id: str, budgets: tuple[_SettleRow, ...], hold_id: str
+    ) -> Request: ...
     def reset(
         self,
         user_id: str,

@@ -43,6 +43,7 @@ from .lease import (
 )
 from .limiter import PING_IDENTITY, Clock, Storage, limiter_options
 from .metrics import LimiterMetrics, count_reconcile, count_reservation
+from .periods import DEFAULT_HOLD_SECONDS, Budget, BudgetHold, hold_plan, settle_plan
 from .reservation import (
     Plan,
     Reservation,
@@ -939,6 +940,63 @@ class AsyncRateLimiter:
             raise RateLimiterError("the rate limiter is closed")
         found: int = await self._drive(reconcile_plan(reservation, actual, release))
         count_reconcile(self._codec._record_outcome, reservation, actual, found)
+        return found
+
+    async def hold_budgets(self, budgets: Budget | Sequence[Budget],
+                           amount: int | Sequence[int], *,
+                           hold_seconds: int = DEFAULT_HOLD_SECONDS) -> BudgetHold:
+        """RateLimiter.hold_budgets, awaited. A caller cancelled while the hold is on its
+        way leaves nothing held: once the reply is in, a hold it made is given back."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        plan = hold_plan(budgets, amount, hold_seconds)
+        call, result = advance(plan)
+        while call is not None:
+            _, positional, keywords = call
+            request = self._codec.hold_budgets(*positional, **keywords)
+            if type(request) is tuple:  # the kill switch answered
+                answer = request
+            else:
+                sent = _Sent()
+                try:
+                    answer = await self._run(request, True, True, sent)
+                except asyncio.CancelledError:
+                    if sent.future is not None:
+                        self._leave(self._release_held(positional[1], sent))
+                    raise
+            call, result = advance(plan, answer)
+        hold: BudgetHold = result
+        return hold
+
+    async def _release_held(self, rows: tuple[Any, ...], sent: _Sent) -> None:
+        """For a hold whose caller was cancelled: once its reply is in, gives back what it
+        held (nobody will settle it)."""
+        try:
+            raw = await sent.future  # type: ignore[misc]
+        except Exception:  # noqa: BLE001 - no answer: a hold it made expires with its key
+            return
+        allowed, _, kind, _, hold_id, periods = raw
+        if not (allowed and hold_id and kind >= 0):
+            return
+        settle = tuple((row[0], row[1], start, 0) for row, (_, start, _) in zip(rows, periods, strict=True))
+        try:
+            if not self._closed:
+                await self._run(self._codec.settle_budgets(rows[0][0], settle, hold_id))
+        except Exception as exc:  # noqa: BLE001 - logged: the hold expires with its key
+            logger.warning("could not give back the hold of a cancelled hold_budgets (it is "
+                           "held until its key expires): %s", exc)
+
+    async def settle_budgets(self, hold: BudgetHold, actual: int | Sequence[int]) -> int:
+        """RateLimiter.settle_budgets, awaited."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        plan = settle_plan(hold, actual)
+        call, result = advance(plan)
+        while call is not None:
+            _, positional, keywords = call
+            answer = await self._run(self._codec.settle_budgets(*positional, **keywords))
+            call, result = advance(plan, answer)
+        found: int = result
         return found
 
     async def _drive(self, plan: Plan, reserving: bool = False) -> Any:

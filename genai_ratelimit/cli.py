@@ -274,7 +274,7 @@ class Masters:
     async def scan(self, pattern: str, max_keys: int) -> ScanReport:
         report = await scan(self.scanned, pattern, max_keys)
         for key in (parse_key(k, self.prefix, self.hash_tag) for k in report.keys):
-            if key is not None and key.kind not in ("leases", "gcra"):
+            if key is not None and key.kind not in ("leases", "gcra", "budget"):
                 self.held.setdefault((key.kind, key.owner, key.scope, key.seconds, key.tokens),
                                      set()).add(key.storage)
         return report
@@ -404,6 +404,10 @@ def inspect(args: argparse.Namespace, out: TextIO) -> int:
         state = ("full" if bucket["full_at_ms"] is None
                  else f"full again at {_time(bucket['full_at_ms'])}")
         out.write(f"GCRA bucket {bucket['period_seconds']} s ({budget}): {state}\n")
+    for spend in report["budgets"]:
+        out.write(f"budget {quoted(spend['name'])} from {_time(spend['period_start_ms'])}: spent "
+                  f"{spend['spent']}, held {spend['held']} ({spend['holds']} in flight), key "
+                  f"expires {_time(spend['expires_ms'])}\n")
     leases = report["leases"]
     cap = "no cap" if leases["max_in_flight"] is None else f"of {leases['max_in_flight']}"
     soonest = f", soonest expiry {_time(leases['expires_ms'][0])}" if leases["expires_ms"] else ""
@@ -447,6 +451,7 @@ async def _inspect(args: argparse.Namespace, budgets: Budgets, tier: str,
             scope_rows += await _peek_windows(masters, args.user, *_split(limits), (name, False))
         leases = await _leases(args, masters, hash_tag, now)
         buckets = await _buckets(args, masters, hash_tag, keys, budgets.bucket(tier), now)
+        spend = await _calendar_budgets(args, masters, hash_tag, found.keys, now)
         upstreams, scans = [], [found]
         for name in args.upstream:
             limits, upstream_scan = await _upstream_limits(args, masters, budgets, name, hash_tag)
@@ -458,6 +463,7 @@ async def _inspect(args: argparse.Namespace, budgets: Budgets, tier: str,
         await masters.aclose()
     return {"user": args.user, "identity": _identity_json(identity), "tier": tier,
             "now_ms": now, "windows": windows, "scopes": scope_rows, "buckets": buckets,
+            "budgets": spend,
             "leases": {**leases, "max_in_flight": budgets.max_in_flight.get(tier)},
             "upstreams": upstreams, "namespaces": namespaces, "scan": _scan_json(*scans)}
 
@@ -528,6 +534,28 @@ async def _buckets(args: argparse.Namespace, masters: Masters, hash_tag: bool,
                      "rate": bucket[0] if tier_rate and bucket else None,
                      "burst": bucket[2] if tier_rate and bucket else None,
                      "full_at_ms": full_at if full_at is not None and full_at > now_ms else None})
+    return rows
+
+
+async def _calendar_budgets(args: argparse.Namespace, masters: Masters, hash_tag: bool,
+                            names: list[str], now_ms: int) -> list[dict[str, Any]]:
+    """The user's calendar budgets the SCAN found (docs/spend-budgets.md), one row per
+    budget and period: spent, held, the holds in flight and when the key expires. Read raw,
+    as the leases are (the limit and the period are the app's)."""
+    found = [(name, key) for name, key in ((n, parse_key(n, args.key_prefix, hash_tag))
+                                           for n in names)
+             if key is not None and key.kind == "budget" and key.owner == args.user]
+    rows = []
+    for name, key in sorted(found, key=lambda pair: (pair[1].scope or "", pair[1].seconds)):
+        command = (await _node_of(masters, name, hash_tag))._command
+        reply = await command("HGETALL", name)
+        fields = {reply[i].decode() if isinstance(reply[i], bytes) else str(reply[i]):
+                  int(reply[i + 1]) for i in range(0, len(reply) - 1, 2)}
+        ttl = int(await command("PTTL", name))
+        rows.append({"name": key.scope, "key": name, "period_start_ms": key.seconds,
+                     "spent": fields.pop("spent", 0), "held": fields.pop("held", 0),
+                     "holds": len(fields) - ("until" in fields),
+                     "expires_ms": now_ms + ttl if ttl >= 0 else None})
     return rows
 
 
@@ -690,6 +718,8 @@ async def _top(args: argparse.Namespace, budgets: Budgets, default: str,
                 continue
             if key.kind == "shared":
                 shared.setdefault(key.owner, {})[(key.seconds, key.tokens)] = None
+                continue
+            if key.kind == "budget":  # an org's or a team's budget is no user
                 continue
             windows = owners.setdefault(key.owner, {})  # a user, whatever key shows it
             if key.kind == "window":

@@ -14,6 +14,7 @@ from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
 from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, lease_maker, make_lease
 from .metrics import count_reconcile, count_reservation
+from .periods import DEFAULT_HOLD_SECONDS, Budget, BudgetHold, hold_plan, settle_plan
 from .reservation import (
     Plan,
     Reservation,
@@ -209,14 +210,38 @@ class RateLimiter(_native.Limiter):
         count_reconcile(self._record_outcome, reservation, actual, found)
         return found
 
+    def hold_budgets(self, budgets: Budget | Sequence[Budget], amount: int | Sequence[int], *,
+                     hold_seconds: int = DEFAULT_HOLD_SECONDS) -> BudgetHold:
+        """Holds `amount` (one int for every budget, or one per budget) in each calendar
+        budget (docs/spend-budgets.md), in one script execution, all or nothing: when any
+        budget's spent + held + amount would pass its limit, nothing is held anywhere and
+        the BudgetHold names the budget that refused and why. Each budget's period is the
+        one holding the script's now (the server's clock, unless clock="client"). A hold's
+        key lives until its period's end plus `hold_seconds` (the longest hold)."""
+        hold: BudgetHold = self._drive(hold_plan(budgets, amount, hold_seconds))
+        return hold
+
+    def settle_budgets(self, hold: BudgetHold, actual: int | Sequence[int]) -> int:
+        """Settles a hold: each budget's amount held becomes `actual` (an int for every
+        budget, or one per budget) spent, in the period that admitted it, even after that
+        period ended; 0 gives the hold back unused, more than held is charged (never
+        refused). Idempotent. Returns the number of budgets whose hold was found (0 once
+        settled or expired, or when nothing was held: then nothing is sent)."""
+        found: int = self._drive(settle_plan(hold, actual))
+        return found
+
     def _drive(self, plan: Plan) -> Any:
-        """Runs a plan's C calls (reservation.py), blocking."""
+        """Runs a plan's C calls (reservation.py, periods.py), blocking."""
         call, result = advance(plan)
         while call is not None:
             name, positional, keywords = call
             try:
-                if name == "validate":
-                    answer: object = _native.Codec(self.key_prefix).reserve(*positional, **keywords)
+                if name == "hold_budgets":
+                    answer: object = self._hold_budgets(*positional, **keywords)
+                elif name == "settle_budgets":
+                    answer = self._settle_budgets(*positional, **keywords)
+                elif name == "validate":
+                    answer = _native.Codec(self.key_prefix).reserve(*positional, **keywords)
                 elif name == "release":
                     answer = self._release(*positional)
                 else:

@@ -138,7 +138,8 @@ def run_async(coroutine: Coroutine[Any, Any, T], loop_factory: LoopFactory | Non
 
 class BlockingAsyncLimiter:
     """An AsyncRateLimiter behind the blocking limiter's interface: check(), check_windows(),
-    reserve(), reconcile(), acquire(), release(), renew(), peek(), reset(), metrics(), close(),
+    reserve(), reconcile(), acquire(), release(), renew(), peek(), hold_budgets(),
+    settle_budgets(), reset(), metrics(), close(),
     `with`, url, key_prefix, closed, repr(). Each call runs the coroutine to completion on one
     loop (made by `loop_factory`) that this adapter keeps for its lifetime, so connections are
     reused between calls exactly as in a long-running service. After each call the loop turns
@@ -199,6 +200,12 @@ class BlockingAsyncLimiter:
 
     def peek(self, *args: Any, **kwargs: Any) -> tuple[bool, int, int, int]:
         return self.run(self.inner.peek(*args, **kwargs))
+
+    def hold_budgets(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.inner.hold_budgets(*args, **kwargs))
+
+    def settle_budgets(self, *args: Any, **kwargs: Any) -> int:
+        return self.run(self.inner.settle_budgets(*args, **kwargs))
 
     def _peek(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(self.inner._peek(*args, **kwargs))

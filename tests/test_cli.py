@@ -143,6 +143,29 @@ def test_inspect_shows_a_tiers_gcra_bucket_and_any_other_the_user_has(
     assert "GCRA bucket 3600 s (rate and burst: the app's): full again at " in table
 
 
+def test_inspect_shows_the_users_calendar_budgets_and_top_no_org(
+        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    from genai_ratelimit import Budget
+
+    daily = Budget(user_id, "daily:usd", 1_000, "day", "Europe/Paris")
+    with RateLimiter(redis_url) as limiter:
+        settled = limiter.hold_budgets([Budget("org:acme", "monthly", 10_000), daily], 300)
+        limiter.settle_budgets(settled, 250)
+        held = limiter.hold_budgets(daily, 100)
+    start = held.periods[0].period_start_ms
+    key = f"ratelimit:{user_id}:{start}:budget=daily%3Ausd"
+    assert redis_client.exists(key)
+    report = run_json("--url", redis_url, "inspect", user_id)
+    assert report["budgets"] == [{"name": "daily:usd", "key": key, "period_start_ms": start,
+                                  "spent": 250, "held": 100, "holds": 1,
+                                  "expires_ms": report["budgets"][0]["expires_ms"]}]
+    expires = report["budgets"][0]["expires_ms"]
+    assert abs(expires - (held.periods[0].period_end_ms + 86_400_000)) < 60_000
+    table = run("--url", redis_url, "inspect", user_id).stdout
+    assert "budget 'daily:usd' from " in table and "spent 250, held 100 (1 in flight)" in table
+    assert "org:acme" not in run("--url", redis_url, "top").stdout
+
+
 def test_check_decides_a_tiers_burst_as_the_app_does(tmp_path: Path, redis_url: str,
                                                      user_id: str) -> None:
     tiers = tmp_path / "tiers.json"

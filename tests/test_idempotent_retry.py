@@ -282,3 +282,34 @@ def test_replay_finds_its_member_in_the_longest_window_after_the_shortest_expire
         f"the replay of a request the hour window still counts was answered {reply}: the "
         "script looked for it in the shortest window only")
     assert [redis_client.zrange(key, 0, -1, withscores=True) for key in keys] == state
+
+
+@pytest.mark.storages("zset", reason="budgets keep no window log: the storage does not apply")
+def test_a_replayed_budget_hold_and_settle_count_once(make_limiter: LimiterFactory,
+                                                      redis_client: redis.Redis,
+                                                      redis_port: int) -> None:
+    """A hold whose reply was lost is replayed with the same hold id: it answers allowed and
+    holds nothing more; a settle whose reply was lost is replayed and charges once."""
+    from genai_ratelimit import Budget
+
+    redis_client.script_load(_native.BUDGET_HOLD_SOURCE)
+    redis_client.script_load(_native.BUDGET_SETTLE_SOURCE)
+    budget = Budget("org", "daily", 100, "day", "Europe/Paris")
+    proxy = ReplyDroppingProxy(redis_port, drop=1)
+    try:
+        with make_limiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            hold = limiter.hold_budgets(budget, 60)
+    finally:
+        proxy.close()
+    assert len(proxy.dropped_replies) == 1 and proxy.dropped_replies[0].startswith(b"*7\r\n:1\r\n")
+    assert hold.allowed and hold.periods[0].remaining == 40
+    key = f"ratelimit:org:{hold.periods[0].period_start_ms}:budget=daily"
+    assert int(redis_client.hget(key, "held")) == 60
+    proxy = ReplyDroppingProxy(redis_port, drop=1)
+    try:
+        with make_limiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            assert limiter.settle_budgets(hold, 45) == 0  # the replay: already settled
+    finally:
+        proxy.close()
+    assert proxy.dropped_replies == [b":1\r\n"]
+    assert (int(redis_client.hget(key, "spent")), int(redis_client.hget(key, "held"))) == (45, 0)

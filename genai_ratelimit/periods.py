@@ -1,0 +1,294 @@
+"""Calendar budgets with holds in flight: the rules, with no I/O (docs/spend-budgets.md).
+
+A `Budget` counts integer units (requests, tokens, or money in micro-units: the caller's
+amounts) per calendar period: a day, a week (starting Monday) or a month, in an IANA time
+zone, DST-correct (a local day is 23, 24 or 25 hours; a month starts at 00:00 local on the
+1st). The time-zone arithmetic lives here only: the Redis scripts (lua/lib/budget.lua) see
+plain unix milliseconds.
+
+Which period? The script decides at its own now (the Redis server's TIME, or the client's
+clock with clock="client"). The client cannot know that instant, so for each budget it
+sends the period its own clock falls in and both neighbours (three keys); the script picks
+the one holding its now. When the clocks are a whole period apart, the script answers
+"stale" with its now, and the plan computes the periods again from that instant (a second
+round trip, never a wrong period). A hold belongs to the period that admitted it: settled
+after the boundary, it is charged to that period's total, not to the new one.
+
+The plans (`hold_plan`, `settle_plan`) are generators of C calls, driven by the limiters
+(limiter.py blocking, aio.py on the event loop), like reservation.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Generator, Sequence
+from datetime import date, datetime, timedelta, timezone
+from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from ._native import RateLimiterError
+
+__all__ = [
+    "DEFAULT_HOLD_SECONDS",
+    "Budget",
+    "BudgetHold",
+    "BudgetPeriod",
+    "period_bounds",
+]
+
+PeriodName = Literal["day", "week", "month"]
+RefusalReason = Literal["permanent", "until_reset", "in_flight"]
+
+PERIODS: tuple[str, ...] = ("day", "week", "month")
+# A key outlives its period's end by the longest hold: a hold settled later than this
+# after the end of the period that admitted it finds nothing (its key expired) and charges
+# nothing. A day, by default; hold(..., hold_seconds=...) changes it.
+DEFAULT_HOLD_SECONDS = 86_400
+MAX_BUDGETS = 16  # csrc/native.h RL_MAX_BUDGETS: budgets of one hold
+MAX_AMOUNT = 2**53 - 1  # exact in Lua's numbers (csrc RL_MAX_LIMIT)
+_REASONS: dict[int, RefusalReason] = {1: "permanent", 2: "until_reset", 3: "in_flight"}
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_MS = timedelta(milliseconds=1)
+_STALE_TRIES = 3  # a stale answer gives the script's now: the second try holds it
+
+
+def _check_int(value: object, name: str, low: int, high: int = MAX_AMOUNT) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be from {low} to {high}, got {value}")
+    return value
+
+
+def _check_text(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, not {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name} must not be empty")
+    if len(value.encode("utf-8", "surrogatepass")) > 256:
+        raise ValueError(f"{name} must hold at most 256 bytes of UTF-8, got {value[:40]!r}...")
+    return value
+
+
+def _zone(tz: object) -> ZoneInfo:
+    if not isinstance(tz, str):
+        raise TypeError(f"tz must be an IANA time zone name (a str), not {type(tz).__name__}")
+    try:
+        return ZoneInfo(tz)
+    except (ZoneInfoNotFoundError, ValueError) as exc:  # ValueError: "../x", "", ...
+        raise ValueError(f"tz: no IANA time zone is named {tz!r}") from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """At most `limit` units per `period` ("day", "week" from Monday, "month") in time zone
+    `tz` (an IANA name, e.g. "Europe/Paris"), for `owner` (an org, a team, a key, a user:
+    any non-empty str). `name` tells an owner's budgets apart ("monthly_usd",
+    "daily_tokens"); `level` is a label the answers carry ("org", "team", ...). Redis key:
+    `{key_prefix}:{owner}:{period_start_ms}:budget={name}`. Raises TypeError or ValueError
+    when built (a time zone that does not exist, a limit below 1, an unknown period)."""
+
+    owner: str
+    name: str
+    limit: int
+    period: PeriodName = "month"
+    tz: str = "UTC"
+    level: str | None = None
+    zone: ZoneInfo = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_text(self.owner, "owner")
+        _check_text(self.name, "name")
+        _check_int(self.limit, "limit", 1)
+        if self.period not in PERIODS:
+            raise ValueError(f"period must be 'day', 'week' or 'month', got {self.period!r}")
+        if self.level is not None:
+            _check_text(self.level, "level")
+        object.__setattr__(self, "zone", _zone(self.tz))
+
+    def period_at(self, instant_ms: int) -> tuple[int, int]:
+        """The period holding the instant (unix ms): [start_ms, end_ms)."""
+        return period_bounds(self.period, self.zone, instant_ms)
+
+
+def _midnight_ms(zone: ZoneInfo, day: date) -> int:
+    """The first instant of local `day` in unix ms. A midnight that does not exist (a DST
+    gap at 00:00) is the instant the gap ends: fold=0 reads it with the offset before."""
+    return (datetime(day.year, day.month, day.day, tzinfo=zone) - _EPOCH) // _MS
+
+
+def _first_day(period: str, day: date) -> date:
+    if period == "day":
+        return day
+    if period == "week":
+        return day - timedelta(days=day.weekday())  # Monday
+    return day.replace(day=1)
+
+
+def _next_first_day(period: str, first: date) -> date:
+    if period == "day":
+        return first + timedelta(days=1)
+    if period == "week":
+        return first + timedelta(days=7)
+    return date(first.year + first.month // 12, first.month % 12 + 1, 1)
+
+
+def period_bounds(period: str, zone: ZoneInfo, instant_ms: int) -> tuple[int, int]:
+    """The calendar period ("day", "week" from Monday, "month") of `zone` holding the
+    instant (unix ms), as [start_ms, end_ms) in unix ms: local midnights, so a day is 23,
+    24 or 25 hours long across DST changes."""
+    local = datetime.fromtimestamp(instant_ms // 1000, zone).date()
+    first = _first_day(period, local)
+    start = _midnight_ms(zone, first)
+    if instant_ms < start:  # a zone whose midnight repeats: the earlier period
+        first = _first_day(period, first - timedelta(days=1))
+        start = _midnight_ms(zone, first)
+    end = _midnight_ms(zone, _next_first_day(period, first))
+    if instant_ms >= end:
+        first = _next_first_day(period, first)
+        start, end = end, _midnight_ms(zone, _next_first_day(period, first))
+    return start, end
+
+
+# The last neighbours computed per (period, tz): a hold's budgets mostly share a calendar,
+# and the period changes once a day at most. Read and replaced whole (no lock needed).
+_last_neighbours: dict[tuple[str, str], tuple[int, int, int, int]] = {}
+
+
+def _neighbours(budget: Budget, instant_ms: int) -> tuple[int, int, int, int]:
+    """(previous start, start, end, next end) around the period holding the instant."""
+    calendar = (budget.period, budget.tz)
+    known = _last_neighbours.get(calendar)
+    if known is not None and known[1] <= instant_ms < known[2]:
+        return known
+    start, end = budget.period_at(instant_ms)
+    previous, _ = budget.period_at(start - 1)
+    _, following = budget.period_at(end)
+    if len(_last_neighbours) >= 256:
+        _last_neighbours.clear()
+    _last_neighbours[calendar] = (previous, start, end, following)
+    return previous, start, end, following
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetPeriod:
+    """One budget of a hold's answer: the `amount` asked, what is `remaining` in its period
+    (after the hold on allow; limit - spent - held, never below 0), and the period the
+    hold was decided in, [period_start_ms, period_end_ms) (period_end_ms: when it resets)."""
+
+    budget: Budget
+    amount: int
+    remaining: int
+    period_start_ms: int
+    period_end_ms: int
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetHold:
+    """The answer of `hold`: `allowed`, with `hold_id` ("" when nothing is held: a refusal,
+    or the kill switch) and every budget's `periods`. On a refusal, `refused` is the index
+    of the first budget that refused and `reason` why:
+      "permanent"    the amount exceeds the budget's whole limit: it can never pass;
+      "until_reset"  what is spent leaves no room: wait for the period's end (reset_at_ms);
+      "in_flight"    there is room once holds in flight settle: retry shortly.
+    `now_ms` is the time the script decided at."""
+
+    allowed: bool
+    hold_id: str
+    periods: tuple[BudgetPeriod, ...]
+    now_ms: int
+    refused: int | None = None
+    reason: RefusalReason | None = None
+
+    @property
+    def refused_by(self) -> BudgetPeriod | None:
+        """The budget that refused, or None."""
+        return None if self.refused is None else self.periods[self.refused]
+
+    @property
+    def reset_at_ms(self) -> int | None:
+        """When the refusing budget's period ends (unix ms), or None on allow."""
+        refused = self.refused_by
+        return None if refused is None else refused.period_end_ms
+
+
+Call = tuple[str, tuple[Any, ...], dict[str, Any]]
+Plan = Generator[Call, Any, Any]
+
+
+def _amounts(value: object, count: int, name: str) -> tuple[int, ...]:
+    """One int for every budget, or one per budget."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (_check_int(value, name, 0),) * count
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be an int or a sequence of ints, not {type(value).__name__}")
+    if len(value) != count:
+        raise ValueError(f"{name} must give one int per budget ({count}), got {len(value)}")
+    return tuple(_check_int(v, f"{name}[{i}]", 0) for i, v in enumerate(value))
+
+
+def hold_arguments(budgets: object, amount: object,
+                   hold_seconds: object) -> tuple[tuple[Budget, ...], tuple[int, ...], int]:
+    """Checks hold's arguments before any I/O: (budgets, amounts, hold_ms)."""
+    if isinstance(budgets, Budget):
+        budgets = (budgets,)
+    if not isinstance(budgets, Sequence) or isinstance(budgets, (str, bytes)):
+        raise TypeError(f"budgets must be a sequence of Budget, not {type(budgets).__name__}")
+    chosen = tuple(budgets)
+    if not 1 <= len(chosen) <= MAX_BUDGETS:
+        raise ValueError(f"1 to {MAX_BUDGETS} budgets can be held at once, got {len(chosen)}")
+    for i, b in enumerate(chosen):
+        if not isinstance(b, Budget):
+            raise TypeError(f"budgets[{i}] must be a Budget, not {type(b).__name__}")
+    seen = set()
+    for b in chosen:
+        if (b.owner, b.name) in seen:
+            raise ValueError(f"budget {b.name!r} of {b.owner!r} appears twice")
+        seen.add((b.owner, b.name))
+    amounts = _amounts(amount, len(chosen), "amount")
+    hold_ms = _check_int(hold_seconds, "hold_seconds", 0, 10 * 366 * 86_400) * 1000
+    return chosen, amounts, hold_ms
+
+
+def hold_plan(budgets: object, amount: object, hold_seconds: object = DEFAULT_HOLD_SECONDS,
+              now_ms: int | None = None) -> Plan:
+    """hold: one call ("hold_budgets", (owner, budget tuples, hold_ms)) deciding every
+    budget in one script, all or nothing; again (at most twice) when the script's now
+    falls outside the periods sent, from that now. Returns a BudgetHold. now_ms: the
+    client's guess of the script's now (default: this machine's clock)."""
+    chosen, amounts, hold_ms = hold_arguments(budgets, amount, hold_seconds)
+    guess = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    for _ in range(_STALE_TRIES):
+        rows = tuple((b.owner, b.name, b.limit, a) + _neighbours(b, guess)
+                     for b, a in zip(chosen, amounts, strict=True))
+        answer = yield ("hold_budgets", (chosen[0].owner, rows, hold_ms), {})
+        allowed, refused, kind, script_now, hold_id, periods = answer
+        if kind >= 0:
+            answered = zip(chosen, amounts, periods, strict=True)
+            return BudgetHold(
+                allowed=bool(allowed), hold_id=hold_id, now_ms=script_now,
+                periods=tuple(BudgetPeriod(b, a, remaining, start, end)
+                              for b, a, (remaining, start, end) in answered),
+                refused=None if allowed else refused,
+                reason=None if allowed else _REASONS[kind])
+        guess = script_now
+    raise RateLimiterError(f"the budget script's clock moved out of the periods sent {_STALE_TRIES} "
+                       f"times (now_ms={guess})")
+
+
+def settle_plan(hold: object, actual: object) -> Plan:
+    """settle: one call ("settle_budgets", (owner, budget tuples, hold_id)) moving each
+    budget's hold to its admitting period's spent total as `actual` (an int for every
+    budget, or one per budget; 0 gives the hold back unused). Returns the number of budgets
+    whose hold was found: 0 when it was settled already, expired, or nothing was held (then
+    nothing is sent)."""
+    if not isinstance(hold, BudgetHold):
+        raise TypeError(f"hold must be a BudgetHold, not {type(hold).__name__}")
+    actuals = _amounts(actual, len(hold.periods), "actual")
+    if not hold.allowed or not hold.hold_id:
+        return 0
+    rows = tuple((p.budget.owner, p.budget.name, p.period_start_ms, a)
+                 for p, a in zip(hold.periods, actuals, strict=True))
+    found: int = yield ("settle_budgets", (hold.periods[0].budget.owner, rows, hold.hold_id), {})
+    return found

@@ -1,0 +1,17 @@
+-- include: lib/budget.lua
+--[[
+budget_settle.lua - settles one hold (lib/budget.lua): each budget's amount held moves to
+its period's spent total as the actual usage, in the period that admitted the hold (its
+key is named by that period's start, whatever the time now). The build (setup.py)
+prepends the file named above and embeds the whole in the C extension: the only copy.
+
+KEYS[i]    budget i's key of the admitting period (i = 1..n)
+ARGV[1]    the hold's id
+ARGV[1+i]  budget i's actual usage, an integer >= 0 (0 releases the hold unused; more
+           than the amount held is charged, never refused)
+ARGV[last] optional replay marker ("1", proto.c): ignored; settling twice changes nothing
+
+Returns the number of budgets whose hold was found (0 once settled, or expired).
+--]]
+
+return budget_settle(#KEYS, ARGV[1], 2)

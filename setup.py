@@ -54,6 +54,7 @@ SCRIPTS: dict[str, tuple[Path, str | None]] = {
     "RL_GCRA": (LUA / "gcra.lua", None),
     "RL_GCRA_WINDOWS": (LUA / "gcra_windows.lua", "zset"),
     "RL_COMPACT_GCRA_WINDOWS": (LUA / "gcra_windows.lua", "compact"),
+    "RL_OBSERVE": (LUA / "observe_upstream.lua", None),
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 # A script names the shared files of lua/lib/ it is built on, one "-- include: lib/x.lua"

@@ -45,6 +45,8 @@
 #define RL_CLUSTER_SLOTS 16384               /* hash slots of a Redis Cluster */
 #define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
 #define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
+#define RL_UPSTREAM_FIELDS 5                 /* lua/observe_upstream.lua's numbers */
+#define RL_MAX_UPSTREAM_MS 86400000LL        /* an upstream's reset or closure: a day at most */
 #define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
 #define RL_MAX_REPLY_BYTES 65536             /* a decision's reply is tiny: more is garbage */
 #define RL_MAX_LIMIT 9007199254740991LL      /* 2^53 - 1: exact in Lua's doubles */
@@ -126,6 +128,8 @@ typedef enum {
     RL_SHAPE_RENEW,     /* renew(): (renewed, expires_at_ms) */
     RL_SHAPE_GCRA,      /* _check_rate(): (allowed, remaining, retry_after_s, retry_after_ms,
                            now_ms), one GCRA decision (lua/gcra.lua) */
+    RL_SHAPE_OBSERVE,   /* _observe_upstream(): the upstream's closed-until (unix ms, 0:
+                           open), lua/observe_upstream.lua */
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. py_request.c names a decision's script in the
@@ -147,6 +151,7 @@ typedef enum {
     RL_SCRIPT_GCRA,                      /* lua/gcra.lua: check_rate, either storage */
     RL_SCRIPT_GCRA_WINDOWS,              /* lua/gcra_windows.lua: check_windows_detailed(gcra=) */
     RL_SCRIPT_COMPACT_GCRA_WINDOWS,      /* lua/gcra_windows.lua over the compact storage */
+    RL_SCRIPT_OBSERVE,                   /* lua/observe_upstream.lua: a provider's word */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -202,6 +207,9 @@ typedef struct {
     int slot;        /* cluster: the keys' hash slot, set by rl_script_format (-1 otherwise) */
     int reloaded;    /* the engine sent it again after NOSCRIPT (proto.c): a WAIT sent right
                         after its first form ran before it */
+    /* observe_upstream: requests left, ms to their reset, tokens left, ms to theirs, ms
+       closed for (-1: not said) */
+    long long upstream[RL_UPSTREAM_FIELDS];
 } rl_prepared;
 
 /* The bytes to send for a decision: its replay form once it was marked for replay. */

@@ -219,6 +219,7 @@ CODEC_METHOD(reconcile, RL_SHAPE_RECONCILE)
 CODEC_METHOD(peek, RL_SHAPE_PEEK)
 CODEC_METHOD(reset, RL_SHAPE_RESET)
 CODEC_METHOD(check_rate, RL_SHAPE_GCRA)
+CODEC_METHOD(observe_upstream, RL_SHAPE_OBSERVE)
 
 static PyObject *
 Codec_get_metrics(CodecObject *self, PyObject *Py_UNUSED(ignored))
@@ -265,6 +266,10 @@ static PyMethodDef Codec_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "check_rate($self, /, user_id, rate, period_seconds, burst, *, cost=1)\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._check_rate's shape)."},
+    {"observe_upstream", (PyCFunction)(void (*)(void))Codec_observe_upstream,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "observe_upstream($self, /, name, observation)\n--\n\n"
+     "A Request, or the kill switch's final int (Limiter._observe_upstream's shape)."},
     {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
      "A Request (the kill switch never answers it)."},

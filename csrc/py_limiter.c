@@ -443,6 +443,15 @@ PyDoc_STRVAR(Limiter_check_rate_doc,
 
 LIMITER_METHOD(check_rate, RL_SHAPE_GCRA)
 
+PyDoc_STRVAR(Limiter_observe_upstream_doc,
+"_observe_upstream($self, /, name, observation)\n--\n\n"
+"-> the upstream's closed-until time (unix ms, 0 when open)\n\n"
+"Records a provider response's word on the shared scope `name`: observation is (requests\n"
+"left, ms to their reset, tokens left, ms to theirs, ms closed for), -1 where it said\n"
+"nothing (lua/observe_upstream.lua). RateLimiter.observe_upstream reads the headers.");
+
+LIMITER_METHOD(observe_upstream, RL_SHAPE_OBSERVE)
+
 PyDoc_STRVAR(Limiter_reset_doc,
 "_reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
 "-> (entries_removed, next_cursor)\n\n"
@@ -574,6 +583,8 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_peek_doc},
     {"_check_rate", (PyCFunction)(void (*)(void))Limiter_check_rate,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_check_rate_doc},
+    {"_observe_upstream", (PyCFunction)(void (*)(void))Limiter_observe_upstream,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_observe_upstream_doc},
     {"_reset", (PyCFunction)(void (*)(void))Limiter_reset,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reset_doc},
     {"metrics", (PyCFunction)Limiter_get_metrics, METH_NOARGS, Limiter_metrics_doc},

@@ -232,7 +232,8 @@ module_exec(PyObject *module)
         {RL_SCRIPT_GCRA, "GCRA_SHA1", "GCRA_SOURCE"},
         {RL_SCRIPT_GCRA_WINDOWS, "GCRA_WINDOWS_SHA1", "GCRA_WINDOWS_SOURCE"},
         {RL_SCRIPT_COMPACT_GCRA_WINDOWS, "COMPACT_GCRA_WINDOWS_SHA1",
-         "COMPACT_GCRA_WINDOWS_SOURCE"}};
+         "COMPACT_GCRA_WINDOWS_SOURCE"},
+        {RL_SCRIPT_OBSERVE, "OBSERVE_SHA1", "OBSERVE_SOURCE"}};
     int rc = -1;
 
     state->kill_switch_warned = 0;

@@ -285,6 +285,38 @@ non_negative_int(PyObject *value, const char *name, long long max, long long *ou
     return positive_int(value, name, max, out);
 }
 
+/* _observe_upstream(name, (requests, requests_reset_ms, tokens, tokens_reset_ms,
+   close_ms)): a provider response's numbers (genai_ratelimit/provider_limits.py), each -1
+   (not said) or a count (up to RL_MAX_LIMIT) or a wait in ms (1 to RL_MAX_UPSTREAM_MS). 0,
+   or -1 with an exception. */
+static int
+parse_upstream(PyObject *value, rl_prepared *d)
+{
+    static const char *const names[RL_UPSTREAM_FIELDS] = {
+        "requests left", "requests reset ms", "tokens left", "tokens reset ms", "close ms"};
+    if (!PyTuple_Check(value) || PyTuple_Size(value) != RL_UPSTREAM_FIELDS) {
+        rl_type_error(value, "an upstream observation must be a tuple of 5 ints, not ");
+        return -1;
+    }
+    for (int i = 0; i < RL_UPSTREAM_FIELDS; i++) {
+        PyObject *item = PyTuple_GetItem(value, i);
+        long long max = i % 2 == 0 && i < 4 ? RL_MAX_LIMIT : RL_MAX_UPSTREAM_MS;
+        if (PyLong_Check(item) && !PyBool_Check(item)) {
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (v == -1 && PyErr_Occurred())
+                return -1;
+            if (overflow == 0 && v == -1) {
+                d->upstream[i] = -1;
+                continue;
+            }
+        }
+        if (non_negative_int(item, names[i], max, &d->upstream[i]) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* reserve's in_flight=(limit, lease_seconds): the slot taken with the reservation, in the
    same script (lua/reserve_in_flight.lua). 0, or -1 with an exception. */
 static int
@@ -445,13 +477,14 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const release_names[] = {"user_id", "lease_id"};
     static const char *const renew_names[] = {"user_id", "lease_id", "lease_seconds"};
     static const char *const gcra_names[] = {"user_id", "rate", "period_seconds", "burst", "cost"};
+    static const char *const observe_names[] = {"name", "observation"};
     static const rl_script_id scripts[] = {
         [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,    [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
         [RL_SHAPE_RESERVE] = RL_SCRIPT_WINDOW,  [RL_SHAPE_RECONCILE] = RL_SCRIPT_RECONCILE,
         [RL_SHAPE_PEEK] = RL_SCRIPT_PEEK,       [RL_SHAPE_RESET] = RL_SCRIPT_RESET,
         [RL_SHAPE_DETAILED] = RL_SCRIPT_WINDOW, [RL_SHAPE_ACQUIRE] = RL_SCRIPT_LEASE,
         [RL_SHAPE_RELEASE] = RL_SCRIPT_LEASE,   [RL_SHAPE_RENEW] = RL_SCRIPT_LEASE,
-        [RL_SHAPE_GCRA] = RL_SCRIPT_GCRA,
+        [RL_SHAPE_GCRA] = RL_SCRIPT_GCRA,       [RL_SHAPE_OBSERVE] = RL_SCRIPT_OBSERVE,
     };
     PyObject *v[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
@@ -473,7 +506,20 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->lease_ms = 0;
     d->gcra_units = 0;
     d->gcra_scale = 0;
+    for (int i = 0; i < RL_UPSTREAM_FIELDS; i++)
+        d->upstream[i] = -1;
     switch (shape) {
+    case RL_SHAPE_OBSERVE:
+        if (rl_parse_args("observe_upstream", args, nargs, kwnames, observe_names, 2, 2, 2, v) <
+                0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || parse_upstream(v[1], d) < 0)
+            return -1;
+        if (unused > RL_MAX_SCOPE_NAME) {
+            PyErr_Format(PyExc_ValueError, "an upstream's name holds 1 to %d bytes of UTF-8",
+                         RL_MAX_SCOPE_NAME);
+            return -1;
+        }
+        break;
     case RL_SHAPE_GCRA:
         if (rl_parse_args("check_rate", args, nargs, kwnames, gcra_names, 5, 4, 4, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL || parse_gcra(v, d) < 0)

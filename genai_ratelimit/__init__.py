@@ -19,6 +19,7 @@ from ._version import __version__
 from .aio import AsyncRateLimiter
 from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
+from .provider_limits import ProviderLimits, read_provider_limits
 from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
@@ -35,6 +36,8 @@ __all__ = [
     "Scope",
     "Lease",
     "AsyncLease",
+    "ProviderLimits",
+    "read_provider_limits",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

@@ -117,6 +117,9 @@ _PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, 
 _RateResult = tuple[bool, int, int, int, int]
 GCRA_SHA1: str
 GCRA_SOURCE: str
+# _observe_upstream: lua/observe_upstream.lua (closed-until, unix ms, 0 when open)
+OBSERVE_SHA1: str
+OBSERVE_SOURCE: str
 GCRA_WINDOWS_SHA1: str
 GCRA_WINDOWS_SOURCE: str
 COMPACT_GCRA_WINDOWS_SHA1: str
@@ -201,6 +204,9 @@ class Limiter:
     def _check_rate(
         self, user_id: str, rate: int, period_seconds: int, burst: int, *, cost: int = 1
     ) -> _RateResult: ...
+    def _observe_upstream(
+        self, name: str, observation: tuple[int, int, int, int, int]
+    ) -> int: ...
     def _reset(
         self,
         user_id: str,
@@ -299,6 +305,9 @@ class Codec:
     def check_rate(
         self, user_id: str, rate: int, period_seconds: int, burst: int, *, cost: int = 1
     ) -> Request | _RateResult: ...
+    def observe_upstream(
+        self, name: str, observation: tuple[int, int, int, int, int]
+    ) -> Request | int: ...
     def reset(
         self,
         user_id: str,

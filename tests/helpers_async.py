@@ -200,6 +200,9 @@ class BlockingAsyncLimiter:
     def peek(self, *args: Any, **kwargs: Any) -> tuple[bool, int, int, int]:
         return self.run(self.inner.peek(*args, **kwargs))
 
+    def observe_upstream(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.inner.observe_upstream(*args, **kwargs))
+
     def _peek(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(self.inner._peek(*args, **kwargs))
 

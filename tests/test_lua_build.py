@@ -39,6 +39,7 @@ EMBEDDED = {
     ("GCRA_SHA1", "GCRA_SOURCE"): ("gcra.lua", None),
     ("GCRA_WINDOWS_SHA1", "GCRA_WINDOWS_SOURCE"): ("gcra_windows.lua", "zset"),
     ("COMPACT_GCRA_WINDOWS_SHA1", "COMPACT_GCRA_WINDOWS_SOURCE"): ("gcra_windows.lua", "compact"),
+    ("OBSERVE_SHA1", "OBSERVE_SOURCE"): ("observe_upstream.lua", None),
 }
 STORAGES = ("zset", "compact")
 # What each storage's file defines for the scripts written over a storage (beside the

@@ -45,7 +45,7 @@
 #define RL_CLUSTER_SLOTS 16384               /* hash slots of a Redis Cluster */
 #define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
 #define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
-#define RL_UPSTREAM_FIELDS 5                 /* lua/observe_upstream.lua's numbers */
+#define RL_UPSTREAM_FIELDS 8                 /* lua/observe_upstream.lua's numbers */
 #define RL_MAX_UPSTREAM_MS 86400000LL        /* an upstream's reset or closure: a day at most */
 #define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
 #define RL_MAX_REPLY_BYTES 65536             /* a decision's reply is tiny: more is garbage */
@@ -207,8 +207,8 @@ typedef struct {
     int slot;        /* cluster: the keys' hash slot, set by rl_script_format (-1 otherwise) */
     int reloaded;    /* the engine sent it again after NOSCRIPT (proto.c): a WAIT sent right
                         after its first form ran before it */
-    /* observe_upstream: requests left, ms to their reset, tokens left, ms to theirs, ms
-       closed for (-1: not said) */
+    /* observe_upstream: requests left, ms to their reset, their limit, the same for tokens,
+       ms closed for (-1: not said), the bound in ms (lua/observe_upstream.lua) */
     long long upstream[RL_UPSTREAM_FIELDS];
 } rl_prepared;
 

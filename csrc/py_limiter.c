@@ -447,8 +447,9 @@ PyDoc_STRVAR(Limiter_observe_upstream_doc,
 "_observe_upstream($self, /, name, observation)\n--\n\n"
 "-> the upstream's closed-until time (unix ms, 0 when open)\n\n"
 "Records a provider response's word on the shared scope `name`: observation is (requests\n"
-"left, ms to their reset, tokens left, ms to theirs, ms closed for), -1 where it said\n"
-"nothing (lua/observe_upstream.lua). RateLimiter.observe_upstream reads the headers.");
+"left, ms to their reset, their limit, the same for tokens, ms closed for, the bound in ms),\n"
+"-1 where it said nothing (lua/observe_upstream.lua). RateLimiter.observe_upstream reads\n"
+"the headers.");
 
 LIMITER_METHOD(observe_upstream, RL_SHAPE_OBSERVE)
 

@@ -285,23 +285,27 @@ non_negative_int(PyObject *value, const char *name, long long max, long long *ou
     return positive_int(value, name, max, out);
 }
 
-/* _observe_upstream(name, (requests, requests_reset_ms, tokens, tokens_reset_ms,
-   close_ms)): a provider response's numbers (genai_ratelimit/provider_limits.py), each -1
-   (not said) or a count (up to RL_MAX_LIMIT) or a wait in ms (1 to RL_MAX_UPSTREAM_MS). 0,
-   or -1 with an exception. */
+/* _observe_upstream(name, (requests, requests_reset_ms, requests_limit, tokens,
+   tokens_reset_ms, tokens_limit, close_ms, bound_ms)): a provider response's numbers
+   (genai_ratelimit/provider_limits.py), each -1 (not said) or a count (up to RL_MAX_LIMIT)
+   or a wait in ms (up to RL_MAX_UPSTREAM_MS); the bound is a wait of at least 1 ms. 0, or -1
+   with an exception. */
 static int
 parse_upstream(PyObject *value, rl_prepared *d)
 {
     static const char *const names[RL_UPSTREAM_FIELDS] = {
-        "requests left", "requests reset ms", "tokens left", "tokens reset ms", "close ms"};
+        "requests left",   "requests reset ms", "requests limit", "tokens left",
+        "tokens reset ms", "tokens limit",      "close ms",       "bound ms"};
+    static const long long maxima[RL_UPSTREAM_FIELDS] = {
+        RL_MAX_LIMIT,       RL_MAX_UPSTREAM_MS, RL_MAX_LIMIT,       RL_MAX_LIMIT,
+        RL_MAX_UPSTREAM_MS, RL_MAX_LIMIT,       RL_MAX_UPSTREAM_MS, RL_MAX_UPSTREAM_MS};
     if (!PyTuple_Check(value) || PyTuple_Size(value) != RL_UPSTREAM_FIELDS) {
-        rl_type_error(value, "an upstream observation must be a tuple of 5 ints, not ");
+        rl_type_error(value, "an upstream observation must be a tuple of 8 ints, not ");
         return -1;
     }
     for (int i = 0; i < RL_UPSTREAM_FIELDS; i++) {
         PyObject *item = PyTuple_GetItem(value, i);
-        long long max = i % 2 == 0 && i < 4 ? RL_MAX_LIMIT : RL_MAX_UPSTREAM_MS;
-        if (PyLong_Check(item) && !PyBool_Check(item)) {
+        if (i < RL_UPSTREAM_FIELDS - 1 && PyLong_Check(item) && !PyBool_Check(item)) {
             int overflow = 0;
             long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
             if (v == -1 && PyErr_Occurred())
@@ -311,7 +315,9 @@ parse_upstream(PyObject *value, rl_prepared *d)
                 continue;
             }
         }
-        if (non_negative_int(item, names[i], max, &d->upstream[i]) < 0)
+        if ((i == RL_UPSTREAM_FIELDS - 1
+                 ? positive_int(item, names[i], maxima[i], &d->upstream[i])
+                 : non_negative_int(item, names[i], maxima[i], &d->upstream[i])) < 0)
             return -1;
     }
     return 0;

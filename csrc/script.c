@@ -387,9 +387,8 @@ write_upstream_key(char *cursor, const char *prefix, size_t prefix_len, const ch
     return cursor + 9;
 }
 
-/* Formats "EVALSHA sha 1 {prefix}:{name}:upstream now requests requests_reset_ms tokens
-   tokens_reset_ms close_ms" (see the header of lua/observe_upstream.lua); the upstream's
-   name is the call's user. Returns the length and sets *out, or -1 (out of memory). */
+/* Formats "EVALSHA sha 1 {prefix}:{name}:upstream now" and the observation's numbers (see
+   the header of lua/observe_upstream.lua); the upstream's name is the call's user. Returns the length and sets *out, or -1 (out of memory). */
 static long long
 format_observe(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
                const rl_prepared *d, long long now_ms, char **out)

@@ -205,7 +205,7 @@ class Limiter:
         self, user_id: str, rate: int, period_seconds: int, burst: int, *, cost: int = 1
     ) -> _RateResult: ...
     def _observe_upstream(
-        self, name: str, observation: tuple[int, int, int, int, int]
+        self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> int: ...
     def _reset(
         self,
@@ -306,7 +306,7 @@ class Codec:
         self, user_id: str, rate: int, period_seconds: int, burst: int, *, cost: int = 1
     ) -> Request | _RateResult: ...
     def observe_upstream(
-        self, name: str, observation: tuple[int, int, int, int, int]
+        self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> Request | int: ...
     def reset(
         self,

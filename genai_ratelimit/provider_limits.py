@@ -11,7 +11,7 @@ admissions against them). The provider's words are bounded here, once:
 
 - a number that is not a plain decimal integer (garbage, a sign, a fraction) is ignored; one
   above 2^53 - 1 (2^64, say) is read as 2^53 - 1; a remaining above the provider's own limit
-  is read as that limit;
+  is read as that limit; a limit of 0 is ignored;
 - a reset that is not in the future (zero, negative, a time in the past) is ignored: what
   remained has come back;
 - a reset or a closure further away than `max_close_seconds` (the operator's bound) is read
@@ -127,22 +127,28 @@ class ProviderLimits:
     @property
     def says_anything(self) -> bool:
         """Whether there is anything to record (else observe_upstream sends nothing)."""
-        return (self.close_ms is not None
+        return (self.close_ms is not None or self.requests_limit is not None
+                or self.tokens_limit is not None
                 or (self.requests_remaining is not None and self.requests_reset_ms is not None)
                 or (self.tokens_remaining is not None and self.tokens_reset_ms is not None))
 
-    def observation(self) -> tuple[int, int, int, int, int]:
-        """The C layer's form (lua/observe_upstream.lua's ARGV[2..6]): -1 where unknown; a
-        remaining is sent only with its reset."""
+    def observation(self, max_close_seconds: float = DEFAULT_MAX_CLOSE_SECONDS
+                    ) -> tuple[int, int, int, int, int, int, int, int]:
+        """The C layer's form (lua/observe_upstream.lua's ARGV[2..9]): per resource the
+        remaining, the ms until its reset (a remaining is sent only with its reset) and the
+        limit; the ms closed for; the bound in ms. -1 where unknown."""
         def known(value: int | None) -> int:
             return -1 if value is None else value
         requests = self.requests_reset_ms is not None and self.requests_remaining is not None
         tokens = self.tokens_reset_ms is not None and self.tokens_remaining is not None
         return (known(self.requests_remaining) if requests else -1,
                 known(self.requests_reset_ms) if requests else -1,
+                known(self.requests_limit),
                 known(self.tokens_remaining) if tokens else -1,
                 known(self.tokens_reset_ms) if tokens else -1,
-                known(self.close_ms))
+                known(self.tokens_limit),
+                known(self.close_ms),
+                math.ceil(validate_max_close_seconds(max_close_seconds) * 1000))
 
 
 def _lowered(headers: Mapping[str, str] | Iterable[tuple[str | bytes, str | bytes]]
@@ -224,7 +230,7 @@ def _bounded(wait_ms: float | None, bound_ms: int) -> int | None:
 def _resource(fields: Mapping[str, str], names: tuple[str, str, str], now: float,
               bound_ms: int, rfc3339: bool) -> tuple[int | None, int | None, int | None]:
     """(limit, remaining, reset in ms) of one resource, each None when not said."""
-    limit = _count(fields.get(names[0]))
+    limit = _count(fields.get(names[0])) or None  # a limit of 0 says nothing usable
     remaining = _count(fields.get(names[1]))
     if remaining is not None and limit is not None:
         remaining = min(remaining, limit)
@@ -298,5 +304,5 @@ def observe_plan(name: str, status: object,
     limits = read_provider_limits(status, headers, max_close_seconds=max_close_seconds)
     if not limits.says_anything:
         return limits
-    closed_until_ms = yield ("observe_upstream", (name, limits.observation()), {})
+    closed_until_ms = yield ("observe_upstream", (name, limits.observation(max_close_seconds)), {})
     return replace(limits, closed_until_ms=closed_until_ms)

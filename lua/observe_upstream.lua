@@ -8,15 +8,16 @@ read from the response's headers and bounded by genai_ratelimit/provider_limits.
 
 KEYS[1]   the upstream's view, "{prefix}:{name}:upstream"
 ARGV[1]   now in unix ms, or "" to read the server's clock (TIME)
-ARGV[2]   the requests the provider has left, -1 when the response did not say
-ARGV[3]   ms until those reset (> 0), -1 when unknown
-ARGV[4]   the tokens the provider has left, -1 when unknown
-ARGV[5]   ms until those reset (> 0), -1 when unknown
-ARGV[6]   ms the upstream is closed for (a 429 or 529 with retry-after), -1 when it was not
+ARGV[2..4]  the requests the provider has left, ms until its reset (> 0), its limit (> 0)
+ARGV[5..7]  the same for tokens
+ARGV[8]   ms the upstream is closed for (a 429 or 529 with retry-after)
+ARGV[9]   the operator's bound in ms (max_close_seconds), > 0
+Each number but the bound is -1 when the response did not say.
 
 Returns the upstream's closed-until time (unix ms), 0 when it is open.
 --]]
 
 local now = script_now(ARGV[1], true)
-return upstream_record(KEYS[1], now, tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]),
-                       tonumber(ARGV[5]), tonumber(ARGV[6]))
+local numbers = {}
+for i = 1, 8 do numbers[i] = tonumber(ARGV[i + 1]) end
+return upstream_record(KEYS[1], now, numbers)

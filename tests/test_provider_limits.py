@@ -123,11 +123,12 @@ def test_a_response_is_read_bounded_and_never_raises(status: Any, headers: Any,
 def test_only_what_says_something_is_sent() -> None:
     assert not read(200, {}).says_anything
     assert not read(200, {"x-ratelimit-remaining-requests": "3"}).says_anything  # no reset
+    assert not read(200, {"x-ratelimit-limit-requests": "0"}).says_anything
     limits = read(200, {"x-ratelimit-remaining-requests": "3", "x-ratelimit-reset-requests": "2s",
-                        "x-ratelimit-remaining-tokens": "9"})
+                        "x-ratelimit-remaining-tokens": "9", "x-ratelimit-limit-tokens": "90"})
     assert limits.says_anything
-    assert limits.observation() == (3, 2000, -1, -1, -1)
-    assert read(429, {"retry-after": "5"}).observation() == (-1, -1, -1, -1, 5000)
+    assert limits.observation() == (3, 2000, -1, -1, -1, 90, -1, 60_000)
+    assert read(429, {"retry-after": "5"}).observation(10) == (-1, -1, -1, -1, -1, -1, 5000, 10_000)
 
 
 @pytest.mark.parametrize(("value", "error"), [

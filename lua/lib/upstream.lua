@@ -5,47 +5,57 @@ view), and how an admission through the cap counts against it. Prepended by the 
 
 One hash per shared scope, "{prefix}:{name}:upstream" (the cap's windows are
 "{prefix}:{name}:{window_seconds}[:tokens]:shared"; on a Redis Cluster the name is the hash
-tag of both, so they share a slot). Its fields, each present only while it says something:
-  requests, requests_reset   the requests the provider has left, until that unix ms
-  tokens, tokens_reset       the same for tokens
-  closed_until               unix ms: the provider refused (429, 529) and said to come back then
-The key expires when the last of those times has passed: an upstream nobody heard from
-costs nothing. The numbers were read from the provider's headers and bounded by the caller
-(genai_ratelimit/provider_limits.py): no remaining above the provider's limit, no reset or
-closure further away than the operator's bound, so a header that lies can lower the cap
-for at most that bound and never raise it.
+tag of both, so they share a slot). Its fields:
+  requests, requests_reset  the requests the provider has left, until that unix ms
+  requests_limit            the provider's own limit (what it has again after its reset)
+  requests_sent             requests admitted through the cap whose answer was not observed
+                            yet: the provider's next word does not count them
+  tokens, tokens_reset, tokens_limit  the same for tokens
+  closed_until              unix ms: the provider refused (429, 529) and said to come back then
+  bound                     the operator's bound (ms), max_close_seconds
+After a reset the provider has its limit again: the next admission starts a new view of
+`limit` left for at most `bound` ms, which the provider's next word replaces. The key
+expires `bound` ms after the last of its times: an upstream nobody heard from costs nothing.
+The numbers were read from the provider's headers and bounded by the caller
+(genai_ratelimit/provider_limits.py): no remaining above the provider's limit, no limit of
+0, no reset or closure further away than the bound; so a header that lies can narrow or
+close the cap for at most the bound, and never raise it (the windows still decide).
 --]]
 
--- Records one response's view (observe_upstream.lua): `left` and `reset_in` (ms from now)
--- per resource, -1 when the response did not say; `close_in` (ms), -1 when it did not
--- close the upstream. The provider's latest word on a resource replaces the view's; a
--- closure only ever lengthens. Returns closed_until (unix ms), 0 when open.
-local function upstream_record(key, now, requests, requests_in, tokens, tokens_in, close_in)
-  local view = redis.call('HMGET', key, 'requests_reset', 'tokens_reset', 'closed_until')
+-- Records one response's view (observe_upstream.lua), the numbers -1 when the response did
+-- not say: per resource the remaining, the ms until its reset and the limit; the ms the
+-- upstream is closed for; the bound (ms). The provider's latest word on a resource replaces
+-- the view's, less the requests admitted since that it cannot have counted (this answer's
+-- own request is no longer one of them); a closure only ever lengthens. Returns
+-- closed_until (unix ms), 0 when open.
+local function upstream_record(key, now, numbers)
+  local view = redis.call('HMGET', key, 'requests_reset', 'tokens_reset', 'closed_until',
+                          'requests_sent')
+  local bound = numbers[8]
   local last = 0
   local function keep(at) if at and at > now and at > last then last = at end end
-  local function record(field, left, reset_in, old_reset)
+  local sent = math.max(0, (tonumber(view[4]) or 0) - 1)
+  if view[4] then redis.call('HSET', key, 'requests_sent', sent) end
+  local function record(field, left, reset_in, limit, old_reset, unsent)
+    if limit > 0 then redis.call('HSET', key, field .. '_limit', limit) end
     if left >= 0 and reset_in > 0 then
-      redis.call('HSET', key, field, left, field .. '_reset', now + reset_in)
+      redis.call('HSET', key, field, math.max(0, left - unsent), field .. '_reset', now + reset_in)
       keep(now + reset_in)
     else
       keep(tonumber(old_reset))
     end
   end
-  record('requests', requests, requests_in, view[1])
-  record('tokens', tokens, tokens_in, view[2])
+  record('requests', numbers[1], numbers[2], numbers[3], view[1], sent)
+  record('tokens', numbers[4], numbers[5], numbers[6], view[2], 0)
   local closed = tonumber(view[3]) or 0
-  if close_in > 0 and now + close_in > closed then
-    closed = now + close_in
+  if numbers[7] > 0 and now + numbers[7] > closed then
+    closed = now + numbers[7]
     redis.call('HSET', key, 'closed_until', closed)
   end
   if closed <= now then closed = 0 end
   keep(closed)
-  if last > 0 then
-    redis.call('PEXPIRE', key, last - now)
-  elseif redis.call('EXISTS', key) == 1 then
-    redis.call('DEL', key) -- every time it held has passed: it says nothing any more
-  end
+  redis.call('HSET', key, 'bound', bound)
+  redis.call('PEXPIRE', key, math.max(last, now) - now + bound)
   return closed
 end
 
@@ -62,26 +72,34 @@ local function resource_in(key, base)
   return nil
 end
 
+local RESOURCES = {'requests', 'tokens'}
+
 -- The views of a decision's shared scopes: KEYS[first .. first + count - 1] are their
 -- upstream keys (one HMGET each: a cap nobody observed costs that and nothing else).
 -- Returns nil when none says anything now, else an object with
---   check(n, reply): the decision's allowed reply (lib/decide.lua) turned into a refusal when
+--   check(reply): the decision's allowed reply (lib/decide.lua) turned into a refusal when
 --     an upstream is closed or has less left than the request's cost (the wait: until the
 --     closure ends or the provider's reset), else with its windows' remaining lowered to
 --     what the provider has left; writes nothing;
---   charge(): the admitted request's cost counted against every live view.
+--   charge(): the admitted request's cost counted against every view (a view past its
+--     reset starts anew at the provider's limit), and the request counted as sent.
 local function open_upstreams(n, first, count, now)
   local live = {}
   for k = first, first + count - 1 do
-    local v = redis.call('HMGET', KEYS[k], 'closed_until', 'requests', 'requests_reset', 'tokens',
-                         'tokens_reset')
-    local view = {key = KEYS[k], closed = tonumber(v[1]) or 0,
-                  left = {requests = tonumber(v[2]), tokens = tonumber(v[4])},
-                  reset = {requests = tonumber(v[3]) or 0, tokens = tonumber(v[5]) or 0}}
-    for _, resource in ipairs({'requests', 'tokens'}) do
-      if not view.left[resource] or view.reset[resource] <= now then view.left[resource] = nil end
-    end
-    if view.closed > now or view.left.requests or view.left.tokens then
+    local v = redis.call('HMGET', KEYS[k], 'closed_until', 'bound', 'requests', 'requests_reset',
+                         'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit')
+    if v[2] then -- the key exists (every observation writes its bound)
+      local view = {key = KEYS[k], closed = tonumber(v[1]) or 0, bound = tonumber(v[2]),
+                    left = {}, reset = {}, rolled = {}}
+      for r, resource in ipairs(RESOURCES) do
+        local left, reset, limit = tonumber(v[3 * r]), tonumber(v[3 * r + 1]) or 0,
+          tonumber(v[3 * r + 2])
+        if left and reset > now then
+          view.left[resource], view.reset[resource] = left, reset
+        elseif limit then -- the provider said it has its limit again after its reset
+          view.left[resource], view.rolled[resource] = limit, limit
+        end
+      end
       local base = KEYS[k]:sub(1, #KEYS[k] - #':upstream')
       view.windows = {}
       for i = 1, n do
@@ -100,17 +118,17 @@ local function open_upstreams(n, first, count, now)
         for _, w in ipairs(view.windows) do
           local i, resource = w[1], w[2]
           local cost = tonumber(ARGV[3 * i + 2])
+          local left = view.left[resource]
           local until_ms
           if view.closed > now then
             until_ms = view.closed
-          elseif view.left[resource] and view.left[resource] < cost then
-            until_ms = view.reset[resource]
+          elseif left and left < cost then
+            until_ms = view.reset[resource] or now + view.bound
           end
           if until_ms and (not refusal or i < refusal) then refusal, wait = i, until_ms - now end
-          if view.left[resource] then
-            charged[view.key .. ' ' .. resource] = {view.key, resource, cost}
-            local after = view.left[resource] - cost
-            if after >= 0 and after < reply[6][i] then reply[6][i] = after end
+          charged[view.key .. ' ' .. resource] = {view, resource, cost}
+          if left and left - cost >= 0 and left - cost < reply[6][i] then
+            reply[6][i] = left - cost
           end
         end
       end
@@ -126,7 +144,23 @@ local function open_upstreams(n, first, count, now)
       return {0, 0, math.ceil(wait / 1000), refusal, now, remaining_of, wait}
     end,
     charge = function()
-      for _, c in pairs(charged) do redis.call('HINCRBY', c[1], c[2], -c[3]) end
+      for _, c in pairs(charged) do
+        local view, resource, cost = c[1], c[2], c[3]
+        if view.rolled[resource] then
+          redis.call('HSET', view.key, resource, view.rolled[resource] - cost,
+                     resource .. '_reset', now + view.bound)
+          redis.call('PEXPIRE', view.key, view.bound)
+        elseif view.left[resource] then
+          redis.call('HINCRBY', view.key, resource, -cost)
+        end
+        if resource == 'requests' then
+          if view.rolled.requests then
+            redis.call('HSET', view.key, 'requests_sent', cost)
+          else
+            redis.call('HINCRBY', view.key, 'requests_sent', cost)
+          end
+        end
+      end
     end,
   }
 end

@@ -25,7 +25,8 @@ soonest lease expires when refused}. A refused slot decides no window: element 4
 window) is 0; elements 3 and 7 are the hint.
 --]]
 
-local n = math.floor((#ARGV - 4) / 3) -- member, now, 3 per window, limit, lease (marker)
+local argc = #ARGV - 4 -- member, now, 3 per window, limit, lease (and the replay marker)
+local n = (argc - argc % 3) / 3
 -- The storage's OOM probe, as sliding_window.lua's: over maxmemory nothing is written.
 local log, now = open_log(n, ARGV[2], true, true)
 local upstreams = open_upstreams(n, KEYS_PER_WINDOW * n + 1, #KEYS - 2 - KEYS_PER_WINDOW * n, now)

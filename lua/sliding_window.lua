@@ -38,9 +38,11 @@ A Redis over its maxmemory refuses the script with an OOM error before it writes
 anything (the storage's OOM probe, open_log's), rather than admitting requests it cannot log.
 --]]
 
-local n = math.floor((#ARGV - 2) / 3) -- member, now, 3 per window (and the marker)
+local argc = #ARGV - 2 -- member, now, then 3 per window (and the replay marker)
+local n = (argc - argc % 3) / 3
 local log, now = open_log(n, ARGV[2], true, 'lazy') -- the OOM probe when needed (the storage's)
-local upstreams = open_upstreams(n, KEYS_PER_WINDOW * n + 1, #KEYS - KEYS_PER_WINDOW * n, now)
+local upstreams = #KEYS > KEYS_PER_WINDOW * n and
+  open_upstreams(n, KEYS_PER_WINDOW * n + 1, #KEYS - KEYS_PER_WINDOW * n, now) or nil
 local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 3], upstreams)
 if TIE_NAMES_ENTRY then reply[8] = tie end
 return reply

@@ -1,7 +1,8 @@
 --[[
 lib/upstream.lua - what the provider behind a shared cap said about itself (an upstream's
 view), and how an admission through the cap counts against it. Prepended by the build
-(setup.py) to the scripts that name it; functions only.
+(setup.py) to the scripts that decide; functions only. lua/observe_upstream.lua writes the
+view.
 
 One hash per shared scope, "{prefix}:{name}:upstream" (the cap's windows are
 "{prefix}:{name}:{window_seconds}[:tokens]:shared"; on a Redis Cluster the name is the hash
@@ -22,60 +23,9 @@ The numbers were read from the provider's headers and bounded by the caller
 close the cap for at most the bound, and never raise it (the windows still decide).
 --]]
 
--- Records one response's view (observe_upstream.lua), the numbers -1 when the response did
--- not say: per resource the remaining, the ms until its reset and the limit; the ms the
--- upstream is closed for; the bound (ms). The provider's latest word on a resource replaces
--- the view's, less the requests admitted since that it cannot have counted (this answer's
--- own request is no longer one of them); a closure only ever lengthens. Returns
--- closed_until (unix ms), 0 when open.
-local function upstream_record(key, now, numbers)
-  local view = redis.call('HMGET', key, 'requests_reset', 'tokens_reset', 'closed_until',
-                          'requests_sent')
-  local bound = numbers[8]
-  local last = 0
-  local function keep(at) if at and at > now and at > last then last = at end end
-  local sent = math.max(0, (tonumber(view[4]) or 0) - 1)
-  if view[4] then redis.call('HSET', key, 'requests_sent', sent) end
-  local function record(field, left, reset_in, limit, old_reset, unsent)
-    if limit > 0 then redis.call('HSET', key, field .. '_limit', limit) end
-    if left >= 0 and reset_in > 0 then
-      redis.call('HSET', key, field, math.max(0, left - unsent), field .. '_reset', now + reset_in)
-      keep(now + reset_in)
-    else
-      keep(tonumber(old_reset))
-    end
-  end
-  record('requests', numbers[1], numbers[2], numbers[3], view[1], sent)
-  record('tokens', numbers[4], numbers[5], numbers[6], view[2], 0)
-  local closed = tonumber(view[3]) or 0
-  if numbers[7] > 0 and now + numbers[7] > closed then
-    closed = now + numbers[7]
-    redis.call('HSET', key, 'closed_until', closed)
-  end
-  if closed <= now then closed = 0 end
-  keep(closed)
-  redis.call('HSET', key, 'bound', bound)
-  redis.call('PEXPIRE', key, math.max(last, now) - now + bound)
-  return closed
-end
-
--- The resource ("requests", "tokens") of window key `key` when it is a window of the shared
--- scope whose keys start with `base`, else nil (the grammar of csrc/script.c window_key: the
--- window's digits, ":tokens" or not, ":shared", then the storage's suffix).
-local function resource_in(key, base)
-  if key:sub(1, #base) ~= base then return nil end
-  local rest = key:sub(#base + 1)
-  if rest:match('^:%d+:shared$') or rest:match('^:%d+:shared:c$') then return 'requests' end
-  if rest:match('^:%d+:tokens:shared$') or rest:match('^:%d+:tokens:shared:c$') then
-    return 'tokens'
-  end
-  return nil
-end
-
-local RESOURCES = {'requests', 'tokens'}
-
 -- The views of a decision's shared scopes: KEYS[first .. first + count - 1] are their
--- upstream keys (one HMGET each: a cap nobody observed costs that and nothing else).
+-- upstream keys (one EXISTS each: a cap nobody observed costs that and nothing else; an
+-- observed one an HMGET more).
 -- Returns nil when none says anything now, else an object with
 --   check(reply): the decision's allowed reply (lib/decide.lua) turned into a refusal when
 --     an upstream is closed or has less left than the request's cost (the wait: until the
@@ -84,32 +34,50 @@ local RESOURCES = {'requests', 'tokens'}
 --   charge(): the admitted request's cost counted against every view (a view past its
 --     reset starts anew at the provider's limit), and the request counted as sent.
 local function open_upstreams(n, first, count, now)
-  local live = {}
+  if count == 0 then return nil end -- a check without a shared scope: nothing more is made
+  local found = nil
   for k = first, first + count - 1 do
-    local v = redis.call('HMGET', KEYS[k], 'closed_until', 'bound', 'requests', 'requests_reset',
-                         'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit')
-    if v[2] then -- the key exists (every observation writes its bound)
-      local view = {key = KEYS[k], closed = tonumber(v[1]) or 0, bound = tonumber(v[2]),
-                    left = {}, reset = {}, rolled = {}}
-      for r, resource in ipairs(RESOURCES) do
-        local left, reset, limit = tonumber(v[3 * r]), tonumber(v[3 * r + 1]) or 0,
-          tonumber(v[3 * r + 2])
-        if left and reset > now then
-          view.left[resource], view.reset[resource] = left, reset
-        elseif limit then -- the provider said it has its limit again after its reset
-          view.left[resource], view.rolled[resource] = limit, limit
-        end
-      end
-      local base = KEYS[k]:sub(1, #KEYS[k] - #':upstream')
-      view.windows = {}
-      for i = 1, n do
-        local resource = resource_in(KEYS[i], base)
-        if resource then view.windows[#view.windows + 1] = {i, resource} end
-      end
-      live[#live + 1] = view
+    if redis.call('EXISTS', KEYS[k]) == 1 then
+      found = found or {}
+      found[#found + 1] = {KEYS[k], redis.call('HMGET', KEYS[k], 'closed_until', 'bound',
+        'requests', 'requests_reset', 'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit')}
     end
   end
-  if #live == 0 then return nil end
+  if not found then return nil end -- nobody observed: the EXISTS were the whole cost
+  -- The resource ("requests", "tokens") of window key `key` when it is a window of the shared
+  -- scope whose keys start with `base`, else nil (the grammar of csrc/script.c window_key: the
+  -- window's digits, ":tokens" or not, ":shared", then the storage's suffix).
+  local function resource_in(key, base)
+    if key:sub(1, #base) ~= base then return nil end
+    local rest = key:sub(#base + 1)
+    if rest:match('^:%d+:shared$') or rest:match('^:%d+:shared:c$') then return 'requests' end
+    if rest:match('^:%d+:tokens:shared$') or rest:match('^:%d+:tokens:shared:c$') then
+      return 'tokens'
+    end
+    return nil
+  end
+  local live = {}
+  for _, entry in ipairs(found) do
+    local key, v = entry[1], entry[2]
+    local view = {key = key, closed = tonumber(v[1]) or 0, bound = tonumber(v[2]), left = {},
+                  reset = {}, rolled = {}}
+    for r, resource in ipairs({'requests', 'tokens'}) do
+      local left, reset, limit = tonumber(v[3 * r]), tonumber(v[3 * r + 1]) or 0,
+        tonumber(v[3 * r + 2])
+      if left and reset > now then
+        view.left[resource], view.reset[resource] = left, reset
+      elseif limit then -- the provider said it has its limit again after its reset
+        view.left[resource], view.rolled[resource] = limit, limit
+      end
+    end
+    local base = key:sub(1, #key - #':upstream')
+    view.windows = {}
+    for i = 1, n do
+      local resource = resource_in(KEYS[i], base)
+      if resource then view.windows[#view.windows + 1] = {i, resource} end
+    end
+    live[#live + 1] = view
+  end
   local charged = {}
   return {
     check = function(reply)

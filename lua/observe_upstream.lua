@@ -24,11 +24,14 @@ Returns the upstream's closed-until time (unix ms), 0 when it is open.
 -- closed_until (unix ms), 0 when open.
 local function upstream_record(key, now, numbers)
   local view = redis.call('HMGET', key, 'requests_reset', 'tokens_reset', 'closed_until',
-                          'requests_sent')
+                          'requests_sent', 'requests_sent_at')
   local bound = numbers[8]
   local last = 0
   local function keep(at) if at and at > now and at > last then last = at end end
-  local sent = math.max(0, (tonumber(view[4]) or 0) - 1)
+  -- The requests on their way, this answer's own no longer among them; those counted from
+  -- longer than the bound ago are answered, or never will be.
+  local sent, sent_at = 0, tonumber(view[5])
+  if sent_at and now - sent_at < bound then sent = math.max(0, (tonumber(view[4]) or 0) - 1) end
   if view[4] then redis.call('HSET', key, 'requests_sent', sent) end
   local function record(field, left, reset_in, limit, old_reset, unsent)
     if limit > 0 then redis.call('HSET', key, field .. '_limit', limit) end

@@ -19,7 +19,13 @@ from fastapi.testclient import TestClient
 from redis.cluster import RedisCluster as ClusterClient
 
 from genai_ratelimit import Scope
-from genai_ratelimit.fastapi import RateLimit, Upstream, forward_to_upstream
+from genai_ratelimit.fastapi import (
+    RateLimit,
+    RateLimitHeadersMiddleware,
+    TokenRateLimit,
+    Upstream,
+    forward_to_upstream,
+)
 from genai_ratelimit.testing import ManualClock
 from helpers_async import LimiterFactory
 
@@ -167,6 +173,21 @@ def test_the_providers_word_leaves_out_the_requests_still_on_their_way(
             for i in range(3)] == [True, True, False]
 
 
+def test_a_request_whose_answer_is_never_observed_stops_counting_after_the_bound(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> None:
+    with ManualClock() as clock:
+        limiter = make_limiter(redis_url, clock="client")
+        limiter.observe_upstream(UPSTREAM, 200, openai_headers(5, "30s"), max_close_seconds=10)
+        for i in range(3):  # admitted; their answers are lost
+            assert limiter.reserve(f"t{i}", [(50, 60)], scopes=[cap()]).allowed
+        clock.advance(9)
+        limiter.observe_upstream(UPSTREAM, 200, openai_headers(5, "30s"), max_close_seconds=10)
+        assert int(redis_client.hget(VIEW_KEY, "requests")) == 3  # two still on their way
+        clock.advance(2)  # the bound since they were counted: they no longer are
+        limiter.observe_upstream(UPSTREAM, 200, openai_headers(5, "30s"), max_close_seconds=10)
+        assert int(redis_client.hget(VIEW_KEY, "requests")) == 5
+
+
 def test_a_response_that_says_nothing_sends_nothing(make_limiter: LimiterFactory, redis_url: str,
                                                     redis_client: redis.Redis) -> None:
     limiter = make_limiter(redis_url)
@@ -215,8 +236,10 @@ def test_observations_follow_the_shared_scope_on_a_cluster(make_limiter: Limiter
 
 @pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline the async "
                                 "tests drive on hiredis 1.x")
+@pytest.mark.parametrize("dependency", [RateLimit, TokenRateLimit])
 def test_forward_to_upstream_hands_the_providers_429_to_the_cap(
-        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> None:
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        dependency: type[RateLimit]) -> None:
     """The provider answers its first request with 429 retry-after 5: the gateway's next
     request is refused by the cap, with the provider's Retry-After, and never reaches it."""
     served: list[int] = []
@@ -231,9 +254,10 @@ def test_forward_to_upstream_hands_the_providers_429_to_the_cap(
 
     upstream_client = httpx.AsyncClient(base_url="http://provider.test",
                                         transport=httpx.ASGITransport(app=provider))
-    budget = RateLimit(make_limiter.native(redis_url), identify=lambda request: ("tenant", "pro"),
-                       upstream=Upstream(UPSTREAM, per_minute=100, max_close_seconds=30))
+    budget = dependency(make_limiter.native(redis_url), identify=lambda request: ("tenant", "pro"),
+                        upstream=Upstream(UPSTREAM, per_minute=100, max_close_seconds=30))
     app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(budget)])
     async def chat(request: Request) -> Response:

@@ -10,7 +10,9 @@ tag of both, so they share a slot). Its fields:
   requests, requests_reset  the requests the provider has left, until that unix ms
   requests_limit            the provider's own limit (what it has again after its reset)
   requests_sent             requests admitted through the cap whose answer was not observed
-                            yet: the provider's next word does not count them
+                            yet: the provider's next word does not count them; counted
+                            from requests_sent_at (unix ms) on, for at most `bound` ms (an
+                            answer never observed stops counting then)
   tokens, tokens_reset, tokens_limit  the same for tokens
   closed_until              unix ms: the provider refused (429, 529) and said to come back then
   bound                     the operator's bound (ms), max_close_seconds
@@ -40,7 +42,8 @@ local function open_upstreams(n, first, count, now)
     if redis.call('EXISTS', KEYS[k]) == 1 then
       found = found or {}
       found[#found + 1] = {KEYS[k], redis.call('HMGET', KEYS[k], 'closed_until', 'bound',
-        'requests', 'requests_reset', 'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit')}
+        'requests', 'requests_reset', 'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit',
+        'requests_sent_at')}
     end
   end
   if not found then return nil end -- nobody observed: the EXISTS were the whole cost
@@ -60,7 +63,7 @@ local function open_upstreams(n, first, count, now)
   for _, entry in ipairs(found) do
     local key, v = entry[1], entry[2]
     local view = {key = key, closed = tonumber(v[1]) or 0, bound = tonumber(v[2]), left = {},
-                  reset = {}, rolled = {}}
+                  reset = {}, rolled = {}, sent_at = tonumber(v[9])}
     for r, resource in ipairs({'requests', 'tokens'}) do
       local left, reset, limit = tonumber(v[3 * r]), tonumber(v[3 * r + 1]) or 0,
         tonumber(v[3 * r + 2])
@@ -122,8 +125,8 @@ local function open_upstreams(n, first, count, now)
           redis.call('HINCRBY', view.key, resource, -cost)
         end
         if resource == 'requests' then
-          if view.rolled.requests then
-            redis.call('HSET', view.key, 'requests_sent', cost)
+          if view.rolled.requests or not view.sent_at or now - view.sent_at >= view.bound then
+            redis.call('HSET', view.key, 'requests_sent', cost, 'requests_sent_at', now)
           else
             redis.call('HINCRBY', view.key, 'requests_sent', cost)
           end

@@ -46,6 +46,8 @@
 #define RL_MAX_BUDGETS 16                    /* calendar budgets decided by one hold */
 #define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
 #define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
+#define RL_UPSTREAM_FIELDS 8                 /* lua/observe_upstream.lua's numbers */
+#define RL_MAX_UPSTREAM_MS 86400000LL        /* an upstream's reset or closure: a day at most */
 #define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
 #define RL_MAX_REPLY_BYTES 65536             /* a decision's reply is tiny: more is garbage */
 #define RL_MAX_LIMIT 9007199254740991LL      /* 2^53 - 1: exact in Lua's doubles */
@@ -150,6 +152,8 @@ typedef enum {
     RL_SHAPE_BUDGET_HOLD,
     /* _settle_budgets(): the number of budgets whose hold was found */
     RL_SHAPE_BUDGET_SETTLE,
+    RL_SHAPE_OBSERVE,   /* _observe_upstream(): the upstream's closed-until (unix ms, 0:
+                           open), lua/observe_upstream.lua */
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. py_request.c names a decision's script in the
@@ -173,6 +177,7 @@ typedef enum {
     RL_SCRIPT_COMPACT_GCRA_WINDOWS,      /* lua/gcra_windows.lua over the compact storage */
     RL_SCRIPT_BUDGET_HOLD,               /* lua/budget_hold.lua: calendar budgets, a hold */
     RL_SCRIPT_BUDGET_SETTLE,             /* lua/budget_settle.lua: a hold settled */
+    RL_SCRIPT_OBSERVE,                   /* lua/observe_upstream.lua: a provider's word */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -233,6 +238,9 @@ typedef struct {
     rl_budget budgets[RL_MAX_BUDGETS];
     /* budget hold: a key outlives its period's end by this (the longest hold) */
     long long hold_ms;
+    /* observe_upstream: requests left, ms to their reset, their limit, the same for tokens,
+       ms closed for (-1: not said), the bound in ms (lua/observe_upstream.lua) */
+    long long upstream[RL_UPSTREAM_FIELDS];
 } rl_prepared;
 
 /* The bytes to send for a decision: its replay form once it was marked for replay. */

@@ -221,6 +221,7 @@ CODEC_METHOD(reset, RL_SHAPE_RESET)
 CODEC_METHOD(check_rate, RL_SHAPE_GCRA)
 CODEC_METHOD(hold_budgets, RL_SHAPE_BUDGET_HOLD)
 CODEC_METHOD(settle_budgets, RL_SHAPE_BUDGET_SETTLE)
+CODEC_METHOD(observe_upstream, RL_SHAPE_OBSERVE)
 
 static PyObject *
 Codec_get_metrics(CodecObject *self, PyObject *Py_UNUSED(ignored))
@@ -275,6 +276,10 @@ static PyMethodDef Codec_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "settle_budgets($self, /, user_id, budgets, hold_id)\n--\n\n"
      "A Request (the kill switch never answers it)."},
+    {"observe_upstream", (PyCFunction)(void (*)(void))Codec_observe_upstream,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "observe_upstream($self, /, name, observation)\n--\n\n"
+     "A Request, or the kill switch's final int (Limiter._observe_upstream's shape)."},
     {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
      "A Request (the kill switch never answers it)."},

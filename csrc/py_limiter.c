@@ -461,6 +461,16 @@ PyDoc_STRVAR(Limiter_settle_budgets_doc,
 
 LIMITER_METHOD(settle_budgets, RL_SHAPE_BUDGET_SETTLE)
 
+PyDoc_STRVAR(Limiter_observe_upstream_doc,
+"_observe_upstream($self, /, name, observation)\n--\n\n"
+"-> the upstream's closed-until time (unix ms, 0 when open)\n\n"
+"Records a provider response's word on the shared scope `name`: observation is (requests\n"
+"left, ms to their reset, their limit, the same for tokens, ms closed for, the bound in ms),\n"
+"-1 where it said nothing (lua/observe_upstream.lua). RateLimiter.observe_upstream reads\n"
+"the headers.");
+
+LIMITER_METHOD(observe_upstream, RL_SHAPE_OBSERVE)
+
 PyDoc_STRVAR(Limiter_reset_doc,
 "_reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
 "-> (entries_removed, next_cursor)\n\n"
@@ -596,6 +606,8 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_hold_budgets_doc},
     {"_settle_budgets", (PyCFunction)(void (*)(void))Limiter_settle_budgets,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_settle_budgets_doc},
+    {"_observe_upstream", (PyCFunction)(void (*)(void))Limiter_observe_upstream,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_observe_upstream_doc},
     {"_reset", (PyCFunction)(void (*)(void))Limiter_reset,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reset_doc},
     {"metrics", (PyCFunction)Limiter_get_metrics, METH_NOARGS, Limiter_metrics_doc},

@@ -285,6 +285,44 @@ non_negative_int(PyObject *value, const char *name, long long max, long long *ou
     return positive_int(value, name, max, out);
 }
 
+/* _observe_upstream(name, (requests, requests_reset_ms, requests_limit, tokens,
+   tokens_reset_ms, tokens_limit, close_ms, bound_ms)): a provider response's numbers
+   (genai_ratelimit/provider_limits.py), each -1 (not said) or a count (up to RL_MAX_LIMIT)
+   or a wait in ms (up to RL_MAX_UPSTREAM_MS); the bound is a wait of at least 1 ms. 0, or -1
+   with an exception. */
+static int
+parse_upstream(PyObject *value, rl_prepared *d)
+{
+    static const char *const names[RL_UPSTREAM_FIELDS] = {
+        "requests left",   "requests reset ms", "requests limit", "tokens left",
+        "tokens reset ms", "tokens limit",      "close ms",       "bound ms"};
+    static const long long maxima[RL_UPSTREAM_FIELDS] = {
+        RL_MAX_LIMIT,       RL_MAX_UPSTREAM_MS, RL_MAX_LIMIT,       RL_MAX_LIMIT,
+        RL_MAX_UPSTREAM_MS, RL_MAX_LIMIT,       RL_MAX_UPSTREAM_MS, RL_MAX_UPSTREAM_MS};
+    if (!PyTuple_Check(value) || PyTuple_Size(value) != RL_UPSTREAM_FIELDS) {
+        rl_type_error(value, "an upstream observation must be a tuple of 8 ints, not ");
+        return -1;
+    }
+    for (int i = 0; i < RL_UPSTREAM_FIELDS; i++) {
+        PyObject *item = PyTuple_GetItem(value, i);
+        if (i < RL_UPSTREAM_FIELDS - 1 && PyLong_Check(item) && !PyBool_Check(item)) {
+            int overflow = 0;
+            long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+            if (v == -1 && PyErr_Occurred())
+                return -1;
+            if (overflow == 0 && v == -1) {
+                d->upstream[i] = -1;
+                continue;
+            }
+        }
+        if ((i == RL_UPSTREAM_FIELDS - 1
+                 ? positive_int(item, names[i], maxima[i], &d->upstream[i])
+                 : non_negative_int(item, names[i], maxima[i], &d->upstream[i])) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* reserve's in_flight=(limit, lease_seconds): the slot taken with the reservation, in the
    same script (lua/reserve_in_flight.lua). 0, or -1 with an exception. */
 static int
@@ -532,6 +570,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const gcra_names[] = {"user_id", "rate", "period_seconds", "burst", "cost"};
     static const char *const hold_names[] = {"user_id", "budgets", "hold_ms"};
     static const char *const settle_names[] = {"user_id", "budgets", "hold_id"};
+    static const char *const observe_names[] = {"name", "observation"};
     static const rl_script_id scripts[] = {
         [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,
         [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
@@ -546,6 +585,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         [RL_SHAPE_GCRA] = RL_SCRIPT_GCRA,
         [RL_SHAPE_BUDGET_HOLD] = RL_SCRIPT_BUDGET_HOLD,
         [RL_SHAPE_BUDGET_SETTLE] = RL_SCRIPT_BUDGET_SETTLE,
+        [RL_SHAPE_OBSERVE] = RL_SCRIPT_OBSERVE,
     };
     PyObject *v[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
@@ -569,6 +609,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->gcra_scale = 0;
     d->nbudgets = 0;
     d->hold_ms = 0;
+    for (int i = 0; i < RL_UPSTREAM_FIELDS; i++)
+        d->upstream[i] = -1;
     switch (shape) {
     case RL_SHAPE_BUDGET_HOLD:
         if (rl_parse_args("_hold_budgets", args, nargs, kwnames, hold_names, 3, 3, 3, v) < 0 ||
@@ -581,6 +623,17 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             rl_user_id_utf8(v[0], &unused) == NULL || add_budgets(d, v[1], 0) < 0 ||
             parse_member(v[2], "hold's", d->member) < 0)
             return -1;
+        break;
+    case RL_SHAPE_OBSERVE:
+        if (rl_parse_args("observe_upstream", args, nargs, kwnames, observe_names, 2, 2, 2, v) <
+                0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL || parse_upstream(v[1], d) < 0)
+            return -1;
+        if (unused > RL_MAX_SCOPE_NAME) {
+            PyErr_Format(PyExc_ValueError, "an upstream's name holds 1 to %d bytes of UTF-8",
+                         RL_MAX_SCOPE_NAME);
+            return -1;
+        }
         break;
     case RL_SHAPE_GCRA:
         if (rl_parse_args("check_rate", args, nargs, kwnames, gcra_names, 5, 4, 4, v) < 0 ||

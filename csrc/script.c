@@ -78,6 +78,8 @@ static const struct {
     [RL_SCRIPT_BUDGET_SETTLE] = {RL_BUDGET_SETTLE_SHA1, rl_budget_settle_source,
                                  sizeof(rl_budget_settle_source) - 1, rl_budget_settle_load_command,
                                  sizeof(rl_budget_settle_load_command) - 1},
+    [RL_SCRIPT_OBSERVE] = {RL_OBSERVE_SHA1, rl_observe_source, sizeof(rl_observe_source) - 1,
+                           rl_observe_load_command, sizeof(rl_observe_load_command) - 1},
 };
 
 rl_script_id
@@ -484,6 +486,61 @@ format_budgets(const char *prefix, size_t prefix_len, const rl_prepared *d, long
     return len;
 }
 
+/* Writes a shared scope's upstream view key "{prefix}:{name}:upstream" at cursor (the
+   name where a user's id would be, as its windows' keys have it: the same hash tag) and
+   returns the end. Room: prefix_len + 1 + rl_key_user_room(name_len) + 9. Last field
+   "upstream": never a window's (digits, "tokens", "scope=...", "shared"), nor "w", "t",
+   "c", "leases", "stats" or "gcra". */
+static char *
+write_upstream_key(char *cursor, const char *prefix, size_t prefix_len, const char *name,
+                   size_t name_len, int hash_tag)
+{
+    cursor = write_user_key(cursor, prefix, prefix_len, name, name_len, hash_tag);
+    memcpy(cursor, ":upstream", 9);
+    return cursor + 9;
+}
+
+/* Formats "EVALSHA sha 1 {prefix}:{name}:upstream now" and the observation's numbers (see
+   the header of lua/observe_upstream.lua); the upstream's name is the call's user. Returns the length and sets *out, or -1 (out of memory). */
+static long long
+format_observe(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+               const rl_prepared *d, long long now_ms, char **out)
+{
+    char stack_key[RL_STACK_ARENA], *key = stack_key, *end;
+    char numbers[RL_UPSTREAM_FIELDS + 1][RL_NUMBER_TEXT];
+    size_t need = prefix_len + 1 + rl_key_user_room(user_len) + 9;
+    const char *argv[5 + RL_UPSTREAM_FIELDS];
+    size_t argvlen[5 + RL_UPSTREAM_FIELDS];
+    long long len;
+
+    *out = NULL;
+    if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
+        return -1;
+    end = write_upstream_key(key, prefix, prefix_len, user, user_len, d->hash_tag);
+    argv[0] = "EVALSHA";
+    argvlen[0] = 7;
+    argv[1] = rl_script_sha1(RL_SCRIPT_OBSERVE);
+    argvlen[1] = strlen(argv[1]);
+    argv[2] = "1";
+    argvlen[2] = 1;
+    argv[3] = key;
+    argvlen[3] = (size_t)(end - key);
+    argvlen[4] = now_ms >= 0 ? (size_t)snprintf(numbers[0], RL_NUMBER_TEXT, "%lld", now_ms) : 0;
+    argv[4] = now_ms >= 0 ? numbers[0] : "";
+    for (int i = 0; i < RL_UPSTREAM_FIELDS; i++) {
+        argvlen[5 + i] = (size_t)snprintf(numbers[1 + i], RL_NUMBER_TEXT, "%lld", d->upstream[i]);
+        argv[5 + i] = numbers[1 + i];
+    }
+    len = redisFormatCommandArgv(out, 5 + RL_UPSTREAM_FIELDS, argv, argvlen);
+    if (key != stack_key)
+        free(key);
+    if (len < 0 || *out == NULL) {
+        *out = NULL;
+        return -1;
+    }
+    return len;
+}
+
 size_t
 rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
 {
@@ -664,7 +721,7 @@ static const struct {
     [RL_STORAGE_ZSET] = {3, {"", ":w", ":t"}},
     [RL_STORAGE_COMPACT] = {1, {":c", NULL, NULL}},
 };
-#define RL_ARGV_MAX (12 + 6 * RL_MAX_WINDOWS)
+#define RL_ARGV_MAX (12 + 6 * RL_MAX_WINDOWS + RL_MAX_SCOPES)
 
 /* Formats "EVALSHA sha 3n key... weights... totals... ARGV..." with hiredis (see the
    KEYS/ARGV headers of lua/sliding_window.lua and lua/reconcile.lua). Returns the
@@ -696,8 +753,17 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     }
     size_t key_room = prefix_len + 1 + rl_key_user_room(owner_len) + RL_NUMBER_TEXT +
                       RL_KEY_SUFFIXES + scope_room;
+    /* A decision through shared scopes reads each one's upstream view (lib/upstream.lua):
+       one key per shared scope, after the windows' keys. */
+    int upstreams = 0;
+    if (d->script == RL_SCRIPT_WINDOW || d->script == RL_SCRIPT_COMPACT_WINDOW ||
+        d->script == RL_SCRIPT_IN_FLIGHT || d->script == RL_SCRIPT_COMPACT_IN_FLIGHT) {
+        for (int k = 0; k < d->nscopes; k++)
+            upstreams += d->scopes[k].shared;
+    }
     /* reset.lua's pattern and base (the pattern escapes each byte at most once). */
-    size_t need = (size_t)w->count * (3 * key_room + 4 * RL_NUMBER_TEXT) + 4 * key_room;
+    size_t need = (size_t)w->count * (3 * key_room + 4 * RL_NUMBER_TEXT) + 4 * key_room +
+                  (size_t)upstreams * key_room;
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
     int argc = 0;
@@ -709,6 +775,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         return format_gcra(prefix, prefix_len, user, user_len, d, now_ms, out);
     if (d->script == RL_SCRIPT_BUDGET_HOLD || d->script == RL_SCRIPT_BUDGET_SETTLE)
         return format_budgets(prefix, prefix_len, d, now_ms, out);
+    if (d->script == RL_SCRIPT_OBSERVE)
+        return format_observe(prefix, prefix_len, user, user_len, d, now_ms, out);
     *out = NULL;
     if (need > sizeof(stack_arena)) {
         arena = malloc(need);
@@ -721,8 +789,9 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc++] = 7;
     argv[argc] = rl_script_sha1(d->script);
     argvlen[argc++] = strlen(argv[1]);
-    argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d",
-                                     per_window * (w->count - first) + slot_keys + first);
+    argvlen[argc] =
+        (size_t)snprintf(numkeys, sizeof(numkeys), "%d",
+                         per_window * (w->count - first) + upstreams + slot_keys + first);
     argv[argc++] = numkeys;
     for (int i = first; i < w->count; i++) {
         char *key = cursor;
@@ -739,6 +808,15 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         }
     }
     argc += per_window * (w->count - first);
+    for (int k = 0; k < d->nscopes && upstreams > 0; k++) {
+        if (!d->scopes[k].shared)
+            continue;
+        char *key = cursor;
+        cursor = write_upstream_key(cursor, prefix, prefix_len, d->scopes[k].name,
+                                    d->scopes[k].name_len, d->hash_tag);
+        argv[argc] = key;
+        argvlen[argc++] = (size_t)(cursor - key);
+    }
     if (first) { /* the bucket's key, last: format_gcra's */
         char *key = cursor;
         cursor = write_user_key(cursor, prefix, prefix_len, user, user_len, d->hash_tag);
@@ -1032,6 +1110,22 @@ decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out
     out->now_ms = now;
     out->evaluated = (int)count;
     out->slot = -1;
+    return RL_OK;
+}
+
+/* lua/observe_upstream.lua: the upstream's closed-until time (unix ms), 0 when open. */
+static rl_status
+decode_observe(const redisReply *reply, rl_result *out, rl_error *err)
+{
+    if (reply->type != REDIS_REPLY_INTEGER)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the observe-upstream script: %s, expected an "
+                            "integer",
+                            rl_reply_type_name(reply->type));
+    if (within("observe-upstream", "closed_until", reply->integer, 0, RL_MAX_UNIX_MS, err) != RL_OK)
+        return err->kind;
+    memset(out, 0, sizeof(*out));
+    out->expires_ms = reply->integer;
     return RL_OK;
 }
 
@@ -1454,6 +1548,8 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
         memset(out, 0, sizeof(*out));
         out->found = reply->integer;
         return RL_OK;
+    case RL_SCRIPT_OBSERVE:
+        return decode_observe(reply, out, err);
     default:
         return decode_window(reply, d, out, err);
     }

@@ -21,6 +21,7 @@ from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
 from .periods import Budget, BudgetHold, BudgetPeriod
 from .prices import ModelPrice, PriceRule, PriceTable, PriceTableError, TokenUsage, UnpricedModel
+from .provider_limits import ProviderLimits, read_provider_limits
 from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
@@ -46,6 +47,8 @@ __all__ = [
     "Budget",
     "BudgetHold",
     "BudgetPeriod",
+    "ProviderLimits",
+    "read_provider_limits",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

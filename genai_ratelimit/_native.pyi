@@ -124,6 +124,9 @@ _HoldRow = tuple[str, str, int, int, int, int, int, int]
 _SettleRow = tuple[str, str, int, int]
 GCRA_SHA1: str
 GCRA_SOURCE: str
+# _observe_upstream: lua/observe_upstream.lua (closed-until, unix ms, 0 when open)
+OBSERVE_SHA1: str
+OBSERVE_SOURCE: str
 GCRA_WINDOWS_SHA1: str
 GCRA_WINDOWS_SOURCE: str
 COMPACT_GCRA_WINDOWS_SHA1: str
@@ -217,6 +220,9 @@ class Limiter:
     ) -> _HoldResult: ...
     def _settle_budgets(
         self, user_id: str, budgets: tuple[_SettleRow, ...], hold_id: str
+    ) -> int: ...
+    def _observe_upstream(
+        self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> int: ...
     def _reset(
         self,
@@ -322,6 +328,9 @@ class Codec:
     def settle_budgets(
         self, user_id: str, budgets: tuple[_SettleRow, ...], hold_id: str
     ) -> Request: ...
+    def observe_upstream(
+        self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
+    ) -> Request | int: ...
     def reset(
         self,
         user_id: str,

@@ -21,7 +21,7 @@ import logging
 import ssl
 import time
 import weakref
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 from . import _native
@@ -44,6 +44,7 @@ from .lease import (
 from .limiter import PING_IDENTITY, Clock, Storage, limiter_options
 from .metrics import LimiterMetrics, count_reconcile, count_reservation
 from .periods import DEFAULT_HOLD_SECONDS, Budget, BudgetHold, hold_plan, settle_plan
+from .provider_limits import DEFAULT_MAX_CLOSE_SECONDS, ProviderLimits, observe_plan
 from .reservation import (
     Plan,
     Reservation,
@@ -998,6 +999,22 @@ class AsyncRateLimiter:
             call, result = advance(plan, answer)
         found: int = result
         return found
+
+    async def observe_upstream(self, name: str, status: int,
+                               headers: Mapping[str, str]
+                               | Iterable[tuple[str | bytes, str | bytes]],
+                               *, max_close_seconds: float = DEFAULT_MAX_CLOSE_SECONDS
+                               ) -> ProviderLimits:
+        """RateLimiter.observe_upstream, awaited."""
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        plan = observe_plan(name, status, headers, max_close_seconds)
+        call, result = advance(plan)
+        if call is not None:
+            request = self._codec.observe_upstream(*call[1])
+            answer = request if type(request) is int else await self._run(request)
+            call, result = advance(plan, answer)
+        return result  # type: ignore[no-any-return]
 
     async def _drive(self, plan: Plan, reserving: bool = False) -> Any:
         """Runs a plan's C calls (reservation.py) on this loop's pipeline. When the caller is

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 from . import _native
@@ -15,6 +15,7 @@ from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
 from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, lease_maker, make_lease
 from .metrics import count_reconcile, count_reservation
 from .periods import DEFAULT_HOLD_SECONDS, Budget, BudgetHold, hold_plan, settle_plan
+from .provider_limits import DEFAULT_MAX_CLOSE_SECONDS, ProviderLimits, observe_plan
 from .reservation import (
     Plan,
     Reservation,
@@ -244,6 +245,8 @@ class RateLimiter(_native.Limiter):
                     answer = _native.Codec(self.key_prefix).reserve(*positional, **keywords)
                 elif name == "release":
                     answer = self._release(*positional)
+                elif name == "observe_upstream":
+                    answer = self._observe_upstream(*positional)
                 else:
                     method = self._reserve if name == "reserve" else self._reconcile
                     answer = method(*positional, **keywords)
@@ -263,6 +266,21 @@ class RateLimiter(_native.Limiter):
         clock."""
         return self._peek(user_id, windows,
                           **reserve_arguments(cost, token_windows, tokens, _scope_list(scopes)))[:4]
+
+    def observe_upstream(self, name: str, status: int,
+                         headers: Mapping[str, str] | Iterable[tuple[str | bytes, str | bytes]],
+                         *, max_close_seconds: float = DEFAULT_MAX_CLOSE_SECONDS
+                         ) -> ProviderLimits:
+        """Hands the gateway one response of the upstream behind the shared scope `name`
+        (an `Upstream`'s name): its provider's remaining requests and tokens until their
+        reset, and on a 429/529 its retry-after, are recorded in one script execution where
+        every replica's admissions through that cap count against them
+        (docs/upstreams.md). Garbage in the headers is ignored; a reset or closure further
+        away than `max_close_seconds` is read as that bound. Returns what was read, with
+        `closed_until_ms`; sends nothing when the response said nothing usable."""
+        limits: ProviderLimits = self._drive(observe_plan(name, status, headers,
+                                                          max_close_seconds))
+        return limits
 
     def check_rate(self, user_id: str, rate: int, period_seconds: int, burst: int, *,
                    cost: int = 1) -> tuple[bool, int, int]:

@@ -1,5 +1,6 @@
 -- include: lib/clock.lua
 -- include: lib/decide.lua
+-- include: lib/upstream.lua
 -- include: lib/{storage}_log.lua
 -- include: lib/lease.lua
 -- include: lib/set_cost.lua
@@ -10,8 +11,9 @@ once per storage ("zset", "compact"): the user's slot (lease.lua's acquire, the 
 being the entry's member) and sliding_window.lua's decision, all or nothing
 (lib/in_flight.lua).
 
-KEYS       sliding_window.lua's (per storage: KEYS[1..3n] or KEYS[1..n]), then the user's
-           leases and their stats (lease.lua's KEYS[1..2])
+KEYS       sliding_window.lua's (per storage: KEYS[1..3n] or KEYS[1..n], then one upstream
+           view per shared scope), then the user's leases and their stats (lease.lua's
+           KEYS[1..2])
 ARGV[1..3n+2]  the decision's (the member is also the lease id)
 ARGV[3n+3] the most concurrent holders; ARGV[3n+4] the lease's length in ms
 ARGV[3n+5] optional: "1" marks a replay after a lost reply
@@ -23,10 +25,12 @@ soonest lease expires when refused}. A refused slot decides no window: element 4
 window) is 0; elements 3 and 7 are the hint.
 --]]
 
-local n = (#KEYS - 2) / KEYS_PER_WINDOW
+local argc = #ARGV - 4 -- member, now, 3 per window, limit, lease (and the replay marker)
+local n = (argc - argc % 3) / 3
 -- The storage's OOM probe, as sliding_window.lua's: over maxmemory nothing is written.
 local log, now = open_log(n, ARGV[2], true, true)
-local reply, tie, slot = reserve_in_flight(n, now, log)
+local upstreams = open_upstreams(n, KEYS_PER_WINDOW * n + 1, #KEYS - 2 - KEYS_PER_WINDOW * n, now)
+local reply, tie, slot = reserve_in_flight(n, now, log, upstreams)
 reply[8] = tie
 reply[9] = slot
 return reply

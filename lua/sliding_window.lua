@@ -1,5 +1,6 @@
 -- include: lib/clock.lua
 -- include: lib/decide.lua
+-- include: lib/upstream.lua
 -- include: lib/{storage}_log.lua
 --[[
 sliding_window.lua - the sliding-window-log rate limiter, with weights. The build
@@ -13,6 +14,8 @@ KEYS, zset     KEYS[i] (i = 1..n) one sorted set per window, shortest window fir
                (score = request time in unix ms, member = UUID4 text); KEYS[n+i] the
                weights of KEYS[i], KEYS[2n+i] the running totals of its weighted entries
 KEYS, compact  KEYS[i] (i = 1..n) one string per window, shortest window first
+KEYS[KEYS_PER_WINDOW * n + k]  the upstream view of the call's k-th shared scope
+           (lib/upstream.lua), one per shared scope, after the windows' keys
 ARGV[1]    the member to add when every window allows (compact: the request id, a UUID4,
            whose first 8 bytes go to the replay table of KEYS[n])
 ARGV[2]    the request time in unix ms, or "" to read the server's clock (TIME)
@@ -35,8 +38,11 @@ A Redis over its maxmemory refuses the script with an OOM error before it writes
 anything (the storage's OOM probe, open_log's), rather than admitting requests it cannot log.
 --]]
 
-local n = #KEYS / KEYS_PER_WINDOW
+local argc = #ARGV - 2 -- member, now, then 3 per window (and the replay marker)
+local n = (argc - argc % 3) / 3
 local log, now = open_log(n, ARGV[2], true, 'lazy') -- the OOM probe when needed (the storage's)
-local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 3])
+local upstreams = #KEYS > KEYS_PER_WINDOW * n and
+  open_upstreams(n, KEYS_PER_WINDOW * n + 1, #KEYS - KEYS_PER_WINDOW * n, now) or nil
+local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 3], upstreams)
 if TIE_NAMES_ENTRY then reply[8] = tie end
 return reply

@@ -207,6 +207,9 @@ class BlockingAsyncLimiter:
     def settle_budgets(self, *args: Any, **kwargs: Any) -> int:
         return self.run(self.inner.settle_budgets(*args, **kwargs))
 
+    def observe_upstream(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(self.inner.observe_upstream(*args, **kwargs))
+
     def _peek(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(self.inner._peek(*args, **kwargs))
 

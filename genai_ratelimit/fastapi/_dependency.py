@@ -49,7 +49,7 @@ from ._plan import (
     run,
     run_async,
 )
-from ._scopes import _Scopes
+from ._scopes import _Scopes, note_upstreams
 from ._startup import RateLimitConfigError, check_dependencies, dependencies_of
 
 logger = logging.getLogger("genai_ratelimit")
@@ -518,6 +518,8 @@ class _AsyncRateLimit(RateLimit):
             scopes = await self._scopes.of(request)
             if scopes:
                 facts = dataclasses.replace(facts, scopes=tuple(scopes))
+                note_upstreams(request, self.limiter, self._limiter_is_async,
+                               self._scopes.upstreams_in(scopes))
         return facts
 
     async def __call__(self, request: Request, response: Response) -> None:

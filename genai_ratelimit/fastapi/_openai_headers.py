@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, Literal
 
+from ..provider_limits import format_duration
+
 __all__ = [
     "ResourceHeaders",
     "format_duration",
@@ -70,24 +72,6 @@ _LIMIT_NAMES: Mapping[tuple[str, int], str] = {
 def limit_name(resource: Resource, window_seconds: int) -> str:
     """"tokens per min (TPM)", "requests per day (RPD)", else e.g. "tokens per 3600s"."""
     return _LIMIT_NAMES.get((resource, window_seconds), f"{resource} per {window_seconds}s")
-
-
-def format_duration(milliseconds: int) -> str:
-    """A duration as OpenAI's headers (and Go's time.Duration) write it: "0s", "120ms",
-    "1s", "1.5s", "6m0s", "1h2m3s", "24h0m0s"."""
-    if milliseconds <= 0:
-        return "0s"
-    if milliseconds < 1000:
-        return f"{milliseconds}ms"
-    hours, rest = divmod(milliseconds, 3_600_000)
-    minutes, rest = divmod(rest, 60_000)
-    seconds, millis = divmod(rest, 1000)
-    text = f"{seconds}.{millis:03d}".rstrip("0") + "s" if millis else f"{seconds}s"
-    if hours:
-        return f"{hours}h{minutes}m{text}"
-    if minutes:
-        return f"{minutes}m{text}"
-    return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,11 @@ What it changes, and why:
   `ratelimit-policy`): the client sees its own budget at the gateway, never the provider's
   account-wide one. Retry-After, retry-after-ms and x-should-retry of an upstream error stay.
 
+What it tells the caps: the upstream's status and headers go to `observe_upstream` of the
+limiter of every `Upstream` the request went through (docs/upstreams.md): the provider's
+remaining requests and tokens, and a 429's retry-after, narrow or close that shared cap for
+every replica.
+
 What it charges: an upstream answer with a status >= 400 is reconciled to 0 tokens (the
 providers bill no tokens for a refused request; it still counts as a request); so is an
 upstream that could not be reached (502: nothing was sent). An upstream that timed out (504)
@@ -43,6 +48,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from ._ledger import _TOKENS_KEY, _TokenLedger, record_usage
+from ._scopes import observe_upstreams
 
 if TYPE_CHECKING:
     import httpx
@@ -239,6 +245,9 @@ async def forward_to_upstream(request: Request, client: httpx.AsyncClient, path:
         # The client left before the upstream answered (nginx's 499: nobody reads it). The
         # upstream may have generated meanwhile: the reservation stays as it is.
         return Response(status_code=499)
+    # The provider's word on its limits (its headers, a 429's retry-after) reaches the caps
+    # of every upstream the request went through, before its body streams.
+    await observe_upstreams(request, upstream.status_code, upstream.headers.raw)
     if upstream.status_code >= 400:
         await _charge_nothing(request)
     return UpstreamResponse(upstream)

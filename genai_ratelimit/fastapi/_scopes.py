@@ -10,12 +10,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
+from .._native import RateLimiterError
 from .._tiers_config import (
     SCOPE_BUDGET_KEYS,
     scope_sections_from_env,
     validate_scope_budget,
 )
+from ..provider_limits import DEFAULT_MAX_CLOSE_SECONDS, validate_max_close_seconds
 from ..reservation import Scope as BudgetScope
 from ._usage import requested_model
 
@@ -23,6 +26,10 @@ logger = logging.getLogger("genai_ratelimit")
 
 # The most route path templates whose Scope is kept (an app's routes: a handful).
 _MAX_CACHED_ROUTES = 1024
+# The ASGI scope's list of the upstreams an admitted request goes through, for
+# forward_to_upstream to hand them the provider's answer: (limiter, is async, the shared
+# scope's name, its max_close_seconds).
+UPSTREAMS_KEY = "genai_ratelimit.upstreams"
 
 
 def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool
@@ -47,7 +54,9 @@ class Upstream:
     the cap nothing. Keys: {prefix}:{name}:{window}[:tokens]:shared.
 
     models: the request `model`s this upstream serves; empty: every request of the
-    dependency. The token caps count in TokenRateLimit only."""
+    dependency. The token caps count in TokenRateLimit only. max_close_seconds: the
+    longest the provider's word (a 429's retry-after, a reset) may close or narrow the cap
+    (docs/upstreams.md)."""
 
     name: str
     per_minute: int | None = None
@@ -55,6 +64,7 @@ class Upstream:
     tokens_per_minute: int | None = None
     tokens_per_day: int | None = None
     models: tuple[str, ...] = ()
+    max_close_seconds: float = DEFAULT_MAX_CLOSE_SECONDS
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -63,6 +73,8 @@ class Upstream:
         if isinstance(self.models, str) or not all(isinstance(m, str) and m for m in self.models):
             raise TypeError("models must be a sequence of model names (non-empty str)")
         object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "max_close_seconds",
+                           validate_max_close_seconds(self.max_close_seconds))
         BudgetScope(self.name, windows=[(1, 60)])  # the name's own checks (length, UTF-8)
 
     def budget(self) -> dict[str, int]:
@@ -75,6 +87,30 @@ class Upstream:
 
 
 UpstreamOf = Callable[[Request], "Upstream | None | Awaitable[Upstream | None]"]
+
+
+def note_upstreams(request: Request, limiter: Any, is_async: bool,
+                   upstreams: Sequence[tuple[str, float]]) -> None:
+    """Keeps the (name, max_close_seconds) of the upstreams an admitted request goes
+    through, with the limiter that decided them, for observe_upstreams."""
+    if upstreams:
+        noted = request.scope.setdefault(UPSTREAMS_KEY, [])
+        noted.extend((limiter, is_async, name, bound) for name, bound in upstreams)
+
+
+async def observe_upstreams(request: Request, status: int, headers: Any) -> None:
+    """Hands one upstream response (its status and headers) to every upstream the request
+    went through (limiter.observe_upstream). A limiter that cannot answer is logged: the
+    response goes on."""
+    for limiter, is_async, name, bound in request.scope.get(UPSTREAMS_KEY) or ():
+        try:
+            if is_async:
+                await limiter.observe_upstream(name, status, headers, max_close_seconds=bound)
+            else:
+                await run_in_threadpool(limiter.observe_upstream, name, status, headers,
+                                        max_close_seconds=bound)
+        except RateLimiterError as exc:
+            logger.warning("could not record the answer of upstream %r: %s", name, exc)
 
 
 class _Scopes:
@@ -129,6 +165,17 @@ class _Scopes:
         self._model_scopes: dict[str, BudgetScope | None] = {}
         self._route_scopes: dict[str, BudgetScope | None] = {}
         self._upstream_scopes: dict[int, BudgetScope | None] = {}
+        # Each upstream's max_close_seconds by name: the fixed ones, and those the callable
+        # chose (up to _MAX_CACHED_ROUTES names).
+        self._bounds: dict[str, float] = {u.name: u.max_close_seconds for u in self.upstreams}
+
+    def upstreams_in(self, scopes: Sequence[BudgetScope]) -> list[tuple[str, float]]:
+        """(name, max_close_seconds) of the upstream caps among a request's scopes (none in
+        shadow mode: a shadow cap never hears from the provider)."""
+        if self.shadow:
+            return []
+        return [(scope.name, self._bounds.get(scope.name, DEFAULT_MAX_CLOSE_SECONDS))
+                for scope in scopes if scope.shared]
 
     def _named(self, scope: BudgetScope | None) -> BudgetScope | None:
         """A shadow budget's scopes count in keys of their own, shared ones too."""
@@ -182,6 +229,8 @@ class _Scopes:
                 raise TypeError(f"upstream(request) must return an Upstream or None, "
                                 f"not {type(chosen).__name__}")
             if chosen is not None:
+                if chosen.name in self._bounds or len(self._bounds) < _MAX_CACHED_ROUTES:
+                    self._bounds[chosen.name] = chosen.max_close_seconds
                 found.append(self._named(chosen.scope(self.tokens)))
         return tuple(scope for scope in found if scope is not None)
 

@@ -27,6 +27,7 @@ from ._ledger import _ledger_of
 from ._openai_headers import ErrorFormat
 from ._options import OnUnavailable, SharedOptions
 from ._plan import AsyncWindowLimiter, Facts, SyncWindowLimiter, Windows
+from ._scopes import note_upstreams
 from ._usage import (
     MAX_REQUEST_JSON_BYTES,
     InvalidTokenCount,
@@ -291,6 +292,9 @@ class TokenRateLimit(_AsyncRateLimit):
         else:  # a subclass's own estimate
             tokens, document = await self.estimate_tokens(request, tier), None
         scopes = await self._scopes.of(request, document) if self._scopes else ()
+        if scopes:
+            note_upstreams(request, self.limiter, self._limiter_is_async,
+                           self._scopes.upstreams_in(scopes))
         return Facts(facts.identity, tier, facts.windows, self.token_windows_of(tier), tokens,
                      scopes, facts.counted, facts.cap, facts.held)
 

@@ -81,8 +81,10 @@ end
 -- reports that entry's time. On allow every window logs the entry with its cost, and the
 -- reply's now_ms is the entry's time, the one log.tie() gives with the tie when the storage
 -- may log it at a later millisecond than now (lib/compact_log.lua). Returns the reply and
--- the entry's tie (lib/compact_log.lua; 0 for sorted sets).
-local function decide_and_log(n, now, log, marker)
+-- the entry's tie (lib/compact_log.lua; 0 for sorted sets). `upstreams`: the views of the
+-- call's shared scopes (lib/upstream.lua's open_upstreams), or nil: a request the windows
+-- allow is refused when a view says so, and charged to the views when it is logged.
+local function decide_and_log(n, now, log, marker, upstreams)
   if marker == '1' then
     local at, tie = log.logged(n, ARGV[1])
     if at then
@@ -92,6 +94,7 @@ local function decide_and_log(n, now, log, marker)
     end
   end
   local reply = decide(n, now, log.trim, log.freeing_stamp)
+  if upstreams and reply[1] == 1 then reply = upstreams.check(reply) end
   local tie, at = 0, nil
   if reply[1] == 1 then
     tie, at = log.tie()
@@ -100,6 +103,7 @@ local function decide_and_log(n, now, log, marker)
       log.add(i, ARGV[1], cost, window_ms, tie)
     end
     if at then reply[5] = at end
+    if upstreams then upstreams.charge() end
   end
   log.flush()
   return reply, tie

@@ -14,14 +14,14 @@ KEYS.
 -- {slot granted 1/0, holders, the hint for a slot in ms (refused) or 0, the lease's expiry
 -- or 0, the wait until the soonest lease expires (refused) or 0}. A refused slot answers
 -- {0, 0, retry_s, 0, now, {}, retry_ms} with the hint: window 0, none decided.
-local function reserve_in_flight(n, now, log)
+local function reserve_in_flight(n, now, log, upstreams)
   local held = leases(KEYS[#KEYS - 1], KEYS[#KEYS], now)
   local slot = held.may_acquire(ARGV[1], tonumber(ARGV[3 * n + 3]))
   if slot[1] == 0 then
     return {0, 0, math.ceil(slot[3] / 1000), 0, now, {}, slot[3]}, 0,
            {0, slot[2], slot[3], 0, slot[5]}
   end
-  local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 5])
+  local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 5], upstreams)
   if reply[1] == 0 then return reply, tie, {0, slot[2] - 1, 0, 0, 0} end
   return reply, tie, {1, slot[2], 0, held.take(ARGV[1], tonumber(ARGV[3 * n + 4]), slot), 0}
 end

@@ -1,0 +1,137 @@
+--[[
+lib/upstream.lua - what the provider behind a shared cap said about itself (an upstream's
+view), and how an admission through the cap counts against it. Prepended by the build
+(setup.py) to the scripts that decide; functions only. lua/observe_upstream.lua writes the
+view.
+
+One hash per shared scope, "{prefix}:{name}:upstream" (the cap's windows are
+"{prefix}:{name}:{window_seconds}[:tokens]:shared"; on a Redis Cluster the name is the hash
+tag of both, so they share a slot). Its fields:
+  requests, requests_reset  the requests the provider has left, until that unix ms
+  requests_limit            the provider's own limit (what it has again after its reset)
+  requests_sent             requests admitted through the cap whose answer was not observed
+                            yet: the provider's next word does not count them; counted
+                            from requests_sent_at (unix ms) on, for at most `bound` ms (an
+                            answer never observed stops counting then)
+  tokens, tokens_reset, tokens_limit  the same for tokens
+  closed_until              unix ms: the provider refused (429, 529) and said to come back then
+  bound                     the operator's bound (ms), max_close_seconds
+After a reset the provider has its limit again: the next admission starts a new view of
+`limit` left for at most `bound` ms, which the provider's next word replaces. The key
+expires `bound` ms after the last of its times: an upstream nobody heard from costs nothing.
+The numbers were read from the provider's headers and bounded by the caller
+(genai_ratelimit/provider_limits.py): no remaining above the provider's limit, no limit of
+0, no reset or closure further away than the bound; so a header that lies can narrow or
+close the cap for at most the bound, and never raise it (the windows still decide).
+--]]
+
+-- The views of a decision's shared scopes: KEYS[first .. first + count - 1] are their
+-- upstream keys (one EXISTS each: a cap nobody observed costs that and nothing else; an
+-- observed one an HMGET more).
+-- Returns nil when none says anything now, else an object with
+--   check(reply): the decision's allowed reply (lib/decide.lua) turned into a refusal when
+--     an upstream is closed or has less left than the request's cost (the wait: until the
+--     closure ends or the provider's reset), else with its windows' remaining lowered to
+--     what the provider has left; writes nothing;
+--   charge(): the admitted request's cost counted against every view (a view past its
+--     reset starts anew at the provider's limit), and the request counted as sent.
+local function open_upstreams(n, first, count, now)
+  if count == 0 then return nil end -- a check without a shared scope: nothing more is made
+  local found = nil
+  for k = first, first + count - 1 do
+    if redis.call('EXISTS', KEYS[k]) == 1 then
+      found = found or {}
+      found[#found + 1] = {KEYS[k], redis.call('HMGET', KEYS[k], 'closed_until', 'bound',
+        'requests', 'requests_reset', 'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit',
+        'requests_sent_at')}
+    end
+  end
+  if not found then return nil end -- nobody observed: the EXISTS were the whole cost
+  -- The resource ("requests", "tokens") of window key `key` when it is a window of the shared
+  -- scope whose keys start with `base`, else nil (the grammar of csrc/script.c window_key: the
+  -- window's digits, ":tokens" or not, ":shared", then the storage's suffix).
+  local function resource_in(key, base)
+    if key:sub(1, #base) ~= base then return nil end
+    local rest = key:sub(#base + 1)
+    if rest:match('^:%d+:shared$') or rest:match('^:%d+:shared:c$') then return 'requests' end
+    if rest:match('^:%d+:tokens:shared$') or rest:match('^:%d+:tokens:shared:c$') then
+      return 'tokens'
+    end
+    return nil
+  end
+  local live = {}
+  for _, entry in ipairs(found) do
+    local key, v = entry[1], entry[2]
+    local view = {key = key, closed = tonumber(v[1]) or 0, bound = tonumber(v[2]), left = {},
+                  reset = {}, rolled = {}, sent_at = tonumber(v[9])}
+    for r, resource in ipairs({'requests', 'tokens'}) do
+      local left, reset, limit = tonumber(v[3 * r]), tonumber(v[3 * r + 1]) or 0,
+        tonumber(v[3 * r + 2])
+      if left and reset > now then
+        view.left[resource], view.reset[resource] = left, reset
+      elseif limit then -- the provider said it has its limit again after its reset
+        view.left[resource], view.rolled[resource] = limit, limit
+      end
+    end
+    local base = key:sub(1, #key - #':upstream')
+    view.windows = {}
+    for i = 1, n do
+      local resource = resource_in(KEYS[i], base)
+      if resource then view.windows[#view.windows + 1] = {i, resource} end
+    end
+    live[#live + 1] = view
+  end
+  local charged = {}
+  return {
+    check = function(reply)
+      local refusal, wait
+      for _, view in ipairs(live) do
+        for _, w in ipairs(view.windows) do
+          local i, resource = w[1], w[2]
+          local cost = tonumber(ARGV[3 * i + 2])
+          local left = view.left[resource]
+          local until_ms
+          if view.closed > now then
+            until_ms = view.closed
+          elseif left and left < cost then
+            until_ms = view.reset[resource] or now + view.bound
+          end
+          if until_ms and (not refusal or i < refusal) then refusal, wait = i, until_ms - now end
+          charged[view.key .. ' ' .. resource] = {view, resource, cost}
+          if left and left - cost >= 0 and left - cost < reply[6][i] then
+            reply[6][i] = left - cost
+          end
+        end
+      end
+      if not refusal then return allowed_reply(n, now, reply[6]) end
+      -- The windows before the refusing one report what they had (the cost given back).
+      local remaining_of = {}
+      for j = 1, refusal - 1 do
+        remaining_of[j] = reply[6][j] + tonumber(ARGV[3 * j + 2])
+      end
+      remaining_of[refusal] = 0
+      local window_ms = tonumber(ARGV[3 * refusal])
+      wait = math.max(1, math.min(wait, window_ms + 86400000))
+      return {0, 0, math.ceil(wait / 1000), refusal, now, remaining_of, wait}
+    end,
+    charge = function()
+      for _, c in pairs(charged) do
+        local view, resource, cost = c[1], c[2], c[3]
+        if view.rolled[resource] then
+          redis.call('HSET', view.key, resource, view.rolled[resource] - cost,
+                     resource .. '_reset', now + view.bound)
+          redis.call('PEXPIRE', view.key, view.bound)
+        elseif view.left[resource] then
+          redis.call('HINCRBY', view.key, resource, -cost)
+        end
+        if resource == 'requests' then
+          if view.rolled.requests or not view.sent_at or now - view.sent_at >= view.bound then
+            redis.call('HSET', view.key, 'requests_sent', cost, 'requests_sent_at', now)
+          else
+            redis.call('HINCRBY', view.key, 'requests_sent', cost)
+          end
+        end
+      end
+    end,
+  }
+end

@@ -86,9 +86,11 @@ local function leases(key, stats, now)
 
   -- Whether `id` may take a slot of `limit`, without writing: {1, holders after it, 0,
   -- its expiry if it is already held (a replay) or 0, 0} or {0, holders, the hint (>= 1),
-  -- 0, the wait until the soonest lease expires (>= the hint)}.
-  function held.may_acquire(id, limit)
-    local expires = redis.call('ZSCORE', key, id)
+  -- 0, the wait until the soonest lease expires (>= the hint)}. `fresh`: the caller knows
+  -- `id` is not held (a fresh UUID4, not a replay), so it is not looked up.
+  function held.may_acquire(id, limit, fresh)
+    local expires = nil
+    if not fresh then expires = redis.call('ZSCORE', key, id) end
     local count = redis.call('ZCARD', key)
     if expires then
       -- The first attempt admitted this very lease (its reply was lost): admitted again.
@@ -118,14 +120,15 @@ local function leases(key, stats, now)
   function held.release(id)
     local removed = redis.call('ZREM', key, id)
     if removed == 0 then return 0 end
-    local start = tonumber(redis.call('HGET', stats, id))
+    -- The start and the history in one read.
+    local stored = redis.call('HMGET', stats, id, 'hold_ms', 'hold_sq', 'holds')
+    local start = tonumber(stored[1])
     if start then
       redis.call('HDEL', stats, id)
       local hold = now - start
       if hold < 0 then hold = 0 end
-      local stored = redis.call('HMGET', stats, 'hold_ms', 'hold_sq', 'holds')
-      local mean, square = tonumber(stored[1]), tonumber(stored[2])
-      local holds = tonumber(stored[3]) or 0
+      local mean, square = tonumber(stored[2]), tonumber(stored[3])
+      local holds = tonumber(stored[4]) or 0
       if not (mean and square) then mean, square, holds = 0, 0, 0 end
       if holds < HOLD_WEIGHT_TURNS then holds = holds + 1 end
       mean = mean + (hold - mean) / holds

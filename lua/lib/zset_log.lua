@@ -24,6 +24,10 @@ version of this library, which kept no totals, gets them built once (O(entries))
 script that may write, and is walked entry by entry by a read-only one (peek).
 --]]
 
+-- The running totals a reconcile reads at once from the end: its entry's and the ones after
+-- it are usually among them (the requests that came in while it ran).
+local RECENT_TOTALS = 16
+
 -- The functions of the weighted windows, and of the calls other than a check's decision
 -- (peek's look, reconcile's set_cost): built by zset_log at their first need in an
 -- execution, so that a check over plain windows creates none of these closures (a script's
@@ -350,12 +354,27 @@ local function zset_weighted(n, now, probed)
     -- The entry's running total before the change, when there are totals to keep (a
     -- window without them, written by an older version, gets them at its next search;
     -- totals that disagree are rebuilt there too).
-    local total = nil
+    local total, later = nil, nil -- later: {total, member, ...} of the weighted entries after
     if extra == 0 then
       total = redis.call('ZRANK', key, member) + 1 -- a window of plain entries: its totals
                                                    -- start now, at origin 0
     else
-      if old ~= 1 then total = tonumber(redis.call('ZSCORE', totals, member)) end
+      if old ~= 1 then
+        -- Its total and the ones after it, usually among the last few (the requests that
+        -- came in while it ran): one read. Else its own, and later a search for those after.
+        local last = redis.call('ZRANGE', totals, -RECENT_TOTALS, -1, 'WITHSCORES')
+        for j = 1, #last, 2 do
+          if last[j] == member then
+            total, later = tonumber(last[j + 1]), {}
+            for m = j + 2, #last, 2 do
+              later[#later + 1] = tonumber(last[m + 1])
+              later[#later + 1] = last[m]
+            end
+            break
+          end
+        end
+        if not total then total = tonumber(redis.call('ZSCORE', totals, member)) end
+      end
       if not total and redis.call('ZSCORE', totals, '') then
         total = total_at_rank(i, redis.call('ZRANK', key, member))
       end
@@ -390,7 +409,17 @@ local function zset_weighted(n, now, probed)
       elseif old ~= 1 then
         redis.call('ZREM', totals, member)
       end
-      shift_totals_after(i, total, new - old, own)
+      if later then
+        -- Known already: moved in the same ZADD as its own.
+        own = own or {}
+        for j = 1, #later, 2 do
+          own[#own + 1] = later[j] + new - old
+          own[#own + 1] = later[j + 1]
+        end
+        if #own > 0 then redis.call('ZADD', totals, unpack(own)) end
+      else
+        shift_totals_after(i, total, new - old, own)
+      end
     end
     if weighted and old == 1 then
       -- Weighted here (or created here): they must live as long as the entries they weigh.

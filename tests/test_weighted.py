@@ -351,3 +351,37 @@ def test_totals_that_disagree_with_the_window_are_rebuilt_before_a_search(
     decision = limiter.check_windows_detailed(user_id, [(total // 2, 3600)])
     assert decision.retry_after_ms == freeing_wait_ms(entries, total + 30 + 1 - total // 2,
                                                       3_600_000, decision.timestamp_ms)
+
+
+def assert_totals_follow_the_log(client: redis.Redis, key: str) -> None:
+    """Every weighted entry's running total is the origin plus the costs of the entries up to
+    and including it, in the set's order; only weighted entries have one."""
+    weights = {m: int(c) for m, c in client.hgetall(f"{key}:w").items() if m != b""}
+    totals = {m: int(s) for m, s in client.zrange(f"{key}:t", 0, -1, withscores=True)}
+    running = totals.pop(b"")
+    for member in client.zrange(key, 0, -1):
+        running += weights.get(member, 1)
+        if member in weights:
+            assert totals.pop(member) == running, member
+    assert totals == {}
+
+
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
+def test_reconcile_moves_the_running_totals_of_every_entry_after_it(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    """Near the end (read at once with the last totals) or far from it (39 weighted entries
+    after it), to a cost, to 1 (no total of its own) or to 0 (gone)."""
+    key = f"ratelimit:{user_id}:3600:tokens"
+    reservations = [limiter.reserve(user_id, [(1000, 3600)], token_windows=[(10**6, 3600)],
+                                    tokens=100 + n) for n in range(40)]
+    costs = [100 + n for n in range(40)]
+    for index, actual in ((0, 7), (30, 1), (35, 0), (38, 500), (2, 0), (39, 1)):
+        assert limiter.reconcile(reservations[index], actual) == 1
+        costs[index] = actual
+        assert_totals_follow_the_log(redis_client, key)
+        assert logged_cost(redis_client, key) == running_total(redis_client, key) == sum(costs)
+    decision = limiter.reserve(user_id, [(1000, 3600)], token_windows=[(sum(costs), 3600)],
+                               tokens=10)
+    assert decision.allowed is False
+    assert limiter.reconcile(reservations[0], 7) == 1  # the same cost again: nothing moves
+    assert_totals_follow_the_log(redis_client, key)

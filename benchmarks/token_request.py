@@ -18,10 +18,10 @@ The request is what a gateway in front of an upstream model sends per completion
 
 (8 windows, 4 of them weighted, an in-flight slot; 20 users in turn; every request allowed.)
 Each build runs in its own interpreter (a venv holding it): one worker process per sample
-(`token_request.py --worker ...`) runs N requests (and N minute+day checks for the ratio)
-after a warm-up of its own keys, between two INFO commandstats readings (CONFIG RESETSTAT
-first), and prints the commands the scripts ran per request and the EVALSHA µs per
-request. Builds and storages interleave round after round (order alternating); it starts
+(`token_request.py --worker ...`, one for the requests, one for N minute+day checks for
+the ratio) warms its own keys up, then runs N calls between the driver's CONFIG RESETSTAT
+and its INFO commandstats: the commands the scripts ran per call and the EVALSHA µs per
+call (the base venv needs nothing but the package). Builds and storages interleave round after round (order alternating); it starts
 its own redis-server on a free loopback port, each sample under a prefix of its own.
 
 Printed: per storage and build, the medians over rounds (and their range) of commands per
@@ -32,7 +32,6 @@ request, server µs per request, server µs per minute+day check, and the ratio 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import subprocess
@@ -50,7 +49,8 @@ WARM_UP = 60
 
 
 def _commands(admin: Any) -> tuple[int, float]:
-    """(commands run by scripts and clients other than EVALSHA / CONFIG / INFO, EVALSHA µs)."""
+    """(commands run by the scripts: every command but EVALSHA and the driver's own, EVALSHA
+    µs) since the last CONFIG RESETSTAT."""
     stats = admin.info("commandstats")
     commands, usec = 0, 0.0
     for name, value in stats.items():
@@ -58,19 +58,19 @@ def _commands(admin: Any) -> tuple[int, float]:
         if command in ("evalsha", "eval"):
             usec += float(value["usec"])
         elif not command.startswith(("config", "info", "script", "hello", "client", "ping",
-                                     "select", "flushdb", "scan", "unlink")):
+                                     "select", "flushdb")):
             commands += int(value["calls"])
     return commands, usec
 
 
-def worker(url: str, storage: str, prefix: str, requests: int) -> None:
-    """One sample: prints {"commands", "usec", "check_commands", "check_usec"} per call."""
-    import redis
-
+def worker(url: str, storage: str, prefix: str, requests: int, kind: str) -> None:
+    """One sample, driven over stdin/stdout (the driver reads the server's statistics, so
+    a build's venv needs nothing but the package): warms its keys up, says "ready", runs
+    `requests` token requests (kind "token") or minute+day checks (kind "check") when told
+    "go", then says "done"."""
     from genai_ratelimit import RateLimiter
     from genai_ratelimit.reservation import Scope
 
-    admin = redis.Redis.from_url(url, decode_responses=True)
     limiter = RateLimiter(url, storage=storage, key_prefix=prefix)
     upstream = Scope("openai/gpt-4o", windows=[(500, 60)], token_windows=[(400000, 60)],
                      shared=True)
@@ -88,25 +88,39 @@ def worker(url: str, storage: str, prefix: str, requests: int) -> None:
     def check(n: int) -> None:
         assert limiter.check_windows(f"c{n % USERS}", [(10**9, 60), (10**9, 86400)])[0]
 
+    step = token_request if kind == "token" else check
+    for n in range(WARM_UP):
+        step(n)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for n in range(requests):
+        step(WARM_UP + n)
+    limiter.close()
+    print("done", flush=True)
+
+
+def sample(python: str, admin: Any, url: str, storage: str, prefix: str,
+           requests: int) -> dict[str, float]:
+    """{"commands", "usec", "check_commands", "check_usec"} per call, from one worker per
+    kind."""
     out: dict[str, float] = {}
-    for name, step in (("", token_request), ("check_", check)):
-        for n in range(WARM_UP):
-            step(n)
-        admin.config_resetstat()
-        for n in range(requests):
-            step(WARM_UP + n)
-        commands, usec = _commands(admin)
+    for kind, name in (("token", ""), ("check", "check_")):
+        with subprocess.Popen([python, __file__, "--worker", url, "--storage", storage,
+                               "--prefix", f"{prefix}{kind[0]}", "--requests", str(requests),
+                               "--kind", kind],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as process:
+            assert process.stdin is not None and process.stdout is not None
+            if process.stdout.readline().strip() != "ready":
+                raise SystemExit(f"token_request: the {python} worker failed")
+            admin.config_resetstat()
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            if process.stdout.readline().strip() != "done":
+                raise SystemExit(f"token_request: the {python} worker failed")
+            commands, usec = _commands(admin)
         out[name + "commands"] = commands / requests
         out[name + "usec"] = usec / requests
-    limiter.close()
-    print(json.dumps(out))
-
-
-def sample(python: str, url: str, storage: str, prefix: str, requests: int) -> dict[str, float]:
-    done = subprocess.run([python, __file__, "--worker", url, "--storage", storage, "--prefix",
-                           prefix, "--requests", str(requests)],
-                          check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    return out
 
 
 def main() -> None:
@@ -121,9 +135,10 @@ def main() -> None:
     parser.add_argument("--worker")
     parser.add_argument("--storage", default="zset")
     parser.add_argument("--prefix", default="bench")
+    parser.add_argument("--kind", default="token")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.storage, args.prefix, args.requests)
+        worker(args.worker, args.storage, args.prefix, args.requests, args.kind)
         return
 
     builds = {args.this_name: args.this}
@@ -141,7 +156,7 @@ def main() -> None:
                 admin.flushdb()
                 prefix = f"r{number}{storage[0]}{len(results[(build, storage)])}"
                 results[(build, storage)].append(
-                    sample(builds[build], target.url, storage, prefix, args.requests))
+                    sample(builds[build], admin, target.url, storage, prefix, args.requests))
             print(f"round {number + 1}/{args.rounds} done", file=sys.stderr)
     finally:
         target.close()

@@ -385,3 +385,44 @@ def test_reconcile_moves_the_running_totals_of_every_entry_after_it(
     assert decision.allowed is False
     assert limiter.reconcile(reservations[0], 7) == 1  # the same cost again: nothing moves
     assert_totals_follow_the_log(redis_client, key)
+
+
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
+def test_entries_logged_before_later_ones_keep_every_running_total_exact(
+        redis_client: redis.Redis, user_id: str) -> None:
+    """Members of one millisecond sort by their text, so a new entry often lands before the
+    last ones (its total and theirs from the window's, in one ZADD); a clock far behind puts
+    it before many (the search by rank). Either way the totals follow the log, and a
+    refusal waits for the entry the walk finds."""
+    import random
+    import uuid
+
+    from genai_ratelimit import _native
+
+    sha, source = _native.SCRIPT_SHA1, _native.SCRIPT_SOURCE
+    redis_client.script_load(source)
+    key = f"ratelimit:{user_id}:3600"
+    start = server_ms(redis_client)
+    pick = random.Random(5)
+    logged: list[tuple[str, int, int]] = []
+
+    def log(at: int, cost: int, limit: int = 10**9) -> list[Any]:
+        member = str(uuid.UUID(int=pick.getrandbits(128), version=4))
+        reply = redis_client.evalsha(sha, 3, key, f"{key}:w", f"{key}:t", member, at,
+                                     3_600_000, limit, cost)
+        if reply[0] == 1:
+            logged.append((member, at, cost))
+        return reply  # type: ignore[no-any-return]
+
+    for n in range(60):  # 20 milliseconds of 3 entries, costs 1 to 9
+        log(start + n // 3, pick.choice([1, 1, 3, 9]))
+    assert_totals_follow_the_log(redis_client, key)
+    for n in range(5):  # a clock 1 s behind: before all of them
+        log(start - 1000 + n, pick.choice([1, 4]))
+        assert_totals_follow_the_log(redis_client, key)
+    logged.sort(key=lambda e: (e[1], e[0]))
+    used = sum(cost for _, _, cost in logged)
+    now = start + 100
+    refused = log(now, 5, limit=used)
+    assert refused[0] == 0
+    assert refused[6] == freeing_wait_ms(logged, 5, 3_600_000, now)

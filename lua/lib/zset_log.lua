@@ -306,9 +306,32 @@ local function zset_weighted(n, now, probed)
     end
     if not before or not (weighted or cost ~= 1) then return end
     local rank = redis.call('ZRANK', key, member)
-    if rank < count - 1 then
-      -- Not the last (the same millisecond as later members, or another client's clock
-      -- behind): the totals after it grow by its cost.
+    local after = count - 1 - rank
+    if after > 0 and after <= RECENT_TOTALS then
+      -- Not the last, but close (the same millisecond as a later member, usually): the
+      -- window's cost up to the last entry is known (below), so its total is that less the
+      -- costs of the entries after it, and theirs follow from it; one ZADD writes them.
+      local later = redis.call('ZRANGE', key, rank + 1, -1)
+      local costs = redis.call('HMGET', weights, unpack(later))
+      local total = before + count - 1 + extra + cost
+      for j = 1, #later do total = total - (tonumber(costs[j]) or 1) end
+      local moved = {}
+      if origin then moved = {0, ''} end
+      if cost ~= 1 then
+        moved[#moved + 1] = total
+        moved[#moved + 1] = member
+      end
+      for j = 1, #later do
+        total = total + (tonumber(costs[j]) or 1)
+        if costs[j] then
+          moved[#moved + 1] = total
+          moved[#moved + 1] = later[j]
+        end
+      end
+      if #moved > 0 then redis.call('ZADD', totals, unpack(moved)) end
+    elseif after > 0 then
+      -- Not the last (another client's clock behind, say): the totals after it grow by
+      -- its cost.
       if origin then redis.call('ZADD', totals, 0, '') end
       local total = total_at_rank(i, rank - 1) + cost
       shift_totals_after(i, total - cost, cost, cost ~= 1 and {total, member} or nil)

@@ -21,8 +21,9 @@ Each build runs in its own interpreter (a venv holding it): one worker process p
 (`token_request.py --worker ...`, one for the requests, one for N minute+day checks for
 the ratio) warms its own keys up, then runs N calls between the driver's CONFIG RESETSTAT
 and its INFO commandstats: the commands the scripts ran per call and the EVALSHA µs per
-call (the base venv needs nothing but the package). Builds and storages interleave round after round (order alternating); it starts
-its own redis-server on a free loopback port, each sample under a prefix of its own.
+call (the base venv needs nothing but the package). Builds and storages interleave round
+after round (order alternating); it starts its own redis-server on a free loopback port,
+each sample under a prefix of its own.
 
 Printed: per storage and build, the medians over rounds (and their range) of commands per
 request, server µs per request, server µs per minute+day check, and the ratio of the two

@@ -379,7 +379,12 @@ local function zset_weighted(n, now, probed)
     -- window without them, written by an older version, gets them at its next search;
     -- totals that disagree are rebuilt there too).
     local total, later = nil, nil -- later: {total, member, ...} of the weighted entries after
-    if extra == 0 then
+    if extra == 0 and cost == 0 and old == 1 then
+      -- A plain entry of a window of plain entries removed (a refund): no weights, no
+      -- totals to change.
+      redis.call('ZREM', key, member)
+      return 1
+    elseif extra == 0 then
       total = redis.call('ZRANK', key, member) + 1 -- a window of plain entries: its totals
                                                    -- start now, at origin 0
     else

@@ -82,7 +82,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
         install-asan install-debug demo serve bench bench-instructions bench-gcra bench-http bench-weighted bench-leases bench-scopes bench-metrics bench-cluster bench-replicas \
-        bench-builds \
+        bench-builds bench-token-request \
         metrics-dashboard dashboard-pictures dist wheel test-wheel docs clean
 
 help:
@@ -104,6 +104,7 @@ help:
 	@echo "make bench-replicas a master + replica vs a 3+3 cluster, min_replicas=1 vs without"
 	@echo "make bench-leases   acquire + release (in-flight leases) vs the plain check, sync and async"
 	@echo "make bench-scopes   reserve with an upstream scope (one script, two steps) vs check_windows"
+	@echo "make bench-token-request [BASE=<rev>]  a capped token request's Redis commands and server time"
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
 	@echo "make bench-builds BASE=<rev>  the check rows of a git revision's build beside this tree's"
 	@echo "make metrics-dashboard  redraws docs/metrics-dashboard.png from a real run"
@@ -309,6 +310,21 @@ bench-scopes: install
 bench-leases: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/leases.py
+
+# The capped token request (reserve with in_flight + reconcile with release, 8 windows):
+# commands per request and server time, against a minute+day check; with BASE=<rev>, that
+# revision's build beside this tree's in the same run (built into $(BENCH_BUILDS)/base).
+bench-token-request: install
+	$(PIP) install -q ".[bench]"
+	@if [ -n "$(BASE)" ]; then \
+	  rm -rf $(BENCH_BUILDS)/base && mkdir -p $(BENCH_BUILDS)/base/src && \
+	  git archive "$(BASE)" | tar -x -C $(BENCH_BUILDS)/base/src && \
+	  $(PYTHON) -m venv $(BENCH_BUILDS)/base/venv && \
+	  $(BENCH_BUILDS)/base/venv/bin/python -m pip install -q --upgrade pip setuptools wheel && \
+	  cd $(BENCH_BUILDS)/base/src && GENAI_RATELIMIT_WERROR=1 ../venv/bin/python -m pip install \
+	    -q --no-build-isolation --no-deps . ; fi
+	$(PY) benchmarks/token_request.py \
+	  $(if $(BASE),--base $(BENCH_BUILDS)/base/venv/bin/python --base-name "$(BASE)",)
 
 bench-metrics: install
 	$(PY) benchmarks/metrics_overhead.py

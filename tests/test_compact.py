@@ -14,7 +14,7 @@ import redis
 
 from genai_ratelimit import RateLimiter, RateLimiterUnavailable, _native
 from helpers_async import LimiterFactory
-from helpers_core import logged, server_ms, window_script
+from helpers_core import Monitor, logged, server_ms, window_script
 from redis_cluster import RedisCluster
 from redis_server import RedisServer
 
@@ -340,3 +340,24 @@ def test_a_small_window_takes_no_more_memory_than_its_sorted_set(
             key = f"ratelimit:{user}:86400" + (":c" if storage == "compact" else "")
             usage[storage] = redis_client.memory_usage(key, samples=0)
         assert usage["compact"] <= usage["zset"], (entries, usage)
+
+
+@pytest.mark.storages("compact", reason="the compact storage's short form")
+def test_a_reconcile_of_a_short_window_reads_it_once_and_writes_it_once(
+        compact: Any, redis_client: redis.Redis, user_id: str) -> None:
+    """The header read takes a short value whole: the search, the entries after the one
+    reconciled and the rewrite need no other read (they were five more commands)."""
+    key = f"ratelimit:{user_id}:60:tokens:c"
+    first = compact.reserve(user_id, [], token_windows=[(10**6, 60)], tokens=300)
+    later = [compact.reserve(user_id, [], token_windows=[(10**6, 60)], tokens=50 + n)
+             for n in range(3)]
+    assert redis_client.getrange(key, 0, 0) == b"\x03"  # the short form
+    for actual in (120, 0):
+        with Monitor(redis_client) as monitor:
+            assert compact.reconcile(first, actual) == 1
+        commands = [c.name for c in monitor.from_scripts() if c.name != "TIME"]
+        assert commands == ["GETRANGE", "SET"], commands
+        assert [cost for _, cost in logged(redis_client, key[:-2])] == \
+            [actual] * (actual > 0) + [50, 51, 52]
+    assert compact.reconcile(later[1], 9) == 1
+    assert [cost for _, cost in logged(redis_client, key[:-2])] == [50, 9, 52]

@@ -584,3 +584,26 @@ def test_a_full_redis_still_takes_a_release_and_its_hold(servers: Any,  # noqa: 
     assert 3_000 <= float(stats[b"hold_ms"]) <= 3_500 and leases[0].lease_id.encode() not in stats
     assert set(holders(client, user_id)) == {leases[1].lease_id}
     client.close()
+
+
+@pytest.mark.parametrize("holding", [5, 63, 64, 70])
+def test_many_holders_are_counted_expired_and_bounded_alike(
+        limiter: Any, redis_client: redis.Redis, user_id: str, holding: int) -> None:
+    """Up to 63 leases are read at once with their expiries (one ZRANGE); from 64 on, the
+    set is asked instead: the same answers either way."""
+    key = leases_key(user_id)
+    now = server_ms(redis_client)
+    held = {f"00000000-0000-4000-8000-{n:012d}": now + 60_000 + n for n in range(holding)}
+    redis_client.zadd(key, {**held, "00000000-0000-4000-8000-ffffffffffff": now - 5})  # expired
+    redis_client.hset(f"{key}:stats", "00000000-0000-4000-8000-ffffffffffff", now - 9_000)
+    refused = limiter.acquire(user_id, holding, 60)
+    assert (refused.allowed, refused.held) == (False, holding)
+    assert now + 60_000 - server_ms(redis_client) <= refused.retry_bound_ms <= 60_000
+    assert set(holders(redis_client, user_id)) == set(held)  # the expired one dropped
+    assert not redis_client.hexists(f"{key}:stats", "00000000-0000-4000-8000-ffffffffffff")
+    granted = limiter.acquire(user_id, holding + 1, 120)
+    assert (granted.allowed, granted.held) == (True, holding + 1)
+    assert 60_000 < redis_client.pttl(key) <= 120_000  # lives as long as its latest lease
+    assert limiter.release(granted) is True
+    assert redis_client.pttl(key) <= 60_000 + holding + 1
+    assert len(holders(redis_client, user_id)) == holding

@@ -254,3 +254,16 @@ def test_a_reconcile_whose_reply_was_lost_never_charges_twice(
         proxy.close()
     assert len(proxy.dropped_replies) == 1
     assert running_total(redis_client, token_key(user_id)) == 700
+
+
+def test_a_refund_to_zero_of_a_plain_entry_gives_its_request_back(limiter: Any,
+                                                                     user_id: str) -> None:
+    """A request window of cost-1 entries (no weights): reconcile(r, 0) removes the entry,
+    so the budget is whole again; replayed, it finds nothing."""
+    first = limiter.reserve(user_id, [(2, 60)])
+    second = limiter.reserve(user_id, [(2, 60)])
+    assert (first.allowed, second.allowed) == (True, True)
+    assert limiter.reconcile(first, 0) == 1
+    assert limiter.check_windows(user_id, [(2, 60)])[:2] == (True, 0)
+    assert limiter.reconcile(first, 0) == 0
+    assert limiter.check_windows(user_id, [(2, 60)])[0] is False

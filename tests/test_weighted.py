@@ -351,3 +351,78 @@ def test_totals_that_disagree_with_the_window_are_rebuilt_before_a_search(
     decision = limiter.check_windows_detailed(user_id, [(total // 2, 3600)])
     assert decision.retry_after_ms == freeing_wait_ms(entries, total + 30 + 1 - total // 2,
                                                       3_600_000, decision.timestamp_ms)
+
+
+def assert_totals_follow_the_log(client: redis.Redis, key: str) -> None:
+    """Every weighted entry's running total is the origin plus the costs of the entries up to
+    and including it, in the set's order; only weighted entries have one."""
+    weights = {m: int(c) for m, c in client.hgetall(f"{key}:w").items() if m != b""}
+    totals = {m: int(s) for m, s in client.zrange(f"{key}:t", 0, -1, withscores=True)}
+    running = totals.pop(b"")
+    for member in client.zrange(key, 0, -1):
+        running += weights.get(member, 1)
+        if member in weights:
+            assert totals.pop(member) == running, member
+    assert totals == {}
+
+
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
+def test_reconcile_moves_the_running_totals_of_every_entry_after_it(
+        limiter: Any, redis_client: redis.Redis, user_id: str) -> None:
+    """Near the end (read at once with the last totals) or far from it (39 weighted entries
+    after it), to a cost, to 1 (no total of its own) or to 0 (gone)."""
+    key = f"ratelimit:{user_id}:3600:tokens"
+    reservations = [limiter.reserve(user_id, [(1000, 3600)], token_windows=[(10**6, 3600)],
+                                    tokens=100 + n) for n in range(40)]
+    costs = [100 + n for n in range(40)]
+    for index, actual in ((0, 7), (30, 1), (35, 0), (38, 500), (2, 0), (39, 1)):
+        assert limiter.reconcile(reservations[index], actual) == 1
+        costs[index] = actual
+        assert_totals_follow_the_log(redis_client, key)
+        assert logged_cost(redis_client, key) == running_total(redis_client, key) == sum(costs)
+    decision = limiter.reserve(user_id, [(1000, 3600)], token_windows=[(sum(costs), 3600)],
+                               tokens=10)
+    assert decision.allowed is False
+    assert limiter.reconcile(reservations[0], 7) == 1  # the same cost again: nothing moves
+    assert_totals_follow_the_log(redis_client, key)
+
+
+@pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
+def test_entries_logged_before_later_ones_keep_every_running_total_exact(
+        redis_client: redis.Redis, user_id: str) -> None:
+    """Members of one millisecond sort by their text, so a new entry often lands before the
+    last ones (its total and theirs from the window's, in one ZADD); a clock far behind puts
+    it before many (the search by rank). Either way the totals follow the log, and a
+    refusal waits for the entry the walk finds."""
+    import random
+    import uuid
+
+    from genai_ratelimit import _native
+
+    sha, source = _native.SCRIPT_SHA1, _native.SCRIPT_SOURCE
+    redis_client.script_load(source)
+    key = f"ratelimit:{user_id}:3600"
+    start = server_ms(redis_client)
+    pick = random.Random(5)
+    logged: list[tuple[str, int, int]] = []
+
+    def log(at: int, cost: int, limit: int = 10**9) -> list[Any]:
+        member = str(uuid.UUID(int=pick.getrandbits(128), version=4))
+        reply = redis_client.evalsha(sha, 3, key, f"{key}:w", f"{key}:t", member, at,
+                                     3_600_000, limit, cost)
+        if reply[0] == 1:
+            logged.append((member, at, cost))
+        return reply  # type: ignore[no-any-return]
+
+    for n in range(60):  # 20 milliseconds of 3 entries, costs 1 to 9
+        log(start + n // 3, pick.choice([1, 1, 3, 9]))
+    assert_totals_follow_the_log(redis_client, key)
+    for n in range(5):  # a clock 1 s behind: before all of them
+        log(start - 1000 + n, pick.choice([1, 4]))
+        assert_totals_follow_the_log(redis_client, key)
+    logged.sort(key=lambda e: (e[1], e[0]))
+    used = sum(cost for _, _, cost in logged)
+    now = start + 100
+    refused = log(now, 5, limit=used)
+    assert refused[0] == 0
+    assert refused[6] == freeing_wait_ms(logged, 5, 3_600_000, now)

@@ -168,7 +168,28 @@ local function compact_header(key)
     last = last, next_tie = next_tie, next_slot = next_slot, E = E,
     data = size_of_header + SLOT_SIZE * R, count = (tail - head) / E,
     fmt = entry_format(S, C), bytes = bytes, whole = #bytes < READ, gone = 0,
-    dead_total = origin, oldest = first} -- dirty, table_dirty, table: nil (false)
+    dead_total = origin, oldest = first, fresh = true}
+    -- dirty, table_dirty, table: nil (false); fresh: nothing written to the value since
+    -- `bytes` were read (value_range may serve from them)
+end
+
+-- Bytes from .. to (offsets, inclusive) of window st's value: cut from the bytes its header
+-- read took when they hold them and nothing was written since (a short value was read
+-- whole), else read (GETRANGE).
+-- The last range read is kept too (a search's slice holds the entries a reconcile then
+-- moves).
+local function value_range(st, from, to)
+  local bytes = st.bytes
+  if st.fresh then
+    if bytes and (to < #bytes or st.whole) then return string.sub(bytes, from + 1, to + 1) end
+    local kept, at = st.kept, st.kept_at
+    if kept and from >= at and to < at + #kept then
+      return string.sub(kept, from - at + 1, to - at + 1)
+    end
+  end
+  bytes = redis.call('GETRANGE', st.key, from, to)
+  st.kept, st.kept_at = bytes, from
+  return bytes
 end
 
 -- The replay table of a parsed header (cut from its first bytes when first needed).
@@ -239,7 +260,7 @@ local function compact_log(n, given, writes, probe)
     local bytes = header_bytes(st)
     if st.table_dirty then bytes = bytes .. st.table end
     redis.call('SETRANGE', st.key, 0, bytes)
-    st.dirty, st.table_dirty = false, false
+    st.dirty, st.table_dirty, st.fresh = false, false, false
   end
 
   -- The searches over a window's entries (a trim that drops some, a refusal's freeing
@@ -251,7 +272,7 @@ local function compact_log(n, given, writes, probe)
     -- The raw bytes of entries k .. k + count - 1.
     local function slice(st, k, count)
       local from = st.head + k * st.E
-      return redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
+      return value_range(st, from, from + count * st.E - 1)
     end
 
     -- Entry j (0 = the first) of raw `bytes`: {stored time, tie, running total or nil}.
@@ -352,7 +373,7 @@ local function compact_log(n, given, writes, probe)
     -- Entries k .. k + count - 1 (0 = the first after head): their values, flat.
     local function read(st, k, count)
       local from = st.head + k * st.E
-      local bytes = redis.call('GETRANGE', st.key, from, from + count * st.E - 1)
+      local bytes = value_range(st, from, from + count * st.E - 1)
       return {struct.unpack('>' .. string.rep(string.sub(st.fmt, 2), count), bytes)}
     end
 
@@ -396,6 +417,7 @@ local function compact_log(n, given, writes, probe)
       if st.version == SHORT_VERSION then header = short_header(st) else header = header_bytes(st) end
       redis.call('SET', st.key, header .. slots .. entries .. string.rep('\0', room * st.E),
         'KEEPTTL')
+      st.fresh = false
       st.exists, st.dirty, st.table_dirty = true, false, false
       st.whole = false -- st.bytes is stale
     end
@@ -404,7 +426,7 @@ local function compact_log(n, given, writes, probe)
     -- when `exact`): drops the ones that left and what was room, as memory copies.
     local function compact(st, extra, exact)
       local entries = ''
-      if st.count > 0 then entries = redis.call('GETRANGE', st.key, st.head, st.tail - 1) end
+      if st.count > 0 then entries = value_range(st, st.head, st.tail - 1) end
       local room = 0
       if not exact then room = capacity_for(st.count + extra) - st.count end
       rewrite(st, entries, room)
@@ -645,6 +667,7 @@ local function compact_log(n, given, writes, probe)
         local header
         if st.version == SHORT_VERSION then header = short_header(st) else header = header_bytes(st) end
         redis.call('SET', st.key, header .. slots .. entries, 'PX', window_ms + 1000)
+        st.fresh = false
         st.exists, st.whole, st.table, st.bytes = true, false, false, nil
         st.dirty, st.table_dirty = false, false
         return
@@ -703,6 +726,7 @@ local function compact_log(n, given, writes, probe)
       bytes = bytes .. rare_ops().repack(st, k, st.count - k, cost)
     end
     redis.call('SETRANGE', st.key, st.head + k * st.E, bytes)
+    st.fresh = false
     if st.count == 0 or now < st.first then st.first = now end
     if st.count == 0 or now > st.last then st.last = now end
     -- The last entry now (another clock behind leaves the last one as it was).
@@ -776,21 +800,29 @@ local function compact_log(n, given, writes, probe)
     local from_k = cost == 0 and k + 1 or k
     local moved = ''
     if from_k < st.count and st.C == 0 then
-      moved = redis.call('GETRANGE', st.key, st.head + from_k * st.E, st.tail - 1)
+      moved = value_range(st, st.head + from_k * st.E, st.tail - 1)
     elseif from_k < st.count then
       moved = rare_ops().repack(st, from_k, st.count - from_k, delta)
     end
-    if moved ~= '' then redis.call('SETRANGE', st.key, st.head + k * st.E, moved) end
+    -- A short value read whole is written again whole (its header does not move): its new
+    -- entries are made here and go with it in one SET. Else the entries after k move.
+    local entries = nil
+    if st.fresh and st.whole and st.version == SHORT_VERSION then
+      entries = string.sub(st.bytes, st.head + 1, st.head + k * st.E) .. moved
+    elseif moved ~= '' then
+      redis.call('SETRANGE', st.key, st.head + k * st.E, moved)
+      st.fresh = false
+    end
     if st.C > 0 then st.total = st.total + delta end
     if cost == 0 then
       st.tail, st.count = st.tail - st.E, st.count - 1
       local found = search_ops()
-      if st.count > 0 and k == 0 then st.first = st.base + found.entry(st, 0) end
+      if st.count > 0 and k == 0 then st.first = st.base + found.entry(st, 0, entries, 0) end
       if st.count > 0 and k == st.count then
         -- The last entry left: the next tie stays above the ties of the new last
         -- millisecond, and does not go back (a new entry in the removed one's millisecond
         -- must not take its tie: a replay of this reconcile would find it).
-        local last_at, last_tie = found.entry(st, st.count - 1)
+        local last_at, last_tie = found.entry(st, st.count - 1, entries, 0)
         if st.base + last_at ~= st.last then
           local above = (last_tie + 1) % TIE_LIMIT
           if above ~= 0 and st.next_tie > above then above = st.next_tie end
@@ -798,7 +830,11 @@ local function compact_log(n, given, writes, probe)
         end
       end
     end
-    save_header(st)
+    if entries then
+      rare_ops().rewrite(st, entries, 0)
+    else
+      save_header(st)
+    end
     return 1
   end
 

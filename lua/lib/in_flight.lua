@@ -16,7 +16,8 @@ KEYS.
 -- {0, 0, retry_s, 0, now, {}, retry_ms} with the hint: window 0, none decided.
 local function reserve_in_flight(n, now, log, upstreams)
   local held = leases(KEYS[#KEYS - 1], KEYS[#KEYS], now)
-  local slot = held.may_acquire(ARGV[1], tonumber(ARGV[3 * n + 3]))
+  -- The lease id is the call's fresh member: held already only on a replay (marked).
+  local slot = held.may_acquire(ARGV[1], tonumber(ARGV[3 * n + 3]), ARGV[3 * n + 5] ~= '1')
   if slot[1] == 0 then
     return {0, 0, math.ceil(slot[3] / 1000), 0, now, {}, slot[3]}, 0,
            {0, slot[2], slot[3], 0, slot[5]}

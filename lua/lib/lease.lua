@@ -35,11 +35,31 @@ local HINT_MAX_MS = 60000
 local HOLD_WEIGHT_TURNS = 4
 local STATS_IDLE_MS = 3600000
 
+-- The leases a call reads at once (soonest expiry first): when that is all of them, as under
+-- any in-flight limit below it, the operations below need no other read of the set.
+local LEASES_READ = 64
+
 -- The leases in `key` at `now`, expired ones dropped; `stats` is the key of their starts
 -- and hold history.
 local function leases(key, stats, now)
   local held = {}
-  local expired = redis.call('ZRANGEBYSCORE', key, '-inf', now)
+  local first = redis.call('ZRANGE', key, 0, LEASES_READ - 1, 'WITHSCORES')
+  -- listed: every lease was read; live: then the ones held, {id, expiry, ...}, kept up to
+  -- date by the operations below (else they ask the set).
+  local listed, expired, live = #first < 2 * LEASES_READ, {}, {}
+  if listed then
+    for j = 1, #first, 2 do
+      local expiry = tonumber(first[j + 1])
+      if expiry <= now then
+        expired[#expired + 1] = first[j]
+      else
+        live[#live + 1] = first[j]
+        live[#live + 1] = expiry
+      end
+    end
+  else
+    expired = redis.call('ZRANGEBYSCORE', key, '-inf', now)
+  end
   if #expired > 0 then
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
     for i = 1, #expired, 1000 do
@@ -47,12 +67,57 @@ local function leases(key, stats, now)
     end
   end
 
+  -- The expiry of lease `id` when it is held, else nil.
+  local function expiry_of(id)
+    if not listed then return tonumber(redis.call('ZSCORE', key, id)) end
+    for j = 1, #live, 2 do
+      if live[j] == id then return live[j + 1] end
+    end
+    return nil
+  end
+
+  -- Sets (or, expiry nil, removes) lease `id` in `live`.
+  local function note(id, expiry)
+    if not listed then return end
+    for j = 1, #live, 2 do
+      if live[j] == id then
+        if expiry then
+          live[j + 1] = expiry
+        else
+          table.remove(live, j)
+          table.remove(live, j)
+        end
+        return
+      end
+    end
+    if expiry then
+      live[#live + 1] = id
+      live[#live + 1] = expiry
+    end
+  end
+
+  -- The soonest (`latest` false) or the latest expiry of the held leases, nil when none.
+  local function expiry_bound(latest)
+    if not listed then
+      local at = latest and -1 or 0
+      return tonumber(redis.call('ZRANGE', key, at, at, 'WITHSCORES')[2])
+    end
+    local found = nil
+    for j = 2, #live, 2 do
+      local expiry = live[j]
+      if not found or (latest and expiry > found) or (not latest and expiry < found) then
+        found = expiry
+      end
+    end
+    return found
+  end
+
   -- The key lives as long as its latest lease; the stats an hour longer.
   local function keep_until_latest()
-    local latest = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')[2]
+    local latest = expiry_bound(true)
     local ttl = 0
     if latest then
-      ttl = tonumber(latest) - now
+      ttl = latest - now
       if ttl < 1 then ttl = 1 end
       redis.call('PEXPIRE', key, ttl)
     end
@@ -69,7 +134,12 @@ local function leases(key, stats, now)
     if mean and square then
       local expected = 0
       if mean > 0 then expected = square / mean end
-      local ids, oldest = redis.call('ZRANGE', key, 0, -1), now
+      local ids, oldest = {}, now
+      if listed then
+        for j = 1, #live, 2 do ids[#ids + 1] = live[j] end
+      else
+        ids = redis.call('ZRANGE', key, 0, -1)
+      end
       for i = 1, #ids, 1000 do
         local starts = redis.call('HMGET', stats, unpack(ids, i, math.min(i + 999, #ids)))
         for j = 1, #starts do
@@ -86,16 +156,18 @@ local function leases(key, stats, now)
 
   -- Whether `id` may take a slot of `limit`, without writing: {1, holders after it, 0,
   -- its expiry if it is already held (a replay) or 0, 0} or {0, holders, the hint (>= 1),
-  -- 0, the wait until the soonest lease expires (>= the hint)}.
-  function held.may_acquire(id, limit)
-    local expires = redis.call('ZSCORE', key, id)
-    local count = redis.call('ZCARD', key)
+  -- 0, the wait until the soonest lease expires (>= the hint)}. `fresh`: the caller knows
+  -- `id` is not held (a fresh UUID4, not a replay), so it is not looked up.
+  function held.may_acquire(id, limit, fresh)
+    local expires = nil
+    if not fresh then expires = expiry_of(id) end
+    local count = held.count()
     if expires then
       -- The first attempt admitted this very lease (its reply was lost): admitted again.
-      return {1, count, 0, tonumber(expires), 0}
+      return {1, count, 0, expires, 0}
     end
     if count >= limit then
-      local soonest = tonumber(redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')[2])
+      local soonest = expiry_bound(false)
       local bound = soonest - now
       if bound < 1 then bound = 1 end
       return {0, count, hint(bound), 0, bound}
@@ -108,6 +180,7 @@ local function leases(key, stats, now)
     if answer[4] ~= 0 then return answer[4] end
     local expires = now + lease_ms
     redis.call('ZADD', key, expires, id)
+    note(id, expires)
     redis.call('HSET', stats, id, now)
     keep_until_latest()
     return expires
@@ -118,14 +191,16 @@ local function leases(key, stats, now)
   function held.release(id)
     local removed = redis.call('ZREM', key, id)
     if removed == 0 then return 0 end
-    local start = tonumber(redis.call('HGET', stats, id))
+    note(id, nil)
+    -- The start and the history in one read.
+    local stored = redis.call('HMGET', stats, id, 'hold_ms', 'hold_sq', 'holds')
+    local start = tonumber(stored[1])
     if start then
       redis.call('HDEL', stats, id)
       local hold = now - start
       if hold < 0 then hold = 0 end
-      local stored = redis.call('HMGET', stats, 'hold_ms', 'hold_sq', 'holds')
-      local mean, square = tonumber(stored[1]), tonumber(stored[2])
-      local holds = tonumber(stored[3]) or 0
+      local mean, square = tonumber(stored[2]), tonumber(stored[3])
+      local holds = tonumber(stored[4]) or 0
       if not (mean and square) then mean, square, holds = 0, 0, 0 end
       if holds < HOLD_WEIGHT_TURNS then holds = holds + 1 end
       mean = mean + (hold - mean) / holds
@@ -139,14 +214,16 @@ local function leases(key, stats, now)
 
   -- Extends `id` to now + lease_ms when it is still held: its new expiry, or nil.
   function held.renew(id, lease_ms)
-    if not redis.call('ZSCORE', key, id) then return nil end
+    if not expiry_of(id) then return nil end
     local expires = now + lease_ms
     redis.call('ZADD', key, 'XX', expires, id)
+    note(id, expires)
     keep_until_latest()
     return expires
   end
 
   function held.count()
+    if listed then return #live / 2 end
     return redis.call('ZCARD', key)
   end
 

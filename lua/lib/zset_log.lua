@@ -24,6 +24,11 @@ version of this library, which kept no totals, gets them built once (O(entries))
 script that may write, and is walked entry by entry by a read-only one (peek).
 --]]
 
+-- The running totals a reconcile reads at once from the end (a few: each costs the server
+-- about 0.3 µs in the reply, as much as a command for four): its entry's and the ones after
+-- it are usually among them (the requests that came in while it ran).
+local RECENT_TOTALS = 4
+
 -- The functions of the weighted windows, and of the calls other than a check's decision
 -- (peek's look, reconcile's set_cost): built by zset_log at their first need in an
 -- execution, so that a check over plain windows creates none of these closures (a script's
@@ -38,6 +43,7 @@ local function zset_weighted(n, now, probed)
   -- trim); the running total up to and including the last of those (the first live
   -- entry's total is it plus its cost), nil when the window has no totals.
   local extra_of, gone_of, dead_total_of, checked_of = {}, {}, {}, {}
+  local count_of = {} -- per window trimmed: the entries left in its set
 
   local function keys_of(i)
     return KEYS[i], KEYS[n + i], KEYS[2 * n + i]
@@ -134,9 +140,10 @@ local function zset_weighted(n, now, probed)
       probed = true
     end
     local dead_total = nil
+    local gone = nil
     if extra then
       -- Weighted entries may be leaving: take their weight off the total first.
-      local gone = redis.call('ZCOUNT', key, '-inf', now - window_ms)
+      gone = redis.call('ZCOUNT', key, '-inf', now - window_ms)
       local freed = weights_of_first(i, gone, true)
       if freed > 0 then
         extra = extra - freed
@@ -160,9 +167,11 @@ local function zset_weighted(n, now, probed)
     else
       extra = 0
     end
-    redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window_ms)
+    if gone ~= 0 then redis.call('ZREMRANGEBYSCORE', key, '-inf', now - window_ms) end
+    local count = redis.call('ZCARD', key)
     extra_of[i], gone_of[i], dead_total_of[i], checked_of[i] = extra, 0, dead_total, false
-    return redis.call('ZCARD', key) + extra
+    count_of[i] = count
+    return count + extra
   end
 
   -- Window i as trim would leave it, without writing: its used cost and its oldest
@@ -261,41 +270,80 @@ local function zset_weighted(n, now, probed)
 
   -- Adds `delta` to the totals of window i's weighted entries after the total `after`
   -- (the entries after one whose cost changed or that came in before them).
-  local function shift_totals_after(i, after, delta)
+  -- `also`: {total, member} pairs to write in the same ZADD (or nil). Two commands
+  -- whatever the number of entries moved (in batches: unpack() takes a few thousand values).
+  local function shift_totals_after(i, after, delta, also)
     local _, _, totals = keys_of(i)
-    local later = redis.call('ZRANGEBYSCORE', totals, '(' .. after, '+inf')
-    for j = 1, #later do redis.call('ZINCRBY', totals, delta, later[j]) end
+    local later = redis.call('ZRANGEBYSCORE', totals, '(' .. after, '+inf', 'WITHSCORES')
+    local pairs_out = also or {}
+    for j = 1, #later, 2 do
+      pairs_out[#pairs_out + 1] = tonumber(later[j + 1]) + delta
+      pairs_out[#pairs_out + 1] = later[j]
+      if #pairs_out >= 2000 then
+        redis.call('ZADD', totals, unpack(pairs_out))
+        pairs_out = {}
+      end
+    end
+    if #pairs_out > 0 then redis.call('ZADD', totals, unpack(pairs_out)) end
   end
 
   -- The weights and running totals of `member`, just logged at now in window i (trimmed)
-  -- with `cost`, whose weighted entries' total was `extra` and totals' origin `before`
-  -- (nil: no totals) before it; the keys live `seconds`.
-  function long.weigh(i, member, cost, seconds, extra, before)
+  -- with `cost`, whose weighted entries' total was `extra` (the weights' "" field as it is
+  -- now) and totals' origin `before` (nil: no totals) before it; the set holds `count`
+  -- entries with it; the keys live `seconds`. The entry's weight and the new "" go in one
+  -- HSET, the origin and the entry's total in one ZADD.
+  function long.weigh(i, member, cost, seconds, extra, before, count)
     local key, weights, totals = keys_of(i)
     local weighted = extra > 0
+    local origin = false -- the totals start here: their "" (origin 0) is still to write
     if cost ~= 1 then
-      redis.call('HSET', weights, member, cost)
-      redis.call('HINCRBY', weights, '', cost - 1)
+      redis.call('HSET', weights, member, cost, '', extra + cost - 1)
       redis.call('EXPIRE', weights, seconds)
       if not weighted then
         -- The window's first weighted entry: its totals start here (origin 0).
         redis.call('ZREMRANGEBYRANK', totals, 0, -1)
-        redis.call('ZADD', totals, 0, '')
-        before = 0
+        origin, before = true, 0
       end
     end
     if not before or not (weighted or cost ~= 1) then return end
     local rank = redis.call('ZRANK', key, member)
-    local count = redis.call('ZCARD', key)
-    if rank < count - 1 then
-      -- Not the last (the same millisecond as later members, or another client's clock
-      -- behind): the totals after it grow by its cost.
+    local after = count - 1 - rank
+    if after > 0 and after <= RECENT_TOTALS then
+      -- Not the last, but close (the same millisecond as a later member, usually): the
+      -- window's cost up to the last entry is known (below), so its total is that less the
+      -- costs of the entries after it, and theirs follow from it; one ZADD writes them.
+      local later = redis.call('ZRANGE', key, rank + 1, -1)
+      local costs = redis.call('HMGET', weights, unpack(later))
+      local total = before + count - 1 + extra + cost
+      for j = 1, #later do total = total - (tonumber(costs[j]) or 1) end
+      local moved = {}
+      if origin then moved = {0, ''} end
+      if cost ~= 1 then
+        moved[#moved + 1] = total
+        moved[#moved + 1] = member
+      end
+      for j = 1, #later do
+        total = total + (tonumber(costs[j]) or 1)
+        if costs[j] then
+          moved[#moved + 1] = total
+          moved[#moved + 1] = later[j]
+        end
+      end
+      if #moved > 0 then redis.call('ZADD', totals, unpack(moved)) end
+    elseif after > 0 then
+      -- Not the last (another client's clock behind, say): the totals after it grow by
+      -- its cost.
+      if origin then redis.call('ZADD', totals, 0, '') end
       local total = total_at_rank(i, rank - 1) + cost
-      shift_totals_after(i, total - cost, cost)
-      if cost ~= 1 then redis.call('ZADD', totals, total, member) end
+      shift_totals_after(i, total - cost, cost, cost ~= 1 and {total, member} or nil)
     elseif cost ~= 1 then
       -- The window's cost up to here is the origin plus what the trim left and this cost.
-      redis.call('ZADD', totals, before + count - 1 + extra + cost, member)
+      local total = before + count - 1 + extra + cost
+      if origin then
+        redis.call('ZADD', totals, 0, '', total, member)
+      else
+        redis.call('ZADD', totals, total, member)
+      end
     end
     redis.call('EXPIRE', totals, seconds)
   end
@@ -305,70 +353,110 @@ local function zset_weighted(n, now, probed)
   function long.add(i, member, cost, window_ms)
     local key = KEYS[i]
     local seconds = window_ms / 1000 + 1
-    redis.call('ZADD', key, now, member)
+    local added = redis.call('ZADD', key, now, member)
     redis.call('EXPIRE', key, seconds)
-    long.weigh(i, member, cost, seconds, extra_of[i], dead_total_of[i])
+    long.weigh(i, member, cost, seconds, extra_of[i], dead_total_of[i], count_of[i] + added)
   end
 
   -- Sets the cost of the entry `member` logged at `score` in window i to `cost` (0
   -- removes it), when it is still there with that score and has not left the window (the
   -- tie, a compact log's, is not needed).
   -- Returns 1 when it was, else 0. Setting the same cost twice changes nothing. The
-  -- totals of the weighted entries after it move by the difference (O(those entries)).
+  -- totals of the weighted entries after it move by the difference (one read and one
+  -- write, O(those entries) on the server). An entry already weighted costs five commands
+  -- or so: its time, its weight and the window's "" (one HMGET), its total, the new weight
+  -- and "" (one HSET), the totals after it and its own (a ZRANGEBYSCORE and one ZADD).
   function long.set_cost(i, member, score, _, cost, window_ms)
     local key, weights, totals = keys_of(i)
     local logged = tonumber(redis.call('ZSCORE', key, member))
     if logged ~= score or score <= now - window_ms then return 0 end
-    local old = tonumber(redis.call('HGET', weights, member)) or 1
-    local new = cost == 0 and 0 or cost
+    local stored = redis.call('HMGET', weights, member, '')
+    local old = tonumber(stored[1]) or 1
+    local new = cost
     if new == old then return 1 end
-    local extra = tonumber(redis.call('HGET', weights, '')) or 0
+    local extra = tonumber(stored[2]) or 0
     -- The entry's running total before the change, when there are totals to keep (a
     -- window without them, written by an older version, gets them at its next search;
     -- totals that disagree are rebuilt there too).
-    local rank = redis.call('ZRANK', key, member)
-    local total = nil
-    if extra == 0 then
-      total = rank + 1 -- a window of plain entries: its totals start now, at origin 0
-    elseif redis.call('ZSCORE', totals, '') then
-      total = old ~= 1 and tonumber(redis.call('ZSCORE', totals, member)) or total_at_rank(i, rank)
+    local total, later = nil, nil -- later: {total, member, ...} of the weighted entries after
+    if extra == 0 and cost == 0 and old == 1 then
+      -- A plain entry of a window of plain entries removed (a refund): no weights, no
+      -- totals to change.
+      redis.call('ZREM', key, member)
+      return 1
+    elseif extra == 0 then
+      total = redis.call('ZRANK', key, member) + 1 -- a window of plain entries: its totals
+                                                   -- start now, at origin 0
+    else
+      if old ~= 1 then
+        -- Its total and the ones after it, usually among the last few (the requests that
+        -- came in while it ran): one read. Else its own, and later a search for those after.
+        local last = redis.call('ZRANGE', totals, -RECENT_TOTALS, -1, 'WITHSCORES')
+        for j = 1, #last, 2 do
+          if last[j] == member then
+            total, later = tonumber(last[j + 1]), {}
+            for m = j + 2, #last, 2 do
+              later[#later + 1] = tonumber(last[m + 1])
+              later[#later + 1] = last[m]
+            end
+            break
+          end
+        end
+        if not total then total = tonumber(redis.call('ZSCORE', totals, member)) end
+      end
+      if not total and redis.call('ZSCORE', totals, '') then
+        total = total_at_rank(i, redis.call('ZRANK', key, member))
+      end
     end
     if cost == 0 then
       redis.call('ZREM', key, member)
     end
-    -- The weights hold (cost - 1) for every entry whose cost is not 1.
+    -- The weights hold (cost - 1) for every entry whose cost is not 1, and "" their sum:
+    -- they exist while that sum is above 0.
     local delta = (cost == 0 and 1 or cost) - old
-    if cost == 0 or cost == 1 then
-      redis.call('HDEL', weights, member)
+    local sum = extra + delta
+    local weighted = cost ~= 0 and cost ~= 1
+    if sum <= 0 then
+      redis.call('HDEL', weights, member, '')
+    elseif weighted then
+      redis.call('HSET', weights, member, cost, '', sum)
     else
-      redis.call('HSET', weights, member, cost)
+      if old ~= 1 then redis.call('HDEL', weights, member) end
+      if delta ~= 0 then redis.call('HSET', weights, '', sum) end
     end
-    if delta ~= 0 then
-      local sum = redis.call('HINCRBY', weights, '', delta)
-      if sum <= 0 then redis.call('HDEL', weights, '') end
-    end
-    if redis.call('EXISTS', weights) == 0 then
+    if sum <= 0 then
       redis.call('ZREMRANGEBYRANK', totals, 0, -1)
+    elseif total and extra == 0 then
+      -- The window's first weighted entry: its totals start here, at origin 0.
+      redis.call('ZREMRANGEBYRANK', totals, 0, -1)
+      redis.call('ZADD', totals, 0, '', total + new - old, member)
     elseif total then
-      if extra == 0 then
-        redis.call('ZREMRANGEBYRANK', totals, 0, -1)
-        redis.call('ZADD', totals, 0, '')
-      end
-      shift_totals_after(i, total, new - old)
-      if old ~= 1 and (new == 0 or new == 1) then
-        redis.call('ZREM', totals, member)
+      -- The entry's own total goes in the ZADD that moves the ones after it.
+      local own = nil
+      if weighted then
+        own = {total + new - old, member}
       elseif old ~= 1 then
-        redis.call('ZINCRBY', totals, new - old, member)
-      elseif new ~= 0 then
-        redis.call('ZADD', totals, total + new - old, member)
+        redis.call('ZREM', totals, member)
+      end
+      if later then
+        -- Known already: moved in the same ZADD as its own.
+        own = own or {}
+        for j = 1, #later, 2 do
+          own[#own + 1] = later[j] + new - old
+          own[#own + 1] = later[j + 1]
+        end
+        if #own > 0 then redis.call('ZADD', totals, unpack(own)) end
+      else
+        shift_totals_after(i, total, new - old, own)
       end
     end
-    if redis.call('EXISTS', weights) == 1 then
-      -- Created or grown here: they must live as long as the entries they weigh.
+    if weighted and old == 1 then
+      -- Weighted here (or created here): they must live as long as the entries they weigh.
+      -- An entry weighted already was when they got their TTL (at its add, or here).
       local ttl = redis.call('PTTL', key)
       if ttl > 0 then
         redis.call('PEXPIRE', weights, ttl)
-        if redis.call('EXISTS', totals) == 1 then redis.call('PEXPIRE', totals, ttl) end
+        if total or redis.call('EXISTS', totals) == 1 then redis.call('PEXPIRE', totals, ttl) end
       end
     end
     return 1
@@ -444,12 +532,12 @@ local function zset_log(n, given, writes, probe)
       if not now_text then now_text = now % 1 == 0 and string.format('%d', now) or now end
       local key = KEYS[i]
       local seconds = window_ms / 1000 + 1
-      redis.call('ZADD', key, now_text, member)
+      local added = redis.call('ZADD', key, now_text, member)
       redis.call('ZREMRANGEBYSCORE', key, '-inf', bound)
       redis.call('EXPIRE', key, seconds)
       if cost ~= 1 then
         weighted = weighted or zset_weighted(n, now, true)
-        weighted.weigh(i, member, cost, seconds, 0, nil)
+        weighted.weigh(i, member, cost, seconds, 0, nil, owed[n + i] + added)
       end
     end,
 

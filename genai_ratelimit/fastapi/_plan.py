@@ -25,9 +25,9 @@ from typing import Any, NamedTuple, Protocol
 
 from .. import RateLimiterError
 from ..lease import HINT_WITHOUT_HISTORY_MS, Lease
+from ..periods import BudgetHold
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
-from ..periods import BudgetHold
 from ._openai_headers import ResourceHeaders, format_duration, refusal_message
 from ._spend import SpendFacts, SpendHeld
 

@@ -13,19 +13,19 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Union
+from typing import Any
 
 from fastapi import Request
 
-from ..periods import Budget, BudgetHold
+from ..periods import Budget, BudgetHold, PeriodName
 from ..prices import PriceTable
 
 #: A money amount in the currency's unit: an int ($50) or a decimal string ("0.45").
-Amount = Union[int, str, Decimal]
+Amount = int | str | Decimal
 OwnerOf = Callable[[Request], "str | None | Awaitable[str | None]"]
 LimitOf = Callable[[str, str, str], "Amount | None | Awaitable[Amount | None]"]
 
-_PERIODS = {"daily": "day", "weekly": "week", "monthly": "month"}
+_PERIODS: dict[str, PeriodName] = {"daily": "day", "weekly": "week", "monthly": "month"}
 _NAME = re.compile(r"(daily|weekly|monthly)_([a-z0-9]+)\Z")
 
 

@@ -505,11 +505,12 @@ def _give_back(reservation: Reservation, out: Outcome) -> Generator[Call, Any, N
         lease = reservation.lease
         release = lease is not None and bool(lease.lease_id)
         calls.append(Call("reconcile", (reservation, 0), {"release": True} if release else {}))
-        requests = dataclasses.replace(reservation, lease=None, windows=tuple(
+        requests = dataclasses.replace(reservation, lease=None, tokens=None, windows=tuple(
             w for w in reservation.windows if w.resource == "requests"))
         calls.append(Call("reconcile", (requests, 0), {}))
     if out.hold is not None:
-        calls.append(Call("release", (out.hold,), {}))
+        if out.hold is not reservation.lease:  # a slot taken apart (a fused one: above)
+            calls.append(Call("release", (out.hold,), {}))
         out.hold = None
     for call in calls:
         try:

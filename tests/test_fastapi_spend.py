@@ -275,3 +275,92 @@ def test_spend_limits_are_checked_when_built(limiter: AnyLimiter) -> None:
         TokenRateLimit(limiter=limiter, prices=PRICES, spend_limits={"free": {"daily_usd": "0.0000001"}})
     with pytest.raises(ValueError, match="need prices"):
         TokenRateLimit(limiter=limiter, spend_limits={"free": {"daily_usd": 1}})
+
+
+def test_the_tiers_file_gives_the_money_budgets(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
+        redis_client: redis.Redis, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text('[free]\nper_minute = 100\nper_day = 1000\ntokens_per_minute = 10000\n'
+                     'tokens_per_day = 100000\ndaily_usd = "0.0001"\n')
+    monkeypatch.setenv("GENAI_RATELIMIT_TIERS", str(tiers))
+    dependency = TokenRateLimit(limiter=limiter, identify=user(user_id), prices=PRICES)
+    client = client_for(dependency)
+    assert client.post("/json", json=chat(report=41)).headers["x-ratelimit-limit-spend"] == "0.0001"
+    assert client.post("/json", json=chat(report=41)).json()["budget"]["reason"] == "until_reset"
+    tiers.write_text('[free]\nper_minute = 100\nper_day = 1000\ndaily_usd = 0.5\n')
+    with pytest.raises(TypeError, match="no float"):
+        TokenRateLimit(limiter=limiter, prices=PRICES)
+    tiers.write_text('[free]\nper_minute = 100\nper_day = 1000\nhourly_usd = 1\n')
+    with pytest.raises(ValueError, match="hourly_usd"):
+        TokenRateLimit(limiter=limiter, prices=PRICES)
+
+
+def test_async_owners_and_overrides_are_awaited(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
+        redis_client: redis.Redis) -> None:
+    async def team_of(request: Request) -> str:
+        return f"t-{user_id}"
+
+    async def limit_of(level: str, owner: str, name: str) -> str | None:
+        return "0.001" if level == "team" else None
+
+    team = SpendLevel("team", owner_of=team_of, budgets={"weekly_usd": "0.0001"})
+    client = client_for(spend_limit(limiter, user_id, spend_levels=[team], spend_limit_of=limit_of))
+    answered = client.post("/json", json=chat(report=41))
+    assert answered.status_code == 200
+    assert answered.headers["x-ratelimit-spend-budget"] == "key/daily_usd"  # 19 left of 100
+    assert budget(redis_client, f"team:t-{user_id}", "weekly_usd") == {"spent": 81, "held": 0}
+
+
+def test_a_stream_cut_short_settles_what_it_streamed_when_the_policy_says_so(
+        limiter: AnyLimiter, make_limiter: LimiterFactory, user_id: str,
+        redis_client: redis.Redis) -> None:
+    dependency = spend_limit(limiter, user_id, aborted_stream="streamed")
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+
+    @app.post("/cut", dependencies=[Depends(dependency)])
+    async def cut() -> StreamingResponse:
+        async def events() -> Any:
+            yield f"data: {json.dumps({'choices': [{'delta': {'content': 'x' * 40}}]})}\n\n"
+            raise RuntimeError("the upstream broke off")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    options = ({} if make_limiter.loop_factory is None
+               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    with TestClient(app, raise_server_exceptions=False, **options) as client:
+        client.post("/cut", json=chat())
+        for native in make_limiter.async_limiters:
+            client.portal.call(native.aclose)  # type: ignore[union-attr]
+    # the prompt's 2 tokens at 1 + the 10 tokens of text delivered at 2 micro-USD
+    assert budget(redis_client, user_id) == {"spent": 2 + 10 * 2, "held": 0}
+
+
+def test_record_usage_settles_with_the_usage_it_is_given(
+        limiter: AnyLimiter, make_limiter: LimiterFactory, user_id: str,
+        redis_client: redis.Redis) -> None:
+    from genai_ratelimit.fastapi import record_usage
+    dependency = spend_limit(limiter, user_id)
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+
+    @app.post("/record", dependencies=[Depends(dependency)])
+    async def records(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        if body["report"] == 0:
+            await record_usage(request, 30)  # a total alone: settled at the worst case
+        else:
+            await record_usage(request, 30, usage={"input_tokens": 10, "output_tokens": 20})
+        return {}
+
+    options = ({} if make_limiter.loop_factory is None
+               else {"backend_options": {"loop_factory": make_limiter.loop_factory}})
+    with TestClient(app, **options) as client:
+        assert client.post("/record", json=chat(report=1)).status_code == 200
+        assert budget(redis_client, user_id) == {"spent": 10 + 20 * 2, "held": 0}
+        assert client.post("/record", json=chat(report=0, max_tokens=10)).status_code == 200
+        assert budget(redis_client, user_id) == {"spent": 50 + 22, "held": 0}
+        for native in make_limiter.async_limiters:
+            client.portal.call(native.aclose)  # type: ignore[union-attr]

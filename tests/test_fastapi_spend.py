@@ -364,3 +364,13 @@ def test_record_usage_settles_with_the_usage_it_is_given(
         assert budget(redis_client, user_id) == {"spent": 50 + 22, "held": 0}
         for native in make_limiter.async_limiters:
             client.portal.call(native.aclose)  # type: ignore[union-attr]
+
+
+def test_levels_on_a_redis_cluster_are_refused_when_built(make_limiter: LimiterFactory) -> None:
+    org = SpendLevel("org", owner_of=lambda request: "acme", budgets={"monthly_usd": 1})
+    cluster = make_limiter.native("redis+cluster://127.0.0.1:1,127.0.0.1:2", connect_timeout=0.5)
+    with pytest.raises(ValueError, match="Redis Cluster"):
+        TokenRateLimit(limiter=cluster, prices=PRICES, spend_limits=BUDGET, spend_levels=[org])
+    # one owner's budgets (the key's alone, or one level alone) are held on a cluster
+    TokenRateLimit(limiter=cluster, prices=PRICES, spend_limits=BUDGET)
+    TokenRateLimit(limiter=cluster, prices=PRICES, spend_limits={}, spend_levels=[org])

@@ -231,6 +231,8 @@ class TokenRateLimit(_AsyncRateLimit):
             spend_limits = tier_spend_limits_from_env()  # type: ignore[assignment]
         self.spend: SpendConfig | None = None if prices is None else SpendConfig(
             prices, spend_limits, spend_levels, spend_limit_of, spend_tz, spend_hold_seconds)
+        if limiter is not None:
+            self._check_spend_storage()
 
     @staticmethod
     def _positive(name: str, value: object) -> int:
@@ -337,6 +339,7 @@ class TokenRateLimit(_AsyncRateLimit):
         anything is reserved (a shadow budget holds nothing for it instead)."""
         config = self.spend
         assert config is not None
+        self._check_spend_storage()
         if document is None:
             document = json_object(await request.body())
         model = requested_model(document)
@@ -359,6 +362,17 @@ class TokenRateLimit(_AsyncRateLimit):
         if not budgets:
             return None
         return SpendFacts(budgets, amount, config.hold_seconds, model or "", config.table)
+
+    def _check_spend_storage(self) -> None:
+        """On a Redis Cluster one hold reaches one hash slot, and each owner's keys are a
+        slot of their own: spend levels beside the key's cannot be held together there.
+        Refused before anything is reserved (at start-up when the limiter is given)."""
+        config = self.spend
+        if config is not None and config.levels and (config.tiers or len(config.levels) > 1) \
+                and getattr(self.limiter, "_two_step_scopes", False):
+            raise ValueError("spend_levels on a Redis Cluster: one hold reaches one hash slot and "
+                             "each owner's budgets are a slot of their own; hold one owner's "
+                             "budgets per dependency there (docs/spend-budgets.md)")
 
     def _keep_spend(self, request: Request, held: SpendHeld) -> None:
         """An allowed money hold, kept in the request's ledger for the settle."""

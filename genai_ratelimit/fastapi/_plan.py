@@ -4,7 +4,8 @@
 method's name and its arguments), is sent each call's answer (or has the limiter's
 RateLimiterError thrown into it), and returns an `Outcome`: the in-flight lease to hold, the
 decision to remember for the route's other dependencies, and its verdicts in order — `Allowed`,
-`Refused` (one value for every kind of 429: windows, tokens, scopes, concurrency, too large) or
+`Refused` (one value for every kind of 429: windows, tokens, scopes, concurrency, too large,
+money budgets) or
 `Unavailable`. In enforce mode a refusal is the last verdict; in shadow mode the plan goes on
 (a request beyond its in-flight cap is still decided by its windows).
 
@@ -489,7 +490,6 @@ def _hold_money(facts: Facts, reservation: Reservation, verdict: Allowed,
         verdict.spend = SpendHeld(hold, spend.model, spend.table, spend.amount)
         return verdict
     yield from _give_back(reservation, out)
-    out.remember = None  # the request is not counted: another dependency must not reuse it
     period = hold.refused_by
     assert period is not None
     return Refused((), None, "", "rejected", "spend", None,
@@ -508,6 +508,7 @@ def _give_back(reservation: Reservation, out: Outcome) -> Generator[Call, Any, N
         requests = dataclasses.replace(reservation, lease=None, tokens=None, windows=tuple(
             w for w in reservation.windows if w.resource == "requests"))
         calls.append(Call("reconcile", (requests, 0), {}))
+    out.remember = None  # the request is not counted: another dependency must not reuse it
     if out.hold is not None:
         if out.hold is not reservation.lease:  # a slot taken apart (a fused one: above)
             calls.append(Call("release", (out.hold,), {}))

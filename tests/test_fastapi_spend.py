@@ -374,3 +374,23 @@ def test_levels_on_a_redis_cluster_are_refused_when_built(make_limiter: LimiterF
     # one owner's budgets (the key's alone, or one level alone) are held on a cluster
     TokenRateLimit(limiter=cluster, prices=PRICES, spend_limits=BUDGET)
     TokenRateLimit(limiter=cluster, prices=PRICES, spend_limits={}, spend_levels=[org])
+
+
+@pytest.mark.parametrize("error_format", ["anthropic", "plain"])
+def test_the_refusals_keep_the_error_formats_shape(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
+        redis_client: redis.Redis, error_format: str) -> None:
+    client = client_for(spend_limit(limiter, user_id, error_format=error_format))
+    assert client.post("/json", json=chat(report=41)).headers["x-ratelimit-limit-spend"] == "0.0001"
+    refused = client.post("/json", json=chat(report=5))
+    assert refused.status_code == 429
+    body = refused.json()
+    assert body["detail"] == "Spend budget exceeded"
+    assert body["budget"]["reason"] == "until_reset"
+    if error_format == "anthropic":
+        assert body["type"] == "error" and body["error"]["type"] == "rate_limit_error"
+        assert "resets at" in body["error"]["message"]
+    else:
+        assert "error" not in body
+    unpriced = client.post("/json", json=chat(model="other"))
+    assert unpriced.status_code == 400 and "'other'" in json.dumps(unpriced.json())

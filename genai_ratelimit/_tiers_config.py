@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,6 +68,9 @@ __all__ = [
     "BURST_KEY",
     "TIERS_FILE_ENV",
     "TIER_BUDGET_KEYS",
+    "SPEND_KEY",
+    "spend_limits_of_tiers",
+    "tier_spend_limits_from_env",
     "TIER_TOKEN_KEYS",
     "TierConfigError",
     "validate_tier_limits",
@@ -89,6 +93,9 @@ __all__ = [
 TIERS_FILE_ENV = "GENAI_RATELIMIT_TIERS"
 
 # Budget key -> window length in seconds, shortest window first. A tier gives at least one.
+# A tier's money budget (TokenRateLimit(prices=...)): daily_usd, weekly_eur, monthly_credits.
+SPEND_KEY = re.compile(r"(daily|weekly|monthly)_[a-z0-9]+\Z")
+
 TIER_BUDGET_KEYS: dict[str, int] = {"per_second": 1, "per_minute": 60, "per_hour": 3_600,
                                     "per_day": 86_400}
 # The optional token budget keys of a tiers file -> the key of a token budget table
@@ -150,10 +157,12 @@ def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, di
         if not isinstance(budget, Mapping):
             raise TierConfigError(f"{source}: tier {tier!r} must be a table with per_minute and "
                                   f"per_day, got {type(budget).__name__}")
-        unknown = sorted(str(key) for key in budget if key not in allowed)
+        unknown = sorted(str(key) for key in budget if key not in allowed and not (
+            token_keys and isinstance(key, str) and SPEND_KEY.match(key)))
         if unknown:
+            spend = " and daily_/weekly_/monthly_<currency>" if token_keys else ""
             raise TierConfigError(f"{source}: tier {tier!r}: unknown key(s) {unknown}; "
-                                  f"allowed: {sorted(allowed)}")
+                                  f"allowed: {sorted(allowed)}{spend}")
         if not any(key in budget for key in TIER_BUDGET_KEYS):
             raise TierConfigError(f"{source}: tier {tier!r}: missing a window: give at least one "
                                   f"of {', '.join(TIER_BUDGET_KEYS)}")
@@ -263,6 +272,27 @@ def scope_sections_from_env(environ: Mapping[str, str] | None = None) -> ScopeSe
     (scope_sections_of), or None when the variable is unset or empty."""
     config = _config_from_env(environ)
     return None if config is None else scope_sections_of(*config)
+
+
+def spend_limits_of_tiers(data: object, source: str = "tier_limits") -> dict[str, dict[str, object]]:
+    """The money budgets a tiers table carries: {tier: {"daily_usd": 1, "monthly_usd": "50"}}
+    for each tier that gives one, the values as written (an int or a decimal string in the
+    currency's unit: TokenRateLimit(prices=...) checks them against its price table). Checks
+    `data` as validate_tier_limits does."""
+    _tier_tables(data, source, token_keys=True)
+    assert isinstance(data, Mapping)
+    found = {str(tier): {key: value for key, value in budget.items()
+                         if isinstance(key, str) and SPEND_KEY.match(key)}
+             for tier, budget in data.items() if tier not in SCOPE_SECTIONS}
+    return {tier: limits for tier, limits in found.items() if limits}
+
+
+def tier_spend_limits_from_env(environ: Mapping[str, str] | None = None
+                               ) -> dict[str, dict[str, object]] | None:
+    """The money budgets of the file named by GENAI_RATELIMIT_TIERS (spend_limits_of_tiers),
+    or None when the variable is unset or empty."""
+    config = _config_from_env(environ)
+    return None if config is None else spend_limits_of_tiers(*config)
 
 
 def max_in_flight_of_tiers(data: object, source: str = "tier_limits") -> dict[str, int]:

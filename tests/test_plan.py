@@ -312,3 +312,71 @@ def test_the_asyncio_driver_awaits_each_call_or_offloads_a_blocking_limiter() ->
     awaited, blocking = asyncio.run(both())
     assert awaited.hold is not None and isinstance(awaited.verdicts[0], Allowed)
     assert offloaded == ["method", "method"] and isinstance(blocking.verdicts[0], Unavailable)
+
+
+# --- money (TokenRateLimit with prices) --------------------------------------------------------
+
+def _spend_facts(cap: int | None = None) -> Facts:
+    from genai_ratelimit import Budget, PriceTable
+    from genai_ratelimit.fastapi._spend import SpendFacts
+    table = PriceTable.from_mapping({"version": "t", "currency": "USD",
+                                     "models": {"m": {"input": 1, "output": 1}}})
+    spend = SpendFacts((Budget("alice", "daily_usd", 100, "day", level="key"),), 82, 86_400, "m", table)
+    return Facts("alice", "free", MINUTE_DAY, TOKENS, 40, cap=cap, spend=spend)
+
+
+def _hold(facts: Facts, allowed: bool, reason: str | None = None) -> Any:
+    from genai_ratelimit.periods import BudgetHold, BudgetPeriod
+    assert facts.spend is not None
+    period = BudgetPeriod(facts.spend.budgets[0], 82, 18 if allowed else 0, NOW - 1_000, NOW + 1_000)
+    return BudgetHold(allowed, "h-1" if allowed else "", (period,), NOW,
+                      None if allowed else 0, reason)  # type: ignore[arg-type]
+
+
+STATES = (WindowState(5, 60, "requests", 4), WindowState(1_000, 60, "tokens", 960))
+
+
+def test_the_money_is_held_after_the_tokens_and_kept_in_the_verdict() -> None:
+    facts = _spend_facts()
+    hold = _hold(facts, True)
+    calls, out = drive(facts, ENFORCE, [reservation(windows=STATES), hold])
+    assert [call.method for call in calls] == ["reserve", "hold_budgets"]
+    assert calls[1] == Call("hold_budgets", (facts.spend.budgets, 82),  # type: ignore[union-attr]
+                            {"hold_seconds": 86_400})
+    [verdict] = out.verdicts
+    assert isinstance(verdict, Allowed) and verdict.spend is not None and verdict.spend.hold is hold
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_refusal_by_a_budget_gives_the_reservation_and_the_slot_back(fused: bool) -> None:
+    facts = _spend_facts(cap=2)
+    policy = FUSED if fused else ENFORCE
+    reserved = reservation(windows=STATES, held=lease(True) if fused else None)
+    answers: list[Any] = [] if fused else [lease(True)]
+    answers += [reserved, _hold(facts, False, "until_reset"), 1, 1]
+    if not fused:
+        answers.append(True)
+    calls, out = drive(facts, policy, answers)
+    methods = [call.method for call in calls]
+    assert methods == [*([] if fused else ["acquire"]), "reserve", "hold_budgets", "reconcile",
+                       "reconcile", *([] if fused else ["release"])]
+    refund_tokens, refund_requests = [c for c in calls if c.method == "reconcile"]
+    assert refund_tokens.args == (reserved, 0)
+    assert refund_tokens.kwargs == ({"release": True} if fused else {})
+    assert refund_requests.args[1] == 0
+    assert {w.resource for w in refund_requests.args[0].windows} == {"requests"}
+    assert refund_requests.args[0].lease is None and refund_requests.args[0].tokens is None
+    assert ("release" in methods) is (not fused)
+    assert out.hold is None and out.remember is None
+    [verdict] = out.verdicts
+    assert isinstance(verdict, Refused) and verdict.resource == "spend" and verdict.spend is not None
+    assert verdict.spend[0].reason == "until_reset"
+
+
+def test_a_hold_redis_cannot_answer_gives_the_reservation_back_and_is_unavailable() -> None:
+    facts = _spend_facts()
+    error = RateLimiterError("down")
+    calls, out = drive(facts, ENFORCE, [reservation(windows=STATES), error, error, error])
+    assert [call.method for call in calls] == ["reserve", "hold_budgets", "reconcile", "reconcile"]
+    [verdict] = out.verdicts
+    assert isinstance(verdict, Unavailable) and verdict.error is error

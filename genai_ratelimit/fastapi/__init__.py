@@ -92,6 +92,7 @@ from ._middleware import RateLimitHeadersMiddleware
 from ._plan import window_name
 from ._proxy import forward_to_upstream
 from ._scopes import Upstream
+from ._spend import SpendLevel
 from ._startup import RateLimitConfigError, check_app, rate_limit_lifespan
 from ._tokens import TokenRateLimit
 from ._usage import estimate_openai_tokens
@@ -101,6 +102,7 @@ __all__ = [
     "RateLimit",
     "RateLimitHeadersMiddleware",
     "TokenRateLimit",
+    "SpendLevel",
     "Upstream",
     "record_usage",
     "in_flight_lease",

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from fastapi import HTTPException, Request, Response
 
+from ..periods import BudgetPeriod
+from ..prices import PriceTable
 from ..reservation import Resource
 from ._ietf_headers import Policy, ServiceLimit, ietf_headers
 from ._ledger import _TOKENS_KEY, _TokenLedger
@@ -24,7 +26,9 @@ from ._openai_headers import (
     ResourceHeaders,
     error_body,
     family_headers,
+    format_duration,
     retry_headers,
+    rfc3339,
     too_large_error_body,
 )
 from ._plan import Allowed, Facts, Outcome, Refused, Windows, window_name
@@ -215,6 +219,8 @@ def _allowed(dependency: RateLimit, request: Request, response: Response, facts:
              verdict: Allowed) -> None:
     if verdict.reservation is not None:
         dependency._keep(request, facts.tier, verdict.reservation)
+    if verdict.spend is not None:
+        dependency._keep_spend(request, verdict.spend)
     dependency._count(request, "allowed")
     requests = None
     for state in verdict.states:
@@ -237,6 +243,10 @@ def _allowed(dependency: RateLimit, request: Request, response: Response, facts:
     if dependency._partition_keys is not None:
         extra += ietf_fields(dependency, facts, [
             (s.resource, s.window_seconds, s.remaining or 0, s.window_seconds) for s in verdict.states])
+    if verdict.spend is not None and verdict.spend.hold.periods:
+        held = verdict.spend
+        tightest = min(held.hold.periods, key=lambda p: (p.remaining, p.period_end_ms))
+        extra += spend_headers(held.table, tightest)
     _record_extra(request, response, extra)
 
 
@@ -244,6 +254,9 @@ def _refused(dependency: RateLimit, request: Request, response: Response, facts:
              verdict: Refused) -> None:
     dependency._count(request, verdict.outcome, verdict.window_seconds, verdict.resource, verdict.scope)
     error_format = dependency.error_format
+    if verdict.spend is not None:
+        _refused_spend(dependency, request, response, facts, verdict)
+        return
     if verdict.message is None:  # an estimate no wait can make fit
         limit = int(verdict.contract[0][1])
         assert verdict.window_seconds is not None
@@ -265,6 +278,79 @@ def _refused(dependency: RateLimit, request: Request, response: Response, facts:
     retry = [("x-should-retry", "false")] if verdict.retry is None else \
         retry_headers(*verdict.retry, dependency.max_client_wait_seconds)
     refuse(request, 429, detail, {**dict(retry), **dict(refusal)}, body)
+
+
+def spend_headers(table: PriceTable, period: BudgetPeriod) -> list[tuple[str, str]]:
+    """The money family of one budget: x-ratelimit-{limit,remaining}-spend in the currency's
+    unit (a decimal string), x-ratelimit-reset-spend (RFC 3339: the period's end),
+    x-ratelimit-spend-budget (level/name) and x-ratelimit-spend-currency."""
+    budget = period.budget
+    return [("x-ratelimit-limit-spend", _money(table, budget.limit)),
+            ("x-ratelimit-remaining-spend", _money(table, period.remaining)),
+            ("x-ratelimit-reset-spend", rfc3339(period.period_end_ms)),
+            ("x-ratelimit-spend-budget", f"{budget.level or 'key'}/{budget.name}"),
+            ("x-ratelimit-spend-currency", table.currency)]
+
+
+def _money(table: PriceTable, amount: int) -> str:
+    """An amount of money units in the currency's unit, as plain decimal text ("0.45")."""
+    return format(table.to_currency(amount), "f")
+
+
+_SPEND_CODES = {"permanent": "spend_too_large", "until_reset": "insufficient_quota",
+                "in_flight": "rate_limit_exceeded"}
+
+
+def _refused_spend(dependency: RateLimit, request: Request, response: Response, facts: Facts,
+                   verdict: Refused) -> None:
+    """The 429 of a refusal by a money budget: permanent (x-should-retry: false, no
+    Retry-After), until_reset (Retry-After at the period's end: x-should-retry false when
+    that is beyond max_client_wait_seconds), in_flight (a short Retry-After the SDKs
+    retry)."""
+    assert verdict.spend is not None
+    hold, spend = verdict.spend
+    period, reason = hold.refused_by, hold.reason
+    assert period is not None and reason is not None
+    table, budget = spend.table, period.budget
+    level = budget.level or "key"
+    unit = table.currency
+    what = (f"the {level} budget {budget.name} ({_money(table, budget.limit)} {unit} per "
+            f"{budget.period})")
+    asked = f"{_money(table, period.amount)} {unit}"
+    wait_ms = max(0, period.period_end_ms - hold.now_ms)
+    if reason == "permanent":
+        message = (f"Request too large for {what}: its worst case for model {spend.model} "
+                   f"costs {asked}, more than the whole budget. It can never be allowed: "
+                   f"reduce the prompt or max_tokens.")
+        retry: list[tuple[str, str]] = [("x-should-retry", "false")]
+    elif reason == "until_reset":
+        message = (f"Spend budget exhausted: {what} has {_money(table, period.remaining)} "
+                   f"{unit} left, less than this request's worst case of {asked}. It resets "
+                   f"at {rfc3339(period.period_end_ms)}, in {format_duration(wait_ms)}.")
+        retry = retry_headers(-(-wait_ms // 1000), wait_ms, dependency.max_client_wait_seconds)
+    else:
+        seconds = 1.0 if dependency.in_flight_retry_after is None else dependency.in_flight_retry_after
+        wait_ms = max(0, min(round(seconds * 1000), 60_000))
+        message = (f"Spend budget held by requests in flight: {what} has no room for this "
+                   f"request's worst case of {asked} until requests in flight settle. Please "
+                   f"try again in {format_duration(wait_ms)}.")
+        retry = retry_headers(-(-wait_ms // 1000), wait_ms, dependency.max_client_wait_seconds)
+    detail = "Spend budget exceeded"
+    body = error_body(dependency.error_format, 429, detail, message, "requests")
+    if isinstance(body.get("error"), dict) and dependency.error_format == "openai":
+        body["error"].update(type="spend", code=_SPEND_CODES[reason])
+    body["budget"] = {"level": level, "name": budget.name, "reason": reason,
+                      "currency": unit, "limit": _money(table, budget.limit),
+                      "remaining": _money(table, period.remaining), "requested": _money(table, period.amount),
+                      "reset_at": rfc3339(period.period_end_ms), "model": spend.model}
+    refusal = [("X-RateLimit-Limit", str(budget.limit)), ("X-RateLimit-Remaining", "0"),
+               ("X-RateLimit-Window", budget.period), ("X-RateLimit-Scope", level),
+               ("X-RateLimit-Resource", "spend")]
+    if dependency.mode == "shadow":  # X-RateLimit-Shadow-* of the contract's only: no money
+        dependency._would_refuse(request, response, facts.identity, None, message, refusal)
+        return
+    refuse(request, 429, detail, {**dict(retry), **dict(refusal), **dict(spend_headers(table, period))},
+           body)
 
 
 def unavailable(request: Request, error_format: Any) -> NoReturn:

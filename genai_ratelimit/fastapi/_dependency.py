@@ -50,6 +50,7 @@ from ._plan import (
     run_async,
 )
 from ._scopes import _Scopes, note_upstreams
+from ._spend import SpendHeld
 from ._startup import RateLimitConfigError, check_dependencies, dependencies_of
 
 logger = logging.getLogger("genai_ratelimit")
@@ -397,6 +398,10 @@ class RateLimit:
 
     def _keep(self, request: Request, tier: str, reservation: Reservation) -> None:
         """A token reservation, kept for the reconcile (TokenRateLimit's)."""
+        raise NotImplementedError
+
+    def _keep_spend(self, request: Request, held: SpendHeld) -> None:
+        """A money hold, kept for the settle (TokenRateLimit's)."""
         raise NotImplementedError
 
     def _would_refuse(self, request: Request, response: Response, identity: str, once: Hashable | None,

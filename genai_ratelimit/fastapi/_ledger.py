@@ -12,7 +12,9 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import RateLimiterError
 from ..lease import Lease
+from ..prices import TokenUsage
 from ..reservation import Reservation
+from ._spend import SpendHeld
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -28,7 +30,7 @@ class _TokenLedger:
     by record_usage, or by the middleware from the response, whichever comes first."""
 
     __slots__ = ("entries", "decided", "reported", "refusal", "middleware", "charge_streamed",
-                 "prompt_tokens", "tiers")
+                 "prompt_tokens", "tiers", "spend")
 
     def __init__(self, middleware: bool) -> None:
         self.entries: list[tuple[Any, bool, Reservation]] = []  # (limiter, is async, reservation)
@@ -43,8 +45,11 @@ class _TokenLedger:
         self.prompt_tokens = 0
         # id(reservation) -> (its RequestOutcomes, tier, mode): the tokens by tier.
         self.tiers: dict[int, tuple[Any, str, str]] = {}
+        # (limiter, is async, SpendHeld): the money held (TokenRateLimit(prices=...)).
+        self.spend: list[tuple[Any, bool, SpendHeld]] = []
 
-    async def reconcile(self, actual: int, leases: _LeaseLedger | None = None) -> int:
+    async def reconcile(self, actual: int, leases: _LeaseLedger | None = None,
+                        usage: TokenUsage | None = None) -> int:
         """Reconciles every reservation with `actual` tokens. Returns the number of windows
         whose entry was found. A limiter that cannot answer is logged, not raised: the
         reservation then stays as reserved. With `leases` (the middleware, once the response
@@ -74,7 +79,26 @@ class _TokenLedger:
                 logger.warning("could not reconcile the token reservation of %r with %d tokens "
                                "(it stays at %s): %s", reservation.user_id, actual,
                                reservation.tokens, exc)
+        await self.settle(usage)
         return found
+
+    async def settle(self, usage: TokenUsage | None) -> None:
+        """Settles every money hold: to the request's exact cost by kind of token when the
+        usage says its kinds (prices.cost), else to the amount held (a usage that gives only
+        a total is charged the worst case: never less than it may have cost). Each hold
+        once; a limiter that cannot answer is logged: the hold then stays until its key
+        expires."""
+        holds, self.spend = self.spend, []
+        for limiter, is_async, held in holds:
+            actual = held.amount if usage is None else held.table.cost(held.model, usage)
+            try:
+                if is_async:
+                    await limiter.settle_budgets(held.hold, actual)
+                else:
+                    await run_in_threadpool(limiter.settle_budgets, held.hold, actual)
+            except RateLimiterError as exc:
+                logger.warning("could not settle the spend hold %s at %d (it stays held): %s",
+                               held.hold.hold_id, actual, exc)
 
 
 # {id(RequestOutcomes): leave()}: this request counted in flight (set by the middleware,
@@ -152,11 +176,14 @@ def _ledger_of(request: Request) -> _TokenLedger:
     return ledger
 
 
-async def record_usage(request: Request, tokens: int) -> int:
+async def record_usage(request: Request, tokens: int, *, usage: object = None) -> int:
     """Reports what this request really spent: reconciles its TokenRateLimit reservation(s)
     with `tokens` (lower refunds, higher charges, 0 removes the tokens entry), now, before
     returning; then the response's own usage is not read. Call it at most once per request
     (from the route, or from inside its streaming generator before the stream ends).
+    `usage`: the provider's usage object (a mapping) or a prices.TokenUsage, for a
+    TokenRateLimit with prices: its money hold settles to the exact cost by kind; without it
+    the hold settles at the worst case held.
 
     Returns the number of token windows whose entry was found (0 when nothing was reserved:
     the kill switch, a fail-open, or the entry has left its windows). Raises RuntimeError when
@@ -172,8 +199,9 @@ async def record_usage(request: Request, tokens: int) -> int:
     if ledger.reported:
         raise RuntimeError("record_usage: the usage of this request was already recorded "
                            "(each request is reconciled once)")
+    by_kind = usage if isinstance(usage, TokenUsage) or usage is None else TokenUsage.from_usage(usage)
     ledger.reported = True
-    return await ledger.reconcile(tokens)
+    return await ledger.reconcile(tokens, usage=by_kind)
 
 
 def in_flight_lease(request: Request) -> Lease | None:

@@ -130,10 +130,11 @@ class RateLimitHeadersMiddleware:
                     if scanner.done or not message.get("more_body", False):
                         # The end of the body, or of the stream's events ("data: [DONE]",
                         # where OpenAI's clients stop reading): reconcile before passing it on.
-                        total, scanner = _usage_of(scanner, ledger), None
+                        total = _usage_of(scanner, ledger)
+                        kinds, scanner = scanner.token_usage(ledger.prompt_tokens), None
                         if total is not None and not ledger.reported:
                             ledger.reported = True
-                            await ledger.reconcile(total, leases)
+                            await ledger.reconcile(total, leases, kinds)
                 if not message.get("more_body", False):
                     await leases.release_all()  # the response is complete: its slots are free
             await send(message)
@@ -149,7 +150,7 @@ class RateLimitHeadersMiddleware:
                 if total is not None:
                     ledger.reported = True
                     with anyio.CancelScope(shield=True):
-                        await ledger.reconcile(total, leases)
+                        await ledger.reconcile(total, leases, scanner.token_usage(ledger.prompt_tokens))
             await leases.release_all()
             for leave in running.values():  # the in-flight gauge: this request is over
                 leave()

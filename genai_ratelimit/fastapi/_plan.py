@@ -4,7 +4,8 @@
 method's name and its arguments), is sent each call's answer (or has the limiter's
 RateLimiterError thrown into it), and returns an `Outcome`: the in-flight lease to hold, the
 decision to remember for the route's other dependencies, and its verdicts in order — `Allowed`,
-`Refused` (one value for every kind of 429: windows, tokens, scopes, concurrency, too large) or
+`Refused` (one value for every kind of 429: windows, tokens, scopes, concurrency, too large,
+money budgets) or
 `Unavailable`. In enforce mode a refusal is the last verdict; in shadow mode the plan goes on
 (a request beyond its in-flight cap is still decided by its windows).
 
@@ -16,6 +17,7 @@ request, a clock other than `Policy.clock`, or Redis.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -24,9 +26,11 @@ from typing import Any, NamedTuple, Protocol
 
 from .. import RateLimiterError
 from ..lease import HINT_WITHOUT_HISTORY_MS, Lease
+from ..periods import BudgetHold
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
 from ._openai_headers import ResourceHeaders, format_duration, refusal_message
+from ._spend import SpendFacts, SpendHeld
 
 Windows = tuple[tuple[int, int], ...]
 Decision = tuple[bool, int, int, int]
@@ -116,6 +120,8 @@ class Facts:
     # The tier's minute budget as GCRA, (per_minute, 60, burst) (the tier's `burst`): decided
     # with the other windows in one check_windows_detailed(gcra=...) call; None: a log.
     gcra: tuple[int, int, int] | None = None
+    # A TokenRateLimit with prices: the money budgets to hold once the tokens are reserved.
+    spend: SpendFacts | None = None
 
 
 class Call(NamedTuple):
@@ -139,6 +145,8 @@ class Allowed:
     now_ms: int
     record: bool = True
     reservation: Reservation | None = None
+    # The money held for this request (a TokenRateLimit with prices), settled with its usage.
+    spend: SpendHeld | None = None
 
 
 @dataclass(slots=True)
@@ -163,6 +171,9 @@ class Refused:
     now_ms: int = 0
     once: int | None = None
     requested: int = 1
+    # A refusal by a money budget: the hold's answer (the body and headers are the answer
+    # room's, from it) and its SpendFacts.
+    spend: tuple[BudgetHold, SpendFacts] | None = None
 
 
 @dataclass(slots=True)
@@ -245,7 +256,10 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         out.verdicts.append(_scope_refusal(facts, reservation))
         return out
     if facts.tokens is not None:
-        out.verdicts.append(_token_verdict(facts, policy, reservation, out))
+        verdict = _token_verdict(facts, policy, reservation, out)
+        if facts.spend is not None and isinstance(verdict, Allowed):
+            verdict = yield from _hold_money(facts, reservation, verdict, out)
+        out.verdicts.append(verdict)
         return out
     stamp = reservation.timestamp_ms or policy.clock()
     if facts.counted is not None:
@@ -454,3 +468,53 @@ def _token_verdict(facts: Facts, policy: Policy, reservation: Reservation, out: 
     states = tuple(state for state in (requests_state, tightest(reservation.windows, "tokens"))
                    if state is not None)
     return Allowed(states, stamp, record, reservation)
+
+
+def _hold_money(facts: Facts, reservation: Reservation, verdict: Allowed,
+                out: Outcome) -> Generator[Call, Any, Verdict]:
+    """The money step, once the token reservation is allowed: hold the request's worst case
+    in every budget of its levels (one call, all or nothing). The hold and the reserve are two
+    round trips; a refusal by a budget (or a limiter that cannot answer) gives the
+    reservation back exactly before answering: its token estimate and request entry
+    reconciled to 0 and its in-flight slot released, as a two-step scope refusal refunds its
+    earlier steps."""
+    spend = facts.spend
+    assert spend is not None
+    try:
+        hold: BudgetHold = yield Call("hold_budgets", (spend.budgets, spend.amount),
+                                      {"hold_seconds": spend.hold_seconds})
+    except RateLimiterError as exc:
+        yield from _give_back(reservation, out)
+        return Unavailable(exc)
+    if hold.allowed:
+        verdict.spend = SpendHeld(hold, spend.model, spend.table, spend.amount)
+        return verdict
+    yield from _give_back(reservation, out)
+    period = hold.refused_by
+    assert period is not None
+    return Refused((), None, "", "rejected", "spend", None,
+                   period.budget.level or "key", now_ms=hold.now_ms, spend=(hold, spend))
+
+
+def _give_back(reservation: Reservation, out: Outcome) -> Generator[Call, Any, None]:
+    """Undoes an allowed token reservation: the tokens (and a fused in-flight slot, in the
+    same script) reconciled to 0, then the request entry; a slot taken apart is released.
+    Best effort, as the two-step refund: what a failed call leaves leaves its window."""
+    calls: list[Call] = []
+    if reservation.member or reservation.shared_entries:
+        lease = reservation.lease
+        release = lease is not None and bool(lease.lease_id)
+        calls.append(Call("reconcile", (reservation, 0), {"release": True} if release else {}))
+        requests = dataclasses.replace(reservation, lease=None, tokens=None, windows=tuple(
+            w for w in reservation.windows if w.resource == "requests"))
+        calls.append(Call("reconcile", (requests, 0), {}))
+    out.remember = None  # the request is not counted: another dependency must not reuse it
+    if out.hold is not None:
+        if out.hold is not reservation.lease:  # a slot taken apart (a fused one: above)
+            calls.append(Call("release", (out.hold,), {}))
+        out.hold = None
+    for call in calls:
+        try:
+            yield call
+        except RateLimiterError:
+            pass

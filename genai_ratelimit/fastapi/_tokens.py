@@ -6,7 +6,7 @@ import inspect
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Literal, NoReturn
 
 from fastapi import Request
@@ -15,9 +15,12 @@ from typing_extensions import Unpack
 
 from .._tiers_config import (
     TIER_BUDGET_KEYS,
+    tier_spend_limits_from_env,
     tier_token_limits_from_env,
     validate_token_limits,
 )
+from ..periods import DEFAULT_HOLD_SECONDS
+from ..prices import PriceTable, UnpricedModel
 from ..reservation import Reservation
 from ..tiers import DEFAULT_MAX_TOKENS, DEFAULT_TIER, TIER_TOKEN_LIMITS
 from ._answer import refuse
@@ -28,11 +31,15 @@ from ._openai_headers import ErrorFormat
 from ._options import OnUnavailable, SharedOptions
 from ._plan import AsyncWindowLimiter, Facts, SyncWindowLimiter, Windows
 from ._scopes import note_upstreams
+from ._spend import Amount, LimitOf, SpendConfig, SpendFacts, SpendHeld, SpendLevel
 from ._usage import (
     MAX_REQUEST_JSON_BYTES,
     InvalidTokenCount,
     estimate_openai_tokens,
+    json_object,
     prompt_tokens,
+    requested_completion_tokens,
+    requested_model,
 )
 
 logger = logging.getLogger("genai_ratelimit")
@@ -62,6 +69,19 @@ def invalid_request_body(error_format: ErrorFormat, message: str, param: str | N
         body["type"] = "error"
         body["error"] = {"type": "invalid_request_error", "message": message}
     return body
+
+
+def unpriced(request: Request, error_format: Any, model: str | None) -> NoReturn:
+    """The 400 of a request whose model the price table does not price (never free)."""
+    shown = "no model" if model is None else f"model {model[:256]!r}"
+    message = (f"The request names {shown}, which this service's price table does not price: "
+               f"it cannot be admitted against a spend budget.")
+    body = invalid_request_body(error_format, message, "model")
+    if isinstance(body.get("error"), dict) and error_format == "openai":
+        body["error"]["code"] = "model_not_priced"
+    refuse(request, 400, message, {"x-should-retry": "false"}, body)
+
+
 
 
 def _json_safe(value: object) -> object:
@@ -171,6 +191,12 @@ class TokenRateLimit(_AsyncRateLimit):
         estimate: Estimate | None = None,
         default_max_tokens: int | Mapping[str, int] = DEFAULT_MAX_TOKENS,
         aborted_stream: AbortedStream = "estimate",
+        prices: PriceTable | None = None,
+        spend_limits: Mapping[str, Mapping[str, Amount]] | None = None,
+        spend_levels: Sequence[SpendLevel] = (),
+        spend_limit_of: LimitOf | None = None,
+        spend_tz: str = "UTC",
+        spend_hold_seconds: int = DEFAULT_HOLD_SECONDS,
         **options: Unpack[SharedOptions],
     ) -> None:
         if aborted_stream not in ("estimate", "streamed"):
@@ -199,6 +225,15 @@ class TokenRateLimit(_AsyncRateLimit):
             for tier, budget in self.token_limits.items()
         }
         self.estimate: Estimate | None = estimate
+        if prices is None and (spend_limits or spend_levels or spend_limit_of is not None):
+            raise ValueError("spend_limits, spend_levels and spend_limit_of need prices= "
+                             "(a genai_ratelimit.PriceTable)")
+        if spend_limits is None and prices is not None:
+            spend_limits = tier_spend_limits_from_env()  # type: ignore[assignment]
+        self.spend: SpendConfig | None = None if prices is None else SpendConfig(
+            prices, spend_limits, spend_levels, spend_limit_of, spend_tz, spend_hold_seconds)
+        if limiter is not None:
+            self._check_spend_storage()
 
     @staticmethod
     def _positive(name: str, value: object) -> int:
@@ -295,8 +330,58 @@ class TokenRateLimit(_AsyncRateLimit):
         if scopes:
             note_upstreams(request, self.limiter, self._limiter_is_async,
                            self._scopes.upstreams_in(scopes))
+        spend = None if self.spend is None else await self._spend_facts(request, facts, document)
         return Facts(facts.identity, tier, facts.windows, self.token_windows_of(tier), tokens,
-                     scopes, facts.counted, facts.cap, facts.held)
+                     scopes, facts.counted, facts.cap, facts.held, spend=spend)
+
+    async def _spend_facts(self, request: Request, facts: Facts,
+                           document: Mapping[str, Any] | None) -> SpendFacts | None:
+        """The money budgets of this request and its worst case: its model's price of the
+        prompt's estimate (at the dearest input price) plus the output it may ask for
+        (max_completion_tokens / max_tokens / max_output_tokens, times n, else the tier's
+        default_max_tokens). A model the table does not price is a 400 naming it before
+        anything is reserved (a shadow budget holds nothing for it instead)."""
+        config = self.spend
+        assert config is not None
+        self._check_spend_storage()
+        if document is None:
+            document = json_object(await request.body())
+        model = requested_model(document)
+        default = self.default_max_tokens.get(facts.tier, self._default_max_fallback)
+        try:
+            output = requested_completion_tokens(document, default)
+        except InvalidTokenCount:  # a custom estimate's request: its own rules
+            output = default
+        shadow = self.mode == "shadow"
+        try:
+            amount = config.table.worst_case(model or "", prompt_tokens(document), output)
+        except UnpricedModel:
+            if shadow:
+                return None
+            unpriced(request, self.error_format, model)
+        if amount == 0:
+            return None  # a free model's request holds nothing
+        user_id = facts.identity[len("shadow:"):] if shadow else facts.identity
+        budgets = await config.budgets(request, facts.identity, user_id, facts.tier, shadow)
+        if not budgets:
+            return None
+        return SpendFacts(budgets, amount, config.hold_seconds, model or "", config.table)
+
+    def _check_spend_storage(self) -> None:
+        """On a Redis Cluster one hold reaches one hash slot, and each owner's keys are a
+        slot of their own: spend levels beside the key's cannot be held together there.
+        Refused before anything is reserved (at start-up when the limiter is given)."""
+        config = self.spend
+        if config is not None and config.levels and (config.tiers or len(config.levels) > 1) \
+                and getattr(self.limiter, "_two_step_scopes", False):
+            raise ValueError("spend_levels on a Redis Cluster: one hold reaches one hash slot and "
+                             "each owner's budgets are a slot of their own; hold one owner's "
+                             "budgets per dependency there (docs/spend-budgets.md)")
+
+    def _keep_spend(self, request: Request, held: SpendHeld) -> None:
+        """An allowed money hold, kept in the request's ledger for the settle."""
+        _ledger_of(request).spend.append((self.limiter, self._limiter_is_async, held))
+
 
     def _fuses(self, limiter: Any) -> bool:
         """An enforced cap on a limiter whose `reserve` takes in_flight= (this package's): the

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from .._native import MAX_LIMIT
-from ..prices import ANTHROPIC_USAGE_FIELDS, usage_count
+from ..prices import ANTHROPIC_USAGE_FIELDS, TokenUsage, usage_count
 
 __all__ = ["estimate_openai_tokens", "prompt_characters", "prompt_tokens",
            "requested_completion_tokens", "parse_token_count", "InvalidTokenCount",
@@ -491,7 +491,7 @@ class UsageScanner:
     streamed_tokens(): what an interrupted stream spent."""
 
     __slots__ = ("kind", "done", "count_streamed", "_parts", "_size", "_overflow", "_events",
-                 "_total", "_anthropic", "_delta_characters", "_delta_events")
+                 "_total", "_anthropic", "_delta_characters", "_delta_events", "_usage")
 
     def __init__(self, kind: str, *, count_streamed: bool = False) -> None:
         if kind not in ("json", "sse"):
@@ -507,6 +507,7 @@ class UsageScanner:
         self._anthropic: dict[str, int] = {}  # usage counts of message_start / message_delta
         self._delta_characters = 0
         self._delta_events = 0
+        self._usage: Mapping[str, Any] | None = None  # the usage object the total came from
 
     @classmethod
     def for_response(cls, content_type: str, content_encoding: str = "", *,
@@ -564,17 +565,22 @@ class UsageScanner:
         elif kind == "message_delta":  # Anthropic: cumulative counts, the output's final
             self._anthropic_usage(document.get("usage"))
             total = usage_total(self._anthropic)
-            self._total = total if total is not None else self._total
+            if total is not None:
+                self._total, self._usage = total, dict(self._anthropic)
         elif kind == "message_stop":
             self.done = True
         elif kind in _RESPONSE_FINAL_EVENTS:  # OpenAI Responses
             response = document.get("response")
-            total = usage_total(response.get("usage")) if isinstance(response, Mapping) else None
-            self._total = total if total is not None else self._total
+            self._found(response.get("usage") if isinstance(response, Mapping) else None)
             self.done = True
         elif "usage" in document:  # OpenAI chat completions / completions
-            total = usage_total(document.get("usage"))
-            self._total = total if total is not None else self._total
+            self._found(document.get("usage"))
+
+    def _found(self, usage: object) -> None:
+        total = usage_total(usage)
+        if total is not None:
+            assert isinstance(usage, Mapping)
+            self._total, self._usage = total, usage
 
     def _anthropic_usage(self, usage: object) -> None:
         if isinstance(usage, Mapping):
@@ -590,13 +596,36 @@ class UsageScanner:
             if self._overflow or not self._parts:
                 return None
             try:
-                return total_tokens_of(json.loads(b"".join(self._parts)))
+                document = json.loads(b"".join(self._parts))
             except (ValueError, RecursionError):
                 return None
+            if isinstance(document, Mapping):
+                usage = document.get("usage") if "usage" in document else (
+                    document["response"].get("usage")
+                    if isinstance(document.get("response"), Mapping) else None)
+                if usage_total(usage) is not None:
+                    self._usage = usage
+            return total_tokens_of(document)
         unfinished = self._events.end()  # a last event without its blank line
         if unfinished is not None:
             self._event_data(unfinished.data)
         return self._total
+
+    def token_usage(self, prompt_tokens: int = 0) -> TokenUsage | None:
+        """The usage by billed kind (prices.TokenUsage) of the total total_tokens() or
+        streamed_tokens() found (call one of them first): the reported usage object; for an
+        interrupted stream charged what it streamed, the input it reported (else
+        prompt_tokens) and the text delivered as output. None: no kinds are known."""
+        if self._usage is not None:
+            return TokenUsage.from_usage(self._usage)
+        if self.kind != "sse" or not self.count_streamed:
+            return None
+        reported = TokenUsage.from_usage(self._anthropic) if self._anthropic else None
+        output = max(math.ceil(self._delta_characters / CHARACTERS_PER_TOKEN), self._delta_events)
+        output = min(output, MAX_LIMIT)
+        if reported is not None:
+            return TokenUsage(reported.input, reported.cached_input, reported.cache_write, output)
+        return TokenUsage(input=min(max(0, prompt_tokens), MAX_LIMIT), output=output)
 
     def streamed_tokens(self, prompt_tokens: int = 0) -> int | None:
         """What an interrupted stream spent, for a policy that charges it: the reported

@@ -19,7 +19,7 @@ from ._version import __version__
 from .aio import AsyncRateLimiter
 from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
-from .periods import Budget, BudgetHold, BudgetPeriod
+from .periods import Budget, BudgetCrossing, BudgetHold, BudgetPeriod, BudgetSettlement
 from .prices import ModelPrice, PriceRule, PriceTable, PriceTableError, TokenUsage, UnpricedModel
 from .reservation import Reservation, Scope, WindowState
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
@@ -44,8 +44,10 @@ __all__ = [
     "UnpricedModel",
     "PriceTableError",
     "Budget",
+    "BudgetCrossing",
     "BudgetHold",
     "BudgetPeriod",
+    "BudgetSettlement",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

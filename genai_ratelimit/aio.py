@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import ssl
 import time
 import weakref
-from collections.abc import AsyncGenerator, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from typing import Any
 
 from . import _native
@@ -42,8 +43,16 @@ from .lease import (
     make_lease,
 )
 from .limiter import PING_IDENTITY, Clock, Storage, limiter_options
-from .metrics import LimiterMetrics, count_reconcile, count_reservation
-from .periods import DEFAULT_HOLD_SECONDS, Budget, BudgetHold, hold_plan, settle_plan
+from .metrics import LimiterMetrics, count_reconcile, count_reservation, report_crossings
+from .periods import (
+    DEFAULT_HOLD_SECONDS,
+    Budget,
+    BudgetCrossing,
+    BudgetHold,
+    BudgetSettlement,
+    hold_plan,
+    settle_plan,
+)
 from .reservation import (
     Plan,
     Reservation,
@@ -589,6 +598,12 @@ class AsyncRateLimiter:
     acknowledged raises RateLimiterUnavailable).
     """
 
+    #: Called with each soft limit a hold or a settle crossed (a periods.BudgetCrossing),
+    #: once per period across every replica: a plain callable, or an async one (awaited
+    #: before the call returns: hand a webhook to a task or a queue). An exception it
+    #: raises is logged and the call's answer is returned all the same.
+    on_budget_threshold: Callable[[BudgetCrossing], object] | None = None
+
     def __init__(
         self,
         url: str | None = None,
@@ -966,7 +981,23 @@ class AsyncRateLimiter:
                     raise
             call, result = advance(plan, answer)
         hold: BudgetHold = result
+        await self._report_crossings(hold.crossed)
         return hold
+
+    async def _report_crossings(self, crossings: tuple[BudgetCrossing, ...]) -> None:
+        """The metric, the log record and the app's callback (awaited when it is async)."""
+        report_crossings(self, crossings)
+        callback = self.on_budget_threshold
+        if callback is None:
+            return
+        for crossing in crossings:
+            try:
+                answer = callback(crossing)
+                if inspect.isawaitable(answer):
+                    await answer
+            except Exception:  # noqa: BLE001 - the admission stands; the app's bug is logged
+                logger.exception("on_budget_threshold raised for budget %r of %r at %d%%",
+                                 crossing.budget.name, crossing.budget.owner, crossing.threshold)
 
     async def _release_held(self, rows: tuple[Any, ...], sent: _Sent) -> None:
         """For a hold whose caller was cancelled: once its reply is in, gives back what it
@@ -978,7 +1009,8 @@ class AsyncRateLimiter:
         allowed, _, kind, _, hold_id, periods = raw
         if not (allowed and hold_id and kind >= 0):
             return
-        settle = tuple((row[0], row[1], start, 0) for row, (_, start, _) in zip(rows, periods, strict=True))
+        settle = tuple((row[0], row[1], period[1], 0, row[2], row[8])
+                       for row, period in zip(rows, periods, strict=True))
         try:
             if not self._closed:
                 await self._run(self._codec.settle_budgets(rows[0][0], settle, hold_id))
@@ -986,7 +1018,8 @@ class AsyncRateLimiter:
             logger.warning("could not give back the hold of a cancelled hold_budgets (it is "
                            "held until its key expires): %s", exc)
 
-    async def settle_budgets(self, hold: BudgetHold, actual: int | Sequence[int]) -> int:
+    async def settle_budgets(self, hold: BudgetHold,
+                             actual: int | Sequence[int]) -> BudgetSettlement:
         """RateLimiter.settle_budgets, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
@@ -996,8 +1029,9 @@ class AsyncRateLimiter:
             _, positional, keywords = call
             answer = await self._run(self._codec.settle_budgets(*positional, **keywords))
             call, result = advance(plan, answer)
-        found: int = result
-        return found
+        settled: BudgetSettlement = result
+        await self._report_crossings(settled.crossed)
+        return settled
 
     async def _drive(self, plan: Plan, reserving: bool = False) -> Any:
         """Runs a plan's C calls (reservation.py) on this loop's pipeline. When the caller is

@@ -995,21 +995,21 @@ fired_arrays(const char *name, const redisReply *reply, size_t i, size_t count, 
     return RL_OK;
 }
 
-/* lua/budget_hold.lua: {allowed, refusing index, kind, now, {remaining}, {start}, {end},
-   {fired before}, {fired after}}, checked against the request: each budget's period is
-   one of the three sent, its remaining at most its limit; or {0, -1, 0, now, {}, {}, {},
-   {}, {}}: the periods sent do not hold the script's now (kind -1 here; the caller
-   computes them anew from now). */
+/* lua/budget_hold.lua: {allowed, refusing index, kind, now, {remaining}, {start}, {end}},
+   followed by {fired before}, {fired after} when a soft limit was crossed, checked
+   against the request: each budget's period is one of the three sent, its remaining at
+   most its limit; or {0, -1, 0, now, {}, {}, {}}: the periods sent do not hold the
+   script's now (kind -1 here; the caller computes them anew from now). */
 static rl_status
 decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     static const char name[] = "budget hold";
     const int n = d->nbudgets;
     long long v[4];
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 9)
+    if (reply->type != REDIS_REPLY_ARRAY || (reply->elements != 7 && reply->elements != 9))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the budget hold script: %s%s, expected an "
-                            "array of 4 integers and 5 arrays",
+                            "array of 4 integers and 3 or 5 arrays",
                             rl_reply_type_name(reply->type),
                             reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
     for (size_t i = 0; i < 4; i++) {
@@ -1033,8 +1033,9 @@ decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out
                                 "expected an array of %zu integers",
                                 i + 1, e ? rl_reply_type_name(e->type) : "missing", count);
     }
-    memset(out, 0, sizeof(*out));
-    if (fired_arrays(name, reply, 7, count, out->fired_before, out->fired_after, err) != RL_OK)
+    memset(out, 0, sizeof(*out)); /* no soft limit crossed: fired 0 before and after */
+    if (reply->elements == 9 &&
+        fired_arrays(name, reply, 7, count, out->fired_before, out->fired_after, err) != RL_OK)
         return err->kind;
     for (size_t k = 0; k < count; k++) {
         const rl_budget *b = &d->budgets[k];
@@ -1066,19 +1067,27 @@ decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out
     return RL_OK;
 }
 
-/* lua/budget_settle.lua: {found, {fired before}, {fired after}}. */
+/* lua/budget_settle.lua: found, or {found, {fired before}, {fired after}} when a soft
+   limit was crossed. */
 static rl_status
 decode_budget_settle(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     static const char name[] = "budget settle";
     long long found;
+    memset(out, 0, sizeof(*out)); /* no soft limit crossed: fired 0 before and after */
+    if (reply->type == REDIS_REPLY_INTEGER) {
+        if (within(name, "found", reply->integer, 0, d->nbudgets, err) != RL_OK)
+            return err->kind;
+        out->found = reply->integer;
+        return RL_OK;
+    }
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 3)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the budget settle script: %s%s, expected an "
-                            "array of an integer and 2 arrays",
+                            "integer from 0 to %d, or an array of it and 2 arrays",
                             rl_reply_type_name(reply->type),
-                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
-    memset(out, 0, sizeof(*out));
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "",
+                            d->nbudgets);
     if (integer_at(reply, 0, &found, err) != RL_OK ||
         within(name, "found", found, 0, d->nbudgets, err) != RL_OK ||
         fired_arrays(name, reply, 1, (size_t)d->nbudgets, out->fired_before, out->fired_after,

@@ -966,6 +966,7 @@ class AsyncRateLimiter:
             raise RateLimiterError("the rate limiter is closed")
         plan = hold_plan(budgets, amount, hold_seconds)
         call, result = advance(plan)
+        chosen = (budgets,) if isinstance(budgets, Budget) else tuple(budgets)  # checked by now
         while call is not None:
             _, positional, keywords = call
             request = self._codec.hold_budgets(*positional, **keywords)
@@ -977,12 +978,26 @@ class AsyncRateLimiter:
                     answer = await self._run(request, True, True, sent)
                 except asyncio.CancelledError:
                     if sent.future is not None:
-                        self._leave(self._release_held(positional[1], sent))
+                        self._leave(self._release_held(positional[1], sent, chosen))
                     raise
             call, result = advance(plan, answer)
         hold: BudgetHold = result
-        await self._report_crossings(hold.crossed)
+        try:
+            await self._report_crossings(hold.crossed)
+        except asyncio.CancelledError:  # in an async on_budget_threshold: nothing stays held
+            if hold.allowed and hold.hold_id:
+                self._leave(self._give_back_hold(hold))
+            raise
         return hold
+
+    async def _give_back_hold(self, hold: BudgetHold) -> None:
+        """Settles a hold to 0 for a caller cancelled after it was made."""
+        try:
+            if not self._closed:
+                await self.settle_budgets(hold, 0)
+        except Exception as exc:  # noqa: BLE001 - logged: the hold expires with its key
+            logger.warning("could not give back the hold of a cancelled hold_budgets (it is "
+                           "held until its key expires): %s", exc)
 
     async def _report_crossings(self, crossings: tuple[BudgetCrossing, ...]) -> None:
         """The metric, the log record and the app's callback (awaited when it is async)."""
@@ -999,8 +1014,10 @@ class AsyncRateLimiter:
                 logger.exception("on_budget_threshold raised for budget %r of %r at %d%%",
                                  crossing.budget.name, crossing.budget.owner, crossing.threshold)
 
-    async def _release_held(self, rows: tuple[Any, ...], sent: _Sent) -> None:
-        """For a hold whose caller was cancelled: once its reply is in, gives back what it
+    async def _release_held(self, rows: tuple[Any, ...], sent: _Sent,
+                            budgets: tuple[Budget, ...]) -> None:
+        """For a hold whose caller was cancelled: once its reply is in, reports the soft
+        limits it crossed (recorded in Redis: told by no one else) and gives back what it
         held (nobody will settle it)."""
         try:
             raw = await sent.future  # type: ignore[misc]
@@ -1017,6 +1034,10 @@ class AsyncRateLimiter:
         except Exception as exc:  # noqa: BLE001 - logged: the hold expires with its key
             logger.warning("could not give back the hold of a cancelled hold_budgets (it is "
                            "held until its key expires): %s", exc)
+        await self._report_crossings(tuple(
+            BudgetCrossing(b, t, start, end, "hold", hold_id)
+            for b, (_, start, end, before, after) in zip(budgets, periods, strict=True)
+            for t in b.thresholds if before < t <= after))
 
     async def settle_budgets(self, hold: BudgetHold,
                              actual: int | Sequence[int]) -> BudgetSettlement:

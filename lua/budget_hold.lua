@@ -19,9 +19,9 @@ ARGV[last]  optional replay marker ("1", proto.c): the id makes a replay safe, a
 
 Returns {allowed, refusing budget (0-based, -1 on allow), kind (0 allow, 1 permanent,
 2 until_reset, 3 in_flight), now_ms, {remaining per budget}, {period start per budget},
-{period end per budget}, {threshold fired before per budget}, {threshold fired now per
-budget}} (0: none; a crossing when they differ), or {0, -1, 0, now_ms, {}, {}, {}, {}, {}}
-when now falls in none of the
+{period end per budget}}, followed by {threshold fired before per budget}, {threshold
+fired now per budget}} (0: none) when the hold crossed a soft limit of some budget (or is
+the replay of one that did), or {0, -1, 0, now_ms, {}, {}, {}} when now falls in none of the
 three periods sent for some budget (the client recomputes them from now_ms and asks
 again). A refusal writes nothing; over maxmemory nothing is written.
 --]]

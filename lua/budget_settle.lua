@@ -13,9 +13,9 @@ ARGV[2 + 3(i-1) ..]  budget i's actual usage, an integer >= 0 (0 releases the ho
 ARGV[last] optional replay marker ("1", proto.c): settling twice changes nothing; a
            crossing this settle fired is reported again (its first reply was lost)
 
-Returns {found, {threshold fired before per budget}, {threshold fired now per budget}}:
-the number of budgets whose hold was found (0 once settled, or expired), and the soft
-limits crossed.
+Returns the number of budgets whose hold was found (0 once settled, or expired); when the
+settle crossed a soft limit of some budget (or is the replay of one that did), {found,
+{threshold fired before per budget}, {threshold fired now per budget}}.
 --]]
 
 return budget_settle(#KEYS, ARGV[1], 2, #ARGV > 1 + 3 * #KEYS)

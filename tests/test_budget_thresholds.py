@@ -200,6 +200,59 @@ def test_an_async_callback_is_awaited_and_may_raise(loop_factory: Any, redis_url
             for r in caplog.records if r.levelno == logging.ERROR] == [True]
 
 
+@pytest.mark.limiter_kinds("asyncio", reason="cancellation is an asyncio matter")
+def test_a_hold_cancelled_on_its_way_still_tells_its_crossing_once(
+        loop_factory: Any, redis_url: str, redis_client: redis.Redis) -> None:
+    """The caller is cancelled while the hold that crosses 50 % is on its way: the hold is
+    given back once its reply is in, and the crossing it recorded is told (by the task that
+    gives it back), once."""
+    budget = Budget("org", "monthly", 100, thresholds=(50,))
+    calls: list[BudgetCrossing] = []
+
+    async def cancel_one() -> None:
+        async with AsyncRateLimiter(redis_url) as limiter:
+            limiter.on_budget_threshold = calls.append
+            await limiter.hold_budgets(budget, 0)  # connected: the next hold is sent at once
+            task = asyncio.ensure_future(limiter.hold_budgets(budget, 60))
+            await asyncio.sleep(0)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert limiter._leftovers  # the give-back runs on its own
+        assert budget_thresholds(limiter).total() == 1
+
+    from helpers_async import run_async
+    run_async(cancel_one(), loop_factory)
+    assert thresholds_of(calls) == [50]
+    (key,) = redis_client.keys("*budget=monthly")
+    assert int(redis_client.hget(key, "held")) == 0 and int(redis_client.hget(key, "fired")) == 50
+
+
+@pytest.mark.limiter_kinds("asyncio", reason="cancellation is an asyncio matter")
+def test_a_caller_cancelled_in_its_async_callback_leaves_nothing_held(
+        loop_factory: Any, redis_url: str, redis_client: redis.Redis) -> None:
+    budget = Budget("org", "monthly", 100, thresholds=(50,))
+    entered = asyncio.Event()
+
+    async def slow(crossing: BudgetCrossing) -> None:
+        entered.set()
+        await asyncio.Event().wait()  # a webhook that never answers
+
+    async def cancel_in_callback() -> None:
+        async with AsyncRateLimiter(redis_url) as limiter:
+            limiter.on_budget_threshold = slow
+            task = asyncio.ensure_future(limiter.hold_budgets(budget, 60))
+            await entered.wait()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    from helpers_async import run_async
+    run_async(cancel_in_callback(), loop_factory)
+    (key,) = redis_client.keys("*budget=monthly")
+    assert redis_client.hmget(key, "spent", "held", "fired") == [b"0", b"0", b"50"]
+
+
 @pytest.mark.limiter_kinds("sync", reason="threads share one blocking RateLimiter; the async "
                                           "kinds run the same race as tasks below")
 def test_threads_crossing_together_fire_each_threshold_once(limiter: Any) -> None:
@@ -327,8 +380,8 @@ def test_the_script_replayed_tells_the_crossing_and_a_second_call_does_not(
         redis_client: redis.Redis) -> None:
     """The scripts themselves: the same hold run again with the replay marker answers the
     first run's crossing (fired_by names it) and records nothing; the same hold id without
-    the marker is not a replay and tells nothing; a settle is told again only when
-    replayed."""
+    the marker tells nothing (the reply has no soft-limit elements); a settle is told again
+    only when replayed."""
     budget = Budget("org", "daily", 100, "day", thresholds=(50, 80))
     now = 1_780_000_000_000
     (previous, _), (start, end), (_, following) = (budget.period_at(budget.period_at(now)[0] - 1),
@@ -340,12 +393,12 @@ def test_the_script_replayed_tells_the_crossing_and_a_second_call_does_not(
     script = _native.BUDGET_HOLD_SOURCE
     assert redis_client.eval(script, 3, *keys, *argv)[7:] == [[0], [50]]
     assert redis_client.eval(script, 3, *keys, *argv, "1")[7:] == [[0], [50]]
-    assert redis_client.eval(script, 3, *keys, *argv)[7:] == [[50], [50]]
+    assert len(redis_client.eval(script, 3, *keys, *argv)) == 7  # nothing to tell: no more
     assert redis_client.hmget(keys[1], "held", "fired") == [b"60", b"50"]
     settle = _native.BUDGET_SETTLE_SOURCE
     assert redis_client.eval(settle, 1, keys[1], hold_id, 90, 100, 50080) == [1, [50], [80]]
     assert redis_client.eval(settle, 1, keys[1], hold_id, 90, 100, 50080, "1") == [0, [50], [80]]
-    assert redis_client.eval(settle, 1, keys[1], hold_id, 90, 100, 50080) == [0, [80], [80]]
+    assert redis_client.eval(settle, 1, keys[1], hold_id, 90, 100, 50080) == 0
     assert redis_client.hmget(keys[1], "spent", "held", "fired") == [b"90", b"0", b"80"]
 
 

@@ -273,8 +273,8 @@ def test_the_script_replayed_with_the_same_hold_id_holds_once(
     assert first[:3] == second[:3] == [1, -1, 0]
     assert stored(redis_client, budget, start) == {"spent": 0, "held": 30, hold_id: 30}
     settle = _native.BUDGET_SETTLE_SOURCE
-    assert redis_client.eval(settle, 1, keys[1], hold_id, 25, 100, 0) == [1, [0], [0]]
-    assert redis_client.eval(settle, 1, keys[1], hold_id, 25, 100, 0, "1") == [0, [0], [0]]
+    assert redis_client.eval(settle, 1, keys[1], hold_id, 25, 100, 0) == 1
+    assert redis_client.eval(settle, 1, keys[1], hold_id, 25, 100, 0, "1") == 0
     assert stored(redis_client, budget, start) == {"spent": 25, "held": 0}
 
 
@@ -426,9 +426,9 @@ def test_a_cancelled_async_hold_leaves_nothing_held(loop_factory: Any, redis_url
 def test_a_malformed_hold_or_settle_reply_raises(make_limiter: Any) -> None:
     budget = Budget("org", "monthly", 50)
     bad = [b"*2\r\n:1\r\n:0\r\n", b":1\r\n",
-           b"*9\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*0\r\n*0\r\n*0\r\n*0\r\n*0\r\n",  # no periods
-           b"*9\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*1\r\n:99\r\n*1\r\n:5\r\n*1\r\n:6\r\n"
-           b"*1\r\n:0\r\n*1\r\n:0\r\n"]  # not sent
+           b"*7\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*0\r\n*0\r\n*0\r\n",  # no periods
+           b"*7\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*1\r\n:99\r\n*1\r\n:5\r\n*1\r\n:6\r\n",  # not sent
+           b"*8\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*0\r\n*0\r\n*0\r\n*0\r\n"]  # 8 elements
     for data in bad:
         with FakeRedis(Reply(data)) as fake:
             limiter = make_limiter(fake.url, socket_timeout=2.0)
@@ -436,7 +436,7 @@ def test_a_malformed_hold_or_settle_reply_raises(make_limiter: Any) -> None:
                 limiter.hold_budgets(budget, 1)
     hold = BudgetHold(allowed=True, hold_id="6f1c1b4e-8a31-4c55-9c1e-2f3b8f1a7d10", now_ms=1,
                       periods=(BudgetPeriod(budget, 1, 49, 0, 10),))
-    for data in (b"+OK\r\n", b":1\r\n", b"*1\r\n:1\r\n",  # 1 budget: 0 or 1
+    for data in (b"+OK\r\n", b":2\r\n", b":-1\r\n", b"*1\r\n:1\r\n",  # 1 budget: 0 or 1
                  b"*3\r\n:2\r\n*1\r\n:0\r\n*1\r\n:0\r\n",
                  b"*3\r\n:1\r\n*1\r\n:50\r\n*1\r\n:40\r\n",  # fired fell
                  b"*3\r\n:1\r\n*1\r\n:0\r\n*1\r\n:101\r\n",  # above 100

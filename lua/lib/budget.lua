@@ -51,6 +51,23 @@ local function budget_fired(packed, limit, use, fired)
   return best
 end
 
+-- A reply with the soft limits to tell: `reply` as it is when no budget crossed one (the
+-- common case costs nothing more), else with {fired before} and {fired now} per budget
+-- (a hold's reply gains two elements; a settle's integer becomes {found, {..}, {..}}).
+local function budget_told(reply, n, before, after)
+  for i = 1, n do
+    if after[i] ~= before[i] then
+      if type(reply) == 'table' then
+        reply[#reply + 1] = before
+        reply[#reply + 1] = after
+        return reply
+      end
+      return {reply, before, after}
+    end
+  end
+  return reply
+end
+
 -- The period of budget i (1-based) that holds `now`: (key, start, end), or nil when none
 -- of the three does (the client's clock is a period or more away from the script's).
 local function budget_period(i, now, first)
@@ -73,17 +90,17 @@ end
 -- on allow), kind, now, {remaining}, {period start}, {period end}}; {0, -1, 0, now, {}, {},
 -- {}} when a budget's periods do not hold now (the caller recomputes them from now).
 -- Two Redis calls per budget on allow (HMGET, HSET), one more when the key's life grows.
--- Also returns {fired before} and {fired now} per budget (soft limits; equal: no crossing).
+-- A reply that tells soft limits crossed has two more elements (budget_told).
 -- replayed: the call carries proto.c's replay marker (its first reply was lost): a budget
 -- whose id is held in any of its three periods answers from that period, so a replay that
 -- crosses a boundary finds the hold its first attempt made instead of holding anew.
 local function budget_hold(n, id, now, hold_ms, first, replayed)
   local keys, starts, ends, limits, amounts = {}, {}, {}, {}, {}
   local spent, held, untils, remaining = {}, {}, {}, {}
-  local fired, before, after, fired_by = {}, {}, {}, {}
+  local fired, before, after, packed = {}, {}, {}, {}
   for i = 1, n do
     local key, start, stop = budget_period(i, now, first)
-    if not key then return {0, -1, 0, now, {}, {}, {}, {}, {}} end
+    if not key then return {0, -1, 0, now, {}, {}, {}} end
     keys[i], starts[i], ends[i] = key, start, stop
     if replayed then
       local a = first + (i - 1) * BUDGET_FIELDS
@@ -100,9 +117,16 @@ local function budget_hold(n, id, now, hold_ms, first, replayed)
   for i = 1, n do
     local a = first + (i - 1) * BUDGET_FIELDS
     limits[i], amounts[i] = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
-    -- "until": the time (the scripts' clock) the key lives to, its TTL's end.
-    local values = redis.call('HMGET', keys[i], 'spent', 'held', 'until', id, 'fired',
-                              'fired_from', 'fired_by')
+    packed[i] = tonumber(ARGV[a + 6])
+    -- "until": the time (the scripts' clock) the key lives to, its TTL's end. The soft
+    -- limits' fields are read only for a budget that has some.
+    local values
+    if packed[i] > 0 then
+      values = redis.call('HMGET', keys[i], 'spent', 'held', 'until', id, 'fired', 'fired_from',
+                          'fired_by')
+    else
+      values = redis.call('HMGET', keys[i], 'spent', 'held', 'until', id)
+    end
     spent[i], held[i] = tonumber(values[1]) or 0, tonumber(values[2]) or 0
     untils[i] = tonumber(values[3]) or 0
     fired[i] = tonumber(values[5]) or 0
@@ -124,67 +148,85 @@ local function budget_hold(n, id, now, hold_ms, first, replayed)
     if k > 0 and refused < 0 then refused, kind = i - 1, k end
     remaining[i] = math.max(0, limits[i] - spent[i] - held[i])
   end
-  if refused >= 0 or replay then
-    if not replay then before = after end
-    return {refused >= 0 and 0 or 1, refused, kind, now, remaining, starts, ends, before, after}
+  if refused >= 0 then
+    return {0, refused, kind, now, remaining, starts, ends}
+  end
+  if replay then
+    return budget_told({1, -1, 0, now, remaining, starts, ends}, n, before, after)
   end
   -- The first write is HSET, which Redis refuses over maxmemory before anything is
   -- written; once a script has written, Redis lets it finish.
   for i = 1, n do
     local target = ends[i] + hold_ms
-    local thresholds = tonumber(ARGV[first + (i - 1) * BUDGET_FIELDS + 6])
-    before[i] = fired[i]
-    after[i] = budget_fired(thresholds, limits[i], spent[i] + held[i] + amounts[i], fired[i])
-    if after[i] > fired[i] then
-      redis.call('HSET', keys[i], 'held', held[i] + amounts[i], id, amounts[i], 'fired', after[i],
-                 'fired_from', fired[i], 'fired_by', id)
-    else
-      redis.call('HSET', keys[i], 'held', held[i] + amounts[i], id, amounts[i])
+    local fields = {'held', held[i] + amounts[i], id, amounts[i]}
+    if packed[i] > 0 then
+      after[i] = budget_fired(packed[i], limits[i], spent[i] + held[i] + amounts[i], fired[i])
+      if after[i] > fired[i] then
+        fields[5], fields[6], fields[7], fields[8] = 'fired', after[i], 'fired_from', fired[i]
+        fields[9], fields[10] = 'fired_by', id
+      end
     end
     if target > untils[i] then
-      redis.call('HSET', keys[i], 'until', target)
+      local n = #fields
+      fields[n + 1], fields[n + 2] = 'until', target
+    end
+    redis.call('HSET', keys[i], unpack(fields))
+    if target > untils[i] then
       -- Relative to the script's now (a client clock may differ from the server's): the
       -- key lives until its period's end plus hold_ms, never shortened by a later hold.
       redis.call('PEXPIRE', keys[i], target - now)
     end
     remaining[i] = math.max(0, remaining[i] - amounts[i])
   end
-  return {1, -1, 0, now, remaining, starts, ends, before, after}
+  return budget_told({1, -1, 0, now, remaining, starts, ends}, n, before, after)
 end
 
 -- Settles hold id in KEYS[1..n] (the periods that admitted it), budget i to actual
 -- ARGV[first + 3(i - 1)] (then its limit and packed thresholds): spent += actual, held -=
 -- the amount held, the hold's field removed. A hold no longer there (settled already, or
--- its key expired) is left alone, so a replay changes nothing. Returns {found, {fired
--- before}, {fired now}}: the number of budgets whose hold was found, and per budget the
--- soft limits crossed (the use, spent + held, grows when the actual exceeds the hold).
+-- its key expired) is left alone, so a replay changes nothing. Returns the number of
+-- budgets whose hold was found, or {found, {fired before}, {fired now}} when soft limits
+-- were crossed (budget_told: the use, spent + held, grows when the actual exceeds the hold).
 -- replayed (proto.c's marker: the first reply was lost): a budget whose crossing this
 -- settle fired reports it again, so it is told once.
 local function budget_settle(n, id, first, replayed)
   local found, before, after = 0, {}, {}
   for i = 1, n do
     local a = first + 3 * (i - 1)
-    local values = redis.call('HMGET', KEYS[i], 'spent', 'held', id, 'fired', 'fired_from',
-                              'fired_by')
-    local amount = tonumber(values[3])
-    local fired = tonumber(values[4]) or 0
-    before[i], after[i] = fired, fired
-    if amount then
-      local spent = (tonumber(values[1]) or 0) + tonumber(ARGV[a])
-      local held = (tonumber(values[2]) or 0) - amount
-      after[i] = budget_fired(tonumber(ARGV[a + 2]), tonumber(ARGV[a + 1]), spent + held, fired)
-      -- HSET first: over maxmemory Redis refuses it before any write (see above).
-      if after[i] > fired then
-        redis.call('HSET', KEYS[i], 'spent', spent, 'held', held, 'fired', after[i],
-                   'fired_from', fired, 'fired_by', 's' .. id)
-      else
-        redis.call('HSET', KEYS[i], 'spent', spent, 'held', held)
+    local packed = tonumber(ARGV[a + 2])
+    before[i], after[i] = 0, 0
+    if packed == 0 then -- no soft limits: nothing more than the settle itself
+      local values = redis.call('HMGET', KEYS[i], 'spent', 'held', id)
+      local amount = tonumber(values[3])
+      if amount then
+        -- HSET first: over maxmemory Redis refuses it before any write (see above).
+        redis.call('HSET', KEYS[i], 'spent', (tonumber(values[1]) or 0) + tonumber(ARGV[a]),
+                   'held', (tonumber(values[2]) or 0) - amount)
+        redis.call('HDEL', KEYS[i], id)
+        found = found + 1
       end
-      redis.call('HDEL', KEYS[i], id)
-      found = found + 1
-    elseif replayed and values[6] == 's' .. id then
-      before[i] = tonumber(values[5]) or 0
+    else
+      local values = redis.call('HMGET', KEYS[i], 'spent', 'held', id, 'fired', 'fired_from',
+                                'fired_by')
+      local amount = tonumber(values[3])
+      local fired = tonumber(values[4]) or 0
+      before[i], after[i] = fired, fired
+      if amount then
+        local spent = (tonumber(values[1]) or 0) + tonumber(ARGV[a])
+        local held = (tonumber(values[2]) or 0) - amount
+        after[i] = budget_fired(packed, tonumber(ARGV[a + 1]), spent + held, fired)
+        if after[i] > fired then
+          redis.call('HSET', KEYS[i], 'spent', spent, 'held', held, 'fired', after[i],
+                     'fired_from', fired, 'fired_by', 's' .. id)
+        else
+          redis.call('HSET', KEYS[i], 'spent', spent, 'held', held)
+        end
+        redis.call('HDEL', KEYS[i], id)
+        found = found + 1
+      elseif replayed and values[6] == 's' .. id then
+        before[i] = tonumber(values[5]) or 0
+      end
     end
   end
-  return {found, before, after}
+  return budget_told(found, n, before, after)
 end

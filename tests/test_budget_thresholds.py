@@ -26,7 +26,13 @@ from genai_ratelimit import (
     BudgetSettlement,
     _native,
 )
-from genai_ratelimit.metrics import budget_thresholds, exported, samples
+from genai_ratelimit.metrics import (
+    _from_json,
+    budget_thresholds,
+    exported,
+    merge_snapshots,
+    samples,
+)
 from genai_ratelimit.testing import ManualClock
 from test_idempotent_retry import ReplyDroppingProxy, redis_port  # noqa: F401 - a fixture
 
@@ -431,6 +437,19 @@ def test_the_crossings_are_exported_with_bounded_labels(limiter: Any) -> None:
 
 
 # ---------------------------------------------------------------- no I/O
+
+
+def test_the_crossings_of_several_workers_add_up(unreachable_limiter: Any) -> None:
+    """PrometheusCollector(directory=...) sums each worker's snapshot, read back from JSON."""
+    snapshot = exported(native(unreachable_limiter))
+    one = {**snapshot, "budget_thresholds": (("monthly_usd", "key", "50", 2),)}
+    two = {**snapshot, "budget_thresholds": (("monthly_usd", "key", "50", 1),
+                                             ("daily", "none", "80", 1))}
+    merged = merge_snapshots([_from_json(json.loads(json.dumps(one))),
+                              _from_json(json.loads(json.dumps(two)))])
+    assert merged["budget_thresholds"] == (("daily", "none", "80", 1),
+                                           ("monthly_usd", "key", "50", 3))
+
 
 
 @pytest.mark.parametrize(("thresholds", "error", "match"), [

@@ -14,6 +14,8 @@ the blocking RateLimiter, sequentially on one connection, over 1,000 users:
                                 admission today
   hold, 1 budget                hold_budgets(the user's monthly budget, 1)
   hold, 4 levels                org -> team -> key -> user, one monthly budget each
+  hold, 4 levels, soft limits   the same with thresholds=(50, 80, 95) on each budget (none
+                                crossed: the cost every admission pays for them)
   hold, 4 levels x 3 units      requests, tokens and money at each of the 4 levels (12
                                 budgets: per-budget amounts), one script
   hold + settle, 4 levels       a hold, then its settle: two scripts per admission
@@ -50,10 +52,11 @@ USERS = [f"user_{n}" for n in range(1000)]
 BASELINE = "zset check, allowed (baseline)"
 
 
-def levels(user: str, units: tuple[str, ...]) -> list[Budget]:
+def levels(user: str, units: tuple[str, ...],
+           thresholds: tuple[int, ...] = ()) -> list[Budget]:
     owners = ("org:acme", f"team:{hash(user) % 10}", f"key:{user}", user)
-    return [Budget(owner, unit, BIG, "month", "Europe/Paris") for owner in owners
-            for unit in units]
+    return [Budget(owner, unit, BIG, "month", "Europe/Paris", thresholds=thresholds)
+            for owner in owners for unit in units]
 
 
 def main() -> int:
@@ -69,6 +72,7 @@ def main() -> int:
         limiter = RateLimiter(target.url, max_connections=1)
         one = {u: [Budget(u, "monthly", BIG, "month", "Europe/Paris")] for u in USERS}
         four = {u: levels(u, ("monthly_usd",)) for u in USERS}
+        soft = {u: levels(u, ("soft_usd",), (50, 80, 95)) for u in USERS}
         twelve = {u: levels(u, ("requests", "tokens", "usd")) for u in USERS}
         mixed = (1, 500, 150_000) * 4  # a request, 500 tokens, $0.15 in micro-USD
 
@@ -88,6 +92,8 @@ def main() -> int:
             "hold, 1 budget": (limiter.hold_budgets, [(one[u], 1) for u in USERS], "allowed"),
             "hold, 4 levels": (
                 limiter.hold_budgets, [(four[u], 150_000) for u in USERS], "allowed"),
+            "hold, 4 levels, soft limits (50, 80, 95)": (
+                limiter.hold_budgets, [(soft[u], 150_000) for u in USERS], "allowed"),
             "hold, 4 levels x 3 units (12 budgets)": (
                 limiter.hold_budgets, [(twelve[u], mixed) for u in USERS], "allowed"),
             "hold + settle, 4 levels (2 scripts)": (

@@ -51,6 +51,7 @@
 #define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
 #define RL_MAX_REPLY_BYTES 65536             /* a decision's reply is tiny: more is garbage */
 #define RL_MAX_LIMIT 9007199254740991LL      /* 2^53 - 1: exact in Lua's doubles */
+#define RL_MAX_THRESHOLDS 999999999999999LL  /* a budget's soft limits packed: 5 percents */
 #define RL_MAX_WINDOW_SECONDS 3153600000LL   /* 100 years of 365 days */
 #define RL_MAX_TIMEOUT_SECONDS 86400.0       /* timeouts: one day at most (no overflow) */
 #define RL_MAX_REPLICA_TIMEOUT_MS 86400000LL /* replica_timeout_ms: one day at most */
@@ -116,6 +117,9 @@ typedef struct {
                  periods sent do not hold the script's now (now_ms) */
     long long start_of[RL_MAX_BUDGETS]; /* budget hold: each budget's period start (ms) */
     long long end_of[RL_MAX_BUDGETS];   /* and end (ms); remaining_of: each one's remaining */
+    int fired_before[RL_MAX_BUDGETS];   /* budget hold or settle: each budget's highest soft */
+    int fired_after[RL_MAX_BUDGETS];    /* limit fired before and after it (0..100; differ:
+                                         a crossing) */
 } rl_result;
 
 /* A calendar budget of a hold or a settle (genai_ratelimit/periods.py computes the numbers;
@@ -125,10 +129,11 @@ typedef struct {
     size_t owner_len;
     const char *name; /* the same */
     size_t name_len;
-    long long limit;     /* hold: the budget's limit (>= 1) */
-    long long amount;    /* hold: the amount to hold; settle: the actual usage (>= 0) */
-    long long bounds[4]; /* hold: previous period's start, start, end, next period's end;
-                            settle: bounds[0], the admitting period's start */
+    long long limit;      /* the budget's limit (>= 1) */
+    long long thresholds; /* its soft limits packed (percents, 3 digits each), 0: none */
+    long long amount;     /* hold: the amount to hold; settle: the actual usage (>= 0) */
+    long long bounds[4];  /* hold: previous period's start, start, end, next period's end;
+                             settle: bounds[0], the admitting period's start */
 } rl_budget;
 
 /* What a decision is, and how its result becomes Python (rl_result_object). */

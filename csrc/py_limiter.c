@@ -445,19 +445,21 @@ LIMITER_METHOD(check_rate, RL_SHAPE_GCRA)
 
 PyDoc_STRVAR(Limiter_hold_budgets_doc,
 "_hold_budgets($self, /, user_id, budgets, hold_ms)\n--\n\n"
-"-> (allowed, refused, kind, now_ms, hold_id, ((remaining, start_ms, end_ms), ...))\n\n"
+"-> (allowed, refused, kind, now_ms, hold_id, ((remaining, start_ms, end_ms, fired_before,\n"
+"fired_after), ...))\n\n"
 "Holds amounts in calendar budgets, all or nothing, in one script execution\n"
 "(lua/budget_hold.lua). budgets: (owner, name, limit, amount, previous_start, start, end,\n"
-"next_end) tuples (genai_ratelimit/periods.py); user_id: the owner whose slot the script\n"
-"runs in. kind -1: the periods sent do not hold the script's now_ms (ask again).");
+"next_end, thresholds) tuples (genai_ratelimit/periods.py); user_id: the owner whose slot\n"
+"the script runs in. kind -1: the periods sent do not hold the script's now_ms (ask again).");
 
 LIMITER_METHOD(hold_budgets, RL_SHAPE_BUDGET_HOLD)
 
 PyDoc_STRVAR(Limiter_settle_budgets_doc,
 "_settle_budgets($self, /, user_id, budgets, hold_id)\n--\n\n"
-"-> the number of budgets whose hold was found\n\n"
-"Settles a hold (lua/budget_settle.lua): budgets are (owner, name, period_start, actual)\n"
-"tuples naming the periods that admitted it. Settling twice changes nothing.");
+"-> (found, ((fired_before, fired_after), ...))\n\n"
+"Settles a hold (lua/budget_settle.lua): budgets are (owner, name, period_start, actual,\n"
+"limit, thresholds) tuples naming the periods that admitted it; found: the number of\n"
+"budgets whose hold was found. Settling twice changes nothing.");
 
 LIMITER_METHOD(settle_budgets, RL_SHAPE_BUDGET_SETTLE)
 

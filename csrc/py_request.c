@@ -468,15 +468,15 @@ gcra_bucket(rl_prepared *d, long long rate, long long seconds, long long burst, 
 }
 
 /* _hold_budgets's budgets: a tuple of (owner, name, limit, amount, previous_start, start,
-   end, next_end) tuples (hold), or _settle_budgets's: of (owner, name, start, actual)
-   (settle). genai_ratelimit/periods.py computes the periods; here they are checked to be
+   end, next_end, thresholds) tuples (hold), or _settle_budgets's: of (owner, name, start,
+   actual, limit, thresholds) (settle); thresholds: the soft limits packed (periods.py). genai_ratelimit/periods.py computes the periods; here they are checked to be
    in order, so the script only picks one. Tuples only: owners and names are borrowed
    (rl_budget). 0, or -1 with an exception. */
 static int
 add_budgets(rl_prepared *d, PyObject *budgets, int hold)
 {
     static const char *const bound_names[] = {"previous_start", "start", "end", "next_end"};
-    Py_ssize_t n, size = hold ? 8 : 4;
+    Py_ssize_t n, size = hold ? 9 : 6;
     if (!PyTuple_Check(budgets)) {
         rl_type_error(budgets, "budgets must be a tuple, not ");
         return -1;
@@ -517,13 +517,18 @@ add_budgets(rl_prepared *d, PyObject *budgets, int hold)
         if (!hold) {
             if (non_negative_int(PyTuple_GetItem(t, 2), "a budget's start", RL_MAX_UNIX_MS,
                                  &b->bounds[0]) < 0 ||
-                non_negative_int(PyTuple_GetItem(t, 3), "actual", RL_MAX_LIMIT, &b->amount) < 0)
+                non_negative_int(PyTuple_GetItem(t, 3), "actual", RL_MAX_LIMIT, &b->amount) < 0 ||
+                positive_int(PyTuple_GetItem(t, 4), "a budget's limit", RL_MAX_LIMIT, &b->limit) <
+                    0 ||
+                non_negative_int(PyTuple_GetItem(t, 5), "thresholds", RL_MAX_THRESHOLDS,
+                                 &b->thresholds) < 0)
                 return -1;
-            b->limit = 0;
             continue;
         }
         if (positive_int(PyTuple_GetItem(t, 2), "a budget's limit", RL_MAX_LIMIT, &b->limit) < 0 ||
-            non_negative_int(PyTuple_GetItem(t, 3), "amount", RL_MAX_LIMIT, &b->amount) < 0)
+            non_negative_int(PyTuple_GetItem(t, 3), "amount", RL_MAX_LIMIT, &b->amount) < 0 ||
+            non_negative_int(PyTuple_GetItem(t, 8), "thresholds", RL_MAX_THRESHOLDS,
+                             &b->thresholds) < 0)
             return -1;
         for (int j = 0; j < 4; j++) {
             if (non_negative_int(PyTuple_GetItem(t, 4 + j), bound_names[j], RL_MAX_UNIX_MS,

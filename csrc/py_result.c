@@ -108,8 +108,8 @@ slot_object(const rl_prepared *d, const rl_result *r)
 
 /* A budget hold's answer: (allowed, refused index (-1 on allow), kind (0 allowed,
    1 permanent, 2 until_reset, 3 in_flight, -1 periods stale), now_ms, hold id ("" when
-   nothing was held), ((remaining, period_start_ms, period_end_ms) per budget)). New
-   reference, or NULL. */
+   nothing was held), ((remaining, period_start_ms, period_end_ms, fired_before,
+   fired_after) per budget)). New reference, or NULL. */
 static PyObject *
 budget_hold_object(const rl_prepared *d, const rl_result *r)
 {
@@ -119,7 +119,8 @@ budget_hold_object(const rl_prepared *d, const rl_result *r)
         return NULL;
     for (Py_ssize_t k = 0; k < n; k++) {
         /* PyTuple_SetItem steals item even when it fails (it cannot on a fresh tuple). */
-        PyObject *item = Py_BuildValue("(LLL)", r->remaining_of[k], r->start_of[k], r->end_of[k]);
+        PyObject *item = Py_BuildValue("(LLLii)", r->remaining_of[k], r->start_of[k], r->end_of[k],
+                                       r->fired_before[k], r->fired_after[k]);
         if (item == NULL || PyTuple_SetItem(periods, k, item) < 0) {
             Py_DECREF(periods);
             return NULL;
@@ -130,6 +131,25 @@ budget_hold_object(const rl_prepared *d, const rl_result *r)
                          r->allowed ? d->member : "", periods);
 }
 
+/* A budget settle's answer: (found, ((fired_before, fired_after) per budget)). New
+   reference, or NULL. */
+static PyObject *
+budget_settle_object(const rl_prepared *d, const rl_result *r)
+{
+    PyObject *fired = PyTuple_New(d->nbudgets);
+    if (fired == NULL)
+        return NULL;
+    for (Py_ssize_t k = 0; k < d->nbudgets; k++) {
+        /* PyTuple_SetItem steals item even when it fails (it cannot on a fresh tuple). */
+        PyObject *item = Py_BuildValue("(ii)", r->fired_before[k], r->fired_after[k]);
+        if (item == NULL || PyTuple_SetItem(fired, k, item) < 0) {
+            Py_DECREF(fired);
+            return NULL;
+        }
+    }
+    return Py_BuildValue("(LN)", r->found, fired); /* "N" steals fired, also on failure */
+}
+
 PyObject *
 rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *r)
 {
@@ -138,7 +158,9 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     Py_ssize_t size;
     if (d->shape == RL_SHAPE_BUDGET_HOLD)
         return budget_hold_object(d, r);
-    if (d->shape == RL_SHAPE_RECONCILE || d->shape == RL_SHAPE_BUDGET_SETTLE)
+    if (d->shape == RL_SHAPE_BUDGET_SETTLE)
+        return budget_settle_object(d, r);
+    if (d->shape == RL_SHAPE_RECONCILE)
         return PyLong_FromLongLong(r->found); /* with release: the lease's answer is not told */
     if (d->shape == RL_SHAPE_OBSERVE)
         return PyLong_FromLongLong(r->expires_ms);

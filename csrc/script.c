@@ -417,11 +417,11 @@ budget_key_room(size_t prefix_len, const rl_budget *b)
     return prefix_len + 1 + rl_key_user_room(b->owner_len) + RL_NUMBER_TEXT + 8 + 3 * b->name_len;
 }
 
-#define RL_BUDGET_ARGV (7 + 9 * RL_MAX_BUDGETS)
+#define RL_BUDGET_ARGV (7 + 10 * RL_MAX_BUDGETS)
 
 /* Formats a hold, "EVALSHA sha 3n keys... id now hold_ms (limit amount previous start end
-   next)..." (the header of lua/budget_hold.lua), or a settle, "EVALSHA sha n keys... id
-   actual..." (lua/budget_settle.lua). Returns the length and sets *out, or -1 (out of
+   next thresholds)..." (the header of lua/budget_hold.lua), or a settle, "EVALSHA sha n
+   keys... id (actual limit thresholds)..." (lua/budget_settle.lua). Returns the length and sets *out, or -1 (out of
    memory). now_ms < 0 passes "" so the script reads the server's clock. */
 static long long
 format_budgets(const char *prefix, size_t prefix_len, const rl_prepared *d, long long now_ms,
@@ -431,7 +431,7 @@ format_budgets(const char *prefix, size_t prefix_len, const rl_prepared *d, long
     const int n = d->nbudgets, nkeys = per_key * n;
     const char *argv[RL_BUDGET_ARGV];
     size_t argvlen[RL_BUDGET_ARGV];
-    char numbers[3 + 6 * RL_MAX_BUDGETS][RL_NUMBER_TEXT];
+    char numbers[3 + 7 * RL_MAX_BUDGETS][RL_NUMBER_TEXT];
     char *arena, *cursor;
     size_t need = 0;
     int argc = 0, used = 0;
@@ -469,10 +469,11 @@ format_budgets(const char *prefix, size_t prefix_len, const rl_prepared *d, long
     }
     for (int k = 0; k < n; k++) {
         const rl_budget *b = &d->budgets[k];
-        const long long values[6] = {b->limit,     b->amount,    b->bounds[0],
-                                     b->bounds[1], b->bounds[2], b->bounds[3]};
-        const int first = hold ? 0 : 1, last = hold ? 6 : 2; /* settle: the actual only */
-        for (int j = first; j < last; j++) {
+        const long long hold_values[7] = {b->limit,     b->amount,    b->bounds[0], b->bounds[1],
+                                          b->bounds[2], b->bounds[3], b->thresholds};
+        const long long settle_values[3] = {b->amount, b->limit, b->thresholds};
+        const long long *values = hold ? hold_values : settle_values;
+        for (int j = 0; j < (hold ? 7 : 3); j++) {
             argvlen[argc] = (size_t)snprintf(numbers[used], RL_NUMBER_TEXT, "%lld", values[j]);
             argv[argc++] = numbers[used++];
         }
@@ -1045,20 +1046,48 @@ decode_reconcile_release(const redisReply *reply, const rl_prepared *d, rl_resul
     return RL_OK;
 }
 
+/* Reads element i and i + 1 of reply, arrays of `count` soft limits fired before and after
+   (0..100, never fewer after), into before and after. */
+static rl_status
+fired_arrays(const char *name, const redisReply *reply, size_t i, size_t count, int *before,
+             int *after, rl_error *err)
+{
+    for (size_t e = i; e < i + 2; e++) {
+        const redisReply *a = reply->element[e];
+        if (a == NULL || a->type != REDIS_REPLY_ARRAY || a->elements != count)
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "unexpected reply to the %s script: element %zu is %s, expected "
+                                "an array of %zu integers",
+                                name, e + 1, a ? rl_reply_type_name(a->type) : "missing", count);
+    }
+    for (size_t k = 0; k < count; k++) {
+        long long b, a;
+        if (integer_at(reply->element[i], k, &b, err) != RL_OK ||
+            integer_at(reply->element[i + 1], k, &a, err) != RL_OK ||
+            within(name, "fired", b, 0, 100, err) != RL_OK ||
+            within(name, "fired", a, b, 100, err) != RL_OK)
+            return err->kind;
+        before[k] = (int)b;
+        after[k] = (int)a;
+    }
+    return RL_OK;
+}
+
 /* lua/budget_hold.lua: {allowed, refusing index, kind, now, {remaining}, {start}, {end}},
-   checked against the request: each budget's period is one of the three sent, its
-   remaining at most its limit; or {0, -1, 0, now, {}, {}, {}}: the periods sent do not
-   hold the script's now (kind -1 here; the caller computes them anew from now). */
+   followed by {fired before}, {fired after} when a soft limit was crossed, checked
+   against the request: each budget's period is one of the three sent, its remaining at
+   most its limit; or {0, -1, 0, now, {}, {}, {}}: the periods sent do not hold the
+   script's now (kind -1 here; the caller computes them anew from now). */
 static rl_status
 decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     static const char name[] = "budget hold";
     const int n = d->nbudgets;
     long long v[4];
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 7)
+    if (reply->type != REDIS_REPLY_ARRAY || (reply->elements != 7 && reply->elements != 9))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the budget hold script: %s%s, expected an "
-                            "array of 4 integers and 3 arrays",
+                            "array of 4 integers and 3 or 5 arrays",
                             rl_reply_type_name(reply->type),
                             reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
     for (size_t i = 0; i < 4; i++) {
@@ -1082,7 +1111,10 @@ decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out
                                 "expected an array of %zu integers",
                                 i + 1, e ? rl_reply_type_name(e->type) : "missing", count);
     }
-    memset(out, 0, sizeof(*out));
+    memset(out, 0, sizeof(*out)); /* no soft limit crossed: fired 0 before and after */
+    if (reply->elements == 9 &&
+        fired_arrays(name, reply, 7, count, out->fired_before, out->fired_after, err) != RL_OK)
+        return err->kind;
     for (size_t k = 0; k < count; k++) {
         const rl_budget *b = &d->budgets[k];
         long long remaining, start, end;
@@ -1126,6 +1158,36 @@ decode_observe(const redisReply *reply, rl_result *out, rl_error *err)
         return err->kind;
     memset(out, 0, sizeof(*out));
     out->expires_ms = reply->integer;
+    return RL_OK;
+}
+
+/* lua/budget_settle.lua: found, or {found, {fired before}, {fired after}} when a soft
+   limit was crossed. */
+static rl_status
+decode_budget_settle(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
+{
+    static const char name[] = "budget settle";
+    long long found;
+    memset(out, 0, sizeof(*out)); /* no soft limit crossed: fired 0 before and after */
+    if (reply->type == REDIS_REPLY_INTEGER) {
+        if (within(name, "found", reply->integer, 0, d->nbudgets, err) != RL_OK)
+            return err->kind;
+        out->found = reply->integer;
+        return RL_OK;
+    }
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 3)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the budget settle script: %s%s, expected an "
+                            "integer from 0 to %d, or an array of it and 2 arrays",
+                            rl_reply_type_name(reply->type),
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "",
+                            d->nbudgets);
+    if (integer_at(reply, 0, &found, err) != RL_OK ||
+        within(name, "found", found, 0, d->nbudgets, err) != RL_OK ||
+        fired_arrays(name, reply, 1, (size_t)d->nbudgets, out->fired_before, out->fired_after,
+                     err) != RL_OK)
+        return err->kind;
+    out->found = found;
     return RL_OK;
 }
 
@@ -1538,16 +1600,7 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
     case RL_SCRIPT_BUDGET_HOLD:
         return decode_budget_hold(reply, d, out, err);
     case RL_SCRIPT_BUDGET_SETTLE:
-        if (reply->type != REDIS_REPLY_INTEGER)
-            return rl_error_set(err, RL_ERR_PROTOCOL,
-                                "unexpected reply to the budget settle script: %s, expected an "
-                                "integer from 0 to %d",
-                                rl_reply_type_name(reply->type), d->nbudgets);
-        if (within("budget settle", "found", reply->integer, 0, d->nbudgets, err) != RL_OK)
-            return err->kind;
-        memset(out, 0, sizeof(*out));
-        out->found = reply->integer;
-        return RL_OK;
+        return decode_budget_settle(reply, d, out, err);
     case RL_SCRIPT_OBSERVE:
         return decode_observe(reply, out, err);
     default:

@@ -19,7 +19,7 @@ from ._version import __version__
 from .aio import AsyncRateLimiter
 from .lease import AsyncLease, Lease
 from .limiter import RateLimiter
-from .periods import Budget, BudgetHold, BudgetPeriod
+from .periods import Budget, BudgetCrossing, BudgetHold, BudgetPeriod, BudgetSettlement
 from .prices import ModelPrice, PriceRule, PriceTable, PriceTableError, TokenUsage, UnpricedModel
 from .provider_limits import ProviderLimits, read_provider_limits
 from .reservation import Reservation, Scope, WindowState
@@ -45,10 +45,12 @@ __all__ = [
     "UnpricedModel",
     "PriceTableError",
     "Budget",
+    "BudgetCrossing",
     "BudgetHold",
     "BudgetPeriod",
     "ProviderLimits",
     "read_provider_limits",
+    "BudgetSettlement",
     "TIER_LIMITS",
     "TIER_TOKEN_LIMITS",
     "SCRIPT_SHA1",

@@ -116,12 +116,15 @@ _PeekResult = tuple[bool, int, int, int, bool, int, tuple[tuple[int, int, bool, 
 # _check_rate (GCRA): (allowed, remaining, retry_after_s, retry_after_ms, now_ms)
 _RateResult = tuple[bool, int, int, int, int]
 # (allowed, refused index, kind (0 allow, 1 permanent, 2 until_reset, 3 in_flight, -1 stale
-# periods), now_ms, hold id, ((remaining, period_start_ms, period_end_ms), ...))
-_HoldResult = tuple[bool, int, int, int, str, tuple[tuple[int, int, int], ...]]
-# (owner, name, limit, amount, previous_start, start, end, next_end)
-_HoldRow = tuple[str, str, int, int, int, int, int, int]
-# (owner, name, period_start, actual)
-_SettleRow = tuple[str, str, int, int]
+# periods), now_ms, hold id, ((remaining, period_start_ms, period_end_ms, fired_before,
+# fired_after), ...)); fired: the highest soft limit fired in the period (0: none)
+_HoldResult = tuple[bool, int, int, int, str, tuple[tuple[int, int, int, int, int], ...]]
+# (owner, name, limit, amount, previous_start, start, end, next_end, packed thresholds)
+_HoldRow = tuple[str, str, int, int, int, int, int, int, int]
+# (owner, name, period_start, actual, limit, packed thresholds)
+_SettleRow = tuple[str, str, int, int, int, int]
+# (found, ((fired_before, fired_after) per budget))
+_SettleResult = tuple[int, tuple[tuple[int, int], ...]]
 GCRA_SHA1: str
 GCRA_SOURCE: str
 # _observe_upstream: lua/observe_upstream.lua (closed-until, unix ms, 0 when open)
@@ -220,7 +223,7 @@ class Limiter:
     ) -> _HoldResult: ...
     def _settle_budgets(
         self, user_id: str, budgets: tuple[_SettleRow, ...], hold_id: str
-    ) -> int: ...
+    ) -> _SettleResult: ...
     def _observe_upstream(
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> int: ...

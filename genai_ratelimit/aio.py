@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import logging
 import ssl
 import time
 import weakref
-from collections.abc import AsyncGenerator, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 from . import _native
@@ -42,8 +43,16 @@ from .lease import (
     make_lease,
 )
 from .limiter import PING_IDENTITY, Clock, Storage, limiter_options
-from .metrics import LimiterMetrics, count_reconcile, count_reservation
-from .periods import DEFAULT_HOLD_SECONDS, Budget, BudgetHold, hold_plan, settle_plan
+from .metrics import LimiterMetrics, count_reconcile, count_reservation, report_crossings
+from .periods import (
+    DEFAULT_HOLD_SECONDS,
+    Budget,
+    BudgetCrossing,
+    BudgetHold,
+    BudgetSettlement,
+    hold_plan,
+    settle_plan,
+)
 from .provider_limits import DEFAULT_MAX_CLOSE_SECONDS, ProviderLimits, observe_plan
 from .reservation import (
     Plan,
@@ -590,6 +599,12 @@ class AsyncRateLimiter:
     acknowledged raises RateLimiterUnavailable).
     """
 
+    #: Called with each soft limit a hold or a settle crossed (a periods.BudgetCrossing),
+    #: once per period across every replica: a plain callable, or an async one (awaited
+    #: before the call returns: hand a webhook to a task or a queue). An exception it
+    #: raises is logged and the call's answer is returned all the same.
+    on_budget_threshold: Callable[[BudgetCrossing], object] | None = None
+
     def __init__(
         self,
         url: str | None = None,
@@ -952,6 +967,7 @@ class AsyncRateLimiter:
             raise RateLimiterError("the rate limiter is closed")
         plan = hold_plan(budgets, amount, hold_seconds)
         call, result = advance(plan)
+        chosen = (budgets,) if isinstance(budgets, Budget) else tuple(budgets)  # checked by now
         while call is not None:
             _, positional, keywords = call
             request = self._codec.hold_budgets(*positional, **keywords)
@@ -963,14 +979,46 @@ class AsyncRateLimiter:
                     answer = await self._run(request, True, True, sent)
                 except asyncio.CancelledError:
                     if sent.future is not None:
-                        self._leave(self._release_held(positional[1], sent))
+                        self._leave(self._release_held(positional[1], sent, chosen))
                     raise
             call, result = advance(plan, answer)
         hold: BudgetHold = result
+        try:
+            await self._report_crossings(hold.crossed)
+        except asyncio.CancelledError:  # in an async on_budget_threshold: nothing stays held
+            if hold.allowed and hold.hold_id:
+                self._leave(self._give_back_hold(hold))
+            raise
         return hold
 
-    async def _release_held(self, rows: tuple[Any, ...], sent: _Sent) -> None:
-        """For a hold whose caller was cancelled: once its reply is in, gives back what it
+    async def _give_back_hold(self, hold: BudgetHold) -> None:
+        """Settles a hold to 0 for a caller cancelled after it was made."""
+        try:
+            if not self._closed:
+                await self.settle_budgets(hold, 0)
+        except Exception as exc:  # noqa: BLE001 - logged: the hold expires with its key
+            logger.warning("could not give back the hold of a cancelled hold_budgets (it is "
+                           "held until its key expires): %s", exc)
+
+    async def _report_crossings(self, crossings: tuple[BudgetCrossing, ...]) -> None:
+        """The metric, the log record and the app's callback (awaited when it is async)."""
+        report_crossings(self, crossings)
+        callback = self.on_budget_threshold
+        if callback is None:
+            return
+        for crossing in crossings:
+            try:
+                answer = callback(crossing)
+                if inspect.isawaitable(answer):
+                    await answer
+            except Exception:  # noqa: BLE001 - the admission stands; the app's bug is logged
+                logger.exception("on_budget_threshold raised for budget %r of %r at %d%%",
+                                 crossing.budget.name, crossing.budget.owner, crossing.threshold)
+
+    async def _release_held(self, rows: tuple[Any, ...], sent: _Sent,
+                            budgets: tuple[Budget, ...]) -> None:
+        """For a hold whose caller was cancelled: once its reply is in, reports the soft
+        limits it crossed (recorded in Redis: told by no one else) and gives back what it
         held (nobody will settle it)."""
         try:
             raw = await sent.future  # type: ignore[misc]
@@ -979,15 +1027,21 @@ class AsyncRateLimiter:
         allowed, _, kind, _, hold_id, periods = raw
         if not (allowed and hold_id and kind >= 0):
             return
-        settle = tuple((row[0], row[1], start, 0) for row, (_, start, _) in zip(rows, periods, strict=True))
+        settle = tuple((row[0], row[1], period[1], 0, row[2], row[8])
+                       for row, period in zip(rows, periods, strict=True))
         try:
             if not self._closed:
                 await self._run(self._codec.settle_budgets(rows[0][0], settle, hold_id))
         except Exception as exc:  # noqa: BLE001 - logged: the hold expires with its key
             logger.warning("could not give back the hold of a cancelled hold_budgets (it is "
                            "held until its key expires): %s", exc)
+        await self._report_crossings(tuple(
+            BudgetCrossing(b, t, start, end, "hold", hold_id)
+            for b, (_, start, end, before, after) in zip(budgets, periods, strict=True)
+            for t in b.thresholds if before < t <= after))
 
-    async def settle_budgets(self, hold: BudgetHold, actual: int | Sequence[int]) -> int:
+    async def settle_budgets(self, hold: BudgetHold,
+                             actual: int | Sequence[int]) -> BudgetSettlement:
         """RateLimiter.settle_budgets, awaited."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
@@ -997,8 +1051,9 @@ class AsyncRateLimiter:
             _, positional, keywords = call
             answer = await self._run(self._codec.settle_budgets(*positional, **keywords))
             call, result = advance(plan, answer)
-        found: int = result
-        return found
+        settled: BudgetSettlement = result
+        await self._report_crossings(settled.crossed)
+        return settled
 
     async def observe_upstream(self, name: str, status: int,
                                headers: Mapping[str, str]

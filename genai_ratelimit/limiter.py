@@ -5,16 +5,25 @@ reply. `check` and `check_windows` are the C methods themselves, with no Python 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
 from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, lease_maker, make_lease
-from .metrics import count_reconcile, count_reservation
-from .periods import DEFAULT_HOLD_SECONDS, Budget, BudgetHold, hold_plan, settle_plan
+from .metrics import count_reconcile, count_reservation, report_crossings
+from .periods import (
+    DEFAULT_HOLD_SECONDS,
+    Budget,
+    BudgetCrossing,
+    BudgetHold,
+    BudgetSettlement,
+    hold_plan,
+    settle_plan,
+)
 from .provider_limits import DEFAULT_MAX_CLOSE_SECONDS, ProviderLimits, observe_plan
 from .reservation import (
     Plan,
@@ -28,6 +37,8 @@ from .reservation import (
 )
 
 __all__ = ["RateLimiter", "limiter_options"]
+
+logger = logging.getLogger("genai_ratelimit")
 
 Clock = Literal["server", "client"]
 Storage = Literal["zset", "compact"]
@@ -183,6 +194,25 @@ class RateLimiter(_native.Limiter):
     # that cannot meet in one script (Redis Cluster slots). Off: one script decides all.
     _two_step_scopes = False
 
+    #: Called with each soft limit a hold or a settle crossed (a periods.BudgetCrossing),
+    #: once per period across every replica, in the thread that made the call, after the
+    #: metric and the log record. Keep it quick (hand a webhook to a queue): an exception
+    #: it raises is logged and the call's answer is returned all the same.
+    on_budget_threshold: Callable[[BudgetCrossing], object] | None = None
+
+    def _report_crossings(self, crossings: tuple[BudgetCrossing, ...]) -> None:
+        """The metric, the log record and the app's callback of each crossing."""
+        report_crossings(self, crossings)
+        callback = self.on_budget_threshold
+        if callback is None:
+            return
+        for crossing in crossings:
+            try:
+                callback(crossing)
+            except Exception:  # noqa: BLE001 - the admission stands; the app's bug is logged
+                logger.exception("on_budget_threshold raised for budget %r of %r at %d%%",
+                                 crossing.budget.name, crossing.budget.owner, crossing.threshold)
+
     def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
                 token_windows: Sequence[tuple[int, int]] = (),
                 tokens: int | None = None, scopes: Sequence[Scope] = (),
@@ -218,18 +248,22 @@ class RateLimiter(_native.Limiter):
         budget's spent + held + amount would pass its limit, nothing is held anywhere and
         the BudgetHold names the budget that refused and why. Each budget's period is the
         one holding the script's now (the server's clock, unless clock="client"). A hold's
-        key lives until its period's end plus `hold_seconds` (the longest hold)."""
+        key lives until its period's end plus `hold_seconds` (the longest hold). Soft limits
+        it crossed are in `.crossed`, counted, logged and given to on_budget_threshold."""
         hold: BudgetHold = self._drive(hold_plan(budgets, amount, hold_seconds))
+        self._report_crossings(hold.crossed)
         return hold
 
-    def settle_budgets(self, hold: BudgetHold, actual: int | Sequence[int]) -> int:
+    def settle_budgets(self, hold: BudgetHold, actual: int | Sequence[int]) -> BudgetSettlement:
         """Settles a hold: each budget's amount held becomes `actual` (an int for every
         budget, or one per budget) spent, in the period that admitted it, even after that
         period ended; 0 gives the hold back unused, more than held is charged (never
         refused). Idempotent. Returns the number of budgets whose hold was found (0 once
-        settled or expired, or when nothing was held: then nothing is sent)."""
-        found: int = self._drive(settle_plan(hold, actual))
-        return found
+        settled or expired, or when nothing was held: then nothing is sent), an int whose
+        `.crossed` holds the soft limits the settle crossed (a usage above its hold)."""
+        settled: BudgetSettlement = self._drive(settle_plan(hold, actual))
+        self._report_crossings(settled.crossed)
+        return settled
 
     def _drive(self, plan: Plan) -> Any:
         """Runs a plan's C calls (reservation.py, periods.py), blocking."""

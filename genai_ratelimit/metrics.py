@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, TypedDict
 
@@ -52,6 +54,8 @@ __all__ = [
     "RequestOutcomes",
     "OUTCOMES",
     "request_outcomes",
+    "BudgetThresholdCounts",
+    "budget_thresholds",
     "LatencyHistogram",
     "Family",
     "FAMILIES",
@@ -63,6 +67,7 @@ __all__ = [
 ]
 
 NAMESPACE = "genai_ratelimit"
+_logger = logging.getLogger("genai_ratelimit")
 
 # The upper bounds (seconds) of the latency histogram's finite buckets (csrc/py_metrics.c).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -117,6 +122,9 @@ class LimiterMetrics(TypedDict):
     # ... and the tokens of its TokenRateLimit requests: (tier, mode, state, count), state
     # reserved | charged | refunded.
     request_tokens: NotRequired[tuple[tuple[str, str, str, int], ...]]
+    # Soft limits crossed (hold_budgets / settle_budgets, see BudgetThresholdCounts):
+    # (budget, level, threshold, count).
+    budget_thresholds: NotRequired[tuple[tuple[str, str, str, int], ...]]
 
 
 @dataclass(frozen=True)
@@ -187,10 +195,16 @@ IN_FLIGHT = _family("in_flight_requests", "gauge", ("tier",),
                     "Requests a FastAPI dependency let run whose response is not over yet "
                     "(needs RateLimitHeadersMiddleware).", "{request}", "requests.in_flight")
 
+BUDGET_THRESHOLDS = _family("budget_thresholds_crossed", "counter",
+                            ("budget", "level", "threshold"),
+                            "Soft limits of calendar budgets crossed (each once per period "
+                            "across every replica), by budget name, level and threshold "
+                            "(percent of the limit).", "{crossing}", "budget.thresholds.crossed")
+
 FAMILIES: tuple[Family, ...] = (DECISIONS, REJECTIONS, RESERVED_TOKENS, CHARGED_TOKENS,
                                 REFUNDED_TOKENS, LEASE_ACQUISITIONS, LEASE_RELEASES, FAIL_OPEN,
                                 SHADOW, REPLAYS, CONNECTION_ERRORS, LATENCY, REQUESTS, IN_FLIGHT,
-                                REQUEST_TOKENS)
+                                REQUEST_TOKENS, BUDGET_THRESHOLDS)
 
 # The outcomes of a request in the FastAPI layer (REQUESTS), each one HTTP answer:
 OUTCOMES = (
@@ -358,12 +372,69 @@ def request_outcomes(limiter: Any) -> RequestOutcomes:
             return _OUTCOMES_BY_ID.setdefault(id(limiter), RequestOutcomes())
 
 
+class BudgetThresholdCounts:
+    """The soft limits a limiter's hold_budgets / settle_budgets crossed (each crossing is
+    counted by the one process whose call crossed it: once in all, across replicas), by
+    (budget name, level, threshold). Thread-safe. Labels come from the budgets'
+    configuration, never from an owner: beyond MAX_REQUEST_SERIES series, budget and level
+    count as "other"."""
+
+    __slots__ = ("_lock", "_counts", "__weakref__")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str, str], int] = {}
+
+    def add(self, budget: str, level: str | None, threshold: int) -> None:
+        """Counts one crossing (level None: "none")."""
+        labels = (budget, level or "none", str(threshold))
+        with self._lock:
+            if labels not in self._counts and len(self._counts) >= MAX_REQUEST_SERIES:
+                labels = ("other", "other", labels[2])
+            self._counts[labels] = self._counts.get(labels, 0) + 1
+
+    def snapshot(self) -> tuple[tuple[str, str, str, int], ...]:
+        """(budget, level, threshold, count), sorted."""
+        with self._lock:
+            return tuple(sorted((*labels, n) for labels, n in self._counts.items()))
+
+    def total(self, budget: str | None = None, level: str | None = None,
+              threshold: int | None = None) -> int:
+        """The crossings counted with these labels (all of them: no labels)."""
+        with self._lock:
+            return sum(n for (b, lv, t), n in self._counts.items()
+                       if (budget is None or b == budget) and (level is None or lv == level)
+                       and (threshold is None or t == str(threshold)))
+
+
+_THRESHOLDS: weakref.WeakKeyDictionary[Any, BudgetThresholdCounts] = weakref.WeakKeyDictionary()
+
+
+def budget_thresholds(limiter: Any) -> BudgetThresholdCounts:
+    """The soft limits crossed by `limiter`'s budget calls (made on first use), exported
+    with its counters as genai_ratelimit_budget_thresholds_crossed_total.
+
+        from genai_ratelimit.metrics import budget_thresholds
+        budget_thresholds(limiter).total(budget="monthly_usd", threshold=80)
+    """
+    with _OUTCOMES_LOCK:
+        found = _THRESHOLDS.get(limiter)
+        if found is None:
+            found = _THRESHOLDS[limiter] = BudgetThresholdCounts()
+        return found
+
+
 def exported(limiter: _Measured) -> LimiterMetrics:
-    """limiter.metrics() and the FastAPI layer's counts of requests (request_outcomes)."""
+    """limiter.metrics(), the FastAPI layer's counts of requests (request_outcomes) and the
+    soft limits crossed (budget_thresholds)."""
     snapshot = limiter.metrics()
     outcomes = request_outcomes(limiter)
     snapshot["requests"], snapshot["in_flight_requests"] = outcomes.snapshot()
     snapshot["request_tokens"] = outcomes.tokens()
+    try:
+        snapshot["budget_thresholds"] = budget_thresholds(limiter).snapshot()
+    except TypeError:  # no weak reference to it: nothing crossed through it
+        snapshot["budget_thresholds"] = ()
     return snapshot
 
 # A sample: (family, label values in the family's order, value). A histogram's value is
@@ -400,6 +471,24 @@ def samples(snapshot: LimiterMetrics) -> Iterator[Sample]:
         yield IN_FLIGHT, (tier,), count
     for tier, mode, state, count in snapshot.get("request_tokens", ()):
         yield REQUEST_TOKENS, (tier, mode, state), count
+    for budget, level, threshold, count in snapshot.get("budget_thresholds", ()):
+        yield BUDGET_THRESHOLDS, (budget, level, threshold), count
+
+
+def report_crossings(limiter: Any, crossings: Sequence[Any]) -> None:
+    """Counts each soft limit crossed (periods.BudgetCrossing) in budget_thresholds(limiter)
+    and logs it on the `genai_ratelimit` logger (WARNING). The app's callback is the
+    limiter's business (limiter.py, aio.py)."""
+    if not crossings:
+        return
+    counts = budget_thresholds(limiter)
+    for c in crossings:
+        counts.add(c.budget.name, c.budget.level, c.threshold)
+        start = datetime.fromtimestamp(c.period_start_ms / 1000, c.budget.zone)
+        _logger.warning("budget %r of %r (level %s) reached %d%% of its limit %d in the %s "
+                        "starting %s (by a %s, hold %s)", c.budget.name, c.budget.owner,
+                        c.budget.level or "none", c.threshold, c.budget.limit, c.budget.period,
+                        start.isoformat(), c.by, c.hold_id)
 
 
 def count_reservation(record: Callable[[str, int], None], reservation: Any) -> None:
@@ -471,9 +560,12 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
     requests: dict[tuple[str, ...], int] = {}
     in_flight: dict[str, int] = {}
     tokens: dict[tuple[str, ...], int] = {}
+    thresholds: dict[tuple[str, ...], int] = {}
     for s in snapshots:
         for *labels, count in s.get("request_tokens", ()):
             tokens[tuple(labels)] = tokens.get(tuple(labels), 0) + count
+        for *labels, count in s.get("budget_thresholds", ()):
+            thresholds[tuple(labels)] = thresholds.get(tuple(labels), 0) + count
         for *labels, count in s.get("requests", ()):
             requests[tuple(labels)] = requests.get(tuple(labels), 0) + count
         for tier, count in s.get("in_flight_requests", ()):
@@ -495,6 +587,7 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
     merged["requests"] = tuple(sorted((*labels, n) for labels, n in requests.items()))
     merged["in_flight_requests"] = tuple(sorted(in_flight.items()))
     merged["request_tokens"] = tuple(sorted((*labels, n) for labels, n in tokens.items()))
+    merged["budget_thresholds"] = tuple(sorted((*labels, n) for labels, n in thresholds.items()))
     if scripts is not None:
         merged["latency_buckets"], merged["latency_sum_s"] = scripts["buckets"], scripts["sum_s"]
     return merged  # type: ignore[return-value]
@@ -509,6 +602,7 @@ def _from_json(snapshot: dict[str, Any]) -> LimiterMetrics:
     snapshot["requests"] = tuple(tuple(r) for r in snapshot.get("requests", ()))
     snapshot["in_flight_requests"] = tuple(tuple(r) for r in snapshot.get("in_flight_requests", ()))
     snapshot["request_tokens"] = tuple(tuple(r) for r in snapshot.get("request_tokens", ()))
+    snapshot["budget_thresholds"] = tuple(tuple(r) for r in snapshot.get("budget_thresholds", ()))
     return snapshot  # type: ignore[return-value]
 
 

@@ -31,9 +31,12 @@ from ._native import RateLimiterError
 
 __all__ = [
     "DEFAULT_HOLD_SECONDS",
+    "MAX_THRESHOLDS",
     "Budget",
+    "BudgetCrossing",
     "BudgetHold",
     "BudgetPeriod",
+    "BudgetSettlement",
     "period_bounds",
 ]
 
@@ -51,6 +54,9 @@ _REASONS: dict[int, RefusalReason] = {1: "permanent", 2: "until_reset", 3: "in_f
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
 _MS = timedelta(milliseconds=1)
 _STALE_TRIES = 3  # a stale answer gives the script's now: the second try holds it
+# Soft limits per budget: packed in groups of three decimal digits into one integer the
+# scripts read (50, 80, 95 -> 50080095), exact in Lua's doubles up to five.
+MAX_THRESHOLDS = 5
 
 
 def _check_int(value: object, name: str, low: int, high: int = MAX_AMOUNT) -> int:
@@ -71,6 +77,30 @@ def _check_text(value: object, name: str) -> str:
     return value
 
 
+def _thresholds(value: object) -> tuple[int, ...]:
+    """Soft limits: percents of the limit, ints 1..100, strictly increasing, at most
+    MAX_THRESHOLDS."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise TypeError(f"thresholds must be a sequence of ints (percents of the limit), "
+                        f"not {type(value).__name__}")
+    chosen = tuple(value)
+    if len(chosen) > MAX_THRESHOLDS:
+        raise ValueError(f"thresholds: at most {MAX_THRESHOLDS}, got {len(chosen)}")
+    for i, t in enumerate(chosen):
+        _check_int(t, f"thresholds[{i}]", 1, 100)
+        if i and t <= chosen[i - 1]:
+            raise ValueError(f"thresholds must be strictly increasing, got {chosen!r}")
+    return chosen
+
+
+def _packed(thresholds: tuple[int, ...]) -> int:
+    """The thresholds as the scripts read them: three decimal digits each (lib/budget.lua)."""
+    packed = 0
+    for t in thresholds:
+        packed = packed * 1000 + t
+    return packed
+
+
 def _zone(tz: object) -> ZoneInfo:
     if not isinstance(tz, str):
         raise TypeError(f"tz must be an IANA time zone name (a str), not {type(tz).__name__}")
@@ -86,8 +116,11 @@ class Budget:
     `tz` (an IANA name, e.g. "Europe/Paris"), for `owner` (an org, a team, a key, a user:
     any non-empty str). `name` tells an owner's budgets apart ("monthly_usd",
     "daily_tokens"); `level` is a label the answers carry ("org", "team", ...). Redis key:
-    `{key_prefix}:{owner}:{period_start_ms}:budget={name}`. Raises TypeError or ValueError
-    when built (a time zone that does not exist, a limit below 1, an unknown period)."""
+    `{key_prefix}:{owner}:{period_start_ms}:budget={name}`. `thresholds`: soft limits,
+    percents of the limit (ints 1..100, strictly increasing, at most 5), each reported
+    once per period when the budget's use (spent + held) reaches it (docs/spend-budgets.md,
+    "Soft limits"). Raises TypeError or ValueError when built (a time zone that does not
+    exist, a limit below 1, an unknown period, a bad threshold)."""
 
     owner: str
     name: str
@@ -95,6 +128,7 @@ class Budget:
     period: PeriodName = "month"
     tz: str = "UTC"
     level: str | None = None
+    thresholds: tuple[int, ...] = ()
     zone: ZoneInfo = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -105,6 +139,7 @@ class Budget:
             raise ValueError(f"period must be 'day', 'week' or 'month', got {self.period!r}")
         if self.level is not None:
             _check_text(self.level, "level")
+        object.__setattr__(self, "thresholds", _thresholds(self.thresholds))
         object.__setattr__(self, "zone", _zone(self.tz))
 
     def period_at(self, instant_ms: int) -> tuple[int, int]:
@@ -185,6 +220,38 @@ class BudgetPeriod:
 
 
 @dataclasses.dataclass(frozen=True)
+class BudgetCrossing:
+    """A soft limit crossed: the budget's use (spent + held) reached `threshold` percent of
+    its limit in the period [period_start_ms, period_end_ms), for the first time in that
+    period across every replica. `by`: the call that crossed it, "hold" (an admission) or
+    "settle" (a usage above its hold); `hold_id`: that hold's id."""
+
+    budget: Budget
+    threshold: int
+    period_start_ms: int
+    period_end_ms: int
+    by: Literal["hold", "settle"]
+    hold_id: str
+
+
+def _crossed(budget: Budget, before: int, after: int) -> tuple[int, ...]:
+    """The budget's thresholds in (before, after]: those one call crossed."""
+    return tuple(t for t in budget.thresholds if before < t <= after)
+
+
+class BudgetSettlement(int):
+    """settle_budgets' answer: the number of budgets whose hold was found (an int, as
+    before), with `crossed`, the soft limits the settle crossed (BudgetCrossing)."""
+
+    crossed: tuple[BudgetCrossing, ...]
+
+    def __new__(cls, found: int, crossed: tuple[BudgetCrossing, ...] = ()) -> BudgetSettlement:
+        settled = super().__new__(cls, found)
+        settled.crossed = crossed
+        return settled
+
+
+@dataclasses.dataclass(frozen=True)
 class BudgetHold:
     """The answer of `hold`: `allowed`, with `hold_id` ("" when nothing is held: a refusal,
     or the kill switch) and every budget's `periods`. On a refusal, `refused` is the index
@@ -192,7 +259,8 @@ class BudgetHold:
       "permanent"    the amount exceeds the budget's whole limit: it can never pass;
       "until_reset"  what is spent leaves no room: wait for the period's end (reset_at_ms);
       "in_flight"    there is room once holds in flight settle: retry shortly.
-    `now_ms` is the time the script decided at."""
+    `now_ms` is the time the script decided at. `crossed`: the soft limits this hold
+    crossed (BudgetCrossing), each once per period across every replica."""
 
     allowed: bool
     hold_id: str
@@ -200,6 +268,7 @@ class BudgetHold:
     now_ms: int
     refused: int | None = None
     reason: RefusalReason | None = None
+    crossed: tuple[BudgetCrossing, ...] = ()
 
     @property
     def refused_by(self) -> BudgetPeriod | None:
@@ -260,18 +329,21 @@ def hold_plan(budgets: object, amount: object, hold_seconds: object = DEFAULT_HO
     chosen, amounts, hold_ms = hold_arguments(budgets, amount, hold_seconds)
     guess = time.time_ns() // 1_000_000 if now_ms is None else now_ms
     for _ in range(_STALE_TRIES):
-        rows = tuple((b.owner, b.name, b.limit, a) + _neighbours(b, guess)
+        rows = tuple((b.owner, b.name, b.limit, a) + _neighbours(b, guess) + (_packed(b.thresholds),)
                      for b, a in zip(chosen, amounts, strict=True))
         answer = yield ("hold_budgets", (chosen[0].owner, rows, hold_ms), {})
         allowed, refused, kind, script_now, hold_id, periods = answer
         if kind >= 0:
-            answered = zip(chosen, amounts, periods, strict=True)
+            answered = tuple(zip(chosen, amounts, periods, strict=True))
+            crossed = tuple(BudgetCrossing(b, t, start, end, "hold", hold_id)
+                            for b, _, (_, start, end, before, after) in answered
+                            for t in _crossed(b, before, after))
             return BudgetHold(
                 allowed=bool(allowed), hold_id=hold_id, now_ms=script_now,
                 periods=tuple(BudgetPeriod(b, a, remaining, start, end)
-                              for b, a, (remaining, start, end) in answered),
+                              for b, a, (remaining, start, end, _, _) in answered),
                 refused=None if allowed else refused,
-                reason=None if allowed else _REASONS[kind])
+                reason=None if allowed else _REASONS[kind], crossed=crossed)
         guess = script_now
     raise RateLimiterError(f"the budget script's clock moved out of the periods sent {_STALE_TRIES} "
                        f"times (now_ms={guess})")
@@ -280,15 +352,20 @@ def hold_plan(budgets: object, amount: object, hold_seconds: object = DEFAULT_HO
 def settle_plan(hold: object, actual: object) -> Plan:
     """settle: one call ("settle_budgets", (owner, budget tuples, hold_id)) moving each
     budget's hold to its admitting period's spent total as `actual` (an int for every
-    budget, or one per budget; 0 gives the hold back unused). Returns the number of budgets
-    whose hold was found: 0 when it was settled already, expired, or nothing was held (then
-    nothing is sent)."""
+    budget, or one per budget; 0 gives the hold back unused). Returns a BudgetSettlement:
+    the number of budgets whose hold was found (0 when it was settled already, expired, or
+    nothing was held: then nothing is sent), with the soft limits the settle crossed."""
     if not isinstance(hold, BudgetHold):
         raise TypeError(f"hold must be a BudgetHold, not {type(hold).__name__}")
     actuals = _amounts(actual, len(hold.periods), "actual")
     if not hold.allowed or not hold.hold_id:
-        return 0
-    rows = tuple((p.budget.owner, p.budget.name, p.period_start_ms, a)
+        return BudgetSettlement(0)
+    rows = tuple((p.budget.owner, p.budget.name, p.period_start_ms, a, p.budget.limit,
+                  _packed(p.budget.thresholds))
                  for p, a in zip(hold.periods, actuals, strict=True))
-    found: int = yield ("settle_budgets", (hold.periods[0].budget.owner, rows, hold.hold_id), {})
-    return found
+    found, fired = yield ("settle_budgets", (hold.periods[0].budget.owner, rows, hold.hold_id), {})
+    crossed = tuple(BudgetCrossing(p.budget, t, p.period_start_ms, p.period_end_ms, "settle",
+                                   hold.hold_id)
+                    for p, (before, after) in zip(hold.periods, fired, strict=True)
+                    for t in _crossed(p.budget, before, after))
+    return BudgetSettlement(found, crossed)

@@ -234,6 +234,14 @@ class BlockingAsyncLimiter:
                 self._runner.close()
 
     @property
+    def on_budget_threshold(self) -> Any:
+        return self.inner.on_budget_threshold
+
+    @on_budget_threshold.setter
+    def on_budget_threshold(self, callback: Any) -> None:
+        self.inner.on_budget_threshold = callback
+
+    @property
     def url(self) -> str:
         return self.inner.url
 

@@ -176,7 +176,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from genai_ratelimit import AsyncRateLimiter
+from genai_ratelimit import AsyncRateLimiter, Budget
 from genai_ratelimit.fastapi import (RateLimit, RateLimitHeadersMiddleware, TokenRateLimit,
                                      Upstream, record_usage)
 from genai_ratelimit.metrics import PrometheusCollector
@@ -241,6 +241,14 @@ async def beta_route() -> dict[str, str]:
 @app.post("/v1/embeddings", dependencies=[Depends(embed)])
 async def embeddings_route() -> dict[str, str]:
     return {"status": "ok"}
+
+
+@app.post("/v1/budget/{owner}")
+async def budget_route(owner: str) -> dict[str, int]:
+    # A key's calendar budget with a soft limit at 50 %: a hold of 60 % crosses it once.
+    key = Budget(owner, "monthly_usd", 100, level="key", thresholds=(50,))
+    hold = await gateway.hold_budgets(key, 60)
+    return {"crossed": len(hold.crossed)}
 
 
 @app.get("/metrics")
@@ -341,6 +349,12 @@ class Traffic:
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(one, range(users)))
 
+    def budget_crossing(self, owner: str) -> None:
+        """One hold of 60 % of a key's budget with a soft limit at 50 %: one crossing."""
+        with self.client() as client:
+            response = client.post(f"/v1/budget/{owner}")
+            assert response.json() == {"crossed": 1}, response.text
+
     def big_token_requests(self, user: str) -> None:
         """Two 2,500-token estimates of one free user (3,000 a minute): the second refused."""
         with self.client() as client:
@@ -388,9 +402,11 @@ class Traffic:
         """One of each, with users of round `n` (new budgets every round): 4 free users x 7
         (2 refused each by the minute window), a token refusal, a concurrency refusal, 2
         shadow would-refuse, 3 fail-open, and 10 pro users x 5 on the gpt-4o upstream cap
-        (it refuses what passes 30 a minute: 20 in the first round, all 50 in the next)."""
+        (it refuses what passes 30 a minute: 20 in the first round, all 50 in the next), and a
+        budget's soft limit crossed."""
         self.users(f"r{n}-free-", "free", users=4, each=7)
         self.big_token_requests(f"r{n}-tokens")
+        self.budget_crossing(f"r{n}-key")
         self.concurrent_streams(f"r{n}-streamer", held=2, hold_s=hold_s)
         self.shadow(f"r{n}-shadowed", each=4)
         self.fail_open(f"r{n}-offline", each=3)

@@ -266,15 +266,15 @@ def test_the_script_replayed_with_the_same_hold_id_holds_once(
                                        *budget.period_at(now), budget.period_at(now + 86_400_000)[1])
     keys = [budget_key(budget, s) for s in (previous, start, end)]
     hold_id = "6f1c1b4e-8a31-4c55-9c1e-2f3b8f1a7d10"
-    argv = [hold_id, now, 3_600_000, 100, 30, previous, start, end, following]
+    argv = [hold_id, now, 3_600_000, 100, 30, previous, start, end, following, 0]
     script = _native.BUDGET_HOLD_SOURCE
     first = redis_client.eval(script, 3, *keys, *argv)
     second = redis_client.eval(script, 3, *keys, *argv, "1")
     assert first[:3] == second[:3] == [1, -1, 0]
     assert stored(redis_client, budget, start) == {"spent": 0, "held": 30, hold_id: 30}
     settle = _native.BUDGET_SETTLE_SOURCE
-    assert redis_client.eval(settle, 1, keys[1], hold_id, 25) == 1
-    assert redis_client.eval(settle, 1, keys[1], hold_id, 25, "1") == 0
+    assert redis_client.eval(settle, 1, keys[1], hold_id, 25, 100, 0) == 1
+    assert redis_client.eval(settle, 1, keys[1], hold_id, 25, 100, 0, "1") == 0
     assert stored(redis_client, budget, start) == {"spent": 25, "held": 0}
 
 
@@ -427,7 +427,8 @@ def test_a_malformed_hold_or_settle_reply_raises(make_limiter: Any) -> None:
     budget = Budget("org", "monthly", 50)
     bad = [b"*2\r\n:1\r\n:0\r\n", b":1\r\n",
            b"*7\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*0\r\n*0\r\n*0\r\n",  # no periods
-           b"*7\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*1\r\n:99\r\n*1\r\n:5\r\n*1\r\n:6\r\n"]  # not sent
+           b"*7\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*1\r\n:99\r\n*1\r\n:5\r\n*1\r\n:6\r\n",  # not sent
+           b"*8\r\n:1\r\n:-1\r\n:0\r\n:1\r\n*0\r\n*0\r\n*0\r\n*0\r\n"]  # 8 elements
     for data in bad:
         with FakeRedis(Reply(data)) as fake:
             limiter = make_limiter(fake.url, socket_timeout=2.0)
@@ -435,7 +436,11 @@ def test_a_malformed_hold_or_settle_reply_raises(make_limiter: Any) -> None:
                 limiter.hold_budgets(budget, 1)
     hold = BudgetHold(allowed=True, hold_id="6f1c1b4e-8a31-4c55-9c1e-2f3b8f1a7d10", now_ms=1,
                       periods=(BudgetPeriod(budget, 1, 49, 0, 10),))
-    for data in (b"+OK\r\n", b":2\r\n", b":-1\r\n", b"*1\r\n:1\r\n"):  # 1 budget: 0 or 1
+    for data in (b"+OK\r\n", b":2\r\n", b":-1\r\n", b"*1\r\n:1\r\n",  # 1 budget: 0 or 1
+                 b"*3\r\n:2\r\n*1\r\n:0\r\n*1\r\n:0\r\n",
+                 b"*3\r\n:1\r\n*1\r\n:50\r\n*1\r\n:40\r\n",  # fired fell
+                 b"*3\r\n:1\r\n*1\r\n:0\r\n*1\r\n:101\r\n",  # above 100
+                 b"*3\r\n:1\r\n*0\r\n*0\r\n"):
         with FakeRedis(Reply(data)) as fake:
             limiter = make_limiter(fake.url, socket_timeout=2.0)
             with pytest.raises(RateLimiterError):
@@ -444,10 +449,10 @@ def test_a_malformed_hold_or_settle_reply_raises(make_limiter: Any) -> None:
 
 def test_cluster_keys_of_different_owners_are_refused_before_any_io() -> None:
     codec = _native.Codec("ratelimit", hash_tag=True)
-    rows = tuple((owner, "monthly", 10, 1, 1, 2, 3, 4) for owner in ("org:acme", "user:1"))
+    rows = tuple((owner, "monthly", 10, 1, 1, 2, 3, 4, 0) for owner in ("org:acme", "user:1"))
     with pytest.raises(ValueError, match="hash slot"):
         codec.hold_budgets("org:acme", rows, 1000)
-    same = tuple(("org:acme", name, 10, 1, 1, 2, 3, 4) for name in ("monthly", "daily"))
+    same = tuple(("org:acme", name, 10, 1, 1, 2, 3, 4, 0) for name in ("monthly", "daily"))
     assert codec.hold_budgets("org:acme", same, 1000) is not None
 
 
@@ -641,15 +646,15 @@ def test_a_replay_across_midnight_finds_the_hold_of_its_first_attempt(
                                        budget.period_at(midnight)[1])
     keys = [budget_key(budget, s) for s in (previous, start, end)]
     hold_id = "0b9f7a52-3c1d-4e8f-a6b2-9d0e1f2a3b4c"
-    rest = [3_600_000, 100, 30, previous, start, end, following]
+    rest = [3_600_000, 100, 30, previous, start, end, following, 0]
     script = _native.BUDGET_HOLD_SOURCE
     first = redis_client.eval(script, 3, *keys, hold_id, before, *rest)
-    assert first[:3] == [1, -1, 0] and first[5:] == [[start], [end]]
+    assert first[:3] == [1, -1, 0] and first[5:7] == [[start], [end]]
     replay = redis_client.eval(script, 3, *keys, hold_id, after, *rest, "1")
-    assert replay[:3] == [1, -1, 0] and replay[5:] == [[start], [end]]
+    assert replay[:3] == [1, -1, 0] and replay[5:7] == [[start], [end]]
     assert redis_client.exists(keys[2]) == 0
     fresh = redis_client.eval(script, 3, *keys, hold_id, after, *rest)
-    assert fresh[5:] == [[end], [following]]
+    assert fresh[5:7] == [[end], [following]]
     assert stored(redis_client, budget, end)["held"] == 30
 
 
@@ -665,7 +670,7 @@ def rss():
 
 limiter = RateLimiter(sys.argv[1])
 budgets = [Budget(f"owner-{i}", "monthly", 10**12, "month", "Europe/Paris") for i in range(4)]
-bad = (("owner", "monthly", 0, 1, 1, 2, 3, 4),)
+bad = (("owner", "monthly", 0, 1, 1, 2, 3, 4, 0),)
 
 def run(n):
     for i in range(n):

@@ -228,6 +228,9 @@ EXPECTED: dict[tuple[str, str], Expect] = {
         "limiter tier scope resource window_seconds",
         {**GW, "tier": "free", "scope": "user", "resource": "requests", "window_seconds": "60"}),
     ("Shadow mode: requests it would have refused", "B"): expect("limiter", GW, zero=(EMB,)),
+    ("Budget soft limits crossed", "A"): expect(
+        "limiter budget level threshold",
+        {**GW, "budget": "monthly_usd", "level": "key", "threshold": "50"}),
 }
 
 

@@ -157,7 +157,7 @@ typedef enum {
     RL_SHAPE_BUDGET_HOLD,
     /* _settle_budgets(): the number of budgets whose hold was found */
     RL_SHAPE_BUDGET_SETTLE,
-    RL_SHAPE_OBSERVE,   /* _observe_upstream(): the upstream's closed-until (unix ms, 0:
+    RL_SHAPE_OBSERVE, /* _observe_upstream(): the upstream's closed-until (unix ms, 0:
                            open), lua/observe_upstream.lua */
 } rl_shape;
 

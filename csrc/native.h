@@ -157,8 +157,9 @@ typedef enum {
     RL_SHAPE_BUDGET_HOLD,
     /* _settle_budgets(): the number of budgets whose hold was found */
     RL_SHAPE_BUDGET_SETTLE,
-    RL_SHAPE_OBSERVE, /* _observe_upstream(): the upstream's closed-until (unix ms, 0:
-                           open), lua/observe_upstream.lua */
+    /* _observe_upstream(): the upstream's closed-until (unix ms, 0: open),
+       lua/observe_upstream.lua */
+    RL_SHAPE_OBSERVE,
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. py_request.c names a decision's script in the

@@ -204,6 +204,27 @@ write_user_key(char *cursor, const char *prefix, size_t prefix_len, const char *
     return cursor + rl_key_user(cursor, user, user_len, hash_tag); /* "{user}" on a cluster */
 }
 
+/* Writes text at cursor with '%', '{' and '}' percent-encoded (upper-case hex), and ':' too
+   when `colon`; returns the end. At most 3 bytes per byte of text. The one encoding of a
+   user id in a hash tag (colon 0) and of a scope's or a budget's name (colon 1), which
+   rl_key_unescape reads back. */
+static char *
+percent_encode(char *cursor, const char *text, size_t len, int colon)
+{
+    static const char hex[] = "0123456789ABCDEF";
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)text[i];
+        if (c == '%' || c == '{' || c == '}' || (colon && c == ':')) {
+            *cursor++ = '%';
+            *cursor++ = hex[c >> 4];
+            *cursor++ = hex[c & 15];
+        } else {
+            *cursor++ = (char)c;
+        }
+    }
+    return cursor;
+}
+
 /* Writes the key of window i of d into out (room: see rl_script_format) and returns its
    length. The one place that names a window's sorted set:
 
@@ -224,7 +245,6 @@ static size_t
 window_key(char *out, const char *prefix, size_t prefix_len, const char *user, size_t user_len,
            const rl_prepared *d, int i)
 {
-    static const char hex[] = "0123456789ABCDEF";
     const rl_windows *w = &d->windows;
     const rl_scope *scope = w->scope[i] ? &d->scopes[w->scope[i] - 1] : NULL;
     const char *owner = user;
@@ -246,16 +266,7 @@ window_key(char *out, const char *prefix, size_t prefix_len, const char *user, s
     } else if (scope != NULL) {
         memcpy(cursor, ":scope=", 7);
         cursor += 7;
-        for (size_t j = 0; j < scope->name_len; j++) {
-            unsigned char c = (unsigned char)scope->name[j];
-            if (c == '%' || c == ':' || c == '{' || c == '}') {
-                *cursor++ = '%';
-                *cursor++ = hex[c >> 4];
-                *cursor++ = hex[c & 15];
-            } else {
-                *cursor++ = (char)c;
-            }
-        }
+        cursor = percent_encode(cursor, scope->name, scope->name_len, 1);
     }
     return (size_t)(cursor - out);
 }
@@ -393,21 +404,11 @@ static size_t
 budget_key(char *out, const char *prefix, size_t prefix_len, const rl_budget *b, int hash_tag,
            long long start_ms)
 {
-    static const char hex[] = "0123456789ABCDEF";
     char *cursor = write_user_key(out, prefix, prefix_len, b->owner, b->owner_len, hash_tag);
     cursor += snprintf(cursor, RL_NUMBER_TEXT, ":%lld", start_ms);
     memcpy(cursor, ":budget=", 8);
     cursor += 8;
-    for (size_t j = 0; j < b->name_len; j++) {
-        unsigned char c = (unsigned char)b->name[j];
-        if (c == '%' || c == ':' || c == '{' || c == '}') {
-            *cursor++ = '%';
-            *cursor++ = hex[c >> 4];
-            *cursor++ = hex[c & 15];
-        } else {
-            *cursor++ = (char)c;
-        }
-    }
+    cursor = percent_encode(cursor, b->name, b->name_len, 1);
     return (size_t)(cursor - out);
 }
 
@@ -545,7 +546,6 @@ format_observe(const char *prefix, size_t prefix_len, const char *user, size_t u
 size_t
 rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
 {
-    static const char hex[] = "0123456789ABCDEF";
     char *cursor = out;
     if (!hash_tag) {
         memcpy(out, user, user_len);
@@ -555,16 +555,7 @@ rl_key_user(char *out, const char *user, size_t user_len, int hash_tag)
        "a}b" would share a slot, and "a}" a tag with others). Percent-encoding '%', '{' and
        '}' keeps the map from ids to tags one-to-one; ids without them are unchanged. */
     *cursor++ = '{';
-    for (size_t i = 0; i < user_len; i++) {
-        unsigned char c = (unsigned char)user[i];
-        if (c == '%' || c == '{' || c == '}') {
-            *cursor++ = '%';
-            *cursor++ = hex[c >> 4];
-            *cursor++ = hex[c & 15];
-        } else {
-            *cursor++ = (char)c;
-        }
-    }
+    cursor = percent_encode(cursor, user, user_len, 0);
     *cursor++ = '}';
     return (size_t)(cursor - out);
 }

@@ -324,6 +324,32 @@ def _parse_toml(text: str) -> object:
     return tomllib.loads(text)
 
 
+def read_config_file(path: str | os.PathLike[str], where: str,
+                     error: type[ValueError]) -> object:
+    """The parsed content of a `.json` or `.toml` file (UTF-8), a duplicate key refused in
+    both formats. Raises `error` with a message starting with `where`: another suffix, a
+    file that cannot be read, text that is not JSON / TOML. The one reader of the tiers
+    file and of a price table (prices.PriceTable.load)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".json", ".toml"):
+        raise error(f"{where}: unsupported file type {path.suffix or '(no suffix)'!r}; "
+                    "use a .json or .toml file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise error(f"{where}: file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error(f"{where}: cannot be read: {exc}") from None
+    try:
+        if suffix == ".json":
+            return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        return _parse_toml(text)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, TOMLDecodeError; deep nesting
+        kind = "JSON" if suffix == ".json" else "TOML"
+        raise error(f"{where}: invalid {kind}: {exc}") from None
+
+
 def load_tier_limits(path: str | os.PathLike[str], *, source: str | None = None) -> dict[str, dict[str, int]]:
     """Reads and validates a tiers file (`.json` or `.toml`). Returns the request budgets.
     Raises TierConfigError whose message starts with `source` (default: the file's path)."""
@@ -334,26 +360,8 @@ def load_tier_limits(path: str | os.PathLike[str], *, source: str | None = None)
 def load_tier_config(path: str | os.PathLike[str], *, source: str | None = None) -> tuple[object, str]:
     """Reads a tiers file (`.json` or `.toml`) and checks it (validate_tier_limits). Returns
     its parsed content, token keys included, and the source name its errors start with."""
-    path = Path(path)
     where = source or str(path)
-    suffix = path.suffix.lower()
-    if suffix not in (".json", ".toml"):
-        raise TierConfigError(f"{where}: unsupported file type {path.suffix or '(no suffix)'!r}; "
-                              "use a .json or .toml file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise TierConfigError(f"{where}: file not found") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise TierConfigError(f"{where}: cannot be read: {exc}") from None
-    try:
-        if suffix == ".json":
-            data = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-        else:
-            data = _parse_toml(text)
-    except ValueError as exc:  # json.JSONDecodeError and tomllib.TOMLDecodeError are ValueErrors
-        kind = "JSON" if suffix == ".json" else "TOML"
-        raise TierConfigError(f"{where}: invalid {kind}: {exc}") from None
+    data = read_config_file(path, where, TierConfigError)
     validate_tier_limits(data, where)
     scope_sections_of(data, where)
     return data, where

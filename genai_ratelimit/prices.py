@@ -45,16 +45,14 @@ from __future__ import annotations
 import datetime
 import difflib
 import fnmatch
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from decimal import Decimal, localcontext
-from pathlib import Path
 from types import MappingProxyType
 
 from ._native import MAX_LIMIT
-from ._tiers_config import _parse_toml, _reject_duplicate_keys
+from ._tiers_config import read_config_file
 
 __all__ = [
     "PriceTable",
@@ -464,26 +462,8 @@ class PriceTable:
         """A table from a `.toml` or `.json` file (UTF-8), read once. Raises
         PriceTableError naming the file: unreadable, not TOML / JSON, a duplicate key (both
         formats refuse one), or a table from_mapping refuses."""
-        path = Path(path)
         where = str(path)
-        suffix = path.suffix.lower()
-        if suffix not in (".json", ".toml"):
-            raise PriceTableError(f"{where}: unsupported file type "
-                                  f"{path.suffix or '(no suffix)'!r}; use a .json or .toml file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise PriceTableError(f"{where}: file not found") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise PriceTableError(f"{where}: cannot be read: {exc}") from None
-        try:
-            if suffix == ".json":
-                data = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-            else:
-                data = _parse_toml(text)
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError, TOMLDecodeError
-            kind = "JSON" if suffix == ".json" else "TOML"
-            raise PriceTableError(f"{where}: invalid {kind}: {exc}") from None
+        data = read_config_file(path, where, PriceTableError)
         return cls.from_mapping(data, source=where)
 
     def priced_as(self, model: str) -> str | None:

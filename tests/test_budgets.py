@@ -543,7 +543,7 @@ def test_random_holds_and_settles_leave_every_level_equal_to_its_settled_sum(
 def test_one_owners_budgets_are_held_on_a_redis_cluster(make_limiter: Any,
                                                         redis_cluster: Any) -> None:
     """On a cluster each owner's keys carry it as their hash tag: one owner's budgets are held
-    and settled there, in one script; budgets of two owners are refused before any I/O."""
+    and settled there, in one script."""
     from redis.cluster import RedisCluster as ClusterClient
 
     limiter = make_limiter(redis_cluster.url)
@@ -560,8 +560,65 @@ def test_one_owners_budgets_are_held_on_a_redis_cluster(make_limiter: Any,
         assert int(inspector.hget(key, "spent")) == 50
     finally:
         inspector.close()
-    with pytest.raises(ValueError, match="hash slot"):
-        limiter.hold_budgets([monthly, Budget("user:1", "daily", 10)], 1)
+
+
+def _answer(hold: BudgetHold) -> tuple[Any, ...]:
+    """What a hold answers, but its ids and the instant it was decided at."""
+    return (hold.allowed, hold.refused, hold.reason, hold.reset_at_ms,
+            tuple((p.budget, p.amount, p.remaining, p.period_start_ms, p.period_end_ms)
+                  for p in hold.periods))
+
+
+def test_a_hierarchy_is_held_owner_by_owner_on_a_redis_cluster(
+        make_limiter: Any, redis_cluster: Any, redis_url: str,
+        redis_client: redis.Redis) -> None:
+    """Budgets of an org, a key and a user (three hash slots) on a cluster: held owner by
+    owner, with the answers one node gives for the same sequence; a refusal by the user
+    gives back the org's and the key's holds exactly (sampled in Redis); a refusal by the
+    org holds nothing at any level; the settle reaches every owner, once."""
+    from redis.cluster import RedisCluster as ClusterClient
+
+    org = Budget("org:acme", "monthly_usd", 1_000, level="org", thresholds=(10,))
+    key = Budget("key:k-81", "daily_usd", 300, "day", "Europe/Paris", level="key")
+    user = Budget("user:8421", "daily_usd", 200, "day", "Europe/Paris", level="user")
+    levels = [org, key, user]
+    cluster = make_limiter(redis_cluster.url)
+    single = make_limiter(redis_url)
+    inspector = ClusterClient(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+
+    def state(budget: Budget, hold: BudgetHold) -> tuple[int, int]:
+        start = next(p.period_start_ms for p in hold.periods if p.budget == budget)
+        stored = inspector.hgetall(f"ratelimit:{{{budget.owner}}}:{start}:budget={budget.name}")
+        return int(stored.get(b"spent", 0)), int(stored.get(b"held", 0))
+
+    try:
+        first = [limiter.hold_budgets(levels, 150) for limiter in (cluster, single)]
+        assert _answer(first[0]) == _answer(first[1]) and first[0].allowed
+        assert len({p.hold_id for p in first[0].periods}) == 3  # one hold per owner
+        assert [c.threshold for c in first[0].crossed] == [10] == \
+            [c.threshold for c in first[1].crossed]
+        # The user refuses (150 + 150 > 200, in flight): the org and the key give theirs back.
+        second = [limiter.hold_budgets(levels, 150) for limiter in (cluster, single)]
+        assert _answer(second[0]) == _answer(second[1])
+        assert second[0].refused_by.budget == user and second[0].reason == "in_flight"
+        assert second[0].hold_id == "" and second[0].periods[0].remaining == 850
+        assert [state(b, first[0]) for b in levels] == [(0, 150)] * 3
+        # The org refuses for good (permanent): nothing is held at the key or the user.
+        third = [limiter.hold_budgets(levels, [2_000, 10, 10]) for limiter in (cluster, single)]
+        assert _answer(third[0]) == _answer(third[1])
+        assert third[0].refused_by.budget == org and third[0].reason == "permanent"
+        assert [state(b, first[0]) for b in levels] == [(0, 150)] * 3
+        # The settle reaches every owner once; again, nothing.
+        for limiter in (cluster, single):
+            assert limiter.settle_budgets(first[0] if limiter is cluster else first[1], 120) == 3
+        assert cluster.settle_budgets(first[0], 120) == 0
+        assert [state(b, first[0]) for b in levels] == [(120, 0)] * 3
+        fourth = [limiter.hold_budgets(levels, 90) for limiter in (cluster, single)]
+        assert _answer(fourth[0]) == _answer(fourth[1])
+        assert fourth[0].reason == "until_reset" and fourth[0].refused_by.budget == user
+        assert [state(b, first[0]) for b in levels] == [(120, 0)] * 3
+    finally:
+        inspector.close()
 
 
 WORKER = '''

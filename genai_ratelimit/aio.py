@@ -965,23 +965,33 @@ class AsyncRateLimiter:
         way leaves nothing held: once the reply is in, a hold it made is given back."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        plan = hold_plan(budgets, amount, hold_seconds)
+        plan = hold_plan(budgets, amount, hold_seconds, grouped=self._two_step_scopes)
         call, result = advance(plan)
         chosen = (budgets,) if isinstance(budgets, Budget) else tuple(budgets)  # checked by now
+        # A cluster holds several owners in steps (periods.hold_plan): a cancelled caller
+        # leaves the plan to finish in the background, giving back every step it held.
+        steps = self._two_step_scopes and len({b.owner for b in chosen}) > 1
         while call is not None:
-            _, positional, keywords = call
-            request = self._codec.hold_budgets(*positional, **keywords)
+            name, positional, keywords = call
+            request = (self._codec.hold_budgets(*positional, **keywords) if name == "hold_budgets"
+                       else self._codec.settle_budgets(*positional, **keywords))
             if type(request) is tuple:  # the kill switch answered
-                answer = request
+                call, result = advance(plan, request)
+                continue
+            sent = _Sent()
+            try:
+                answer = await self._run(request, name == "hold_budgets",
+                                         name == "hold_budgets", sent)
+            except asyncio.CancelledError:
+                if steps:
+                    self._leave(self._abandon_hold(plan, call, sent))
+                elif sent.future is not None:
+                    self._leave(self._release_held(positional[1], sent, chosen))
+                raise
+            except Exception as exc:  # noqa: BLE001 - handed to the plan: it gives back its steps
+                call, result = advance(plan, error=exc)
             else:
-                sent = _Sent()
-                try:
-                    answer = await self._run(request, True, True, sent)
-                except asyncio.CancelledError:
-                    if sent.future is not None:
-                        self._leave(self._release_held(positional[1], sent, chosen))
-                    raise
-            call, result = advance(plan, answer)
+                call, result = advance(plan, answer)
         hold: BudgetHold = result
         try:
             await self._report_crossings(hold.crossed)
@@ -990,6 +1000,41 @@ class AsyncRateLimiter:
                 self._leave(self._give_back_hold(hold))
             raise
         return hold
+
+    async def _abandon_hold(self, plan: Plan, call: Any, sent: _Sent) -> None:
+        """Finishes the plan of a cancelled hold over several owners on a cluster: the reply
+        of the call that was out is handed to the plan, no further owner is held (the plan
+        gives back the steps it held, as when a step fails), the give-backs are sent, and a
+        hold that completed is settled to 0 (nobody will settle it)."""
+        future = sent.future
+        result: Any = None
+        fed: BaseException | None = None  # the last error handed to the plan
+        try:
+            while call is not None:
+                try:
+                    if future is not None:  # the reply of the call that was out
+                        answer = await future
+                    elif call[0] == "hold_budgets":  # no new step for nobody
+                        raise _Abandoned()
+                    elif self._closed:
+                        raise RateLimiterError("the rate limiter is closed")
+                    else:
+                        answer = await self._run(self._codec.settle_budgets(*call[1]))
+                except Exception as exc:  # noqa: BLE001 - handed to the plan
+                    fed = exc
+                    call, result = advance(plan, error=exc)
+                else:
+                    call, result = advance(plan, answer)
+                future = None
+            hold: BudgetHold = result
+            await self._report_crossings(hold.crossed)  # recorded in Redis: told by no one else
+            if hold.allowed and hold.hold_id and not self._closed:
+                await self.settle_budgets(hold, 0)
+        except Exception as exc:  # noqa: BLE001 - logged: the holds expire with their keys
+            if exc is fed:  # the plan gave up on that error, having given back its steps
+                return
+            logger.warning("could not give back the hold of a cancelled hold_budgets (it is "
+                           "held until its key expires): %s", exc)
 
     async def _give_back_hold(self, hold: BudgetHold) -> None:
         """Settles a hold to 0 for a caller cancelled after it was made."""

@@ -246,11 +246,15 @@ class RateLimiter(_native.Limiter):
         """Holds `amount` (one int for every budget, or one per budget) in each calendar
         budget (docs/spend-budgets.md), in one script execution, all or nothing: when any
         budget's spent + held + amount would pass its limit, nothing is held anywhere and
-        the BudgetHold names the budget that refused and why. Each budget's period is the
+        the BudgetHold names the budget that refused and why. On a Redis Cluster, budgets
+        of several owners are held owner by owner, the earlier holds given back exactly
+        when a later owner refuses: the same answer, one round trip per owner
+        (docs/spend-budgets.md, "On a Redis Cluster"). Each budget's period is the
         one holding the script's now (the server's clock, unless clock="client"). A hold's
         key lives until its period's end plus `hold_seconds` (the longest hold). Soft limits
         it crossed are in `.crossed`, counted, logged and given to on_budget_threshold."""
-        hold: BudgetHold = self._drive(hold_plan(budgets, amount, hold_seconds))
+        hold: BudgetHold = self._drive(hold_plan(budgets, amount, hold_seconds,
+                                                   grouped=self._two_step_scopes))
         self._report_crossings(hold.crossed)
         return hold
 

@@ -125,6 +125,12 @@ class LimiterMetrics(TypedDict):
     # Soft limits crossed (hold_budgets / settle_budgets, see BudgetThresholdCounts):
     # (budget, level, threshold, count).
     budget_thresholds: NotRequired[tuple[tuple[str, str, str, int], ...]]
+    # ... and the money of its TokenRateLimit(prices=...) requests, in the price table's
+    # money units: (tier, level, mode, currency, state, amount), state held | released |
+    # settled (see RequestOutcomes.add_spend) ...
+    spend: NotRequired[tuple[tuple[str, str, str, str, str, int], ...]]
+    # ... and the budgets held by their use after the hold: (tier, level, band, count).
+    spend_budget_use: NotRequired[tuple[tuple[str, str, str, int], ...]]
 
 
 @dataclass(frozen=True)
@@ -201,10 +207,25 @@ BUDGET_THRESHOLDS = _family("budget_thresholds_crossed", "counter",
                             "across every replica), by budget name, level and threshold "
                             "(percent of the limit).", "{crossing}", "budget.thresholds.crossed")
 
+SPEND = _family("spend_units", "counter", ("tier", "level", "mode", "currency", "state"),
+                "Money of the requests a TokenRateLimit(prices=...) allowed, in the price "
+                "table's money units (micro-units of the currency by default), by tier and "
+                "budget level: held (the worst cases held at admission), released (the holds "
+                "settled, whole), settled (the costs charged). held - released: held now.",
+                "{unit}", "spend")
+SPEND_BUDGET_USE = _family("spend_budget_use", "counter", ("tier", "level", "band"),
+                           "Budgets held at admission by their use after the hold (spent + "
+                           "held, a fraction of the limit), in bands: band is the band's upper "
+                           "bound (0.5, 0.8, 0.9, 0.95, 1).", "{budget}", "spend.budget_use")
+# The upper bounds of SPEND_BUDGET_USE's bands.
+SPEND_USE_BANDS = ("0.5", "0.8", "0.9", "0.95", "1")
+_SPEND_USE_PERCENTS = (50, 80, 90, 95, 100)
+_SPEND_STATES = ("held", "released", "settled")
+
 FAMILIES: tuple[Family, ...] = (DECISIONS, REJECTIONS, RESERVED_TOKENS, CHARGED_TOKENS,
                                 REFUNDED_TOKENS, LEASE_ACQUISITIONS, LEASE_RELEASES, FAIL_OPEN,
                                 SHADOW, REPLAYS, CONNECTION_ERRORS, LATENCY, REQUESTS, IN_FLIGHT,
-                                REQUEST_TOKENS, BUDGET_THRESHOLDS)
+                                REQUEST_TOKENS, BUDGET_THRESHOLDS, SPEND, SPEND_BUDGET_USE)
 
 # The outcomes of a request in the FastAPI layer (REQUESTS), each one HTTP answer:
 OUTCOMES = (
@@ -228,13 +249,67 @@ class RequestOutcomes:
     from the dependency's configuration (tiers, windows, scope kinds), never from a request:
     the number of series is bounded by the configuration (and by MAX_REQUEST_SERIES)."""
 
-    __slots__ = ("_lock", "_counts", "_in_flight", "_tokens", "__weakref__")
+    __slots__ = ("_lock", "_counts", "_in_flight", "_tokens", "_spend", "_use", "__weakref__")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str, str, str, str, str], int] = {}
         self._in_flight: dict[str, int] = {}
         self._tokens: dict[tuple[str, str, str], int] = {}
+        self._spend: dict[tuple[str, str, str, str, str], int] = {}
+        self._use: dict[tuple[str, str, str], int] = {}
+
+    def add_spend(self, state: str, *, tier: str, level: str, mode: str, currency: str,
+                  amount: int) -> None:
+        """Counts `amount` money units (the price table's) of a TokenRateLimit request of
+        `tier` at budget `level` ("key", or a SpendLevel's): state "held" (its worst case,
+        at admission), "released" (that hold, when it is settled) or "settled" (the cost
+        charged). held - released is what requests hold now (or left held: their usage
+        never came); released - settled what the settles gave back."""
+        if state not in _SPEND_STATES:
+            raise ValueError(f"state must be held, released or settled, got {state!r}")
+        if isinstance(amount, bool) or not isinstance(amount, int) or amount < 0:
+            raise ValueError(f"amount must be an int >= 0, got {amount!r}")
+        key = (tier, level, mode, currency, state)
+        if not all(isinstance(value, str) and value for value in key):
+            raise ValueError(f"every label must be a non-empty str, got {key!r}")
+        with self._lock:
+            if key not in self._spend and len(self._spend) >= MAX_REQUEST_SERIES:
+                key = ("other", "other", mode, currency, state)
+            self._spend[key] = self._spend.get(key, 0) + amount
+
+    def add_budget_use(self, *, tier: str, level: str, limit: int, remaining: int) -> None:
+        """Counts one budget held at admission in the band of its use after the hold:
+        (limit - remaining) / limit, exact (integers: no float decides the band)."""
+        used = limit - remaining
+        band = next((b for b, percent in zip(SPEND_USE_BANDS, _SPEND_USE_PERCENTS, strict=True)
+                     if used * 100 <= limit * percent), SPEND_USE_BANDS[-1])
+        key = (tier, level, band)
+        with self._lock:
+            if key not in self._use and len(self._use) >= MAX_REQUEST_SERIES:
+                key = ("other", "other", band)
+            self._use[key] = self._use.get(key, 0) + 1
+
+    def spend(self) -> tuple[tuple[str, str, str, str, str, int], ...]:
+        """(tier, level, mode, currency, state, amount), sorted."""
+        with self._lock:
+            return tuple(sorted((*key, n) for key, n in self._spend.items()))
+
+    def budget_use(self) -> tuple[tuple[str, str, str, int], ...]:
+        """(tier, level, band, budgets), sorted."""
+        with self._lock:
+            return tuple(sorted((*key, n) for key, n in self._use.items()))
+
+    def spent(self, state: str = "settled", **labels: str) -> int:
+        """The money units counted in `state` with these labels (tier, level, mode,
+        currency), e.g. request_outcomes(limiter).spent("held", level="org")."""
+        names = ("tier", "level", "mode", "currency")
+        unknown = set(labels) - set(names)
+        if unknown:
+            raise ValueError(f"unknown labels {sorted(unknown)}: use {names}")
+        with self._lock:
+            return sum(n for key, n in self._spend.items() if key[4] == state
+                       and all(key[names.index(k)] == v for k, v in labels.items()))
 
     def _bump_known(self, series: dict[Any, int], key: tuple[Any, ...], n: int) -> bool:
         """Adds n to a series counted before (its labels were checked when it was first
@@ -431,6 +506,8 @@ def exported(limiter: _Measured) -> LimiterMetrics:
     outcomes = request_outcomes(limiter)
     snapshot["requests"], snapshot["in_flight_requests"] = outcomes.snapshot()
     snapshot["request_tokens"] = outcomes.tokens()
+    snapshot["spend"] = outcomes.spend()
+    snapshot["spend_budget_use"] = outcomes.budget_use()
     try:
         snapshot["budget_thresholds"] = budget_thresholds(limiter).snapshot()
     except TypeError:  # no weak reference to it: nothing crossed through it
@@ -473,6 +550,10 @@ def samples(snapshot: LimiterMetrics) -> Iterator[Sample]:
         yield REQUEST_TOKENS, (tier, mode, state), count
     for budget, level, threshold, count in snapshot.get("budget_thresholds", ()):
         yield BUDGET_THRESHOLDS, (budget, level, threshold), count
+    for *labels, amount in snapshot.get("spend", ()):
+        yield SPEND, tuple(labels), amount
+    for *labels, count in snapshot.get("spend_budget_use", ()):
+        yield SPEND_BUDGET_USE, tuple(labels), count
 
 
 def report_crossings(limiter: Any, crossings: Sequence[Any]) -> None:
@@ -561,7 +642,13 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
     in_flight: dict[str, int] = {}
     tokens: dict[tuple[str, ...], int] = {}
     thresholds: dict[tuple[str, ...], int] = {}
+    spend: dict[tuple[str, ...], int] = {}
+    use: dict[tuple[str, ...], int] = {}
     for s in snapshots:
+        for *labels, count in s.get("spend", ()):
+            spend[tuple(labels)] = spend.get(tuple(labels), 0) + count
+        for *labels, count in s.get("spend_budget_use", ()):
+            use[tuple(labels)] = use.get(tuple(labels), 0) + count
         for *labels, count in s.get("request_tokens", ()):
             tokens[tuple(labels)] = tokens.get(tuple(labels), 0) + count
         for *labels, count in s.get("budget_thresholds", ()):
@@ -588,6 +675,8 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
     merged["in_flight_requests"] = tuple(sorted(in_flight.items()))
     merged["request_tokens"] = tuple(sorted((*labels, n) for labels, n in tokens.items()))
     merged["budget_thresholds"] = tuple(sorted((*labels, n) for labels, n in thresholds.items()))
+    merged["spend"] = tuple(sorted((*labels, n) for labels, n in spend.items()))
+    merged["spend_budget_use"] = tuple(sorted((*labels, n) for labels, n in use.items()))
     if scripts is not None:
         merged["latency_buckets"], merged["latency_sum_s"] = scripts["buckets"], scripts["sum_s"]
     return merged  # type: ignore[return-value]
@@ -603,6 +692,8 @@ def _from_json(snapshot: dict[str, Any]) -> LimiterMetrics:
     snapshot["in_flight_requests"] = tuple(tuple(r) for r in snapshot.get("in_flight_requests", ()))
     snapshot["request_tokens"] = tuple(tuple(r) for r in snapshot.get("request_tokens", ()))
     snapshot["budget_thresholds"] = tuple(tuple(r) for r in snapshot.get("budget_thresholds", ()))
+    snapshot["spend"] = tuple(tuple(r) for r in snapshot.get("spend", ()))
+    snapshot["spend_budget_use"] = tuple(tuple(r) for r in snapshot.get("spend_budget_use", ()))
     return snapshot  # type: ignore[return-value]
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Iterable, Sequence
 from datetime import date, datetime, timedelta, timezone
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -210,13 +210,17 @@ def _neighbours(budget: Budget, instant_ms: int) -> tuple[int, int, int, int]:
 class BudgetPeriod:
     """One budget of a hold's answer: the `amount` asked, what is `remaining` in its period
     (after the hold on allow; limit - spent - held, never below 0), and the period the
-    hold was decided in, [period_start_ms, period_end_ms) (period_end_ms: when it resets)."""
+    hold was decided in, [period_start_ms, period_end_ms) (period_end_ms: when it resets).
+    `hold_id`: "" when one script held every budget (the hold's `hold_id` names it); on a
+    Redis Cluster, a hold over several owners is held owner by owner (hold_plan, grouped)
+    and each budget carries the id of its owner's hold."""
 
     budget: Budget
     amount: int
     remaining: int
     period_start_ms: int
     period_end_ms: int
+    hold_id: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,14 +324,20 @@ def hold_arguments(budgets: object, amount: object,
     return chosen, amounts, hold_ms
 
 
-def hold_plan(budgets: object, amount: object, hold_seconds: object = DEFAULT_HOLD_SECONDS,
-              now_ms: int | None = None) -> Plan:
-    """hold: one call ("hold_budgets", (owner, budget tuples, hold_ms)) deciding every
-    budget in one script, all or nothing; again (at most twice) when the script's now
-    falls outside the periods sent, from that now. Returns a BudgetHold. now_ms: the
-    client's guess of the script's now (default: this machine's clock)."""
-    chosen, amounts, hold_ms = hold_arguments(budgets, amount, hold_seconds)
-    guess = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+def _groups(budgets: Sequence[Budget]) -> tuple[tuple[int, ...], ...]:
+    """The budgets' indexes by owner, in the order owners first appear: on a Redis Cluster
+    an owner's keys carry it as their hash tag, so one owner's budgets meet in one script."""
+    owners: dict[str, list[int]] = {}
+    for i, b in enumerate(budgets):
+        owners.setdefault(b.owner, []).append(i)
+    return tuple(tuple(indexes) for indexes in owners.values())
+
+
+def _hold_once(chosen: tuple[Budget, ...], amounts: tuple[int, ...], hold_ms: int,
+               guess: int) -> Plan:
+    """One script holding `chosen` (one owner's budgets, or all of them off a cluster), all
+    or nothing; again (at most twice) when the script's now falls outside the periods sent,
+    from that now. Returns a BudgetHold over `chosen`."""
     for _ in range(_STALE_TRIES):
         rows = tuple((b.owner, b.name, b.limit, a) + _neighbours(b, guess) + (_packed(b.thresholds),)
                      for b, a in zip(chosen, amounts, strict=True))
@@ -349,23 +359,115 @@ def hold_plan(budgets: object, amount: object, hold_seconds: object = DEFAULT_HO
                        f"times (now_ms={guess})")
 
 
+def hold_plan(budgets: object, amount: object, hold_seconds: object = DEFAULT_HOLD_SECONDS,
+              now_ms: int | None = None, grouped: bool = False) -> Plan:
+    """hold: one call ("hold_budgets", (owner, budget tuples, hold_ms)) deciding every
+    budget in one script, all or nothing; again (at most twice) when the script's now
+    falls outside the periods sent, from that now. Returns a BudgetHold. now_ms: the
+    client's guess of the script's now (default: this machine's clock).
+
+    grouped (a Redis Cluster: each owner's keys live in its own hash slot) and budgets of
+    several owners: one script per owner, in the order the owners first appear, each all
+    or nothing. Every group is asked, so the answer is the one a single script gives: the
+    first budget that refuses, its reason and period, every budget's remaining (an earlier
+    group's hold added back). When some group refuses (or a call fails), every group that
+    held is given back exactly (settled to 0 in the period that admitted it: idempotent)
+    before the refusal is answered (or the error raised). Between the steps, a group held
+    while a later one refuses may refuse a concurrent request spuriously; nothing is ever
+    admitted over a limit. A crash between the steps leaves an earlier group's hold until
+    its key expires (the period's end plus hold_seconds)."""
+    chosen, amounts, hold_ms = hold_arguments(budgets, amount, hold_seconds)
+    guess = time.time_ns() // 1_000_000 if now_ms is None else now_ms
+    groups = _groups(chosen)
+    if not grouped or len(groups) == 1:
+        return (yield from _hold_once(chosen, amounts, hold_ms, guess))
+    answers: list[tuple[tuple[int, ...], BudgetHold]] = []
+    try:
+        for group in groups:
+            answer = yield from _hold_once(tuple(chosen[i] for i in group),
+                                           tuple(amounts[i] for i in group), hold_ms, guess)
+            answers.append((group, answer))
+            guess = answer.now_ms
+    except GeneratorExit:
+        raise
+    except BaseException:
+        yield from _give_back(answer for _, answer in answers)
+        raise
+    periods: list[BudgetPeriod | None] = [None] * len(chosen)
+    for group, answer in answers:
+        for i, period in zip(group, answer.periods, strict=True):
+            periods[i] = dataclasses.replace(period, hold_id=answer.hold_id)
+    crossed = tuple(c for _, answer in answers for c in answer.crossed)
+    refusals = [(group[answer.refused], answer) for group, answer in answers
+                if not answer.allowed and answer.refused is not None]
+    if not refusals:
+        return BudgetHold(allowed=True, hold_id=answers[0][1].hold_id,
+                          periods=tuple(p for p in periods if p is not None),
+                          now_ms=answers[-1][1].now_ms, crossed=crossed)
+    yield from _give_back(answer for _, answer in answers)
+    for group, answer in answers:  # a group given back: what it had before its hold
+        if answer.allowed:
+            for i in group:
+                held = periods[i]
+                assert held is not None
+                periods[i] = dataclasses.replace(held, remaining=held.remaining + held.amount)
+    refused, refusal = min(refusals, key=lambda r: r[0])
+    return BudgetHold(allowed=False, hold_id="",
+                      periods=tuple(dataclasses.replace(p, hold_id="") for p in periods
+                                    if p is not None),
+                      now_ms=refusal.now_ms, refused=refused, reason=refusal.reason,
+                      crossed=crossed)
+
+
+def _give_back(answers: Iterable[BudgetHold]) -> Plan:
+    """Settles every allowed group's hold to 0 (idempotent). A give-back that fails (Redis
+    gone) leaves that hold until its key expires: the cost of a crash between the steps."""
+    for answer in answers:
+        if not (answer.allowed and answer.hold_id):
+            continue
+        try:
+            yield from settle_plan(answer, 0)
+        except Exception:  # noqa: BLE001 - best effort by design (see above)
+            pass
+
+
 def settle_plan(hold: object, actual: object) -> Plan:
     """settle: one call ("settle_budgets", (owner, budget tuples, hold_id)) moving each
     budget's hold to its admitting period's spent total as `actual` (an int for every
     budget, or one per budget; 0 gives the hold back unused). Returns a BudgetSettlement:
     the number of budgets whose hold was found (0 when it was settled already, expired, or
-    nothing was held: then nothing is sent), with the soft limits the settle crossed."""
+    nothing was held: then nothing is sent), with the soft limits the settle crossed. A
+    hold made owner by owner (a Redis Cluster: BudgetPeriod.hold_id) is settled the same
+    way, one call per owner; a call that fails raises after the others were sent."""
     if not isinstance(hold, BudgetHold):
         raise TypeError(f"hold must be a BudgetHold, not {type(hold).__name__}")
     actuals = _amounts(actual, len(hold.periods), "actual")
     if not hold.allowed or not hold.hold_id:
         return BudgetSettlement(0)
-    rows = tuple((p.budget.owner, p.budget.name, p.period_start_ms, a, p.budget.limit,
-                  _packed(p.budget.thresholds))
-                 for p, a in zip(hold.periods, actuals, strict=True))
-    found, fired = yield ("settle_budgets", (hold.periods[0].budget.owner, rows, hold.hold_id), {})
+    groups: dict[str, list[int]] = {}
+    for i, p in enumerate(hold.periods):
+        groups.setdefault(p.hold_id or hold.hold_id, []).append(i)
+    found_total = 0
+    fired_all: list[tuple[int, int]] = [(0, 0)] * len(hold.periods)
+    failure: BaseException | None = None
+    for hold_id, group in groups.items():
+        rows = tuple((p.budget.owner, p.budget.name, p.period_start_ms, actuals[i],
+                      p.budget.limit, _packed(p.budget.thresholds))
+                     for i, p in ((i, hold.periods[i]) for i in group))
+        try:
+            found, fired = yield ("settle_budgets", (rows[0][0], rows, hold_id), {})
+        except Exception as exc:  # noqa: BLE001 - the other owners are settled first
+            if len(groups) == 1:
+                raise
+            failure = exc
+            continue
+        found_total += found
+        for i, pair in zip(group, fired, strict=True):
+            fired_all[i] = pair
+    if failure is not None:
+        raise failure
     crossed = tuple(BudgetCrossing(p.budget, t, p.period_start_ms, p.period_end_ms, "settle",
-                                   hold.hold_id)
-                    for p, (before, after) in zip(hold.periods, fired, strict=True)
+                                   p.hold_id or hold.hold_id)
+                    for p, (before, after) in zip(hold.periods, fired_all, strict=True)
                     for t in _crossed(p.budget, before, after))
-    return BudgetSettlement(found, crossed)
+    return BudgetSettlement(found_total, crossed)

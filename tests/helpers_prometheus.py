@@ -176,9 +176,9 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from genai_ratelimit import AsyncRateLimiter, Budget
-from genai_ratelimit.fastapi import (RateLimit, RateLimitHeadersMiddleware, TokenRateLimit,
-                                     Upstream, record_usage)
+from genai_ratelimit import AsyncRateLimiter, Budget, PriceTable
+from genai_ratelimit.fastapi import (RateLimit, RateLimitHeadersMiddleware, SpendLevel,
+                                     TokenRateLimit, Upstream, record_usage)
 from genai_ratelimit.metrics import PrometheusCollector
 
 TIERS = {"free": {"per_minute": 5, "per_day": 1000},
@@ -200,7 +200,15 @@ embeddings = AsyncRateLimiter(os.environ["EMBEDDINGS_REDIS_URL"], connect_timeou
 chat = TokenRateLimit(limiter=gateway, tier_limits=TIERS, token_limits=TOKENS, identify=identify,
                       namespace="chat", max_in_flight={"free": 2, "pro": 20},
                       upstream=Upstream("openai/gpt-4o", per_minute=int(os.environ["UPSTREAM_RPM"]),
-                                        models=("gpt-4o",)))
+                                        models=("gpt-4o",)),
+                      # Money beside the tokens: budgets no traffic exhausts, at two levels.
+                      prices=PriceTable.from_mapping({
+                          "version": "2026-12-05", "currency": "USD",
+                          "models": {"gpt-4o": {"input": 2_500_000, "output": 10_000_000},
+                                     "gpt-4o-mini": {"input": 150_000, "output": 600_000}}}),
+                      spend_limits={"free": {"monthly_usd": 1000}, "pro": {"monthly_usd": 1000}},
+                      spend_levels=[SpendLevel("org", owner_of=lambda request: "acme",
+                                               budgets={"monthly_usd": 100_000})])
 beta = RateLimit(limiter=gateway, identify=identify, namespace="beta", mode="shadow",
                  tier_limits={"free": {"per_minute": 2, "per_day": 1000},
                               "pro": {"per_minute": 2, "per_day": 1000}})

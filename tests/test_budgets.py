@@ -543,7 +543,7 @@ def test_random_holds_and_settles_leave_every_level_equal_to_its_settled_sum(
 def test_one_owners_budgets_are_held_on_a_redis_cluster(make_limiter: Any,
                                                         redis_cluster: Any) -> None:
     """On a cluster each owner's keys carry it as their hash tag: one owner's budgets are held
-    and settled there, in one script; budgets of two owners are refused before any I/O."""
+    and settled there, in one script."""
     from redis.cluster import RedisCluster as ClusterClient
 
     limiter = make_limiter(redis_cluster.url)
@@ -560,8 +560,65 @@ def test_one_owners_budgets_are_held_on_a_redis_cluster(make_limiter: Any,
         assert int(inspector.hget(key, "spent")) == 50
     finally:
         inspector.close()
-    with pytest.raises(ValueError, match="hash slot"):
-        limiter.hold_budgets([monthly, Budget("user:1", "daily", 10)], 1)
+
+
+def _answer(hold: BudgetHold) -> tuple[Any, ...]:
+    """What a hold answers, but its ids and the instant it was decided at."""
+    return (hold.allowed, hold.refused, hold.reason, hold.reset_at_ms,
+            tuple((p.budget, p.amount, p.remaining, p.period_start_ms, p.period_end_ms)
+                  for p in hold.periods))
+
+
+def test_a_hierarchy_is_held_owner_by_owner_on_a_redis_cluster(
+        make_limiter: Any, redis_cluster: Any, redis_url: str,
+        redis_client: redis.Redis) -> None:
+    """Budgets of an org, a key and a user (three hash slots) on a cluster: held owner by
+    owner, with the answers one node gives for the same sequence; a refusal by the user
+    gives back the org's and the key's holds exactly (sampled in Redis); a refusal by the
+    org holds nothing at any level; the settle reaches every owner, once."""
+    from redis.cluster import RedisCluster as ClusterClient
+
+    org = Budget("org:acme", "monthly_usd", 1_000, level="org", thresholds=(10,))
+    key = Budget("key:k-81", "daily_usd", 300, "day", "Europe/Paris", level="key")
+    user = Budget("user:8421", "daily_usd", 200, "day", "Europe/Paris", level="user")
+    levels = [org, key, user]
+    cluster = make_limiter(redis_cluster.url)
+    single = make_limiter(redis_url)
+    inspector = ClusterClient(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+
+    def state(budget: Budget, hold: BudgetHold) -> tuple[int, int]:
+        start = next(p.period_start_ms for p in hold.periods if p.budget == budget)
+        stored = inspector.hgetall(f"ratelimit:{{{budget.owner}}}:{start}:budget={budget.name}")
+        return int(stored.get(b"spent", 0)), int(stored.get(b"held", 0))
+
+    try:
+        first = [limiter.hold_budgets(levels, 150) for limiter in (cluster, single)]
+        assert _answer(first[0]) == _answer(first[1]) and first[0].allowed
+        assert len({p.hold_id for p in first[0].periods}) == 3  # one hold per owner
+        assert [c.threshold for c in first[0].crossed] == [10] == \
+            [c.threshold for c in first[1].crossed]
+        # The user refuses (150 + 150 > 200, in flight): the org and the key give theirs back.
+        second = [limiter.hold_budgets(levels, 150) for limiter in (cluster, single)]
+        assert _answer(second[0]) == _answer(second[1])
+        assert second[0].refused_by.budget == user and second[0].reason == "in_flight"
+        assert second[0].hold_id == "" and second[0].periods[0].remaining == 850
+        assert [state(b, first[0]) for b in levels] == [(0, 150)] * 3
+        # The org refuses for good (permanent): nothing is held at the key or the user.
+        third = [limiter.hold_budgets(levels, [2_000, 10, 10]) for limiter in (cluster, single)]
+        assert _answer(third[0]) == _answer(third[1])
+        assert third[0].refused_by.budget == org and third[0].reason == "permanent"
+        assert [state(b, first[0]) for b in levels] == [(0, 150)] * 3
+        # The settle reaches every owner once; again, nothing.
+        for limiter in (cluster, single):
+            assert limiter.settle_budgets(first[0] if limiter is cluster else first[1], 120) == 3
+        assert cluster.settle_budgets(first[0], 120) == 0
+        assert [state(b, first[0]) for b in levels] == [(120, 0)] * 3
+        fourth = [limiter.hold_budgets(levels, 90) for limiter in (cluster, single)]
+        assert _answer(fourth[0]) == _answer(fourth[1])
+        assert fourth[0].reason == "until_reset" and fourth[0].refused_by.budget == user
+        assert [state(b, first[0]) for b in levels] == [(120, 0)] * 3
+    finally:
+        inspector.close()
 
 
 WORKER = '''
@@ -706,3 +763,154 @@ def test_holds_and_settles_do_not_grow_memory(redis_url: str, redis_client: redi
                           text=True, timeout=300, check=True)
     rss = json.loads(done.stdout)
     assert rss["after"] - rss["before"] < 2 * 1024 * 1024, rss
+
+
+# ------------------------------------------- owner by owner (a cluster's plan), no I/O
+
+def _drive_plan(plan: Any, answer: Any) -> tuple[list[tuple[str, tuple[Any, ...]]], Any]:
+    """Runs a plan against `answer(name, positional)` (a reply, or an exception to throw):
+    (the calls it made, its result)."""
+    from genai_ratelimit.reservation import advance
+
+    calls: list[tuple[str, tuple[Any, ...]]] = []
+    call, result = advance(plan)
+    while call is not None:
+        calls.append((call[0], call[1]))
+        reply = answer(call[0], call[1])
+        if isinstance(reply, BaseException):
+            call, result = advance(plan, error=reply)
+        else:
+            call, result = advance(plan, reply)
+    return calls, result
+
+
+def _script_reply(rows: tuple[Any, ...], refuse: dict[str, int], now: int = 1_000) -> Any:
+    """What budget_hold.lua answers for `rows`: refuse {name: kind} names the budgets that
+    refuse (the first of them answers), else allowed; remaining = limit - amount."""
+    refused = next((i for i, row in enumerate(rows) if row[1] in refuse), -1)
+    periods = tuple((row[2] - (row[3] if refused < 0 else 0), row[5], row[6], 0, 0) for row in rows)
+    if refused < 0:
+        return (1, -1, 0, now, f"id-{rows[0][0]}", periods)
+    return (0, refused, refuse[rows[refused][1]], now, "", periods)
+
+
+def test_owner_by_owner_asks_every_owner_and_answers_the_first_refusal() -> None:
+    """Owners interleaved (a, b, a): b refuses at index 1 and a at index 2; a held nothing, b
+    refused: the answer is index 1's, as one script's; nothing held is left to give back."""
+    from genai_ratelimit.periods import hold_plan
+
+    budgets = [Budget("a", "one", 100), Budget("b", "two", 100), Budget("a", "three", 100)]
+    refuse = {"two": 3, "three": 2}
+    calls, hold = _drive_plan(hold_plan(budgets, 10, grouped=True),
+                              lambda name, args: _script_reply(args[1], refuse))
+    assert [(name, args[0]) for name, args in calls] == [("hold_budgets", "a"),
+                                                          ("hold_budgets", "b")]
+    assert not hold.allowed and hold.refused == 1 and hold.reason == "in_flight"
+    assert hold.hold_id == "" and all(p.hold_id == "" for p in hold.periods)
+    assert [p.remaining for p in hold.periods] == [100, 100, 100]
+
+
+def test_owner_by_owner_gives_back_the_owners_that_held_when_a_later_one_refuses() -> None:
+    from genai_ratelimit.periods import hold_plan
+
+    budgets = [Budget("org", "m", 100, level="org"), Budget("key", "d", 100, level="key"),
+               Budget("user", "d", 100, level="user")]
+    calls, hold = _drive_plan(
+        hold_plan(budgets, 10, grouped=True),
+        lambda name, args: _script_reply(args[1], {} if args[0] != "user" else {"d": 2})
+        if name == "hold_budgets" else (1, ((0, 0),)))
+    assert [(name, args[0]) for name, args in calls] == [
+        ("hold_budgets", "org"), ("hold_budgets", "key"), ("hold_budgets", "user"),
+        ("settle_budgets", "org"), ("settle_budgets", "key")]
+    for _, args in calls[3:]:  # each owner's own hold, settled to 0 in its period
+        (row,) = args[1]
+        assert row[3] == 0 and args[2] == f"id-{row[0]}"
+    assert hold.refused_by.budget.level == "user" and hold.reason == "until_reset"
+    assert [p.remaining for p in hold.periods] == [100, 100, 100]  # before the holds
+
+
+def test_owner_by_owner_gives_back_and_raises_when_a_step_fails() -> None:
+    from genai_ratelimit.periods import hold_plan
+
+    budgets = [Budget("org", "m", 100), Budget("key", "d", 100)]
+    gone = RateLimiterError("Redis went away")
+
+    def answer(name: str, args: tuple[Any, ...]) -> Any:
+        if name == "settle_budgets":
+            return (1, ((0, 0),))
+        return gone if args[0] == "key" else _script_reply(args[1], {})
+
+    with pytest.raises(RateLimiterError, match="went away"):
+        _drive_plan(hold_plan(budgets, 10, grouped=True), answer)
+    plan = hold_plan(budgets, 10, grouped=True)
+    calls: list[str] = []
+    try:
+        _drive_plan(plan, lambda name, args: calls.append(f"{name} {args[0]}") or answer(name, args))
+    except RateLimiterError:
+        pass
+    assert calls == ["hold_budgets org", "hold_budgets key", "settle_budgets org"]
+
+
+def test_an_allowed_hold_owner_by_owner_settles_owner_by_owner() -> None:
+    from genai_ratelimit.periods import hold_plan, settle_plan
+
+    budgets = [Budget("org", "m", 100, thresholds=(5,)), Budget("key", "d", 100),
+               Budget("org", "w", 100, "week")]
+    _, hold = _drive_plan(hold_plan(budgets, [10, 20, 30], grouped=True),
+                          lambda name, args: _script_reply(args[1], {}))
+    assert hold.allowed and hold.hold_id == "id-org"
+    assert [p.hold_id for p in hold.periods] == ["id-org", "id-key", "id-org"]
+    assert [p.remaining for p in hold.periods] == [90, 80, 70]
+    fired = {"org": ((0, 5), (0, 0)), "key": ((0, 0),)}
+    calls, settled = _drive_plan(settle_plan(hold, [7, 8, 9]),
+                                 lambda name, args: (len(args[1]), fired[args[0]]))
+    assert [(args[0], args[2], tuple(row[3] for row in args[1])) for _, args in calls] == [
+        ("org", "id-org", (7, 9)), ("key", "id-key", (8,))]
+    assert settled == 3 and [(c.budget.name, c.threshold, c.hold_id) for c in settled.crossed] \
+        == [("m", 5, "id-org")]
+
+
+@pytest.mark.limiter_kinds("asyncio", reason="cancellation is an asyncio matter")
+def test_a_hold_cancelled_between_owners_on_a_cluster_leaves_nothing_held(
+        loop_factory: Any, redis_cluster: Any) -> None:
+    """The caller is cancelled once the org and the key held, while the user's step is on its
+    way: no further owner is held, and the holds made are given back in the background."""
+    from redis.cluster import RedisCluster as ClusterClient
+
+    from helpers_async import run_async
+
+    levels = [Budget("org:acme", "monthly", 100, level="org"),
+              Budget("key:k-1", "daily", 100, "day", level="key"),
+              Budget("user:1", "daily", 100, "day", level="user")]
+    answered: list[int] = []
+
+    async def cancel_between() -> None:
+        async with AsyncRateLimiter(redis_cluster.url) as limiter:
+            await limiter.hold_budgets(levels[0], 0)  # connected
+            original = limiter._run
+
+            async def run(request: Any, *args: Any, **kwargs: Any) -> Any:
+                answer = await original(request, *args, **kwargs)
+                answered.append(1)
+                if len(answered) == 2:  # the org's and the key's holds are in
+                    task = asyncio.current_task()
+                    assert task is not None
+                    task.cancel()
+                return answer
+
+            limiter._run = run  # type: ignore[method-assign]
+            with pytest.raises(asyncio.CancelledError):
+                await limiter.hold_budgets(levels, 10)
+            assert limiter._leftovers  # the give-back runs on its own
+        # aclose waited for it
+
+    run_async(cancel_between(), loop_factory)
+    inspector = ClusterClient(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    try:
+        for budget in levels:
+            (key,) = inspector.keys(f"ratelimit:{{{budget.owner}}}:*:budget={budget.name}",
+                                    target_nodes=ClusterClient.PRIMARIES) or [None]
+            if budget.level == "org" or key is not None:
+                assert key is not None and int(inspector.hget(key, "held") or 0) == 0, budget
+    finally:
+        inspector.close()

@@ -231,6 +231,18 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("Budget soft limits crossed", "A"): expect(
         "limiter budget level threshold",
         {**GW, "budget": "monthly_usd", "level": "key", "threshold": "50"}),
+    # The chat dependency holds money at two levels (the key's, an org's) for every request
+    # it lets run, and settles each once the response is over.
+    ("Spend per second by tier and level: held, released, settled", "A"): expect(
+        "limiter tier level state", *({**GW, "tier": "free", "level": level, "state": state}
+                                      for level in ("key", "org")
+                                      for state in ("held", "released", "settled"))),
+    ("Spend per second by tier and level: held, released, settled", "B"): expect(
+        "limiter tier level", zero=tuple({**GW, "tier": tier, "level": level}
+                                         for tier in ("free", "pro") for level in ("key", "org"))),
+    ("Budget use at admission", "A"): expect(
+        "limiter level band", {**GW, "level": "key", "band": "0.5"},
+        {**GW, "level": "org", "band": "0.5"}),
 }
 
 

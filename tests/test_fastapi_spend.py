@@ -254,6 +254,33 @@ def test_levels_are_held_together_and_a_refusal_charges_none(
     assert budget(redis_client, f"org:org-{user_id}", "monthly_usd") == {"spent": 81, "held": 0}
 
 
+def test_spend_is_counted_by_tier_and_level_in_money_units(
+        limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str) -> None:
+    """request_outcomes: the money held, released and settled at each level the request
+    held (micro-USD), each budget's use after its hold; a refusal counts no money."""
+    from genai_ratelimit.metrics import SPEND, SPEND_BUDGET_USE, exported, request_outcomes, samples
+    org = SpendLevel("org", owner_of=lambda request: f"org-{user_id}",
+                     budgets={"monthly_usd": "0.00015"})
+    client = client_for(spend_limit(limiter, user_id, spend_limits={"free": {"daily_usd": 1}},
+                                    spend_levels=[org]))
+    tally = request_outcomes(limiter)
+    assert client.post("/json", json=chat(report=41)).status_code == 200  # held 82, cost 81
+    assert client.post("/json", json=chat(report=41)).status_code == 429  # the org's: none
+    for level in ("key", "org"):
+        assert [tally.spent(state, tier="free", level=level, mode="enforce", currency="USD")
+                for state in ("held", "released", "settled")] == [82, 82, 81]
+    assert tally.spent("held") == 2 * 82
+    # After the hold the key's $1 is 82 / 1,000,000 used; the org's 82 / 150: above half.
+    assert tally.budget_use() == (("free", "key", "0.5", 1), ("free", "org", "0.8", 1))
+    got = {(family.name, values): value for family, values, value in samples(exported(limiter))
+           if family in (SPEND, SPEND_BUDGET_USE)}
+    assert got[("spend_units", ("free", "org", "enforce", "USD", "settled"))] == 81
+    assert got[("spend_budget_use", ("free", "org", "0.8"))] == 1
+    with pytest.raises(ValueError, match="state"):
+        tally.add_spend("spent", tier="free", level="key", mode="enforce", currency="USD",
+                        amount=1)
+
+
 def test_shadow_mode_leaks_no_money_header(
         limiter: AnyLimiter, client_for: Callable[..., TestClient], user_id: str,
         redis_client: redis.Redis) -> None:
@@ -366,14 +393,38 @@ def test_record_usage_settles_with_the_usage_it_is_given(
             client.portal.call(native.aclose)  # type: ignore[union-attr]
 
 
-def test_levels_on_a_redis_cluster_are_refused_when_built(make_limiter: LimiterFactory) -> None:
-    org = SpendLevel("org", owner_of=lambda request: "acme", budgets={"monthly_usd": 1})
-    cluster = make_limiter.native("redis+cluster://127.0.0.1:1,127.0.0.1:2", connect_timeout=0.5)
-    with pytest.raises(ValueError, match="Redis Cluster"):
-        TokenRateLimit(limiter=cluster, prices=PRICES, spend_limits=BUDGET, spend_levels=[org])
-    # one owner's budgets (the key's alone, or one level alone) are held on a cluster
-    TokenRateLimit(limiter=cluster, prices=PRICES, spend_limits=BUDGET)
-    TokenRateLimit(limiter=cluster, prices=PRICES, spend_limits={}, spend_levels=[org])
+def test_levels_on_a_redis_cluster_are_held_owner_by_owner(
+        make_limiter: LimiterFactory, redis_cluster: Any,
+        client_for: Callable[..., TestClient], user_id: str) -> None:
+    """The key's budget and the org's live in two hash slots: held in two steps, settled in
+    two; a refusal by the org gives the key's hold back and reserves no tokens."""
+    from redis.cluster import RedisCluster as ClusterClient
+
+    limiter = make_limiter.native(redis_cluster.url)
+    org = SpendLevel("org", owner_of=lambda request: f"org-{user_id}",
+                     budgets={"monthly_usd": "0.00015"})
+    client = client_for(spend_limit(limiter, user_id, spend_limits={"free": {"daily_usd": 1}},
+                                    spend_levels=[org]))
+    inspector = ClusterClient(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+
+    def stored(owner: str, name: str) -> dict[str, int]:
+        (key,) = inspector.keys(f"ratelimit:{{{owner}}}:*:budget={name}",
+                                target_nodes=ClusterClient.PRIMARIES)
+        fields = inspector.hgetall(key)
+        return {"spent": int(fields.get(b"spent", 0)), "held": int(fields.get(b"held", 0))}
+
+    try:
+        assert client.post("/json", json=chat(report=41)).status_code == 200  # 81 in both
+        refused = client.post("/json", json=chat(report=41))
+        assert refused.status_code == 429
+        assert refused.json()["budget"]["level"] == "org"
+        assert stored(user_id, "daily_usd") == {"spent": 81, "held": 0}
+        assert stored(f"org:org-{user_id}", "monthly_usd") == {"spent": 81, "held": 0}
+        tokens = inspector.keys(f"ratelimit:{{{user_id}}}:60:tokens",
+                                target_nodes=ClusterClient.PRIMARIES)
+        assert sum(inspector.zcard(key) for key in tokens) == 1  # the refusal's given back
+    finally:
+        inspector.close()
 
 
 @pytest.mark.parametrize("error_format", ["anthropic", "plain"])

@@ -220,7 +220,7 @@ def _allowed(dependency: RateLimit, request: Request, response: Response, facts:
     if verdict.reservation is not None:
         dependency._keep(request, facts.tier, verdict.reservation)
     if verdict.spend is not None:
-        dependency._keep_spend(request, verdict.spend)
+        dependency._keep_spend(request, facts.tier, verdict.spend)
     dependency._count(request, "allowed")
     requests = None
     for state in verdict.states:

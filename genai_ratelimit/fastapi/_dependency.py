@@ -400,7 +400,7 @@ class RateLimit:
         """A token reservation, kept for the reconcile (TokenRateLimit's)."""
         raise NotImplementedError
 
-    def _keep_spend(self, request: Request, held: SpendHeld) -> None:
+    def _keep_spend(self, request: Request, tier: str, held: SpendHeld) -> None:
         """A money hold, kept for the settle (TokenRateLimit's)."""
         raise NotImplementedError
 

@@ -14,7 +14,7 @@ from .. import RateLimiterError
 from ..lease import Lease
 from ..prices import TokenUsage
 from ..reservation import Reservation
-from ._spend import SpendHeld
+from ._spend import SpendHeld, held_levels
 
 logger = logging.getLogger("genai_ratelimit")
 
@@ -45,8 +45,9 @@ class _TokenLedger:
         self.prompt_tokens = 0
         # id(reservation) -> (its RequestOutcomes, tier, mode): the tokens by tier.
         self.tiers: dict[int, tuple[Any, str, str]] = {}
-        # (limiter, is async, SpendHeld): the money held (TokenRateLimit(prices=...)).
-        self.spend: list[tuple[Any, bool, SpendHeld]] = []
+        # (limiter, is async, SpendHeld, (its RequestOutcomes, tier, mode)): the money held
+        # (TokenRateLimit(prices=...)) and where its settle is counted.
+        self.spend: list[tuple[Any, bool, SpendHeld, tuple[Any, str, str]]] = []
 
     async def reconcile(self, actual: int, leases: _LeaseLedger | None = None,
                         usage: TokenUsage | None = None) -> int:
@@ -89,16 +90,24 @@ class _TokenLedger:
         once; a limiter that cannot answer is logged: the hold then stays until its key
         expires."""
         holds, self.spend = self.spend, []
-        for limiter, is_async, held in holds:
+        for limiter, is_async, held, (tally, tier, mode) in holds:
             actual = held.amount if usage is None else held.table.cost(held.model, usage)
             try:
                 if is_async:
-                    await limiter.settle_budgets(held.hold, actual)
+                    found = await limiter.settle_budgets(held.hold, actual)
                 else:
-                    await run_in_threadpool(limiter.settle_budgets, held.hold, actual)
+                    found = await run_in_threadpool(limiter.settle_budgets, held.hold, actual)
             except RateLimiterError as exc:
                 logger.warning("could not settle the spend hold %s at %d (it stays held): %s",
                                held.hold.hold_id, actual, exc)
+                continue
+            if found:  # as the limiter settled it (0: expired, or settled already)
+                currency = held.table.currency
+                for level in held_levels(held):
+                    tally.add_spend("released", tier=tier, level=level, mode=mode,
+                                    currency=currency, amount=held.amount)
+                    tally.add_spend("settled", tier=tier, level=level, mode=mode,
+                                    currency=currency, amount=actual)
 
 
 # {id(RequestOutcomes): leave()}: this request counted in flight (set by the middleware,

@@ -114,6 +114,12 @@ class SpendHeld:
     amount: int
 
 
+def held_levels(held: SpendHeld) -> tuple[str, ...]:
+    """The levels a hold reached ("key" for the key's own budgets), each once, in order:
+    the metrics' `level` label (from the configuration, never an owner)."""
+    return tuple(dict.fromkeys(p.budget.level or "key" for p in held.hold.periods))
+
+
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
 

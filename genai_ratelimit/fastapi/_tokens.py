@@ -31,7 +31,15 @@ from ._openai_headers import ErrorFormat
 from ._options import OnUnavailable, SharedOptions
 from ._plan import AsyncWindowLimiter, Facts, SyncWindowLimiter, Windows
 from ._scopes import note_upstreams
-from ._spend import Amount, LimitOf, SpendConfig, SpendFacts, SpendHeld, SpendLevel
+from ._spend import (
+    Amount,
+    LimitOf,
+    SpendConfig,
+    SpendFacts,
+    SpendHeld,
+    SpendLevel,
+    held_levels,
+)
 from ._usage import (
     MAX_REQUEST_JSON_BYTES,
     InvalidTokenCount,
@@ -232,8 +240,6 @@ class TokenRateLimit(_AsyncRateLimit):
             spend_limits = tier_spend_limits_from_env()  # type: ignore[assignment]
         self.spend: SpendConfig | None = None if prices is None else SpendConfig(
             prices, spend_limits, spend_levels, spend_limit_of, spend_tz, spend_hold_seconds)
-        if limiter is not None:
-            self._check_spend_storage()
 
     @staticmethod
     def _positive(name: str, value: object) -> int:
@@ -343,7 +349,6 @@ class TokenRateLimit(_AsyncRateLimit):
         anything is reserved (a shadow budget holds nothing for it instead)."""
         config = self.spend
         assert config is not None
-        self._check_spend_storage()
         if document is None:
             document = json_object(await request.body())
         model = requested_model(document)
@@ -367,20 +372,21 @@ class TokenRateLimit(_AsyncRateLimit):
             return None
         return SpendFacts(budgets, amount, config.hold_seconds, model or "", config.table)
 
-    def _check_spend_storage(self) -> None:
-        """On a Redis Cluster one hold reaches one hash slot, and each owner's keys are a
-        slot of their own: spend levels beside the key's cannot be held together there.
-        Refused before anything is reserved (at start-up when the limiter is given)."""
-        config = self.spend
-        if config is not None and config.levels and (config.tiers or len(config.levels) > 1) \
-                and getattr(self.limiter, "_two_step_scopes", False):
-            raise ValueError("spend_levels on a Redis Cluster: one hold reaches one hash slot and "
-                             "each owner's budgets are a slot of their own; hold one owner's "
-                             "budgets per dependency there (docs/spend-budgets.md)")
-
-    def _keep_spend(self, request: Request, held: SpendHeld) -> None:
-        """An allowed money hold, kept in the request's ledger for the settle."""
-        _ledger_of(request).spend.append((self.limiter, self._limiter_is_async, held))
+    def _keep_spend(self, request: Request, tier: str, held: SpendHeld) -> None:
+        """An allowed money hold, kept in the request's ledger for the settle, and counted
+        (request_outcomes: the money held by tier and level, the budgets' use). Counted
+        here, not in the limiter: the tier is this layer's, and a hold_budgets call of the
+        app's own holds money of its own units."""
+        tally = self._of_limiter()[2]
+        currency = held.table.currency
+        for level in held_levels(held):
+            tally.add_spend("held", tier=tier, level=level, mode=self.mode, currency=currency,
+                            amount=held.amount)
+        for period in held.hold.periods:
+            tally.add_budget_use(tier=tier, level=period.budget.level or "key",
+                                 limit=period.budget.limit, remaining=period.remaining)
+        _ledger_of(request).spend.append((self.limiter, self._limiter_is_async, held,
+                                          (tally, tier, self.mode)))
 
 
     def _fuses(self, limiter: Any) -> bool:

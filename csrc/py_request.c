@@ -247,6 +247,37 @@ has_token_windows(const rl_windows *w)
     return 0;
 }
 
+/* reserve(..., shares=spec): the reserved-shares spec of a shared scope, built by
+   genai_ratelimit/shares.py and read by lua/lib/shares.lua ("S ..." in ASCII); passed to the
+   script as it is, borrowed until rl_prepare ends. */
+static int
+parse_shares(PyObject *value, rl_prepared *d)
+{
+    Py_ssize_t len;
+    const char *text;
+    if (value == Py_None)
+        return 0;
+    if (!PyUnicode_Check(value)) {
+        rl_type_error(value, "shares must be a str, not ");
+        return -1;
+    }
+    text = PyUnicode_AsUTF8AndSize(value, &len);
+    if (text == NULL)
+        return -1;
+    if (len < 2 || len > RL_MAX_SHARES_SPEC || text[0] != 'S' || text[1] != ' ') {
+        PyErr_Format(PyExc_ValueError, "shares must be a spec of 2 to %d bytes starting \"S \"",
+                     RL_MAX_SHARES_SPEC);
+        return -1;
+    }
+    if (d->script == RL_SCRIPT_IN_FLIGHT) {
+        PyErr_SetString(PyExc_ValueError, "reserved shares do not go with in_flight yet");
+        return -1;
+    }
+    d->shares = text;
+    d->shares_len = (size_t)len;
+    return 0;
+}
+
 static int
 parse_member(PyObject *value, const char *what, char out[RL_MEMBER_LEN + 1])
 {
@@ -559,7 +590,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
     static const char *const windows_names[] = {"user_id", "windows", "cost", "gcra"};
     static const char *const reserve_names[] = {"user_id", "windows", "cost",     "token_windows",
-                                                "tokens",  "scopes",  "in_flight"};
+                                                "tokens",  "scopes",  "in_flight", "shares"};
     static const char *const reconcile_names[] = {"user_id",      "windows", "member",
                                                   "timestamp_ms", "cost",    "tokens",
                                                   "scopes",       "tie",     "release"};
@@ -592,6 +623,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     long long seconds = 0;
 
     d->shape = shape;
+    d->shares = NULL;
+    d->shares_len = 0;
     d->script = scripts[shape];
     d->windows.count = 0;
     d->nscopes = 0;
@@ -681,7 +714,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     case RL_SHAPE_RESERVE:
     case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments */
         if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
-                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 7, 2, 2, v) < 0 ||
+                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 8, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
             (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
@@ -698,7 +731,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                                          : "tokens= needs token_windows to count them in");
             return -1;
         }
-        if (set_cost(d, v[4], "tokens", 1) < 0 || (v[6] != NULL && parse_in_flight(v[6], d) < 0))
+        if (set_cost(d, v[4], "tokens", 1) < 0 || (v[6] != NULL && parse_in_flight(v[6], d) < 0) ||
+            (v[7] != NULL && parse_shares(v[7], d) < 0))
             return -1;
         break;
     case RL_SHAPE_RECONCILE:
@@ -827,6 +861,7 @@ forget_scope_names(rl_prepared *p)
         p->scopes[k].name = NULL;
         p->scopes[k].name_len = 0;
     }
+    p->shares = NULL; /* shares_len stays: the reply has one element more (script.c) */
     for (int k = 0; k < p->nbudgets; k++) {
         p->budgets[k].owner = p->budgets[k].name = NULL;
         p->budgets[k].owner_len = p->budgets[k].name_len = 0;

@@ -1,0 +1,300 @@
+"""Reserved shares of a shared cap (docs/upstreams.md, "Reserved shares"): per class, a
+share the class keeps for itself and a ceiling it may not pass once the cap is above a
+saturation level, decided in the cap's own script (lua/lib/shares.lua) on every limiter
+kind and both storages; the refusal names its rule; a cap without shares costs no command
+more; bad input is refused before any I/O."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from decimal import Decimal
+from fractions import Fraction
+from typing import Any
+
+import pytest
+import redis
+
+from genai_ratelimit import Scope, ShareRefusal
+from genai_ratelimit.testing import ManualClock
+from helpers_async import LimiterFactory
+
+CAP = "openai"
+
+
+@pytest.fixture(autouse=True)
+def _flushed(redis_client: redis.Redis) -> None:
+    """Every test starts on a flushed database (redis_client flushes it)."""
+
+
+def cap(limit: int = 10, seconds: int = 60, **shares: Any) -> Scope:
+    return Scope(CAP, windows=[(limit, seconds)], shared=True, **shares)
+
+
+def refusal(reservation: Any) -> tuple[str, str] | None:
+    r = reservation.share_refusal
+    return None if r is None else (r.rule, r.share_class)
+
+
+def take(limiter: Any, scope: Scope, klass: str | None, count: int) -> list[Any]:
+    return [limiter.reserve(f"{klass}-{i}", [(1000, 60)], scopes=[scope], scope_class=klass)
+            for i in range(count)]
+
+
+def companion(storage: str, klass: str, seconds: int = 60) -> str:
+    suffix = ":c" if storage == "compact" else ""
+    return f"ratelimit:{CAP}:{seconds}:shared{suffix}:class={klass}"
+
+
+def test_a_reserve_is_kept_from_every_other_class_while_its_class_does_not_use_it(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        storage: str) -> None:
+    limiter = make_limiter(redis_url)
+    scope = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
+    free = take(limiter, scope, "free", 9)
+    # 10 - 3 reserved: the free class is refused at 7, by enterprise's reserve.
+    assert [r.allowed for r in free] == [True] * 7 + [False] * 2
+    assert [r.remaining for r in free[:7]] == [6, 5, 4, 3, 2, 1, 0]
+    assert refusal(free[7]) == ("reserve", "enterprise")
+    assert free[7].scope == scope and free[7].scope_class == "free"
+    assert "reserved for class 'enterprise'" in free[7].share_refusal.describe()
+    # The untracked requests of the cap (no class) are held off the reserve the same way.
+    assert refusal(limiter.reserve("anon", [(5, 60)], scopes=[scope])) == ("reserve", "enterprise")
+    enterprise = take(limiter, scope, "enterprise", 4)
+    assert [r.allowed for r in enterprise] == [True, True, True, False]
+    assert enterprise[3].share_refusal is None  # the cap itself is full: no share rule
+    assert redis_client.zcard(companion(storage, "free")) == 7
+
+
+def test_a_used_reserve_holds_nothing_more_and_its_class_shares_the_rest(
+        make_limiter: LimiterFactory, redis_url: str) -> None:
+    limiter = make_limiter(redis_url)
+    scope = cap(reserved={"enterprise": 30, "pro": 20})
+    assert all(r.allowed for r in take(limiter, scope, "enterprise", 4))  # 1 past its 3
+    # free (no share) may take 10 - 4 - 2 (pro's reserve): 4.
+    assert [r.allowed for r in take(limiter, scope, None, 5)] == [True] * 4 + [False]
+    assert all(r.allowed for r in take(limiter, scope, "pro", 2))
+    assert not take(limiter, scope, "pro", 1)[0].allowed
+
+
+def test_the_ceiling_holds_once_the_cap_is_above_its_saturation(
+        make_limiter: LimiterFactory, redis_url: str) -> None:
+    limiter = make_limiter(redis_url)
+    scope = cap(ceilings={"free": (50, 80)}, reserved={"pro": 0})
+    # Alone, free may fill the cap up to its saturation (8 of 10): past it, its ceiling (5).
+    free = take(limiter, scope, "free", 9)
+    assert [r.allowed for r in free] == [True] * 8 + [False]
+    assert refusal(free[8]) == ("ceiling", "free")
+    assert "ceiling" in free[8].share_refusal.describe()
+    assert all(r.allowed for r in take(limiter, scope, "pro", 2))  # pro: no ceiling
+
+
+def test_under_saturation_free_stops_at_its_ceiling(
+        make_limiter: LimiterFactory, redis_url: str) -> None:
+    limiter = make_limiter(redis_url)
+    scope = cap(ceilings={"free": (20, 50)}, reserved={"pro": 0})
+    assert all(r.allowed for r in take(limiter, scope, "pro", 5))  # 5: not above 50 %
+    free = take(limiter, scope, "free", 3)
+    # 6 and 7 are above 5: free may hold 2 (20 %), the third is refused by its ceiling.
+    assert [r.allowed for r in free] == [True, True, False]
+    assert [r.remaining for r in free[:2]] == [1, 0]
+    assert refusal(free[2]) == ("ceiling", "free")
+    assert all(r.allowed for r in take(limiter, scope, "pro", 3))  # pro fills the cap
+    assert not take(limiter, scope, "pro", 1)[0].allowed
+
+
+def test_a_ceiling_refusal_waits_for_the_classs_own_oldest_entry(
+        make_limiter: LimiterFactory, redis_url: str) -> None:
+    with ManualClock() as clock:
+        limiter = make_limiter(redis_url, clock="client")
+        scope = cap(ceilings={"free": (20, 50)}, reserved={"pro": 0})
+        assert all(r.allowed for r in take(limiter, scope, "pro", 5))
+        clock.advance(10)
+        assert all(r.allowed for r in take(limiter, scope, "free", 2))
+        refused = take(limiter, scope, "free", 1)[0]
+        assert refusal(refused) == ("ceiling", "free")
+        assert refused.retry_after_ms == 60_000  # free's first entry leaves in 60 s
+        clock.advance(60)
+        # free's two left with pro's five: the cap is at 0.
+        assert take(limiter, scope, "free", 1)[0].allowed
+
+
+def test_reserved_shares_cost_a_cap_without_them_no_command(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> None:
+    """A shared cap without shares runs none of the commands of the shares' class logs
+    (benchmarks/RESULTS.md: its counts equal the build's before shares, per storage)."""
+    limiter = make_limiter(redis_url)
+
+    def commands(scope: Scope) -> dict[str, int]:
+        limiter.reserve("warm", [(50, 60)], scopes=[scope])
+        redis_client.config_resetstat()
+        for i in range(5):
+            assert limiter.reserve(f"t{i}", [(50, 60)], scopes=[scope]).allowed
+        stats = {k: v["calls"] for k, v in redis_client.info("commandstats").items()}
+        stats.pop("cmdstat_config|resetstat", None)
+        redis_client.flushdb()
+        return stats
+
+    shares_own = {"cmdstat_zrangebyscore", "cmdstat_hincrby", "cmdstat_hset", "cmdstat_pexpire"}
+    plain = commands(Scope(CAP, [(50, 60)], shared=True))
+    assert plain["cmdstat_evalsha"] == plain["cmdstat_exists"] == 5
+    assert not shares_own & set(plain)
+    limiter.reserve("warm", [(50, 60)], scopes=[cap(50, reserved={"enterprise": 30})],
+                    scope_class="enterprise")
+    redis_client.config_resetstat()
+    limiter.reserve("t", [(50, 60)], scopes=[cap(50, reserved={"enterprise": 30})],
+                    scope_class="enterprise")
+    assert shares_own <= set(redis_client.info("commandstats"))
+
+
+def test_a_refusal_writes_nothing_and_reconcile_leaves_the_class_log(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> None:
+    limiter = make_limiter(redis_url)
+    scope = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
+    held = take(limiter, scope, "free", 7)
+    before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+    assert not take(limiter, scope, "free", 1)[0].allowed
+    after = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+    assert before.keys() == after.keys()
+    # reconcile refunds the cap exactly: free gets the room back (the reserve rule counts
+    # the cap's use and the other classes' use, not free's own).
+    limiter.reconcile(held[0], 0)
+    assert [r.allowed for r in take(limiter, scope, "free", 2)] == [True, False]
+    # The approximation (docs/upstreams.md): a class's log keeps a reconciled entry at its
+    # reserved cost until it leaves the window. Enterprise's refunded request still counts
+    # as used of its reserve: 2 of its 3 are held, so free gets 1 more than exact.
+    ent = take(limiter, scope, "enterprise", 1)[0]
+    limiter.reconcile(ent, 0)
+    assert [r.allowed for r in take(limiter, scope, "free", 2)] == [True, False]
+    assert [r.allowed for r in take(limiter, scope, "enterprise", 3)] == [True, True, False]
+
+
+def test_every_integer_is_computed_once_and_exactly() -> None:
+    from genai_ratelimit.shares import spec
+
+    scope = Scope(CAP, [(7, 60)], token_windows=[(1000, 60)], shared=True,
+                  reserved={"enterprise": Decimal("33.3"), "pro": "12.5"},
+                  ceilings={"free": (Fraction(100, 3), 80)})
+    # floor(7 * 33.3 / 100) = 2, floor(7 * 12.5 / 100) = 0, floor(7 / 3) = 2, floor(5.6) = 5
+    assert spec(scope, 1, "free") == (
+        "S 1 2 3 enterprise free pro 2 60000 requests 2 7 7 0 2 5 0 7 7 "
+        "60000 tokens 333 1000 1000 0 333 800 125 1000 1000")
+
+
+@pytest.mark.parametrize("shares, message", [
+    ({"reserved": {"enterprise": 101}}, "reserved['enterprise'] must be in [0, 100]"),
+    ({"reserved": {"enterprise": 60, "pro": 41}}, "sum to 101 %, above 100 %"),
+    ({"reserved": {"enterprise": -1}}, "reserved['enterprise'] must be in [0, 100]"),
+    ({"ceilings": {"free": (0, 80)}}, "ceilings['free'] ceiling must be in (0, 100]"),
+    ({"ceilings": {"free": (50, 100.5)}}, "float is never exact"),
+    ({"ceilings": {"free": (50, 120)}}, "ceilings['free'] saturation must be in (0, 100]"),
+    ({"ceilings": {"free": 50}}, "ceilings['free'] must be a (ceiling, saturation) pair"),
+    ({"reserved": {"enterprise": 0.3}}, "float is never exact"),
+    ({"reserved": {"enterprise": "abc"}}, "reserved['enterprise'] must be a number"),
+    ({"reserved": {"a b": 10}}, "class name 'a b' must be"),
+    ({"reserved": [("enterprise", 10)]}, "reserved must be a mapping"),
+])
+def test_bad_shares_are_refused_naming_the_field(shares: dict[str, Any], message: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=message.replace("(", r"\(").replace(
+            ")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+        cap(**shares)
+
+
+def test_shares_need_a_shared_scope() -> None:
+    with pytest.raises(ValueError, match="need shared=True"):
+        Scope("route:/x", [(10, 60)], reserved={"enterprise": 10})
+
+
+def test_bad_classes_are_refused_before_any_io(unreachable_limiter: Any) -> None:
+    scope = cap(reserved={"enterprise": 30})
+    with pytest.raises(ValueError, match="scope_class 'gold' is not a class of scope 'openai'"):
+        unreachable_limiter.reserve("u", [(5, 60)], scopes=[scope], scope_class="gold")
+    with pytest.raises(TypeError, match="scope_class must be a str"):
+        unreachable_limiter.reserve("u", [(5, 60)], scopes=[scope], scope_class=3)
+    with pytest.raises(ValueError, match="needs a shared Scope with reserved or ceilings"):
+        unreachable_limiter.reserve("u", [(5, 60)], scopes=[Scope(CAP, [(5, 60)], shared=True)],
+                                    scope_class="enterprise")
+    with pytest.raises(ValueError, match="in_flight"):
+        unreachable_limiter.reserve("u", [(5, 60)], scopes=[scope], scope_class="enterprise",
+                                    in_flight=(2, 30))
+    with pytest.raises(ValueError, match="at most one scope with reserved shares"):
+        unreachable_limiter.reserve("u", [(5, 60)], scopes=[
+            scope, Scope("other", [(5, 60)], shared=True, reserved={"enterprise": 1})])
+
+
+SAMPLE = """
+local now = redis.call('TIME')
+local now_ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+local out = {}
+for i, key in ipairs(KEYS) do
+  out[i] = redis.call('ZCOUNT', key, '(' .. (now_ms - tonumber(ARGV[1])), '+inf')
+end
+return out
+"""
+
+
+def test_concurrent_classes_never_break_the_rules(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        storage: str) -> None:
+    """A cap of 100 (60 s): pro fills 51 (above 50 %), then 3 classes hammer it at once.
+    Sampled atomically in Redis all along: free <= its ceiling of 20, and the classes other
+    than enterprise never hold more than 100 - max(enterprise, 30). At the end the cap is
+    full and enterprise holds at least its 30 (its demand, 72, is above it)."""
+    scope = cap(100, reserved={"enterprise": 30, "pro": 0}, ceilings={"free": (20, 50)})
+    keys = [companion(storage, k) for k in ("enterprise", "free", "pro")]
+    samples: list[list[int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        sampler = redis.Redis.from_url(redis_url)
+        while not stop.is_set():
+            samples.append(sampler.eval(SAMPLE, 3, *keys, 60_000))
+        sampler.close()
+
+    sync = make_limiter(redis_url)
+    assert all(r.allowed for r in take(sync, scope, "pro", 51))
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    demand = [(k, n) for k in ("enterprise", "free", "pro") for n in range(6)]
+    try:
+        if make_limiter.is_async:
+            native = make_limiter.native(redis_url)
+
+            async def hammer() -> None:
+                await asyncio.gather(*(
+                    native.reserve(f"{k}{n}-{i}", [(1000, 60)], scopes=[scope], scope_class=k)
+                    for k, n in demand for i in range(12)))
+
+            assert make_limiter.loop_factory is not None
+            loop = make_limiter.loop_factory()
+            try:
+                loop.run_until_complete(hammer())
+            finally:
+                loop.run_until_complete(native.aclose())
+                loop.close()
+        else:
+            def worker(k: str, n: int) -> None:
+                for i in range(12):
+                    sync.reserve(f"{k}{n}-{i}", [(1000, 60)], scopes=[scope], scope_class=k)
+
+            threads = [threading.Thread(target=worker, args=pair) for pair in demand]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        stop.set()
+        sampler.join()
+    samples.append(redis_client.eval(SAMPLE, 3, *keys, 60_000))
+    assert len(samples) > 1
+    for enterprise, free, pro in samples:
+        assert free <= 20
+        assert free + pro <= 100 - max(enterprise, 30)
+    enterprise, free, pro = samples[-1]
+    assert enterprise + free + pro == 100 and enterprise >= 30 and free <= 20
+
+
+def test_share_refusal_is_exported() -> None:
+    import genai_ratelimit
+
+    assert genai_ratelimit.ShareRefusal is ShareRefusal

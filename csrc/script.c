@@ -1504,8 +1504,7 @@ decode_window(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_
     if (shares) {
         /* 2j: the reserve of class j; 2j + 1: class j's ceiling (at most 64 classes) */
         if (integer_at(reply, elements - 1, &out->share_rule, err) != RL_OK ||
-            within(name, "share rule", out->share_rule, 0, allowed ? 0 : 129,
-                   err) != RL_OK)
+            within(name, "share rule", out->share_rule, 0, allowed ? 0 : 129, err) != RL_OK)
             return err->kind;
         if (!allowed && out->share_rule == 1)
             return rl_error_set(err, RL_ERR_PROTOCOL,

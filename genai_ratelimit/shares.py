@@ -16,14 +16,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
-from typing import TYPE_CHECKING, Literal, Union
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from .reservation import Scope
 
 __all__ = ["ShareRefusal"]
 
-Percent = Union[int, str, Decimal, Fraction]
+Percent = int | str | Decimal | Fraction
 # Class names go into keys and the script's spec: a word of at most 64 characters.
 CLASS_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MAX_CLASSES = 64

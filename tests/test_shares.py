@@ -14,8 +14,11 @@ from typing import Any
 
 import pytest
 import redis
+from fastapi import Depends, FastAPI, Request
+from fastapi.testclient import TestClient
 
 from genai_ratelimit import Scope, ShareRefusal
+from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, Upstream
 from genai_ratelimit.testing import ManualClock
 from helpers_async import LimiterFactory
 
@@ -298,3 +301,49 @@ def test_share_refusal_is_exported() -> None:
     import genai_ratelimit
 
     assert genai_ratelimit.ShareRefusal is ShareRefusal
+
+
+# --------------------------------------------------------------------------- FastAPI
+
+
+@pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline the async "
+                                "tests drive on hiredis 1.x")
+def test_fastapi_upstream_shares_follow_the_tier_and_the_429_names_the_rule(
+        make_limiter: LimiterFactory, redis_url: str) -> None:
+    tiers = {t: {"per_minute": 100, "per_day": 1000} for t in ("free", "pro", "enterprise")}
+    upstream = Upstream(CAP, per_minute=10, reserved={"enterprise": 30},
+                        ceilings={"free": (50, 80)})
+    budget = RateLimit(make_limiter.native(redis_url), tier_limits=tiers,
+                       identify=lambda request: (request.headers["x-user"],
+                                                 request.headers["x-tier"]),
+                       upstream=upstream)
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(budget)])
+    async def chat(request: Request) -> dict[str, bool]:
+        return {"ok": True}
+
+    def post(client: TestClient, tier: str, n: int) -> Any:
+        return client.post("/v1/chat/completions", json={},
+                           headers={"x-user": f"{tier}-{n}", "x-tier": tier})
+
+    with TestClient(app) as client:
+        free = [post(client, "free", n).status_code for n in range(8)]
+        refused = post(client, "free", 9)
+        pro = [post(client, "pro", n).status_code for n in range(2)]  # no share: held off too
+        enterprise = [post(client, "enterprise", n).status_code for n in range(4)]
+    assert free == [200] * 7 + [429]
+    assert refused.status_code == 429
+    assert refused.headers["x-ratelimit-scope"] == "upstream"
+    assert refused.headers["x-ratelimit-share"] == "reserve; class=enterprise"
+    assert "reserved for class 'enterprise'" in refused.json()["error"]["message"]
+    assert pro == [429, 429]
+    assert enterprise == [200, 200, 200, 429]
+
+
+def test_bad_upstream_shares_are_refused_at_startup() -> None:
+    with pytest.raises(ValueError, match="reserved shares sum to 110 %"):
+        Upstream(CAP, per_minute=10, reserved={"enterprise": 60, "pro": 50})
+    with pytest.raises(ValueError, match=r"ceilings\['free'\] saturation must be in"):
+        Upstream(CAP, per_minute=10, ceilings={"free": (50, 0)})

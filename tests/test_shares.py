@@ -347,3 +347,32 @@ def test_bad_upstream_shares_are_refused_at_startup() -> None:
         Upstream(CAP, per_minute=10, reserved={"enterprise": 60, "pro": 50})
     with pytest.raises(ValueError, match=r"ceilings\['free'\] saturation must be in"):
         Upstream(CAP, per_minute=10, ceilings={"free": (50, 0)})
+
+
+@pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline the async "
+                                "tests drive on hiredis 1.x")
+def test_a_tiers_files_upstream_keeps_its_shares(
+        make_limiter: LimiterFactory, redis_url: str, tmp_path: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text(
+        "[free]\nper_minute = 100\nper_day = 1000\n"
+        "[enterprise]\nper_minute = 100\nper_day = 1000\n"
+        f'[upstreams."{CAP}"]\nper_minute = 10\nreserved = {{ enterprise = "30" }}\n'
+        "ceilings = { free = [50, 80] }\n")
+    monkeypatch.setenv("GENAI_RATELIMIT_TIERS", str(tiers))
+    budget = RateLimit(make_limiter.native(redis_url),
+                       identify=lambda request: (request.headers["x-user"],
+                                                 request.headers["x-tier"]))
+    app = FastAPI()
+    app.add_middleware(RateLimitHeadersMiddleware)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(budget)])
+    async def chat(request: Request) -> dict[str, bool]:
+        return {"ok": True}
+
+    with TestClient(app) as client:
+        codes = [client.post("/v1/chat/completions", json={},
+                             headers={"x-user": f"u{n}", "x-tier": "free"}).status_code
+                 for n in range(8)]
+    assert codes == [200] * 7 + [429]

@@ -165,8 +165,8 @@ class _Scopes:
                 models, upstreams = sections
                 self.model_budgets = models
                 self.upstreams = tuple(
-                    Upstream(name, **budget, models=served)
-                    for name, (budget, served) in upstreams.items())
+                    Upstream(name, **budget, models=served, **shares)
+                    for name, (budget, served, shares) in upstreams.items())
         names = [u.name for u in self.upstreams]
         if len(set(names)) != len(names):
             raise ValueError(f"two upstreams share a name: {sorted(names)}")

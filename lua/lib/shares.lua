@@ -1,7 +1,8 @@
 --[[
 lib/shares.lua - reserved shares and ceilings of classes in a shared cap, decided in the
 cap's own admission (sliding_window.lua). Prepended by the build (setup.py) after
-lib/decide.lua; functions only. genai_ratelimit/shares.py builds the spec and computes
+lib/decide.lua, lib/upstream.lua (its resource_in) and the storage (its KEYS_PER_WINDOW);
+functions only. genai_ratelimit/shares.py builds the spec and computes
 every integer once; nothing here rounds.
 
 The spec (ARGV[3n+3], before the optional replay marker), words separated by one space:
@@ -42,15 +43,6 @@ local function open_shares(n, spec, now, log)
   pos = pos + 1
   local upstream = KEYS[KEYS_PER_WINDOW * n + k]
   local base = upstream:sub(1, #upstream - #':upstream')
-  local function resource_of(key)
-    if key:sub(1, #base) ~= base then return nil end
-    local rest = key:sub(#base + 1)
-    if rest:match('^:%d+:shared$') or rest:match('^:%d+:shared:c$') then return 'requests' end
-    if rest:match('^:%d+:tokens:shared$') or rest:match('^:%d+:tokens:shared:c$') then
-      return 'tokens'
-    end
-    return nil
-  end
   local rules = {}
   for _ = 1, nw do
     local rule = {reserve = {}, ceiling = {}, saturation = {}}
@@ -60,7 +52,7 @@ local function open_shares(n, spec, now, log)
         tonumber(t[at]), tonumber(t[at + 1]), tonumber(t[at + 2])
     end
     for i = 1, n do
-      if ARGV[3 * i] == t[pos] and resource_of(KEYS[i]) == t[pos + 1] then rules[i] = rule end
+      if ARGV[3 * i] == t[pos] and resource_in(KEYS[i], base) == t[pos + 1] then rules[i] = rule end
     end
     pos = pos + 2 + 3 * m
   end
@@ -131,6 +123,7 @@ local function open_shares(n, spec, now, log)
           shares.refused = code
           return {0, 0, retry, i, now, remaining_of, wait}
         end
+        if c > 0 then rule.used_by_class = use[c] end
         local left = limit - held - used - cost
         if c > 0 and used + cost > rule.saturation[c] then
           left = math.min(left, rule.ceiling[c] - use[c] - cost)
@@ -148,8 +141,7 @@ local function open_shares(n, spec, now, log)
         local window_ms, _, cost = window_of(i)
         local key = companion(i, c)
         redis.call('ZADD', key, at, ARGV[1])
-        redis.call('HSET', key .. ':w', ARGV[1], cost)
-        redis.call('HINCRBY', key .. ':w', 'total', cost)
+        redis.call('HSET', key .. ':w', ARGV[1], cost, 'total', rules[i].used_by_class + cost)
         redis.call('PEXPIRE', key, window_ms + 1000)
         redis.call('PEXPIRE', key .. ':w', window_ms + 1000)
       end

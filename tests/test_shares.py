@@ -172,6 +172,30 @@ def test_a_refusal_writes_nothing_and_reconcile_leaves_the_class_log(
     assert [r.allowed for r in take(limiter, scope, "enterprise", 3)] == [True, True, False]
 
 
+def test_a_lost_reply_is_replayed_and_counts_once_in_the_class_log(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        storage: str) -> None:
+    """The replay marker goes after the shares' spec: the replay finds the first attempt's
+    entry and logs nothing again, in the cap nor in the class's log."""
+    from helpers_core import window_script
+    from test_idempotent_retry import ReplyDroppingProxy
+
+    redis_client.script_load(window_script(storage)[1])
+    port = redis_client.connection_pool.connection_kwargs["port"]
+    proxy = ReplyDroppingProxy(port, drop=1)
+    scope = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
+    try:
+        with make_limiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            r = limiter.reserve("u", [(100, 60)], scopes=[scope], scope_class="free")
+    finally:
+        proxy.close()
+    assert len(proxy.dropped_replies) == 1 and r.allowed and r.share_refusal is None
+    assert redis_client.zcard(companion(storage, "free")) == 1
+    assert redis_client.hget(companion(storage, "free") + ":w", "total") == b"1"
+    limiter = make_limiter(redis_url)
+    assert [x.allowed for x in take(limiter, scope, "free", 7)] == [True] * 6 + [False]
+
+
 def test_every_integer_is_computed_once_and_exactly() -> None:
     from genai_ratelimit.shares import spec
 
@@ -376,3 +400,24 @@ def test_a_tiers_files_upstream_keeps_its_shares(
                              headers={"x-user": f"u{n}", "x-tier": "free"}).status_code
                  for n in range(8)]
     assert codes == [200] * 7 + [429]
+
+
+def test_shares_on_a_cluster_live_in_the_caps_slot(make_limiter: LimiterFactory,
+                                                    redis_cluster: Any) -> None:
+    """On a Redis Cluster the shared cap is a step of its own (its name is its hash tag): the
+    class logs are named after the cap's keys, so they live in its slot, decided in its step."""
+    from redis.cluster import RedisCluster as ClusterClient
+
+    limiter = make_limiter(redis_cluster.url)
+    scope = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
+    free = [limiter.reserve(f"free-{i}", [(100, 60)], scopes=[scope], scope_class="free")
+            for i in range(8)]
+    assert [r.allowed for r in free] == [True] * 7 + [False]
+    assert refusal(free[-1]) == ("reserve", "enterprise")
+    assert limiter.reserve("e", [(100, 60)], scopes=[scope], scope_class="enterprise").allowed
+    inspector = ClusterClient(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    try:
+        suffix = ":c" if make_limiter.storage == "compact" else ""
+        assert inspector.zcard(f"ratelimit:{{{CAP}}}:60:shared{suffix}:class=free") == 7
+    finally:
+        inspector.close()

@@ -258,7 +258,7 @@ static PyMethodDef Codec_methods[] = {
     {"reconcile", (PyCFunction)(void (*)(void))Codec_reconcile,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
-     "    scopes=(), tie=0, release=False)\n--\n\n"
+     "    scopes=(), tie=0, release=False, shares=None)\n--\n\n"
      "A Request (the kill switch never answers it)."},
     {"peek", (PyCFunction)(void (*)(void))Codec_peek, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"

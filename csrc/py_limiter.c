@@ -414,7 +414,7 @@ LIMITER_METHOD(reserve, RL_SHAPE_RESERVE)
 
 PyDoc_STRVAR(Limiter_reconcile_doc,
 "_reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
-"    scopes=(), tie=0, release=False)\n--\n\n"
+"    scopes=(), tie=0, release=False, shares=None)\n--\n\n"
 "-> the number of windows whose entry was found\n\n"
 "Sets the cost of a reserved entry in every window where it is still present, the\n"
 "user's own and those of `scopes` ((name, shared, windows) tuples); release=True also\n"

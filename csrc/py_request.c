@@ -248,10 +248,11 @@ has_token_windows(const rl_windows *w)
 }
 
 /* reserve(..., shares=spec): the reserved-shares spec of a shared scope, built by
-   genai_ratelimit/shares.py and read by lua/lib/shares.lua ("S ..." in ASCII); passed to the
-   script as it is, borrowed until rl_prepare ends. */
+   genai_ratelimit/shares.py and read by lua/lib/shares.lua ("S ..." in ASCII); reconcile(...,
+   shares="C class"): the entry's class, whose logs lua/lib/set_cost.lua moves too. Passed to
+   the script as it is, borrowed until rl_prepare ends. */
 static int
-parse_shares(PyObject *value, rl_prepared *d)
+parse_shares(PyObject *value, rl_prepared *d, char lead)
 {
     Py_ssize_t len;
     const char *text;
@@ -264,9 +265,9 @@ parse_shares(PyObject *value, rl_prepared *d)
     text = PyUnicode_AsUTF8AndSize(value, &len);
     if (text == NULL)
         return -1;
-    if (len < 2 || len > RL_MAX_SHARES_SPEC || text[0] != 'S' || text[1] != ' ') {
-        PyErr_Format(PyExc_ValueError, "shares must be a spec of 2 to %d bytes starting \"S \"",
-                     RL_MAX_SHARES_SPEC);
+    if (len < 3 || len > RL_MAX_SHARES_SPEC || text[0] != lead || text[1] != ' ') {
+        PyErr_Format(PyExc_ValueError, "shares must be a spec of 3 to %d bytes starting \"%c \"",
+                     RL_MAX_SHARES_SPEC, lead);
         return -1;
     }
     if (d->script == RL_SCRIPT_IN_FLIGHT) {
@@ -591,9 +592,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const windows_names[] = {"user_id", "windows", "cost", "gcra"};
     static const char *const reserve_names[] = {"user_id", "windows", "cost",      "token_windows",
                                                 "tokens",  "scopes",  "in_flight", "shares"};
-    static const char *const reconcile_names[] = {"user_id",      "windows", "member",
-                                                  "timestamp_ms", "cost",    "tokens",
-                                                  "scopes",       "tie",     "release"};
+    static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
+                                                  "cost",    "tokens",  "scopes", "tie",
+                                                  "release", "shares"};
     static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
     static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
     static const char *const release_names[] = {"user_id", "lease_id"};
@@ -618,7 +619,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         [RL_SHAPE_BUDGET_SETTLE] = RL_SCRIPT_BUDGET_SETTLE,
         [RL_SHAPE_OBSERVE] = RL_SCRIPT_OBSERVE,
     };
-    PyObject *v[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    PyObject *v[10] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
     long long seconds = 0;
 
@@ -732,11 +733,11 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         }
         if (set_cost(d, v[4], "tokens", 1) < 0 || (v[6] != NULL && parse_in_flight(v[6], d) < 0) ||
-            (v[7] != NULL && parse_shares(v[7], d) < 0))
+            (v[7] != NULL && parse_shares(v[7], d, 'S') < 0))
             return -1;
         break;
     case RL_SHAPE_RECONCILE:
-        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 9, 5, 5, v) < 0 ||
+        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 10, 5, 5, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL)
             return -1;
         int tokens = v[5] != NULL ? PyObject_IsTrue(v[5]) : 0;
@@ -745,7 +746,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             parse_member(v[2], "reservation's", d->member) < 0 ||
             positive_int(v[3], "timestamp_ms", RL_MAX_LIMIT, &d->score_ms) < 0 ||
             non_negative_int(v[4], "cost", RL_MAX_LIMIT, &d->new_cost) < 0 ||
-            (v[7] != NULL && non_negative_int(v[7], "tie", RL_MAX_TIE, &d->tie) < 0))
+            (v[7] != NULL && non_negative_int(v[7], "tie", RL_MAX_TIE, &d->tie) < 0) ||
+            (v[9] != NULL && parse_shares(v[9], d, 'C') < 0))
             return -1;
         if (v[8] != NULL) {
             int release = PyObject_IsTrue(v[8]);

@@ -880,6 +880,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             argv[argc] = text;
             argvlen[argc++] = (size_t)(cursor - text);
         }
+        if (d->shares_len > 0 && d->shares != NULL) { /* "C class": lib/set_cost.lua */
+            argv[argc] = d->shares;
+            argvlen[argc++] = d->shares_len;
+        }
     } else {
         argc++;
         for (int i = first; i < w->count; i++) {

@@ -202,6 +202,7 @@ class Limiter:
         scopes: tuple[_NativeReconcileScope, ...] = (),
         tie: int = 0,
         release: bool = False,
+        shares: str | None = None,
     ) -> int: ...
     def _peek(
         self,
@@ -310,6 +311,7 @@ class Codec:
         scopes: tuple[_NativeReconcileScope, ...] = (),
         tie: int = 0,
         release: bool = False,
+        shares: str | None = None,
     ) -> Request: ...
     def peek(
         self,

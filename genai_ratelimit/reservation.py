@@ -373,6 +373,14 @@ def _unspent(state: WindowState, cost: int, tokens: int | None) -> WindowState:
     return WindowState(state.limit, state.window_seconds, state.resource, left, state.scope)
 
 
+def _class_logs(scopes: Sequence[Scope], scope_class: str | None) -> dict[str, str]:
+    """reconcile's keyword that moves the entry in its class's logs too (lib/set_cost.lua),
+    when one of `scopes` has reserved shares and the entry has a class."""
+    if scope_class is not None and any(s.shared and s.has_shares for s in scopes):
+        return {"shares": f"C {scope_class}"}
+    return {}
+
+
 def _refund_all(steps: Sequence[Reservation]) -> Plan:
     """Every step's entry back to cost 0 in each of its windows (idempotent). A refund that
     fails (Redis gone) leaves that entry charged until it leaves its windows: the cost of a
@@ -387,9 +395,12 @@ def _refund_all(steps: Sequence[Reservation]) -> Plan:
                            if s.windows_of(resource))
             if not (own or scoped):
                 continue
+            keywords: dict[str, Any] = {"tokens": resource == "tokens", "scopes": scoped,
+                                        "tie": step.tie}
+            keywords.update(_class_logs(step.scopes, step.scope_class))
             try:
                 yield ("reconcile", (step.user_id, own, step.member, step.timestamp_ms, 0),
-                       {"tokens": resource == "tokens", "scopes": scoped, "tie": step.tie})
+                       keywords)
             except Exception:  # noqa: BLE001 - the refund is best effort by design (see above)
                 pass
 
@@ -428,6 +439,7 @@ def reconcile_plan(reservation: Reservation, actual: int, release: bool = False)
         keywords: dict[str, Any] = {"tokens": tokens, "tie": tie}
         if scoped:
             keywords["scopes"] = scoped
+            keywords.update(_class_logs(scopes, reservation.scope_class))
         if releasing and number == 0:  # the user's own entry: its member is the lease id
             keywords["release"] = True
             releasing = False

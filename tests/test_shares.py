@@ -150,8 +150,9 @@ def test_reserved_shares_cost_a_cap_without_them_no_command(
     assert shares_own <= set(redis_client.info("commandstats"))
 
 
-def test_a_refusal_writes_nothing_and_reconcile_leaves_the_class_log(
-        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> None:
+def test_a_refusal_writes_nothing_and_reconcile_moves_the_class_log(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        storage: str) -> None:
     limiter = make_limiter(redis_url)
     scope = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
     held = take(limiter, scope, "free", 7)
@@ -159,17 +160,43 @@ def test_a_refusal_writes_nothing_and_reconcile_leaves_the_class_log(
     assert not take(limiter, scope, "free", 1)[0].allowed
     after = {k: redis_client.dump(k) for k in redis_client.keys("*")}
     assert before.keys() == after.keys()
-    # reconcile refunds the cap exactly: free gets the room back (the reserve rule counts
-    # the cap's use and the other classes' use, not free's own).
+    # reconcile refunds the cap and the class's log in the same script: free gets the room
+    # back, and its log no longer counts the entry.
     limiter.reconcile(held[0], 0)
+    assert redis_client.zcard(companion(storage, "free")) == 6
+    assert redis_client.hget(companion(storage, "free") + ":w", "total") == b"6"
     assert [r.allowed for r in take(limiter, scope, "free", 2)] == [True, False]
-    # The approximation (docs/upstreams.md): a class's log keeps a reconciled entry at its
-    # reserved cost until it leaves the window. Enterprise's refunded request still counts
-    # as used of its reserve: 2 of its 3 are held, so free gets 1 more than exact.
+    # An enterprise entry refunded gives its reserve back whole: 3 held again, not 2.
     ent = take(limiter, scope, "enterprise", 1)[0]
     limiter.reconcile(ent, 0)
-    assert [r.allowed for r in take(limiter, scope, "free", 2)] == [True, False]
-    assert [r.allowed for r in take(limiter, scope, "enterprise", 3)] == [True, True, False]
+    assert redis_client.hget(companion(storage, "enterprise") + ":w", "total") == b"0"
+    assert refusal(take(limiter, scope, "free", 1)[0]) == ("reserve", "enterprise")
+    # A higher cost charges the class's log as it charges the cap (and twice is once).
+    ent = take(limiter, scope, "enterprise", 1)[0]
+    assert limiter.reconcile(ent, 2) == limiter.reconcile(ent, 2)
+    assert redis_client.hget(companion(storage, "enterprise") + ":w", "total") == b"2"
+    assert [r.allowed for r in take(limiter, scope, "enterprise", 2)] == [True, False]
+
+
+def test_token_shares_follow_reconcile(make_limiter: LimiterFactory, redis_url: str,
+                                       redis_client: redis.Redis, storage: str) -> None:
+    """A token cap with a ceiling: the estimate is held in the class's log, the actual
+    tokens replace it there as in the cap."""
+    limiter = make_limiter(redis_url)
+    scope = Scope(CAP, token_windows=[(1000, 60)], shared=True, reserved={"pro": 0},
+                  ceilings={"free": (50, 80)})
+    r = limiter.reserve("u", token_windows=[(10**6, 60)], tokens=600, scopes=[scope],
+                        scope_class="free")
+    assert r.allowed
+    key = f"ratelimit:{CAP}:60:tokens:shared{':c' if storage == 'compact' else ''}:class=free:w"
+    assert redis_client.hget(key, "total") == b"600"
+    # 600 + 250 > 800 (saturation) and free would hold 850 > 500: its ceiling.
+    assert refusal(limiter.reserve("v", token_windows=[(10**6, 60)], tokens=250,
+                                   scopes=[scope], scope_class="free")) == ("ceiling", "free")
+    limiter.reconcile(r, 300)
+    assert redis_client.hget(key, "total") == b"300"
+    assert limiter.reserve("v", token_windows=[(10**6, 60)], tokens=250, scopes=[scope],
+                           scope_class="free").allowed
 
 
 def test_a_lost_reply_is_replayed_and_counts_once_in_the_class_log(

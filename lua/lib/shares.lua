@@ -21,8 +21,8 @@ where used_j is class j's use in the window, counted in its companion log:
   "{cap window key}:class={name}:w"  hash: each entry's cost, and "total" their sum
 trimmed like the cap (entries at or before now - window_ms have left), written on allow in
 the same script as the cap, expiring window_ms + 1 s after the last admission. They live
-under the cap's name (its hash tag on a cluster), so in the cap's slot. Reconcile does not
-move them (docs/upstreams.md, "Reserved shares": what that approximates).
+under the cap's name (its hash tag on a cluster), so in the cap's slot. Reconcile moves an
+entry in them too (lib/set_cost.lua's set_class_costs).
 --]]
 
 -- The shares of a decision's spec, or nil without one. `log` is the storage (its

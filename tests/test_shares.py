@@ -448,3 +448,32 @@ def test_shares_on_a_cluster_live_in_the_caps_slot(make_limiter: LimiterFactory,
         assert inspector.zcard(f"ratelimit:{{{CAP}}}:60:shared{suffix}:class=free") == 7
     finally:
         inspector.close()
+
+
+# --------------------------------------------------------------------------- the HTTP plan
+
+
+@pytest.mark.parametrize("tier, klass", [("enterprise", "enterprise"), ("free", "free"),
+                                         ("pro", None)])
+def test_the_plan_passes_the_tier_as_the_class_when_the_upstream_names_it(
+        tier: str, klass: str | None) -> None:
+    from genai_ratelimit.fastapi._plan import Call, Facts, Policy, Refused, plan
+    from genai_ratelimit.reservation import Reservation, WindowState
+
+    upstream = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
+    steps = plan(Facts("alice", tier, ((5, 60),), scopes=(upstream,)),
+                 Policy(clock=lambda: 1_000))
+    call = next(steps)
+    expected = {"scopes": (upstream,)} | ({"scope_class": klass} if klass else {})
+    assert call == Call("reserve", ("alice", ((5, 60),)), expected)
+    refused = Reservation(
+        False, 0, 3, 60, "requests", 2_500, "alice", 1, None,
+        (WindowState(5, 60, "requests", 4), WindowState(10, 60, "requests", 0, upstream)),
+        "", 1_000, upstream, (upstream,),
+        share_refusal=ShareRefusal(upstream, "ceiling", "free", "free"), scope_class=klass)
+    with pytest.raises(StopIteration) as done:
+        steps.send(refused)
+    [verdict] = done.value.value.verdicts
+    assert isinstance(verdict, Refused) and verdict.scope == "upstream"
+    assert dict(verdict.contract)["X-RateLimit-Share"] == "ceiling; class=free"
+    assert verdict.message is not None and "at its ceiling" in verdict.message

@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import Any
 
 from ._native import MAX_LIMIT
+from .shares import validate as validate_shares
 from .tiers import DEFAULT_TIER, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -234,8 +235,6 @@ ScopeSections = tuple[dict[str, dict[str, int]], dict[str, UpstreamSection]]
 def scope_sections_of(data: object, source: str) -> ScopeSections:
     """The `models` and `upstreams` sections of a tiers table: ({model: budget},
     {upstream: (budget, models, shares)}). Raises TierConfigError for a malformed section."""
-    from .shares import validate as validate_shares
-
     models: dict[str, dict[str, int]] = {}
     upstreams: dict[str, UpstreamSection] = {}
     if not isinstance(data, Mapping):

@@ -45,6 +45,7 @@
 #define RL_CLUSTER_SLOTS 16384               /* hash slots of a Redis Cluster */
 #define RL_MAX_BUDGETS 16                    /* calendar budgets decided by one hold */
 #define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
+#define RL_MAX_SHARES_SPEC 8192              /* bytes of a reserved-shares spec */
 #define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
 #define RL_UPSTREAM_FIELDS 8                 /* lua/observe_upstream.lua's numbers */
 #define RL_MAX_UPSTREAM_MS 86400000LL        /* an upstream's reset or closure: a day at most */
@@ -110,6 +111,9 @@ typedef struct {
                       decided) or nothing held; -1 without in_flight. reconcile with release:
                       1 when the lease was still held */
     long long slot_held;      /* in_flight: the user's holders after the decision */
+    long long share_rule;     /* reserve with shares: 0, or the share rule that refused it
+                                 (lua/lib/shares.lua: 2j the reserve of class j, 2j + 1
+                                 class j's ceiling) */
     long long slot_retry_ms;  /* in_flight refused: the hint (lua/lib/lease.lua), at most: */
     long long retry_bound_ms; /* a refused lease or slot: the wait until the soonest lease
                                  expires (0 otherwise) */
@@ -244,6 +248,12 @@ typedef struct {
     rl_budget budgets[RL_MAX_BUDGETS];
     /* budget hold: a key outlives its period's end by this (the longest hold) */
     long long hold_ms;
+    /* reserve: a shared scope's reserved shares (lua/lib/shares.lua's spec, built by
+       genai_ratelimit/shares.py), UTF-8 borrowed from the caller's str and cleared by
+       rl_prepare like the scope names (shares_len stays: the reply's last element is the
+       rule that refused, script.c); NULL and 0 without */
+    const char *shares;
+    size_t shares_len;
     /* observe_upstream: requests left, ms to their reset, their limit, the same for tokens,
        ms closed for (-1: not said), the bound in ms (lua/observe_upstream.lua) */
     long long upstream[RL_UPSTREAM_FIELDS];

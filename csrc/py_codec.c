@@ -253,12 +253,12 @@ static PyMethodDef Codec_methods[] = {
     {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
-     "    scopes=(), in_flight=None)\n--\n\n"
+     "    scopes=(), in_flight=None, shares=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._reserve's shape)."},
     {"reconcile", (PyCFunction)(void (*)(void))Codec_reconcile,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
-     "    scopes=(), tie=0, release=False)\n--\n\n"
+     "    scopes=(), tie=0, release=False, shares=None)\n--\n\n"
      "A Request (the kill switch never answers it)."},
     {"peek", (PyCFunction)(void (*)(void))Codec_peek, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "peek($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"

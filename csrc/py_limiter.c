@@ -399,7 +399,7 @@ LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 
 PyDoc_STRVAR(Limiter_reserve_doc,
 "_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
-"    scopes=(), in_flight=None)\n--\n\n"
+"    scopes=(), in_flight=None, shares=None)\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, member,\n"
 "    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None, scope), ...),\n"
 "    retry_after_ms, scope, tie, slot)\n\n"
@@ -414,7 +414,7 @@ LIMITER_METHOD(reserve, RL_SHAPE_RESERVE)
 
 PyDoc_STRVAR(Limiter_reconcile_doc,
 "_reconcile($self, /, user_id, windows, member, timestamp_ms, cost, *, tokens=False,\n"
-"    scopes=(), tie=0, release=False)\n--\n\n"
+"    scopes=(), tie=0, release=False, shares=None)\n--\n\n"
 "-> the number of windows whose entry was found\n\n"
 "Sets the cost of a reserved entry in every window where it is still present, the\n"
 "user's own and those of `scopes` ((name, shared, windows) tuples); release=True also\n"

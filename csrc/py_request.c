@@ -247,6 +247,38 @@ has_token_windows(const rl_windows *w)
     return 0;
 }
 
+/* reserve(..., shares=spec): the reserved-shares spec of a shared scope, built by
+   genai_ratelimit/shares.py and read by lua/lib/shares.lua ("S ..." in ASCII); reconcile(...,
+   shares="C class"): the entry's class, whose logs lua/lib/set_cost.lua moves too. Passed to
+   the script as it is, borrowed until rl_prepare ends. */
+static int
+parse_shares(PyObject *value, rl_prepared *d, char lead)
+{
+    Py_ssize_t len;
+    const char *text;
+    if (value == Py_None)
+        return 0;
+    if (!PyUnicode_Check(value)) {
+        rl_type_error(value, "shares must be a str, not ");
+        return -1;
+    }
+    text = PyUnicode_AsUTF8AndSize(value, &len);
+    if (text == NULL)
+        return -1;
+    if (len < 3 || len > RL_MAX_SHARES_SPEC || text[0] != lead || text[1] != ' ') {
+        PyErr_Format(PyExc_ValueError, "shares must be a spec of 3 to %d bytes starting \"%c \"",
+                     RL_MAX_SHARES_SPEC, lead);
+        return -1;
+    }
+    if (d->script == RL_SCRIPT_IN_FLIGHT) {
+        PyErr_SetString(PyExc_ValueError, "reserved shares do not go with in_flight yet");
+        return -1;
+    }
+    d->shares = text;
+    d->shares_len = (size_t)len;
+    return 0;
+}
+
 static int
 parse_member(PyObject *value, const char *what, char out[RL_MEMBER_LEN + 1])
 {
@@ -563,11 +595,11 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
 {
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
     static const char *const windows_names[] = {"user_id", "windows", "cost", "gcra"};
-    static const char *const reserve_names[] = {"user_id", "windows", "cost",     "token_windows",
-                                                "tokens",  "scopes",  "in_flight"};
-    static const char *const reconcile_names[] = {"user_id",      "windows", "member",
-                                                  "timestamp_ms", "cost",    "tokens",
-                                                  "scopes",       "tie",     "release"};
+    static const char *const reserve_names[] = {"user_id", "windows", "cost",      "token_windows",
+                                                "tokens",  "scopes",  "in_flight", "shares"};
+    static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
+                                                  "cost",    "tokens",  "scopes", "tie",
+                                                  "release", "shares"};
     static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
     static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
     static const char *const release_names[] = {"user_id", "lease_id"};
@@ -592,11 +624,13 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         [RL_SHAPE_BUDGET_SETTLE] = RL_SCRIPT_BUDGET_SETTLE,
         [RL_SHAPE_OBSERVE] = RL_SCRIPT_OBSERVE,
     };
-    PyObject *v[9] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    PyObject *v[10] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
     long long seconds = 0;
 
     d->shape = shape;
+    d->shares = NULL;
+    d->shares_len = 0;
     d->script = scripts[shape];
     d->windows.count = 0;
     d->nscopes = 0;
@@ -686,7 +720,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     case RL_SHAPE_RESERVE:
     case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments */
         if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
-                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 7, 2, 2, v) < 0 ||
+                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 8, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
             (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
@@ -703,11 +737,12 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                                          : "tokens= needs token_windows to count them in");
             return -1;
         }
-        if (set_cost(d, v[4], "tokens", 1) < 0 || (v[6] != NULL && parse_in_flight(v[6], d) < 0))
+        if (set_cost(d, v[4], "tokens", 1) < 0 || (v[6] != NULL && parse_in_flight(v[6], d) < 0) ||
+            (v[7] != NULL && parse_shares(v[7], d, 'S') < 0))
             return -1;
         break;
     case RL_SHAPE_RECONCILE:
-        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 9, 5, 5, v) < 0 ||
+        if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 10, 5, 5, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL)
             return -1;
         int tokens = v[5] != NULL ? PyObject_IsTrue(v[5]) : 0;
@@ -716,7 +751,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             parse_member(v[2], "reservation's", d->member) < 0 ||
             positive_int(v[3], "timestamp_ms", RL_MAX_LIMIT, &d->score_ms) < 0 ||
             non_negative_int(v[4], "cost", RL_MAX_LIMIT, &d->new_cost) < 0 ||
-            (v[7] != NULL && non_negative_int(v[7], "tie", RL_MAX_TIE, &d->tie) < 0))
+            (v[7] != NULL && non_negative_int(v[7], "tie", RL_MAX_TIE, &d->tie) < 0) ||
+            (v[9] != NULL && parse_shares(v[9], d, 'C') < 0))
             return -1;
         if (v[8] != NULL) {
             int release = PyObject_IsTrue(v[8]);
@@ -832,6 +868,7 @@ forget_scope_names(rl_prepared *p)
         p->scopes[k].name = NULL;
         p->scopes[k].name_len = 0;
     }
+    p->shares = NULL; /* shares_len stays: the reply has one element more (script.c) */
     for (int k = 0; k < p->nbudgets; k++) {
         p->budgets[k].owner = p->budgets[k].name = NULL;
         p->budgets[k].owner_len = p->budgets[k].name_len = 0;

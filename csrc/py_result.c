@@ -181,7 +181,7 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     if (d->shape == RL_SHAPE_GCRA)
         return Py_BuildValue("(NLLLL)", PyBool_FromLong(r->allowed), r->remaining, r->retry_after_s,
                              r->retry_after_ms, r->now_ms);
-    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 12;
+    size = d->shape == RL_SHAPE_CHECK ? 3 : d->shape == RL_SHAPE_WINDOWS ? 4 : 13;
     t = PyTuple_New(size);
     if (t == NULL)
         return NULL;
@@ -221,6 +221,9 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     /* The entry's tie (compact storage; 0 otherwise): with its time it names the entry. */
     if (PyTuple_SetItem(t, 10, PyLong_FromLongLong(r->allowed ? r->tie : 0)) < 0 ||
         PyTuple_SetItem(t, 11, slot_object(d, r)) < 0)
+        goto error;
+    /* reserve with shares: the reserved-share rule that refused it (0: none) */
+    if (PyTuple_SetItem(t, 12, PyLong_FromLongLong(r->allowed ? 0 : r->share_rule)) < 0)
         goto error;
     return t;
 error:

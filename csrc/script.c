@@ -713,7 +713,7 @@ static const struct {
     [RL_STORAGE_ZSET] = {3, {"", ":w", ":t"}},
     [RL_STORAGE_COMPACT] = {1, {":c", NULL, NULL}},
 };
-#define RL_ARGV_MAX (12 + 6 * RL_MAX_WINDOWS + RL_MAX_SCOPES)
+#define RL_ARGV_MAX (13 + 6 * RL_MAX_WINDOWS + RL_MAX_SCOPES)
 
 /* Formats "EVALSHA sha 3n key... weights... totals... ARGV..." with hiredis (see the
    KEYS/ARGV headers of lua/sliding_window.lua and lua/reconcile.lua). Returns the
@@ -872,6 +872,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             argv[argc] = text;
             argvlen[argc++] = (size_t)(cursor - text);
         }
+        if (d->shares_len > 0 && d->shares != NULL) { /* "C class": lib/set_cost.lua */
+            argv[argc] = d->shares;
+            argvlen[argc++] = d->shares_len;
+        }
     } else {
         argc++;
         for (int i = first; i < w->count; i++) {
@@ -898,6 +902,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             argv[argc++] = limit_text;
             argvlen[argc] = (size_t)snprintf(lease_text, sizeof(lease_text), "%lld", d->lease_ms);
             argv[argc++] = lease_text;
+        }
+        if (d->shares_len > 0 && d->shares != NULL) { /* lua/lib/shares.lua's spec */
+            argv[argc] = d->shares;
+            argvlen[argc++] = d->shares_len;
         }
     }
 format:
@@ -1469,6 +1477,9 @@ decode_window(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_
     int slot = d->script == RL_SCRIPT_IN_FLIGHT || d->script == RL_SCRIPT_COMPACT_IN_FLIGHT;
     int tied = d->script == RL_SCRIPT_COMPACT_WINDOW || d->script == RL_SCRIPT_COMPACT_GCRA_WINDOWS;
     size_t elements = slot ? 9 : rl_script_peeks(d->script) || tied ? 8 : 7;
+    /* reserve with shares: the rule that refused, last (lua/lib/shares.lua) */
+    int shares = d->shares_len > 0 && !rl_script_peeks(d->script);
+    elements += (size_t)shares;
     long long v[5] = {0, 0, 0, 0, 0}, retry_ms = 0;
     const redisReply *each;
     if (reply->type != REDIS_REPLY_ARRAY || reply->elements != elements)
@@ -1545,6 +1556,16 @@ decode_window(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_
         if (integer_at(reply, 7, &out->tie, err) != RL_OK ||
             within(name, "tie", out->tie, 0, RL_MAX_TIE, err) != RL_OK)
             return err->kind;
+    }
+    out->share_rule = 0;
+    if (shares) {
+        /* 2j: the reserve of class j; 2j + 1: class j's ceiling (at most 64 classes) */
+        if (integer_at(reply, elements - 1, &out->share_rule, err) != RL_OK ||
+            within(name, "share rule", out->share_rule, 0, allowed ? 0 : 129, err) != RL_OK)
+            return err->kind;
+        if (!allowed && out->share_rule == 1)
+            return rl_error_set(err, RL_ERR_PROTOCOL,
+                                "unexpected reply to the rate-limit script: share rule 1");
     }
     if (slot)
         return decode_slot(reply->element[8], d, out, err);

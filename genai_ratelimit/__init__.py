@@ -23,6 +23,7 @@ from .periods import Budget, BudgetCrossing, BudgetHold, BudgetPeriod, BudgetSet
 from .prices import ModelPrice, PriceRule, PriceTable, PriceTableError, TokenUsage, UnpricedModel
 from .provider_limits import ProviderLimits, read_provider_limits
 from .reservation import Reservation, Scope, WindowState
+from .shares import ShareRefusal
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "Reservation",
     "WindowState",
     "Scope",
+    "ShareRefusal",
     "Lease",
     "AsyncLease",
     "PriceTable",

@@ -101,7 +101,7 @@ _NativeReconcileScope = tuple[str, bool, Sequence[tuple[int, int]]]
 _SlotTuple = tuple[bool, int, int, int, str, int, int, int]
 _ReserveTuple = tuple[
     bool, int, int, int, bool, str, int, tuple[tuple[int, int, bool, int | None, int], ...], int,
-    int, int, _SlotTuple | None
+    int, int, _SlotTuple | None, int
 ]
 
 class RateLimiterError(Exception): ...
@@ -191,6 +191,7 @@ class Limiter:
         tokens: int | None = None,
         scopes: tuple[_NativeScope, ...] = (),
         in_flight: tuple[int, int] | None = None,
+        shares: str | None = None,
     ) -> _ReserveTuple: ...
     def _reconcile(
         self,
@@ -204,6 +205,7 @@ class Limiter:
         scopes: tuple[_NativeReconcileScope, ...] = (),
         tie: int = 0,
         release: bool = False,
+        shares: str | None = None,
     ) -> int: ...
     def _peek(
         self,
@@ -298,6 +300,7 @@ class Codec:
         tokens: int | None = None,
         scopes: tuple[_NativeScope, ...] = (),
         in_flight: tuple[int, int] | None = None,
+        shares: str | None = None,
     ) -> Request | _ReserveTuple: ...
     def reconcile(
         self,
@@ -311,6 +314,7 @@ class Codec:
         scopes: tuple[_NativeReconcileScope, ...] = (),
         tie: int = 0,
         release: bool = False,
+        shares: str | None = None,
     ) -> Request: ...
     def peek(
         self,

@@ -49,6 +49,8 @@ least one; the token keys count in TokenRateLimit only), and an upstream lists t
     models = ["gpt-4o", "gpt-4o-2024-08-06"]
     per_minute = 500
     tokens_per_minute = 30000
+    reserved = { enterprise = 30 }      # optional: reserved shares per tier (percent), and
+    ceilings = { free = [50, 80] }      # ceilings (percent) above a saturation (percent)
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from ._native import MAX_LIMIT
+from .shares import validate as validate_shares
 from .tiers import DEFAULT_TIER, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -233,14 +236,16 @@ def validate_scope_budget(budget: object, source: str, what: str, *,
     return checked
 
 
-ScopeSections = tuple[dict[str, dict[str, int]], dict[str, tuple[dict[str, int], tuple[str, ...]]]]
+# An upstream's section: (budget, models, {"reserved": ..., "ceilings": ...} as given).
+UpstreamSection = tuple[dict[str, int], tuple[str, ...], dict[str, Any]]
+ScopeSections = tuple[dict[str, dict[str, int]], dict[str, UpstreamSection]]
 
 
 def scope_sections_of(data: object, source: str) -> ScopeSections:
     """The `models` and `upstreams` sections of a tiers table: ({model: budget},
-    {upstream: (budget, models)}). Raises TierConfigError for a malformed section."""
+    {upstream: (budget, models, shares)}). Raises TierConfigError for a malformed section."""
     models: dict[str, dict[str, int]] = {}
-    upstreams: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {}
+    upstreams: dict[str, UpstreamSection] = {}
     if not isinstance(data, Mapping):
         return models, upstreams
     for section in SCOPE_SECTIONS:
@@ -255,15 +260,21 @@ def scope_sections_of(data: object, source: str) -> ScopeSections:
             if not isinstance(name, str) or not name.strip():
                 raise TierConfigError(f"{source}: [{section}] names must be non-empty strings, "
                                       f"got {name!r}")
-            checked = validate_scope_budget(budget, source, what,
-                                            extra=("models",) if section == "upstreams" else ())
+            checked = validate_scope_budget(
+                budget, source, what,
+                extra=("models", "reserved", "ceilings") if section == "upstreams" else ())
             if section == "models":
                 models[name] = checked
                 continue
             served = budget.get("models", [])
             if not isinstance(served, list) or not all(isinstance(m, str) and m for m in served):
                 raise TierConfigError(f"{source}: {what}: models must be a list of model names")
-            upstreams[name] = (checked, tuple(served))
+            shares = {key: budget[key] for key in ("reserved", "ceilings") if key in budget}
+            try:
+                validate_shares(shares.get("reserved"), shares.get("ceilings"))
+            except (TypeError, ValueError) as exc:
+                raise TierConfigError(f"{source}: {what}: {exc}") from None
+            upstreams[name] = (checked, tuple(served), shares)
     return models, upstreams
 
 

@@ -939,13 +939,15 @@ class AsyncRateLimiter:
     async def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *,
                       cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
                       tokens: int | None = None, scopes: Sequence[Scope] = (),
-                      in_flight: tuple[int, int] | None = None) -> Reservation:
+                      in_flight: tuple[int, int] | None = None,
+                      scope_class: str | None = None) -> Reservation:
         """RateLimiter.reserve, awaited (its lease is an AsyncLease)."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         reservation: Reservation = await self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes,
-            in_flight, lease_maker(AsyncLease, user_id, in_flight, self)), reserving=True)
+            in_flight, lease_maker(AsyncLease, user_id, in_flight, self), scope_class),
+            reserving=True)
         count_reservation(self._codec._record_outcome, reservation)
         return reservation
 

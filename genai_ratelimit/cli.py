@@ -149,7 +149,7 @@ def _budgets(args: argparse.Namespace) -> Budgets:
         models, upstreams = scope_sections_of(data, where)
         return Budgets({t: b for t, b in tables.items() if t not in SCOPE_SECTIONS},
                        token_limits_of_tiers(data, where), max_in_flight_of_tiers(data, where),
-                       models, {name: budget for name, (budget, _) in upstreams.items()})
+                       models, {name: section[0] for name, section in upstreams.items()})
     except TierConfigError as exc:
         raise UsageError(str(exc)) from None
 

@@ -216,17 +216,20 @@ class RateLimiter(_native.Limiter):
     def reserve(self, user_id: str, windows: Sequence[tuple[int, int]] = (), *, cost: int = 1,
                 token_windows: Sequence[tuple[int, int]] = (),
                 tokens: int | None = None, scopes: Sequence[Scope] = (),
-                in_flight: tuple[int, int] | None = None) -> Reservation:
+                in_flight: tuple[int, int] | None = None,
+                scope_class: str | None = None) -> Reservation:
         """Decides one request against its request `windows` (each charged `cost`) and its
         `token_windows` (each charged `tokens`, the estimate), and the windows of `scopes`
         (a route's or model's budget of this user, an upstream's caps shared by all), in one
         script execution, all or nothing, and logs it on allow. `reconcile` corrects the
         estimate later. `in_flight=(limit, lease_seconds)` takes one of the user's `limit`
         concurrent slots in the same script execution (acquire's), all or nothing: the
-        Reservation's `lease`."""
+        Reservation's `lease`. `scope_class`: the request's class in the reserved shares of
+        a shared scope (Scope reserved/ceilings; a refusal names its rule in
+        `share_refusal`)."""
         reservation: Reservation = self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes,
-            in_flight, lease_maker(Lease, user_id, in_flight, self)))
+            in_flight, lease_maker(Lease, user_id, in_flight, self), scope_class))
         count_reservation(self._record_outcome, reservation)
         return reservation
 

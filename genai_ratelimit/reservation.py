@@ -14,7 +14,9 @@ from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from . import shares as _shares
 from .lease import Lease
+from .shares import ShareRefusal
 
 __all__ = ["Reservation", "Scope", "WindowState"]
 
@@ -56,6 +58,15 @@ class Scope:
     ({prefix}:{user_id}:60:scope={name}). shared=True: a budget every user draws from, e.g.
     an upstream provider's caps ("openai/gpt-4o"): its keys live under the name
     ({prefix}:{name}:60:shared). A request refused by any window charges nothing anywhere.
+
+    reserved, ceilings (shared=True only): reserved shares of the cap per class, decided in
+    the same script (docs/upstreams.md, "Reserved shares"). `reserved` {class: percent} is
+    the share a class keeps for itself (no other class can take it while it does not use
+    it); `ceilings` {class: (ceiling percent, saturation percent)}: once the cap is above
+    its saturation, the class may not pass its ceiling. Percents are ints, Decimals or
+    strs of exact decimals. The request's class is reserve(..., scope_class=...). Stored as
+    sorted tuples: reserved ((class, Fraction), ...), ceilings ((class, ceiling,
+    saturation), ...).
     """
 
     name: str
@@ -63,6 +74,8 @@ class Scope:
     windows: Sequence[tuple[int, int]] = ()
     token_windows: Sequence[tuple[int, int]] = ()
     shared: bool = False
+    reserved: Any = ()
+    ceilings: Any = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -78,6 +91,18 @@ class Scope:
                            _window_pairs(self.token_windows, "token_windows"))
         if not self.windows and not self.token_windows:
             raise ValueError(f"Scope {self.name!r} needs at least one window or token window")
+        reserved = None if self.reserved == () else self.reserved
+        ceilings = None if self.ceilings == () else self.ceilings
+        if (reserved is not None or ceilings is not None) and not self.shared:
+            raise ValueError(f"Scope {self.name!r}: reserved and ceilings need shared=True")
+        valid_reserved, valid_ceilings = _shares.validate(reserved, ceilings)
+        object.__setattr__(self, "reserved", valid_reserved)
+        object.__setattr__(self, "ceilings", valid_ceilings)
+
+    @property
+    def has_shares(self) -> bool:
+        """Whether the scope has reserved shares or ceilings."""
+        return bool(self.reserved or self.ceilings)
 
     def native(self) -> tuple[str, bool, Windows, Windows]:
         """The C layer's form (csrc/py_request.c add_scopes)."""
@@ -143,6 +168,10 @@ class Reservation:
     # every window's remaining None, the lease's wait); None when a window refused it (no
     # slot is held) or without in_flight.
     lease: Lease | None = field(default=None, compare=False)
+    # Refused by a reserved-share rule of a shared scope (Scope reserved/ceilings): which
+    # class, which rule; None otherwise. scope_class: the class the request was decided as.
+    share_refusal: ShareRefusal | None = None
+    scope_class: str | None = None
 
     def remaining_of(self, resource: Resource, scope: Scope | None | Literal["any"] = "any"
                      ) -> int | None:
@@ -176,19 +205,24 @@ def _states(report: Sequence[Any], scopes: Sequence[Scope]) -> tuple[WindowState
 
 
 def make_reservation(raw: tuple[Any, ...], user_id: str, cost: int, tokens: int | None,
-                     scopes: Sequence[Scope] = (), lease: Any = None) -> Reservation:
+                     scopes: Sequence[Scope] = (), lease: Any = None,
+                     scope_class: str | None = None) -> Reservation:
     """A Reservation from the C extension's reserve tuple (see Limiter._reserve); `scopes`
     are the Scopes of that call, in its order; `lease(raw)` makes the Lease of an in-flight
     slot from the tuple's last element."""
     (allowed, remaining, retry, window_seconds, is_tokens, member, timestamp_ms, report,
-     retry_ms, scope_index, tie, slot) = raw
+     retry_ms, scope_index, tie, slot, share_rule) = raw
     resource: Resource = "tokens" if is_tokens else "requests"
+    share_refusal = None
+    if share_rule and scope_index:
+        share_refusal = _shares.refusal(scopes[scope_index - 1], share_rule, scope_class)
     return Reservation(
         allowed=allowed, remaining=remaining, retry_after_s=retry, retry_after_ms=retry_ms,
         window_seconds=window_seconds, lease=lease(slot) if slot is not None and lease else None,
         resource=resource, user_id=user_id, cost=cost,
         tokens=tokens, windows=_states(report, scopes), member=member, timestamp_ms=timestamp_ms,
-        scope=scopes[scope_index - 1] if scope_index else None, scopes=tuple(scopes), tie=tie)
+        scope=scopes[scope_index - 1] if scope_index else None, scopes=tuple(scopes), tie=tie,
+        share_refusal=share_refusal, scope_class=scope_class)
 
 
 def _scope_list(scopes: object) -> tuple[Scope, ...]:
@@ -204,9 +238,19 @@ def _scope_list(scopes: object) -> tuple[Scope, ...]:
 
 def reserve_arguments(cost: int, token_windows: Sequence[tuple[int, int]],
                       tokens: int | None, scopes: Sequence[Scope] = (),
-                      in_flight: tuple[int, int] | None = None) -> dict[str, Any]:
+                      in_flight: tuple[int, int] | None = None,
+                      scope_class: str | None = None) -> dict[str, Any]:
     """The keyword arguments of the C reserve call (validated there)."""
     arguments: dict[str, Any] = {"cost": cost, "token_windows": token_windows}
+    shared = [scope for scope in scopes if scope.shared]
+    with_shares = [scope for scope in shared if scope.has_shares]
+    if len(with_shares) > 1:
+        raise ValueError("one decision takes at most one scope with reserved shares")
+    if with_shares:
+        if in_flight is not None:
+            raise ValueError("reserved shares do not go with in_flight yet")
+        arguments["shares"] = _shares.spec(with_shares[0], shared.index(with_shares[0]) + 1,
+                                           scope_class)
     if tokens is not None:
         arguments["tokens"] = tokens
     if scopes:
@@ -241,7 +285,7 @@ def advance(plan: Plan, answer: Any = None,
 def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
                  token_windows: Sequence[tuple[int, int]], tokens: int | None,
                  scopes: object, two_step: bool, in_flight: tuple[int, int] | None = None,
-                 lease: Any = None) -> Plan:
+                 lease: Any = None, scope_class: str | None = None) -> Plan:
     """reserve: one script over every window; or, two_step and some scope shared, one step
     per shared scope (each lives in its own cluster slot), then the user's own windows and
     scopes. When a step refuses (or fails), every earlier step is refunded exactly: its
@@ -250,16 +294,23 @@ def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
     the window), never a charge on the user for a request the cap refused."""
     chosen = _scope_list(scopes)
     shared = tuple(s for s in chosen if s.shared)
+    if scope_class is not None:
+        if not isinstance(scope_class, str):
+            raise TypeError(f"scope_class must be a str, not {type(scope_class).__name__}")
+        if not any(s.has_shares for s in shared):
+            raise ValueError("scope_class needs a shared Scope with reserved or ceilings")
     if not two_step or not shared:
         raw = yield ("reserve", (user_id, windows),
-                     reserve_arguments(cost, token_windows, tokens, chosen, in_flight))
-        return make_reservation(raw, user_id, cost, tokens, chosen, lease)
+                     reserve_arguments(cost, token_windows, tokens, chosen, in_flight,
+                                       scope_class))
+        return make_reservation(raw, user_id, cost, tokens, chosen, lease, scope_class)
     own = tuple(s for s in chosen if not s.shared)
     if in_flight is not None and not (windows or token_windows or own):
         raise ValueError("in_flight with shared scopes on a Redis Cluster needs windows of "
                          "the user's own (the slot is taken in their step)")
     # Everything is validated (no I/O) before the first step writes anything.
-    yield ("validate", (user_id, windows), reserve_arguments(cost, token_windows, tokens, chosen))
+    yield ("validate", (user_id, windows),
+           reserve_arguments(cost, token_windows, tokens, chosen, scope_class=scope_class))
     steps: list[tuple[tuple[Scope, ...], Windows, Windows]] = [((s,), (), ()) for s in shared]
     if windows or token_windows or own:
         steps.append((own, tuple(windows), tuple(token_windows)))
@@ -271,11 +322,12 @@ def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
         try:
             raw = yield ("reserve", (user_id, step_windows),
                          reserve_arguments(cost, step_token_windows, step_tokens, step_scopes,
-                                           in_flight if own_step else None))
+                                           in_flight if own_step else None, scope_class))
         except BaseException:
             yield from _refund_all(done)
             raise
-        step = make_reservation(raw, user_id, cost, step_tokens, step_scopes, lease)
+        step = make_reservation(raw, user_id, cost, step_tokens, step_scopes, lease,
+                                scope_class)
         if not step.allowed:
             yield from _refund_all(done)
             states = tuple(_unspent(w, cost, tokens) for r in done for w in r.windows)
@@ -321,6 +373,14 @@ def _unspent(state: WindowState, cost: int, tokens: int | None) -> WindowState:
     return WindowState(state.limit, state.window_seconds, state.resource, left, state.scope)
 
 
+def _class_logs(scopes: Sequence[Scope], scope_class: str | None) -> dict[str, str]:
+    """reconcile's keyword that moves the entry in its class's logs too (lib/set_cost.lua),
+    when one of `scopes` has reserved shares and the entry has a class."""
+    if scope_class is not None and any(s.shared and s.has_shares for s in scopes):
+        return {"shares": f"C {scope_class}"}
+    return {}
+
+
 def _refund_all(steps: Sequence[Reservation]) -> Plan:
     """Every step's entry back to cost 0 in each of its windows (idempotent). A refund that
     fails (Redis gone) leaves that entry charged until it leaves its windows: the cost of a
@@ -335,9 +395,12 @@ def _refund_all(steps: Sequence[Reservation]) -> Plan:
                            if s.windows_of(resource))
             if not (own or scoped):
                 continue
+            keywords: dict[str, Any] = {"tokens": resource == "tokens", "scopes": scoped,
+                                        "tie": step.tie}
+            keywords.update(_class_logs(step.scopes, step.scope_class))
             try:
                 yield ("reconcile", (step.user_id, own, step.member, step.timestamp_ms, 0),
-                       {"tokens": resource == "tokens", "scopes": scoped, "tie": step.tie})
+                       keywords)
             except Exception:  # noqa: BLE001 - the refund is best effort by design (see above)
                 pass
 
@@ -376,6 +439,7 @@ def reconcile_plan(reservation: Reservation, actual: int, release: bool = False)
         keywords: dict[str, Any] = {"tokens": tokens, "tie": tie}
         if scoped:
             keywords["scopes"] = scoped
+            keywords.update(_class_logs(scopes, reservation.scope_class))
         if releasing and number == 0:  # the user's own entry: its member is the lease id
             keywords["release"] = True
             releasing = False

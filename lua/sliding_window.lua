@@ -2,6 +2,7 @@
 -- include: lib/decide.lua
 -- include: lib/upstream.lua
 -- include: lib/{storage}_log.lua
+-- include: lib/shares.lua
 --[[
 sliding_window.lua - the sliding-window-log rate limiter, with weights. The build
 (setup.py) prepends the files named above (the clock, the decision over the windows, the
@@ -21,7 +22,10 @@ ARGV[1]    the member to add when every window allows (compact: the request id, 
 ARGV[2]    the request time in unix ms, or "" to read the server's clock (TIME)
 ARGV[3i], ARGV[3i+1], ARGV[3i+2]
            window length in ms, limit and cost of KEYS[i] (limit and cost in cost units)
-ARGV[3n+3] optional: "1" marks a replay of a call whose reply was lost. If the member is
+ARGV[3n+3] optional: a shared scope's reserved shares, "S ..." (lib/shares.lua); the reply
+           then has one element more, last: 0, or the rule that refused (2j: the reserve of
+           class j, 2j + 1: class j's ceiling)
+ARGV[3n+3] (or 3n+4 after the shares) optional: "1" marks a replay of a call whose reply was lost. If the member is
            already logged in KEYS[n] (the longest window, where it stays longest; compact:
            in its replay table of the 8 latest admissions still in the window), the first
            attempt was allowed and logged: answer allow again, write nothing, and report that
@@ -43,6 +47,10 @@ local n = (argc - argc % 3) / 3
 local log, now = open_log(n, ARGV[2], true, 'lazy') -- the OOM probe when needed (the storage's)
 local upstreams = #KEYS > KEYS_PER_WINDOW * n and
   open_upstreams(n, KEYS_PER_WINDOW * n + 1, #KEYS - KEYS_PER_WINDOW * n, now) or nil
-local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 3], upstreams)
+local marker, spec = ARGV[3 * n + 3], nil
+if marker and marker:sub(1, 2) == 'S ' then spec, marker = marker, ARGV[3 * n + 4] end
+local shares = open_shares(n, spec, now, log)
+local reply, tie = decide_and_log(n, now, log, marker, upstreams, shares)
 if TIE_NAMES_ENTRY then reply[8] = tie end
+if shares then reply[#reply + 1] = shares.refused end
 return reply

@@ -333,7 +333,7 @@ def test_scope_sections_are_read_and_are_not_tiers() -> None:
     assert validate_tier_limits(data) == {"free": {"per_minute": 5, "per_day": 100}}
     assert scope_sections_of(data, "f") == (
         {"gpt-4o": {"per_minute": 2, "tokens_per_minute": 900}},
-        {"openai/gpt-4o": ({"per_minute": 30}, ("gpt-4o",))})
+        {"openai/gpt-4o": ({"per_minute": 30}, ("gpt-4o",), {})})
 
 
 @pytest.mark.parametrize("section, problem", [
@@ -344,6 +344,11 @@ def test_scope_sections_are_read_and_are_not_tiers() -> None:
     ({"models": {"": {"per_minute": 1}}}, "non-empty"),
     ({"upstreams": {"u": {"per_minute": 1, "models": [""]}}}, "list of model names"),
     ({"upstreams": {"u": {"per_minute": True}}}, "integer >= 1"),
+    ({"upstreams": {"u": {"per_minute": 9, "reserved": {"a": 60, "b": 50}}}},
+     "upstream 'u': reserved shares sum to 110 %"),
+    ({"upstreams": {"u": {"per_minute": 9, "ceilings": {"free": [50, 101]}}}},
+     r"ceilings\['free'\] saturation must be in \(0, 100\]"),
+    ({"upstreams": {"u": {"per_minute": 9, "reserved": {"pro": 2.5}}}}, "float is never exact"),
 ])
 def test_malformed_scope_sections_fail_when_the_file_is_read(
         tmp_path: Path, section: dict[str, Any], problem: str) -> None:

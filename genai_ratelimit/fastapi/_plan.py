@@ -29,6 +29,7 @@ from ..lease import HINT_WITHOUT_HISTORY_MS, Lease
 from ..periods import BudgetHold
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
+from ..shares import classes_of
 from ._openai_headers import ResourceHeaders, format_duration, refusal_message
 from ._spend import SpendFacts, SpendHeld
 
@@ -240,6 +241,9 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         out.verdicts.append(_window_verdict(facts, policy, decision, *_exact(decision, policy)))
         return out
     arguments: dict[str, Any] = {"scopes": facts.scopes} if facts.scopes else {}
+    klass = share_class(facts)
+    if klass is not None:
+        arguments["scope_class"] = klass
     if facts.tokens is not None:
         arguments.update(cost=1, token_windows=facts.token_windows, tokens=facts.tokens)
     if in_flight is not None:
@@ -402,6 +406,15 @@ def _window_verdict(facts: Facts, policy: Policy, decision: Decision, retry_ms: 
                    once=id(decision) if shared else None)
 
 
+def share_class(facts: Facts) -> str | None:
+    """The request's class in an upstream's reserved shares: its tier, when the upstream
+    names it (a tier it does not name has no share of its own: None)."""
+    for scope in facts.scopes:
+        if scope.has_shares and facts.tier in classes_of(scope):
+            return facts.tier
+    return None
+
+
 def _scope_refusal(facts: Facts, reservation: Reservation) -> Refused:
     """The 429 of a refusal by a scope. An upstream's (shared) message says that the
     service, not the user, is at capacity; a route's or a model's names that budget. The
@@ -413,7 +426,15 @@ def _scope_refusal(facts: Facts, reservation: Reservation) -> Refused:
                  and w.resource == resource and w.window_seconds == window_seconds)
     retry_ms = reservation.retry_after_ms
     kind = scope_kind(scope)
-    if scope.shared:
+    share = reservation.share_refusal
+    rule: tuple[tuple[str, str], ...] = ()
+    if share is not None:
+        rule = (("X-RateLimit-Share", f"{share.rule}; class={share.share_class}"),)
+        message = (f"The service is at capacity for your class: {share.describe()} "
+                   f"(upstream {scope.name}, {limit} {resource} per "
+                   f"{window_name(window_seconds)} for all users together). Please try again "
+                   f"in {format_duration(retry_ms)}.")
+    elif scope.shared:
         message = (f"The service is at capacity: its upstream {scope.name} allows {limit} "
                    f"{resource} per {window_name(window_seconds)} for all users together. "
                    f"This is not your own rate limit. Please try again in "
@@ -424,7 +445,7 @@ def _scope_refusal(facts: Facts, reservation: Reservation) -> Refused:
                    f"(the budget of {kind} {scope.name.split(':', 1)[-1]})")
     return Refused((("X-RateLimit-Limit", str(limit)), ("X-RateLimit-Remaining", "0"),
                     ("X-RateLimit-Window", window_name(window_seconds)),
-                    ("X-RateLimit-Scope", kind), ("X-RateLimit-Resource", resource)),
+                    ("X-RateLimit-Scope", kind), ("X-RateLimit-Resource", resource)) + rule,
                    (reservation.retry_after_s, retry_ms), message, "rejected", resource,
                    window_seconds, kind)
 

@@ -20,6 +20,7 @@ from .._tiers_config import (
 )
 from ..provider_limits import DEFAULT_MAX_CLOSE_SECONDS, validate_max_close_seconds
 from ..reservation import Scope as BudgetScope
+from ..shares import validate as validate_shares
 from ._usage import requested_model
 
 logger = logging.getLogger("genai_ratelimit")
@@ -32,10 +33,11 @@ _MAX_CACHED_ROUTES = 1024
 UPSTREAMS_KEY = "genai_ratelimit.upstreams"
 
 
-def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool
-              ) -> BudgetScope | None:
+def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool,
+              reserved: Any = (), ceilings: Any = ()) -> BudgetScope | None:
     """The Scope of a budget (SCOPE_BUDGET_KEYS); its token windows only when `tokens` (a
-    RateLimit charges no tokens). None when nothing of it applies."""
+    RateLimit charges no tokens). None when nothing of it applies. `reserved`, `ceilings`:
+    an upstream's shares, as Upstream keeps them (validated tuples)."""
     windows = [(budget[key], seconds) for key, (seconds, is_tokens) in SCOPE_BUDGET_KEYS.items()
                if key in budget and not is_tokens]
     token_windows = [(budget[key], seconds)
@@ -43,7 +45,13 @@ def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool
                      if key in budget and is_tokens and tokens]
     if not windows and not token_windows:
         return None
-    return BudgetScope(name, windows=windows, token_windows=token_windows, shared=shared)
+    shares: dict[str, Any] = {}
+    if reserved:
+        shares["reserved"] = dict(reserved)
+    if ceilings:
+        shares["ceilings"] = {klass: (top, saturation) for klass, top, saturation in ceilings}
+    return BudgetScope(name, windows=windows, token_windows=token_windows, shared=shared,
+                       **shares)
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,11 @@ class Upstream:
     models: the request `model`s this upstream serves; empty: every request of the
     dependency. The token caps count in TokenRateLimit only. max_close_seconds: the
     longest the provider's word (a 429's retry-after, a reset) may close or narrow the cap
-    (docs/upstreams.md)."""
+    (docs/upstreams.md).
+
+    reserved {class: percent}, ceilings {class: (ceiling percent, saturation percent)}: the
+    cap's reserved shares (docs/upstreams.md, "Reserved shares"); a request's class is its
+    tier. Kept as Scope keeps them (sorted tuples of exact Fractions)."""
 
     name: str
     per_minute: int | None = None
@@ -65,6 +77,8 @@ class Upstream:
     tokens_per_day: int | None = None
     models: tuple[str, ...] = ()
     max_close_seconds: float = DEFAULT_MAX_CLOSE_SECONDS
+    reserved: Any = ()
+    ceilings: Any = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -76,6 +90,10 @@ class Upstream:
         object.__setattr__(self, "max_close_seconds",
                            validate_max_close_seconds(self.max_close_seconds))
         BudgetScope(self.name, windows=[(1, 60)])  # the name's own checks (length, UTF-8)
+        reserved, ceilings = validate_shares(None if self.reserved == () else self.reserved,
+                                             None if self.ceilings == () else self.ceilings)
+        object.__setattr__(self, "reserved", reserved)
+        object.__setattr__(self, "ceilings", ceilings)
 
     def budget(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SCOPE_BUDGET_KEYS
@@ -83,7 +101,7 @@ class Upstream:
 
     def scope(self, tokens: bool = True) -> BudgetScope | None:
         """Its Scope (shared); the token caps only when `tokens`. None when none applies."""
-        return _scope_of(self.name, self.budget(), True, tokens)
+        return _scope_of(self.name, self.budget(), True, tokens, self.reserved, self.ceilings)
 
 
 UpstreamOf = Callable[[Request], "Upstream | None | Awaitable[Upstream | None]"]
@@ -147,8 +165,8 @@ class _Scopes:
                 models, upstreams = sections
                 self.model_budgets = models
                 self.upstreams = tuple(
-                    Upstream(name, **budget, models=served)
-                    for name, (budget, served) in upstreams.items())
+                    Upstream(name, **budget, models=served, **shares)
+                    for name, (budget, served, shares) in upstreams.items())
         names = [u.name for u in self.upstreams]
         if len(set(names)) != len(names):
             raise ValueError(f"two upstreams share a name: {sorted(names)}")

@@ -84,7 +84,9 @@ end
 -- the entry's tie (lib/compact_log.lua; 0 for sorted sets). `upstreams`: the views of the
 -- call's shared scopes (lib/upstream.lua's open_upstreams), or nil: a request the windows
 -- allow is refused when a view says so, and charged to the views when it is logged.
-local function decide_and_log(n, now, log, marker, upstreams)
+-- `shares`: the reserved shares of a shared scope (lib/shares.lua's open_shares), or nil:
+-- decided before the views, on the windows' own counts, and charged the same way.
+local function decide_and_log(n, now, log, marker, upstreams, shares)
   if marker == '1' then
     local at, tie = log.logged(n, ARGV[1])
     if at then
@@ -94,6 +96,7 @@ local function decide_and_log(n, now, log, marker, upstreams)
     end
   end
   local reply = decide(n, now, log.trim, log.freeing_stamp)
+  if shares and reply[1] == 1 then reply = shares.check(reply) end
   if upstreams and reply[1] == 1 then reply = upstreams.check(reply) end
   local tie, at = 0, nil
   if reply[1] == 1 then
@@ -103,6 +106,7 @@ local function decide_and_log(n, now, log, marker, upstreams)
       log.add(i, ARGV[1], cost, window_ms, tie)
     end
     if at then reply[5] = at end
+    if shares then shares.charge(reply[5]) end
     if upstreams then upstreams.charge() end
   end
   log.flush()

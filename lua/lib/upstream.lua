@@ -25,6 +25,20 @@ The numbers were read from the provider's headers and bounded by the caller
 close the cap for at most the bound, and never raise it (the windows still decide).
 --]]
 
+-- The resource ("requests", "tokens") of window key `key` when it is a window of the shared
+-- scope whose keys start with `base`, else nil (the grammar of csrc/script.c window_key: the
+-- window's digits, ":tokens" or not, ":shared", then the storage's suffix). lib/shares.lua
+-- uses it too.
+local function resource_in(key, base)
+  if key:sub(1, #base) ~= base then return nil end
+  local rest = key:sub(#base + 1)
+  if rest:match('^:%d+:shared$') or rest:match('^:%d+:shared:c$') then return 'requests' end
+  if rest:match('^:%d+:tokens:shared$') or rest:match('^:%d+:tokens:shared:c$') then
+    return 'tokens'
+  end
+  return nil
+end
+
 -- The views of a decision's shared scopes: KEYS[first .. first + count - 1] are their
 -- upstream keys (one EXISTS each: a cap nobody observed costs that and nothing else; an
 -- observed one an HMGET more).
@@ -47,18 +61,6 @@ local function open_upstreams(n, first, count, now)
     end
   end
   if not found then return nil end -- nobody observed: the EXISTS were the whole cost
-  -- The resource ("requests", "tokens") of window key `key` when it is a window of the shared
-  -- scope whose keys start with `base`, else nil (the grammar of csrc/script.c window_key: the
-  -- window's digits, ":tokens" or not, ":shared", then the storage's suffix).
-  local function resource_in(key, base)
-    if key:sub(1, #base) ~= base then return nil end
-    local rest = key:sub(#base + 1)
-    if rest:match('^:%d+:shared$') or rest:match('^:%d+:shared:c$') then return 'requests' end
-    if rest:match('^:%d+:tokens:shared$') or rest:match('^:%d+:tokens:shared:c$') then
-      return 'tokens'
-    end
-    return nil
-  end
   local live = {}
   for _, entry in ipairs(found) do
     local key, v = entry[1], entry[2]

@@ -1,7 +1,9 @@
 """What the command line reads of Redis besides the limiter's own scripts: the names of the
 limiter's keys (found with SCAN on every master, a bounded number of calls), what each name
 says (whose key, which window, which scope), the identity the FastAPI layer wrote into it,
-and the one raw read of a value, a user's in-flight leases (no script reads them back).
+and the raw reads of values no script reads back: a user's in-flight leases, a GCRA
+bucket's time, a calendar budget's hash and a shared cap's provider view (each the layout
+its Lua library documents; what they mean for a decision is the scripts' alone).
 
 Windows themselves are always read through the limiter's peek, of the storage the key's
 name says (":c": compact, else sorted sets), never here. The key grammar is csrc/script.c's
@@ -11,6 +13,9 @@ _native.read_key, and the hash tag as _native.key_owner): a key is read from its
     {prefix}:{owner}:{seconds}[:tokens][:scope={name} | :shared][:w | :c]
     {prefix}:{owner}:leases
     {prefix}:{owner}:{seconds}:gcra       (a GCRA bucket: check_rate, a tier's burst)
+    {prefix}:{owner}:{period_start_ms}:budget={name}   (a calendar budget: lib/budget.lua)
+    {prefix}:{name}:upstream              (a shared cap's provider view: lib/upstream.lua;
+                                           not read back by rl_key_read, named by upstream_key)
 
 On a Redis Cluster the owner is a hash tag, "{owner}" with '%', '{' and '}' percent-encoded.
 The owner is a user id (the FastAPI layer's identity: "ip:<host>", "user:<id>" or the id,
@@ -31,7 +36,8 @@ from . import _native
 __all__ = ["KeyName", "Identity", "Storage", "ScanReport", "NAMESPACE_PATTERN", "parse_key", "identity_of",
            "shown", "quoted",
            "glob_escape", "tagged", "user_key_pattern", "scan",
-           "node_url", "read_leases", "read_bucket", "SCAN_COUNT", "scan_calls_per_master"]
+           "node_url", "read_leases", "read_bucket", "read_budget", "upstream_key", "read_upstream",
+           "SCAN_COUNT", "scan_calls_per_master"]
 
 # SCAN's COUNT: the limiter's connections take replies of at most 64 elements, and a step
 # of COUNT 10 returns about 10 keys (a few more while Redis rehashes).
@@ -228,3 +234,64 @@ async def read_bucket(command: Command, key: str) -> int | None:
     if len(parts) == 1 and text.isdigit() and len(text) > 6:
         return int(text[:-6]) + (int(text[-6:]) % 1000 > 0)
     raise ValueError(f"{key!r} holds no GCRA time: {text[:40]!r}")
+
+
+# lib/budget.lua's fields of a budget's hash that are not holds (every other field is one
+# hold in flight: its id, a UUID4, and its amount).
+_BUDGET_FIELDS = frozenset({"spent", "held", "until", "fired", "fired_from", "fired_by"})
+
+
+def _text(value: Any) -> str:
+    return value.decode("utf-8", "surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+async def _hash(command: Command, key: str) -> dict[str, str]:
+    reply = await command("HGETALL", key)
+    return {_text(reply[i]): _text(reply[i + 1]) for i in range(0, len(reply) - 1, 2)}
+
+
+def _integer(key: str, fields: dict[str, str], name: str) -> int | None:
+    value = fields.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{key!r}: field {name!r} holds no integer: {value[:40]!r}") from None
+
+
+async def read_budget(command: Command, key: str) -> dict[str, int] | None:
+    """A calendar budget's hash (lib/budget.lua: spent, held, until, soft limits' fired*,
+    one field per hold in flight), read raw: {"spent", "held", "holds" (the holds in flight),
+    "until_ms" (when the key expires, in the scripts' clock: the period's end plus the
+    longest hold; 0 when absent)}; None when the key does not exist. The limit and the
+    period are arguments of each hold: the app's, never in Redis."""
+    fields = await _hash(command, key)
+    if not fields:
+        return None
+    return {"spent": _integer(key, fields, "spent") or 0, "held": _integer(key, fields, "held") or 0,
+            "holds": sum(1 for name in fields if name not in _BUDGET_FIELDS),
+            "until_ms": _integer(key, fields, "until") or 0}
+
+
+def upstream_key(prefix: str, name: str, hash_tag: bool) -> str:
+    """A shared scope's provider view, "{prefix}:{name}:upstream" (script.c
+    write_upstream_key: the name spelled as its windows' keys spell it)."""
+    return f"{prefix}:{tagged(name, hash_tag)}:upstream"
+
+
+# lib/upstream.lua's fields of a provider view, all integers (unix ms for the times).
+UPSTREAM_FIELDS = ("requests", "requests_reset", "requests_limit", "requests_sent",
+                   "requests_sent_at", "tokens", "tokens_reset", "tokens_limit",
+                   "closed_until", "bound")
+
+
+async def read_upstream(command: Command, key: str) -> dict[str, int | None] | None:
+    """A shared cap's provider view (lib/upstream.lua's hash, written by
+    observe_upstream.lua), read raw: each of UPSTREAM_FIELDS (None when absent); None when
+    the key does not exist (nobody observed the provider within its bound). As observed:
+    after a reset the provider has its limit again, which only the scripts apply."""
+    fields = await _hash(command, key)
+    if not fields:
+        return None
+    return {name: _integer(key, fields, name) for name in UPSTREAM_FIELDS}

@@ -6,12 +6,14 @@ quota, who is closest to their limits, and a quick manual decision.
     genai-ratelimit inspect USER [--tier T] [--upstream NAME]...
                                             every budget of a user: windows (requests and
                                             tokens), route / model scopes, in-flight leases,
-                                            namespaces; upstream caps (writes nothing)
+                                            namespaces, calendar budgets; upstream caps with
+                                            the provider's view (writes nothing)
     genai-ratelimit reset USER [--window S]...  forget the user's entries (all windows by default)
     genai-ratelimit top [--tier T | --tier USER=T]... [-n N] [--max-keys K]
                                             users closest to their limits, by the fullest of
-                                            their request and token windows (bounded SCAN of
-                                            every master)
+                                            their request and token windows; upstream caps
+                                            with the provider's view; calendar budgets, the
+                                            most used first (bounded SCAN of every master)
     genai-ratelimit check USER [--tier T] [--cost N] [--tokens N]
                                             one real decision (logged when allowed)
 
@@ -51,10 +53,13 @@ from ._keyspace import (
     parse_key,
     quoted,
     read_bucket,
+    read_budget,
     read_leases,
+    read_upstream,
     scan,
     shown,
     tagged,
+    upstream_key,
     user_key_pattern,
 )
 from ._native import RateLimiterError
@@ -187,6 +192,14 @@ def _time(ms: int | None) -> str:
         return "-"
     moment = datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
     return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
+
+
+def _local_time(ms: int | None) -> str:
+    """A unix ms in the machine's time zone, ISO 8601 with its offset."""
+    if ms is None:
+        return "-"
+    return datetime.fromtimestamp(ms / 1000, tz=timezone.utc).astimezone().isoformat(
+        timespec="seconds")
 
 
 def _print_table(rows: list[list[str]], out: TextIO, left: int = 2) -> None:
@@ -418,6 +431,7 @@ def inspect(args: argparse.Namespace, out: TextIO) -> int:
                      + [[_window_cell(w, upstream["windows"]), w["resource"], str(w["used"]),
                          _limit(w), _time(w["oldest_ms"]), _retry(w)]
                         for w in upstream["windows"]], out)
+        out.write(_provider_text(upstream["provider"], report["now_ms"]))
     for namespace in report["namespaces"]:
         windows = ", ".join(f"{w['window_seconds']} s {w['resource']} {w['used']}"
                             for w in namespace["windows"])
@@ -457,7 +471,8 @@ async def _inspect(args: argparse.Namespace, budgets: Budgets, tier: str,
             limits, upstream_scan = await _upstream_limits(args, masters, budgets, name, hash_tag)
             scans.append(upstream_scan)
             upstreams.append({"name": name, "windows": await _peek_windows(
-                masters, name, *_split(limits), (name, True))})
+                masters, name, *_split(limits), (name, True)),
+                "provider": await _provider_view(args, masters, name, hash_tag)})
         namespaces = await _namespaces_of(masters, args.user, keys)
     finally:
         await masters.aclose()
@@ -548,13 +563,12 @@ async def _calendar_budgets(args: argparse.Namespace, masters: Masters, hash_tag
     rows = []
     for name, key in sorted(found, key=lambda pair: (pair[1].scope or "", pair[1].seconds)):
         command = (await _node_of(masters, name, hash_tag))._command
-        reply = await command("HGETALL", name)
-        fields = {reply[i].decode() if isinstance(reply[i], bytes) else str(reply[i]):
-                  int(reply[i + 1]) for i in range(0, len(reply) - 1, 2)}
+        read = await read_budget(command, name)
+        if read is None:  # expired since the SCAN
+            continue
         ttl = int(await command("PTTL", name))
         rows.append({"name": key.scope, "key": name, "period_start_ms": key.seconds,
-                     "spent": fields.pop("spent", 0), "held": fields.pop("held", 0),
-                     "holds": len(fields) - ("until" in fields),
+                     "spent": read["spent"], "held": read["held"], "holds": read["holds"],
                      "expires_ms": now_ms + ttl if ttl >= 0 else None})
     return rows
 
@@ -700,6 +714,16 @@ def top(args: argparse.Namespace, out: TextIO) -> int:
                              str(w["used"]), _limit(w),
                              "-" if w["limit"] is None else f"{100 * w['used'] / w['limit']:.0f}%"])
         _print_table(rows, out)
+        for u in report["upstreams"]:
+            out.write(f"{quoted(u['name'])} {_provider_text(u['provider'], report['now_ms'])}")
+    if report["budgets"]:
+        out.write("calendar budgets, the most used first (limits and periods are the app's; "
+                  "times local):\n")
+        rows = [["owner", "budget", "period from", "spent", "held", "holds", "key until"]]
+        rows += [[shown(b["owner"]), shown(b["name"] or "-"), _local_time(b["period_start_ms"]),
+                  str(b["spent"]), str(b["held"]), str(b["holds"]),
+                  _local_time(b["until_ms"] or None)] for b in report["budgets"]]
+        _print_table(rows, out, left=3)
     out.write(_scan_line(report["scan"]))
     return EXIT_OK
 
@@ -713,13 +737,15 @@ async def _top(args: argparse.Namespace, budgets: Budgets, default: str,
         found = await masters.scan(glob_escape(args.key_prefix) + ":*", args.max_keys)
         owners: dict[str, Limits] = {}  # user -> the own windows its keys show
         shared: dict[str, Limits] = {}  # upstream -> its windows
-        for key in (parse_key(k, args.key_prefix, hash_tag) for k in found.keys):
+        spend: list[str] = []  # the budget keys found
+        for name, key in ((k, parse_key(k, args.key_prefix, hash_tag)) for k in found.keys):
             if key is None or not _usable(key.owner):
                 continue
             if key.kind == "shared":
                 shared.setdefault(key.owner, {})[(key.seconds, key.tokens)] = None
                 continue
-            if key.kind == "budget":  # an org's or a team's budget is no user
+            if key.kind == "budget":  # an org's or a team's budget is no user: listed apart
+                spend.append(name)
                 continue
             windows = owners.setdefault(key.owner, {})  # a user, whatever key shows it
             if key.kind == "window":
@@ -730,11 +756,64 @@ async def _top(args: argparse.Namespace, budgets: Budgets, default: str,
             (spaced if identity_of(owner).namespace is not None else plain).append(owner)
         users = await _rank_users(masters, plain, budgets, default, named)
         namespaces = await _rank_namespaces(masters, spaced, owners)
-        upstreams = await _upstream_rows(masters, shared, budgets)
+        upstreams = await _upstream_rows(args, masters, shared, budgets, hash_tag)
+        spending = await _spend_rows(args, masters, spend, hash_tag)
+        seconds, micros = await masters.limiter._command("TIME")
     finally:
         await masters.aclose()
     return {"users": users[:args.count], "namespaces": namespaces, "upstreams": upstreams,
+            "budgets": spending[:args.count], "now_ms": int(seconds) * 1000 + int(micros) // 1000,
             "scan": _scan_json(found), "keys_examined": len(found.keys)}
+
+
+async def _spend_rows(args: argparse.Namespace, masters: Masters, names: list[str],
+                      hash_tag: bool) -> list[dict[str, Any]]:
+    """The calendar budgets the SCAN found (every owner's: a user's, an org's, a team's),
+    each read raw (read_budget), the most used (spent + held) first."""
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        key = parse_key(name, args.key_prefix, hash_tag)
+        assert key is not None
+        read = await read_budget((await _node_of(masters, name, hash_tag))._command, name)
+        if read is None:  # expired since the SCAN
+            continue
+        rows.append({"owner": key.owner, "name": key.scope, "key": name,
+                     "period_start_ms": key.seconds, "spent": read["spent"],
+                     "held": read["held"], "holds": read["holds"], "until_ms": read["until_ms"]})
+    rows.sort(key=lambda r: (-int(r["spent"] + r["held"]), str(r["owner"]), str(r["name"] or ""),
+                             int(r["period_start_ms"])))
+    return rows
+
+
+async def _provider_view(args: argparse.Namespace, masters: Masters, name: str,
+                         hash_tag: bool) -> dict[str, Any] | None:
+    """A shared cap's provider view (read_upstream), with its key; None when nobody
+    observed the provider within its bound."""
+    key = upstream_key(args.key_prefix, name, hash_tag)
+    view = await read_upstream((await _node_of(masters, key, hash_tag))._command, key)
+    return None if view is None else {"key": key, **view}
+
+
+def _provider_text(view: dict[str, Any] | None, now_ms: int) -> str:
+    """A provider view as one line: what the provider said it has left until its reset
+    (a reset already past: it has its limit again), and whether it closed the cap."""
+    if view is None:
+        return "provider: not observed\n"
+    parts = []
+    for resource in ("requests", "tokens"):
+        left, reset, limit = view[resource], view[f"{resource}_reset"], view[f"{resource}_limit"]
+        if left is None:
+            continue
+        of = "" if limit is None else f" of {limit}"
+        when = ("reset passed" if reset is not None and reset <= now_ms
+                else f"reset {_time(reset)}")
+        parts.append(f"{resource} {left}{of} left ({when})")
+    if view["requests_sent"]:
+        parts.append(f"{view['requests_sent']} sent, not observed yet")
+    closed = view["closed_until"]
+    parts.append(f"CLOSED until {_time(closed)}" if closed is not None and closed > now_ms
+                 else "open")
+    return f"provider: {', '.join(parts)}\n"
 
 
 def _usable(owner: str) -> bool:
@@ -832,14 +911,16 @@ async def _rank_namespaces(masters: Masters, users: list[str],
             for name, rows in sorted(by_namespace.items())]
 
 
-async def _upstream_rows(masters: Masters, shared: dict[str, Limits],
-                         budgets: Budgets) -> list[dict[str, Any]]:
-    """Each upstream cap the keys show: its windows, with the tiers file's limits."""
+async def _upstream_rows(args: argparse.Namespace, masters: Masters, shared: dict[str, Limits],
+                         budgets: Budgets, hash_tag: bool) -> list[dict[str, Any]]:
+    """Each upstream cap the keys show: its windows, with the tiers file's limits, and the
+    provider's view."""
     rows = []
     for name in sorted(shared):
         limits = shared[name] | _scope_limits(budgets.upstreams.get(name, {}))
         rows.append({"name": name, "windows": await _peek_windows(masters, name, *_split(limits),
-                                                                  (name, True))})
+                                                                  (name, True)),
+                     "provider": await _provider_view(args, masters, name, hash_tag)})
     return rows
 
 
@@ -919,7 +1000,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--window", type=_positive, action="append", default=[], metavar="SECONDS",
                    help="only this window (request and token keys); repeatable")
     c = command("top", "the users closest to their limits, by the fullest of their request "
-                       "and token windows (bounded SCAN of every master)", user=False)
+                       "and token windows; upstream caps with the provider's view; calendar "
+                       "budgets by spent + held (bounded SCAN of every master)", user=False)
     c.add_argument("-n", "--count", type=_positive, default=10, help="users to show (default 10)")
     c.add_argument("--max-keys", type=_positive, default=10_000, help=max_keys_help)
     c = command("check", "one real decision for a user (logged when allowed); exit 1 if refused")

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +144,7 @@ def test_inspect_shows_a_tiers_gcra_bucket_and_any_other_the_user_has(
     assert "GCRA bucket 3600 s (rate and burst: the app's): full again at " in table
 
 
-def test_inspect_shows_the_users_calendar_budgets_and_top_no_org(
+def test_inspect_shows_the_users_calendar_budgets_and_top_ranks_no_org_as_a_user(
         redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
     from genai_ratelimit import Budget
 
@@ -163,7 +164,75 @@ def test_inspect_shows_the_users_calendar_budgets_and_top_no_org(
     assert abs(expires - (held.periods[0].period_end_ms + 86_400_000)) < 60_000
     table = run("--url", redis_url, "inspect", user_id).stdout
     assert "budget 'daily:usd' from " in table and "spent 250, held 100 (1 in flight)" in table
-    assert "org:acme" not in run("--url", redis_url, "top").stdout
+    top = run_json("--url", redis_url, "top")  # an org's budget is listed apart, no user
+    assert top["users"] == [] and [b["owner"] for b in top["budgets"]] == [user_id, "org:acme"]
+
+
+def test_top_lists_every_owners_calendar_budgets_by_spent_and_held(
+        redis_url: str, redis_client: redis.Redis, user_id: str) -> None:
+    from genai_ratelimit import Budget
+
+    org = Budget(f"org:{user_id}", "monthly", 10_000, thresholds=(5, 50))
+    daily = Budget(user_id, "daily:usd", 1_000, "day", "Europe/Paris")
+    with RateLimiter(redis_url) as limiter:
+        first = limiter.hold_budgets([org, daily], 600)  # crosses the org's soft limits
+        assert first.allowed and first.crossed
+        limiter.settle_budgets(first, 550)
+        held = limiter.hold_budgets(org, 200)
+        limiter.hold_budgets(org, 100)
+    org_key = f"ratelimit:org:{user_id}:{held.periods[0].period_start_ms}:budget=monthly"
+    assert redis_client.hexists(org_key, "fired_by")  # a soft limit's fields are no hold
+    report = run_json("--url", redis_url, "top")
+    rows = [(b["owner"], b["name"], b["spent"], b["held"], b["holds"]) for b in report["budgets"]]
+    assert rows == [(f"org:{user_id}", "monthly", 550, 300, 2), (user_id, "daily:usd", 550, 0, 0)]
+    [org_row, _] = report["budgets"]
+    assert org_row["key"] == org_key
+    assert org_row["period_start_ms"] == held.periods[0].period_start_ms
+    assert org_row["until_ms"] >= held.periods[0].period_end_ms
+    assert [b["owner"] for b in run_json("--url", redis_url, "top", "-n", "1")["budgets"]] == [
+        f"org:{user_id}"]
+    text = run("--url", redis_url, "top").stdout
+    assert "calendar budgets, the most used first (limits and periods are the app's" in text
+    line = next(row for row in text.splitlines() if row.startswith(f"org:{user_id} "))
+    assert line.split()[1:2] + line.split()[3:6] == ["monthly", "550", "300", "2"]
+    assert f"org:{user_id}" not in [u["user"] for u in report["users"]]  # no user
+
+
+def test_top_and_inspect_show_the_providers_view_of_an_upstream_cap(
+        redis_url: str, tmp_path: Path, user_id: str) -> None:
+    tiers = tmp_path / "tiers.toml"
+    tiers.write_text(TIERS_WITH_SCOPES)
+    gateway_traffic(redis_url, user_id)
+    report = run_json("--url", redis_url, "--tiers", str(tiers), "top")
+    assert report["upstreams"][0]["provider"] is None  # nobody observed the provider
+    assert "'openai/gpt-4o' provider: not observed" in run(
+        "--url", redis_url, "--tiers", str(tiers), "top").stdout
+    with RateLimiter(redis_url) as limiter:
+        seen = limiter.observe_upstream("openai/gpt-4o", 200, {
+            "x-ratelimit-limit-requests": "500", "x-ratelimit-remaining-requests": "42",
+            "x-ratelimit-reset-requests": "30s", "x-ratelimit-limit-tokens": "90000",
+            "x-ratelimit-remaining-tokens": "8000", "x-ratelimit-reset-tokens": "20s"})
+    assert seen.closed_until_ms == 0
+    report = run_json("--url", redis_url, "--tiers", str(tiers), "top")
+    view = report["upstreams"][0]["provider"]
+    assert view["key"] == "ratelimit:openai/gpt-4o:upstream"
+    assert (view["requests"], view["requests_limit"], view["tokens"], view["tokens_limit"],
+            view["closed_until"]) == (42, 500, 8000, 90000, None)
+    assert 25_000 < view["requests_reset"] - report["now_ms"] <= 30_000
+    assert 15_000 < view["tokens_reset"] - report["now_ms"] <= 20_000
+    text = run("--url", redis_url, "--tiers", str(tiers), "top").stdout
+    assert "'openai/gpt-4o' provider: requests 42 of 500 left (reset 20" in text
+    assert ", tokens 8000 of 90000 left (reset 20" in text and text.count(", open\n") == 1
+    with RateLimiter(redis_url) as limiter:
+        closed = limiter.observe_upstream("openai/gpt-4o", 429, {"retry-after": "40"})
+    inspected = run_json("--url", redis_url, "--tiers", str(tiers), "inspect", user_id,
+                         "--upstream", "openai/gpt-4o")
+    view = inspected["upstreams"][0]["provider"]
+    assert view["closed_until"] == closed.closed_until_ms > inspected["now_ms"]
+    text = run("--url", redis_url, "--tiers", str(tiers), "inspect", user_id, "--upstream",
+               "openai/gpt-4o").stdout
+    until = datetime.fromtimestamp(closed.closed_until_ms / 1000, tz=timezone.utc)
+    assert f"CLOSED until {until:%Y-%m-%dT%H:%M:%S}" in text
 
 
 def test_check_decides_a_tiers_burst_as_the_app_does(tmp_path: Path, redis_url: str,
@@ -529,6 +598,27 @@ def test_top_scans_every_master_of_a_cluster(redis_cluster: Any, user_id: str) -
     assert inspected["leases"]["held"] == 1 and inspected["windows"][0]["used"] == 2
     scoped = run_json("--url", redis_cluster.url, "inspect", users[0])
     assert [(w["scope"], w["used"]) for w in scoped["scopes"]] == [("route:/v1/x", 1)]
+
+
+def test_top_reads_budgets_and_provider_views_on_their_masters_of_a_cluster(
+        redis_cluster: Any, user_id: str) -> None:
+    from genai_ratelimit import Budget
+
+    caps = [Scope(f"upstream-{n}", windows=[(10, 60)], shared=True) for n in range(6)]
+    with RateLimiter(redis_cluster.url) as limiter:
+        for n, cap in enumerate(caps):  # six names: several slots, several masters
+            assert limiter.reserve(user_id, [(100, 60)], scopes=[cap]).allowed
+            limiter.observe_upstream(cap.name, 200, {"x-ratelimit-limit-requests": "50",
+                                                     "x-ratelimit-remaining-requests": str(n),
+                                                     "x-ratelimit-reset-requests": "30s"})
+            limiter.hold_budgets(Budget(f"org-{n}", "monthly", 1_000), 10 * (n + 1))
+    report = run_json("--url", redis_cluster.url, "top")
+    assert {u["name"]: u["provider"]["requests"] for u in report["upstreams"]} == {
+        cap.name: n for n, cap in enumerate(caps)}
+    assert all(u["provider"]["key"] == f"ratelimit:{{{u['name']}}}:upstream"
+               for u in report["upstreams"])
+    assert [(b["owner"], b["held"]) for b in report["budgets"]] == [
+        (f"org-{n}", 10 * (n + 1)) for n in reversed(range(6))]
 
 
 def test_ids_with_control_characters_are_escaped_on_the_terminal(

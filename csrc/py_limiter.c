@@ -471,6 +471,15 @@ PyDoc_STRVAR(Limiter_observe_upstream_doc,
 
 LIMITER_METHOD(observe_upstream, RL_SHAPE_OBSERVE)
 
+PyDoc_STRVAR(Limiter_wait_queue_doc,
+"_wait_queue($self, /, name, ticket, tenant, numbers)\n--\n\n"
+"-> take: the ticket's rank (0: first), -1 the queue is full, -2 the tenant's share is;\n"
+"leave: 1 when the ticket was removed, else 0\n\n"
+"A ticket of the wait queue of the shared scope `name` (lua/wait_queue.lua): numbers is\n"
+"(wait_ms, max_queue, max_tenant), wait_ms 0 to leave; tenant a hex digest.");
+
+LIMITER_METHOD(wait_queue, RL_SHAPE_QUEUE)
+
 PyDoc_STRVAR(Limiter_reset_doc,
 "_reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
 "-> (entries_removed, next_cursor)\n\n"
@@ -608,6 +617,8 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_settle_budgets_doc},
     {"_observe_upstream", (PyCFunction)(void (*)(void))Limiter_observe_upstream,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_observe_upstream_doc},
+    {"_wait_queue", (PyCFunction)(void (*)(void))Limiter_wait_queue,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_wait_queue_doc},
     {"_reset", (PyCFunction)(void (*)(void))Limiter_reset,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reset_doc},
     {"metrics", (PyCFunction)Limiter_get_metrics, METH_NOARGS, Limiter_metrics_doc},

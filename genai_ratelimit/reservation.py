@@ -143,6 +143,11 @@ class Reservation:
     # every window's remaining None, the lease's wait); None when a window refused it (no
     # slot is held) or without in_flight.
     lease: Lease | None = field(default=None, compare=False)
+    # reserve(..., max_wait=...): how its wait in the shared scopes' queue ended
+    # ("queued_then_allowed", "queue_timeout", "queue_full"; "" when it did not wait) and how
+    # long it waited (ms). docs/wait-queue.md.
+    queue_outcome: str = ""
+    waited_ms: int = 0
 
     def remaining_of(self, resource: Resource, scope: Scope | None | Literal["any"] = "any"
                      ) -> int | None:

@@ -84,7 +84,9 @@ end
 -- the entry's tie (lib/compact_log.lua; 0 for sorted sets). `upstreams`: the views of the
 -- call's shared scopes (lib/upstream.lua's open_upstreams), or nil: a request the windows
 -- allow is refused when a view says so, and charged to the views when it is logged.
-local function decide_and_log(n, now, log, marker, upstreams)
+-- `queues`: the wait queues of the call's shared scopes (lib/queue.lua's open_queues), or
+-- nil: a request allowed so far is refused while tickets it may not pass wait.
+local function decide_and_log(n, now, log, marker, upstreams, queues)
   if marker == '1' then
     local at, tie = log.logged(n, ARGV[1])
     if at then
@@ -95,6 +97,7 @@ local function decide_and_log(n, now, log, marker, upstreams)
   end
   local reply = decide(n, now, log.trim, log.freeing_stamp)
   if upstreams and reply[1] == 1 then reply = upstreams.check(reply) end
+  if queues and reply[1] == 1 then reply = queues.check(reply, log, n) end
   local tie, at = 0, nil
   if reply[1] == 1 then
     tie, at = log.tie()

@@ -1,0 +1,250 @@
+"""The wait queue of shared caps (docs/wait-queue.md): reserve(..., max_wait=...) waits for
+a shared scope's windows in a queue kept in Redis (lua/lib/queue.lua, lua/wait_queue.lua),
+on every limiter kind and both storages. Waiters run concurrently (threads with a limiter
+each for the blocking kind, tasks on one AsyncRateLimiter for the async kinds); the tests
+wait for conditions read from Redis (a ticket taken, a queue empty), never for a guessed
+time, and check order and times from the reservations (their entries' times are the
+server's)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from genai_ratelimit import Scope
+from genai_ratelimit.wait_queue import MAX_WAIT_SECONDS, queue_milliseconds, tenant_key
+from helpers_async import LimiterFactory
+
+UPSTREAM = "llm/provider"
+QUEUE = f"ratelimit:{UPSTREAM}:queue"
+QUEUE_HASH = f"ratelimit:{UPSTREAM}:queue:h"
+OWN = [(1000, 60)]  # the user's own window: never the one that refuses here
+
+
+def cap(limit: int, seconds: int = 1) -> Scope:
+    return Scope(UPSTREAM, windows=[(limit, seconds)], shared=True)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Returns once condition() holds (read from Redis), fails after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < end, "the condition never held"
+        time.sleep(0.002)
+
+
+class Waiters:
+    """Concurrent reserve calls of the limiter kind under test, each a Future."""
+
+    def __init__(self, factory: LimiterFactory, url: str) -> None:
+        self.factory, self.url = factory, url
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=128)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        if factory.loop_factory is not None:
+            self.loop = factory.loop_factory()
+            self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+            self.thread.start()
+            self.limiter = factory.native(url)
+        self.local = threading.local()
+
+    def _blocking(self) -> Any:
+        if not hasattr(self.local, "limiter"):
+            self.local.limiter = self.factory(self.url)
+        return self.local.limiter
+
+    def start(self, user: str, scope: Scope, **keywords: Any) -> concurrent.futures.Future[Any]:
+        if self.loop is None:
+            return self.pool.submit(lambda: self._blocking().reserve(user, OWN, scopes=[scope],
+                                                                     **keywords))
+        return asyncio.run_coroutine_threadsafe(
+            self.limiter.reserve(user, OWN, scopes=[scope], **keywords), self.loop)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        if self.loop is not None:
+            asyncio.run_coroutine_threadsafe(self.limiter.aclose(), self.loop).result(10)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(10)
+            self.loop.close()
+
+
+@pytest.fixture
+def waiters(make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis):
+    crowd = Waiters(make_limiter, redis_url)
+    try:
+        yield crowd
+    finally:
+        crowd.close()
+
+
+def fill(limiter: Any, scope: Scope, count: int) -> list[int]:
+    """`count` admissions through the cap; their entries' times (unix ms)."""
+    times = []
+    for _ in range(count):
+        reservation = limiter.reserve("filler", OWN, scopes=[scope])
+        assert reservation.allowed
+        times.append(reservation.timestamp_ms)
+    return times
+
+
+def queued(client: redis.Redis) -> int:
+    return int(client.zcard(QUEUE))
+
+
+def take_ticket(redis_url: str, tenant: str, wait_ms: int, bounds: tuple[int, int] = (1000, 100),
+                ) -> str:
+    """A ticket taken and never waited for: a waiter killed before it could leave."""
+    from genai_ratelimit import RateLimiter
+
+    ticket = str(uuid.uuid4())
+    with RateLimiter(redis_url) as raw:
+        assert raw._wait_queue(UPSTREAM, ticket, tenant_key(tenant), (wait_ms, *bounds)) >= 0
+    return ticket
+
+
+def test_a_refused_request_is_admitted_right_after_the_oldest_entry_leaves(
+        limiter: Any, redis_client: redis.Redis) -> None:
+    scope = cap(2)
+    first, _ = fill(limiter, scope, 2)
+    reservation = limiter.reserve("u", OWN, scopes=[scope], max_wait=5)
+    assert reservation.allowed and reservation.queue_outcome == "queued_then_allowed"
+    # not before the oldest entry left its 1 s window, and at once after it (a wake, not a poll)
+    assert first + 1000 <= reservation.timestamp_ms <= first + 1000 + 250
+    assert 0 < reservation.waited_ms <= 1000 + 250
+    assert queued(redis_client) == 0 and not redis_client.exists(QUEUE_HASH)
+    # a request that is admitted at once did not wait
+    assert limiter.reserve("u", OWN, scopes=[cap(10)], max_wait=5).queue_outcome == ""
+
+
+def test_past_the_deadline_the_refusal_it_would_have_got_and_no_ticket_left(
+        limiter: Any, redis_client: redis.Redis) -> None:
+    scope = cap(1, 2)
+    fill(limiter, scope, 1)
+    plain = limiter.reserve("u", OWN, scopes=[scope])
+    started = time.monotonic()
+    reservation = limiter.reserve("u", OWN, scopes=[scope], max_wait=0.5)
+    assert not reservation.allowed and reservation.queue_outcome == "queue_timeout"
+    # the honest wait: what the cap says (about 2 s), not the deadline's
+    assert plain.retry_after_ms - 100 <= reservation.retry_after_ms <= plain.retry_after_ms
+    assert reservation.retry_after_s == math.ceil(reservation.retry_after_ms / 1000)
+    # it knew it could not be admitted before its deadline: it did not sit out the wait
+    assert time.monotonic() - started < 0.5
+    assert queued(redis_client) == 0 and not redis_client.exists(QUEUE_HASH)
+    assert not reservation.member  # nothing was charged anywhere
+    assert redis_client.zcard(f"ratelimit:{UPSTREAM}:2:shared") in (0, 1)
+
+
+def test_one_tenant_with_many_waiting_does_not_starve_another(
+        limiter: Any, waiters: Waiters, redis_client: redis.Redis) -> None:
+    scope = cap(2)
+    fill(limiter, scope, 2)
+    many = [waiters.start("a", scope, max_wait=30) for _ in range(6)]
+    wait_for(lambda: queued(redis_client) == 6)
+    one = waiters.start("b", scope, max_wait=30)
+    wait_for(lambda: queued(redis_client) == 7)
+    # B's one ticket is served in the first round, right after A's first
+    members = [m.decode() for m in redis_client.zrange(QUEUE, 0, -1)]
+    assert members[1].endswith("|" + tenant_key("b"))
+    results = [f.result(30) for f in many]
+    b = one.result(30)
+    assert all(r.allowed and r.queue_outcome == "queued_then_allowed" for r in [*results, b])
+    admitted = sorted(r.timestamp_ms for r in [*results, b])
+    assert b.timestamp_ms <= admitted[1]  # within the first turn of 2
+    # first in first out within a tenant: A's tickets were served in the order they were taken
+    assert queued(redis_client) == 0
+
+
+def test_first_in_first_out_within_a_tenant(
+        limiter: Any, waiters: Waiters, redis_client: redis.Redis) -> None:
+    scope = cap(1)
+    fill(limiter, scope, 1)
+    order = []
+    for k in range(3):
+        order.append(waiters.start("a", scope, max_wait=30))
+        wait_for(lambda k=k: queued(redis_client) == k + 1)
+    times = [f.result(30).timestamp_ms for f in order]
+    assert times == sorted(times) and len(set(times)) == 3
+    assert times[1] - times[0] >= 1000 - 5 and times[2] - times[1] >= 1000 - 5
+
+
+def test_no_barging_and_a_killed_waiters_ticket_expires(
+        limiter: Any, redis_url: str, redis_client: redis.Redis) -> None:
+    scope = cap(1)
+    ticket_deadline_ms = int(time.time() * 1000) + 1500
+    take_ticket(redis_url, "ghost", 1500)  # its waiter was killed: nobody will use it
+    # capacity is free, but a live ticket waits: a request without one may not pass it
+    barger = limiter.reserve("u", OWN, scopes=[scope])
+    assert not barger.allowed and barger.retry_after_ms > 0
+    assert redis_client.zcard(f"ratelimit:{UPSTREAM}:1:shared") == 0  # nothing charged
+    # with max_wait it queues behind it, and is admitted once the ghost's deadline passed
+    waited = limiter.reserve("u", OWN, scopes=[scope], max_wait=10)
+    assert waited.allowed and waited.queue_outcome == "queued_then_allowed"
+    assert waited.timestamp_ms >= ticket_deadline_ms - 50
+    assert queued(redis_client) == 0 and not redis_client.exists(QUEUE_HASH)
+
+
+def test_two_live_tickets_in_a_cap_of_three_let_a_third_request_pass(
+        limiter: Any, redis_url: str, redis_client: redis.Redis) -> None:
+    # The rule is "the windows hold every ticket ahead and this request": a request passes no
+    # ticket's place, and capacity nobody waits for is not kept idle.
+    scope = cap(3)
+    take_ticket(redis_url, "x", 5000)
+    take_ticket(redis_url, "y", 5000)
+    assert limiter.reserve("u", OWN, scopes=[scope]).allowed
+    assert not limiter.reserve("u", OWN, scopes=[scope]).allowed
+    assert queued(redis_client) == 2
+
+
+def test_queue_bounds_refuse_at_once(limiter: Any, redis_url: str,
+                                     redis_client: redis.Redis) -> None:
+    scope = cap(1, 5)
+    fill(limiter, scope, 1)
+    take_ticket(redis_url, "a", 10_000)
+    take_ticket(redis_url, "b", 10_000)
+    started = time.monotonic()
+    full = limiter.reserve("c", OWN, scopes=[scope], max_wait=10, max_queue=2)
+    assert not full.allowed and full.queue_outcome == "queue_full" and full.retry_after_ms > 0
+    tenant_full = limiter.reserve("u", OWN, scopes=[scope], max_wait=10, tenant="a",
+                                  max_queue_per_tenant=1)
+    assert tenant_full.queue_outcome == "queue_full"
+    assert time.monotonic() - started < 1.0
+    assert queued(redis_client) == 2  # neither took a ticket
+
+
+@pytest.mark.limiter_kinds("asyncio", "uvloop", reason="cancellation of an awaiting task")
+def test_a_cancelled_waiter_leaves_no_ticket(
+        limiter: Any, waiters: Waiters, redis_client: redis.Redis) -> None:
+    scope = cap(1, 5)
+    fill(limiter, scope, 1)
+    waiting = waiters.start("u", scope, max_wait=30)
+    wait_for(lambda: queued(redis_client) == 1)
+    waiting.cancel()
+    wait_for(lambda: queued(redis_client) == 0 and not redis_client.exists(QUEUE_HASH))
+
+
+@pytest.mark.parametrize("max_wait", [0, -1, 0.0, float("nan"), float("inf"), 86400,
+                                      MAX_WAIT_SECONDS + 0.001, True, "1", None])
+def test_bad_max_wait_is_refused_before_any_io(unreachable_limiter: Any, max_wait: Any) -> None:
+    if max_wait is None:  # no max_wait: not queued, the call goes to Redis
+        return
+    with pytest.raises((TypeError, ValueError), match="max_wait"):
+        unreachable_limiter.reserve("u", OWN, scopes=[cap(1)], max_wait=max_wait)
+
+
+def test_max_wait_needs_a_shared_scope_and_bounds_are_checked(unreachable_limiter: Any) -> None:
+    with pytest.raises(ValueError, match="shared scope"):
+        unreachable_limiter.reserve("u", OWN, max_wait=1)
+    with pytest.raises(ValueError, match="max_queue"):
+        unreachable_limiter.reserve("u", OWN, scopes=[cap(1)], max_wait=1, max_queue=0)
+    with pytest.raises(TypeError, match="tenant"):
+        unreachable_limiter.reserve("u", OWN, scopes=[cap(1)], max_wait=1, tenant=3)
+    assert queue_milliseconds(0.0001) == 1 and queue_milliseconds(300) == 300_000

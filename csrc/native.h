@@ -156,9 +156,9 @@ typedef enum {
     RL_SHAPE_BUDGET_HOLD,
     /* _settle_budgets(): the number of budgets whose hold was found */
     RL_SHAPE_BUDGET_SETTLE,
-    RL_SHAPE_OBSERVE,   /* _observe_upstream(): the upstream's closed-until (unix ms, 0:
+    RL_SHAPE_OBSERVE, /* _observe_upstream(): the upstream's closed-until (unix ms, 0:
                            open), lua/observe_upstream.lua */
-    RL_SHAPE_QUEUE,     /* _wait_queue(): a ticket's rank, -1/-2 queue full, or 1/0 left,
+    RL_SHAPE_QUEUE,   /* _wait_queue(): a ticket's rank, -1/-2 queue full, or 1/0 left,
                            lua/wait_queue.lua */
 } rl_shape;
 

@@ -399,7 +399,7 @@ LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 
 PyDoc_STRVAR(Limiter_reserve_doc,
 "_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
-"    scopes=(), in_flight=None)\n--\n\n"
+"    scopes=(), in_flight=None, ticket=None)\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, member,\n"
 "    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None, scope), ...),\n"
 "    retry_after_ms, scope, tie, slot)\n\n"
@@ -408,6 +408,8 @@ PyDoc_STRVAR(Limiter_reserve_doc,
 "window's scope is 0 for the user's own, k for scopes[k - 1]), all or nothing. tie names\n"
 "the entry in the compact storage. in_flight=(limit, lease_seconds) takes an in-flight\n"
 "slot in the same script: slot is _acquire's tuple, or None (a window refused; no slot).\n"
+"ticket: a wait queue's ticket (a UUID4, _wait_queue's), the entry's member: the shared\n"
+"scopes' queues admit it at its turn (lua/lib/queue.lua).\n"
 "RateLimiter.reserve wraps it in a Reservation.");
 
 LIMITER_METHOD(reserve, RL_SHAPE_RESERVE)

@@ -863,10 +863,9 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc++] = 7;
     argv[argc] = rl_script_sha1(d->script);
     argvlen[argc++] = strlen(argv[1]);
-    argvlen[argc] =
-        (size_t)snprintf(numkeys, sizeof(numkeys), "%d",
-                         per_window * (w->count - first) + upstreams + 2 * queues + slot_keys +
-                             first);
+    argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d",
+                                     per_window * (w->count - first) + upstreams + 2 * queues +
+                                         slot_keys + first);
     argv[argc++] = numkeys;
     for (int i = first; i < w->count; i++) {
         char *key = cursor;
@@ -896,9 +895,9 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         if (!d->scopes[k].shared)
             continue;
         char *key = cursor;
-        cursor = write_queue_keys(cursor, prefix, prefix_len, d->scopes[k].name,
-                                  d->scopes[k].name_len, d->hash_tag, &argvlen[argc],
-                                  &argvlen[argc + 1]);
+        cursor =
+            write_queue_keys(cursor, prefix, prefix_len, d->scopes[k].name, d->scopes[k].name_len,
+                             d->hash_tag, &argvlen[argc], &argvlen[argc + 1]);
         argv[argc] = key;
         argv[argc + 1] = key + argvlen[argc];
         argc += 2;

@@ -127,6 +127,9 @@ GCRA_SOURCE: str
 # _observe_upstream: lua/observe_upstream.lua (closed-until, unix ms, 0 when open)
 OBSERVE_SHA1: str
 OBSERVE_SOURCE: str
+# _wait_queue: lua/wait_queue.lua (take: the ticket's rank, -1/-2 full; leave: 1 or 0)
+QUEUE_SHA1: str
+QUEUE_SOURCE: str
 GCRA_WINDOWS_SHA1: str
 GCRA_WINDOWS_SOURCE: str
 COMPACT_GCRA_WINDOWS_SHA1: str
@@ -188,6 +191,7 @@ class Limiter:
         tokens: int | None = None,
         scopes: tuple[_NativeScope, ...] = (),
         in_flight: tuple[int, int] | None = None,
+        ticket: str | None = None,
     ) -> _ReserveTuple: ...
     def _reconcile(
         self,
@@ -223,6 +227,9 @@ class Limiter:
     ) -> int: ...
     def _observe_upstream(
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
+    ) -> int: ...
+    def _wait_queue(
+        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int]
     ) -> int: ...
     def _reset(
         self,
@@ -295,6 +302,7 @@ class Codec:
         tokens: int | None = None,
         scopes: tuple[_NativeScope, ...] = (),
         in_flight: tuple[int, int] | None = None,
+        ticket: str | None = None,
     ) -> Request | _ReserveTuple: ...
     def reconcile(
         self,
@@ -331,6 +339,9 @@ class Codec:
     def observe_upstream(
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> Request | int: ...
+    def wait_queue(
+        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int]
+    ) -> Request: ...
     def reset(
         self,
         user_id: str,

@@ -45,7 +45,6 @@ from .limiter import PING_IDENTITY, Clock, Storage, limiter_options
 from .metrics import LimiterMetrics, count_reconcile, count_reservation
 from .periods import DEFAULT_HOLD_SECONDS, Budget, BudgetHold, hold_plan, settle_plan
 from .provider_limits import DEFAULT_MAX_CLOSE_SECONDS, ProviderLimits, observe_plan
-from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
 from .reservation import (
     Plan,
     Reservation,
@@ -56,6 +55,7 @@ from .reservation import (
     reserve_arguments,
     reserve_plan,
 )
+from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
 
 __all__ = ["AsyncRateLimiter"]
 

@@ -16,7 +16,6 @@ from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, lease_maker, m
 from .metrics import count_reconcile, count_reservation
 from .periods import DEFAULT_HOLD_SECONDS, Budget, BudgetHold, hold_plan, settle_plan
 from .provider_limits import DEFAULT_MAX_CLOSE_SECONDS, ProviderLimits, observe_plan
-from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
 from .reservation import (
     Plan,
     Reservation,
@@ -27,6 +26,7 @@ from .reservation import (
     reserve_arguments,
     reserve_plan,
 )
+from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
 
 __all__ = ["RateLimiter", "limiter_options"]
 

@@ -15,7 +15,7 @@ import math
 import uuid
 from typing import Any
 
-from .reservation import Plan, _scope_list, _with, make_reservation, reserve_arguments
+from .reservation import Plan, _scope_list, reserve_plan, _with, make_reservation, reserve_arguments
 
 __all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_MAX_QUEUE_PER_TENANT", "MAX_WAIT_SECONDS",
            "queue_milliseconds"]
@@ -60,7 +60,8 @@ def queued_reserve_plan(user_id: str, windows: Any, cost: int, token_windows: An
                         tokens: int | None, scopes: object, max_wait: object,
                         tenant: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
                         max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT,
-                        two_step: bool = False, in_flight: object = None) -> Plan:
+                        two_step: bool = False, in_flight: tuple[int, int] | None = None,
+                        lease: Any = None) -> Plan:
     """reserve with max_wait: decided as reserve_plan's one script; when its shared scopes'
     windows or their queues refuse it, a ticket is taken in the queue of each shared scope
     and the request sleeps until the time the refusal names (when enough entries leave the
@@ -76,20 +77,19 @@ def queued_reserve_plan(user_id: str, windows: Any, cost: int, token_windows: An
     if not shared:
         raise ValueError("max_wait needs a shared scope (Scope(shared=True)): the queue is "
                          "the shared cap's")
-    if two_step:
-        raise ValueError("max_wait is not supported on a Redis Cluster yet (the shared "
-                         "scopes are decided in steps of their own there)")
-    if in_flight is not None:
-        raise ValueError("max_wait with in_flight is not supported yet (the queue waits "
-                         "for windows, not for in-flight slots)")
+    if two_step or in_flight is not None:
+        # Not yet: on a Redis Cluster the shared scopes are decided in steps of their own,
+        # and an in-flight slot frees on a release the queue does not hear. Decided at once.
+        return (yield from reserve_plan(user_id, windows, cost, token_windows, tokens, chosen,
+                                        two_step, in_flight, lease))
     tenant_text = tenant_key(user_id if tenant is None else tenant)
     bounds = (_bound(max_queue, "max_queue"), _bound(max_queue_per_tenant, "max_queue_per_tenant"))
     arguments = reserve_arguments(cost, token_windows, tokens, chosen)
     start: float = yield ("clock", (), {})
     raw = yield ("reserve", (user_id, windows), arguments)
     reservation = make_reservation(raw, user_id, cost, tokens, chosen)
-    if reservation.allowed:
-        return reservation
+    if reservation.allowed or reservation.scope is None or not reservation.scope.shared:
+        return reservation  # admitted, or refused by the user's own budget: no queue helps
     deadline = start + wait_ms / 1000
     ticket = str(uuid.uuid4())
     taken: list[str] = []
@@ -111,6 +111,10 @@ def queued_reserve_plan(user_id: str, windows: Any, cost: int, token_windows: An
             yield ("sleep", (pause,), {})
             raw = yield ("reserve", (user_id, windows), arguments)
             reservation = make_reservation(raw, user_id, cost, tokens, chosen)
+            if not reservation.allowed and (reservation.scope is None
+                                            or not reservation.scope.shared):
+                yield from _leave(taken, ticket, tenant_text, bounds)  # the user's own budget
+                return reservation
             if reservation.allowed:  # the script removed the ticket
                 now = yield ("clock", (), {})
                 return _with(reservation, queue_outcome="queued_then_allowed",

@@ -20,7 +20,7 @@ leave: 1 when the ticket was removed, 0 when it was not there (admitted, expired
 local now = script_now(ARGV[1], true)
 local zkey, hkey, ticket, tenant = KEYS[1], KEYS[2], ARGV[2], ARGV[3]
 local wait_ms = tonumber(ARGV[4])
-local left = redis.call('EXISTS', zkey) == 1 and queue_purge(zkey, hkey, now) or 0
+local left = redis.call('EXISTS', zkey) == 1 and queue_purge(zkey, hkey, now) or 0 -- (its count)
 local member = left > 0 and redis.call('HGET', hkey, 't|' .. ticket) or false
 if wait_ms == 0 then
   if not member then return 0 end

@@ -248,3 +248,48 @@ def test_max_wait_needs_a_shared_scope_and_bounds_are_checked(unreachable_limite
     with pytest.raises(TypeError, match="tenant"):
         unreachable_limiter.reserve("u", OWN, scopes=[cap(1)], max_wait=1, tenant=3)
     assert queue_milliseconds(0.0001) == 1 and queue_milliseconds(300) == 300_000
+
+
+# --------------------------------------------------------------------------- FastAPI
+
+
+@pytest.mark.no_hiredis1(reason="FastAPI over TestClient drives the codec and pipeline the async "
+                                "tests drive on hiredis 1.x")
+@pytest.mark.parametrize("dependency_name", ["RateLimit", "TokenRateLimit"])
+def test_an_upstreams_max_wait_in_fastapi(make_limiter: LimiterFactory, redis_url: str,
+                                          redis_client: redis.Redis,
+                                          dependency_name: str) -> None:
+    """Upstream(max_wait=...): a request the cap holds back waits (a ticket ahead of it whose
+    waiter is gone, until its deadline) and runs, counted queued_then_allowed; one the cap
+    cannot admit before its deadline gets the upstream's 429 at once with the cap's
+    Retry-After, counted queue_timeout."""
+    from fastapi import Depends, FastAPI
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit import fastapi as gr_fastapi
+    from genai_ratelimit.metrics import request_outcomes
+
+    with pytest.raises(ValueError, match="max_wait"):
+        gr_fastapi.Upstream(UPSTREAM, per_minute=1, max_wait=0)
+    limiter = make_limiter.native(redis_url)
+    budget = getattr(gr_fastapi, dependency_name)(
+        limiter, identify=lambda request: ("tenant", "pro"),
+        upstream=gr_fastapi.Upstream(UPSTREAM, per_minute=1, max_wait=5))
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(budget)])
+    async def chat() -> dict[str, bool]:
+        return {"ok": True}
+
+    ghost_deadline_ms = int(time.time() * 1000) + 300
+    take_ticket(redis_url, "ghost", 300)
+    with TestClient(app) as client:
+        first = client.post("/v1/chat/completions", json={"model": "gpt-4o", "max_tokens": 10})
+        assert int(time.time() * 1000) >= ghost_deadline_ms - 50  # it waited for the ghost
+        second = client.post("/v1/chat/completions", json={"model": "gpt-4o", "max_tokens": 10})
+    assert first.status_code == 200
+    assert second.status_code == 429 and second.headers["x-ratelimit-scope"] == "upstream"
+    assert 55 <= int(second.headers["retry-after"]) <= 60  # the cap's minute, not max_wait
+    outcomes = {row[0]: row[-1] for row in request_outcomes(limiter).snapshot()[0]}
+    assert outcomes == {"queued_then_allowed": 1, "queue_timeout": 1}
+    assert queued(redis_client) == 0

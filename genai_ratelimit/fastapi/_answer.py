@@ -215,7 +215,7 @@ def _allowed(dependency: RateLimit, request: Request, response: Response, facts:
              verdict: Allowed) -> None:
     if verdict.reservation is not None:
         dependency._keep(request, facts.tier, verdict.reservation)
-    dependency._count(request, "allowed")
+    dependency._count(request, verdict.outcome)
     requests = None
     for state in verdict.states:
         if state.resource == "requests":

@@ -116,6 +116,10 @@ class Facts:
     # The tier's minute budget as GCRA, (per_minute, 60, burst) (the tier's `burst`): decided
     # with the other windows in one check_windows_detailed(gcra=...) call; None: a log.
     gcra: tuple[int, int, int] | None = None
+    # How long a request its upstreams' caps refuse may wait in their queue (Upstream's
+    # max_wait; None: refused at once). The wait is the reserve call's own plan
+    # (genai_ratelimit/wait_queue.py); the tenant of its fairness is the identity.
+    max_wait: float | None = None
 
 
 class Call(NamedTuple):
@@ -139,6 +143,8 @@ class Allowed:
     now_ms: int
     record: bool = True
     reservation: Reservation | None = None
+    # "queued_then_allowed" when it waited in an upstream's queue first
+    outcome: str = "allowed"
 
 
 @dataclass(slots=True)
@@ -233,6 +239,8 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         arguments.update(cost=1, token_windows=facts.token_windows, tokens=facts.tokens)
     if in_flight is not None:
         arguments["in_flight"] = in_flight
+    elif facts.max_wait is not None and not policy.shadow:
+        arguments["max_wait"] = facts.max_wait
     try:
         reservation: Reservation = yield Call("reserve", (facts.identity, windows), arguments)
     except RateLimiterError as exc:
@@ -245,7 +253,7 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         out.verdicts.append(_scope_refusal(facts, reservation))
         return out
     if facts.tokens is not None:
-        out.verdicts.append(_token_verdict(facts, policy, reservation, out))
+        out.verdicts.append(_queued(_token_verdict(facts, policy, reservation, out), reservation))
         return out
     stamp = reservation.timestamp_ms or policy.clock()
     if facts.counted is not None:
@@ -261,8 +269,15 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         assert state is not None and state.remaining is not None
         decision = out.remember = (True, state.remaining, 0, state.window_seconds)
         exact = (0, stamp)
-    out.verdicts.append(_window_verdict(facts, policy, decision, *exact))
+    out.verdicts.append(_queued(_window_verdict(facts, policy, decision, *exact), reservation))
     return out
+
+
+def _queued(verdict: Verdict, reservation: Reservation) -> Verdict:
+    """An admission after a wait in an upstream's queue counts as queued_then_allowed."""
+    if isinstance(verdict, Allowed) and reservation.queue_outcome == "queued_then_allowed":
+        verdict.outcome = "queued_then_allowed"
+    return verdict
 
 
 def run(steps: Plan, limiter: Any) -> Outcome:
@@ -411,8 +426,8 @@ def _scope_refusal(facts: Facts, reservation: Reservation) -> Refused:
     return Refused((("X-RateLimit-Limit", str(limit)), ("X-RateLimit-Remaining", "0"),
                     ("X-RateLimit-Window", window_name(window_seconds)),
                     ("X-RateLimit-Scope", kind), ("X-RateLimit-Resource", resource)),
-                   (reservation.retry_after_s, retry_ms), message, "rejected", resource,
-                   window_seconds, kind)
+                   (reservation.retry_after_s, retry_ms), message,
+                   reservation.queue_outcome or "rejected", resource, window_seconds, kind)
 
 
 def _token_verdict(facts: Facts, policy: Policy, reservation: Reservation, out: Outcome) -> Verdict:

@@ -19,6 +19,7 @@ from .._tiers_config import (
     validate_scope_budget,
 )
 from ..provider_limits import DEFAULT_MAX_CLOSE_SECONDS, validate_max_close_seconds
+from ..wait_queue import queue_milliseconds
 from ..reservation import Scope as BudgetScope
 from ._usage import requested_model
 
@@ -56,7 +57,9 @@ class Upstream:
     models: the request `model`s this upstream serves; empty: every request of the
     dependency. The token caps count in TokenRateLimit only. max_close_seconds: the
     longest the provider's word (a 429's retry-after, a reset) may close or narrow the cap
-    (docs/upstreams.md)."""
+    (docs/upstreams.md). max_wait: seconds (> 0, at most 300) a request the cap refuses
+    waits in its queue, shared by every replica, instead of a 429 (docs/wait-queue.md);
+    None: refused at once."""
 
     name: str
     per_minute: int | None = None
@@ -65,6 +68,7 @@ class Upstream:
     tokens_per_day: int | None = None
     models: tuple[str, ...] = ()
     max_close_seconds: float = DEFAULT_MAX_CLOSE_SECONDS
+    max_wait: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -76,6 +80,8 @@ class Upstream:
         object.__setattr__(self, "max_close_seconds",
                            validate_max_close_seconds(self.max_close_seconds))
         BudgetScope(self.name, windows=[(1, 60)])  # the name's own checks (length, UTF-8)
+        if self.max_wait is not None:
+            queue_milliseconds(self.max_wait)  # TypeError / ValueError now, not per request
 
     def budget(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SCOPE_BUDGET_KEYS
@@ -168,6 +174,7 @@ class _Scopes:
         # Each upstream's max_close_seconds by name: the fixed ones, and those the callable
         # chose (up to _MAX_CACHED_ROUTES names).
         self._bounds: dict[str, float] = {u.name: u.max_close_seconds for u in self.upstreams}
+        self._waits: dict[str, float | None] = {u.name: u.max_wait for u in self.upstreams}
 
     def upstreams_in(self, scopes: Sequence[BudgetScope]) -> list[tuple[str, float]]:
         """(name, max_close_seconds) of the upstream caps among a request's scopes (none in
@@ -176,6 +183,15 @@ class _Scopes:
             return []
         return [(scope.name, self._bounds.get(scope.name, DEFAULT_MAX_CLOSE_SECONDS))
                 for scope in scopes if scope.shared]
+
+    def max_wait_in(self, scopes: Sequence[BudgetScope]) -> float | None:
+        """How long a request through these scopes may wait in their upstreams' queue: the
+        shortest max_wait of its upstreams that have one (None: none has; and in shadow mode,
+        which never holds a request back)."""
+        if self.shadow:
+            return None
+        waits = [w for w in (self._waits.get(s.name) for s in scopes if s.shared) if w is not None]
+        return min(waits) if waits else None
 
     def _named(self, scope: BudgetScope | None) -> BudgetScope | None:
         """A shadow budget's scopes count in keys of their own, shared ones too."""
@@ -231,6 +247,7 @@ class _Scopes:
             if chosen is not None:
                 if chosen.name in self._bounds or len(self._bounds) < _MAX_CACHED_ROUTES:
                     self._bounds[chosen.name] = chosen.max_close_seconds
+                    self._waits[chosen.name] = chosen.max_wait
                 found.append(self._named(chosen.scope(self.tokens)))
         return tuple(scope for scope in found if scope is not None)
 

@@ -39,16 +39,22 @@ local function queue_remove(zkey, hkey, member)
 end
 
 -- Purges the expired tickets among the first PURGE_SCAN; deletes both keys once the queue
--- is empty. Returns the live tickets left (ZCARD).
+-- is empty. Returns the live tickets left (ZCARD) and the deadlines of the live ones among
+-- the first PURGE_SCAN, in the queue's order.
 local function queue_purge(zkey, hkey, now)
   local head = redis.call('ZRANGE', zkey, 0, PURGE_SCAN - 1)
+  local deadlines = {}
   for _, member in ipairs(head) do
     local deadline = queue_parse(member)
-    if deadline and deadline <= now then queue_remove(zkey, hkey, member) end
+    if deadline and deadline <= now then
+      queue_remove(zkey, hkey, member)
+    else
+      deadlines[#deadlines + 1] = deadline
+    end
   end
   local left = redis.call('ZCARD', zkey)
   if left == 0 then redis.call('DEL', zkey, hkey) end
-  return left
+  return left, deadlines
 end
 
 -- The queues of a decision's shared scopes: KEYS[first + 2k], KEYS[first + 2k + 1] (k = 0 ..
@@ -73,15 +79,18 @@ local function open_queues(first, count, now)
   if not found then return nil end
   local queues = {}
   function queues.check(reply, log, n)
-    local ahead_of, mine = {}, {}
-    local ahead = 0
+    local mine = {}
+    local ahead, expiry = 0, nil -- the most tickets ahead; the soonest deadline among them
     for q, keys in ipairs(found) do
       local zkey, hkey = keys[1], keys[2]
-      local left = queue_purge(zkey, hkey, now)
+      local left, deadlines = queue_purge(zkey, hkey, now)
       local member = left > 0 and redis.call('HGET', hkey, 't|' .. ARGV[1]) or false
       local rank = member and redis.call('ZRANK', zkey, member) or left
-      ahead_of[q], mine[q] = rank, member
+      mine[q] = member
       if rank > ahead then ahead = rank end
+      for k = 1, math.min(rank, #deadlines) do
+        if not expiry or deadlines[k] < expiry then expiry = deadlines[k] end
+      end
     end
     if ahead > 0 then
       -- The windows must hold the tickets ahead (each of this request's cost) and it too.
@@ -98,6 +107,8 @@ local function open_queues(first, count, now)
           if gone > wait then wait, at = gone, i end
         end
       end
+      -- A ticket ahead that expires (its waiter gone) frees its place then: wake no later.
+      if at and expiry and expiry - now < wait then wait = math.max(1, expiry - now) end
       if at then -- lib/decide.lua's refusal by window `at`: what the windows before it had
         local remaining_of = {}
         for j = 1, at - 1 do remaining_of[j] = reply[6][j] + tonumber(ARGV[3 * j + 2]) end

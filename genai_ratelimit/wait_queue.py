@@ -18,7 +18,7 @@ from typing import Any
 from .reservation import Plan, _scope_list, reserve_plan, _with, make_reservation, reserve_arguments
 
 __all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_MAX_QUEUE_PER_TENANT", "MAX_WAIT_SECONDS",
-           "queue_milliseconds"]
+           "queue_bound", "queue_milliseconds", "tenant_key"]
 
 # The longest a request may wait (csrc/native.h RL_MAX_QUEUE_WAIT_MS): a queue that holds a
 # request for hours behind a provider's long reset helps nobody.
@@ -40,7 +40,7 @@ def queue_milliseconds(max_wait: object) -> int:
     return max(1, math.ceil(max_wait * 1000))
 
 
-def _bound(value: object, what: str) -> int:
+def queue_bound(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
     if not 1 <= value <= _MAX_QUEUE_LENGTH:
@@ -83,7 +83,8 @@ def queued_reserve_plan(user_id: str, windows: Any, cost: int, token_windows: An
         return (yield from reserve_plan(user_id, windows, cost, token_windows, tokens, chosen,
                                         two_step, in_flight, lease))
     tenant_text = tenant_key(user_id if tenant is None else tenant)
-    bounds = (_bound(max_queue, "max_queue"), _bound(max_queue_per_tenant, "max_queue_per_tenant"))
+    bounds = (queue_bound(max_queue, "max_queue"),
+              queue_bound(max_queue_per_tenant, "max_queue_per_tenant"))
     arguments = reserve_arguments(cost, token_windows, tokens, chosen)
     start: float = yield ("clock", (), {})
     raw = yield ("reserve", (user_id, windows), arguments)

@@ -518,7 +518,7 @@ class _AsyncRateLimit(RateLimit):
             scopes = await self._scopes.of(request)
             if scopes:
                 facts = dataclasses.replace(facts, scopes=tuple(scopes),
-                                            max_wait=self._scopes.max_wait_in(scopes))
+                                            wait=self._scopes.wait_in(scopes))
                 note_upstreams(request, self.limiter, self._limiter_is_async,
                                self._scopes.upstreams_in(scopes))
         return facts

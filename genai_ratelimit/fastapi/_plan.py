@@ -116,10 +116,10 @@ class Facts:
     # The tier's minute budget as GCRA, (per_minute, 60, burst) (the tier's `burst`): decided
     # with the other windows in one check_windows_detailed(gcra=...) call; None: a log.
     gcra: tuple[int, int, int] | None = None
-    # How long a request its upstreams' caps refuse may wait in their queue (Upstream's
-    # max_wait; None: refused at once). The wait is the reserve call's own plan
-    # (genai_ratelimit/wait_queue.py); the tenant of its fairness is the identity.
-    max_wait: float | None = None
+    # How a request its upstreams' caps refuse may wait in their queue: the Upstream's
+    # (max_wait, max_queue, max_queue_per_tenant); None: refused at once. The wait is the
+    # reserve call's own plan (genai_ratelimit/wait_queue.py); its tenant is the identity.
+    wait: tuple[float, int, int] | None = None
 
 
 class Call(NamedTuple):
@@ -239,8 +239,9 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         arguments.update(cost=1, token_windows=facts.token_windows, tokens=facts.tokens)
     if in_flight is not None:
         arguments["in_flight"] = in_flight
-    elif facts.max_wait is not None and not policy.shadow:
-        arguments["max_wait"] = facts.max_wait
+    elif facts.wait is not None and not policy.shadow:
+        arguments.update(max_wait=facts.wait[0], max_queue=facts.wait[1],
+                         max_queue_per_tenant=facts.wait[2])
     try:
         reservation: Reservation = yield Call("reserve", (facts.identity, windows), arguments)
     except RateLimiterError as exc:

@@ -19,7 +19,12 @@ from .._tiers_config import (
     validate_scope_budget,
 )
 from ..provider_limits import DEFAULT_MAX_CLOSE_SECONDS, validate_max_close_seconds
-from ..wait_queue import queue_milliseconds
+from ..wait_queue import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_QUEUE_PER_TENANT,
+    queue_bound,
+    queue_milliseconds,
+)
 from ..reservation import Scope as BudgetScope
 from ._usage import requested_model
 
@@ -47,6 +52,10 @@ def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool
     return BudgetScope(name, windows=windows, token_windows=token_windows, shared=shared)
 
 
+# (max_wait, max_queue, max_queue_per_tenant) of an upstream's wait queue.
+Wait = tuple[float, int, int]
+
+
 @dataclass(frozen=True)
 class Upstream:
     """An upstream provider's caps (e.g. provider + model), shared by every user: all users
@@ -69,6 +78,10 @@ class Upstream:
     models: tuple[str, ...] = ()
     max_close_seconds: float = DEFAULT_MAX_CLOSE_SECONDS
     max_wait: float | None = None
+    # The queue's bounds (with max_wait): live tickets in all, and of one tenant (the
+    # dependency's key); past either a request gets its 429 at once (queue_full).
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -80,8 +93,16 @@ class Upstream:
         object.__setattr__(self, "max_close_seconds",
                            validate_max_close_seconds(self.max_close_seconds))
         BudgetScope(self.name, windows=[(1, 60)])  # the name's own checks (length, UTF-8)
-        if self.max_wait is not None:
-            queue_milliseconds(self.max_wait)  # TypeError / ValueError now, not per request
+        if self.max_wait is not None:  # TypeError / ValueError now, not per request
+            queue_milliseconds(self.max_wait)
+            queue_bound(self.max_queue, "max_queue")
+            queue_bound(self.max_queue_per_tenant, "max_queue_per_tenant")
+
+    def wait(self) -> Wait | None:
+        """(max_wait, max_queue, max_queue_per_tenant), or None without max_wait."""
+        if self.max_wait is None:
+            return None
+        return (self.max_wait, self.max_queue, self.max_queue_per_tenant)
 
     def budget(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SCOPE_BUDGET_KEYS
@@ -174,7 +195,7 @@ class _Scopes:
         # Each upstream's max_close_seconds by name: the fixed ones, and those the callable
         # chose (up to _MAX_CACHED_ROUTES names).
         self._bounds: dict[str, float] = {u.name: u.max_close_seconds for u in self.upstreams}
-        self._waits: dict[str, float | None] = {u.name: u.max_wait for u in self.upstreams}
+        self._waits: dict[str, Wait | None] = {u.name: u.wait() for u in self.upstreams}
 
     def upstreams_in(self, scopes: Sequence[BudgetScope]) -> list[tuple[str, float]]:
         """(name, max_close_seconds) of the upstream caps among a request's scopes (none in
@@ -184,10 +205,10 @@ class _Scopes:
         return [(scope.name, self._bounds.get(scope.name, DEFAULT_MAX_CLOSE_SECONDS))
                 for scope in scopes if scope.shared]
 
-    def max_wait_in(self, scopes: Sequence[BudgetScope]) -> float | None:
-        """How long a request through these scopes may wait in their upstreams' queue: the
-        shortest max_wait of its upstreams that have one (None: none has; and in shadow mode,
-        which never holds a request back)."""
+    def wait_in(self, scopes: Sequence[BudgetScope]) -> Wait | None:
+        """How a request through these scopes may wait in their upstreams' queue: the
+        (max_wait, max_queue, max_queue_per_tenant) of its upstream with the shortest
+        max_wait (None: none has one; and in shadow mode, which never holds a request back)."""
         if self.shadow:
             return None
         waits = [w for w in (self._waits.get(s.name) for s in scopes if s.shared) if w is not None]
@@ -247,7 +268,7 @@ class _Scopes:
             if chosen is not None:
                 if chosen.name in self._bounds or len(self._bounds) < _MAX_CACHED_ROUTES:
                     self._bounds[chosen.name] = chosen.max_close_seconds
-                    self._waits[chosen.name] = chosen.max_wait
+                    self._waits[chosen.name] = chosen.wait()
                 found.append(self._named(chosen.scope(self.tokens)))
         return tuple(scope for scope in found if scope is not None)
 

@@ -297,7 +297,7 @@ class TokenRateLimit(_AsyncRateLimit):
                            self._scopes.upstreams_in(scopes))
         return Facts(facts.identity, tier, facts.windows, self.token_windows_of(tier), tokens,
                      scopes, facts.counted, facts.cap, facts.held,
-                     max_wait=self._scopes.max_wait_in(scopes) if scopes else None)
+                     wait=self._scopes.wait_in(scopes) if scopes else None)
 
     def _fuses(self, limiter: Any) -> bool:
         """An enforced cap on a limiter whose `reserve` takes in_flight= (this package's): the

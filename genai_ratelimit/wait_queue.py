@@ -15,7 +15,7 @@ import math
 import uuid
 from typing import Any
 
-from .reservation import Plan, _scope_list, reserve_plan, _with, make_reservation, reserve_arguments
+from .reservation import Plan, _scope_list, _with, make_reservation, reserve_arguments, reserve_plan
 
 __all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_MAX_QUEUE_PER_TENANT", "MAX_WAIT_SECONDS",
            "queue_bound", "queue_milliseconds", "tenant_key"]

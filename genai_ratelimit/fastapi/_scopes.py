@@ -19,13 +19,13 @@ from .._tiers_config import (
     validate_scope_budget,
 )
 from ..provider_limits import DEFAULT_MAX_CLOSE_SECONDS, validate_max_close_seconds
+from ..reservation import Scope as BudgetScope
 from ..wait_queue import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_QUEUE_PER_TENANT,
     queue_bound,
     queue_milliseconds,
 )
-from ..reservation import Scope as BudgetScope
 from ._usage import requested_model
 
 logger = logging.getLogger("genai_ratelimit")

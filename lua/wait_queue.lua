@@ -25,7 +25,7 @@ local member = left > 0 and redis.call('HGET', hkey, 't|' .. ticket) or false
 if wait_ms == 0 then
   if not member then return 0 end
   queue_remove(zkey, hkey, member)
-  if redis.call('ZCARD', zkey) == 0 then redis.call('DEL', zkey, hkey) end
+  queue_forget(zkey, hkey)
   return 1
 end
 if member then return redis.call('ZRANK', zkey, member) end

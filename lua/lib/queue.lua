@@ -38,7 +38,13 @@ local function queue_remove(zkey, hkey, member)
   end
 end
 
--- Purges the expired tickets among the first PURGE_SCAN; deletes both keys once the queue
+-- The queue's hash forgets its counters once the sorted set is empty (Redis deletes an
+-- empty sorted set and an empty hash by itself: no DEL, which the documented ACL lacks).
+local function queue_forget(zkey, hkey)
+  if redis.call('ZCARD', zkey) == 0 then redis.call('HDEL', hkey, 'round', 'seq') end
+end
+
+-- Purges the expired tickets among the first PURGE_SCAN; both keys are gone once the queue
 -- is empty. Returns the live tickets left (ZCARD) and the deadlines of the live ones among
 -- the first PURGE_SCAN, in the queue's order.
 local function queue_purge(zkey, hkey, now)
@@ -53,7 +59,7 @@ local function queue_purge(zkey, hkey, now)
     end
   end
   local left = redis.call('ZCARD', zkey)
-  if left == 0 then redis.call('DEL', zkey, hkey) end
+  if left == 0 then redis.call('HDEL', hkey, 'round', 'seq') end
   return left, deadlines
 end
 
@@ -121,7 +127,7 @@ local function open_queues(first, count, now)
         local zkey, hkey = keys[1], keys[2]
         redis.call('HSET', hkey, 'round', redis.call('ZSCORE', zkey, mine[q]))
         queue_remove(zkey, hkey, mine[q])
-        if redis.call('ZCARD', zkey) == 0 then redis.call('DEL', zkey, hkey) end
+        queue_forget(zkey, hkey)
       end
     end
     return reply

@@ -293,3 +293,94 @@ def test_an_upstreams_max_wait_in_fastapi(make_limiter: LimiterFactory, redis_ur
     outcomes = {row[0]: row[-1] for row in request_outcomes(limiter).snapshot()[0]}
     assert outcomes == {"queued_then_allowed": 1, "queue_timeout": 1}
     assert queued(redis_client) == 0
+
+
+# --------------------------------------------------------------------------- the plan, as a table
+
+
+def raw_answer(allowed: bool, retry_ms: int = 0, scope_index: int = 1, at_ms: int = 1000) -> tuple:
+    """The C reserve tuple of one decision over the user's window and the cap's."""
+    report = ((1000, 60, False, 999 if allowed else 1000, 0),
+              (2, 1, False, 1 if allowed else 0, 1))
+    return (allowed, 1 if allowed else 0, -(-retry_ms // 1000), 1, False,
+            "m" * 36 if allowed else "", at_ms, report, retry_ms,
+            0 if allowed else scope_index, 0, None)
+
+
+def drive(plan: Any, answers: list[Any]) -> tuple[list[tuple[str, Any]], Any]:
+    """Runs an I/O-free plan on scripted answers (an exception is thrown in): its calls and
+    its result."""
+    from genai_ratelimit.reservation import advance
+
+    calls: list[tuple[str, Any]] = []
+    call, result = advance(plan)
+    for answer in answers:
+        if call is None:
+            break
+        calls.append((call[0], call[1] if call[0] != "reserve" else call[2].get("ticket")))
+        if isinstance(answer, BaseException):
+            call, result = advance(plan, error=answer)
+        else:
+            call, result = advance(plan, answer)
+    assert call is None, f"the plan wanted more: {call}"
+    return calls, result
+
+
+def queued_plan(max_wait: float = 5, **keywords: Any) -> Any:
+    from genai_ratelimit.wait_queue import queued_reserve_plan
+
+    return queued_reserve_plan("u", OWN, 1, (), None, [cap(2)], max_wait, **keywords)
+
+
+def test_the_plan_of_a_request_admitted_at_once_takes_no_ticket() -> None:
+    calls, result = drive(queued_plan(), [100.0, raw_answer(True)])
+    assert [name for name, _ in calls] == ["clock", "reserve"] and calls[1][1] is None
+    assert result.allowed and result.queue_outcome == ""
+
+
+def test_the_plan_takes_a_ticket_sleeps_the_refusals_wait_and_asks_with_it() -> None:
+    calls, result = drive(queued_plan(), [100.0, raw_answer(False, 700), 0, 100.01, None,
+                                          raw_answer(True, at_ms=1700), 100.72])
+    names = [name for name, _ in calls]
+    assert names == ["clock", "reserve", "wait_queue", "clock", "sleep", "reserve", "clock"]
+    name, ticket, tenant, numbers = calls[2][1]
+    assert (name, tenant, numbers) == (UPSTREAM, tenant_key("u"), (5000, 1000, 100))
+    assert calls[4][1] == (0.7,) and calls[5][1] == ticket  # the ticket is the entry's member
+    assert result.allowed and result.queue_outcome == "queued_then_allowed"
+    assert result.waited_ms == 720
+
+
+def test_the_plan_gives_up_at_once_when_the_wait_passes_its_deadline() -> None:
+    calls, result = drive(queued_plan(max_wait=0.5), [100.0, raw_answer(False, 700), 0, 100.0, 1])
+    assert [name for name, _ in calls] == ["clock", "reserve", "wait_queue", "clock", "wait_queue"]
+    assert calls[4][1][3][0] == 0  # the ticket left (wait_ms 0)
+    assert not result.allowed and result.queue_outcome == "queue_timeout"
+    assert result.retry_after_ms == 700 and result.retry_after_s == 1
+
+
+def test_the_plan_of_a_full_queue_refuses_at_once() -> None:
+    for full in (-1, -2):
+        calls, result = drive(queued_plan(), [100.0, raw_answer(False, 700), full])
+        assert [name for name, _ in calls] == ["clock", "reserve", "wait_queue"]
+        assert result.queue_outcome == "queue_full" and result.retry_after_ms == 700
+
+
+def test_the_plan_never_queues_for_the_users_own_budget() -> None:
+    calls, result = drive(queued_plan(), [100.0, raw_answer(False, 700, scope_index=0)])
+    assert [name for name, _ in calls] == ["clock", "reserve"]
+    assert not result.allowed and result.queue_outcome == ""
+
+
+def test_the_plan_leaves_its_ticket_when_it_is_cancelled() -> None:
+    from genai_ratelimit.reservation import advance
+
+    plan = queued_plan()
+    answers = [100.0, raw_answer(False, 700), 0, 100.0]
+    call, _ = advance(plan)
+    for answer in answers:
+        call, _ = advance(plan, answer)
+    assert call is not None and call[0] == "sleep"
+    call, _ = advance(plan, error=asyncio.CancelledError())
+    assert call is not None and call[0] == "wait_queue" and call[1][3][0] == 0
+    with pytest.raises(asyncio.CancelledError):
+        advance(plan, 1)

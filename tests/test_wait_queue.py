@@ -384,3 +384,32 @@ def test_the_plan_leaves_its_ticket_when_it_is_cancelled() -> None:
     assert call is not None and call[0] == "wait_queue" and call[1][3][0] == 0
     with pytest.raises(asyncio.CancelledError):
         advance(plan, 1)
+
+
+@pytest.mark.limiter_kinds("sync", reason="a waiter in a process of its own, killed with SIGKILL")
+def test_a_waiter_killed_with_sigkill_leaves_a_ticket_that_expires_at_its_deadline(
+        limiter: Any, redis_url: str, redis_client: redis.Redis, storage: str,
+        tmp_path: Any) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    scope = cap(1)
+    fill(limiter, scope, 1)
+    code = ("import sys\nfrom genai_ratelimit import RateLimiter, Scope\n"
+            f"RateLimiter(sys.argv[1], storage={storage!r}).reserve('victim', [(1000, 60)], "
+            f"scopes=[Scope({UPSTREAM!r}, windows=[(1, 1)], shared=True)], max_wait=2)\n")
+    victim = subprocess.Popen([sys.executable, "-c", code, redis_url], cwd=tmp_path)
+    try:
+        wait_for(lambda: queued(redis_client) == 1)
+        member = redis_client.zrange(QUEUE, 0, 0)[0].decode()
+        deadline_ms = int(member.split("|")[1])
+        os.kill(victim.pid, signal.SIGKILL)
+    finally:
+        victim.wait(10)
+    survivor = limiter.reserve("survivor", OWN, scopes=[scope], max_wait=10)
+    assert survivor.allowed and survivor.queue_outcome == "queued_then_allowed"
+    # held back by the dead ticket until its deadline, then woken by it (no later than 250 ms)
+    assert deadline_ms <= survivor.timestamp_ms <= deadline_ms + 250
+    assert queued(redis_client) == 0 and not redis_client.exists(QUEUE_HASH)

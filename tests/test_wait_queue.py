@@ -413,3 +413,15 @@ def test_a_waiter_killed_with_sigkill_leaves_a_ticket_that_expires_at_its_deadli
     # held back by the dead ticket until its deadline, then woken by it (no later than 250 ms)
     assert deadline_ms <= survivor.timestamp_ms <= deadline_ms + 250
     assert queued(redis_client) == 0 and not redis_client.exists(QUEUE_HASH)
+
+
+def test_the_tickets_ahead_count_in_the_caps_windows_not_in_the_users_own(
+        limiter: Any, redis_url: str, redis_client: redis.Redis) -> None:
+    scope = cap(10, 60)
+    for tenant in ("x", "y", "z"):
+        take_ticket(redis_url, tenant, 5000)
+    own = [(2, 60)]  # the user's own: 1 of 2 used; the 3 tickets ahead are not its business
+    assert limiter.reserve("u", own).allowed
+    reservation = limiter.reserve("u", own, scopes=[scope])
+    assert reservation.allowed  # the cap holds the 3 tickets ahead and it
+    assert queued(redis_client) == 3

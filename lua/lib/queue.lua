@@ -73,6 +73,15 @@ end
 -- The refusal waits until enough entries leave for the tickets ahead and this request
 -- (lib/decide.lua's freeing_stamp over the windows' logs), the whole window when the
 -- entries that would free it are not logged yet.
+-- Whether window key `key` is a window of the shared scope whose keys start with `base`
+-- (the grammar of csrc/script.c window_key, as lib/upstream.lua reads it).
+local function queue_window_of(key, base)
+  if key:sub(1, #base) ~= base then return false end
+  local rest = key:sub(#base + 1)
+  return rest:match('^:%d+:shared$') or rest:match('^:%d+:shared:c$') or
+    rest:match('^:%d+:tokens:shared$') or rest:match('^:%d+:tokens:shared:c$') or false
+end
+
 local function open_queues(first, count, now)
   local found = nil
   for k = 0, count - 1 do
@@ -86,41 +95,40 @@ local function open_queues(first, count, now)
   local queues = {}
   function queues.check(reply, log, n)
     local mine = {}
-    local ahead, expiry = 0, nil -- the most tickets ahead; the soonest deadline among them
+    local wait, at, expiry = 0, nil, nil -- the longest wait, its window; the soonest deadline
     for q, keys in ipairs(found) do
       local zkey, hkey = keys[1], keys[2]
       local left, deadlines = queue_purge(zkey, hkey, now)
       local member = left > 0 and redis.call('HGET', hkey, 't|' .. ARGV[1]) or false
       local rank = member and redis.call('ZRANK', zkey, member) or left
       mine[q] = member
-      if rank > ahead then ahead = rank end
       for k = 1, math.min(rank, #deadlines) do
         if not expiry or deadlines[k] < expiry then expiry = deadlines[k] end
       end
-    end
-    if ahead > 0 then
-      -- The windows must hold the tickets ahead (each of this request's cost) and it too.
-      local wait, at = 0, nil
-      for i = 1, n do
+      -- The scope's windows must hold the tickets ahead (each of this request's cost) and
+      -- it too; the user's own windows are not theirs.
+      local base = zkey:sub(1, #zkey - #':queue')
+      for i = 1, rank > 0 and n or 0 do
         local window_ms, limit, cost = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]),
           tonumber(ARGV[3 * i + 2])
         local used = limit - reply[6][i] - cost
-        local need = used + cost * (ahead + 1) - limit
-        if need > 0 and cost > 0 then
+        local need = used + cost * (rank + 1) - limit
+        if need > 0 and cost > 0 and queue_window_of(KEYS[i], base) then
           local stamp = need <= used and log.freeing_stamp(i, window_ms, need) or nil
           local gone = stamp and stamp + window_ms - now or window_ms
           if gone < 1 then gone = 1 end
           if gone > wait then wait, at = gone, i end
         end
       end
+    end
+    if at then
       -- A ticket ahead that expires (its waiter gone) frees its place then: wake no later.
-      if at and expiry and expiry - now < wait then wait = math.max(1, expiry - now) end
-      if at then -- lib/decide.lua's refusal by window `at`: what the windows before it had
-        local remaining_of = {}
-        for j = 1, at - 1 do remaining_of[j] = reply[6][j] + tonumber(ARGV[3 * j + 2]) end
-        remaining_of[at] = 0
-        return {0, 0, math.ceil(wait / 1000), at, now, remaining_of, wait}
-      end
+      if expiry and expiry - now < wait then wait = math.max(1, expiry - now) end
+      -- lib/decide.lua's refusal by window `at`: what the windows before it had
+      local remaining_of = {}
+      for j = 1, at - 1 do remaining_of[j] = reply[6][j] + tonumber(ARGV[3 * j + 2]) end
+      remaining_of[at] = 0
+      return {0, 0, math.ceil(wait / 1000), at, now, remaining_of, wait}
     end
     for q, keys in ipairs(found) do
       if mine[q] then

@@ -30,12 +30,15 @@ if wait_ms == 0 then
 end
 if member then return redis.call('ZRANK', zkey, member) end
 if left >= tonumber(ARGV[5]) then return -1 end
-local state = redis.call('HMGET', hkey, 'n|' .. tenant, 'r|' .. tenant, 'round', 'seq')
+local state = redis.call('HMGET', hkey, 'n|' .. tenant, 'r|' .. tenant, 'seq')
 local mine = tonumber(state[1]) or 0
 if mine >= tonumber(ARGV[6]) then return -2 end
-local served = tonumber(state[3]) or 0
-local round = math.max(served, tonumber(state[2]) or 0) + 1
-local seq = (tonumber(state[4]) or 0) + 1
+-- The round being served is the head's (tickets may be admitted out of order: a ticket
+-- behind a sleeping one may pass when the windows hold both); a tenant's next ticket goes
+-- in the round after its latest.
+local head = left > 0 and redis.call('ZRANGE', zkey, 0, 0, 'WITHSCORES') or {}
+local round = math.max(tonumber(head[2]) or 1, (tonumber(state[2]) or 0) + 1)
+local seq = (tonumber(state[3]) or 0) + 1
 local deadline = now + wait_ms
 member = string.format('%012d|%d|%s|%s', seq, deadline, ticket, tenant)
 redis.call('ZADD', zkey, round, member)

@@ -11,11 +11,11 @@ Two keys per shared scope, under the scope's name (its hash tag on a Redis Clust
                              a round by arrival: the members sort by text, seq first)
   "{prefix}:{name}:queue:h"  hash: "t|<ticket>" -> the ticket's member; "n|<tenant>" -> the
                              tenant's live tickets; "r|<tenant>" -> the round of its latest;
-                             "round" -> the round of the ticket admitted last; "seq" -> the
-                             arrival counter
-Fairness (virtual rounds): a tenant's k-th waiting ticket is served in round
-max(round, the round of its latest live ticket) + 1, so each tenant has at most one ticket
-per round; first in first out within a tenant. Both keys expire 1 s after the latest
+                             "seq" -> the arrival counter
+Fairness (virtual rounds): a ticket is served in round max(the head's round, the round of
+its tenant's latest live ticket + 1), so each tenant has at most one ticket per round and a
+tenant with none waiting goes in the round being served, behind at most one ticket of each
+other tenant; first in first out within a tenant. Both keys expire 1 s after the latest
 deadline of a ticket taken; a ticket whose deadline passed is purged by the next script that
 reads the head of the queue (the first PURGE_SCAN tickets), so a waiter that was killed takes
 no place once its deadline is over.
@@ -41,7 +41,7 @@ end
 -- The queue's hash forgets its counters once the sorted set is empty (Redis deletes an
 -- empty sorted set and an empty hash by itself: no DEL, which the documented ACL lacks).
 local function queue_forget(zkey, hkey)
-  if redis.call('ZCARD', zkey) == 0 then redis.call('HDEL', hkey, 'round', 'seq') end
+  if redis.call('ZCARD', zkey) == 0 then redis.call('HDEL', hkey, 'seq') end
 end
 
 -- Purges the expired tickets among the first PURGE_SCAN; both keys are gone once the queue
@@ -59,7 +59,7 @@ local function queue_purge(zkey, hkey, now)
     end
   end
   local left = redis.call('ZCARD', zkey)
-  if left == 0 then redis.call('HDEL', hkey, 'round', 'seq') end
+  if left == 0 then redis.call('HDEL', hkey, 'seq') end
   return left, deadlines
 end
 
@@ -133,7 +133,6 @@ local function open_queues(first, count, now)
     for q, keys in ipairs(found) do
       if mine[q] then
         local zkey, hkey = keys[1], keys[2]
-        redis.call('HSET', hkey, 'round', redis.call('ZSCORE', zkey, mine[q]))
         queue_remove(zkey, hkey, mine[q])
         queue_forget(zkey, hkey)
       end

@@ -425,3 +425,18 @@ def test_the_tickets_ahead_count_in_the_caps_windows_not_in_the_users_own(
     reservation = limiter.reserve("u", own, scopes=[scope])
     assert reservation.allowed  # the cap holds the 3 tickets ahead and it
     assert queued(redis_client) == 3
+
+
+@pytest.mark.limiter_kinds("sync", reason="the C reserve call with a ticket, the Redis rule alone")
+def test_a_newcomer_goes_in_the_round_being_served_even_after_an_admission_out_of_order(
+        limiter: Any, redis_url: str, redis_client: redis.Redis) -> None:
+    scope = cap(5, 60)
+    a1, _b1, _a2, a3 = (take_ticket(redis_url, tenant, 5000) for tenant in "abaa")
+    # a3 (round 3, rank 3) is admitted while a1, b1 and a2 sleep: the cap holds the 4
+    raw = limiter._reserve("a", OWN, scopes=(scope.native(),), ticket=a3)
+    assert raw[0]
+    # c's ticket goes in round 1 (the head's), behind a1 and b1 only, ahead of a2 (round 2)
+    c = take_ticket(redis_url, "c", 5000)
+    members = [m.decode() for m in redis_client.zrange(QUEUE, 0, -1)]
+    assert [m.split("|")[2] for m in members].index(c) == 2
+    assert members[0].split("|")[2] == a1

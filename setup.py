@@ -57,6 +57,7 @@ SCRIPTS: dict[str, tuple[Path, str | None]] = {
     "RL_BUDGET_HOLD": (LUA / "budget_hold.lua", None),
     "RL_BUDGET_SETTLE": (LUA / "budget_settle.lua", None),
     "RL_OBSERVE": (LUA / "observe_upstream.lua", None),
+    "RL_QUEUE": (LUA / "wait_queue.lua", None),
 }
 SCRIPT_HEADER = HERE / "csrc" / "script_source.h"
 # A script names the shared files of lua/lib/ it is built on, one "-- include: lib/x.lua"

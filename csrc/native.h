@@ -47,6 +47,10 @@
 #define RL_MAX_SCOPES 8                      /* scopes (besides the user's own) in one decision */
 #define RL_MAX_SHARES_SPEC 8192              /* bytes of a reserved-shares spec */
 #define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
+#define RL_TENANT_LEN 64                     /* a wait queue's tenant: 1 to 64 hex digits */
+#define RL_QUEUE_FIELDS 3                    /* lua/wait_queue.lua's numbers */
+#define RL_MAX_QUEUE_WAIT_MS 300000LL        /* a ticket's wait: 5 minutes at most */
+#define RL_MAX_QUEUE_LENGTH 100000LL         /* a wait queue's bound */
 #define RL_UPSTREAM_FIELDS 8                 /* lua/observe_upstream.lua's numbers */
 #define RL_MAX_UPSTREAM_MS 86400000LL        /* an upstream's reset or closure: a day at most */
 #define RL_MEMBER_LEN 36                     /* canonical UUID text, without the NUL */
@@ -164,6 +168,8 @@ typedef enum {
     /* _observe_upstream(): the upstream's closed-until (unix ms, 0: open),
        lua/observe_upstream.lua */
     RL_SHAPE_OBSERVE,
+    /* _wait_queue(): a ticket's rank, -1/-2 queue full, or 1/0 left, lua/wait_queue.lua */
+    RL_SHAPE_QUEUE,
 } rl_shape;
 
 /* The scripts of lua/, embedded at build time. py_request.c names a decision's script in the
@@ -188,6 +194,7 @@ typedef enum {
     RL_SCRIPT_BUDGET_HOLD,               /* lua/budget_hold.lua: calendar budgets, a hold */
     RL_SCRIPT_BUDGET_SETTLE,             /* lua/budget_settle.lua: a hold settled */
     RL_SCRIPT_OBSERVE,                   /* lua/observe_upstream.lua: a provider's word */
+    RL_SCRIPT_QUEUE,                     /* lua/wait_queue.lua: a wait queue's ticket */
     RL_SCRIPT_COUNT,
 } rl_script_id;
 
@@ -257,6 +264,11 @@ typedef struct {
     /* observe_upstream: requests left, ms to their reset, their limit, the same for tokens,
        ms closed for (-1: not said), the bound in ms (lua/observe_upstream.lua) */
     long long upstream[RL_UPSTREAM_FIELDS];
+    /* _wait_queue: the ticket's wait in ms (0: leave), the queue's and the tenant's bound;
+       the tenant (hex digits) */
+    long long queue[RL_QUEUE_FIELDS];
+    char tenant[RL_TENANT_LEN + 1];
+    int member_given; /* reserve(ticket=...): the member is the wait queue's ticket */
 } rl_prepared;
 
 /* The bytes to send for a decision: its replay form once it was marked for replay. */

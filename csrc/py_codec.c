@@ -222,6 +222,7 @@ CODEC_METHOD(check_rate, RL_SHAPE_GCRA)
 CODEC_METHOD(hold_budgets, RL_SHAPE_BUDGET_HOLD)
 CODEC_METHOD(settle_budgets, RL_SHAPE_BUDGET_SETTLE)
 CODEC_METHOD(observe_upstream, RL_SHAPE_OBSERVE)
+CODEC_METHOD(wait_queue, RL_SHAPE_QUEUE)
 
 static PyObject *
 Codec_get_metrics(CodecObject *self, PyObject *Py_UNUSED(ignored))
@@ -253,7 +254,7 @@ static PyMethodDef Codec_methods[] = {
     {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
-     "    scopes=(), in_flight=None, shares=None)\n--\n\n"
+     "    scopes=(), in_flight=None, shares=None, ticket=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._reserve's shape)."},
     {"reconcile", (PyCFunction)(void (*)(void))Codec_reconcile,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
@@ -280,6 +281,10 @@ static PyMethodDef Codec_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "observe_upstream($self, /, name, observation)\n--\n\n"
      "A Request, or the kill switch's final int (Limiter._observe_upstream's shape)."},
+    {"wait_queue", (PyCFunction)(void (*)(void))Codec_wait_queue,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
+     "wait_queue($self, /, name, ticket, tenant, numbers)\n--\n\n"
+     "A Request (Limiter._wait_queue's shape; the kill switch never answers it)."},
     {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
      "A Request (the kill switch never answers it)."},

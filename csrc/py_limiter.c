@@ -399,7 +399,7 @@ LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 
 PyDoc_STRVAR(Limiter_reserve_doc,
 "_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
-"    scopes=(), in_flight=None, shares=None)\n--\n\n"
+"    scopes=(), in_flight=None, shares=None, ticket=None)\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, member,\n"
 "    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None, scope), ...),\n"
 "    retry_after_ms, scope, tie, slot)\n\n"
@@ -408,6 +408,8 @@ PyDoc_STRVAR(Limiter_reserve_doc,
 "window's scope is 0 for the user's own, k for scopes[k - 1]), all or nothing. tie names\n"
 "the entry in the compact storage. in_flight=(limit, lease_seconds) takes an in-flight\n"
 "slot in the same script: slot is _acquire's tuple, or None (a window refused; no slot).\n"
+"ticket: a wait queue's ticket (a UUID4, _wait_queue's), the entry's member: the shared\n"
+"scopes' queues admit it at its turn (lua/lib/queue.lua).\n"
 "RateLimiter.reserve wraps it in a Reservation.");
 
 LIMITER_METHOD(reserve, RL_SHAPE_RESERVE)
@@ -472,6 +474,15 @@ PyDoc_STRVAR(Limiter_observe_upstream_doc,
 "the headers.");
 
 LIMITER_METHOD(observe_upstream, RL_SHAPE_OBSERVE)
+
+PyDoc_STRVAR(Limiter_wait_queue_doc,
+"_wait_queue($self, /, name, ticket, tenant, numbers)\n--\n\n"
+"-> take: the ticket's rank (0: first), -1 the queue is full, -2 the tenant's share is;\n"
+"leave: 1 when the ticket was removed, else 0\n\n"
+"A ticket of the wait queue of the shared scope `name` (lua/wait_queue.lua): numbers is\n"
+"(wait_ms, max_queue, max_tenant), wait_ms 0 to leave; tenant a hex digest.");
+
+LIMITER_METHOD(wait_queue, RL_SHAPE_QUEUE)
 
 PyDoc_STRVAR(Limiter_reset_doc,
 "_reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
@@ -610,6 +621,8 @@ static PyMethodDef Limiter_methods[] = {
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_settle_budgets_doc},
     {"_observe_upstream", (PyCFunction)(void (*)(void))Limiter_observe_upstream,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_observe_upstream_doc},
+    {"_wait_queue", (PyCFunction)(void (*)(void))Limiter_wait_queue,
+     METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_wait_queue_doc},
     {"_reset", (PyCFunction)(void (*)(void))Limiter_reset,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS, Limiter_reset_doc},
     {"metrics", (PyCFunction)Limiter_get_metrics, METH_NOARGS, Limiter_metrics_doc},

@@ -355,6 +355,43 @@ parse_upstream(PyObject *value, rl_prepared *d)
     return 0;
 }
 
+/* _wait_queue(name, ticket, tenant, (wait_ms, max_queue, max_tenant)): the tenant 1 to
+   RL_TENANT_LEN hex digits (a digest made by genai_ratelimit/wait_queue.py), the wait 0
+   (leave) to RL_MAX_QUEUE_WAIT_MS, the bounds 1 to RL_MAX_QUEUE_LENGTH. 0, or -1 with an
+   exception. */
+static int
+parse_queue(PyObject *tenant, PyObject *numbers, rl_prepared *d)
+{
+    static const char *const names[RL_QUEUE_FIELDS] = {"wait ms", "max queue", "max tenant"};
+    static const long long maxima[RL_QUEUE_FIELDS] = {RL_MAX_QUEUE_WAIT_MS, RL_MAX_QUEUE_LENGTH,
+                                                      RL_MAX_QUEUE_LENGTH};
+    Py_ssize_t len;
+    const char *text;
+    if (!PyUnicode_Check(tenant)) {
+        rl_type_error(tenant, "a wait queue's tenant must be a str, not ");
+        return -1;
+    }
+    if ((text = PyUnicode_AsUTF8AndSize(tenant, &len)) == NULL)
+        return -1;
+    if (len < 1 || len > RL_TENANT_LEN || (Py_ssize_t)strspn(text, "0123456789abcdef") != len) {
+        PyErr_Format(PyExc_ValueError, "a wait queue's tenant must be 1 to %d hex digits",
+                     RL_TENANT_LEN);
+        return -1;
+    }
+    memcpy(d->tenant, text, (size_t)len + 1);
+    if (!PyTuple_Check(numbers) || PyTuple_Size(numbers) != RL_QUEUE_FIELDS) {
+        rl_type_error(numbers, "a wait queue's numbers must be a tuple of 3 ints, not ");
+        return -1;
+    }
+    for (int i = 0; i < RL_QUEUE_FIELDS; i++) {
+        PyObject *item = PyTuple_GetItem(numbers, i);
+        if ((i == 0 ? non_negative_int(item, names[i], maxima[i], &d->queue[i])
+                    : positive_int(item, names[i], maxima[i], &d->queue[i])) < 0)
+            return -1;
+    }
+    return 0;
+}
+
 /* reserve's in_flight=(limit, lease_seconds): the slot taken with the reservation, in the
    same script (lua/reserve_in_flight.lua). 0, or -1 with an exception. */
 static int
@@ -596,7 +633,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
     static const char *const windows_names[] = {"user_id", "windows", "cost", "gcra"};
     static const char *const reserve_names[] = {"user_id", "windows", "cost",      "token_windows",
-                                                "tokens",  "scopes",  "in_flight", "shares"};
+                                                "tokens",  "scopes",  "in_flight", "shares",
+                                                "ticket"};
     static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
                                                   "cost",    "tokens",  "scopes", "tie",
                                                   "release", "shares"};
@@ -608,6 +646,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const hold_names[] = {"user_id", "budgets", "hold_ms"};
     static const char *const settle_names[] = {"user_id", "budgets", "hold_id"};
     static const char *const observe_names[] = {"name", "observation"};
+    static const char *const queue_names[] = {"name", "ticket", "tenant", "numbers"};
     static const rl_script_id scripts[] = {
         [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,
         [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
@@ -623,6 +662,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         [RL_SHAPE_BUDGET_HOLD] = RL_SCRIPT_BUDGET_HOLD,
         [RL_SHAPE_BUDGET_SETTLE] = RL_SCRIPT_BUDGET_SETTLE,
         [RL_SHAPE_OBSERVE] = RL_SCRIPT_OBSERVE,
+        [RL_SHAPE_QUEUE] = RL_SCRIPT_QUEUE,
     };
     PyObject *v[10] = {NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     Py_ssize_t unused;
@@ -635,6 +675,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->windows.count = 0;
     d->nscopes = 0;
     d->member[0] = '\0';
+    d->member_given = 0;
     d->score_ms = 0;
     d->new_cost = 0;
     d->tie = 0;
@@ -662,6 +703,17 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             rl_user_id_utf8(v[0], &unused) == NULL || add_budgets(d, v[1], 0) < 0 ||
             parse_member(v[2], "hold's", d->member) < 0)
             return -1;
+        break;
+    case RL_SHAPE_QUEUE:
+        if (rl_parse_args("_wait_queue", args, nargs, kwnames, queue_names, 4, 4, 4, v) < 0 ||
+            rl_user_id_utf8(v[0], &unused) == NULL ||
+            parse_member(v[1], "ticket's", d->member) < 0 || parse_queue(v[2], v[3], d) < 0)
+            return -1;
+        if (unused > RL_MAX_SCOPE_NAME) {
+            PyErr_Format(PyExc_ValueError, "an upstream's name holds 1 to %d bytes of UTF-8",
+                         RL_MAX_SCOPE_NAME);
+            return -1;
+        }
         break;
     case RL_SHAPE_OBSERVE:
         if (rl_parse_args("observe_upstream", args, nargs, kwnames, observe_names, 2, 2, 2, v) <
@@ -720,7 +772,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     case RL_SHAPE_RESERVE:
     case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments */
         if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
-                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 8, 2, 2, v) < 0 ||
+                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 9, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
             (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
@@ -740,6 +792,11 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
         if (set_cost(d, v[4], "tokens", 1) < 0 || (v[6] != NULL && parse_in_flight(v[6], d) < 0) ||
             (v[7] != NULL && parse_shares(v[7], d, 'S') < 0))
             return -1;
+        if (v[8] != NULL && v[8] != Py_None) { /* the wait queue's ticket is the member */
+            if (parse_member(v[8], "ticket's", d->member) < 0)
+                return -1;
+            d->member_given = 1;
+        }
         break;
     case RL_SHAPE_RECONCILE:
         if (rl_parse_args("reconcile", args, nargs, kwnames, reconcile_names, 10, 5, 5, v) < 0 ||
@@ -946,7 +1003,8 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
        and refuse the user once the switch went off. */
     int disabled = out->shape != RL_SHAPE_RECONCILE && out->shape != RL_SHAPE_RESET &&
                    out->shape != RL_SHAPE_RELEASE && out->shape != RL_SHAPE_RENEW &&
-                   out->shape != RL_SHAPE_BUDGET_SETTLE && kill_switch_on();
+                   out->shape != RL_SHAPE_BUDGET_SETTLE && out->shape != RL_SHAPE_QUEUE &&
+                   kill_switch_on();
     if (disabled && out->shape == RL_SHAPE_BUDGET_HOLD) {
         /* Allowed and nothing held: the hold has no id, so its settle sends nothing
            (periods.py); each budget's remaining is its limit, in the period the client's
@@ -1020,7 +1078,7 @@ rl_prepare(rl_module_state *state, const char *prefix, size_t prefix_len, int cl
     if ((out->script == RL_SCRIPT_WINDOW || out->script == RL_SCRIPT_IN_FLIGHT ||
          out->script == RL_SCRIPT_GCRA_WINDOWS || out->shape == RL_SHAPE_ACQUIRE ||
          out->shape == RL_SHAPE_BUDGET_HOLD) &&
-        rl_member_uuid4(state->random, out->member) < 0) {
+        !out->member_given && rl_member_uuid4(state->random, out->member) < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }

@@ -164,6 +164,8 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
         return PyLong_FromLongLong(r->found); /* with release: the lease's answer is not told */
     if (d->shape == RL_SHAPE_OBSERVE)
         return PyLong_FromLongLong(r->expires_ms);
+    if (d->shape == RL_SHAPE_QUEUE)
+        return PyLong_FromLongLong(r->found);
     if (d->shape == RL_SHAPE_RESET)
         return Py_BuildValue("(Ls)", r->found, r->cursor);
     if (d->shape == RL_SHAPE_PEEK)

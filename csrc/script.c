@@ -80,6 +80,8 @@ static const struct {
                                  sizeof(rl_budget_settle_load_command) - 1},
     [RL_SCRIPT_OBSERVE] = {RL_OBSERVE_SHA1, rl_observe_source, sizeof(rl_observe_source) - 1,
                            rl_observe_load_command, sizeof(rl_observe_load_command) - 1},
+    [RL_SCRIPT_QUEUE] = {RL_QUEUE_SHA1, rl_queue_source, sizeof(rl_queue_source) - 1,
+                         rl_queue_load_command, sizeof(rl_queue_load_command) - 1},
 };
 
 rl_script_id
@@ -502,6 +504,73 @@ write_upstream_key(char *cursor, const char *prefix, size_t prefix_len, const ch
     return cursor + 9;
 }
 
+/* Writes a shared scope's wait queue keys, "{prefix}:{name}:queue" (its sorted set) and
+   "{prefix}:{name}:queue:h" (its hash), at cursor and sets their lengths; returns the end.
+   Room: 2 * (prefix_len + 1 + rl_key_user_room(name_len) + 8). Last fields "queue" and
+   "queue:h": never a window's, a view's, nor a user's other keys. */
+static char *
+write_queue_keys(char *cursor, const char *prefix, size_t prefix_len, const char *name,
+                 size_t name_len, int hash_tag, size_t *zlen, size_t *hlen)
+{
+    char *start = cursor;
+    cursor = write_user_key(cursor, prefix, prefix_len, name, name_len, hash_tag);
+    memcpy(cursor, ":queue", 6);
+    cursor += 6;
+    *zlen = (size_t)(cursor - start);
+    memcpy(cursor, start, *zlen);
+    cursor += *zlen;
+    memcpy(cursor, ":h", 2);
+    *hlen = *zlen + 2;
+    return cursor + 2;
+}
+
+/* Formats "EVALSHA sha 2 {prefix}:{name}:queue {prefix}:{name}:queue:h now ticket tenant
+   wait_ms max_queue max_tenant" (lua/wait_queue.lua); the upstream's name is the call's
+   user. Returns the length and sets *out, or -1 (out of memory). */
+static long long
+format_queue(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
+             const rl_prepared *d, long long now_ms, char **out)
+{
+    char stack_key[RL_STACK_ARENA], *key = stack_key;
+    char numbers[RL_QUEUE_FIELDS + 1][RL_NUMBER_TEXT];
+    size_t need = 2 * (prefix_len + 1 + rl_key_user_room(user_len) + 8);
+    const char *argv[8 + RL_QUEUE_FIELDS];
+    size_t argvlen[8 + RL_QUEUE_FIELDS];
+    long long len;
+
+    *out = NULL;
+    if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
+        return -1;
+    argv[0] = "EVALSHA";
+    argvlen[0] = 7;
+    argv[1] = rl_script_sha1(RL_SCRIPT_QUEUE);
+    argvlen[1] = strlen(argv[1]);
+    argv[2] = "2";
+    argvlen[2] = 1;
+    write_queue_keys(key, prefix, prefix_len, user, user_len, d->hash_tag, &argvlen[3],
+                     &argvlen[4]);
+    argv[3] = key;
+    argv[4] = key + argvlen[3];
+    argvlen[5] = now_ms >= 0 ? (size_t)snprintf(numbers[0], RL_NUMBER_TEXT, "%lld", now_ms) : 0;
+    argv[5] = now_ms >= 0 ? numbers[0] : "";
+    argv[6] = d->member;
+    argvlen[6] = strlen(d->member);
+    argv[7] = d->tenant;
+    argvlen[7] = strlen(d->tenant);
+    for (int i = 0; i < RL_QUEUE_FIELDS; i++) {
+        argvlen[8 + i] = (size_t)snprintf(numbers[1 + i], RL_NUMBER_TEXT, "%lld", d->queue[i]);
+        argv[8 + i] = numbers[1 + i];
+    }
+    len = redisFormatCommandArgv(out, 8 + RL_QUEUE_FIELDS, argv, argvlen);
+    if (key != stack_key)
+        free(key);
+    if (len < 0 || *out == NULL) {
+        *out = NULL;
+        return -1;
+    }
+    return len;
+}
+
 /* Formats "EVALSHA sha 1 {prefix}:{name}:upstream now" and the observation's numbers (see
    the header of lua/observe_upstream.lua); the upstream's name is the call's user. Returns the length and sets *out, or -1 (out of memory). */
 static long long
@@ -754,8 +823,11 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             upstreams += d->scopes[k].shared;
     }
     /* reset.lua's pattern and base (the pattern escapes each byte at most once). */
+    /* ... and sliding_window.lua each one's wait queue (lib/queue.lua): two keys more. */
+    const int queues =
+        d->script == RL_SCRIPT_WINDOW || d->script == RL_SCRIPT_COMPACT_WINDOW ? upstreams : 0;
     size_t need = (size_t)w->count * (3 * key_room + 4 * RL_NUMBER_TEXT) + 4 * key_room +
-                  (size_t)upstreams * key_room;
+                  (size_t)upstreams * key_room + (size_t)queues * 2 * key_room;
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
     int argc = 0;
@@ -769,6 +841,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         return format_budgets(prefix, prefix_len, d, now_ms, out);
     if (d->script == RL_SCRIPT_OBSERVE)
         return format_observe(prefix, prefix_len, user, user_len, d, now_ms, out);
+    if (d->script == RL_SCRIPT_QUEUE)
+        return format_queue(prefix, prefix_len, user, user_len, d, now_ms, out);
     *out = NULL;
     if (need > sizeof(stack_arena)) {
         arena = malloc(need);
@@ -781,9 +855,9 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc++] = 7;
     argv[argc] = rl_script_sha1(d->script);
     argvlen[argc++] = strlen(argv[1]);
-    argvlen[argc] =
-        (size_t)snprintf(numkeys, sizeof(numkeys), "%d",
-                         per_window * (w->count - first) + upstreams + slot_keys + first);
+    argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d",
+                                     per_window * (w->count - first) + upstreams + 2 * queues +
+                                         slot_keys + first);
     argv[argc++] = numkeys;
     for (int i = first; i < w->count; i++) {
         char *key = cursor;
@@ -808,6 +882,17 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
                                     d->scopes[k].name_len, d->hash_tag);
         argv[argc] = key;
         argvlen[argc++] = (size_t)(cursor - key);
+    }
+    for (int k = 0; k < d->nscopes && queues > 0; k++) {
+        if (!d->scopes[k].shared)
+            continue;
+        char *key = cursor;
+        cursor =
+            write_queue_keys(cursor, prefix, prefix_len, d->scopes[k].name, d->scopes[k].name_len,
+                             d->hash_tag, &argvlen[argc], &argvlen[argc + 1]);
+        argv[argc] = key;
+        argv[argc + 1] = key + argvlen[argc];
+        argc += 2;
     }
     if (first) { /* the bucket's key, last: format_gcra's */
         char *key = cursor;
@@ -1141,6 +1226,21 @@ decode_budget_hold(const redisReply *reply, const rl_prepared *d, rl_result *out
     out->now_ms = now;
     out->evaluated = (int)count;
     out->slot = -1;
+    return RL_OK;
+}
+
+/* lua/wait_queue.lua: take, the ticket's rank or -1/-2 (full); leave, 1 or 0. */
+static rl_status
+decode_queue(const redisReply *reply, rl_result *out, rl_error *err)
+{
+    if (reply->type != REDIS_REPLY_INTEGER)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the wait queue script: %s, expected an integer",
+                            rl_reply_type_name(reply->type));
+    if (within("wait queue", "rank", reply->integer, -2, RL_MAX_QUEUE_LENGTH, err) != RL_OK)
+        return err->kind;
+    memset(out, 0, sizeof(*out));
+    out->found = reply->integer;
     return RL_OK;
 }
 
@@ -1615,6 +1715,8 @@ rl_script_decode(const redisReply *reply, const rl_prepared *d, rl_result *out, 
         return decode_budget_settle(reply, d, out, err);
     case RL_SCRIPT_OBSERVE:
         return decode_observe(reply, out, err);
+    case RL_SCRIPT_QUEUE:
+        return decode_queue(reply, out, err);
     default:
         return decode_window(reply, d, out, err);
     }

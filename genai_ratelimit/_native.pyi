@@ -130,6 +130,9 @@ GCRA_SOURCE: str
 # _observe_upstream: lua/observe_upstream.lua (closed-until, unix ms, 0 when open)
 OBSERVE_SHA1: str
 OBSERVE_SOURCE: str
+# _wait_queue: lua/wait_queue.lua (take: the ticket's rank, -1/-2 full; leave: 1 or 0)
+QUEUE_SHA1: str
+QUEUE_SOURCE: str
 GCRA_WINDOWS_SHA1: str
 GCRA_WINDOWS_SOURCE: str
 COMPACT_GCRA_WINDOWS_SHA1: str
@@ -192,6 +195,7 @@ class Limiter:
         scopes: tuple[_NativeScope, ...] = (),
         in_flight: tuple[int, int] | None = None,
         shares: str | None = None,
+        ticket: str | None = None,
     ) -> _ReserveTuple: ...
     def _reconcile(
         self,
@@ -228,6 +232,9 @@ class Limiter:
     ) -> _SettleResult: ...
     def _observe_upstream(
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
+    ) -> int: ...
+    def _wait_queue(
+        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int]
     ) -> int: ...
     def _reset(
         self,
@@ -301,6 +308,7 @@ class Codec:
         scopes: tuple[_NativeScope, ...] = (),
         in_flight: tuple[int, int] | None = None,
         shares: str | None = None,
+        ticket: str | None = None,
     ) -> Request | _ReserveTuple: ...
     def reconcile(
         self,
@@ -338,6 +346,9 @@ class Codec:
     def observe_upstream(
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> Request | int: ...
+    def wait_queue(
+        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int]
+    ) -> Request: ...
     def reset(
         self,
         user_id: str,

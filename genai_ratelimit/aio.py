@@ -64,6 +64,7 @@ from .reservation import (
     reserve_arguments,
     reserve_plan,
 )
+from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -940,10 +941,20 @@ class AsyncRateLimiter:
                       cost: int = 1, token_windows: Sequence[tuple[int, int]] = (),
                       tokens: int | None = None, scopes: Sequence[Scope] = (),
                       in_flight: tuple[int, int] | None = None,
-                      scope_class: str | None = None) -> Reservation:
-        """RateLimiter.reserve, awaited (its lease is an AsyncLease)."""
+                      scope_class: str | None = None, max_wait: float | None = None,
+                      tenant: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+                      max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT) -> Reservation:
+        """RateLimiter.reserve, awaited (its lease is an AsyncLease). A caller cancelled
+        while it waits in a queue (max_wait) leaves it: its ticket is removed."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
+        if max_wait is not None:
+            queued: Reservation = await self._drive(queued_reserve_plan(
+                user_id, windows, cost, token_windows, tokens, scopes, max_wait, tenant,
+                max_queue, max_queue_per_tenant, self._two_step_scopes, in_flight,
+                None, scope_class), reserving=True)
+            count_reservation(self._codec._record_outcome, queued)
+            return queued
         reservation: Reservation = await self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes,
             in_flight, lease_maker(AsyncLease, user_id, in_flight, self), scope_class),
@@ -1145,6 +1156,13 @@ class AsyncRateLimiter:
             raise RateLimiterError("the rate limiter is closed")
         if name == "release":
             return await self._run(self._codec.release(*positional), sent=sent)
+        if name == "clock":
+            return time.monotonic()
+        if name == "sleep":
+            await asyncio.sleep(*positional)
+            return None
+        if name == "wait_queue":
+            return await self._run(self._codec.wait_queue(*positional), sent=sent)
         if name == "reserve":  # a decision (the metrics count it), a reconcile is not
             request = self._codec.reserve(*positional, **keywords)
             return (request if type(request) is tuple
@@ -1190,7 +1208,7 @@ class AsyncRateLimiter:
                 try:
                     if future is not None:  # the reply of the call that was out
                         answer = await future
-                    elif reserving and call[0] == "reserve":  # no new step for nobody
+                    elif reserving and call[0] in ("reserve", "sleep"):  # nobody waits
                         raise _Abandoned()
                     else:
                         answer = await self._call(call)

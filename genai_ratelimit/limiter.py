@@ -35,6 +35,7 @@ from .reservation import (
     reserve_arguments,
     reserve_plan,
 )
+from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
 
 __all__ = ["RateLimiter", "limiter_options"]
 
@@ -217,7 +218,9 @@ class RateLimiter(_native.Limiter):
                 token_windows: Sequence[tuple[int, int]] = (),
                 tokens: int | None = None, scopes: Sequence[Scope] = (),
                 in_flight: tuple[int, int] | None = None,
-                scope_class: str | None = None) -> Reservation:
+                scope_class: str | None = None, max_wait: float | None = None,
+                tenant: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE,
+                max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT) -> Reservation:
         """Decides one request against its request `windows` (each charged `cost`) and its
         `token_windows` (each charged `tokens`, the estimate), and the windows of `scopes`
         (a route's or model's budget of this user, an upstream's caps shared by all), in one
@@ -226,7 +229,17 @@ class RateLimiter(_native.Limiter):
         concurrent slots in the same script execution (acquire's), all or nothing: the
         Reservation's `lease`. `scope_class`: the request's class in the reserved shares of
         a shared scope (Scope reserved/ceilings; a refusal names its rule in
-        `share_refusal`)."""
+        `share_refusal`). `max_wait` (seconds, > 0, at most 300): a request the shared
+        scopes' windows refuse waits in their queue, shared by every replica, fair across
+        `tenant`s (default: the user), until they admit it or its deadline would pass
+        (docs/wait-queue.md; the Reservation's queue_outcome says how it ended)."""
+        if max_wait is not None:
+            queued: Reservation = self._drive(queued_reserve_plan(
+                user_id, windows, cost, token_windows, tokens, scopes, max_wait, tenant,
+                max_queue, max_queue_per_tenant, self._two_step_scopes, in_flight,
+                None, scope_class))
+            count_reservation(self._record_outcome, queued)
+            return queued
         reservation: Reservation = self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes,
             in_flight, lease_maker(Lease, user_id, in_flight, self), scope_class))
@@ -288,6 +301,13 @@ class RateLimiter(_native.Limiter):
                     answer = self._release(*positional)
                 elif name == "observe_upstream":
                     answer = self._observe_upstream(*positional)
+                elif name == "wait_queue":
+                    answer = self._wait_queue(*positional)
+                elif name == "clock":
+                    answer = time.monotonic()
+                elif name == "sleep":
+                    time.sleep(*positional)
+                    answer = None
                 else:
                     method = self._reserve if name == "reserve" else self._reconcile
                     answer = method(*positional, **keywords)

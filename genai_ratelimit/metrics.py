@@ -192,7 +192,8 @@ REQUESTS = _family("requests", "counter",
                    ("outcome", "tier", "scope", "mode", "window_seconds", "resource"),
                    "Requests decided by a FastAPI dependency, each in exactly one outcome: "
                    "allowed, rejected, too_large, concurrency_rejected, shadow_would_refuse, "
-                   "unavailable_denied, fail_open.", "{request}", "requests")
+                   "unavailable_denied, fail_open, queued_then_allowed, queue_timeout, "
+                   "queue_full.", "{request}", "requests")
 REQUEST_TOKENS = _family("request_tokens", "counter", ("tier", "mode", "state"),
                          "Tokens of the requests a TokenRateLimit allowed, by tier: reserved "
                          "(the estimates), charged (the usage reconciled), refunded (estimate "
@@ -236,6 +237,9 @@ OUTCOMES = (
     "shadow_would_refuse",  # the route ran: mode="shadow" and the budget would have refused
     "unavailable_denied",   # 503: Redis could not decide, on_unavailable="deny"
     "fail_open",            # the route ran: Redis could not decide, on_unavailable="allow"
+    "queued_then_allowed",  # the route ran after waiting in an upstream's queue (max_wait)
+    "queue_timeout",        # 429: it waited in an upstream's queue; its deadline came first
+    "queue_full",           # 429 at once: the upstream's queue (or the tenant's share) is full
 )
 _OUTCOME_SET = frozenset(OUTCOMES)
 # The bound on a RequestOutcomes' series: label sets beyond it count as one "other" set.

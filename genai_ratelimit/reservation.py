@@ -172,6 +172,11 @@ class Reservation:
     # class, which rule; None otherwise. scope_class: the class the request was decided as.
     share_refusal: ShareRefusal | None = None
     scope_class: str | None = None
+    # reserve(..., max_wait=...): how its wait in the shared scopes' queue ended
+    # ("queued_then_allowed", "queue_timeout", "queue_full"; "" when it did not wait) and how
+    # long it waited (ms). docs/wait-queue.md.
+    queue_outcome: str = ""
+    waited_ms: int = 0
 
     def remaining_of(self, resource: Resource, scope: Scope | None | Literal["any"] = "any"
                      ) -> int | None:
@@ -282,6 +287,15 @@ def advance(plan: Plan, answer: Any = None,
     return call, None
 
 
+def check_scope_class(scope_class: object, shared: Sequence[Scope]) -> None:
+    """reserve's scope_class: None, or a str when a shared scope has reserved shares."""
+    if scope_class is not None:
+        if not isinstance(scope_class, str):
+            raise TypeError(f"scope_class must be a str, not {type(scope_class).__name__}")
+        if not any(s.has_shares for s in shared):
+            raise ValueError("scope_class needs a shared Scope with reserved or ceilings")
+
+
 def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
                  token_windows: Sequence[tuple[int, int]], tokens: int | None,
                  scopes: object, two_step: bool, in_flight: tuple[int, int] | None = None,
@@ -294,11 +308,7 @@ def reserve_plan(user_id: str, windows: Sequence[tuple[int, int]], cost: int,
     the window), never a charge on the user for a request the cap refused."""
     chosen = _scope_list(scopes)
     shared = tuple(s for s in chosen if s.shared)
-    if scope_class is not None:
-        if not isinstance(scope_class, str):
-            raise TypeError(f"scope_class must be a str, not {type(scope_class).__name__}")
-        if not any(s.has_shares for s in shared):
-            raise ValueError("scope_class needs a shared Scope with reserved or ceilings")
+    check_scope_class(scope_class, shared)
     if not two_step or not shared:
         raw = yield ("reserve", (user_id, windows),
                      reserve_arguments(cost, token_windows, tokens, chosen, in_flight,

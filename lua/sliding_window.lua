@@ -1,6 +1,7 @@
 -- include: lib/clock.lua
 -- include: lib/decide.lua
 -- include: lib/upstream.lua
+-- include: lib/queue.lua
 -- include: lib/{storage}_log.lua
 -- include: lib/shares.lua
 --[[
@@ -17,6 +18,9 @@ KEYS, zset     KEYS[i] (i = 1..n) one sorted set per window, shortest window fir
 KEYS, compact  KEYS[i] (i = 1..n) one string per window, shortest window first
 KEYS[KEYS_PER_WINDOW * n + k]  the upstream view of the call's k-th shared scope
            (lib/upstream.lua), one per shared scope, after the windows' keys
+KEYS[KEYS_PER_WINDOW * n + s + 2k - 1], KEYS[... + 2k]  the wait queue of the call's k-th
+           shared scope (lib/queue.lua: its sorted set and its hash), after the s upstream
+           views: a request the windows allow is refused while tickets it may not pass wait
 ARGV[1]    the member to add when every window allows (compact: the request id, a UUID4,
            whose first 8 bytes go to the replay table of KEYS[n])
 ARGV[2]    the request time in unix ms, or "" to read the server's clock (TIME)
@@ -45,12 +49,13 @@ anything (the storage's OOM probe, open_log's), rather than admitting requests i
 local argc = #ARGV - 2 -- member, now, then 3 per window (and the replay marker)
 local n = (argc - argc % 3) / 3
 local log, now = open_log(n, ARGV[2], true, 'lazy') -- the OOM probe when needed (the storage's)
-local upstreams = #KEYS > KEYS_PER_WINDOW * n and
-  open_upstreams(n, KEYS_PER_WINDOW * n + 1, #KEYS - KEYS_PER_WINDOW * n, now) or nil
+local shared = (#KEYS - KEYS_PER_WINDOW * n) / 3 -- an upstream view and a queue's 2 keys each
+local upstreams = shared > 0 and open_upstreams(n, KEYS_PER_WINDOW * n + 1, shared, now) or nil
+local queues = shared > 0 and open_queues(KEYS_PER_WINDOW * n + shared + 1, shared, now) or nil
 local marker, spec = ARGV[3 * n + 3], nil
 if marker and marker:sub(1, 2) == 'S ' then spec, marker = marker, ARGV[3 * n + 4] end
 local shares = open_shares(n, spec, now, log)
-local reply, tie = decide_and_log(n, now, log, marker, upstreams, shares)
+local reply, tie = decide_and_log(n, now, log, marker, upstreams, shares, queues)
 if TIE_NAMES_ENTRY then reply[8] = tie end
 if shares then reply[#reply + 1] = shares.refused end
 return reply

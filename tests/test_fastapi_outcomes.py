@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.testclient import TestClient
 
 from genai_ratelimit import AsyncRateLimiter
-from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, TokenRateLimit
+from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, TokenRateLimit, Upstream
 from genai_ratelimit.metrics import OUTCOMES, PrometheusCollector, request_outcomes
 from helpers_async import LimiterFactory, run_async
 from helpers_core import closed_port_url
@@ -34,7 +34,8 @@ pytestmark = [
 
 # The HTTP status each outcome answers (the route's own status: 200 here).
 STATUS = {"allowed": 200, "rejected": 429, "too_large": 429, "concurrency_rejected": 429,
-          "shadow_would_refuse": 200, "unavailable_denied": 503, "fail_open": 200}
+          "shadow_would_refuse": 200, "unavailable_denied": 503, "fail_open": 200,
+          "queued_then_allowed": 200, "queue_timeout": 429, "queue_full": 429}
 
 
 def by_header(request: Request) -> tuple[str, str]:
@@ -49,8 +50,8 @@ class Gateway:
     """An app with one route per way a request can end, on `up` (the session's Redis) and
     `down` (a closed port)."""
 
-    def __init__(self, up: Any, down: Any, make_limiter: LimiterFactory) -> None:
-        self.up, self.down = up, down
+    def __init__(self, up: Any, down: Any, make_limiter: LimiterFactory, url: str) -> None:
+        self.up, self.down, self.url = up, down, url
         self.loop_factory = make_limiter.loop_factory
         self.client_options = client_options(make_limiter)  # TestClient on the kind's loop
         tiers = {"free": {"per_minute": 3}, "pro": {"per_minute": 100}}
@@ -63,6 +64,11 @@ class Gateway:
                                      identify=by_header, estimate=estimate, namespace="tok")
         self.open = RateLimit(down, on_unavailable="allow", identify=by_header, namespace="o")
         self.closed = RateLimit(down, on_unavailable="deny", identify=by_header, namespace="c")
+        # Upstreams whose requests wait in a queue (docs/wait-queue.md)
+        self.queued = RateLimit(up, identify=by_header, namespace="q",
+                                upstream=Upstream("gw/queued", per_minute=1, max_wait=5))
+        self.full = RateLimit(up, identify=by_header, namespace="f",
+                              upstream=Upstream("gw/full", per_minute=1, max_wait=5, max_queue=1))
         app = FastAPI()
         app.add_middleware(RateLimitHeadersMiddleware)
         self.seen_in_flight: list[int] = []
@@ -90,6 +96,14 @@ class Gateway:
         def closed() -> dict[str, str]:
             return {}
 
+        @app.get("/queued", dependencies=[Depends(self.queued)])
+        def queued() -> dict[str, str]:
+            return {}
+
+        @app.get("/full", dependencies=[Depends(self.full)])
+        def full() -> dict[str, str]:
+            return {}
+
         self.app = app
 
     def totals(self) -> Counter[str]:
@@ -106,7 +120,7 @@ def gateway(make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Re
     """The gateway on limiters of the kind under test (closed with the test's make_limiter)."""
     return Gateway(make_limiter.native(redis_url),
                    make_limiter.native(closed_port_url(), connect_timeout=0.5, socket_timeout=0.5),
-                   make_limiter)
+                   make_limiter, redis_url)
 
 
 def take_slots(gateway: Gateway, user: str, count: int) -> None:
@@ -117,6 +131,18 @@ def take_slots(gateway: Gateway, user: str, count: int) -> None:
         else:
             lease = gateway.up.acquire(user, count, 60)
         assert lease.allowed
+
+
+def ghost_ticket(gateway: Gateway, upstream: str, wait_ms: int) -> None:
+    """A ticket in the upstream's wait queue whose waiter is gone (it expires after wait_ms)."""
+    import uuid
+
+    from genai_ratelimit import RateLimiter
+    from genai_ratelimit.wait_queue import tenant_key
+
+    with RateLimiter(gateway.url) as raw:
+        assert raw._wait_queue(upstream, str(uuid.uuid4()), tenant_key("ghost"),
+                               (wait_ms, 1000, 100)) == 0
 
 
 def burst(client: TestClient, gateway: Gateway, user: str) -> list[tuple[str, int]]:
@@ -136,6 +162,14 @@ def burst(client: TestClient, gateway: Gateway, user: str) -> list[tuple[str, in
     send("open", "GET", "/open")
     send("open", "GET", "/open")
     send("closed", "GET", "/closed")
+    # A ticket ahead whose waiter is gone (deadline 200 ms): the request waits for it, then
+    # runs; the next cannot be admitted before its max_wait (the cap's minute): 429 at once.
+    ghost_ticket(gateway, "gw/queued", 200)
+    send("queued", "GET", "/queued")
+    send("queued", "GET", "/queued")
+    # A queue of 1 that holds a ticket already: 429 at once.
+    ghost_ticket(gateway, "gw/full", 10_000)
+    send("full", "GET", "/full")
     # A pro user whose 5 slots are held elsewhere: the concurrency 429.
     take_slots(gateway, f"{user}-busy", 5)
     answers.append(("busy", client.get("/chat", headers={"x-user": f"{user}-busy",
@@ -145,14 +179,15 @@ def burst(client: TestClient, gateway: Gateway, user: str) -> list[tuple[str, in
 
 EXPECTED = Counter({"allowed": 3 + 1 + 1, "rejected": 2 + 1, "too_large": 1,
                     "shadow_would_refuse": 2, "fail_open": 2, "unavailable_denied": 1,
-                    "concurrency_rejected": 1})
+                    "concurrency_rejected": 1, "queued_then_allowed": 1, "queue_timeout": 1,
+                    "queue_full": 1})
 
 
 def test_every_request_lands_in_exactly_one_outcome(gateway: Gateway, user_id: str) -> None:
     with TestClient(gateway.app, **gateway.client_options) as client:
         answers = burst(client, gateway, user_id)
     totals = gateway.totals()
-    assert sum(totals.values()) == len(answers) == 15
+    assert sum(totals.values()) == len(answers) == 18
     assert totals == EXPECTED
     assert set(totals) == set(OUTCOMES), "the burst makes every outcome"
     # Each outcome's HTTP status, as the table says: the statuses the client saw.
@@ -178,6 +213,9 @@ def test_the_labels_say_tier_scope_mode_window_and_resource(gateway: Gateway,
         ("too_large", "free", "user", "enforce", "60", "tokens"): 1,
         ("shadow_would_refuse", "free", "user", "shadow", "60", "requests"): 2,
         ("concurrency_rejected", "pro", "user", "enforce", "none", "in_flight"): 1,
+        ("queued_then_allowed", "free", "none", "enforce", "none", "none"): 1,
+        ("queue_timeout", "free", "upstream", "enforce", "60", "requests"): 1,
+        ("queue_full", "free", "upstream", "enforce", "60", "requests"): 1,
     }
     assert down == {
         ("fail_open", "free", "none", "enforce", "none", "none"): 2,
@@ -189,14 +227,21 @@ def test_the_limiter_level_decisions_relate_to_the_outcomes(gateway: Gateway,
                                                             user_id: str) -> None:
     """The limiter counts Redis decisions, the layer HTTP requests: a shadow would-refuse is a
     rejected decision (of the shadow keys) and a request that ran; a concurrency 429 is a
-    refused lease, no decision; an outage is an unavailable decision per request."""
+    refused lease, no decision; an outage is an unavailable decision per request; a request
+    that waited in a queue is a refused decision and then its tries with its ticket."""
     with TestClient(gateway.app, **gateway.client_options) as client:
         burst(client, gateway, user_id)
     up, down = gateway.up.metrics(), gateway.down.metrics()
     tally = request_outcomes(gateway.up)
-    assert up["allowed"] == tally.total(outcome="allowed")
-    assert up["rejected"] == (tally.total(outcome="rejected")
-                              + tally.total(outcome="shadow_would_refuse"))
+    assert up["allowed"] == tally.total(outcome="allowed") + tally.total(
+        outcome="queued_then_allowed")
+    # A request that waited in a queue was refused once before it took its ticket (and
+    # again if it woke before its turn: its retries are decisions too).
+    queued = sum(tally.total(outcome=o) for o in ("queued_then_allowed", "queue_timeout",
+                                                  "queue_full"))
+    retries = up["rejected"] - (tally.total(outcome="rejected")
+                                + tally.total(outcome="shadow_would_refuse") + queued)
+    assert 0 <= retries <= 2
     assert up["leases_refused"] == tally.total(outcome="concurrency_rejected")
     assert down["unavailable"] == request_outcomes(gateway.down).total() == 3
     assert down["fail_open"] == request_outcomes(gateway.down).total(outcome="fail_open")

@@ -42,6 +42,7 @@ EMBEDDED = {
     ("BUDGET_HOLD_SHA1", "BUDGET_HOLD_SOURCE"): ("budget_hold.lua", None),
     ("BUDGET_SETTLE_SHA1", "BUDGET_SETTLE_SOURCE"): ("budget_settle.lua", None),
     ("OBSERVE_SHA1", "OBSERVE_SOURCE"): ("observe_upstream.lua", None),
+    ("QUEUE_SHA1", "QUEUE_SOURCE"): ("wait_queue.lua", None),
 }
 STORAGES = ("zset", "compact")
 # What each storage's file defines for the scripts written over a storage (beside the

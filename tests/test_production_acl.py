@@ -117,6 +117,23 @@ def test_the_documented_acl_user_weighs_reserves_and_reconciles(
     assert logged_entries(admin, f"ratelimit:{user_id}:60") == 1
 
 
+def test_the_documented_acl_user_waits_in_a_shared_caps_queue(
+        acl_url: Callable[..., str], make_limiter: LimiterFactory, admin: redis.Redis,
+        user_id: str) -> None:
+    """docs/wait-queue.md: tickets taken, admitted, timed out and left, with no other command."""
+    from genai_ratelimit import Scope
+
+    limiter = make_limiter(acl_url())
+    cap = Scope("acl/provider", windows=[(1, 1)], shared=True)
+    assert limiter.reserve(user_id, [(100, 60)], scopes=[cap]).allowed
+    waited = limiter.reserve(user_id, [(100, 60)], scopes=[cap], max_wait=5)
+    assert waited.allowed and waited.queue_outcome == "queued_then_allowed"
+    late = limiter.reserve(user_id, [(100, 60)], scopes=[cap], max_wait=0.1)
+    assert not late.allowed and late.queue_outcome == "queue_timeout"
+    admin.select(1)
+    assert not admin.keys("ratelimit:acl/provider:queue*")  # every ticket gone, its keys too
+
+
 @pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)
 @pytest.mark.parametrize("rule", ["+zadd", "+evalsha", "+time", "+hget", "+hset"])
 def test_the_documented_line_without_one_of_its_commands_is_not_enough(

@@ -199,7 +199,7 @@ def test_a_response_that_says_nothing_sends_nothing(make_limiter: LimiterFactory
 
 
 @pytest.mark.limiter_kinds("sync", reason="counts the server's commands of one decision path")
-def test_a_cap_nobody_observed_costs_one_exists_per_admission(
+def test_a_cap_nobody_observed_with_no_queue_costs_two_exists_per_admission(
         make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> None:
     limiter = make_limiter(redis_url)
     limiter.reserve("warm", [(50, 60)], scopes=[cap()])  # the script loaded
@@ -207,8 +207,9 @@ def test_a_cap_nobody_observed_costs_one_exists_per_admission(
     for i in range(5):
         assert limiter.reserve(f"t{i}", [(50, 60)], scopes=[cap()]).allowed
     stats = redis_client.info("commandstats")
-    # The view's one read per admission; the rest is the windows' own (HGET: the weights).
-    assert stats["cmdstat_exists"]["calls"] == 5
+    # The view's one read per admission and its wait queue's (docs/wait-queue.md); the rest
+    # is the windows' own (HGET: the weights).
+    assert stats["cmdstat_exists"]["calls"] == 5 + 5
     assert not {"cmdstat_hmget", "cmdstat_hincrby", "cmdstat_hset"} & set(stats)
 
 

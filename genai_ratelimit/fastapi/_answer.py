@@ -221,7 +221,7 @@ def _allowed(dependency: RateLimit, request: Request, response: Response, facts:
         dependency._keep(request, facts.tier, verdict.reservation)
     if verdict.spend is not None:
         dependency._keep_spend(request, facts.tier, verdict.spend)
-    dependency._count(request, "allowed")
+    dependency._count(request, verdict.outcome)
     requests = None
     for state in verdict.states:
         if state.resource == "requests":

@@ -58,7 +58,7 @@ logger = logging.getLogger("genai_ratelimit")
 # {id(dependency): [tier, counted]}: each dependency counts a request in one outcome, once.
 _OUTCOME_KEY = "genai_ratelimit.outcome"
 # The outcomes whose request runs (and is then in flight until its response is over).
-_RUNS = frozenset(("allowed", "shadow_would_refuse", "fail_open"))
+_RUNS = frozenset(("allowed", "queued_then_allowed", "shadow_would_refuse", "fail_open"))
 # This package's own check_windows: the plan may ask their detailed twin instead (_policy).
 _STOCK_CHECK_WINDOWS = (RateLimiter.check_windows, AsyncRateLimiter.check_windows)
 
@@ -522,7 +522,8 @@ class _AsyncRateLimit(RateLimit):
         if facts is not None and self._scopes:
             scopes = await self._scopes.of(request)
             if scopes:
-                facts = dataclasses.replace(facts, scopes=tuple(scopes))
+                facts = dataclasses.replace(facts, scopes=tuple(scopes),
+                                            wait=self._scopes.wait_in(scopes))
                 note_upstreams(request, self.limiter, self._limiter_is_async,
                                self._scopes.upstreams_in(scopes))
         return facts

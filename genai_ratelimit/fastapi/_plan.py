@@ -123,6 +123,10 @@ class Facts:
     gcra: tuple[int, int, int] | None = None
     # A TokenRateLimit with prices: the money budgets to hold once the tokens are reserved.
     spend: SpendFacts | None = None
+    # How a request its upstreams' caps refuse may wait in their queue: the Upstream's
+    # (max_wait, max_queue, max_queue_per_tenant); None: refused at once. The wait is the
+    # reserve call's own plan (genai_ratelimit/wait_queue.py); its tenant is the identity.
+    wait: tuple[float, int, int] | None = None
 
 
 class Call(NamedTuple):
@@ -148,6 +152,8 @@ class Allowed:
     reservation: Reservation | None = None
     # The money held for this request (a TokenRateLimit with prices), settled with its usage.
     spend: SpendHeld | None = None
+    # "queued_then_allowed" when it waited in an upstream's queue first
+    outcome: str = "allowed"
 
 
 @dataclass(slots=True)
@@ -248,6 +254,9 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         arguments.update(cost=1, token_windows=facts.token_windows, tokens=facts.tokens)
     if in_flight is not None:
         arguments["in_flight"] = in_flight
+    elif facts.wait is not None and not policy.shadow:
+        arguments.update(max_wait=facts.wait[0], max_queue=facts.wait[1],
+                         max_queue_per_tenant=facts.wait[2])
     try:
         reservation: Reservation = yield Call("reserve", (facts.identity, windows), arguments)
     except RateLimiterError as exc:
@@ -260,7 +269,7 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         out.verdicts.append(_scope_refusal(facts, reservation))
         return out
     if facts.tokens is not None:
-        verdict = _token_verdict(facts, policy, reservation, out)
+        verdict = _queued(_token_verdict(facts, policy, reservation, out), reservation)
         if facts.spend is not None and isinstance(verdict, Allowed):
             verdict = yield from _hold_money(facts, reservation, verdict, out)
         out.verdicts.append(verdict)
@@ -279,8 +288,15 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         assert state is not None and state.remaining is not None
         decision = out.remember = (True, state.remaining, 0, state.window_seconds)
         exact = (0, stamp)
-    out.verdicts.append(_window_verdict(facts, policy, decision, *exact))
+    out.verdicts.append(_queued(_window_verdict(facts, policy, decision, *exact), reservation))
     return out
+
+
+def _queued(verdict: Verdict, reservation: Reservation) -> Verdict:
+    """An admission after a wait in an upstream's queue counts as queued_then_allowed."""
+    if isinstance(verdict, Allowed) and reservation.queue_outcome == "queued_then_allowed":
+        verdict.outcome = "queued_then_allowed"
+    return verdict
 
 
 def run(steps: Plan, limiter: Any) -> Outcome:
@@ -446,8 +462,8 @@ def _scope_refusal(facts: Facts, reservation: Reservation) -> Refused:
     return Refused((("X-RateLimit-Limit", str(limit)), ("X-RateLimit-Remaining", "0"),
                     ("X-RateLimit-Window", window_name(window_seconds)),
                     ("X-RateLimit-Scope", kind), ("X-RateLimit-Resource", resource)) + rule,
-                   (reservation.retry_after_s, retry_ms), message, "rejected", resource,
-                   window_seconds, kind)
+                   (reservation.retry_after_s, retry_ms), message,
+                   reservation.queue_outcome or "rejected", resource, window_seconds, kind)
 
 
 def _token_verdict(facts: Facts, policy: Policy, reservation: Reservation, out: Outcome) -> Verdict:

@@ -21,6 +21,12 @@ from .._tiers_config import (
 from ..provider_limits import DEFAULT_MAX_CLOSE_SECONDS, validate_max_close_seconds
 from ..reservation import Scope as BudgetScope
 from ..shares import validate as validate_shares
+from ..wait_queue import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_QUEUE_PER_TENANT,
+    queue_bound,
+    queue_milliseconds,
+)
 from ._usage import requested_model
 
 logger = logging.getLogger("genai_ratelimit")
@@ -54,6 +60,10 @@ def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool,
                        **shares)
 
 
+# (max_wait, max_queue, max_queue_per_tenant) of an upstream's wait queue.
+Wait = tuple[float, int, int]
+
+
 @dataclass(frozen=True)
 class Upstream:
     """An upstream provider's caps (e.g. provider + model), shared by every user: all users
@@ -64,7 +74,9 @@ class Upstream:
     models: the request `model`s this upstream serves; empty: every request of the
     dependency. The token caps count in TokenRateLimit only. max_close_seconds: the
     longest the provider's word (a 429's retry-after, a reset) may close or narrow the cap
-    (docs/upstreams.md).
+    (docs/upstreams.md). max_wait: seconds (> 0, at most 300) a request the cap refuses
+    waits in its queue, shared by every replica, instead of a 429 (docs/wait-queue.md);
+    None: refused at once.
 
     reserved {class: percent}, ceilings {class: (ceiling percent, saturation percent)}: the
     cap's reserved shares (docs/upstreams.md, "Reserved shares"); a request's class is its
@@ -79,6 +91,11 @@ class Upstream:
     max_close_seconds: float = DEFAULT_MAX_CLOSE_SECONDS
     reserved: Any = ()
     ceilings: Any = ()
+    max_wait: float | None = None
+    # The queue's bounds (with max_wait): live tickets in all, and of one tenant (the
+    # dependency's key); past either a request gets its 429 at once (queue_full).
+    max_queue: int = DEFAULT_MAX_QUEUE
+    max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -94,6 +111,16 @@ class Upstream:
                                              None if self.ceilings == () else self.ceilings)
         object.__setattr__(self, "reserved", reserved)
         object.__setattr__(self, "ceilings", ceilings)
+        if self.max_wait is not None:  # TypeError / ValueError now, not per request
+            queue_milliseconds(self.max_wait)
+            queue_bound(self.max_queue, "max_queue")
+            queue_bound(self.max_queue_per_tenant, "max_queue_per_tenant")
+
+    def wait(self) -> Wait | None:
+        """(max_wait, max_queue, max_queue_per_tenant), or None without max_wait."""
+        if self.max_wait is None:
+            return None
+        return (self.max_wait, self.max_queue, self.max_queue_per_tenant)
 
     def budget(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SCOPE_BUDGET_KEYS
@@ -186,6 +213,7 @@ class _Scopes:
         # Each upstream's max_close_seconds by name: the fixed ones, and those the callable
         # chose (up to _MAX_CACHED_ROUTES names).
         self._bounds: dict[str, float] = {u.name: u.max_close_seconds for u in self.upstreams}
+        self._waits: dict[str, Wait | None] = {u.name: u.wait() for u in self.upstreams}
 
     def upstreams_in(self, scopes: Sequence[BudgetScope]) -> list[tuple[str, float]]:
         """(name, max_close_seconds) of the upstream caps among a request's scopes (none in
@@ -194,6 +222,15 @@ class _Scopes:
             return []
         return [(scope.name, self._bounds.get(scope.name, DEFAULT_MAX_CLOSE_SECONDS))
                 for scope in scopes if scope.shared]
+
+    def wait_in(self, scopes: Sequence[BudgetScope]) -> Wait | None:
+        """How a request through these scopes may wait in their upstreams' queue: the
+        (max_wait, max_queue, max_queue_per_tenant) of its upstream with the shortest
+        max_wait (None: none has one; and in shadow mode, which never holds a request back)."""
+        if self.shadow:
+            return None
+        waits = [w for w in (self._waits.get(s.name) for s in scopes if s.shared) if w is not None]
+        return min(waits) if waits else None
 
     def _named(self, scope: BudgetScope | None) -> BudgetScope | None:
         """A shadow budget's scopes count in keys of their own, shared ones too."""
@@ -249,6 +286,7 @@ class _Scopes:
             if chosen is not None:
                 if chosen.name in self._bounds or len(self._bounds) < _MAX_CACHED_ROUTES:
                     self._bounds[chosen.name] = chosen.max_close_seconds
+                    self._waits[chosen.name] = chosen.wait()
                 found.append(self._named(chosen.scope(self.tokens)))
         return tuple(scope for scope in found if scope is not None)
 

@@ -338,7 +338,8 @@ class TokenRateLimit(_AsyncRateLimit):
                            self._scopes.upstreams_in(scopes))
         spend = None if self.spend is None else await self._spend_facts(request, facts, document)
         return Facts(facts.identity, tier, facts.windows, self.token_windows_of(tier), tokens,
-                     scopes, facts.counted, facts.cap, facts.held, spend=spend)
+                     scopes, facts.counted, facts.cap, facts.held, spend=spend,
+                     wait=self._scopes.wait_in(scopes) if scopes else None)
 
     async def _spend_facts(self, request: Request, facts: Facts,
                            document: Mapping[str, Any] | None) -> SpendFacts | None:

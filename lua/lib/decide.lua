@@ -86,7 +86,9 @@ end
 -- allow is refused when a view says so, and charged to the views when it is logged.
 -- `shares`: the reserved shares of a shared scope (lib/shares.lua's open_shares), or nil:
 -- decided before the views, on the windows' own counts, and charged the same way.
-local function decide_and_log(n, now, log, marker, upstreams, shares)
+-- `queues`: the wait queues of the call's shared scopes (lib/queue.lua's open_queues), or
+-- nil: a request allowed so far is refused while tickets it may not pass wait.
+local function decide_and_log(n, now, log, marker, upstreams, shares, queues)
   if marker == '1' then
     local at, tie = log.logged(n, ARGV[1])
     if at then
@@ -98,6 +100,7 @@ local function decide_and_log(n, now, log, marker, upstreams, shares)
   local reply = decide(n, now, log.trim, log.freeing_stamp)
   if shares and reply[1] == 1 then reply = shares.check(reply) end
   if upstreams and reply[1] == 1 then reply = upstreams.check(reply) end
+  if queues and reply[1] == 1 then reply = queues.check(reply, log, n) end
   local tie, at = 0, nil
   if reply[1] == 1 then
     tie, at = log.tie()

@@ -1,0 +1,143 @@
+--[[
+lib/queue.lua - the wait queue of a shared cap (an upstream's caps): tickets of requests the
+cap refused that wait for it to free, shared by every replica. Prepended by the build
+(setup.py) to sliding_window.lua (the admission: no barging, a ticket's turn) and
+wait_queue.lua (take a ticket, leave it); functions only. docs/wait-queue.md is the design.
+
+Two keys per shared scope, under the scope's name (its hash tag on a Redis Cluster):
+  "{prefix}:{name}:queue"    sorted set of the live tickets, in the order they are served:
+                             score = the ticket's virtual round, member =
+                             "<seq, 12 digits>|<deadline, unix ms>|<ticket>|<tenant>" (ties of
+                             a round by arrival: the members sort by text, seq first)
+  "{prefix}:{name}:queue:h"  hash: "t|<ticket>" -> the ticket's member; "n|<tenant>" -> the
+                             tenant's live tickets; "r|<tenant>" -> the round of its latest;
+                             "seq" -> the arrival counter
+Fairness (virtual rounds): a ticket is served in round max(the head's round, the round of
+its tenant's latest live ticket + 1), so each tenant has at most one ticket per round and a
+tenant with none waiting goes in the round being served, behind at most one ticket of each
+other tenant; first in first out within a tenant. Both keys expire 1 s after the latest
+deadline of a ticket taken; a ticket whose deadline passed is purged by the next script that
+reads the head of the queue (the first PURGE_SCAN tickets), so a waiter that was killed takes
+no place once its deadline is over.
+--]]
+
+local PURGE_SCAN = 64
+
+local function queue_parse(member)
+  local seq, deadline, ticket, tenant = member:match('^(%d+)|(%d+)|([^|]+)|(.*)$')
+  return tonumber(deadline), ticket, tenant, seq
+end
+
+-- Removes the ticket whose sorted-set member is `member` (its tenant's count and round).
+local function queue_remove(zkey, hkey, member)
+  local _, ticket, tenant = queue_parse(member)
+  redis.call('ZREM', zkey, member)
+  redis.call('HDEL', hkey, 't|' .. ticket)
+  if redis.call('HINCRBY', hkey, 'n|' .. tenant, -1) <= 0 then
+    redis.call('HDEL', hkey, 'n|' .. tenant, 'r|' .. tenant)
+  end
+end
+
+-- The queue's hash forgets its counters once the sorted set is empty (Redis deletes an
+-- empty sorted set and an empty hash by itself: no DEL, which the documented ACL lacks).
+local function queue_forget(zkey, hkey)
+  if redis.call('ZCARD', zkey) == 0 then redis.call('HDEL', hkey, 'seq') end
+end
+
+-- Purges the expired tickets among the first PURGE_SCAN; both keys are gone once the queue
+-- is empty. Returns the live tickets left (ZCARD) and the deadlines of the live ones among
+-- the first PURGE_SCAN, in the queue's order.
+local function queue_purge(zkey, hkey, now)
+  local head = redis.call('ZRANGE', zkey, 0, PURGE_SCAN - 1)
+  local deadlines = {}
+  for _, member in ipairs(head) do
+    local deadline = queue_parse(member)
+    if deadline and deadline <= now then
+      queue_remove(zkey, hkey, member)
+    else
+      deadlines[#deadlines + 1] = deadline
+    end
+  end
+  local left = redis.call('ZCARD', zkey)
+  if left == 0 then redis.call('HDEL', hkey, 'seq') end
+  return left, deadlines
+end
+
+-- The queues of a decision's shared scopes: KEYS[first + 2k], KEYS[first + 2k + 1] (k = 0 ..
+-- count - 1) are the sorted set and the hash of the k-th one. One EXISTS each: a cap with an
+-- empty queue costs that and nothing else. Returns nil when every queue is empty, else an
+-- object with check(reply, log, n): the decision's allowed reply turned into a refusal when
+-- tickets are ahead of this request (ARGV[1], the request's member, is its ticket when it
+-- holds one; a request without one goes after every live ticket) and the windows cannot
+-- hold them and it too; else the request's ticket is removed (admitted) and the reply kept.
+-- The refusal waits until enough entries leave for the tickets ahead and this request
+-- (lib/decide.lua's freeing_stamp over the windows' logs), the whole window when the
+-- entries that would free it are not logged yet.
+-- Whether window key `key` is a window of the shared scope whose keys start with `base`
+-- (the grammar of csrc/script.c window_key, as lib/upstream.lua reads it).
+local function queue_window_of(key, base)
+  if key:sub(1, #base) ~= base then return false end
+  local rest = key:sub(#base + 1)
+  return rest:match('^:%d+:shared$') or rest:match('^:%d+:shared:c$') or
+    rest:match('^:%d+:tokens:shared$') or rest:match('^:%d+:tokens:shared:c$') or false
+end
+
+local function open_queues(first, count, now)
+  local found = nil
+  for k = 0, count - 1 do
+    local zkey, hkey = KEYS[first + 2 * k], KEYS[first + 2 * k + 1]
+    if redis.call('EXISTS', zkey) == 1 then
+      found = found or {}
+      found[#found + 1] = {zkey, hkey}
+    end
+  end
+  if not found then return nil end
+  local queues = {}
+  function queues.check(reply, log, n)
+    local mine = {}
+    local wait, at, expiry = 0, nil, nil -- the longest wait, its window; the soonest deadline
+    for q, keys in ipairs(found) do
+      local zkey, hkey = keys[1], keys[2]
+      local left, deadlines = queue_purge(zkey, hkey, now)
+      local member = left > 0 and redis.call('HGET', hkey, 't|' .. ARGV[1]) or false
+      local rank = member and redis.call('ZRANK', zkey, member) or left
+      mine[q] = member
+      for k = 1, math.min(rank, #deadlines) do
+        if not expiry or deadlines[k] < expiry then expiry = deadlines[k] end
+      end
+      -- The scope's windows must hold the tickets ahead (each of this request's cost) and
+      -- it too; the user's own windows are not theirs.
+      local base = zkey:sub(1, #zkey - #':queue')
+      for i = 1, rank > 0 and n or 0 do
+        local window_ms, limit, cost = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]),
+          tonumber(ARGV[3 * i + 2])
+        local used = limit - reply[6][i] - cost
+        local need = used + cost * (rank + 1) - limit
+        if need > 0 and cost > 0 and queue_window_of(KEYS[i], base) then
+          local stamp = need <= used and log.freeing_stamp(i, window_ms, need) or nil
+          local gone = stamp and stamp + window_ms - now or window_ms
+          if gone < 1 then gone = 1 end
+          if gone > wait then wait, at = gone, i end
+        end
+      end
+    end
+    if at then
+      -- A ticket ahead that expires (its waiter gone) frees its place then: wake no later.
+      if expiry and expiry - now < wait then wait = math.max(1, expiry - now) end
+      -- lib/decide.lua's refusal by window `at`: what the windows before it had
+      local remaining_of = {}
+      for j = 1, at - 1 do remaining_of[j] = reply[6][j] + tonumber(ARGV[3 * j + 2]) end
+      remaining_of[at] = 0
+      return {0, 0, math.ceil(wait / 1000), at, now, remaining_of, wait}
+    end
+    for q, keys in ipairs(found) do
+      if mine[q] then
+        local zkey, hkey = keys[1], keys[2]
+        queue_remove(zkey, hkey, mine[q])
+        queue_forget(zkey, hkey)
+      end
+    end
+    return reply
+  end
+  return queues
+end

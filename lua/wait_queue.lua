@@ -1,0 +1,50 @@
+-- include: lib/clock.lua
+-- include: lib/queue.lua
+--[[
+wait_queue.lua - a ticket of a shared cap's wait queue taken or left (lib/queue.lua holds
+the keys and the fairness rule; sliding_window.lua admits a ticket at its turn).
+
+KEYS[1]   the queue's sorted set, "{prefix}:{name}:queue"
+KEYS[2]   the queue's hash, "{prefix}:{name}:queue:h"
+ARGV[1]   now in unix ms, or "" to read the server's clock (TIME)
+ARGV[2]   the ticket (a UUID4: the member the request's admission logs)
+ARGV[3]   the tenant (1 to 256 bytes)
+ARGV[4]   take: the ms the ticket waits at most (> 0); 0: leave (remove the ticket)
+ARGV[5]   take: the most live tickets of the queue; ARGV[6] the most of one tenant
+
+Returns, take: the ticket's rank (0: first), -1 when the queue holds its most tickets, -2
+when the tenant does (nothing written then), the rank it has when it already holds one;
+leave: 1 when the ticket was removed, 0 when it was not there (admitted, expired, left).
+--]]
+
+local now = script_now(ARGV[1], true)
+local zkey, hkey, ticket, tenant = KEYS[1], KEYS[2], ARGV[2], ARGV[3]
+local wait_ms = tonumber(ARGV[4])
+local left = redis.call('EXISTS', zkey) == 1 and queue_purge(zkey, hkey, now) or 0 -- (its count)
+local member = left > 0 and redis.call('HGET', hkey, 't|' .. ticket) or false
+if wait_ms == 0 then
+  if not member then return 0 end
+  queue_remove(zkey, hkey, member)
+  queue_forget(zkey, hkey)
+  return 1
+end
+if member then return redis.call('ZRANK', zkey, member) end
+if left >= tonumber(ARGV[5]) then return -1 end
+local state = redis.call('HMGET', hkey, 'n|' .. tenant, 'r|' .. tenant, 'seq')
+local mine = tonumber(state[1]) or 0
+if mine >= tonumber(ARGV[6]) then return -2 end
+-- The round being served is the head's (tickets may be admitted out of order: a ticket
+-- behind a sleeping one may pass when the windows hold both); a tenant's next ticket goes
+-- in the round after its latest.
+local head = left > 0 and redis.call('ZRANGE', zkey, 0, 0, 'WITHSCORES') or {}
+local round = math.max(tonumber(head[2]) or 1, (tonumber(state[2]) or 0) + 1)
+local seq = (tonumber(state[3]) or 0) + 1
+local deadline = now + wait_ms
+member = string.format('%012d|%d|%s|%s', seq, deadline, ticket, tenant)
+redis.call('ZADD', zkey, round, member)
+redis.call('HSET', hkey, 't|' .. ticket, member, 'n|' .. tenant, mine + 1,
+           'r|' .. tenant, round, 'seq', seq)
+local expiry = math.max(redis.call('PTTL', zkey), wait_ms + 1000)
+redis.call('PEXPIRE', zkey, expiry)
+redis.call('PEXPIRE', hkey, expiry)
+return redis.call('ZRANK', zkey, member)

@@ -304,7 +304,7 @@ def raw_answer(allowed: bool, retry_ms: int = 0, scope_index: int = 1, at_ms: in
               (2, 1, False, 1 if allowed else 0, 1))
     return (allowed, 1 if allowed else 0, -(-retry_ms // 1000), 1, False,
             "m" * 36 if allowed else "", at_ms, report, retry_ms,
-            0 if allowed else scope_index, 0, None)
+            0 if allowed else scope_index, 0, None, 0)  # slot None, no share rule
 
 
 def drive(plan: Any, answers: list[Any]) -> tuple[list[tuple[str, Any]], Any]:

@@ -632,9 +632,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
 {
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
     static const char *const windows_names[] = {"user_id", "windows", "cost", "gcra"};
-    static const char *const reserve_names[] = {"user_id", "windows", "cost",      "token_windows",
-                                                "tokens",  "scopes",  "in_flight", "shares",
-                                                "ticket"};
+    static const char *const reserve_names[] = {"user_id",       "windows", "cost",
+                                                "token_windows", "tokens",  "scopes",
+                                                "in_flight",     "shares",  "ticket"};
     static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
                                                   "cost",    "tokens",  "scopes", "tie",
                                                   "release", "shares"};

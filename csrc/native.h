@@ -820,7 +820,7 @@ typedef struct {
     char suffix; /* 'w' (the weights), 'c' (the compact string) or 0 (the window's set) */
 } rl_key_reading;
 /* Reads a key's name "{prefix}:{owner}:..." as written with hash_tag (see window_key and
-   write_lease_keys in script.c). Returns 0 and fills *out, or -1 for a name that is none of
+   write_key_pair in script.c). Returns 0 and fills *out, or -1 for a name that is none of
    the limiter's window or leases keys (a running-totals ":t" or a ":stats" key, say). */
 int rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len, int hash_tag,
                 rl_key_reading *out);

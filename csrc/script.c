@@ -276,25 +276,29 @@ window_key(char *out, const char *prefix, size_t prefix_len, const char *user, s
 static const char *const lease_ops[] = {
     [RL_SHAPE_ACQUIRE] = "acquire", [RL_SHAPE_RELEASE] = "release", [RL_SHAPE_RENEW] = "renew"};
 
-/* Writes the user's leases key "{prefix}:{user_id}:leases" at cursor, then its stats key
-   (that and ":stats", see lua/lib/lease.lua) right after it; sets the two lengths and
-   returns the end. Room: twice prefix_len + 1 + rl_key_user_room(user_len) + 14. Last field
-   "leases" or "stats": never a window's (a number), "tokens", "w", "t" or "c". */
+/* Writes "{prefix}:{owner}{suffix}" at cursor, then that key followed by `companion` right
+   after it; sets the two lengths and returns the end. Room: twice prefix_len + 1 +
+   rl_key_user_room(owner_len) + strlen(suffix), + strlen(companion). The one writer of a key
+   and its companion: a user's leases (":leases", ":stats", see lua/lib/lease.lua; last field
+   "leases" or "stats": never a window's (a number), "tokens", "w", "t" or "c") and a shared
+   scope's wait queue (":queue", ":h": lib/queue.lua's sorted set and hash; never a window's,
+   a view's, nor a user's other keys). */
 static char *
-write_lease_keys(char *cursor, const char *prefix, size_t prefix_len, const char *user,
-                 size_t user_len, int hash_tag, size_t *leases_len, size_t *stats_len)
+write_key_pair(char *cursor, const char *prefix, size_t prefix_len, const char *owner,
+               size_t owner_len, int hash_tag, const char *suffix, const char *companion,
+               size_t *first_len, size_t *second_len)
 {
-    char *leases = cursor;
-    cursor = write_user_key(cursor, prefix, prefix_len, user, user_len, hash_tag);
-    memcpy(cursor, ":leases", 7);
-    cursor += 7;
-    *leases_len = (size_t)(cursor - leases);
-    memcpy(cursor, leases, *leases_len);
-    cursor += *leases_len;
-    memcpy(cursor, ":stats", 6);
-    cursor += 6;
-    *stats_len = *leases_len + 6;
-    return cursor;
+    const size_t suffix_len = strlen(suffix), companion_len = strlen(companion);
+    char *first = cursor;
+    cursor = write_user_key(cursor, prefix, prefix_len, owner, owner_len, hash_tag);
+    memcpy(cursor, suffix, suffix_len);
+    cursor += suffix_len;
+    *first_len = (size_t)(cursor - first);
+    memcpy(cursor, first, *first_len);
+    cursor += *first_len;
+    memcpy(cursor, companion, companion_len);
+    *second_len = *first_len + companion_len;
+    return cursor + companion_len;
 }
 
 /* Formats "EVALSHA sha 2 {prefix}:{user_id}:leases {prefix}:{user_id}:leases:stats op id
@@ -314,8 +318,8 @@ format_lease(const char *prefix, size_t prefix_len, const char *user, size_t use
     *out = NULL;
     if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
         return -1;
-    write_lease_keys(key, prefix, prefix_len, user, user_len, d->hash_tag, &argvlen[3],
-                     &argvlen[4]);
+    write_key_pair(key, prefix, prefix_len, user, user_len, d->hash_tag, ":leases", ":stats",
+                   &argvlen[3], &argvlen[4]);
     argv[0] = "EVALSHA";
     argvlen[0] = 7;
     argv[1] = rl_script_sha1(RL_SCRIPT_LEASE);
@@ -504,26 +508,6 @@ write_upstream_key(char *cursor, const char *prefix, size_t prefix_len, const ch
     return cursor + 9;
 }
 
-/* Writes a shared scope's wait queue keys, "{prefix}:{name}:queue" (its sorted set) and
-   "{prefix}:{name}:queue:h" (its hash), at cursor and sets their lengths; returns the end.
-   Room: 2 * (prefix_len + 1 + rl_key_user_room(name_len) + 8). Last fields "queue" and
-   "queue:h": never a window's, a view's, nor a user's other keys. */
-static char *
-write_queue_keys(char *cursor, const char *prefix, size_t prefix_len, const char *name,
-                 size_t name_len, int hash_tag, size_t *zlen, size_t *hlen)
-{
-    char *start = cursor;
-    cursor = write_user_key(cursor, prefix, prefix_len, name, name_len, hash_tag);
-    memcpy(cursor, ":queue", 6);
-    cursor += 6;
-    *zlen = (size_t)(cursor - start);
-    memcpy(cursor, start, *zlen);
-    cursor += *zlen;
-    memcpy(cursor, ":h", 2);
-    *hlen = *zlen + 2;
-    return cursor + 2;
-}
-
 /* Formats "EVALSHA sha 2 {prefix}:{name}:queue {prefix}:{name}:queue:h now ticket tenant
    wait_ms max_queue max_tenant" (lua/wait_queue.lua); the upstream's name is the call's
    user. Returns the length and sets *out, or -1 (out of memory). */
@@ -547,8 +531,8 @@ format_queue(const char *prefix, size_t prefix_len, const char *user, size_t use
     argvlen[1] = strlen(argv[1]);
     argv[2] = "2";
     argvlen[2] = 1;
-    write_queue_keys(key, prefix, prefix_len, user, user_len, d->hash_tag, &argvlen[3],
-                     &argvlen[4]);
+    write_key_pair(key, prefix, prefix_len, user, user_len, d->hash_tag, ":queue", ":h",
+                   &argvlen[3], &argvlen[4]);
     argv[3] = key;
     argv[4] = key + argvlen[3];
     argvlen[5] = now_ms >= 0 ? (size_t)snprintf(numbers[0], RL_NUMBER_TEXT, "%lld", now_ms) : 0;
@@ -660,7 +644,7 @@ rl_key_read(const char *name, size_t len, const char *prefix, size_t prefix_len,
         rest_len -= (size_t)(end - rest) + 2;
         rest = end + 2;
     }
-    /* write_lease_keys: "{owner}:leases" (its ":stats" companion is no key of the reading). */
+    /* write_key_pair: "{owner}:leases" (its ":stats" companion is no key of the reading). */
     if ((rest_len == 6 && memcmp(rest, "leases", 6) == 0) || ends_with(rest, rest_len, ":leases")) {
         if (!hash_tag) {
             out->owner = rest;
@@ -888,8 +872,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             continue;
         char *key = cursor;
         cursor =
-            write_queue_keys(cursor, prefix, prefix_len, d->scopes[k].name, d->scopes[k].name_len,
-                             d->hash_tag, &argvlen[argc], &argvlen[argc + 1]);
+            write_key_pair(cursor, prefix, prefix_len, d->scopes[k].name, d->scopes[k].name_len,
+                           d->hash_tag, ":queue", ":h", &argvlen[argc], &argvlen[argc + 1]);
         argv[argc] = key;
         argv[argc + 1] = key + argvlen[argc];
         argc += 2;
@@ -905,8 +889,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     }
     if (slot_keys) { /* the leases key and its stats key, as format_lease names them */
         char *leases = cursor;
-        cursor = write_lease_keys(cursor, prefix, prefix_len, user, user_len, d->hash_tag,
-                                  &argvlen[argc], &argvlen[argc + 1]);
+        cursor = write_key_pair(cursor, prefix, prefix_len, user, user_len, d->hash_tag, ":leases",
+                                ":stats", &argvlen[argc], &argvlen[argc + 1]);
         argv[argc] = leases;
         argv[argc + 1] = leases + argvlen[argc];
         argc += 2;

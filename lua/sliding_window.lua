@@ -40,7 +40,8 @@ anything (the storage's OOM probe, open_log's), rather than admitting requests i
 
 local argc = #ARGV - 2 -- member, now, then 3 per window (and the replay marker)
 local n = (argc - argc % 3) / 3
-local log, now = open_log(n, ARGV[2], true, 'lazy') -- the OOM probe when needed (the storage's)
+local log, now, decided = open_log(n, ARGV[2], true, 'lazy') -- the OOM probe when needed (the storage's)
+if decided then return decided end -- compact: an allowed plain check made at once
 local upstreams = #KEYS > KEYS_PER_WINDOW * n and
   open_upstreams(n, KEYS_PER_WINDOW * n + 1, #KEYS - KEYS_PER_WINDOW * n, now) or nil
 local reply, tie = decide_and_log(n, now, log, ARGV[3 * n + 3], upstreams)

@@ -213,6 +213,110 @@ local function compact_entries(key)
   return count
 end
 
+-- A request id's 8 bytes (the first 16 hex digits of its UUID4 text), as two numbers.
+local function request_id(member)
+  return tonumber(string.sub(member, 1, 8), 16),
+    tonumber(string.sub(member, 10, 13), 16) * 65536 + tonumber(string.sub(member, 15, 18), 16)
+end
+
+-- The check's common call made at once (sliding_window.lua: one window, no shared scope,
+-- cost 1, no replay marker): an admission into a window of plain entries that needs no trim
+-- (its first entry is still in the window), no search (its last entry is not after now), no
+-- new layout and no copy (the full form has room; the short form stays under READ bytes).
+-- It writes exactly what the general path (compact_log's trim, tie and add) writes, from
+-- the header read's values, without the log's tables and closures. Returns the reply
+-- (lib/decide.lua's, with the tie), or nil, having written nothing, when the call needs the
+-- general path (a refusal among them).
+local function admit_plain(now)
+  if #KEYS ~= 1 or #ARGV > 6 or ARGV[6] == '1' or tonumber(ARGV[5]) ~= 1 then return nil end
+  local key = KEYS[1]
+  local bytes = redis.call('GETRANGE', key, 0, READ - 1)
+  local window_ms, limit = tonumber(ARGV[3]), tonumber(ARGV[4])
+  local edge = now - window_ms
+  local version = string.byte(bytes, 1)
+  local id_high, id_low = request_id(ARGV[1])
+  if version == COMPACT_VERSION then
+    -- (A full form shorter than READ, read whole, is written again whole: the general path.)
+    if #bytes < READ then return nil end
+    local _, S, C, R, base, head, tail, size, first, last, next_tie, next_slot =
+      struct.unpack(HEADER, bytes)
+    local E = S + 2
+    if C ~= 0 or R ~= REPLAY_SLOTS or tail <= head or first <= edge or last > now or
+        tail + E > size or now - base >= 256 ^ S or (tail - head) / E + 1 > limit then
+      return nil
+    end
+    local tie = next_tie
+    if now == last then
+      if tie == 0 then return nil end -- no tie left in this millisecond
+    elseif tie >= TIE_HALF then
+      tie = 0
+    end
+    redis.call('SETRANGE', key, tail, struct.pack(entry_format(S, 0), now - base, tie))
+    -- The header, then the replay table up to and including this admission's slot.
+    redis.call('SETRANGE', key, 0, struct.pack(HEADER, COMPACT_VERSION, S, 0, R, base, head,
+        tail + E, size, first, now, (tie + 1) % TIE_LIMIT, (next_slot + 1) % R) ..
+      string.sub(bytes, HEADER_PLAIN + 1, HEADER_PLAIN + next_slot * SLOT_SIZE) ..
+      struct.pack('>I4I4I6I2', id_high, id_low, now, tie))
+    redis.call('EXPIRE', key, window_ms / 1000 + 1)
+    local left = limit - (tail - head) / E - 1
+    return {1, left, 0, 1, now, {left}, 0, tie}
+  end
+  local S, R, base, next_tie, next_slot, head, entries, tie
+  if version == SHORT_VERSION then
+    if #bytes < SHORT_PLAIN or #bytes >= READ then return nil end
+    local _, C
+    _, S, C, R, base, next_tie, next_slot = struct.unpack(SHORT, bytes)
+    head = SHORT_PLAIN + SLOT_SIZE * R
+    local E = S + 2
+    if C ~= 0 or S < 4 or S > 6 or #bytes <= head or (#bytes - head) % E ~= 0 or
+        now - base >= 256 ^ S or (#bytes - head) / E + 1 > limit then
+      return nil
+    end
+    local at = string.sub(entry_format(S, 0), 1, 3) -- the stored time's format
+    local last = base + struct.unpack(at, bytes, #bytes - E + 1)
+    if base + struct.unpack(at, bytes, head + 1) <= edge or last > now then return nil end
+    tie = next_tie
+    if now == last then
+      if tie == 0 then return nil end
+    elseif tie >= TIE_HALF then
+      tie = 0
+    end
+    entries = string.sub(bytes, head + 1)
+  elseif bytes == '' then
+    -- A new window: its layout from this entry (one replay slot).
+    S, R, base, next_slot, head, entries, tie = stamp_width(window_ms), 0, edge, 0,
+      SHORT_PLAIN, '', 0
+    if limit < 1 then return nil end
+  else
+    return nil
+  end
+  -- The short form, written again whole with its TTL: the replay table keeps the admissions
+  -- still in the window (a full table whose oldest one is: it makes room), then this one.
+  local slot = struct.pack('>I4I4I6I2', id_high, id_low, now, tie)
+  local slots, s = string.sub(bytes, SHORT_PLAIN + 1, head), next_slot * SLOT_SIZE
+  if R == REPLAY_SLOTS and struct.unpack('>I6', slots, s + 9) > edge then
+    slots = string.sub(slots, 1, s) .. slot .. string.sub(slots, s + SLOT_SIZE + 1)
+    next_slot = (next_slot + 1) % REPLAY_SLOTS
+  else
+    local kept = {}
+    for j = 0, R - 1 do
+      local o = (next_slot + j) % R * SLOT_SIZE
+      if struct.unpack('>I6', slots, o + 9) > edge then
+        kept[#kept + 1] = string.sub(slots, o + 1, o + SLOT_SIZE)
+      end
+    end
+    kept[#kept + 1] = slot
+    local from = math.max(1, #kept - REPLAY_SLOTS + 1)
+    slots, R, next_slot = table.concat(kept, '', from), #kept - from + 1, 0
+  end
+  entries = entries .. struct.pack(entry_format(S, 0), now - base, tie)
+  if SHORT_PLAIN + #slots + #entries >= READ then return nil end -- the full form: general
+  redis.call('SET', key, struct.pack(SHORT, SHORT_VERSION, S, 0, R, base, (tie + 1) % TIE_LIMIT,
+    next_slot) .. slots .. entries, 'PX', window_ms + 1000)
+  local left = limit - #entries / (S + 2)
+  return {1, left, 0, 1, now, {left}, 0, tie}
+end
+
 -- The compact log of a call's n windows (KEYS[1..n]), and the request's time it is read
 -- at (script_now(given, writes), lib/clock.lua). `probe`: the OOM probe runs first, before the
 -- clock is read: SETRANGE may grow memory, so a Redis over its maxmemory refuses it while
@@ -225,6 +329,11 @@ end
 local function compact_log(n, given, writes, probe)
   if probe and #KEYS > n then redis.call('SETRANGE', KEYS[1], 0, '') end
   local now = script_now(given, writes)
+  if probe == 'lazy' and n == 1 then
+    -- The check's common call: decided and logged at once (nil: the general path).
+    local decided = admit_plain(now)
+    if decided then return nil, now, decided end
+  end
   -- Its functions' slots made at once (the table is sized once, not grown field by field).
   -- log.at: the time the decision's entries are logged at (log.tie), false before: now, or
   -- a later millisecond (see the header); the reply names it.
@@ -560,12 +669,6 @@ local function compact_log(n, given, writes, probe)
       end
       at = at + 1
     end
-  end
-
-  -- A request id's 8 bytes (the first 16 hex digits of its UUID4 text), as two numbers.
-  local function request_id(member)
-    return tonumber(string.sub(member, 1, 8), 16),
-      tonumber(string.sub(member, 10, 13), 16) * 65536 + tonumber(string.sub(member, 15, 18), 16)
   end
 
   -- When `member` is in window i's replay table (its first attempt was allowed): the

@@ -181,6 +181,18 @@ def sized(zset: bool) -> Callable[[int], Argv]:
     return for_size
 
 
+def numbered(base_argv: Argv, small: bool) -> Argv:
+    """base_argv on the k-th call's own window (small) or on window 0 (large)."""
+    calls = [0]
+
+    def argv(user: str, member: str, now: int) -> Sequence[object]:
+        del user
+        window = calls[0] if small else 0
+        calls[0] += 1
+        return base_argv(f"gbench:size:w{window}", member, now)
+    return argv
+
+
 def window_copies(script: str, argv: Argv, entries: int) -> list[tuple[str, bytes]]:
     """(key suffix, DUMP) of every key of a window filled with `entries` allowed calls, made
     on a redis-server of this run's own (not under callgrind)."""
@@ -224,19 +236,9 @@ def size_rows(sizes: list[int], calls: int, baseline: Path | None, workdir: Path
                         pipe.restore(f"gbench:size:w{w}{suffix}", DAY_MS, dumped, replace=True)
                 pipe.execute()
 
-            def argv(user: str, member: str, now: int, small: bool = small,
-                     base_argv: Argv = base_argv, counter: list[int] = [0]) -> Sequence[object]:
-                del user
-                w = counter[0] if small else 0
-                counter[0] += 1
-                return base_argv(f"gbench:size:w{w}", member, now)
-
             per_run = []
             for n in (calls, 2 * calls):
-                counter = [0]
-                per_run.append(run_server(
-                    script, lambda u, m, t, c=counter, a=argv: a(u, m, t, counter=c), n,
-                    workdir, prefill))
+                per_run.append(run_server(script, numbered(base_argv, small), n, workdir, prefill))
             per_call = (per_run[1] - per_run[0]) / calls
             table[entries].append(per_call)
             print(f"  {entries} entries, {name}: {per_call:,.0f} instructions/call",

@@ -239,11 +239,16 @@ local function admit_plain(now)
   if version == COMPACT_VERSION then
     -- (A full form shorter than READ, read whole, is written again whole: the general path.)
     if #bytes < READ then return nil, bytes end
-    local _, S, C, R, base, head, tail, size, first, last, next_tie, next_slot =
-      struct.unpack(HEADER, bytes)
+    -- The fields a refusal needs first (a refusal leaves at the first check), then the rest.
+    local S, C, R = string.byte(bytes, 2, 4)
+    local head, tail = struct.unpack('>I4I4', bytes, 11)
     local E = S + 2
-    if C ~= 0 or R ~= REPLAY_SLOTS or tail <= head or first <= edge or last > now or
-        tail + E > size or now - base >= 256 ^ S or (tail - head) / E + 1 > limit then
+    if C ~= 0 or R ~= REPLAY_SLOTS or tail <= head or (tail - head) / E + 1 > limit then
+      return nil, bytes
+    end
+    local base = struct.unpack('>I6', bytes, 5)
+    local size, first, last, next_tie, next_slot = struct.unpack('>I4I6I6I2B', bytes, 19)
+    if first <= edge or last > now or tail + E > size or now - base >= 256 ^ S then
       return nil, bytes
     end
     local tie = next_tie
@@ -266,14 +271,16 @@ local function admit_plain(now)
   local S, R, base, next_tie, next_slot, head, entries, tie
   if version == SHORT_VERSION then
     if #bytes < SHORT_PLAIN or #bytes >= READ then return nil, bytes end
-    local _, C
-    _, S, C, R, base, next_tie, next_slot = struct.unpack(SHORT, bytes)
+    local C
+    S, C, R = string.byte(bytes, 2, 4)
     head = SHORT_PLAIN + SLOT_SIZE * R
     local E = S + 2
     if C ~= 0 or S < 4 or S > 6 or #bytes <= head or (#bytes - head) % E ~= 0 or
-        now - base >= 256 ^ S or (#bytes - head) / E + 1 > limit then
+        (#bytes - head) / E + 1 > limit then
       return nil, bytes
     end
+    base, next_tie, next_slot = struct.unpack('>I6I2B', bytes, 5)
+    if now - base >= 256 ^ S then return nil, bytes end
     local at = string.sub(entry_format(S, 0), 1, 3) -- the stored time's format
     local last = base + struct.unpack(at, bytes, #bytes - E + 1)
     if base + struct.unpack(at, bytes, head + 1) <= edge or last > now then

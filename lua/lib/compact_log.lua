@@ -230,7 +230,9 @@ end
 -- nothing, when the call needs the general path (a refusal among them), which reads them
 -- from there.
 local function admit_plain(now)
-  if #KEYS ~= 1 or #ARGV > 6 or ARGV[6] == '1' or tonumber(ARGV[5]) ~= 1 then return nil end
+  -- No optional argument after the window's (a replay marker, or anything a later script
+  -- version adds there): the general path.
+  if #KEYS ~= 1 or #ARGV ~= 5 or tonumber(ARGV[5]) ~= 1 then return nil end
   local key = KEYS[1]
   local bytes = redis.call('GETRANGE', key, 0, READ - 1)
   local window_ms, limit = tonumber(ARGV[3]), tonumber(ARGV[4])

@@ -17,6 +17,16 @@ time), the same with the server's TIME, this package's check as the extension se
 (server clock, client clock; one window, and minute + day), and the same check loaded once as
 a Redis Function (`FUNCTION LOAD`, called with `FCALL`): the library's definitions made once
 per server instead of once per call (an experiment: the extension sends EVALSHA).
+
+    .venv/bin/python benchmarks/script_instructions.py --sizes 10,1000,100000 [--baseline FILE]
+
+`--sizes`: instead, an allowed plain check (one day window, the server's clock) into a window
+that holds N entries, the sorted sets against the compact storage (and `--baseline FILE`,
+another compact check script, e.g. the built text before a change, as a third contender). The
+windows are filled by the same script on a redis-server of this run's own (not under
+callgrind), then copied into the measured server with DUMP/RESTORE, the same copies in both of
+its runs. Up to 100 entries every call goes to a window of its own holding N (so that every
+call sees N); above, every call goes to one window of N entries, which grows by the calls.
 """
 
 from __future__ import annotations
@@ -34,7 +44,14 @@ from pathlib import Path
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import EMPTY_SCRIPT, ORIGINAL_FOUR_OP_SCRIPT, SCRIPT_TEXT, free_port  # noqa: E402
+from benchlib import (  # noqa: E402
+    EMPTY_SCRIPT,
+    ORIGINAL_FOUR_OP_SCRIPT,
+    SCRIPT_TEXT,
+    RedisTarget,
+    free_port,
+)
+from genai_ratelimit import _native  # noqa: E402
 
 BIG = 10**9
 USERS = 100
@@ -95,8 +112,10 @@ def total_instructions(path: Path) -> int:
     raise RuntimeError(f"no total in {path}")
 
 
-def run_server(script: str, argv: Argv, calls: int, workdir: Path) -> int:
-    """Total instructions of a redis-server that served `calls` calls of `script`."""
+def run_server(script: str, argv: Argv, calls: int, workdir: Path,
+               prefill: Callable[[redis.Redis], None] | None = None) -> int:
+    """Total instructions of a redis-server that served `calls` calls of `script` (after
+    `prefill`, which must do the same in every run)."""
     port = free_port()
     out = workdir / f"callgrind.{port}"
     server = subprocess.Popen(
@@ -114,6 +133,8 @@ def run_server(script: str, argv: Argv, calls: int, workdir: Path) -> int:
                 if time.monotonic() > deadline:
                     raise RuntimeError("redis-server under callgrind did not start") from None
                 time.sleep(0.1)
+        if prefill is not None:
+            prefill(client)
         function = script.startswith(FUNCTION_PREFIX)
         if function:
             client.function_load(script, replace=True)
@@ -146,12 +167,108 @@ def check(replies: list[object]) -> None:
             raise RuntimeError(f"a call was not allowed: {reply!r}")
 
 
+DAY_MS = 86_400_000
+SMALL = 100  # up to this many entries, every call goes to a window of its own
+
+
+def sized(zset: bool) -> Callable[[int], Argv]:
+    """An allowed plain check of one day window (server clock); user = the window's name."""
+    def for_size(entries: int) -> Argv:
+        def argv(user: str, member: str, now: int) -> Sequence[object]:
+            keys = [user, f"{user}:w", f"{user}:t"] if zset else [f"{user}:c"]
+            return [len(keys), *keys, member, "", DAY_MS, BIG, 1]
+        return argv
+    return for_size
+
+
+def numbered(base_argv: Argv, small: bool) -> Argv:
+    """base_argv on the k-th call's own window (small) or on window 0 (large)."""
+    calls = [0]
+
+    def argv(user: str, member: str, now: int) -> Sequence[object]:
+        del user
+        window = calls[0] if small else 0
+        calls[0] += 1
+        return base_argv(f"gbench:size:w{window}", member, now)
+    return argv
+
+
+def window_copies(script: str, argv: Argv, entries: int) -> list[tuple[str, bytes]]:
+    """(key suffix, DUMP) of every key of a window filled with `entries` allowed calls, made
+    on a redis-server of this run's own (not under callgrind)."""
+    target = RedisTarget.start_own()
+    try:
+        admin = redis.Redis(host=target.host, port=target.port)  # DUMP's bytes as they are
+        sha = admin.script_load(script)
+        for start in range(0, entries, 1000):
+            pipe = admin.pipeline(transaction=False)
+            for _ in range(start, min(entries, start + 1000)):
+                pipe.evalsha(sha, *argv("fill", str(uuid.uuid4()), 0))
+            check(pipe.execute())
+        copies = []
+        for key in admin.keys("fill*"):
+            name = key.decode()
+            copies.append((name[len("fill"):], admin.dump(name)))
+        return copies
+    finally:
+        target.close()
+
+
+def size_rows(sizes: list[int], calls: int, baseline: Path | None, workdir: Path) -> None:
+    contenders = [("zset", _native.SCRIPT_SOURCE, sized(True))]
+    if baseline is not None:
+        contenders.append(("compact, before", baseline.read_text(), sized(False)))
+    contenders.append(("compact", _native.COMPACT_SOURCE, sized(False)))
+    table: dict[int, list[float]] = {}
+    for entries in sizes:
+        table[entries] = []
+        for name, script, for_size in contenders:
+            base_argv = for_size(entries)
+            copies = window_copies(script, base_argv, entries)
+            small = entries <= SMALL
+            windows = 2 * calls if small else 1
+
+            def prefill(client: redis.Redis, copies: list[tuple[str, bytes]] = copies,
+                        windows: int = windows) -> None:
+                pipe = client.pipeline(transaction=False)
+                for w in range(windows):
+                    for suffix, dumped in copies:
+                        pipe.restore(f"gbench:size:w{w}{suffix}", DAY_MS, dumped, replace=True)
+                pipe.execute()
+
+            per_run = []
+            for n in (calls, 2 * calls):
+                per_run.append(run_server(script, numbered(base_argv, small), n, workdir, prefill))
+            per_call = (per_run[1] - per_run[0]) / calls
+            table[entries].append(per_call)
+            print(f"  {entries} entries, {name}: {per_call:,.0f} instructions/call",
+                  file=sys.stderr, flush=True)
+    names = [c[0] for c in contenders]
+    print(f"Instructions per allowed plain check into a day window of N entries (callgrind, "
+          f"{calls:,} vs {2 * calls:,} calls; redis-server {redis_version()}):\n")
+    print("| entries | " + " | ".join(names) + " | " +
+          " | ".join(f"{n} / zset" for n in names[1:]) + " |")
+    print("| ---: |" + " ---: |" * (2 * len(names) - 1))
+    for entries, values in table.items():
+        print(f"| {entries:,} | " + " | ".join(f"{v:,.0f}" for v in values) + " | " +
+              " | ".join(f"{v / values[0]:.2f}×" for v in values[1:]) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--only", help="only contenders whose name contains this text")
+    parser.add_argument("--sizes", help="allowed checks into windows of these sizes "
+                        "(e.g. 10,1000,100000): zset against compact")
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="with --sizes: another compact check script, a third contender")
     options = parser.parse_args()
+    if options.sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            size_rows([int(s) for s in options.sizes.split(",")], options.calls,
+                      options.baseline, Path(tmp))
+        return
     names = [n for n in CONTENDERS if not options.only or options.only in n or n == BASELINE]
     per_call: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -48,7 +48,9 @@ anything (the storage's OOM probe, open_log's), rather than admitting requests i
 
 local argc = #ARGV - 2 -- member, now, then 3 per window (and the replay marker)
 local n = (argc - argc % 3) / 3
-local log, now = open_log(n, ARGV[2], true, 'lazy') -- the OOM probe when needed (the storage's)
+-- The OOM probe when needed (the storage's); compact may decide an allowed plain check at once.
+local log, now, decided = open_log(n, ARGV[2], true, 'lazy')
+if decided then return decided end
 local shared = (#KEYS - KEYS_PER_WINDOW * n) / 3 -- an upstream view and a queue's 2 keys each
 local upstreams = shared > 0 and open_upstreams(n, KEYS_PER_WINDOW * n + 1, shared, now) or nil
 local queues = shared > 0 and open_queues(KEYS_PER_WINDOW * n + shared + 1, shared, now) or nil

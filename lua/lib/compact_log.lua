@@ -115,11 +115,12 @@ local function header_size(C)
 end
 
 -- The parsed header of the string at `key`, or {exists = false}; its first READ bytes (the
--- replay table among them; the whole value when it is shorter: `whole`) are kept. Layout 1
+-- replay table among them; the whole value when it is shorter: `whole`) are kept: `read`,
+-- when given, is them, read by this call before any write (admit_plain), else they are read. Layout 1
 -- is read as well (its `version` kept: a write rewrites it as layout 2); another version is
 -- an error reply (never misread).
-local function compact_header(key)
-  local bytes = redis.call('GETRANGE', key, 0, READ - 1)
+local function compact_header(key, read)
+  local bytes = read or redis.call('GETRANGE', key, 0, READ - 1)
   if bytes == '' then return {key = key, exists = false, gone = 0, whole = true} end
   local version = string.byte(bytes, 1)
   local _, S, C, R, base, head, tail, size, origin, total, first, last, next_tie, next_slot
@@ -213,6 +214,123 @@ local function compact_entries(key)
   return count
 end
 
+-- A request id's 8 bytes (the first 16 hex digits of its UUID4 text), as two numbers.
+local function request_id(member)
+  return tonumber(string.sub(member, 1, 8), 16),
+    tonumber(string.sub(member, 10, 13), 16) * 65536 + tonumber(string.sub(member, 15, 18), 16)
+end
+
+-- The check's common call made at once (sliding_window.lua: one window, no shared scope,
+-- cost 1, no replay marker): an admission into a window of plain entries that needs no trim
+-- (its first entry is still in the window), no search (its last entry is not after now), no
+-- new layout and no copy (the full form has room; the short form stays under READ bytes).
+-- It writes exactly what the general path (compact_log's trim, tie and add) writes, from
+-- the header read's values, without the log's tables and closures. Returns the reply
+-- (lib/decide.lua's, with the tie), or nil and the bytes read (nil: none), having written
+-- nothing, when the call needs the general path (a refusal among them), which reads them
+-- from there.
+local function admit_plain(now)
+  -- No optional argument after the window's (a replay marker, or anything a later script
+  -- version adds there): the general path.
+  if #KEYS ~= 1 or #ARGV ~= 5 or tonumber(ARGV[5]) ~= 1 then return nil end
+  local key = KEYS[1]
+  local bytes = redis.call('GETRANGE', key, 0, READ - 1)
+  local window_ms, limit = tonumber(ARGV[3]), tonumber(ARGV[4])
+  local edge = now - window_ms
+  local version = string.byte(bytes, 1)
+  if version == COMPACT_VERSION then
+    -- (A full form shorter than READ, read whole, is written again whole: the general path.)
+    if #bytes < READ then return nil, bytes end
+    -- The fields a refusal needs first (a refusal leaves at the first check), then the rest.
+    local S, C, R = string.byte(bytes, 2, 4)
+    local head, tail = struct.unpack('>I4I4', bytes, 11)
+    local E = S + 2
+    if C ~= 0 or R ~= REPLAY_SLOTS or tail <= head or (tail - head) / E + 1 > limit then
+      return nil, bytes
+    end
+    local base = struct.unpack('>I6', bytes, 5)
+    local size, first, last, next_tie, next_slot = struct.unpack('>I4I6I6I2B', bytes, 19)
+    if first <= edge or last > now or tail + E > size or now - base >= 256 ^ S then
+      return nil, bytes
+    end
+    local tie = next_tie
+    if now == last then
+      if tie == 0 then return nil, bytes end -- no tie left in this millisecond
+    elseif tie >= TIE_HALF then
+      tie = 0
+    end
+    local id_high, id_low = request_id(ARGV[1])
+    redis.call('SETRANGE', key, tail, struct.pack(entry_format(S, 0), now - base, tie))
+    -- The header, then the replay table up to and including this admission's slot.
+    redis.call('SETRANGE', key, 0, struct.pack(HEADER, COMPACT_VERSION, S, 0, R, base, head,
+        tail + E, size, first, now, (tie + 1) % TIE_LIMIT, (next_slot + 1) % R) ..
+      string.sub(bytes, HEADER_PLAIN + 1, HEADER_PLAIN + next_slot * SLOT_SIZE) ..
+      struct.pack('>I4I4I6I2', id_high, id_low, now, tie))
+    redis.call('EXPIRE', key, window_ms / 1000 + 1)
+    local left = limit - (tail - head) / E - 1
+    return {1, left, 0, 1, now, {left}, 0, tie}
+  end
+  local S, R, base, next_tie, next_slot, head, entries, tie
+  if version == SHORT_VERSION then
+    if #bytes < SHORT_PLAIN or #bytes >= READ then return nil, bytes end
+    local C
+    S, C, R = string.byte(bytes, 2, 4)
+    head = SHORT_PLAIN + SLOT_SIZE * R
+    local E = S + 2
+    if C ~= 0 or S < 4 or S > 6 or #bytes <= head or (#bytes - head) % E ~= 0 or
+        (#bytes - head) / E + 1 > limit then
+      return nil, bytes
+    end
+    base, next_tie, next_slot = struct.unpack('>I6I2B', bytes, 5)
+    if now - base >= 256 ^ S then return nil, bytes end
+    local at = string.sub(entry_format(S, 0), 1, 3) -- the stored time's format
+    local last = base + struct.unpack(at, bytes, #bytes - E + 1)
+    if base + struct.unpack(at, bytes, head + 1) <= edge or last > now then
+      return nil, bytes
+    end
+    tie = next_tie
+    if now == last then
+      if tie == 0 then return nil, bytes end
+    elseif tie >= TIE_HALF then
+      tie = 0
+    end
+    entries = string.sub(bytes, head + 1)
+  elseif bytes == '' then
+    -- A new window: its layout from this entry (one replay slot).
+    S, R, base, next_slot, head, entries, tie = stamp_width(window_ms), 0, edge, 0,
+      SHORT_PLAIN, '', 0
+    if limit < 1 then return nil, bytes end
+  else
+    return nil, bytes
+  end
+  local id_high, id_low = request_id(ARGV[1])
+  -- The short form, written again whole with its TTL: the replay table keeps the admissions
+  -- still in the window (a full table whose oldest one is: it makes room), then this one.
+  local slot = struct.pack('>I4I4I6I2', id_high, id_low, now, tie)
+  local slots, s = string.sub(bytes, SHORT_PLAIN + 1, head), next_slot * SLOT_SIZE
+  if R == REPLAY_SLOTS and struct.unpack('>I6', slots, s + 9) > edge then
+    slots = string.sub(slots, 1, s) .. slot .. string.sub(slots, s + SLOT_SIZE + 1)
+    next_slot = (next_slot + 1) % REPLAY_SLOTS
+  else
+    local kept = {}
+    for j = 0, R - 1 do
+      local o = (next_slot + j) % R * SLOT_SIZE
+      if struct.unpack('>I6', slots, o + 9) > edge then
+        kept[#kept + 1] = string.sub(slots, o + 1, o + SLOT_SIZE)
+      end
+    end
+    kept[#kept + 1] = slot
+    local from = math.max(1, #kept - REPLAY_SLOTS + 1)
+    slots, R, next_slot = table.concat(kept, '', from), #kept - from + 1, 0
+  end
+  entries = entries .. struct.pack(entry_format(S, 0), now - base, tie)
+  if SHORT_PLAIN + #slots + #entries >= READ then return nil, bytes end -- the full form
+  redis.call('SET', key, struct.pack(SHORT, SHORT_VERSION, S, 0, R, base, (tie + 1) % TIE_LIMIT,
+    next_slot) .. slots .. entries, 'PX', window_ms + 1000)
+  local left = limit - #entries / (S + 2)
+  return {1, left, 0, 1, now, {left}, 0, tie}
+end
+
 -- The compact log of a call's n windows (KEYS[1..n]), and the request's time it is read
 -- at (script_now(given, writes), lib/clock.lua). `probe`: the OOM probe runs first, before the
 -- clock is read: SETRANGE may grow memory, so a Redis over its maxmemory refuses it while
@@ -225,6 +343,14 @@ end
 local function compact_log(n, given, writes, probe)
   if probe and #KEYS > n then redis.call('SETRANGE', KEYS[1], 0, '') end
   local now = script_now(given, writes)
+  -- The check's common call: decided and logged at once (else the general path, which
+  -- takes KEYS[1]'s header bytes from there when it read them).
+  local first_read = nil
+  if probe == 'lazy' and n == 1 then
+    local decided
+    decided, first_read = admit_plain(now)
+    if decided then return nil, now, decided end
+  end
   -- Its functions' slots made at once (the table is sized once, not grown field by field).
   -- log.at: the time the decision's entries are logged at (log.tie), false before: now, or
   -- a later millisecond (see the header); the reply names it.
@@ -467,7 +593,8 @@ local function compact_log(n, given, writes, probe)
   -- Window i's entries that left by now dropped (the header, written by flush or add; the
   -- string is compacted when most of it is dead). Returns its used cost.
   function log.trim(i, window_ms)
-    local st = compact_header(KEYS[i])
+    local st = compact_header(KEYS[i], i == 1 and first_read or nil)
+    first_read = nil
     state[i] = st
     if not st.exists or st.count == 0 then return 0 end
     if st.first <= now - window_ms then
@@ -560,12 +687,6 @@ local function compact_log(n, given, writes, probe)
       end
       at = at + 1
     end
-  end
-
-  -- A request id's 8 bytes (the first 16 hex digits of its UUID4 text), as two numbers.
-  local function request_id(member)
-    return tonumber(string.sub(member, 1, 8), 16),
-      tonumber(string.sub(member, 10, 13), 16) * 65536 + tonumber(string.sub(member, 15, 18), 16)
   end
 
   -- When `member` is in window i's replay table (its first attempt was allowed): the

@@ -1129,7 +1129,7 @@ fired_arrays(const char *name, const redisReply *reply, size_t i, size_t count, 
                                 name, e + 1, a ? rl_reply_type_name(a->type) : "missing", count);
     }
     for (size_t k = 0; k < count; k++) {
-        long long b, a;
+        long long b = 0, a = 0;
         if (integer_at(reply->element[i], k, &b, err) != RL_OK ||
             integer_at(reply->element[i + 1], k, &a, err) != RL_OK ||
             within(name, "fired", b, 0, 100, err) != RL_OK ||
@@ -1250,7 +1250,7 @@ static rl_status
 decode_budget_settle(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     static const char name[] = "budget settle";
-    long long found;
+    long long found = 0;
     memset(out, 0, sizeof(*out)); /* no soft limit crossed: fired 0 before and after */
     if (reply->type == REDIS_REPLY_INTEGER) {
         if (within(name, "found", reply->integer, 0, d->nbudgets, err) != RL_OK)

@@ -1342,7 +1342,7 @@ decode_usage(const redisReply *usage, const rl_windows *w, rl_result *out, rl_er
                             "array of %d integers",
                             usage ? rl_reply_type_name(usage->type) : "missing", 2 * w->count);
     for (int i = 0; i < w->count; i++) {
-        long long used, oldest;
+        long long used = 0, oldest = 0;
         if (integer_at(usage, 2 * (size_t)i, &used, err) != RL_OK ||
             integer_at(usage, 2 * (size_t)i + 1, &oldest, err) != RL_OK ||
             within("peek", "used", used, 0, RL_MAX_LIMIT, err) != RL_OK ||

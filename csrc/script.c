@@ -1060,6 +1060,8 @@ static rl_status
 integer_at(const redisReply *array, size_t i, long long *out, rl_error *err)
 {
     const redisReply *e = array->element[i];
+    *out = 0; /* set on every path: a caller's `||` chain reads it only after RL_OK, which
+                 the compiler cannot see through rl_error_set */
     if (e == NULL || e->type != REDIS_REPLY_INTEGER)
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "unexpected reply to the rate-limit script: element %zu is %s, "
@@ -1129,7 +1131,7 @@ fired_arrays(const char *name, const redisReply *reply, size_t i, size_t count, 
                                 name, e + 1, a ? rl_reply_type_name(a->type) : "missing", count);
     }
     for (size_t k = 0; k < count; k++) {
-        long long b = 0, a = 0;
+        long long b, a;
         if (integer_at(reply->element[i], k, &b, err) != RL_OK ||
             integer_at(reply->element[i + 1], k, &a, err) != RL_OK ||
             within(name, "fired", b, 0, 100, err) != RL_OK ||
@@ -1250,7 +1252,7 @@ static rl_status
 decode_budget_settle(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_error *err)
 {
     static const char name[] = "budget settle";
-    long long found = 0;
+    long long found;
     memset(out, 0, sizeof(*out)); /* no soft limit crossed: fired 0 before and after */
     if (reply->type == REDIS_REPLY_INTEGER) {
         if (within(name, "found", reply->integer, 0, d->nbudgets, err) != RL_OK)
@@ -1342,7 +1344,7 @@ decode_usage(const redisReply *usage, const rl_windows *w, rl_result *out, rl_er
                             "array of %d integers",
                             usage ? rl_reply_type_name(usage->type) : "missing", 2 * w->count);
     for (int i = 0; i < w->count; i++) {
-        long long used = 0, oldest = 0;
+        long long used, oldest;
         if (integer_at(usage, 2 * (size_t)i, &used, err) != RL_OK ||
             integer_at(usage, 2 * (size_t)i + 1, &oldest, err) != RL_OK ||
             within("peek", "used", used, 0, RL_MAX_LIMIT, err) != RL_OK ||

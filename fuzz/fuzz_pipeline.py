@@ -208,14 +208,16 @@ def check_result(future: Future, expect: Expect | None) -> None:
         check_decision(result, expect, *result, result.retry_after_ms,  # type: ignore[misc,attr-defined]
                        result.timestamp_ms)  # type: ignore[attr-defined]
     elif kind in ("reserve", "scopes"):
-        if type(result) is not tuple or len(result) != 12 or type(result[7]) is not tuple \
+        if type(result) is not tuple or len(result) != 13 or type(result[7]) is not tuple \
                 or len(result[7]) != len(expect.windows):
             fail("another shape", result, expect)
         (allowed, remaining, retry_s, seconds, token, member, now, report, retry_ms, scope, tie,
-         slot) = result
+         slot, share_rule) = result
         check_decision(result, expect, allowed, remaining, retry_s, seconds, retry_ms, now, token)
         if (len(member) == 36) != allowed or type(scope) is not int or tie != 0 or slot is not None:
             fail("a member, scope, tie or slot out of range", result, expect)
+        if share_rule != 0:  # no reserved shares are sent here: no share rule can refuse
+            fail("a share rule without shares", result, expect)
         for limit, _, _, left, _ in report:
             if left is not None and not 0 <= left <= limit:
                 fail("a window's remaining out of range", result, expect)

@@ -24,10 +24,12 @@ import dataclasses
 import time
 from collections.abc import Generator, Iterable, Sequence
 from datetime import date, datetime, timedelta, timezone
-from typing import Any, Literal
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from typing import TYPE_CHECKING, Any, Literal
 
 from ._native import RateLimiterError
+
+if TYPE_CHECKING:
+    from zoneinfo import ZoneInfo
 
 __all__ = [
     "DEFAULT_HOLD_SECONDS",
@@ -102,6 +104,10 @@ def _packed(thresholds: tuple[int, ...]) -> int:
 
 
 def _zone(tz: object) -> ZoneInfo:
+    # Imported here, not with the module: zoneinfo's C part needs datetime's C API, which a
+    # subinterpreter of CPython 3.12 does not load, and `import genai_ratelimit` must work there.
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
     if not isinstance(tz, str):
         raise TypeError(f"tz must be an IANA time zone name (a str), not {type(tz).__name__}")
     try:

@@ -80,7 +80,7 @@ ASAN_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
 FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py asan-runtime) \
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
-.PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz \
+.PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz run-fuzz \
         install-asan install-debug demo serve bench bench-instructions bench-gcra bench-http bench-weighted bench-leases bench-scopes bench-metrics bench-cluster bench-replicas \
         bench-builds bench-token-request \
         metrics-dashboard dashboard-pictures dist wheel test-wheel docs clean
@@ -255,6 +255,11 @@ soak: install
 # coverage-guided exploration on the release build for FUZZ_SECONDS, then every kept input
 # replayed on the ASan + UBSan build.
 fuzz: install install-asan
+	@$(MAKE) --no-print-directory run-fuzz
+
+# run-fuzz, run-lint: on the builds already installed (CI: beside run-test-docker, after the
+# waves that installed them; a second `pip install .` there would race the suites' imports).
+run-fuzz:
 	$(PIP) install -q atheris
 	$(ASAN_PY) -m pip install -q atheris
 	$(PY) fuzz/run.py explore --seconds $(FUZZ_SECONDS)
@@ -539,8 +544,11 @@ LINT_C_SOURCES = $(filter-out csrc/script_source.h,$(wildcard csrc/*.c csrc/*.h)
 # Every check runs even when an earlier one failed; the target fails when any did. stubtest
 # compares genai_ratelimit/_native.pyi with the installed extension, from a directory where the
 # source tree (no .so) cannot shadow the installed package.
-.PHONY: lint
+.PHONY: lint run-lint
 lint: install
+	@$(MAKE) --no-print-directory run-lint
+
+run-lint:
 	@command -v clang-format >/dev/null || bash scripts/ensure-debian-packages.sh clang-format
 	$(PY) scripts/native_build.py requirements lint > $(VENV)/lint-requirements.txt
 	$(PIP) install -q -r $(VENV)/lint-requirements.txt

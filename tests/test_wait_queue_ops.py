@@ -155,3 +155,147 @@ def test_several_processes_snapshots_add_up() -> None:
     ((upstream, outcome, histogram),) = merged["queue_wait"]
     assert (upstream, outcome, histogram["count"]) == ("a", "queued_then_allowed", 2)
     assert math.isclose(histogram["sum_s"], 2.3)
+
+
+# ----------------------------------------------------- max_wait on a route and on a tier
+
+
+def gateway(limiter: Any, dependency_name: str, tier_limits: Any, upstream: Any,
+            **options: Any) -> Any:
+    """An app whose one route decides with the dependency under test; the tier is the
+    x-tier header, the identity the x-org header."""
+    from fastapi import Depends, FastAPI
+
+    from genai_ratelimit import fastapi as gr_fastapi
+
+    budget = getattr(gr_fastapi, dependency_name)(
+        limiter, tier_limits,
+        identify=lambda request: (request.headers.get("x-org", "anon"),
+                                  request.headers.get("x-tier", "free")),
+        upstream=upstream, **options)
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(budget)])
+    async def chat() -> dict[str, bool]:
+        return {"ok": True}
+
+    return app
+
+
+BODY = {"model": "gpt-4o", "max_tokens": 10}
+
+
+@pytest.mark.parametrize("dependency_name", ["RateLimit", "TokenRateLimit"])
+def test_a_routes_max_wait_applies_to_an_upstream_without_one(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        dependency_name: str) -> None:
+    """RateLimit(max_wait=...): a request the upstream's cap holds back waits (behind a
+    ticket whose waiter is gone, until its deadline) and runs; one the cap cannot admit
+    before the route's deadline gets the upstream's 429 at once, queue_timeout."""
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit import fastapi as gr_fastapi
+    from genai_ratelimit.metrics import request_outcomes
+
+    limiter = make_limiter.native(redis_url)
+    app = gateway(limiter, dependency_name, {"free": {"per_minute": 100}},
+                  gr_fastapi.Upstream(UPSTREAM, per_minute=1), max_wait=5)
+    take_ticket(redis_url, "ghost", 300)
+    with TestClient(app) as client:
+        first = client.post("/v1/chat/completions", json=BODY)
+        second = client.post("/v1/chat/completions", json=BODY)
+    assert first.status_code == 200
+    assert second.status_code == 429 and second.headers["x-ratelimit-scope"] == "upstream"
+    outcomes = {row[0]: row[-1] for row in request_outcomes(limiter).snapshot()[0]}
+    assert outcomes == {"queued_then_allowed": 1, "queue_timeout": 1}
+    assert queue_waits(limiter).waits(upstream=UPSTREAM) == 2
+    assert queued(redis_client) == 0
+
+
+@pytest.mark.parametrize("dependency_name", ["RateLimit", "TokenRateLimit"])
+def test_a_tiers_max_wait_lets_its_requests_wait_and_others_are_refused_at_once(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        dependency_name: str) -> None:
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit import fastapi as gr_fastapi
+    from genai_ratelimit.metrics import request_outcomes
+
+    limiter = make_limiter.native(redis_url)
+    tiers = {"free": {"per_minute": 100}, "pro": {"per_minute": 100, "max_wait": 5}}
+    app = gateway(limiter, dependency_name, tiers, gr_fastapi.Upstream(UPSTREAM, per_minute=1))
+    take_ticket(redis_url, "ghost", 300)
+    with TestClient(app) as client:
+        free = client.post("/v1/chat/completions", json=BODY, headers={"x-tier": "free"})
+        assert free.status_code == 429  # no max_wait: refused at once, the ticket ahead
+        pro = client.post("/v1/chat/completions", json=BODY, headers={"x-tier": "pro"})
+        assert pro.status_code == 200
+    outcomes = {(row[0], row[1]): row[-1] for row in request_outcomes(limiter).snapshot()[0]}
+    assert outcomes == {("rejected", "free"): 1, ("queued_then_allowed", "pro"): 1}
+    assert queued(redis_client) == 0
+
+
+def test_the_precedence_tier_then_upstream_then_route() -> None:
+    from genai_ratelimit.fastapi import Upstream
+    from genai_ratelimit.fastapi._scopes import _Scopes
+
+    own = Upstream("a", per_minute=10, max_wait=10, max_queue=7, max_queue_per_tenant=3)
+    bare = Upstream("b", per_minute=10)
+    scopes = _Scopes([own, bare], None, None, False, tokens=False, max_wait=2)
+    a, b = own.scope(), bare.scope()
+    assert a is not None and b is not None
+    assert scopes.wait_in([a]) == (10, 7, 3)                  # the upstream's own
+    assert scopes.wait_in([b]) == (2, 1000, 100)              # the route's, default bounds
+    assert scopes.wait_in([a, b]) == (2, 1000, 100)           # the shortest of the two
+    assert scopes.wait_in([a], tier_wait=30) == (30, 7, 3)    # the tier's wins
+    assert scopes.wait_in([a, b], tier_wait=1.5) == (1.5, 7, 3)
+    none = _Scopes([bare], None, None, False, tokens=False)
+    assert none.wait_in([b]) is None
+    assert none.wait_in([b], tier_wait=4) == (4, 1000, 100)
+    shadow = _Scopes([own], None, None, False, tokens=False, shadow=True, max_wait=2)
+    assert shadow.wait_in([a], tier_wait=4) is None           # shadow mode never waits
+
+
+@pytest.mark.parametrize("bad", [0, -1, math.nan, math.inf, 86_400, True, "5"])
+def test_a_bad_max_wait_is_refused_when_the_dependency_is_built(bad: Any) -> None:
+    from genai_ratelimit import AsyncRateLimiter
+    from genai_ratelimit._tiers_config import TierConfigError
+    from genai_ratelimit.fastapi import RateLimit, TokenRateLimit, Upstream
+
+    limiter = AsyncRateLimiter()
+    upstream = Upstream("x", per_minute=1)
+    for dependency in (RateLimit, TokenRateLimit):
+        with pytest.raises((TypeError, ValueError), match="max_wait"):
+            dependency(limiter, {"free": {"per_minute": 5}}, upstream=upstream, max_wait=bad)
+        with pytest.raises(TierConfigError, match="tier 'pro': max_wait"):
+            dependency(limiter, {"free": {"per_minute": 5},
+                                 "pro": {"per_minute": 5, "max_wait": bad}}, upstream=upstream)
+
+
+def test_a_routes_max_wait_needs_an_upstream() -> None:
+    from genai_ratelimit import AsyncRateLimiter
+    from genai_ratelimit.fastapi import RateLimit
+
+    with pytest.raises(ValueError, match="give the dependency an upstream"):
+        RateLimit(AsyncRateLimiter(), {"free": {"per_minute": 5}}, max_wait=3)
+
+
+def test_the_tiers_file_gives_each_tiers_max_wait(tmp_path: Any,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from genai_ratelimit import AsyncRateLimiter
+    from genai_ratelimit._tiers_config import TierConfigError, tier_max_wait_from_env
+    from genai_ratelimit.fastapi import RateLimit
+
+    path = tmp_path / "tiers.toml"
+    path.write_text('[free]\nper_minute = 5\n\n[pro]\nper_minute = 60\nmax_wait = 5\n\n'
+                    '[enterprise]\nper_minute = 600\nmax_wait = 0.25\n\n'
+                    '[upstreams."openai/gpt-4o"]\nper_minute = 500\n', encoding="utf-8")
+    monkeypatch.setenv("GENAI_RATELIMIT_TIERS", str(path))
+    assert tier_max_wait_from_env() == {"pro": 5.0, "enterprise": 0.25}
+    dependency = RateLimit(AsyncRateLimiter())
+    assert dependency.tier_max_wait == {"pro": 5.0, "enterprise": 0.25}
+    assert "max_wait" not in dependency.tier_limits["pro"]  # not a window
+    for bad in ("0", "-1", "nan", "86400", "true", '"5"'):
+        path.write_text(f"[free]\nper_minute = 5\nmax_wait = {bad}\n", encoding="utf-8")
+        with pytest.raises(TierConfigError, match=r"tier 'free': max_wait"):
+            RateLimit(AsyncRateLimiter())

@@ -299,3 +299,82 @@ def test_the_tiers_file_gives_each_tiers_max_wait(tmp_path: Any,
         path.write_text(f"[free]\nper_minute = 5\nmax_wait = {bad}\n", encoding="utf-8")
         with pytest.raises(TierConfigError, match=r"tier 'free': max_wait"):
             RateLimit(AsyncRateLimiter())
+
+
+# -------------------------------------------------------------------------- the CLI
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    import os
+    import sys
+
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("REDIS_URL", "GENAI_RATELIMIT_TIERS", "RATE_LIMIT_DISABLED")}
+    return subprocess.run([sys.executable, "-m", "genai_ratelimit", *args], capture_output=True,
+                          text=True, timeout=30, env=environ, cwd="/")
+
+
+@pytest.mark.parametrize("storage_name", ["zset", "compact"])
+def test_top_and_inspect_show_the_queue_and_each_classes_use_of_the_shares(
+        redis_url: str, redis_client: redis.Redis, storage_name: str) -> None:
+    import json
+
+    from genai_ratelimit import RateLimiter
+
+    scope = Scope(UPSTREAM, windows=[(10, 60)], shared=True, reserved={"enterprise": 30},
+                  ceilings={"free": (80, 90)})
+    with RateLimiter(redis_url, storage=storage_name) as limiter:
+        for klass, count in (("free", 4), ("enterprise", 2)):
+            for _ in range(count):
+                assert limiter.reserve("someone", [(100, 60)], scopes=[scope],
+                                       scope_class=klass).allowed
+    before = int(time.time() * 1000)
+    for tenant in ("acme", "acme", "globex"):
+        take_ticket(redis_url, tenant, 30_000)
+    assert queued(redis_client) == 3
+    expected_classes = [("enterprise", 60, "requests", 2), ("free", 60, "requests", 4)]
+
+    done = cli("--url", redis_url, "top", "--json")
+    assert done.returncode == 0, done.stderr
+    [upstream] = json.loads(done.stdout)["upstreams"]
+    queue = upstream["queue"]
+    assert (queue["tickets"], queue["tenants"], queue["expired"], queue["key"]) == (
+        3, 2, 0, QUEUE)
+    assert before + 30_000 <= queue["first_deadline_ms"] <= queue["latest_deadline_ms"]
+    assert [(r["class"], r["window_seconds"], r["resource"], r["used"])
+            for r in sorted(upstream["classes"], key=lambda r: r["class"])] == expected_classes
+    text = cli("--url", redis_url, "top").stdout
+    assert f"'{UPSTREAM}' queue: 3 waiting, 2 tenant(s) among the first" in text
+    assert f"'{UPSTREAM}' shares: 60 s requests: free 4, enterprise 2" in text
+
+    done = cli("--url", redis_url, "inspect", "someone", "--upstream", UPSTREAM, "--json")
+    assert done.returncode == 0, done.stderr
+    [upstream] = json.loads(done.stdout)["upstreams"]
+    assert upstream["queue"]["tickets"] == 3
+    assert len(upstream["classes"]) == 2
+    text = cli("--url", redis_url, "inspect", "someone", "--upstream", UPSTREAM).stdout
+    assert "queue: 3 waiting" in text and "shares: 60 s requests: free 4, enterprise 2" in text
+
+    redis_client.delete(QUEUE, f"{QUEUE}:h")  # an empty queue reads as one
+    assert "queue: empty" in cli("--url", redis_url, "inspect", "someone", "--upstream",
+                                 UPSTREAM).stdout
+
+
+def test_the_queue_reader_leaves_expired_tickets_out(redis_url: str,
+                                                     redis_client: redis.Redis) -> None:
+    import asyncio
+
+    from genai_ratelimit import AsyncRateLimiter
+    from genai_ratelimit._keyspace import read_queue
+
+    take_ticket(redis_url, "alive", 30_000)
+    take_ticket(redis_url, "gone", 1)  # its deadline passes at once; no script purged it yet
+
+    async def read() -> Any:
+        async with AsyncRateLimiter(redis_url) as limiter:
+            seconds, micros = await limiter._command("TIME")
+            now = int(seconds) * 1000 + int(micros) // 1000 + 5
+            return await read_queue(limiter._command, QUEUE, now)
+
+    view = asyncio.run(read())
+    assert view is not None and (view["tickets"], view["expired"], view["tenants"]) == (1, 1, 1)

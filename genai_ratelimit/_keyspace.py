@@ -377,7 +377,8 @@ async def read_class_use(command: Command, key: str, window_ms: int, now_ms: int
                          pages: int = 64) -> tuple[int, bool]:
     """A class's use of a cap's window at now_ms (lib/shares.lua's class_used, without its
     trim): the costs of its entries after now - window_ms, read by pages of 64 entries (the
-    longest reply of the limiter's connections), at most `pages` pages. Returns (use, complete): complete False when there were more."""
+    longest reply of the limiter's connections), at most `pages` pages. Returns (use,
+    complete): complete False when there were more."""
     used, start = 0, 0
     for _ in range(pages):
         members = await command("ZRANGEBYSCORE", key, f"({now_ms - window_ms}", "+inf",

@@ -47,22 +47,22 @@ from ._keyspace import (
     KeyName,
     ScanReport,
     Storage,
+    class_key,
     glob_escape,
     identity_of,
     node_url,
     parse_key,
+    queue_key,
     quoted,
     read_bucket,
     read_budget,
+    read_class_use,
     read_leases,
+    read_queue,
     read_upstream,
     scan,
     shown,
     tagged,
-    class_key,
-    queue_key,
-    read_class_use,
-    read_queue,
     upstream_key,
     user_key_pattern,
 )
@@ -968,7 +968,7 @@ async def _class_rows(args: argparse.Namespace, masters: Masters, keys: Sequence
                       name: str, hash_tag: bool, now_ms: int) -> list[dict[str, Any]]:
     """The use of each class (reserved shares: lib/shares.lua's companion logs) in each
     window of the shared cap `name` the keys show, the longest use first."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for key in sorted(set(keys)):
         found = class_key(key, args.key_prefix, hash_tag)
         if found is None or found.weights or found.window.owner != name:
@@ -979,7 +979,8 @@ async def _class_rows(args: argparse.Namespace, masters: Masters, keys: Sequence
         rows.append({"class": found.klass, "window_seconds": window.seconds,
                      "resource": _resource(window.tokens), "used": used, "complete": complete,
                      "key": key})
-    rows.sort(key=lambda r: (r["window_seconds"], r["resource"], -r["used"], r["class"]))
+    rows.sort(key=lambda r: (int(r["window_seconds"]), str(r["resource"]), -int(r["used"]),
+                             str(r["class"])))
     return rows
 
 

@@ -378,3 +378,30 @@ def test_the_queue_reader_leaves_expired_tickets_out(redis_url: str,
 
     view = asyncio.run(read())
     assert view is not None and (view["tickets"], view["expired"], view["tenants"]) == (1, 1, 1)
+
+
+# --------------------------------------------------------------------------------- peek
+
+
+def test_peek_counts_the_live_tickets_as_an_admission_does(limiter: Any, redis_url: str,
+                                                          redis_client: redis.Redis) -> None:
+    """A request without a ticket goes after every live ticket: peek answers what reserve
+    answers (refused, waiting until the ticket ahead expires or the cap frees), and writes
+    nothing (the ticket stays)."""
+    scope = cap(2, 60)
+    fill(limiter, scope, 1)
+    assert limiter.peek("u", OWN, scopes=[scope])[:2] == (True, 0)
+    take_ticket(redis_url, "ghost", 20_000)
+    peeked = limiter.peek("u", OWN, scopes=[scope])
+    assert peeked[0] is False and peeked[1] == 0
+    assert 19 <= peeked[2] <= 20  # the ticket ahead gives up in 20 s: it frees its place then
+    assert queued(redis_client) == 1  # read, not purged nor taken
+    reserved = limiter.reserve("u", OWN, scopes=[scope])
+    assert not reserved.allowed and abs(reserved.retry_after_s - peeked[2]) <= 1
+    redis_client.delete(QUEUE, f"{QUEUE}:h")
+    assert limiter.peek("u", OWN, scopes=[scope])[:2] == (True, 0)
+    # a ticket whose deadline passed counts for nothing
+    take_ticket(redis_url, "ghost", 1)
+    wait_for(lambda: int(redis_client.pttl(QUEUE)) <= 1000)  # its 1 ms deadline is over
+    assert limiter.peek("u", OWN, scopes=[scope])[:2] == (True, 0)
+

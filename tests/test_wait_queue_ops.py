@@ -405,3 +405,28 @@ def test_peek_counts_the_live_tickets_as_an_admission_does(limiter: Any, redis_u
     wait_for(lambda: int(redis_client.pttl(QUEUE)) <= 1000)  # its 1 ms deadline is over
     assert limiter.peek("u", OWN, scopes=[scope])[:2] == (True, 0)
 
+
+
+@pytest.mark.parametrize("dependency_name", ["RateLimit", "TokenRateLimit"])
+def test_a_full_queue_is_a_429_at_once_counted_queue_full(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        dependency_name: str) -> None:
+    """The third outcome of the queue in the requests metric: the Upstream's bound (here a
+    queue of 1, held by a ticket whose waiter is gone) refuses at once; nothing waited."""
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit import fastapi as gr_fastapi
+    from genai_ratelimit.metrics import request_outcomes
+
+    limiter = make_limiter.native(redis_url)
+    app = gateway(limiter, dependency_name, {"free": {"per_minute": 100}},
+                  gr_fastapi.Upstream(UPSTREAM, per_minute=1, max_queue=1), max_wait=5)
+    take_ticket(redis_url, "ghost", 30_000, bounds=(1, 1))
+    started = time.monotonic()
+    with TestClient(app) as client:
+        refused = client.post("/v1/chat/completions", json=BODY)
+    assert refused.status_code == 429 and refused.headers["x-ratelimit-scope"] == "upstream"
+    assert time.monotonic() - started < 5
+    outcomes = {row[0]: row[-1] for row in request_outcomes(limiter).snapshot()[0]}
+    assert outcomes == {"queue_full": 1}
+    assert queue_waits(limiter).waits() == 0  # a full queue is not a wait

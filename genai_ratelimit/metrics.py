@@ -549,7 +549,7 @@ class QueueWaits:
         self._waiting: dict[str, int] = {}
         self._waits: dict[tuple[str, str], list[Any]] = {}  # [bucket counts, sum, count]
         self._names: set[str] = set()
-        self._listeners: list[Callable[[str, str, float], None]] = []
+        self._listeners: dict[object, Callable[[str, str, float], None]] = {}
 
     def _label(self, upstream: str) -> str:
         if upstream not in self._names:
@@ -590,15 +590,17 @@ class QueueWaits:
             found[0][index] += 1
             found[1] += seconds
             found[2] += 1
-            listeners = tuple(self._listeners)
+            listeners = tuple(self._listeners.values())
         for listener in listeners:
             listener(key[0], outcome, seconds)
 
-    def add_listener(self, listener: Callable[[str, str, float], None]) -> None:
+    def add_listener(self, listener: Callable[[str, str, float], None],
+                     key: object = None) -> None:
         """listener(upstream, outcome, seconds) is called after each observe (instrument_otel
-        records the waits into its histogram so)."""
+        records the waits into its histogram so). A listener added with the `key` of an
+        earlier one replaces it."""
         with self._lock:
-            self._listeners.append(listener)
+            self._listeners[listener if key is None else key] = listener
 
     def waiting(self, upstream: str | None = None) -> int:
         """The requests of this process waiting now (in `upstream`'s queue, or in any)."""
@@ -1109,7 +1111,8 @@ def instrument_otel(limiters: Mapping[str, _Measured] | _Measured, *, meter: Any
     for name, limiter in named.items():
         queue_waits(limiter).add_listener(
             lambda upstream, outcome, seconds, name=name: waited.record(  # type: ignore[misc]
-                seconds, {"limiter": name, "upstream": upstream, "outcome": outcome}))
+                seconds, {"limiter": name, "upstream": upstream, "outcome": outcome}),
+            key=("instrument_otel", name))  # instrumenting again replaces it
         for op in _TIMED:
             method = getattr(type(limiter), op, None)
             if method is not None:

@@ -430,3 +430,30 @@ def test_a_full_queue_is_a_429_at_once_counted_queue_full(
     outcomes = {row[0]: row[-1] for row in request_outcomes(limiter).snapshot()[0]}
     assert outcomes == {"queue_full": 1}
     assert queue_waits(limiter).waits() == 0  # a full queue is not a wait
+
+
+def test_otel_records_each_wait_in_a_histogram_once_however_often_instrumented(
+        limiter: Any) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from genai_ratelimit.metrics import instrument_otel
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        for _ in range(2):  # instrumenting again replaces the first
+            instrument_otel({"api": native(limiter)}, meter=provider.get_meter("test"))
+        scope = cap(1, 60)
+        fill(limiter, scope, 1)
+        assert limiter.reserve("u", OWN, scopes=[scope], max_wait=0.5).queue_outcome == \
+            "queue_timeout"
+        data = reader.get_metrics_data()
+    finally:
+        provider.shutdown()
+    points = [point for resource in data.resource_metrics for scope_metrics in
+              resource.scope_metrics for metric in scope_metrics.metrics
+              if metric.name == "genai_ratelimit.queue.wait" for point in metric.data.data_points]
+    assert [(dict(p.attributes), p.count) for p in points] == [
+        ({"limiter": "api", "upstream": UPSTREAM, "outcome": "queue_timeout"}, 1)]
+    assert tuple(points[0].explicit_bounds) == QUEUE_WAIT_BUCKETS

@@ -807,9 +807,15 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             upstreams += d->scopes[k].shared;
     }
     /* reset.lua's pattern and base (the pattern escapes each byte at most once). */
-    /* ... and sliding_window.lua each one's wait queue (lib/queue.lua): two keys more. */
-    const int queues =
+    /* ... and sliding_window.lua each one's wait queue (lib/queue.lua): two keys more; a
+       peek reads the queues too (its tickets count as an admission counts them), not the
+       views. */
+    int queues =
         d->script == RL_SCRIPT_WINDOW || d->script == RL_SCRIPT_COMPACT_WINDOW ? upstreams : 0;
+    if (rl_script_peeks(d->script)) {
+        for (int k = 0; k < d->nscopes; k++)
+            queues += d->scopes[k].shared;
+    }
     size_t need = (size_t)w->count * (3 * key_room + 4 * RL_NUMBER_TEXT) + 4 * key_room +
                   (size_t)upstreams * key_room + (size_t)queues * 2 * key_room;
     const char **keys = argv + 3;

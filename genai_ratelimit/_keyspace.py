@@ -16,6 +16,10 @@ _native.read_key, and the hash tag as _native.key_owner): a key is read from its
     {prefix}:{owner}:{period_start_ms}:budget={name}   (a calendar budget: lib/budget.lua)
     {prefix}:{name}:upstream              (a shared cap's provider view: lib/upstream.lua;
                                            not read back by rl_key_read, named by upstream_key)
+    {prefix}:{name}:queue[:h]             (a shared cap's wait queue: lib/queue.lua; named by
+                                           queue_key, read by read_queue)
+    {cap window key}:class={class}[:w]    (a class's use of a shared cap's window, its reserved
+                                           shares: lib/shares.lua; read by class_key / read_class_use)
 
 On a Redis Cluster the owner is a hash tag, "{owner}" with '%', '{' and '}' percent-encoded.
 The owner is a user id (the FastAPI layer's identity: "ip:<host>", "user:<id>" or the id,
@@ -37,6 +41,7 @@ __all__ = ["KeyName", "Identity", "Storage", "ScanReport", "NAMESPACE_PATTERN", 
            "shown", "quoted",
            "glob_escape", "tagged", "user_key_pattern", "scan",
            "node_url", "read_leases", "read_bucket", "read_budget", "upstream_key", "read_upstream",
+           "queue_key", "read_queue", "ClassKey", "class_key", "read_class_use",
            "SCAN_COUNT", "scan_calls_per_master"]
 
 # SCAN's COUNT: the limiter's connections take replies of at most 64 elements, and a step
@@ -295,3 +300,94 @@ async def read_upstream(command: Command, key: str) -> dict[str, int | None] | N
     if not fields:
         return None
     return {name: _integer(key, fields, name) for name in UPSTREAM_FIELDS}
+
+
+def queue_key(prefix: str, name: str, hash_tag: bool) -> str:
+    """A shared scope's wait queue, "{prefix}:{name}:queue" (its hash: the same + ":h";
+    script.c writes them beside the provider view)."""
+    return f"{prefix}:{tagged(name, hash_tag)}:queue"
+
+
+# The tickets of a queue read_queue looks at one by one (a reply of the limiter's
+# connections holds at most 64 elements: 32 with their scores); beyond them a ticket counts
+# as live, as lib/queue.lua counts it until it nears the head.
+QUEUE_READ = 32
+
+
+async def read_queue(command: Command, key: str, now_ms: int) -> dict[str, int | None] | None:
+    """A shared cap's wait queue (lib/queue.lua's sorted set `key` and its hash `key:h`),
+    read raw at now_ms: {"tickets": the live tickets (those whose deadline has passed among
+    the first QUEUE_READ, which the next script purges, left out), "expired": those left
+    out, "tenants": the tenants among the first QUEUE_READ live tickets (at least that
+    many wait), "head_round": the round being served,
+    "soonest_deadline_ms" and "latest_deadline_ms" of the live ones read,
+    "first_deadline_ms": the deadline of the ticket served next}; None when the queue is
+    empty. A ticket records its deadline, not the time it was taken: how long it has waited
+    is not in Redis (its waiter knows: Reservation.waited_ms, genai_ratelimit_queue_wait_seconds)."""
+    total = int(await command("ZCARD", key))
+    if total == 0:
+        return None
+    head = await command("ZRANGE", key, "0", str(QUEUE_READ - 1), "WITHSCORES")
+    deadlines: list[int] = []
+    tenants: set[str] = set()
+    expired, first, round_ = 0, None, None
+    for i in range(0, len(head) - 1, 2):
+        parts = _text(head[i]).split("|")
+        if len(parts) != 4 or not parts[1].isdigit():
+            raise ValueError(f"{key!r} holds no ticket: {_text(head[i])[:40]!r}")
+        deadline = int(parts[1])
+        if deadline <= now_ms:
+            expired += 1
+            continue
+        if first is None:
+            first, round_ = deadline, int(float(_text(head[i + 1])))
+        deadlines.append(deadline)
+        tenants.add(parts[3])
+    return {"tickets": total - expired, "expired": expired, "tenants": len(tenants),
+            "head_round": round_, "first_deadline_ms": first,
+            "soonest_deadline_ms": min(deadlines, default=None),
+            "latest_deadline_ms": max(deadlines, default=None)}
+
+
+_CLASS_SUFFIX = re.compile(r":class=([A-Za-z0-9_.\-]{1,64})(:w)?\Z")
+
+
+@dataclass(frozen=True)
+class ClassKey:
+    """A class's companion log of a shared cap's window (lib/shares.lua)."""
+
+    window: KeyName  # the cap's window (kind "shared")
+    klass: str  # the class (a tier)
+    weights: bool  # its weights hash ("...:w"), not its entries
+
+
+def class_key(name: str, prefix: str, hash_tag: bool) -> ClassKey | None:
+    """What a class's companion key says ("{cap window key}:class={class}[:w]"), or None
+    for any other name (rl_key_read does not read these: they are read here)."""
+    match = _CLASS_SUFFIX.search(name)
+    if match is None:
+        return None
+    window = parse_key(name[:match.start()], prefix, hash_tag)
+    if window is None or window.kind != "shared":
+        return None
+    return ClassKey(window, match[1], match[2] is not None)
+
+
+async def read_class_use(command: Command, key: str, window_ms: int, now_ms: int,
+                         pages: int = 64) -> tuple[int, bool]:
+    """A class's use of a cap's window at now_ms (lib/shares.lua's class_used, without its
+    trim): the costs of its entries after now - window_ms, read by pages of 64 entries (the
+    longest reply of the limiter's connections), at most `pages` pages. Returns (use,
+    complete): complete False when there were more."""
+    used, start = 0, 0
+    for _ in range(pages):
+        members = await command("ZRANGEBYSCORE", key, f"({now_ms - window_ms}", "+inf",
+                                "LIMIT", str(start), "64")
+        if not members:
+            return used, True
+        costs = await command("HMGET", f"{key}:w", *members)
+        used += sum(int(_text(c)) for c in costs if c is not None)
+        if len(members) < 64:
+            return used, True
+        start += 64
+    return used, False

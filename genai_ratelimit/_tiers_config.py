@@ -35,6 +35,15 @@ a tier without it has no concurrency limit:
     per_day = 100
     max_in_flight = 3
 
+A tier may also let its requests wait when an upstream's cap refuses them (the wait queue
+of shared caps, docs/wait-queue.md): max_wait, seconds (> 0, at most 300; an int or a
+float). On a route with upstreams, a tier's max_wait wins over its Upstream's and the
+route's (RateLimit(max_wait=...)):
+
+    [pro]
+    per_minute = 60
+    max_wait = 5
+
 Two more tables are sections, not tiers (so no tier can be named `models` or `upstreams`):
 per-model budgets of each user, beside the tier's, and the caps of upstream providers, shared
 by all users; each takes any of per_minute, per_day, tokens_per_minute, tokens_per_day (at
@@ -66,6 +75,7 @@ from typing import Any
 from ._native import MAX_LIMIT
 from .shares import validate as validate_shares
 from .tiers import DEFAULT_TIER, TIER_TOKEN_LIMITS
+from .wait_queue import queue_milliseconds
 
 __all__ = [
     "BURST_KEY",
@@ -91,6 +101,9 @@ __all__ = [
     "MAX_IN_FLIGHT_KEY",
     "max_in_flight_of_tiers",
     "tier_max_in_flight_from_env",
+    "MAX_WAIT_KEY",
+    "max_wait_of_tiers",
+    "tier_max_wait_from_env",
 ]
 
 TIERS_FILE_ENV = "GENAI_RATELIMIT_TIERS"
@@ -111,6 +124,8 @@ MAX_IN_FLIGHT_KEY = "max_in_flight"
 # The optional burst of a tier's minute budget: per_minute is then decided as GCRA (rate
 # per_minute per 60 s, up to `burst` at once; docs/gcra.md) instead of a sliding minute log.
 BURST_KEY = "burst"
+# The optional wait of a tier's requests in an upstream's queue (seconds, > 0, <= 300).
+MAX_WAIT_KEY = "max_wait"
 
 
 # The tables of a tiers file that are sections, not tiers.
@@ -150,7 +165,8 @@ def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, di
     if not data:
         raise TierConfigError(f"{source}: no tiers defined")
     allowed = {**TIER_BUDGET_KEYS,
-               **({**TIER_TOKEN_KEYS, MAX_IN_FLIGHT_KEY: 0, BURST_KEY: 0} if token_keys else {})}
+               **({**TIER_TOKEN_KEYS, MAX_IN_FLIGHT_KEY: 0, BURST_KEY: 0, MAX_WAIT_KEY: 0}
+                  if token_keys else {})}
     tiers: dict[str, dict[str, int]] = {}
     for tier, budget in data.items():
         if tier in SCOPE_SECTIONS:
@@ -169,7 +185,13 @@ def _tier_tables(data: object, source: str, *, token_keys: bool) -> dict[str, di
         if not any(key in budget for key in TIER_BUDGET_KEYS):
             raise TierConfigError(f"{source}: tier {tier!r}: missing a window: give at least one "
                                   f"of {', '.join(TIER_BUDGET_KEYS)}")
-        checked = {key: _budget(source, tier, key, budget[key]) for key in allowed if key in budget}
+        checked = {key: _budget(source, tier, key, budget[key]) for key in allowed
+                   if key in budget and key != MAX_WAIT_KEY}
+        if MAX_WAIT_KEY in budget:  # seconds, not a budget: checked as reserve checks it
+            try:
+                queue_milliseconds(budget[MAX_WAIT_KEY])
+            except (TypeError, ValueError) as exc:
+                raise TierConfigError(f"{source}: tier {tier!r}: {exc}") from None
         if BURST_KEY in checked and "per_minute" not in checked:
             raise TierConfigError(f"{source}: tier {tier!r}: burst applies to per_minute (the "
                                   f"minute budget decided as GCRA): give per_minute too")
@@ -312,6 +334,22 @@ def max_in_flight_of_tiers(data: object, source: str = "tier_limits") -> dict[st
     tiers = _tier_tables(data, source, token_keys=True)
     return {tier: budget[MAX_IN_FLIGHT_KEY] for tier, budget in tiers.items()
             if MAX_IN_FLIGHT_KEY in budget}
+
+
+def max_wait_of_tiers(data: object, source: str = "tier_limits") -> dict[str, float]:
+    """The waits a tiers table carries: {tier: max_wait seconds} for each tier that gives
+    one (possibly none). Checks `data` as validate_tier_limits does."""
+    _tier_tables(data, source, token_keys=True)
+    assert isinstance(data, Mapping)
+    return {str(tier): float(budget[MAX_WAIT_KEY]) for tier, budget in data.items()
+            if tier not in SCOPE_SECTIONS and MAX_WAIT_KEY in budget}
+
+
+def tier_max_wait_from_env(environ: Mapping[str, str] | None = None) -> dict[str, float] | None:
+    """The max_wait of each tier of the file named by GENAI_RATELIMIT_TIERS ({} when it
+    gives none), or None when the variable is unset or empty."""
+    config = _config_from_env(environ)
+    return None if config is None else max_wait_of_tiers(*config)
 
 
 def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

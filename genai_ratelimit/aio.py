@@ -43,7 +43,14 @@ from .lease import (
     make_lease,
 )
 from .limiter import PING_IDENTITY, Clock, Storage, limiter_options
-from .metrics import LimiterMetrics, count_reconcile, count_reservation, report_crossings
+from .metrics import (
+    LimiterMetrics,
+    count_queue_wait,
+    count_reconcile,
+    count_reservation,
+    queue_waits,
+    report_crossings,
+)
 from .periods import (
     DEFAULT_HOLD_SECONDS,
     Budget,
@@ -954,6 +961,7 @@ class AsyncRateLimiter:
                 max_queue, max_queue_per_tenant, self._two_step_scopes, in_flight,
                 None, scope_class), reserving=True)
             count_reservation(self._codec._record_outcome, queued)
+            count_queue_wait(self, scopes, queued)
             return queued
         reservation: Reservation = await self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes,
@@ -1132,19 +1140,28 @@ class AsyncRateLimiter:
     async def _drive(self, plan: Plan, reserving: bool = False) -> Any:
         """Runs a plan's C calls (reservation.py) on this loop's pipeline. When the caller is
         cancelled, the plan is finished on its own (_abandon): nothing it took outlives it.
-        reserving: a reserve's plan."""
+        reserving: a reserve's plan. A ticket it takes in a wait queue counts this request as
+        waiting there (queue_waits) until the plan ends or the caller is cancelled."""
+        leaves: list[Callable[[], None]] = []
         call, result = advance(plan)
-        while call is not None:
-            sent = _Sent()
-            try:
-                answer = await self._call(call, sent)
-            except asyncio.CancelledError:
-                self._leave(self._abandon(plan, call, sent, reserving))
-                raise
-            except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
-                call, result = advance(plan, error=exc)
-            else:
-                call, result = advance(plan, answer)
+        try:
+            while call is not None:
+                sent = _Sent()
+                try:
+                    answer = await self._call(call, sent)
+                except asyncio.CancelledError:
+                    self._leave(self._abandon(plan, call, sent, reserving))
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                    call, result = advance(plan, error=exc)
+                else:
+                    if (call[0] == "wait_queue" and call[1][3][0] > 0
+                            and isinstance(answer, int) and answer >= 0):
+                        leaves.append(queue_waits(self).enter(call[1][0]))
+                    call, result = advance(plan, answer)
+        finally:
+            for leave in leaves:
+                leave()
         return result
 
     async def _call(self, call: Any, sent: _Sent | None = None) -> Any:

@@ -47,14 +47,18 @@ from ._keyspace import (
     KeyName,
     ScanReport,
     Storage,
+    class_key,
     glob_escape,
     identity_of,
     node_url,
     parse_key,
+    queue_key,
     quoted,
     read_bucket,
     read_budget,
+    read_class_use,
     read_leases,
+    read_queue,
     read_upstream,
     scan,
     shown,
@@ -432,6 +436,8 @@ def inspect(args: argparse.Namespace, out: TextIO) -> int:
                          _limit(w), _time(w["oldest_ms"]), _retry(w)]
                         for w in upstream["windows"]], out)
         out.write(_provider_text(upstream["provider"], report["now_ms"]))
+        out.write(_queue_text(upstream["queue"], report["now_ms"]))
+        out.write(_classes_text(upstream["classes"]))
     for namespace in report["namespaces"]:
         windows = ", ".join(f"{w['window_seconds']} s {w['resource']} {w['used']}"
                             for w in namespace["windows"])
@@ -472,7 +478,10 @@ async def _inspect(args: argparse.Namespace, budgets: Budgets, tier: str,
             scans.append(upstream_scan)
             upstreams.append({"name": name, "windows": await _peek_windows(
                 masters, name, *_split(limits), (name, True)),
-                "provider": await _provider_view(args, masters, name, hash_tag)})
+                "provider": await _provider_view(args, masters, name, hash_tag),
+                "queue": await _queue_view(args, masters, name, hash_tag, now),
+                "classes": await _class_rows(args, masters, upstream_scan.keys, name,
+                                             hash_tag, now)})
         namespaces = await _namespaces_of(masters, args.user, keys)
     finally:
         await masters.aclose()
@@ -716,6 +725,9 @@ def top(args: argparse.Namespace, out: TextIO) -> int:
         _print_table(rows, out)
         for u in report["upstreams"]:
             out.write(f"{quoted(u['name'])} {_provider_text(u['provider'], report['now_ms'])}")
+            out.write(f"{quoted(u['name'])} {_queue_text(u['queue'], report['now_ms'])}")
+            if u["classes"]:
+                out.write(f"{quoted(u['name'])} {_classes_text(u['classes'])}")
     if report["budgets"]:
         out.write("calendar budgets, the most used first (limits and periods are the app's; "
                   "times local):\n")
@@ -735,6 +747,8 @@ async def _top(args: argparse.Namespace, budgets: Budgets, default: str,
     masters = await _masters(args, options)
     try:
         found = await masters.scan(glob_escape(args.key_prefix) + ":*", args.max_keys)
+        seconds, micros = await masters.limiter._command("TIME")
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
         owners: dict[str, Limits] = {}  # user -> the own windows its keys show
         shared: dict[str, Limits] = {}  # upstream -> its windows
         spend: list[str] = []  # the budget keys found
@@ -756,13 +770,13 @@ async def _top(args: argparse.Namespace, budgets: Budgets, default: str,
             (spaced if identity_of(owner).namespace is not None else plain).append(owner)
         users = await _rank_users(masters, plain, budgets, default, named)
         namespaces = await _rank_namespaces(masters, spaced, owners)
-        upstreams = await _upstream_rows(args, masters, shared, budgets, hash_tag)
+        upstreams = await _upstream_rows(args, masters, shared, budgets, hash_tag, found.keys,
+                                         now_ms)
         spending = await _spend_rows(args, masters, spend, hash_tag)
-        seconds, micros = await masters.limiter._command("TIME")
     finally:
         await masters.aclose()
     return {"users": users[:args.count], "namespaces": namespaces, "upstreams": upstreams,
-            "budgets": spending[:args.count], "now_ms": int(seconds) * 1000 + int(micros) // 1000,
+            "budgets": spending[:args.count], "now_ms": now_ms,
             "scan": _scan_json(found), "keys_examined": len(found.keys)}
 
 
@@ -912,16 +926,74 @@ async def _rank_namespaces(masters: Masters, users: list[str],
 
 
 async def _upstream_rows(args: argparse.Namespace, masters: Masters, shared: dict[str, Limits],
-                         budgets: Budgets, hash_tag: bool) -> list[dict[str, Any]]:
-    """Each upstream cap the keys show: its windows, with the tiers file's limits, and the
-    provider's view."""
+                         budgets: Budgets, hash_tag: bool, keys: Sequence[str],
+                         now_ms: int) -> list[dict[str, Any]]:
+    """Each upstream cap the keys show: its windows, with the tiers file's limits, the
+    provider's view, its wait queue and its classes' use (reserved shares)."""
     rows = []
     for name in sorted(shared):
         limits = shared[name] | _scope_limits(budgets.upstreams.get(name, {}))
         rows.append({"name": name, "windows": await _peek_windows(masters, name, *_split(limits),
                                                                   (name, True)),
-                     "provider": await _provider_view(args, masters, name, hash_tag)})
+                     "provider": await _provider_view(args, masters, name, hash_tag),
+                     "queue": await _queue_view(args, masters, name, hash_tag, now_ms),
+                     "classes": await _class_rows(args, masters, keys, name, hash_tag, now_ms)})
     return rows
+
+
+async def _queue_view(args: argparse.Namespace, masters: Masters, name: str, hash_tag: bool,
+                      now_ms: int) -> dict[str, Any] | None:
+    """A shared cap's wait queue (read_queue), with its key; None when it is empty."""
+    key = queue_key(args.key_prefix, name, hash_tag)
+    view = await read_queue((await _node_of(masters, key, hash_tag))._command, key, now_ms)
+    return None if view is None else {"key": key, **view}
+
+
+def _queue_text(view: dict[str, Any] | None, now_ms: int) -> str:
+    """A wait queue as one line: its live tickets, their tenants, the next one's deadline."""
+    if view is None:
+        return "queue: empty\n"
+    parts = [f"{view['tickets']} waiting", f"{view['tenants']} tenant(s) among the first"]
+    if view["first_deadline_ms"] is not None:
+        parts.append(f"next served gives up at {_time(view['first_deadline_ms'])} "
+                     f"(in {(view['first_deadline_ms'] - now_ms) / 1000:.1f} s)")
+    if view["latest_deadline_ms"] is not None:
+        parts.append(f"the last deadline {_time(view['latest_deadline_ms'])}")
+    if view["expired"]:
+        parts.append(f"{view['expired']} expired, purged by the next admission")
+    return f"queue: {', '.join(parts)}\n"
+
+
+async def _class_rows(args: argparse.Namespace, masters: Masters, keys: Sequence[str],
+                      name: str, hash_tag: bool, now_ms: int) -> list[dict[str, Any]]:
+    """The use of each class (reserved shares: lib/shares.lua's companion logs) in each
+    window of the shared cap `name` the keys show, the longest use first."""
+    rows: list[dict[str, Any]] = []
+    for key in sorted(set(keys)):
+        found = class_key(key, args.key_prefix, hash_tag)
+        if found is None or found.weights or found.window.owner != name:
+            continue
+        window = found.window
+        used, complete = await read_class_use((await _node_of(masters, key, hash_tag))._command,
+                                              key, window.seconds * 1000, now_ms)
+        rows.append({"class": found.klass, "window_seconds": window.seconds,
+                     "resource": _resource(window.tokens), "used": used, "complete": complete,
+                     "key": key})
+    rows.sort(key=lambda r: (int(r["window_seconds"]), str(r["resource"]), -int(r["used"]),
+                             str(r["class"])))
+    return rows
+
+
+def _classes_text(rows: list[dict[str, Any]]) -> str:
+    """The classes' use of a cap, one window a part: "shares: 60 s requests: pro 3, free 1"."""
+    if not rows:
+        return ""
+    windows: dict[tuple[int, str], list[str]] = {}
+    for r in rows:
+        windows.setdefault((r["window_seconds"], r["resource"]), []).append(
+            f"{shown(r['class'])} {r['used']}{'' if r['complete'] else '+'}")
+    return "shares: " + "; ".join(f"{seconds} s {resource}: {', '.join(uses)}"
+                                  for (seconds, resource), uses in windows.items()) + "\n"
 
 
 # ---------------------------------------------------------------------------------- main

@@ -14,7 +14,13 @@ from typing import Any, Literal, TypedDict
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
 from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, lease_maker, make_lease
-from .metrics import count_reconcile, count_reservation, report_crossings
+from .metrics import (
+    count_queue_wait,
+    count_reconcile,
+    count_reservation,
+    queue_waits,
+    report_crossings,
+)
 from .periods import (
     DEFAULT_HOLD_SECONDS,
     Budget,
@@ -239,6 +245,7 @@ class RateLimiter(_native.Limiter):
                 max_queue, max_queue_per_tenant, self._two_step_scopes, in_flight,
                 None, scope_class))
             count_reservation(self._record_outcome, queued)
+            count_queue_wait(self, scopes, queued)
             return queued
         reservation: Reservation = self._drive(reserve_plan(
             user_id, windows, cost, token_windows, tokens, scopes, self._two_step_scopes,
@@ -286,7 +293,16 @@ class RateLimiter(_native.Limiter):
         return settled
 
     def _drive(self, plan: Plan) -> Any:
-        """Runs a plan's C calls (reservation.py, periods.py), blocking."""
+        """Runs a plan's C calls (reservation.py, periods.py), blocking. A ticket it takes in
+        a wait queue counts this request as waiting there (queue_waits) until the plan ends."""
+        leaves: list[Callable[[], None]] = []
+        try:
+            return self._drive_counted(plan, leaves)
+        finally:
+            for leave in leaves:
+                leave()
+
+    def _drive_counted(self, plan: Plan, leaves: list[Callable[[], None]]) -> Any:
         call, result = advance(plan)
         while call is not None:
             name, positional, keywords = call
@@ -303,6 +319,8 @@ class RateLimiter(_native.Limiter):
                     answer = self._observe_upstream(*positional)
                 elif name == "wait_queue":
                     answer = self._wait_queue(*positional)
+                    if positional[3][0] > 0 and isinstance(answer, int) and answer >= 0:
+                        leaves.append(queue_waits(self).enter(positional[0]))
                 elif name == "clock":
                     answer = time.monotonic()
                 elif name == "sleep":

@@ -56,6 +56,9 @@ __all__ = [
     "request_outcomes",
     "BudgetThresholdCounts",
     "budget_thresholds",
+    "QueueWaits",
+    "queue_waits",
+    "QUEUE_WAIT_BUCKETS",
     "LatencyHistogram",
     "Family",
     "FAMILIES",
@@ -72,6 +75,10 @@ _logger = logging.getLogger("genai_ratelimit")
 # The upper bounds (seconds) of the latency histogram's finite buckets (csrc/py_metrics.c).
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                    0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# The upper bounds (seconds) of the wait-queue histogram's finite buckets: a wait is at most
+# wait_queue.MAX_WAIT_SECONDS (300 s).
+QUEUE_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                      60.0, 120.0, 300.0)
 # The `op` of a round trip: a limiter method's name, "ping", or "command" (SCAN, CLUSTER ...).
 OPS = ("check", "check_windows", "check_windows_detailed", "reserve", "reconcile", "peek",
        "reset", "acquire", "release", "renew", "ping", "command")
@@ -131,6 +138,11 @@ class LimiterMetrics(TypedDict):
     spend: NotRequired[tuple[tuple[str, str, str, str, str, int], ...]]
     # ... and the budgets held by their use after the hold: (tier, level, band, count).
     spend_budget_use: NotRequired[tuple[tuple[str, str, str, int], ...]]
+    # The wait queues of shared caps (reserve(max_wait=...), see QueueWaits): the requests
+    # of this process waiting now, by upstream: (upstream, count) ...
+    queue_waiting: NotRequired[tuple[tuple[str, int], ...]]
+    # ... and the waits over, by upstream and outcome: (upstream, outcome, histogram).
+    queue_wait: NotRequired[tuple[tuple[str, str, LatencyHistogram], ...]]
 
 
 @dataclass(frozen=True)
@@ -223,10 +235,21 @@ SPEND_USE_BANDS = ("0.5", "0.8", "0.9", "0.95", "1")
 _SPEND_USE_PERCENTS = (50, 80, 90, 95, 100)
 _SPEND_STATES = ("held", "released", "settled")
 
+QUEUE_WAITING = _family("queue_waiting_requests", "gauge", ("upstream",),
+                        "Requests of this process waiting now in a shared cap's wait queue "
+                        "(reserve(max_wait=...)), by upstream (the shared scope's name). Per "
+                        "process: the sum over every replica is the queue's depth.",
+                        "{request}", "queue.waiting")
+QUEUE_WAIT = _family("queue_wait_seconds", "histogram", ("upstream", "outcome"),
+                     "Seconds requests waited in a shared cap's wait queue, by upstream and "
+                     "outcome: queued_then_allowed (admitted after the wait), queue_timeout "
+                     "(refused: its deadline came first).", "s", "queue.wait")
+
 FAMILIES: tuple[Family, ...] = (DECISIONS, REJECTIONS, RESERVED_TOKENS, CHARGED_TOKENS,
                                 REFUNDED_TOKENS, LEASE_ACQUISITIONS, LEASE_RELEASES, FAIL_OPEN,
                                 SHADOW, REPLAYS, CONNECTION_ERRORS, LATENCY, REQUESTS, IN_FLIGHT,
-                                REQUEST_TOKENS, BUDGET_THRESHOLDS, SPEND, SPEND_BUDGET_USE)
+                                REQUEST_TOKENS, BUDGET_THRESHOLDS, SPEND, SPEND_BUDGET_USE,
+                                QUEUE_WAITING, QUEUE_WAIT)
 
 # The outcomes of a request in the FastAPI layer (REQUESTS), each one HTTP answer:
 OUTCOMES = (
@@ -502,6 +525,142 @@ def budget_thresholds(limiter: Any) -> BudgetThresholdCounts:
             found = _THRESHOLDS[limiter] = BudgetThresholdCounts()
         return found
 
+# The outcomes of a wait in a queue that QUEUE_WAIT observes (queue_full never waited).
+QUEUE_WAIT_OUTCOMES = ("queued_then_allowed", "queue_timeout")
+# The distinct upstreams a QueueWaits labels; later ones count as upstream="other".
+MAX_QUEUE_UPSTREAMS = 32
+
+
+class QueueWaits:
+    """The wait queues of one limiter's shared caps, as this process sees them (see
+    `queue_waits`): the requests waiting now (a ticket taken, not yet admitted or given up)
+    and the seconds each wait lasted, by upstream (the shared scope's name: configuration,
+    e.g. "openai/gpt-4o"; beyond MAX_QUEUE_UPSTREAMS names, "other") and outcome.
+    Thread-safe. Counted by RateLimiter and AsyncRateLimiter around reserve(max_wait=...).
+
+    The depth is per process, not read from Redis: the exporters do no I/O at a scrape.
+    Summed over every replica (Prometheus: sum without (instance)), it is the queue's live
+    tickets; `genai-ratelimit top` and `inspect --upstream` read the queue itself."""
+
+    __slots__ = ("_lock", "_waiting", "_waits", "_names", "_listeners", "__weakref__")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, int] = {}
+        self._waits: dict[tuple[str, str], list[Any]] = {}  # [bucket counts, sum, count]
+        self._names: set[str] = set()
+        self._listeners: dict[object, Callable[[str, str, float], None]] = {}
+
+    def _label(self, upstream: str) -> str:
+        if upstream not in self._names:
+            if len(self._names) >= MAX_QUEUE_UPSTREAMS:
+                return "other"
+            self._names.add(upstream)
+        return upstream
+
+    def enter(self, upstream: str) -> Callable[[], None]:
+        """One more request waiting in `upstream`'s queue; call the answer (once, again a
+        no-op) when it stops waiting."""
+        with self._lock:
+            label = self._label(upstream)
+            self._waiting[label] = self._waiting.get(label, 0) + 1
+        done = False
+
+        def leave() -> None:
+            nonlocal done
+            with self._lock:
+                if not done:
+                    done = True
+                    self._waiting[label] -= 1
+        return leave
+
+    def observe(self, upstream: str, outcome: str, seconds: float) -> None:
+        """One wait over: `seconds` in `upstream`'s queue, ended in `outcome`
+        (QUEUE_WAIT_OUTCOMES)."""
+        if outcome not in QUEUE_WAIT_OUTCOMES:
+            raise ValueError(f"outcome must be one of {QUEUE_WAIT_OUTCOMES}, got {outcome!r}")
+        seconds = max(0.0, float(seconds))
+        with self._lock:
+            key = (self._label(upstream), outcome)
+            found = self._waits.get(key)
+            if found is None:
+                found = self._waits[key] = [[0] * (len(QUEUE_WAIT_BUCKETS) + 1), 0.0, 0]
+            index = next((i for i, bound in enumerate(QUEUE_WAIT_BUCKETS) if seconds <= bound),
+                         len(QUEUE_WAIT_BUCKETS))
+            found[0][index] += 1
+            found[1] += seconds
+            found[2] += 1
+            listeners = tuple(self._listeners.values())
+        for listener in listeners:
+            listener(key[0], outcome, seconds)
+
+    def add_listener(self, listener: Callable[[str, str, float], None],
+                     key: object = None) -> None:
+        """listener(upstream, outcome, seconds) is called after each observe (instrument_otel
+        records the waits into its histogram so). A listener added with the `key` of an
+        earlier one replaces it."""
+        with self._lock:
+            self._listeners[listener if key is None else key] = listener
+
+    def waiting(self, upstream: str | None = None) -> int:
+        """The requests of this process waiting now (in `upstream`'s queue, or in any)."""
+        with self._lock:
+            return sum(n for u, n in self._waiting.items() if upstream is None or u == upstream)
+
+    def waits(self, upstream: str | None = None, outcome: str | None = None) -> int:
+        """The waits over (of `upstream`, ending in `outcome`; all: no arguments)."""
+        with self._lock:
+            return sum(found[2] for (u, o), found in self._waits.items()
+                       if (upstream is None or u == upstream) and (outcome is None or o == outcome))
+
+    def snapshot(self) -> tuple[tuple[tuple[str, int], ...],
+                                tuple[tuple[str, str, LatencyHistogram], ...]]:
+        """(waiting: (upstream, count) sorted, waits: (upstream, outcome, histogram) sorted)."""
+        bounds: tuple[float | None, ...] = (*QUEUE_WAIT_BUCKETS, None)
+        with self._lock:
+            waiting = tuple(sorted(self._waiting.items()))
+            waits = tuple((upstream, outcome,
+                           LatencyHistogram(buckets=tuple(zip(bounds, counts, strict=True)),
+                                            sum_s=total, count=count))
+                          for (upstream, outcome), (counts, total, count)
+                          in sorted(self._waits.items()))
+        return waiting, waits
+
+
+_QUEUE_WAITS: weakref.WeakKeyDictionary[Any, QueueWaits] = weakref.WeakKeyDictionary()
+_QUEUE_WAITS_BY_ID: dict[int, QueueWaits] = {}  # limiters that take no weak reference
+
+
+def queue_waits(limiter: Any) -> QueueWaits:
+    """The wait queues of `limiter`'s shared caps as this process sees them (made on first
+    use), exported with its counters as genai_ratelimit_queue_waiting_requests and
+    genai_ratelimit_queue_wait_seconds.
+
+        from genai_ratelimit.metrics import queue_waits
+        queue_waits(limiter).waits(upstream="openai/gpt-4o", outcome="queue_timeout")
+    """
+    with _OUTCOMES_LOCK:
+        try:
+            found = _QUEUE_WAITS.get(limiter)
+            if found is None:
+                found = _QUEUE_WAITS[limiter] = QueueWaits()
+            return found
+        except TypeError:  # no weak reference to it
+            return _QUEUE_WAITS_BY_ID.setdefault(id(limiter), QueueWaits())
+
+
+def count_queue_wait(limiter: Any, scopes: Any, reservation: Any) -> None:
+    """Observes a reserve(max_wait=...)'s wait in the queue of each shared scope it waited
+    in (queued_then_allowed, queue_timeout; nothing when it was decided at once or its
+    queue was full)."""
+    outcome = getattr(reservation, "queue_outcome", "")
+    if outcome not in QUEUE_WAIT_OUTCOMES:
+        return
+    waits = queue_waits(limiter)
+    for scope in scopes:
+        if getattr(scope, "shared", False):
+            waits.observe(scope.name, outcome, reservation.waited_ms / 1000)
+
 
 def exported(limiter: _Measured) -> LimiterMetrics:
     """limiter.metrics(), the FastAPI layer's counts of requests (request_outcomes) and the
@@ -516,6 +675,7 @@ def exported(limiter: _Measured) -> LimiterMetrics:
         snapshot["budget_thresholds"] = budget_thresholds(limiter).snapshot()
     except TypeError:  # no weak reference to it: nothing crossed through it
         snapshot["budget_thresholds"] = ()
+    snapshot["queue_waiting"], snapshot["queue_wait"] = queue_waits(limiter).snapshot()
     return snapshot
 
 # A sample: (family, label values in the family's order, value). A histogram's value is
@@ -558,6 +718,10 @@ def samples(snapshot: LimiterMetrics) -> Iterator[Sample]:
         yield SPEND, tuple(labels), amount
     for *labels, count in snapshot.get("spend_budget_use", ()):
         yield SPEND_BUDGET_USE, tuple(labels), count
+    for upstream, count in snapshot.get("queue_waiting", ()):
+        yield QUEUE_WAITING, (upstream,), count
+    for upstream, outcome, histogram in snapshot.get("queue_wait", ()):
+        yield QUEUE_WAIT, (upstream, outcome), histogram
 
 
 def report_crossings(limiter: Any, crossings: Sequence[Any]) -> None:
@@ -648,7 +812,13 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
     thresholds: dict[tuple[str, ...], int] = {}
     spend: dict[tuple[str, ...], int] = {}
     use: dict[tuple[str, ...], int] = {}
+    waiting: dict[str, int] = {}
+    waits: dict[tuple[str, str], LatencyHistogram] = {}
     for s in snapshots:
+        for upstream, count in s.get("queue_waiting", ()):
+            waiting[upstream] = waiting.get(upstream, 0) + count
+        for upstream, outcome, histogram in s.get("queue_wait", ()):
+            waits[(upstream, outcome)] = add_histogram(waits.get((upstream, outcome)), histogram)
         for *labels, count in s.get("spend", ()):
             spend[tuple(labels)] = spend.get(tuple(labels), 0) + count
         for *labels, count in s.get("spend_budget_use", ()):
@@ -681,6 +851,8 @@ def merge_snapshots(snapshots: Sequence[LimiterMetrics]) -> LimiterMetrics:
     merged["budget_thresholds"] = tuple(sorted((*labels, n) for labels, n in thresholds.items()))
     merged["spend"] = tuple(sorted((*labels, n) for labels, n in spend.items()))
     merged["spend_budget_use"] = tuple(sorted((*labels, n) for labels, n in use.items()))
+    merged["queue_waiting"] = tuple(sorted(waiting.items()))
+    merged["queue_wait"] = tuple((*labels, h) for labels, h in sorted(waits.items()))
     if scripts is not None:
         merged["latency_buckets"], merged["latency_sum_s"] = scripts["buckets"], scripts["sum_s"]
     return merged  # type: ignore[return-value]
@@ -698,6 +870,10 @@ def _from_json(snapshot: dict[str, Any]) -> LimiterMetrics:
     snapshot["budget_thresholds"] = tuple(tuple(r) for r in snapshot.get("budget_thresholds", ()))
     snapshot["spend"] = tuple(tuple(r) for r in snapshot.get("spend", ()))
     snapshot["spend_budget_use"] = tuple(tuple(r) for r in snapshot.get("spend_budget_use", ()))
+    snapshot["queue_waiting"] = tuple(tuple(r) for r in snapshot.get("queue_waiting", ()))
+    for _, _, histogram in snapshot.get("queue_wait", ()):
+        histogram["buckets"] = tuple(tuple(b) for b in histogram["buckets"])
+    snapshot["queue_wait"] = tuple(tuple(r) for r in snapshot.get("queue_wait", ()))
     return snapshot  # type: ignore[return-value]
 
 
@@ -924,7 +1100,19 @@ def instrument_otel(limiters: Mapping[str, _Measured] | _Measured, *, meter: Any
         histogram = meter.create_histogram(LATENCY.otel_name, unit=LATENCY.unit,
                                            description=LATENCY.help)
     instruments.append(histogram)
+    try:
+        waited = meter.create_histogram(
+            QUEUE_WAIT.otel_name, unit=QUEUE_WAIT.unit, description=QUEUE_WAIT.help,
+            explicit_bucket_boundaries_advisory=list(QUEUE_WAIT_BUCKETS))
+    except TypeError:  # opentelemetry-api before 1.23, as above
+        waited = meter.create_histogram(QUEUE_WAIT.otel_name, unit=QUEUE_WAIT.unit,
+                                        description=QUEUE_WAIT.help)
+    instruments.append(waited)
     for name, limiter in named.items():
+        queue_waits(limiter).add_listener(
+            lambda upstream, outcome, seconds, name=name: waited.record(  # type: ignore[misc]
+                seconds, {"limiter": name, "upstream": upstream, "outcome": outcome}),
+            key=("instrument_otel", name))  # instrumenting again replaces it
         for op in _TIMED:
             method = getattr(type(limiter), op, None)
             if method is not None:

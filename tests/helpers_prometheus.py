@@ -176,7 +176,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from genai_ratelimit import AsyncRateLimiter, Budget, PriceTable
+from genai_ratelimit import AsyncRateLimiter, Budget, PriceTable, Scope
 from genai_ratelimit.fastapi import (RateLimit, RateLimitHeadersMiddleware, SpendLevel,
                                      TokenRateLimit, Upstream, record_usage)
 from genai_ratelimit.metrics import PrometheusCollector
@@ -259,6 +259,23 @@ async def budget_route(owner: str) -> dict[str, int]:
     return {"crossed": len(hold.crossed)}
 
 
+@app.post("/v1/queue/{owner}")
+async def queue_route(owner: str) -> dict[str, str]:
+    # The wait queue of shared caps, on the limiter (its metrics are the limiter's): a cap of
+    # 1 a second, full, lets a request with max_wait wait until its entry leaves, then admits
+    # it; a cap of 1 in 2 s, full, refuses one with max_wait=0.5 at once (queue_timeout). The
+    # same caps every round (seconds apart: empty again), so that their series have a rate.
+    fast = Scope("queue:fast", windows=[(1, 1)], shared=True)
+    slow = Scope("queue:slow", windows=[(1, 2)], shared=True)
+    own = [(1000, 60)]
+    outcomes = []
+    for cap, max_wait in ((fast, 5.0), (slow, 0.5)):
+        assert (await gateway.reserve(f"{owner}-filler", own, scopes=[cap])).allowed
+        waited = await gateway.reserve(owner, own, scopes=[cap], max_wait=max_wait)
+        outcomes.append(waited.queue_outcome)
+    return {"fast": outcomes[0], "slow": outcomes[1]}
+
+
 @app.get("/metrics")
 async def metrics() -> Response:
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -304,6 +321,11 @@ class Gateway:
         self.close()
 
 
+# The decisions of one call of the wait-queue route, and the refused among them: a filler
+# and a refusal then an admission (the fast cap), a filler and a refusal (the slow one).
+QUEUE_DECISIONS, QUEUE_REFUSALS = 5, 2
+
+
 @dataclass
 class Traffic:
     """Sends the gateway's requests and counts the answers: {(route, status, why): n}, `why`
@@ -314,6 +336,8 @@ class Traffic:
     base_url: str
     answers: dict[tuple[str, int, str], int] = field(default_factory=dict)
     held: list[tuple[float, float]] = field(default_factory=list)
+    # The calls of the wait-queue route (limiter calls only: no FastAPI outcome).
+    queued: int = 0
 
     def client(self) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=30.0)
@@ -336,7 +360,16 @@ class Traffic:
         """{limiter: decisions made} as the limiter counts them: a request refused for
         concurrency is refused before any window decides it."""
         chat = self.total("chat") + self.total("chat-stream") - self.total("chat", 429, "concurrent//")
-        return {"gateway": chat + self.total("beta"), "embeddings": self.total("embeddings")}
+        return {"gateway": chat + self.total("beta") + QUEUE_DECISIONS * self.queued,
+                "embeddings": self.total("embeddings")}
+
+    def queue(self, owner: str) -> None:
+        """One call of the wait-queue route: a wait that ends admitted, one that times out."""
+        with self.client() as client:
+            response = client.post(f"/v1/queue/{owner}")
+        assert response.json() == {"fast": "queued_then_allowed", "slow": "queue_timeout"}, \
+            response.text
+        self.queued += 1
 
     def chat(self, client: httpx.Client, user: str, tier: str, max_tokens: int = 100,
              model: str = "gpt-4o-mini") -> int:
@@ -410,14 +443,16 @@ class Traffic:
         """One of each, with users of round `n` (new budgets every round): 4 free users x 7
         (2 refused each by the minute window), a token refusal, a concurrency refusal, 2
         shadow would-refuse, 3 fail-open, and 10 pro users x 5 on the gpt-4o upstream cap
-        (it refuses what passes 30 a minute: 20 in the first round, all 50 in the next), and a
-        budget's soft limit crossed."""
+        (it refuses what passes 30 a minute: 20 in the first round, all 50 in the next), a
+        budget's soft limit crossed, and two waits in the limiter's wait queues (one
+        admitted, one timed out)."""
         self.users(f"r{n}-free-", "free", users=4, each=7)
         self.big_token_requests(f"r{n}-tokens")
         self.budget_crossing(f"r{n}-key")
         self.concurrent_streams(f"r{n}-streamer", held=2, hold_s=hold_s)
         self.shadow(f"r{n}-shadowed", each=4)
         self.fail_open(f"r{n}-offline", each=3)
+        self.queue(f"r{n}")
         self.users(f"r{n}-pro-", "pro", users=10, each=5, model="gpt-4o")
 
 

@@ -30,6 +30,7 @@ from genai_ratelimit.metrics import FAMILIES
 from helpers_core import closed_port_url
 from helpers_prometheus import (
     DASHBOARD,
+    QUEUE_REFUSALS,
     ROOT,
     RULES,
     RULES_TEST,
@@ -120,6 +121,7 @@ def test_the_traffic_reached_every_outcome(scraped: Scraped) -> None:
     assert t.total("beta", 200, "shadow") == 2 * 2
     assert t.total("embeddings", 200) == 2 * 3
     assert len(t.held) == 2 and all(end - start > 1.0 for start, end in t.held), t.held
+    assert t.queued == 2  # a wait admitted and a wait timed out, each round
 
 
 def test_scraped_decisions_add_up_to_the_requests_decided(scraped: Scraped) -> None:
@@ -129,7 +131,8 @@ def test_scraped_decisions_add_up_to_the_requests_decided(scraped: Scraped) -> N
     by_outcome = {r["metric"]["outcome"]: float(r["value"][1]) for r in outcome}
     t = scraped.traffic
     refused = (t.total("chat", 429) - t.total("chat", 429, "concurrent//")
-               + t.total("beta", 200, "shadow"))  # a shadow would-refuse is a rejected decision
+               + t.total("beta", 200, "shadow")  # a shadow would-refuse is a rejected decision
+               + QUEUE_REFUSALS * t.queued)  # the wait-queue route's refusals
     assert by_outcome == {"allowed": expected["gateway"] - refused, "rejected": refused,
                           "unavailable": 0}
 
@@ -243,6 +246,19 @@ EXPECTED: dict[tuple[str, str], Expect] = {
     ("Budget use at admission", "A"): expect(
         "limiter level band", {**GW, "level": "key", "band": "0.5"},
         {**GW, "level": "org", "band": "0.5"}),
+    # The wait-queue route's caps, the limiter's own: nobody waits at the end.
+    ("Requests waiting in upstream queues", "A"): expect(
+        "limiter upstream", zero=({**GW, "upstream": "queue:fast"},
+                                  {**GW, "upstream": "queue:slow"})),
+    # About 1 s admitted, about 0 timed out (a bucket's share of 5 ms: above 0).
+    ("Queue wait p50 and p99 by upstream and outcome", "A"): expect(
+        "limiter upstream outcome",
+        {**GW, "upstream": "queue:fast", "outcome": "queued_then_allowed"},
+        {**GW, "upstream": "queue:slow", "outcome": "queue_timeout"}),
+    ("Queue wait p50 and p99 by upstream and outcome", "B"): expect(
+        "limiter upstream outcome",
+        {**GW, "upstream": "queue:fast", "outcome": "queued_then_allowed"},
+        {**GW, "upstream": "queue:slow", "outcome": "queue_timeout"}),
 }
 
 

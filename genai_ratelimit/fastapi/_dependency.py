@@ -21,9 +21,11 @@ from .._tiers_config import (
     TIER_BUDGET_KEYS,
     TierConfigError,
     max_in_flight_of_tiers,
+    max_wait_of_tiers,
     scope_sections_from_env,
     tier_limits_from_env,
     tier_max_in_flight_from_env,
+    tier_max_wait_from_env,
     validate_tier_limits,
 )
 from ..aio import AsyncRateLimiter
@@ -180,7 +182,7 @@ class RateLimit:
     def __init__(
         self,
         limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
-        tier_limits: Mapping[str, Mapping[str, int]] | None = None,
+        tier_limits: Mapping[str, Mapping[str, float]] | None = None,
         identify: Identify | None = None,
         on_unavailable: OnUnavailable = "deny",
         namespace: str | None = None,
@@ -224,12 +226,22 @@ class RateLimit:
         self.lease_seconds = opts.lease_seconds
         if tier_limits is None:
             tiers_in_flight = tier_max_in_flight_from_env() or {}
+            tiers_wait = tier_max_wait_from_env() or {}
             tier_limits = tier_limits_from_env() or TIER_LIMITS
         else:
             tiers_in_flight = max_in_flight_of_tiers(tier_limits)
+            tiers_wait = max_wait_of_tiers(tier_limits)
         self.tier_limits: dict[str, dict[str, int]] = validate_tier_limits(tier_limits)
+        # Per tier, how long its requests may wait in an upstream's queue (absent: the
+        # Upstream's max_wait, else the route's): docs/wait-queue.md, "Precedence".
+        self.tier_max_wait: dict[str, float] = tiers_wait
         self._scopes = _Scopes(opts.upstream, opts.route_limits, opts.model_limits, from_file,
-                               tokens=self._charges_tokens, shadow=opts.mode == "shadow")
+                               tokens=self._charges_tokens, shadow=opts.mode == "shadow",
+                               max_wait=opts.max_wait)
+        if opts.max_wait is not None and not (self._scopes.upstreams or self._scopes.upstream_of):
+            raise ValueError("max_wait is how long a request waits in an upstream's queue: "
+                             "give the dependency an upstream (upstream=Upstream(...), or an "
+                             "[upstreams] section in the tiers file)")
         self._limiter_is_async = limiter is None or _is_async_limiter(limiter)
         # A tier the budget does not know never applies.
         defaults = {tier: cap for tier, cap in (opts.max_in_flight or {}).items() if tier in self.tier_limits}
@@ -522,8 +534,9 @@ class _AsyncRateLimit(RateLimit):
         if facts is not None and self._scopes:
             scopes = await self._scopes.of(request)
             if scopes:
-                facts = dataclasses.replace(facts, scopes=tuple(scopes),
-                                            wait=self._scopes.wait_in(scopes))
+                facts = dataclasses.replace(
+                    facts, scopes=tuple(scopes),
+                    wait=self._scopes.wait_in(scopes, self.tier_max_wait.get(facts.tier)))
                 note_upstreams(request, self.limiter, self._limiter_is_async,
                                self._scopes.upstreams_in(scopes))
         return facts

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from .._native import MAX_LIMIT
 from ..lease import DEFAULT_LEASE_SECONDS
+from ..wait_queue import queue_milliseconds
 from ._ietf_headers import HEADER_MODES, HeaderMode
 from ._openai_headers import ERROR_FORMATS, ErrorFormat
 
@@ -51,8 +52,11 @@ class Options:
     upstream: Upstream | Sequence[Upstream] | UpstreamOf | None = None
     route_limits: Mapping[str, int] | None = None
     model_limits: Mapping[str, Mapping[str, int]] | None = None
+    max_wait: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_wait is not None:  # TypeError / ValueError now, not per request
+            queue_milliseconds(self.max_wait)
         if self.mode not in ("enforce", "shadow"):
             raise ValueError(f"mode must be 'enforce' or 'shadow', got {self.mode!r}")
         if self.headers not in HEADER_MODES:
@@ -110,6 +114,7 @@ class SharedOptions(TypedDict, total=False):
     upstream: Upstream | Sequence[Upstream] | UpstreamOf | None
     route_limits: Mapping[str, int] | None
     model_limits: Mapping[str, Mapping[str, int]] | None
+    max_wait: float | None
 
 
 def _signature_of(init: Callable[..., None]) -> inspect.Signature:

@@ -113,8 +113,9 @@ class Upstream:
         object.__setattr__(self, "ceilings", ceilings)
         if self.max_wait is not None:  # TypeError / ValueError now, not per request
             queue_milliseconds(self.max_wait)
-            queue_bound(self.max_queue, "max_queue")
-            queue_bound(self.max_queue_per_tenant, "max_queue_per_tenant")
+        # Checked without max_wait too: a route's or a tier's max_wait uses them.
+        queue_bound(self.max_queue, "max_queue")
+        queue_bound(self.max_queue_per_tenant, "max_queue_per_tenant")
 
     def wait(self) -> Wait | None:
         """(max_wait, max_queue, max_queue_per_tenant), or None without max_wait."""
@@ -166,9 +167,12 @@ class _Scopes:
     def __init__(self, upstream: Upstream | Sequence[Upstream] | UpstreamOf | None,
                  route_limits: Mapping[str, int] | None,
                  model_limits: Mapping[str, Mapping[str, int]] | None,
-                 from_file: bool, tokens: bool, shadow: bool = False) -> None:
+                 from_file: bool, tokens: bool, shadow: bool = False,
+                 max_wait: float | None = None) -> None:
         self.tokens = tokens
         self.shadow = shadow
+        # The route's max_wait (RateLimit(max_wait=...)): for every upstream without one.
+        self.max_wait = max_wait
         self.upstreams: tuple[Upstream, ...] = ()
         self.upstream_of: UpstreamOf | None = None
         if isinstance(upstream, Upstream):
@@ -214,6 +218,7 @@ class _Scopes:
         # chose (up to _MAX_CACHED_ROUTES names).
         self._bounds: dict[str, float] = {u.name: u.max_close_seconds for u in self.upstreams}
         self._waits: dict[str, Wait | None] = {u.name: u.wait() for u in self.upstreams}
+        self._chosen: dict[str, Upstream] = {}  # the upstreams the callable chose, by name
 
     def upstreams_in(self, scopes: Sequence[BudgetScope]) -> list[tuple[str, float]]:
         """(name, max_close_seconds) of the upstream caps among a request's scopes (none in
@@ -223,14 +228,35 @@ class _Scopes:
         return [(scope.name, self._bounds.get(scope.name, DEFAULT_MAX_CLOSE_SECONDS))
                 for scope in scopes if scope.shared]
 
-    def wait_in(self, scopes: Sequence[BudgetScope]) -> Wait | None:
+    def wait_in(self, scopes: Sequence[BudgetScope], tier_wait: float | None = None
+                ) -> Wait | None:
         """How a request through these scopes may wait in their upstreams' queue: the
         (max_wait, max_queue, max_queue_per_tenant) of its upstream with the shortest
-        max_wait (None: none has one; and in shadow mode, which never holds a request back)."""
+        max_wait (None: none has one; and in shadow mode, which never holds a request back).
+        Each upstream's max_wait is the tier's (`tier_wait`) when it has one, else the
+        Upstream's own, else the route's (self.max_wait); the bounds are the Upstream's."""
         if self.shadow:
             return None
-        waits = [w for w in (self._waits.get(s.name) for s in scopes if s.shared) if w is not None]
+        waits: list[Wait] = []
+        for scope in scopes:
+            if not scope.shared:
+                continue
+            own = self._waits.get(scope.name)
+            seconds = tier_wait if tier_wait is not None else (
+                own[0] if own is not None else self.max_wait)
+            if seconds is not None:
+                waits.append((seconds, *self._queue_bounds(scope.name)))
         return min(waits) if waits else None
+
+    def _queue_bounds(self, name: str) -> tuple[int, int]:
+        """(max_queue, max_queue_per_tenant) of the upstream `name` (the defaults for one
+        the configuration does not name)."""
+        chosen = next((u for u in self.upstreams if u.name == name), None)
+        if chosen is None:
+            chosen = self._chosen.get(name)
+        if chosen is None:
+            return (DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT)
+        return (chosen.max_queue, chosen.max_queue_per_tenant)
 
     def _named(self, scope: BudgetScope | None) -> BudgetScope | None:
         """A shadow budget's scopes count in keys of their own, shared ones too."""
@@ -287,6 +313,7 @@ class _Scopes:
                 if chosen.name in self._bounds or len(self._bounds) < _MAX_CACHED_ROUTES:
                     self._bounds[chosen.name] = chosen.max_close_seconds
                     self._waits[chosen.name] = chosen.wait()
+                    self._chosen[chosen.name] = chosen
                 found.append(self._named(chosen.scope(self.tokens)))
         return tuple(scope for scope in found if scope is not None)
 

@@ -190,7 +190,7 @@ class TokenRateLimit(_AsyncRateLimit):
     def __init__(
         self,
         limiter: SyncWindowLimiter | AsyncWindowLimiter | None = None,
-        tier_limits: Mapping[str, Mapping[str, int]] | None = None,
+        tier_limits: Mapping[str, Mapping[str, float]] | None = None,
         identify: Identify | None = None,
         on_unavailable: OnUnavailable = "deny",
         namespace: str | None = None,
@@ -339,7 +339,8 @@ class TokenRateLimit(_AsyncRateLimit):
         spend = None if self.spend is None else await self._spend_facts(request, facts, document)
         return Facts(facts.identity, tier, facts.windows, self.token_windows_of(tier), tokens,
                      scopes, facts.counted, facts.cap, facts.held, spend=spend,
-                     wait=self._scopes.wait_in(scopes) if scopes else None)
+                     wait=(self._scopes.wait_in(scopes, self.tier_max_wait.get(tier))
+                           if scopes else None))
 
     async def _spend_facts(self, request: Request, facts: Facts,
                            document: Mapping[str, Any] | None) -> SpendFacts | None:

@@ -82,6 +82,37 @@ local function queue_window_of(key, base)
     rest:match('^:%d+:tokens:shared$') or rest:match('^:%d+:tokens:shared:c$') or false
 end
 
+-- The wait until the windows of the shared scope whose queue is `zkey` hold the `rank`
+-- tickets ahead of a request (each of its cost) and it too: the longest over its windows
+-- (the user's own windows are not theirs), given the decision's allowed `reply` and
+-- freeing_stamp(i, window_ms, need) (the storage's). Returns (wait, at): the larger of
+-- `wait` and this scope's, with its window (`at` kept when this scope needs less).
+local function queue_room_wait(zkey, rank, reply, n, freeing_stamp, now, wait, at)
+  local base = zkey:sub(1, #zkey - #':queue')
+  for i = 1, rank > 0 and n or 0 do
+    local window_ms, limit, cost = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]),
+      tonumber(ARGV[3 * i + 2])
+    local used = limit - reply[6][i] - cost
+    local need = used + cost * (rank + 1) - limit
+    if need > 0 and cost > 0 and queue_window_of(KEYS[i], base) then
+      local stamp = need <= used and freeing_stamp(i, window_ms, need) or nil
+      local gone = stamp and stamp + window_ms - now or window_ms
+      if gone < 1 then gone = 1 end
+      if gone > wait then wait, at = gone, i end
+    end
+  end
+  return wait, at
+end
+
+-- lib/decide.lua's refusal by window `at` after `wait` ms, from the allowed `reply`: what
+-- the windows before it had.
+local function queue_refusal(reply, at, wait, now)
+  local remaining_of = {}
+  for j = 1, at - 1 do remaining_of[j] = reply[6][j] + tonumber(ARGV[3 * j + 2]) end
+  remaining_of[at] = 0
+  return {0, 0, math.ceil(wait / 1000), at, now, remaining_of, wait}
+end
+
 local function open_queues(first, count, now)
   local found = nil
   for k = 0, count - 1 do
@@ -105,30 +136,12 @@ local function open_queues(first, count, now)
       for k = 1, math.min(rank, #deadlines) do
         if not expiry or deadlines[k] < expiry then expiry = deadlines[k] end
       end
-      -- The scope's windows must hold the tickets ahead (each of this request's cost) and
-      -- it too; the user's own windows are not theirs.
-      local base = zkey:sub(1, #zkey - #':queue')
-      for i = 1, rank > 0 and n or 0 do
-        local window_ms, limit, cost = tonumber(ARGV[3 * i]), tonumber(ARGV[3 * i + 1]),
-          tonumber(ARGV[3 * i + 2])
-        local used = limit - reply[6][i] - cost
-        local need = used + cost * (rank + 1) - limit
-        if need > 0 and cost > 0 and queue_window_of(KEYS[i], base) then
-          local stamp = need <= used and log.freeing_stamp(i, window_ms, need) or nil
-          local gone = stamp and stamp + window_ms - now or window_ms
-          if gone < 1 then gone = 1 end
-          if gone > wait then wait, at = gone, i end
-        end
-      end
+      wait, at = queue_room_wait(zkey, rank, reply, n, log.freeing_stamp, now, wait, at)
     end
     if at then
       -- A ticket ahead that expires (its waiter gone) frees its place then: wake no later.
       if expiry and expiry - now < wait then wait = math.max(1, expiry - now) end
-      -- lib/decide.lua's refusal by window `at`: what the windows before it had
-      local remaining_of = {}
-      for j = 1, at - 1 do remaining_of[j] = reply[6][j] + tonumber(ARGV[3 * j + 2]) end
-      remaining_of[at] = 0
-      return {0, 0, math.ceil(wait / 1000), at, now, remaining_of, wait}
+      return queue_refusal(reply, at, wait, now)
     end
     for q, keys in ipairs(found) do
       if mine[q] then

@@ -23,7 +23,50 @@ trimmed like the cap (entries at or before now - window_ms have left), written o
 the same script as the cap, expiring window_ms + 1 s after the last admission. They live
 under the cap's name (its hash tag on a cluster), so in the cap's slot. Reconcile moves an
 entry in them too (lib/set_cost.lua's set_class_costs).
+In-flight caps (lease.lua, an acquire of the cap's name) take the same rule through
+lease_shares, whose spec (ARGV[6] of lease.lua) is
+  L c m name_1 .. name_m R_1 C_1 S_1 .. R_m C_m S_m
+in slots of the acquire's limit L; used_j is class j's holders, counted in
+  "{leases key}:class={name}"  sorted set {lease id -> expiry}: the class's leases, trimmed
+                               like the leases key (expiry <= now: gone)
+  "{leases key}:classes"       set of the class names that hold (or held) leases, so that a
+                               release or a renew, which carry no spec, find a lease's class
+  "{leases key}:active"        hash {class name, or "" for a request of no class -> the time
+                               (ms) of its latest acquire, admitted or refused}
+each kept as long as its longest lease (PEXPIRE, never shortened). There the reserves and
+ceilings are work-conserving: class j's reserve binds only while j is active (it holds a
+slot, or asked for one within the last lease_ms), and class c's ceiling only while another
+class (or a request of no class) is active. The activity stamp is the one write a refused
+acquire makes: a class the cap refused is waiting, and its reserve must bind for the next
+slot that frees.
 --]]
+
+-- The rule, once for window caps (open_shares) and in-flight caps (lease_shares). `rule`
+-- holds per class j (1..m) reserve[j], ceiling[j], saturation[j] in units of the cap; the
+-- request's class c (0: a class with no share) takes `cost` of a cap of `limit` whose use,
+-- every class's before this request, is `used`; use[j] is class j's own use, active[j]
+-- whether class j's reserve binds, `others` whether c's ceiling binds (another class is
+-- active). Returns 0 and the room class c still has after this request, or the rule that
+-- refuses (2j: class j's reserve, 2j + 1: class c's ceiling) and how much must free for
+-- the request to pass (of the cap's use for a reserve, of class c's own for a ceiling).
+local function share_rule(rule, c, limit, used, cost, use, active, others)
+  local held, holder, most = 0, 0, 0
+  for j = 1, #use do
+    local unused = rule.reserve[j] - use[j]
+    if j ~= c and unused > 0 and active[j] then
+      held = held + unused
+      if unused > most then holder, most = j, unused end
+    end
+  end
+  if used + cost > limit - held then return 2 * holder, used + cost - (limit - held) end
+  local ceiling_binds = c > 0 and others and used + cost > rule.saturation[c]
+  if ceiling_binds and use[c] + cost > rule.ceiling[c] then
+    return 2 * c + 1, use[c] + cost - rule.ceiling[c]
+  end
+  local left = limit - held - used - cost
+  if ceiling_binds then left = math.min(left, rule.ceiling[c] - use[c] - cost) end
+  return 0, left
+end
 
 -- The shares of a decision's spec, or nil without one. `log` is the storage (its
 -- freeing_stamp gives a reserve refusal's wait). Returns an object with
@@ -97,25 +140,19 @@ local function open_shares(n, spec, now, log)
       if rule then
         local window_ms, limit, cost = window_of(i)
         local used = limit - cost - reply[6][i]
-        local use = {}
-        for j = 1, m do use[j] = class_used(companion(i, j), window_ms) end
-        local held, holder, most = 0, 0, 0
+        local use, active = {}, {}
         for j = 1, m do
-          local unused = rule.reserve[j] - use[j]
-          if j ~= c and unused > 0 then
-            held = held + unused
-            if unused > most then holder, most = j, unused end
-          end
+          use[j] = class_used(companion(i, j), window_ms)
+          active[j] = true -- a window cap's reserves are strict (docs/upstreams.md)
         end
-        local code, stamp
-        if used + cost > limit - held then
-          code = 2 * holder
-          stamp = log.freeing_stamp(i, window_ms, used + cost - (limit - held))
-        elseif c > 0 and used + cost > rule.saturation[c] and use[c] + cost > rule.ceiling[c] then
-          code = 2 * c + 1
-          stamp = class_freeing_stamp(companion(i, c), use[c] + cost - rule.ceiling[c])
+        local code, need = share_rule(rule, c, limit, used, cost, use, active, true)
+        local stamp
+        if code > 0 and code % 2 == 0 then
+          stamp = log.freeing_stamp(i, window_ms, need)
+        elseif code > 0 then
+          stamp = class_freeing_stamp(companion(i, c), need)
         end
-        if code then
+        if code > 0 then
           local remaining_of = {}
           for j = 1, i - 1 do remaining_of[j] = reply[6][j] + tonumber(ARGV[3 * j + 2]) end
           remaining_of[i] = 0
@@ -124,11 +161,7 @@ local function open_shares(n, spec, now, log)
           return {0, 0, retry, i, now, remaining_of, wait}
         end
         if c > 0 then rule.used_by_class = use[c] end
-        local left = limit - held - used - cost
-        if c > 0 and used + cost > rule.saturation[c] then
-          left = math.min(left, rule.ceiling[c] - use[c] - cost)
-        end
-        if left < reply[6][i] then reply[6][i] = left end
+        if need < reply[6][i] then reply[6][i] = need end
       end
     end
     return allowed_reply(n, now, reply[6])
@@ -149,4 +182,102 @@ local function open_shares(n, spec, now, log)
   end
 
   return shares
+end
+
+-- Key `key` kept at least `ms` more (PEXPIRE, never shortened).
+local function keep_at_least(key, ms)
+  local ttl = redis.call('PTTL', key)
+  if ttl < ms then redis.call('PEXPIRE', key, ms) end
+end
+
+-- The shares of an in-flight cap's acquire (lease.lua) for `spec` ("L ...", see the
+-- header), or nil without one: `leases` the cap's leases key, `limit` its slots, `lease_ms`
+-- the lease's length (the span a class stays active). Opening reads every class's holders
+-- and latest acquire, then stamps the request's class active (whatever the answer). Returns
+-- an object with
+--   gate(count): for lib/lease.lua's may_acquire, when the cap has room (count holders):
+--     nil to admit, or true and the expiry that frees a slot for it (nil: none held), the
+--     rule kept in .refused (2j: class j's reserve, 2j + 1: class j's ceiling);
+--   take(id, expires): the admitted lease added to its class's leases.
+local function lease_shares(spec, leases, now, limit, lease_ms)
+  if not spec or spec:sub(1, 2) ~= 'L ' then return nil end
+  local t = {}
+  for word in spec:gmatch('%S+') do t[#t + 1] = word end
+  local c, m = tonumber(t[2]), tonumber(t[3])
+  local names, rule = {}, {reserve = {}, ceiling = {}, saturation = {}}
+  for j = 1, m do
+    names[j] = t[3 + j]
+    local at = 4 + m + 3 * (j - 1)
+    rule.reserve[j], rule.ceiling[j], rule.saturation[j] =
+      tonumber(t[at]), tonumber(t[at + 1]), tonumber(t[at + 2])
+  end
+  local function class_key(j) return leases .. ':class=' .. names[j] end
+  local active_key = leases .. ':active'
+
+  local use, fields = {}, {}
+  for j = 1, m do
+    redis.call('ZREMRANGEBYSCORE', class_key(j), '-inf', now)
+    use[j] = redis.call('ZCARD', class_key(j))
+    fields[j] = names[j]
+  end
+  fields[m + 1] = '' -- requests of no class
+  local seen = redis.call('HMGET', active_key, unpack(fields))
+  local active = {}
+  for j = 1, m + 1 do
+    local at = tonumber(seen[j])
+    active[j] = (use[j] or 0) > 0 or (at ~= nil and at > now - lease_ms)
+  end
+  redis.call('HSET', active_key, c > 0 and names[c] or '', now)
+  keep_at_least(active_key, lease_ms)
+
+  local shares = {refused = 0}
+  function shares.gate(count)
+    local classed = 0
+    for j = 1, m do classed = classed + use[j] end
+    -- Another class is active: one of the m (not c), or a request of no class (one holds a
+    -- slot when the classes hold fewer than the cap's holders).
+    local others = c > 0 and (active[m + 1] or count > classed)
+    for j = 1, m do
+      if j ~= c and active[j] then others = true end
+    end
+    local code = share_rule(rule, c, limit, count, 1, use, active, others)
+    if code == 0 then return nil end
+    shares.refused = code
+    local soonest = nil
+    if code % 2 == 1 then -- a slot of its own class frees it
+      soonest = tonumber(redis.call('ZRANGE', class_key(c), 0, 0, 'WITHSCORES')[2])
+    end
+    -- No lease to wait for (a reserve of an idle class, a ceiling of 0): its span.
+    if not soonest and count == 0 then soonest = now + lease_ms end
+    return true, soonest
+  end
+
+  function shares.take(id, expires)
+    if c == 0 then return end
+    local key = class_key(c)
+    redis.call('ZADD', key, expires, id)
+    redis.call('SADD', leases .. ':classes', names[c])
+    keep_at_least(key, expires - now)
+    keep_at_least(leases .. ':classes', expires - now)
+  end
+
+  return shares
+end
+
+-- A lease's release or renewal (lease.lua) carried to its class's leases: `expires` nil
+-- removes lease `id`, else moves its expiry there. The classes set names where it may be.
+local function lease_class_moved(leases, id, expires, now)
+  local names = redis.call('SMEMBERS', leases .. ':classes')
+  for _, name in ipairs(names) do
+    local key = leases .. ':class=' .. name
+    if expires then
+      if redis.call('ZADD', key, 'XX', 'CH', expires, id) == 1 then
+        keep_at_least(key, expires - now)
+        keep_at_least(leases .. ':classes', expires - now)
+        return
+      end
+    elseif redis.call('ZREM', key, id) == 1 then
+      return
+    end
+  end
 end

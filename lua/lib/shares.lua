@@ -29,13 +29,15 @@ lease_shares, whose spec (ARGV[6] of lease.lua) is
 in slots of the acquire's limit L; used_j is class j's holders, counted in
   "{leases key}:class={name}"  sorted set {lease id -> expiry}: the class's leases, trimmed
                                like the leases key (expiry <= now: gone)
-  "{leases key}:classes"       set of the class names that hold (or held) leases, so that a
-                               release or a renew, which carry no spec, find a lease's class
-  "{leases key}:active"        hash {class name, or "" for a request of no class -> the time
-                               (ms) of its latest acquire, admitted or refused}
+  "{leases key}:classes"       sorted set of the class names that hold (or held) leases
+                               (scores 0), so that a release or a renew, which carry no
+                               spec, find a lease's class (ZRANGE: docs/security.md's ACL)
+  "{leases key}:active"        hash {class name, or "" for a request of no class -> until
+                               when (ms) its latest acquire, admitted or refused, keeps it
+                               active: that acquire's time + its lease_ms}
 each kept as long as its longest lease (PEXPIRE, never shortened). There the reserves and
 ceilings are work-conserving: class j's reserve binds only while j is active (it holds a
-slot, or asked for one within the last lease_ms), and class c's ceiling only while another
+slot, or asked for one within its lease's length), and class c's ceiling only while another
 class (or a request of no class) is active. The activity stamp is the one write a refused
 acquire makes: a class the cap refused is waiting, and its reserve must bind for the next
 slot that frees.
@@ -224,10 +226,10 @@ local function lease_shares(spec, leases, now, limit, lease_ms)
   local seen = redis.call('HMGET', active_key, unpack(fields))
   local active = {}
   for j = 1, m + 1 do
-    local at = tonumber(seen[j])
-    active[j] = (use[j] or 0) > 0 or (at ~= nil and at > now - lease_ms)
+    local until_ms = tonumber(seen[j])
+    active[j] = (use[j] or 0) > 0 or (until_ms ~= nil and until_ms > now)
   end
-  redis.call('HSET', active_key, c > 0 and names[c] or '', now)
+  redis.call('HSET', active_key, c > 0 and names[c] or '', now + lease_ms)
   keep_at_least(active_key, lease_ms)
 
   local shares = {refused = 0}
@@ -256,7 +258,7 @@ local function lease_shares(spec, leases, now, limit, lease_ms)
     if c == 0 then return end
     local key = class_key(c)
     redis.call('ZADD', key, expires, id)
-    redis.call('SADD', leases .. ':classes', names[c])
+    redis.call('ZADD', leases .. ':classes', 0, names[c])
     keep_at_least(key, expires - now)
     keep_at_least(leases .. ':classes', expires - now)
   end
@@ -267,7 +269,7 @@ end
 -- A lease's release or renewal (lease.lua) carried to its class's leases: `expires` nil
 -- removes lease `id`, else moves its expiry there. The classes set names where it may be.
 local function lease_class_moved(leases, id, expires, now)
-  local names = redis.call('SMEMBERS', leases .. ':classes')
+  local names = redis.call('ZRANGE', leases .. ':classes', 0, -1)
   for _, name in ipairs(names) do
     local key = leases .. ':class=' .. name
     if expires then

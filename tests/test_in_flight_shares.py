@@ -16,9 +16,11 @@ from typing import Any
 import pytest
 import redis
 
-from genai_ratelimit import AsyncRateLimiter, ShareRefusal, Shares
+from genai_ratelimit import AsyncRateLimiter, ShareRefusal, Shares, _native
 from helpers_async import LimiterFactory, LoopFactory, run_async
 from helpers_core import wait_until_server_ms
+from test_idempotent_retry import ReplyDroppingProxy, redis_port  # noqa: F401 (a fixture)
+from test_production_acl import acl_url, admin  # noqa: F401 (fixtures)
 
 CAP = "openai/gpt-4o"
 SHARES = Shares(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
@@ -176,6 +178,34 @@ def test_coroutines_racing_keep_every_share(loop_factory: LoopFactory, redis_url
             assert redis_client.zcard(class_key("free")) == free
 
     run_async(scenario(), loop_factory)
+
+
+def test_an_acquire_whose_reply_was_lost_takes_one_slot_of_its_class(
+        make_limiter: LimiterFactory, redis_client: redis.Redis, redis_port: int,  # noqa: F811
+) -> None:
+    redis_client.script_load(_native.LEASE_SOURCE)
+    proxy = ReplyDroppingProxy(redis_port, drop=1)
+    try:
+        with make_limiter(f"redis://127.0.0.1:{proxy.port}/0") as limiter:
+            lease = take(limiter, "free", 1)[0]
+    finally:
+        proxy.close()
+    assert len(proxy.dropped_replies) == 1
+    assert proxy.dropped_replies[0].startswith(b"*7\r\n:1\r\n:1\r\n")
+    assert (lease.allowed, lease.held) == (True, 1)
+    assert redis_client.zcard(class_key("free")) == 1
+
+
+def test_the_documented_acl_user_runs_in_flight_shares(
+        acl_url: Any, admin: redis.Redis, make_limiter: LimiterFactory) -> None:  # noqa: F811
+    """Every command of the shares (class leases, the classes registry, the activity
+    stamps) is within docs/security.md's ACL."""
+    limiter = make_limiter(acl_url())
+    first = take(limiter, "enterprise", 1)[0]
+    assert limiter.renew(first) and limiter.release(first)
+    free = take(limiter, "free", 8)
+    assert [lease.allowed for lease in free] == [True] * 7 + [False]
+    assert rule(free[7]) == ("reserve", "enterprise")
 
 
 def test_decimal_percents_are_exact(limiter: Any) -> None:

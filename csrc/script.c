@@ -1383,8 +1383,7 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
                             "unexpected reply to the lease script: %s%s, expected an array of %zu "
                             "integers",
                             rl_reply_type_name(reply->type),
-                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "",
-                            elements);
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "", elements);
     for (size_t i = 0; i < elements; i++) {
         if (integer_at(reply, i, &v[i], err) != RL_OK)
             return err->kind;
@@ -1399,8 +1398,9 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
         return err->kind;
     /* 2j: the reserve of class j; 2j + 1: class j's ceiling (at most 64 classes) */
     if (v[6] == 1)
-        return rl_error_set(err, RL_ERR_PROTOCOL, "unexpected reply to the lease script: share "
-                                                  "rule 1");
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the lease script: share "
+                            "rule 1");
     int granted = ok == 1 && d->shape != RL_SHAPE_RELEASE;
     /* A granted lease expires after now, within its length (a replayed acquire answers the
        first attempt's expiry, stamped by a clock that may have been ahead). */

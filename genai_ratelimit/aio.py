@@ -55,7 +55,6 @@ from .periods import (
     settle_plan,
 )
 from .provider_limits import DEFAULT_MAX_CLOSE_SECONDS, ProviderLimits, observe_plan
-from .shares import Shares
 from .reservation import (
     Plan,
     Reservation,
@@ -66,6 +65,7 @@ from .reservation import (
     reserve_arguments,
     reserve_plan,
 )
+from .shares import Shares
 from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
 
 __all__ = ["AsyncRateLimiter"]

@@ -5,14 +5,17 @@ this module validates the percentages once, computes every integer the script co
 (no float ever reaches a decision) and builds the script's spec.
 
 For class c taking `cost` in a window of limit L whose use is `used` (every class's):
-  reserve: used + cost <= L - sum over k != c of max(0, R_k - used_k), R_k = floor(p_k * L / 100)
-  ceiling: when used + cost > s_c * L / 100, used_c + cost <= q_c * L / 100
-where used_k is class k's own use in the window (docs/upstreams.md, "Reserved shares").
+  reserve: used + cost <= L - sum over active k != c of max(0, R_k - used_k),
+           R_k = floor(p_k * L / 100)
+  ceiling: when another class is active and used + cost > s_c * L / 100,
+           used_c + cost <= q_c * L / 100
+where used_k is class k's own use in the window, and a class is active while it has entries
+in the window or sent a request (admitted or refused) within it: work-conserving
+(docs/upstreams.md, "Reserved shares").
 
 An in-flight cap (`acquire(name, limit, lease_seconds, shares=Shares(...), share_class=...)`)
-takes the same rule with cost 1, used = the cap's holders and used_k = class k's holders,
-work-conserving: R_k binds only while class k is active (it holds a slot, or asked for one
-within the last lease_seconds), c's ceiling only while another class is."""
+takes the same rule with cost 1, used = the cap's holders and used_k = class k's holders; a
+class is active there while it holds a slot, or asked for one within its lease's length."""
 
 from __future__ import annotations
 

@@ -13,9 +13,15 @@ the cap only); resource "requests" or "tokens"; for class j in that window of li
 R_j the units it keeps for itself (its reserve), C_j its ceiling, S_j the saturation above
 which the ceiling holds (C_j = S_j = L: no ceiling).
 
-The rules, for the request's class c taking `cost` in a window of limit L and used `used`:
-  reserve: used + cost <= L - sum over j ~= c of max(0, R_j - used_j)
-  ceiling: when used + cost > S_c, used_c + cost <= C_c
+The rules (share_rule), for the request's class c taking `cost` in a window of limit L and
+used `used`:
+  reserve: used + cost <= L - sum over active j ~= c of max(0, R_j - used_j)
+  ceiling: when another class is active and used + cost > S_c, used_c + cost <= C_c
+Work-conserving: class j is active in window i while it has entries there, or sent a request
+through the cap (admitted or refused) within window_ms; a request of no class counts as
+another class (the cap holds entries of no class, or one came within window_ms). The latest
+request of each class is in "{prefix}:{name}:shares:active" (class_activity: a hash {class,
+or "" -> unix ms}, kept the longest window + 1 s): the one write a refused request makes.
 where used_j is class j's use in the window, counted in its companion log:
   "{cap window key}:class={name}"    sorted set, score the entry's time (ms), member the entry's
   "{cap window key}:class={name}:w"  hash: each entry's cost, and "total" their sum
@@ -35,12 +41,9 @@ in slots of the acquire's limit L; used_j is class j's holders, counted in
   "{leases key}:active"        hash {class name, or "" for a request of no class -> until
                                when (ms) its latest acquire, admitted or refused, keeps it
                                active: that acquire's time + its lease_ms}
-each kept as long as its longest lease (PEXPIRE, never shortened). There the reserves and
-ceilings are work-conserving: class j's reserve binds only while j is active (it holds a
-slot, or asked for one within its lease's length), and class c's ceiling only while another
-class (or a request of no class) is active. The activity stamp is the one write a refused
-acquire makes: a class the cap refused is waiting, and its reserve must bind for the next
-slot that frees.
+each kept as long as its longest lease (PEXPIRE, never shortened). Active there: class j
+holds a slot, or asked for one within its own lease's length; a request of no class holds
+one (the classes hold fewer than the cap) or asked within its lease's length.
 --]]
 
 -- The rule, once for window caps (open_shares) and in-flight caps (lease_shares). `rule`
@@ -68,6 +71,29 @@ local function share_rule(rule, c, limit, used, cost, use, active, others)
   local left = limit - held - used - cost
   if ceiling_binds then left = math.min(left, rule.ceiling[c] - use[c] - cost) end
   return 0, left
+end
+
+-- Key `key` kept at least `ms` more (PEXPIRE, never shortened).
+local function keep_at_least(key, ms)
+  local ttl = redis.call('PTTL', key)
+  if ttl < ms then redis.call('PEXPIRE', key, ms) end
+end
+
+-- The activity of a cap's classes, kept in hash `key` {class name, or "" for requests of
+-- no class -> a time, ms}: returns each of the m classes' value and (m + 1) that of ""
+-- (nil where none), then sets the request's class c's (0: "") to `stamp`; the hash is kept
+-- at least `keep_ms` more. The one write a refused request makes: a class a cap refused
+-- is waiting, and its reserve must bind for the room that frees next.
+local function class_activity(key, names, c, stamp, keep_ms)
+  local fields = {}
+  for j = 1, #names do fields[j] = names[j] end
+  fields[#names + 1] = ''
+  local seen = redis.call('HMGET', key, unpack(fields))
+  local out = {}
+  for j = 1, #names + 1 do out[j] = tonumber(seen[j]) end
+  redis.call('HSET', key, c > 0 and names[c] or '', stamp)
+  keep_at_least(key, keep_ms)
+  return out
 end
 
 -- The shares of a decision's spec, or nil without one. `log` is the storage (its
@@ -102,6 +128,12 @@ local function open_shares(n, spec, now, log)
     pos = pos + 2 + 3 * m
   end
   local function companion(i, j) return KEYS[i] .. ':class=' .. names[j] end
+  local longest = 0
+  for i = 1, n do
+    if rules[i] then longest = math.max(longest, window_of(i)) end
+  end
+  -- Each class's latest request through the cap (ms), admitted or refused; this one's now.
+  local seen = class_activity(base .. ':shares:active', names, c, now, longest + 1000)
 
   -- Class j's use in window i, its companion trimmed first (by pages of 256 entries).
   local function class_used(key, window_ms)
@@ -142,12 +174,20 @@ local function open_shares(n, spec, now, log)
       if rule then
         local window_ms, limit, cost = window_of(i)
         local used = limit - cost - reply[6][i]
-        local use, active = {}, {}
+        -- Work-conserving: class j is active in this window when it has entries in it or
+        -- sent a request within it; a request of no class when the cap holds entries of no
+        -- class or one came within it.
+        local use, active, classed = {}, {}, 0
         for j = 1, m do
           use[j] = class_used(companion(i, j), window_ms)
-          active[j] = true -- a window cap's reserves are strict (docs/upstreams.md)
+          classed = classed + use[j]
+          active[j] = use[j] > 0 or (seen[j] ~= nil and seen[j] > now - window_ms)
         end
-        local code, need = share_rule(rule, c, limit, used, cost, use, active, true)
+        local others = used > classed or (seen[m + 1] ~= nil and seen[m + 1] > now - window_ms)
+        for j = 1, m do
+          if j ~= c and active[j] then others = true end
+        end
+        local code, need = share_rule(rule, c, limit, used, cost, use, active, others)
         local stamp
         if code > 0 and code % 2 == 0 then
           stamp = log.freeing_stamp(i, window_ms, need)
@@ -186,12 +226,6 @@ local function open_shares(n, spec, now, log)
   return shares
 end
 
--- Key `key` kept at least `ms` more (PEXPIRE, never shortened).
-local function keep_at_least(key, ms)
-  local ttl = redis.call('PTTL', key)
-  if ttl < ms then redis.call('PEXPIRE', key, ms) end
-end
-
 -- The shares of an in-flight cap's acquire (lease.lua) for `spec` ("L ...", see the
 -- header), or nil without one: `leases` the cap's leases key, `limit` its slots, `lease_ms`
 -- the lease's length (the span a class stays active). Opening reads every class's holders
@@ -216,21 +250,17 @@ local function lease_shares(spec, leases, now, limit, lease_ms)
   local function class_key(j) return leases .. ':class=' .. names[j] end
   local active_key = leases .. ':active'
 
-  local use, fields = {}, {}
+  local use = {}
   for j = 1, m do
     redis.call('ZREMRANGEBYSCORE', class_key(j), '-inf', now)
     use[j] = redis.call('ZCARD', class_key(j))
-    fields[j] = names[j]
   end
-  fields[m + 1] = '' -- requests of no class
-  local seen = redis.call('HMGET', active_key, unpack(fields))
+  -- Until when each class (m + 1: requests of no class) is active; this one for its lease.
+  local seen = class_activity(active_key, names, c, now + lease_ms, lease_ms)
   local active = {}
   for j = 1, m + 1 do
-    local until_ms = tonumber(seen[j])
-    active[j] = (use[j] or 0) > 0 or (until_ms ~= nil and until_ms > now)
+    active[j] = (use[j] or 0) > 0 or (seen[j] ~= nil and seen[j] > now)
   end
-  redis.call('HSET', active_key, c > 0 and names[c] or '', now + lease_ms)
-  keep_at_least(active_key, lease_ms)
 
   local shares = {refused = 0}
   function shares.gate(count)

@@ -199,3 +199,35 @@ def test_the_tiers_file_takes_in_flight(make_limiter: LimiterFactory, redis_url:
     tiers.write_text(f'[free]\nper_minute = 1\n[upstreams."{CAP}"]\nin_flight = -1\n')
     with pytest.raises(TierConfigError, match="in_flight must be >= 1"):
         RateLimit(make_limiter.native(redis_url))
+
+
+@pytest.mark.parametrize(("tier", "klass"), [("enterprise", "enterprise"), ("pro", None)])
+def test_the_plan_takes_the_upstream_slot_before_the_windows(tier: str, klass: str | None) -> None:
+    """The plan as a table: the slot's acquire (the tier as the class when the shares name
+    it), then the windows; a refusal by a share rule is the upstream's 429 naming it."""
+    from genai_ratelimit import Lease, ShareRefusal, Shares
+    from genai_ratelimit.fastapi._plan import Call, Facts, Policy, Refused, UpstreamSlot, plan
+
+    shares = Shares(reserved={"enterprise": 30})
+    slot = UpstreamSlot(CAP, 10, 60, shares)
+    steps = plan(Facts("alice", tier, ((5, 60),), slots=(slot,)), Policy(clock=lambda: 1_000))
+    expected = {"shares": shares} | ({"share_class": klass} if klass else {})
+    assert next(steps) == Call("acquire", (CAP, 10, 60), expected)
+    granted = Lease(allowed=True, held=1, remaining=9, retry_after_s=0, retry_after_ms=0,
+                    lease_id="x" * 36, expires_at_ms=61_000, user_id=CAP, limit=10,
+                    lease_seconds=60)
+    assert steps.send(granted) == Call("check_windows", ("alice", ((5, 60),)), {})
+    steps = plan(Facts("alice", tier, ((5, 60),), slots=(slot,)), Policy(clock=lambda: 1_000))
+    next(steps)
+    refused = Lease(allowed=False, held=7, remaining=0, retry_after_s=2, retry_after_ms=1_500,
+                    lease_id="", expires_at_ms=0, user_id=CAP, limit=10, lease_seconds=60,
+                    retry_bound_ms=30_000,
+                    share_refusal=ShareRefusal(CAP, "reserve", "enterprise", klass))
+    with pytest.raises(StopIteration) as done:
+        steps.send(refused)
+    outcome = done.value.value
+    assert outcome.slots == [] and len(outcome.verdicts) == 1
+    verdict = outcome.verdicts[0]
+    assert isinstance(verdict, Refused) and verdict.scope == "upstream"
+    assert ("X-RateLimit-Share", "reserve; class=enterprise") in verdict.contract
+    assert verdict.retry == (2, 1_500) and verdict.outcome == "concurrency_rejected"

@@ -246,3 +246,22 @@ def test_the_kill_switch_grants_a_lease_with_shares(unreachable_limiter: Any,
     monkeypatch.setenv("RATE_LIMIT_DISABLED", "1")
     lease = unreachable_limiter.acquire(CAP, 10, 60, shares=SHARES, share_class="free")
     assert lease.allowed and lease.share_refusal is None and lease.share_class == "free"
+
+
+def test_in_flight_shares_on_a_cluster_live_in_the_caps_slot(make_limiter: LimiterFactory,
+                                                             redis_cluster: Any) -> None:
+    """On a Redis Cluster the leases key's hash tag is the cap's name: the class leases, the
+    registry and the activity stamps are named after it, so in its slot."""
+    from redis.cluster import RedisCluster as ClusterClient
+
+    limiter = make_limiter(redis_cluster.url)
+    limiter.release(take(limiter, "enterprise", 1)[0])
+    free = take(limiter, "free", 8)
+    assert [lease.allowed for lease in free] == [True] * 7 + [False]
+    assert rule(free[7]) == ("reserve", "enterprise")
+    assert limiter.release(free[0])
+    inspector = ClusterClient(host="127.0.0.1", port=redis_cluster.nodes[0].port)
+    try:
+        assert inspector.zcard(f"ratelimit:{{{CAP}}}:leases:class=free") == 6
+    finally:
+        inspector.close()

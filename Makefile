@@ -82,7 +82,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz run-fuzz \
         install-asan install-debug demo serve bench bench-instructions bench-gcra bench-http bench-weighted bench-leases bench-scopes bench-metrics bench-cluster bench-replicas \
-        bench-builds bench-token-request \
+        bench-builds bench-token-request bench-shares-in-flight \
         metrics-dashboard dashboard-pictures dist wheel test-wheel docs clean
 
 help:
@@ -103,6 +103,7 @@ help:
 	@echo "make bench-cluster  a single node vs a 3-master Redis Cluster, and the slot lookup's cost"
 	@echo "make bench-replicas a master + replica vs a 3+3 cluster, min_replicas=1 vs without"
 	@echo "make bench-leases   acquire + release (in-flight leases) vs the plain check, sync and async"
+	@echo "make bench-shares-in-flight  3 tiers on one in-flight cap of 10 with reserved shares"
 	@echo "make bench-scopes   reserve with an upstream scope (one script, two steps) vs check_windows"
 	@echo "make bench-token-request [BASE=<rev>]  a capped token request's Redis commands and server time"
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
@@ -310,6 +311,10 @@ bench-weighted: install
 bench-scopes: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/scopes.py
+
+# Reserved shares of an in-flight cap: 3 tiers, 2 processes, a cap of 10 (about 35 s).
+bench-shares-in-flight: install
+	$(PY) benchmarks/shares_in_flight.py
 
 # In-flight leases: acquire + release vs the plain check, sync and async (one run).
 bench-leases: install

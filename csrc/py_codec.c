@@ -295,7 +295,7 @@ static PyMethodDef Codec_methods[] = {
      "Counts what only the caller knows (Limiter._record_outcome's kinds)."},
     {"acquire", (PyCFunction)(void (*)(void))Codec_acquire,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
+     "acquire($self, /, user_id, limit, lease_seconds, shares=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._acquire's shape)."},
     {"release", (PyCFunction)(void (*)(void))Codec_release,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,

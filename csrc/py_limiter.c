@@ -514,10 +514,11 @@ Limiter_record_outcome(LimiterObject *self, PyObject *const *args, Py_ssize_t na
     return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, args, nargs);
 }
 PyDoc_STRVAR(Limiter_acquire_doc,
-"_acquire($self, /, user_id, limit, lease_seconds)\n--\n\n"
+"_acquire($self, /, user_id, limit, lease_seconds, shares=None)\n--\n\n"
 "-> (allowed, held, retry_after_s, retry_after_ms, lease_id, expires_at_ms, now_ms,\n"
-"    retry_bound_ms)\n\n"
-"Takes one of `limit` concurrent slots of user_id for lease_seconds (lua/lease.lua).\n"
+"    retry_bound_ms, share_rule)\n\n"
+"Takes one of `limit` concurrent slots of user_id for lease_seconds (lua/lease.lua);\n"
+"shares: lua/lib/shares.lua's \"L ...\" spec, share_rule the rule that refused (0: none).\n"
 "RateLimiter.acquire wraps it in a Lease.");
 
 LIMITER_METHOD(acquire, RL_SHAPE_ACQUIRE)

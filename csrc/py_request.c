@@ -639,7 +639,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                                                   "cost",    "tokens",  "scopes", "tie",
                                                   "release", "shares"};
     static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
-    static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds"};
+    static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds", "shares"};
     static const char *const release_names[] = {"user_id", "lease_id"};
     static const char *const renew_names[] = {"user_id", "lease_id", "lease_seconds"};
     static const char *const gcra_names[] = {"user_id", "rate", "period_seconds", "burst", "cost"};
@@ -732,10 +732,11 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         break;
     case RL_SHAPE_ACQUIRE:
-        if (rl_parse_args("acquire", args, nargs, kwnames, acquire_names, 3, 3, 3, v) < 0 ||
+        if (rl_parse_args("acquire", args, nargs, kwnames, acquire_names, 4, 4, 3, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             positive_int(v[1], "limit", RL_MAX_LIMIT, &d->lease_limit) < 0 ||
-            positive_int(v[2], "lease_seconds", RL_MAX_WINDOW_SECONDS, &seconds) < 0)
+            positive_int(v[2], "lease_seconds", RL_MAX_WINDOW_SECONDS, &seconds) < 0 ||
+            (v[3] != NULL && parse_shares(v[3], d, 'L') < 0)) /* lua/lib/shares.lua's */
             return -1;
         d->lease_ms = seconds * 1000;
         break;

@@ -175,9 +175,10 @@ rl_result_object(rl_module_state *state, const rl_prepared *d, const rl_result *
     if (d->shape == RL_SHAPE_RENEW)
         return Py_BuildValue("(NL)", PyBool_FromLong(r->allowed), r->expires_ms);
     if (d->shape == RL_SHAPE_ACQUIRE)
-        return Py_BuildValue("(NLLLsLLL)", PyBool_FromLong(r->allowed), r->remaining,
+        return Py_BuildValue("(NLLLsLLLL)", PyBool_FromLong(r->allowed), r->remaining,
                              r->retry_after_s, r->retry_after_ms, r->allowed ? d->member : "",
-                             r->expires_ms, r->now_ms, r->retry_bound_ms);
+                             r->expires_ms, r->now_ms, r->retry_bound_ms,
+                             r->allowed ? 0 : r->share_rule);
     if (d->shape == RL_SHAPE_DETAILED)
         return window_decision(state, w, r);
     if (d->shape == RL_SHAPE_GCRA)

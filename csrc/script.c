@@ -302,8 +302,9 @@ write_key_pair(char *cursor, const char *prefix, size_t prefix_len, const char *
 }
 
 /* Formats "EVALSHA sha 2 {prefix}:{user_id}:leases {prefix}:{user_id}:leases:stats op id
-   now limit lease_ms" (see the header of lua/lease.lua). Returns the length and sets *out,
-   or -1 (out of memory). */
+   now limit lease_ms [shares]" (see the header of lua/lease.lua; shares: an acquire's
+   reserved-shares spec, lua/lib/shares.lua). Returns the length and sets *out, or -1 (out of
+   memory). */
 static long long
 format_lease(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
              const rl_prepared *d, long long now_ms, char **out)
@@ -311,8 +312,9 @@ format_lease(const char *prefix, size_t prefix_len, const char *user, size_t use
     char stack_key[RL_STACK_ARENA], *key = stack_key;
     char now_text[RL_NUMBER_TEXT], limit_text[RL_NUMBER_TEXT], ms_text[RL_NUMBER_TEXT];
     size_t need = 2 * (prefix_len + 1 + rl_key_user_room(user_len) + 14);
-    const char *argv[10];
-    size_t argvlen[10];
+    const char *argv[11];
+    size_t argvlen[11];
+    int argc = 10;
     long long len;
 
     *out = NULL;
@@ -338,7 +340,11 @@ format_lease(const char *prefix, size_t prefix_len, const char *user, size_t use
     argv[8] = limit_text;
     argvlen[9] = (size_t)snprintf(ms_text, sizeof(ms_text), "%lld", d->lease_ms);
     argv[9] = ms_text;
-    len = redisFormatCommandArgv(out, 10, argv, argvlen);
+    if (d->shape == RL_SHAPE_ACQUIRE && d->shares_len > 0 && d->shares != NULL) {
+        argv[argc] = d->shares;
+        argvlen[argc++] = d->shares_len;
+    }
+    len = redisFormatCommandArgv(out, argc, argv, argvlen);
     if (key != stack_key)
         free(key);
     if (len < 0 || *out == NULL) {
@@ -1375,14 +1381,16 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
     static const char name[] = "lease";
     /* A refusal waits for the soonest expiry: a lease of any caller, so the longest. */
     const long long longest_wait = RL_MAX_WINDOW_SECONDS * 1000 + RL_MAX_CLOCK_SKEW_MS;
-    long long v[6];
-    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != 6)
+    /* an acquire with shares: a 7th, the share rule that refused it (0: none) */
+    const size_t elements = d->shape == RL_SHAPE_ACQUIRE && d->shares_len > 0 ? 7 : 6;
+    long long v[7] = {0, 0, 0, 0, 0, 0, 0};
+    if (reply->type != REDIS_REPLY_ARRAY || reply->elements != elements)
         return rl_error_set(err, RL_ERR_PROTOCOL,
-                            "unexpected reply to the lease script: %s%s, expected an array of 6 "
+                            "unexpected reply to the lease script: %s%s, expected an array of %zu "
                             "integers",
                             rl_reply_type_name(reply->type),
-                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "");
-    for (size_t i = 0; i < 6; i++) {
+                            reply->type == REDIS_REPLY_ARRAY ? " of another length" : "", elements);
+    for (size_t i = 0; i < elements; i++) {
         if (integer_at(reply, i, &v[i], err) != RL_OK)
             return err->kind;
     }
@@ -1391,8 +1399,14 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
         within(name, "held", held, 0, RL_MAX_LIMIT, err) != RL_OK ||
         within(name, "now", now, 0, RL_MAX_UNIX_MS, err) != RL_OK ||
         within(name, "retry_ms", retry_ms, 0, longest_wait, err) != RL_OK ||
-        within(name, "bound_ms", bound, retry_ms, longest_wait, err) != RL_OK)
+        within(name, "bound_ms", bound, retry_ms, longest_wait, err) != RL_OK ||
+        within(name, "share rule", v[6], 0, ok == 1 ? 0 : 129, err) != RL_OK)
         return err->kind;
+    /* 2j: the reserve of class j; 2j + 1: class j's ceiling (at most 64 classes) */
+    if (v[6] == 1)
+        return rl_error_set(err, RL_ERR_PROTOCOL,
+                            "unexpected reply to the lease script: share "
+                            "rule 1");
     int granted = ok == 1 && d->shape != RL_SHAPE_RELEASE;
     /* A granted lease expires after now, within its length (a replayed acquire answers the
        first attempt's expiry, stamped by a clock that may have been ahead). */
@@ -1402,7 +1416,8 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
     if (!granted && within(name, "expires_ms", expires, 0, 0, err) != RL_OK)
         return err->kind;
     if ((d->shape == RL_SHAPE_ACQUIRE && ok == 1 && (held < 1 || retry_ms != 0 || bound != 0)) ||
-        (d->shape == RL_SHAPE_ACQUIRE && ok == 0 && (held < d->lease_limit || retry_ms < 1)) ||
+        (d->shape == RL_SHAPE_ACQUIRE && ok == 0 &&
+         ((held < d->lease_limit && v[6] == 0) || retry_ms < 1)) ||
         (d->shape != RL_SHAPE_ACQUIRE && (retry_ms != 0 || bound != 0)))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "the lease script answered values out of range "
@@ -1416,6 +1431,7 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
     out->retry_bound_ms = bound;
     out->expires_ms = expires;
     out->now_ms = now;
+    out->share_rule = v[6];
     return RL_OK;
 }
 

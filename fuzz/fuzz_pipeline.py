@@ -241,9 +241,13 @@ def check_result(future: Future, expect: Expect | None) -> None:
                 or not 1 <= len(cursor) <= 20 or not cursor.isdigit() or int(cursor) >= 2**64:
             fail("a count or cursor out of range", result, expect)
     elif kind == "acquire":
-        if type(result) is not tuple or len(result) != 8 or type(result[0]) is not bool:
+        # 9 elements since reserved shares of in-flight caps (the rule that refused, last:
+        # always 0 here, the harness sends no shares)
+        if type(result) is not tuple or len(result) != 9 or type(result[0]) is not bool:
             fail("another shape", result, expect)
-        allowed, held, retry_s, retry_ms, lease_id, expires, now, bound = result
+        allowed, held, retry_s, retry_ms, lease_id, expires, now, bound, rule = result
+        if rule != 0:
+            fail("a share rule without shares", result, expect)
         if not 0 <= now <= MAX_UNIX_MS or not 0 <= held <= MAX_LIMIT:
             fail("a time or count out of range", result, expect)
         if allowed and (held < 1 or retry_ms != 0 or retry_s != 0 or len(lease_id) != 36

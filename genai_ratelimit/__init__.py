@@ -23,7 +23,7 @@ from .periods import Budget, BudgetCrossing, BudgetHold, BudgetPeriod, BudgetSet
 from .prices import ModelPrice, PriceRule, PriceTable, PriceTableError, TokenUsage, UnpricedModel
 from .provider_limits import ProviderLimits, read_provider_limits
 from .reservation import Reservation, Scope, WindowState
-from .shares import ShareRefusal
+from .shares import ShareRefusal, Shares
 from .tiers import TIER_LIMITS, TIER_TOKEN_LIMITS
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "WindowState",
     "Scope",
     "ShareRefusal",
+    "Shares",
     "Lease",
     "AsyncLease",
     "PriceTable",

@@ -239,10 +239,11 @@ def token_limits_of_tiers(data: object, source: str = "tier_limits") -> dict[str
 
 
 def validate_scope_budget(budget: object, source: str, what: str, *,
-                          extra: tuple[str, ...] = ()) -> dict[str, int]:
+                          extra: tuple[str, ...] = (), required: bool = True) -> dict[str, int]:
     """A scope's budget: a table of some of per_minute, per_day, tokens_per_minute,
-    tokens_per_day (integers >= 1, at least one). Keys in `extra` are left to the caller.
-    Raises TierConfigError naming `source` and `what` (e.g. "model 'gpt-4o'")."""
+    tokens_per_day (integers >= 1, at least one unless not `required`: an upstream with an
+    in-flight cap only). Keys in `extra` are left to the caller. Raises TierConfigError
+    naming `source` and `what` (e.g. "model 'gpt-4o'")."""
     if not isinstance(budget, Mapping):
         raise TierConfigError(f"{source}: {what} must be a table of budgets (e.g. "
                               f"{{\"per_minute\": 30}}), got {type(budget).__name__}")
@@ -252,15 +253,29 @@ def validate_scope_budget(budget: object, source: str, what: str, *,
                               f"{sorted([*SCOPE_BUDGET_KEYS, *extra])}")
     checked = {key: _budget(source, what, key, budget[key])
                for key in SCOPE_BUDGET_KEYS if key in budget}
-    if not checked:
+    if not checked and required:
         raise TierConfigError(f"{source}: {what} needs at least one of "
                               f"{', '.join(SCOPE_BUDGET_KEYS)}")
     return checked
 
 
-# An upstream's section: (budget, models, {"reserved": ..., "ceilings": ...} as given).
+# An upstream's section: (budget, models, {"reserved": ..., "ceilings": ..., "in_flight":
+# ..., "in_flight_lease_seconds": ...} as given: the Upstream's keywords besides its budget).
 UpstreamSection = tuple[dict[str, int], tuple[str, ...], dict[str, Any]]
 ScopeSections = tuple[dict[str, dict[str, int]], dict[str, UpstreamSection]]
+
+
+# The keys of an [upstreams."name"] section besides its budget.
+UPSTREAM_KEYS = ("models", "reserved", "ceilings", "in_flight", "in_flight_lease_seconds")
+
+
+def in_flight_number(value: object, what: str) -> int:
+    """An upstream's in_flight or in_flight_lease_seconds: an int >= 1 (at most 10**9)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}")
+    if not 1 <= value <= 10**9:
+        raise ValueError(f"{what} must be >= 1 (and at most 10**9), got {value}")
+    return value
 
 
 def scope_sections_of(data: object, source: str) -> ScopeSections:
@@ -282,18 +297,23 @@ def scope_sections_of(data: object, source: str) -> ScopeSections:
             if not isinstance(name, str) or not name.strip():
                 raise TierConfigError(f"{source}: [{section}] names must be non-empty strings, "
                                       f"got {name!r}")
+            in_flight = section == "upstreams" and isinstance(budget, Mapping) and \
+                "in_flight" in budget
             checked = validate_scope_budget(
                 budget, source, what,
-                extra=("models", "reserved", "ceilings") if section == "upstreams" else ())
+                extra=UPSTREAM_KEYS if section == "upstreams" else (), required=not in_flight)
             if section == "models":
                 models[name] = checked
                 continue
             served = budget.get("models", [])
             if not isinstance(served, list) or not all(isinstance(m, str) and m for m in served):
                 raise TierConfigError(f"{source}: {what}: models must be a list of model names")
-            shares = {key: budget[key] for key in ("reserved", "ceilings") if key in budget}
+            shares = {key: budget[key] for key in UPSTREAM_KEYS[1:] if key in budget}
             try:
                 validate_shares(shares.get("reserved"), shares.get("ceilings"))
+                for key in ("in_flight", "in_flight_lease_seconds"):
+                    if key in shares:
+                        in_flight_number(shares[key], key)
             except (TypeError, ValueError) as exc:
                 raise TierConfigError(f"{source}: {what}: {exc}") from None
             upstreams[name] = (checked, tuple(served), shares)

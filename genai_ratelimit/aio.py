@@ -38,6 +38,7 @@ from .lease import (
     DEFAULT_LEASE_SECONDS,
     AsyncLease,
     Lease,
+    acquire_shares,
     lease_arguments,
     lease_maker,
     make_lease,
@@ -71,6 +72,7 @@ from .reservation import (
     reserve_arguments,
     reserve_plan,
 )
+from .shares import Shares
 from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
 
 __all__ = ["AsyncRateLimiter"]
@@ -1330,11 +1332,17 @@ class AsyncRateLimiter:
         return await conn.submit_command(words)
 
     async def acquire(self, user_id: str, limit: int,
-                      lease_seconds: int = DEFAULT_LEASE_SECONDS) -> AsyncLease:
+                      lease_seconds: int = DEFAULT_LEASE_SECONDS, *,
+                      shares: Shares | None = None,
+                      share_class: str | None = None) -> AsyncLease:
         """RateLimiter.acquire, awaited: an AsyncLease (`async with` releases it)."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
-        request = self._codec.acquire(user_id, limit, lease_seconds)
+        spec = acquire_shares(limit, shares, share_class)
+        if spec is None:
+            request = self._codec.acquire(user_id, limit, lease_seconds)
+        else:
+            request = self._codec.acquire(user_id, limit, lease_seconds, spec)
         if type(request) is tuple:  # the kill switch answered
             raw = request
         else:
@@ -1346,7 +1354,8 @@ class AsyncRateLimiter:
                 if sent.future is not None:
                     self._leave(self._release_granted(user_id, sent))
                 raise
-        return make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self)  # type: ignore[return-value]
+        return make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self,  # type: ignore[return-value]
+                          shares, share_class)
 
     async def release(self, lease: Lease) -> bool:
         """RateLimiter.release, awaited."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _native
+from .shares import ShareRefusal, Shares, lease_refusal, lease_spec
 
 __all__ = ["Lease", "AsyncLease", "DEFAULT_LEASE_SECONDS"]
 
@@ -52,6 +53,9 @@ class Lease:
     lease_id       the lease's UUID4 ("" when refused, or when RATE_LIMIT_DISABLED granted
                    it without Redis: then release and renew send nothing).
     expires_at_ms  when the lease expires unless renewed (unix ms, on the deciding clock).
+    share_refusal  acquire(..., shares=...): the reserved-share rule that refused it (a
+                   ShareRefusal naming the rule and the class), None otherwise.
+    share_class    the class it was asked for (acquire's share_class), None without one.
 
     `with limiter.acquire(...) as lease:` releases it on leaving the block.
     """
@@ -67,6 +71,8 @@ class Lease:
     limit: int
     lease_seconds: int
     retry_bound_ms: int = 0
+    share_refusal: ShareRefusal | None = None
+    share_class: str | None = None
     # The limiter that made it, for the bound helpers; not part of the value.
     limiter: Any = field(default=None, repr=False, compare=False)
 
@@ -111,13 +117,34 @@ class AsyncLease(Lease):
 
 
 def make_lease(cls: type[Lease], raw: tuple[Any, ...], user_id: str, limit: int,
-               lease_seconds: int, limiter: Any) -> Lease:
-    """A Lease from the C extension's acquire tuple (see Limiter._acquire)."""
-    allowed, held, retry_s, retry_ms, lease_id, expires_at_ms, _now_ms, bound_ms = raw
+               lease_seconds: int, limiter: Any, shares: Shares | None = None,
+               share_class: str | None = None) -> Lease:
+    """A Lease from the C extension's acquire tuple (see Limiter._acquire; reserve's slot
+    tuple has no 9th element, the share rule)."""
+    allowed, held, retry_s, retry_ms, lease_id, expires_at_ms, _now_ms, bound_ms = raw[:8]
+    rule = raw[8] if len(raw) > 8 else 0
+    refusal = None if shares is None else lease_refusal(user_id, shares, rule, share_class)
     return cls(allowed=allowed, held=held, remaining=max(0, limit - held) if allowed else 0,
                retry_after_s=retry_s, retry_after_ms=retry_ms, lease_id=lease_id,
                expires_at_ms=expires_at_ms, user_id=user_id, limit=limit,
-               lease_seconds=lease_seconds, retry_bound_ms=bound_ms, limiter=limiter)
+               lease_seconds=lease_seconds, retry_bound_ms=bound_ms, share_refusal=refusal,
+               share_class=share_class, limiter=limiter)
+
+
+def acquire_shares(limit: int, shares: Shares | None, share_class: str | None) -> str | None:
+    """acquire's shares= and share_class= checked (before any I/O) and turned into the
+    script's spec: None without shares."""
+    if shares is None:
+        if share_class is not None:
+            raise ValueError("share_class needs shares= (the cap's reserved shares)")
+        return None
+    if not isinstance(shares, Shares):
+        raise TypeError(f"shares must be a Shares, not {type(shares).__name__}")
+    if share_class is not None and not isinstance(share_class, str):
+        raise TypeError(f"share_class must be a str, not {type(share_class).__name__}")
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise TypeError(f"limit must be an int, not {type(limit).__name__}")
+    return lease_spec(shares, max(limit, 1), share_class)
 
 
 def lease_maker(cls: type[Lease], user_id: str, in_flight: tuple[int, int] | None,

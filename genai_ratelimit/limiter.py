@@ -13,7 +13,14 @@ from typing import Any, Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
-from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, lease_maker, make_lease
+from .lease import (
+    DEFAULT_LEASE_SECONDS,
+    Lease,
+    acquire_shares,
+    lease_arguments,
+    lease_maker,
+    make_lease,
+)
 from .metrics import (
     count_queue_wait,
     count_reconcile,
@@ -41,6 +48,7 @@ from .reservation import (
     reserve_arguments,
     reserve_plan,
 )
+from .shares import Shares
 from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
 
 __all__ = ["RateLimiter", "limiter_options"]
@@ -399,12 +407,20 @@ class RateLimiter(_native.Limiter):
         return removed
 
     def acquire(self, user_id: str, limit: int,
-                lease_seconds: int = DEFAULT_LEASE_SECONDS) -> Lease:
+                lease_seconds: int = DEFAULT_LEASE_SECONDS, *, shares: Shares | None = None,
+                share_class: str | None = None) -> Lease:
         """Takes one of user_id's `limit` concurrent slots for lease_seconds, in one script
         execution: a Lease, allowed or not. Release it when done (`release`, or `with`);
-        one never released expires after lease_seconds."""
-        raw = self._acquire(user_id, limit, lease_seconds)
-        return make_lease(Lease, raw, user_id, limit, lease_seconds, self)
+        one never released expires after lease_seconds. `shares`: the cap's reserved
+        shares and ceilings per class, decided in the same script, work-conserving
+        (docs/upstreams.md, "Reserved shares"); `share_class` the request's class (None: a
+        class with no share); a refusal by a share rule names it in `.share_refusal`."""
+        spec = acquire_shares(limit, shares, share_class)
+        if spec is None:
+            raw = self._acquire(user_id, limit, lease_seconds)
+        else:
+            raw = self._acquire(user_id, limit, lease_seconds, spec)
+        return make_lease(Lease, raw, user_id, limit, lease_seconds, self, shares, share_class)
 
     def release(self, lease: Lease) -> bool:
         """Gives the lease's slot back. Idempotent. Returns whether it was still held

@@ -5,9 +5,17 @@ this module validates the percentages once, computes every integer the script co
 (no float ever reaches a decision) and builds the script's spec.
 
 For class c taking `cost` in a window of limit L whose use is `used` (every class's):
-  reserve: used + cost <= L - sum over k != c of max(0, R_k - used_k), R_k = floor(p_k * L / 100)
-  ceiling: when used + cost > s_c * L / 100, used_c + cost <= q_c * L / 100
-where used_k is class k's own use in the window (docs/upstreams.md, "Reserved shares")."""
+  reserve: used + cost <= L - sum over active k != c of max(0, R_k - used_k),
+           R_k = floor(p_k * L / 100)
+  ceiling: when another class is active and used + cost > s_c * L / 100,
+           used_c + cost <= q_c * L / 100
+where used_k is class k's own use in the window, and a class is active while it has entries
+in the window or sent a request (admitted or refused) within it: work-conserving
+(docs/upstreams.md, "Reserved shares").
+
+An in-flight cap (`acquire(name, limit, lease_seconds, shares=Shares(...), share_class=...)`)
+takes the same rule with cost 1, used = the cap's holders and used_k = class k's holders; a
+class is active there while it holds a slot, or asked for one within its lease's length."""
 
 from __future__ import annotations
 
@@ -16,12 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from .reservation import Scope
 
-__all__ = ["ShareRefusal"]
+__all__ = ["ShareRefusal", "Shares"]
 
 Percent = int | str | Decimal | Fraction
 # Class names go into keys and the script's spec: a word of at most 64 characters.
@@ -38,18 +46,47 @@ class ShareRefusal:
     cap is above `share_class`'s saturation level and the class is at its ceiling);
     `request_class` is the request's class (None: a class with no share)."""
 
-    scope: Scope
+    scope: Scope | str
     rule: ShareRule
     share_class: str
     request_class: str | None
+
+    @property
+    def cap_name(self) -> str:
+        """The name of the cap that refused: the Scope's, or the in-flight cap's (`scope`
+        is then the name given to acquire)."""
+        return self.scope if isinstance(self.scope, str) else self.scope.name
 
     def describe(self) -> str:
         """One sentence for a 429's body."""
         if self.rule == "ceiling":
             return (f"class {self.share_class!r} is at its ceiling of upstream "
-                    f"{self.scope.name!r} while the upstream is saturated")
-        return (f"the rest of upstream {self.scope.name!r} is reserved for class "
+                    f"{self.cap_name!r} while the upstream is saturated")
+        return (f"the rest of upstream {self.cap_name!r} is reserved for class "
                 f"{self.share_class!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Shares:
+    """Reserved shares of an in-flight cap (`acquire(name, limit, lease_seconds,
+    shares=..., share_class=...)`), the same mappings as Scope(reserved=, ceilings=):
+    `reserved` {class: percent} the slots a class keeps for itself while it is active,
+    `ceilings` {class: (ceiling percent, saturation percent)}: once the cap's holders pass
+    the saturation, the class may not hold more than its ceiling while another class is
+    active. Validated once, here (TypeError / ValueError naming the field); stored as
+    Scope stores them (sorted tuples of Fractions)."""
+
+    reserved: Any = ()
+    ceilings: Any = ()
+
+    def __post_init__(self) -> None:
+        reserved = None if self.reserved == () else self.reserved
+        ceilings = None if self.ceilings == () else self.ceilings
+        valid_reserved, valid_ceilings = validate(reserved, ceilings)
+        if not valid_reserved and not valid_ceilings:
+            raise ValueError("Shares needs reserved shares or ceilings")
+        object.__setattr__(self, "reserved", valid_reserved)
+        object.__setattr__(self, "ceilings", valid_ceilings)
 
 
 def percent(value: object, what: str, low_open: bool = True) -> Fraction:
@@ -114,13 +151,26 @@ def validate(reserved: object, ceilings: object) -> tuple[Reserved, Ceilings]:
     return tuple(sorted(out_reserved)), tuple(sorted(out_ceilings))
 
 
-def classes_of(scope: Scope) -> tuple[str, ...]:
+def classes_of(scope: Scope | Shares) -> tuple[str, ...]:
     """The classes a scope knows, in the script's order (sorted)."""
     return tuple(sorted({n for n, _ in scope.reserved} | {n for n, _, _ in scope.ceilings}))
 
 
 def _floor_of(share: Fraction, limit: int) -> int:
     return (share.numerator * limit) // (share.denominator * 100)
+
+
+def _units(source: Scope | Shares, names: tuple[str, ...], limit: int) -> list[str]:
+    """R_j C_j S_j of each class j of `names` in a cap of `limit` units: its reserve, its
+    ceiling and its saturation level (no ceiling: C_j = S_j = limit)."""
+    reserve = dict(source.reserved)
+    ceiling = {name: (top, saturation) for name, top, saturation in source.ceilings}
+    words = []
+    for name in names:
+        top, saturation = ceiling.get(name, (Fraction(100), Fraction(100)))
+        words += [str(_floor_of(reserve.get(name, Fraction(0)), limit)),
+                  str(_floor_of(top, limit)), str(_floor_of(saturation, limit))]
+    return words
 
 
 def spec(scope: Scope, shared_index: int, request_class: str | None) -> str:
@@ -131,18 +181,12 @@ def spec(scope: Scope, shared_index: int, request_class: str | None) -> str:
         raise ValueError(f"scope_class {request_class!r} is not a class of scope "
                          f"{scope.name!r} (its classes: {', '.join(names)})")
     c = names.index(request_class) + 1 if request_class is not None else 0
-    reserve = dict(scope.reserved)
-    ceiling = {name: (top, saturation) for name, top, saturation in scope.ceilings}
     words = ["S", str(shared_index), str(c), str(len(names)), *names]
     windows = [(limit, seconds, "requests") for limit, seconds in scope.windows]
     windows += [(limit, seconds, "tokens") for limit, seconds in scope.token_windows]
     words.append(str(len(windows)))
     for limit, seconds, resource in windows:
-        words += [str(seconds * 1000), resource]
-        for name in names:
-            top, saturation = ceiling.get(name, (Fraction(100), Fraction(100)))
-            words += [str(_floor_of(reserve.get(name, Fraction(0)), limit)),
-                      str(_floor_of(top, limit)), str(_floor_of(saturation, limit))]
+        words += [str(seconds * 1000), resource, *_units(scope, names, limit)]
     return " ".join(words)
 
 
@@ -156,3 +200,27 @@ def refusal(scope: Scope, code: int, request_class: str | None) -> ShareRefusal 
         raise ValueError(f"the script answered share rule {code}, for a scope of {len(names)} "
                          f"classes")
     return ShareRefusal(scope, "ceiling" if ceiling else "reserve", names[j - 1], request_class)
+
+
+def lease_spec(shares: Shares, limit: int, request_class: str | None) -> str:
+    """lua/lib/shares.lua's lease_shares spec for an acquire of `limit` slots by a request
+    of `request_class` (None: no class): "L c m names R_1 C_1 S_1 .. R_m C_m S_m"."""
+    names = classes_of(shares)
+    if request_class is not None and request_class not in names:
+        raise ValueError(f"share_class {request_class!r} is not a class of the cap's shares "
+                         f"(its classes: {', '.join(names)})")
+    c = names.index(request_class) + 1 if request_class is not None else 0
+    return " ".join(["L", str(c), str(len(names)), *names, *_units(shares, names, limit)])
+
+
+def lease_refusal(name: str, shares: Shares, code: int,
+                  request_class: str | None) -> ShareRefusal | None:
+    """An acquire's rule code (2j: class j's reserve, 2j + 1: class j's ceiling) read back."""
+    if code < 2:
+        return None
+    names = classes_of(shares)
+    j, ceiling = divmod(code, 2)
+    if not 1 <= j <= len(names):
+        raise ValueError(f"the script answered share rule {code}, for shares of {len(names)} "
+                         f"classes")
+    return ShareRefusal(name, "ceiling" if ceiling else "reserve", names[j - 1], request_class)

@@ -1,5 +1,6 @@
 -- include: lib/clock.lua
 -- include: lib/lease.lua
+-- include: lib/shares.lua
 --[[
 lease.lua - in-flight leases: at most `limit` concurrent holders per user, each slot
 given back by release or, when its holder never comes back (process killed, connection
@@ -14,9 +15,13 @@ ARGV[2]    the lease id: a fresh UUID4 for acquire, the lease's own for release 
 ARGV[3]    now in unix ms, or "" to read the server's clock (TIME)
 ARGV[4]    acquire: the limit (concurrent holders); otherwise ignored
 ARGV[5]    acquire / renew: the lease's length in ms; otherwise ignored
-ARGV[6]    optional: "1" marks a replay after a lost reply. Ignored: every operation is
-           idempotent by itself. acquire with a lease id already held answers "admitted"
-           again, release removes at most once, renew of a held lease extends it again.
+ARGV[6]    acquire, optional: the reserved shares of the cap, "L ..." (lib/shares.lua's
+           lease_shares); the reply then has a 7th element: 0, or the rule that refused
+           (2j: the reserve of class j, 2j + 1: class j's ceiling)
+ARGV[6]    (or ARGV[7] after the shares) optional: "1" marks a replay after a lost reply.
+           Ignored: every operation is idempotent by itself. acquire with a lease id
+           already held answers "admitted" again, release removes at most once, renew of a
+           held lease extends it again (and so in its class's leases).
 
 Expired leases (expiry <= now) are dropped first, by every operation.
 
@@ -49,6 +54,7 @@ local held = leases(key, KEYS[2], now)
 
 if op == 'release' then
   local removed = held.release(id)
+  if removed == 1 then lease_class_moved(key, id, nil, now) end
   return {removed, held.count(), 0, 0, now, 0}
 end
 
@@ -57,12 +63,21 @@ local lease_ms = tonumber(ARGV[5])
 if op == 'renew' then
   local expires = held.renew(id, lease_ms)
   if not expires then return {0, held.count(), 0, 0, now, 0} end
+  lease_class_moved(key, id, expires, now)
   return {1, held.count(), 0, expires, now, 0}
 end
 
 -- acquire
-local answer = held.may_acquire(id, tonumber(ARGV[4]))
+local limit = tonumber(ARGV[4])
+local shares = lease_shares(ARGV[6], key, now, limit, lease_ms)
+local answer = held.may_acquire(id, limit, false, shares and shares.gate)
+local reply
 if answer[1] == 0 then
-  return {0, answer[2], answer[3], 0, now, answer[5]}
+  reply = {0, answer[2], answer[3], 0, now, answer[5]}
+else
+  local expires = held.take(id, lease_ms, answer)
+  if shares and answer[4] == 0 then shares.take(id, expires) end
+  reply = {1, answer[2], 0, expires, now, 0}
 end
-return {1, answer[2], 0, held.take(id, lease_ms, answer), now, 0}
+if shares then reply[7] = shares.refused end
+return reply

@@ -44,16 +44,26 @@ def take(limiter: Any, scope: Scope, klass: str | None, count: int) -> list[Any]
             for i in range(count)]
 
 
+def activate(limiter: Any, scope: Scope, klass: str | None) -> None:
+    """Makes `klass` active in the cap (it sent a request within the window) while holding
+    nothing of it: a reservation refunded at once."""
+    reservation = limiter.reserve(f"active-{klass}", [(1000, 60)], scopes=[scope],
+                                  scope_class=klass)
+    assert reservation.allowed
+    limiter.reconcile(reservation, 0)
+
+
 def companion(storage: str, klass: str, seconds: int = 60) -> str:
     suffix = ":c" if storage == "compact" else ""
     return f"ratelimit:{CAP}:{seconds}:shared{suffix}:class={klass}"
 
 
-def test_a_reserve_is_kept_from_every_other_class_while_its_class_does_not_use_it(
+def test_a_reserve_is_kept_from_every_other_class_while_its_class_is_active(
         make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
         storage: str) -> None:
     limiter = make_limiter(redis_url)
     scope = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
+    activate(limiter, scope, "enterprise")  # it sent a request in the window: its reserve binds
     free = take(limiter, scope, "free", 9)
     # 10 - 3 reserved: the free class is refused at 7, by enterprise's reserve.
     assert [r.allowed for r in free] == [True] * 7 + [False] * 2
@@ -73,6 +83,7 @@ def test_a_used_reserve_holds_nothing_more_and_its_class_shares_the_rest(
         make_limiter: LimiterFactory, redis_url: str) -> None:
     limiter = make_limiter(redis_url)
     scope = cap(reserved={"enterprise": 30, "pro": 20})
+    activate(limiter, scope, "pro")
     assert all(r.allowed for r in take(limiter, scope, "enterprise", 4))  # 1 past its 3
     # free (no share) may take 10 - 4 - 2 (pro's reserve): 4.
     assert [r.allowed for r in take(limiter, scope, None, 5)] == [True] * 4 + [False]
@@ -84,12 +95,37 @@ def test_the_ceiling_holds_once_the_cap_is_above_its_saturation(
         make_limiter: LimiterFactory, redis_url: str) -> None:
     limiter = make_limiter(redis_url)
     scope = cap(ceilings={"free": (50, 80)}, reserved={"pro": 0})
-    # Alone, free may fill the cap up to its saturation (8 of 10): past it, its ceiling (5).
+    activate(limiter, scope, "pro")  # another class is active: free's ceiling binds
+    # free may fill the cap up to its saturation (8 of 10): past it, its ceiling (5).
     free = take(limiter, scope, "free", 9)
     assert [r.allowed for r in free] == [True] * 8 + [False]
     assert refusal(free[8]) == ("ceiling", "free")
     assert "ceiling" in free[8].share_refusal.describe()
     assert all(r.allowed for r in take(limiter, scope, "pro", 2))  # pro: no ceiling
+
+
+def test_with_no_other_class_active_a_class_may_use_the_whole_cap(
+        make_limiter: LimiterFactory, redis_url: str) -> None:
+    """Work-conserving: a reserve binds only while its class is active, a ceiling only
+    while another class is (docs/upstreams.md, "Reserved shares")."""
+    limiter = make_limiter(redis_url)
+    scope = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
+    free = take(limiter, scope, "free", 11)
+    assert [r.allowed for r in free] == [True] * 10 + [False]
+    assert free[10].share_refusal is None  # the cap itself is full
+
+
+def test_a_refused_class_becomes_active(make_limiter: LimiterFactory, redis_url: str) -> None:
+    with ManualClock() as clock:
+        limiter = make_limiter(redis_url, clock="client")
+        scope = cap(reserved={"enterprise": 30, "free": 0})
+        assert all(r.allowed for r in take(limiter, scope, "free", 10))
+        clock.advance(30)
+        assert not take(limiter, scope, "enterprise", 1)[0].allowed  # the cap is full
+        clock.advance(31)  # free's entries left; enterprise asked within the window
+        assert [r.allowed for r in take(limiter, scope, "free", 8)] == [True] * 7 + [False]
+        clock.advance(61)  # enterprise asked nothing for a window: its reserve lapses
+        assert all(r.allowed for r in take(limiter, scope, "free", 10))
 
 
 def test_under_saturation_free_stops_at_its_ceiling(
@@ -156,11 +192,14 @@ def test_a_refusal_writes_nothing_and_reconcile_moves_the_class_log(
         storage: str) -> None:
     limiter = make_limiter(redis_url)
     scope = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
+    activate(limiter, scope, "enterprise")
     held = take(limiter, scope, "free", 7)
-    before = {k: redis_client.dump(k) for k in redis_client.keys("*")}
+    active = f"ratelimit:{CAP}:shares:active".encode()
+    before = {k: redis_client.dump(k) for k in redis_client.keys("*") if k != active}
     assert not take(limiter, scope, "free", 1)[0].allowed
-    after = {k: redis_client.dump(k) for k in redis_client.keys("*")}
-    assert before.keys() == after.keys()
+    after = {k: redis_client.dump(k) for k in redis_client.keys("*") if k != active}
+    assert before == after  # but the activity stamp of its class
+    assert redis_client.hexists(active, "free")
     # reconcile refunds the cap and the class's log in the same script: free gets the room
     # back, and its log no longer counts the entry.
     limiter.reconcile(held[0], 0)
@@ -186,12 +225,14 @@ def test_token_shares_follow_reconcile(make_limiter: LimiterFactory, redis_url: 
     limiter = make_limiter(redis_url)
     scope = Scope(CAP, token_windows=[(1000, 60)], shared=True, reserved={"pro": 0},
                   ceilings={"free": (50, 80)})
+    limiter.reserve("p", token_windows=[(10**6, 60)], tokens=1, scopes=[scope],
+                    scope_class="pro")  # pro is active: free's ceiling binds
     r = limiter.reserve("u", token_windows=[(10**6, 60)], tokens=600, scopes=[scope],
                         scope_class="free")
     assert r.allowed
     key = f"ratelimit:{CAP}:60:tokens:shared{':c' if storage == 'compact' else ''}:class=free:w"
     assert redis_client.hget(key, "total") == b"600"
-    # 600 + 250 > 800 (saturation) and free would hold 850 > 500: its ceiling.
+    # 1 + 600 + 250 > 800 (saturation) and free would hold 850 > 500: its ceiling.
     assert refusal(limiter.reserve("v", token_windows=[(10**6, 60)], tokens=250,
                                    scopes=[scope], scope_class="free")) == ("ceiling", "free")
     limiter.reconcile(r, 300)
@@ -221,6 +262,7 @@ def test_a_lost_reply_is_replayed_and_counts_once_in_the_class_log(
     assert redis_client.zcard(companion(storage, "free")) == 1
     assert redis_client.hget(companion(storage, "free") + ":w", "total") == b"1"
     limiter = make_limiter(redis_url)
+    activate(limiter, scope, "enterprise")
     assert [x.allowed for x in take(limiter, scope, "free", 7)] == [True] * 6 + [False]
 
 
@@ -381,17 +423,20 @@ def test_fastapi_upstream_shares_follow_the_tier_and_the_429_names_the_rule(
                            headers={"x-user": f"{tier}-{n}", "x-tier": tier})
 
     with TestClient(app) as client:
+        first = post(client, "enterprise", 9).status_code  # enterprise is active
+        # enterprise holds 1 of its 3: 2 kept for it, 7 for the others
         free = [post(client, "free", n).status_code for n in range(8)]
         refused = post(client, "free", 9)
         pro = [post(client, "pro", n).status_code for n in range(2)]  # no share: held off too
-        enterprise = [post(client, "enterprise", n).status_code for n in range(4)]
+        enterprise = [post(client, "enterprise", n).status_code for n in range(3)]
+    assert first == 200
     assert free == [200] * 7 + [429]
     assert refused.status_code == 429
     assert refused.headers["x-ratelimit-scope"] == "upstream"
     assert refused.headers["x-ratelimit-share"] == "reserve; class=enterprise"
     assert "reserved for class 'enterprise'" in refused.json()["error"]["message"]
     assert pro == [429, 429]
-    assert enterprise == [200, 200, 200, 429]
+    assert enterprise == [200, 200, 429]
 
 
 def test_bad_upstream_shares_are_refused_at_startup() -> None:
@@ -424,6 +469,8 @@ def test_a_tiers_files_upstream_keeps_its_shares(
         return {"ok": True}
 
     with TestClient(app) as client:
+        assert client.post("/v1/chat/completions", json={},
+                           headers={"x-user": "e", "x-tier": "enterprise"}).status_code == 200
         codes = [client.post("/v1/chat/completions", json={},
                              headers={"x-user": f"u{n}", "x-tier": "free"}).status_code
                  for n in range(8)]
@@ -438,6 +485,7 @@ def test_shares_on_a_cluster_live_in_the_caps_slot(make_limiter: LimiterFactory,
 
     limiter = make_limiter(redis_cluster.url)
     scope = cap(reserved={"enterprise": 30}, ceilings={"free": (50, 80)})
+    activate(limiter, scope, "enterprise")
     free = [limiter.reserve(f"free-{i}", [(100, 60)], scopes=[scope], scope_class="free")
             for i in range(8)]
     assert [r.allowed for r in free] == [True] * 7 + [False]

@@ -204,6 +204,8 @@ def answer(dependency: RateLimit, request: Request, response: Response, facts: F
     dependencies, then each verdict in order (a refusal raises, unless in shadow mode)."""
     if outcome.hold is not None:
         dependency._hold(request, facts.identity, outcome.hold)
+    for slot in outcome.slots:  # an upstream's in-flight slot, released with the others
+        dependency._hold(request, None, slot)
     if outcome.remember is not None:
         dependency._remember(request, facts.identity, facts.windows, outcome.remember)
     for verdict in outcome.verdicts:

@@ -46,6 +46,7 @@ from ._plan import (
     Facts,
     Policy,
     SyncWindowLimiter,
+    UpstreamSlot,
     Windows,
     plan,
     run,
@@ -402,11 +403,25 @@ class RateLimit:
             tally.add(outcome, tier=note[0], scope=scope, mode=mode, resource=resource,
                       window_seconds=seconds)
 
-    def _hold(self, request: Request, identity: str, lease: Lease) -> None:
-        """Keeps an allowed lease for the middleware to release when the response is over."""
+    def _hold(self, request: Request, identity: str | None, lease: Lease) -> None:
+        """Keeps an allowed lease for the middleware to release when the response is over.
+        identity None: a slot of an upstream's in-flight cap (keyed by the upstream)."""
         leases = request.scope[_LEASES_KEY]
-        leases.entries.append((self._counted_key(identity, ()), self.limiter, self._limiter_is_async,
-                               lease))
+        key = (self._counted_key(identity, ()) if identity is not None else
+               (*self._of_limiter()[1], "upstream", lease.user_id))
+        leases.entries.append((key, self.limiter, self._limiter_is_async, lease))
+
+    @staticmethod
+    def _checked_slots(request: Request, slots: tuple[UpstreamSlot, ...]
+                       ) -> tuple[UpstreamSlot, ...]:
+        """The in-flight caps of a request's upstreams, once the middleware that gives their
+        slots back is known to be there."""
+        if slots and not isinstance(request.scope.get(_LEASES_KEY), _LeaseLedger):
+            raise RuntimeError(
+                "an Upstream's in_flight needs RateLimitHeadersMiddleware, which gives the slot "
+                "back when the response is over: add app.add_middleware("
+                "genai_ratelimit.fastapi.RateLimitHeadersMiddleware)")
+        return slots
 
     def _keep(self, request: Request, tier: str, reservation: Reservation) -> None:
         """A token reservation, kept for the reconcile (TokenRateLimit's)."""
@@ -532,13 +547,15 @@ class _AsyncRateLimit(RateLimit):
     async def _facts_async(self, request: Request) -> Facts | None:
         facts = self._facts(request)
         if facts is not None and self._scopes:
-            scopes = await self._scopes.of(request)
+            scopes, slots = await self._scopes.with_slots(request)
             if scopes:
                 facts = dataclasses.replace(
                     facts, scopes=tuple(scopes),
                     wait=self._scopes.wait_in(scopes, self.tier_max_wait.get(facts.tier)))
                 note_upstreams(request, self.limiter, self._limiter_is_async,
                                self._scopes.upstreams_in(scopes))
+            if slots:
+                facts = dataclasses.replace(facts, slots=self._checked_slots(request, slots))
         return facts
 
     async def __call__(self, request: Request, response: Response) -> None:

@@ -29,7 +29,7 @@ from ..lease import HINT_WITHOUT_HISTORY_MS, Lease
 from ..periods import BudgetHold
 from ..reservation import Reservation, Resource, WindowState
 from ..reservation import Scope as BudgetScope
-from ..shares import classes_of
+from ..shares import Shares, classes_of
 from ._openai_headers import ResourceHeaders, format_duration, refusal_message
 from ._spend import SpendFacts, SpendHeld
 
@@ -101,6 +101,17 @@ class Policy:
     clock: Callable[[], int] = now_ms
 
 
+class UpstreamSlot(NamedTuple):
+    """An upstream's in-flight cap (Upstream(in_flight=...)), as a request takes one of its
+    slots: acquire(name, limit, lease_seconds, shares=shares, share_class=the request's tier
+    when the shares name it)."""
+
+    name: str
+    limit: int
+    lease_seconds: int
+    shares: Shares | None
+
+
 @dataclass(slots=True)
 class Facts:
     """What is known of one request before the limiter is asked."""
@@ -127,6 +138,9 @@ class Facts:
     # (max_wait, max_queue, max_queue_per_tenant); None: refused at once. The wait is the
     # reserve call's own plan (genai_ratelimit/wait_queue.py); its tenant is the identity.
     wait: tuple[float, int, int] | None = None
+    # The in-flight caps of the request's upstreams: one slot of each is taken, after the
+    # tier's own slot and before the windows, and held until the response is over.
+    slots: tuple[UpstreamSlot, ...] = ()
 
 
 class Call(NamedTuple):
@@ -196,6 +210,8 @@ Verdict = Allowed | Refused | Unavailable
 @dataclass(slots=True)
 class Outcome:
     hold: Lease | None = None
+    # The slots taken of upstreams' in-flight caps (released when the response is over).
+    slots: list[Lease] = field(default_factory=list)
     remember: Decision | None = None
     verdicts: list[Verdict] = field(default_factory=list)
 
@@ -233,6 +249,23 @@ def plan(facts: Facts, policy: Policy) -> Plan:
                 return out
             if not _take(lease, facts.cap, out, policy):
                 return out
+    for slot in facts.slots:
+        keywords: dict[str, Any] = {}
+        if slot.shares is not None:
+            keywords["shares"] = slot.shares
+            if facts.tier in classes_of(slot.shares):
+                keywords["share_class"] = facts.tier
+        try:
+            lease = yield Call("acquire", (slot.name, slot.limit, slot.lease_seconds), keywords)
+        except RateLimiterError as exc:
+            out.verdicts.append(Unavailable(exc))
+            return out
+        if lease.allowed:
+            out.slots.append(lease)
+            continue
+        out.verdicts.append(_upstream_busy(slot, lease, policy))
+        if not policy.shadow:
+            return out
     windows = () if facts.counted is not None else facts.windows
     if facts.tokens is None and not facts.scopes:
         decision = facts.counted
@@ -378,6 +411,29 @@ def _concurrency(cap: int, hint_ms: int, expiry_ms: int, policy: Policy) -> Refu
     return Refused((("X-RateLimit-Limit", str(cap)), ("X-RateLimit-Remaining", "0"),
                     ("X-RateLimit-Window", window_name(CONCURRENT))),
                    (retry_s, retry_ms), message, "concurrency_rejected", "in_flight", None)
+
+
+def _upstream_busy(slot: UpstreamSlot, lease: Lease, policy: Policy) -> Refused:
+    """The 429 of an upstream's in-flight cap: every slot held (by all users together), or
+    a share rule kept the free one for another class (X-RateLimit-Share names it)."""
+    retry_ms, retry_s = in_flight_wait(lease.retry_after_ms / 1000,
+                                       lease.retry_bound_ms or lease.retry_after_ms)
+    share = lease.share_refusal
+    rule: tuple[tuple[str, str], ...] = ()
+    if share is not None:
+        rule = (("X-RateLimit-Share", f"{share.rule}; class={share.share_class}"),)
+        message = (f"The service is at capacity for your class: {share.describe()} "
+                   f"(upstream {slot.name}, {slot.limit} requests in flight for all users "
+                   f"together). Please try again in {format_duration(retry_ms)}.")
+    else:
+        message = (f"The service is at capacity: its upstream {slot.name} allows {slot.limit} "
+                   f"requests in flight for all users together. This is not your own rate "
+                   f"limit. Please try again in {format_duration(retry_ms)}.")
+    return Refused((("X-RateLimit-Limit", str(slot.limit)), ("X-RateLimit-Remaining", "0"),
+                    ("X-RateLimit-Window", window_name(CONCURRENT)),
+                    ("X-RateLimit-Scope", "upstream"), ("X-RateLimit-Resource", "in_flight"))
+                   + rule, (retry_s, retry_ms), message, "concurrency_rejected", "in_flight",
+                   None, "upstream", now_ms=policy.clock())
 
 
 def _too_large(facts: Facts, policy: Policy) -> Refused | None:

@@ -15,11 +15,14 @@ from starlette.concurrency import run_in_threadpool
 from .._native import RateLimiterError
 from .._tiers_config import (
     SCOPE_BUDGET_KEYS,
+    in_flight_number,
     scope_sections_from_env,
     validate_scope_budget,
 )
+from ..lease import DEFAULT_LEASE_SECONDS
 from ..provider_limits import DEFAULT_MAX_CLOSE_SECONDS, validate_max_close_seconds
 from ..reservation import Scope as BudgetScope
+from ..shares import Shares
 from ..shares import validate as validate_shares
 from ..wait_queue import (
     DEFAULT_MAX_QUEUE,
@@ -27,6 +30,7 @@ from ..wait_queue import (
     queue_bound,
     queue_milliseconds,
 )
+from ._plan import UpstreamSlot
 from ._usage import requested_model
 
 logger = logging.getLogger("genai_ratelimit")
@@ -64,6 +68,7 @@ def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool,
 Wait = tuple[float, int, int]
 
 
+
 @dataclass(frozen=True)
 class Upstream:
     """An upstream provider's caps (e.g. provider + model), shared by every user: all users
@@ -80,7 +85,12 @@ class Upstream:
 
     reserved {class: percent}, ceilings {class: (ceiling percent, saturation percent)}: the
     cap's reserved shares (docs/upstreams.md, "Reserved shares"); a request's class is its
-    tier. Kept as Scope keeps them (sorted tuples of exact Fractions)."""
+    tier. Kept as Scope keeps them (sorted tuples of exact Fractions).
+
+    in_flight: at most this many requests through the upstream at once, every user's
+    together: each takes one of its slots (acquire on the upstream's name, with its shares
+    when it has some) and gives it back when its response is over (the middleware), or
+    after in_flight_lease_seconds when it never does. Needs RateLimitHeadersMiddleware."""
 
     name: str
     per_minute: int | None = None
@@ -96,11 +106,17 @@ class Upstream:
     # dependency's key); past either a request gets its 429 at once (queue_full).
     max_queue: int = DEFAULT_MAX_QUEUE
     max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT
+    in_flight: int | None = None
+    in_flight_lease_seconds: int = DEFAULT_LEASE_SECONDS
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"an Upstream's name must be a non-empty str, got {self.name!r}")
-        validate_scope_budget(self.budget(), "Upstream", repr(self.name))
+        if self.in_flight is not None:
+            in_flight_number(self.in_flight, "in_flight")
+        in_flight_number(self.in_flight_lease_seconds, "in_flight_lease_seconds")
+        validate_scope_budget(self.budget(), "Upstream", repr(self.name),
+                              required=self.in_flight is None)
         if isinstance(self.models, str) or not all(isinstance(m, str) and m for m in self.models):
             raise TypeError("models must be a sequence of model names (non-empty str)")
         object.__setattr__(self, "models", tuple(self.models))
@@ -122,6 +138,16 @@ class Upstream:
         if self.max_wait is None:
             return None
         return (self.max_wait, self.max_queue, self.max_queue_per_tenant)
+
+    def slot(self) -> UpstreamSlot | None:
+        """Its in-flight cap (None without in_flight), with its shares when it has some."""
+        if self.in_flight is None:
+            return None
+        shares = None
+        if self.reserved or self.ceilings:
+            shares = Shares(reserved=dict(self.reserved) or (), ceilings={
+                klass: (top, saturation) for klass, top, saturation in self.ceilings} or ())
+        return UpstreamSlot(self.name, self.in_flight, self.in_flight_lease_seconds, shares)
 
     def budget(self) -> dict[str, int]:
         return {key: getattr(self, key) for key in SCOPE_BUDGET_KEYS
@@ -219,6 +245,7 @@ class _Scopes:
         self._bounds: dict[str, float] = {u.name: u.max_close_seconds for u in self.upstreams}
         self._waits: dict[str, Wait | None] = {u.name: u.wait() for u in self.upstreams}
         self._chosen: dict[str, Upstream] = {}  # the upstreams the callable chose, by name
+        self._slots: dict[int, UpstreamSlot | None] = {}  # by fixed upstream (its index)
 
     def upstreams_in(self, scopes: Sequence[BudgetScope]) -> list[tuple[str, float]]:
         """(name, max_close_seconds) of the upstream caps among a request's scopes (none in
@@ -279,7 +306,20 @@ class _Scopes:
                  ) -> tuple[BudgetScope, ...]:
         """The Scopes of one request. `document`: its JSON body, when the caller decoded
         it already (the body is then not decoded again for its `model`)."""
+        return (await self.with_slots(request, document))[0]
+
+    def _slot(self, upstream: Upstream) -> UpstreamSlot | None:
+        """An upstream's in-flight cap; a shadow budget's in a cap of its own."""
+        slot = upstream.slot()
+        if slot is None or not self.shadow:
+            return slot
+        return slot._replace(name=f"shadow:{slot.name}")
+
+    async def with_slots(self, request: Request, document: Mapping[str, Any] | None = None
+                         ) -> tuple[tuple[BudgetScope, ...], tuple[UpstreamSlot, ...]]:
+        """The Scopes of one request (`of`) and the in-flight caps of its upstreams."""
         found: list[BudgetScope | None] = []
+        slots: list[UpstreamSlot | None] = []
         if self.route_budget:
             path = self.route_of(request)
             if path in self._route_scopes:
@@ -301,7 +341,9 @@ class _Scopes:
             if not upstream.models or model in upstream.models:
                 if index not in self._upstream_scopes:
                     self._upstream_scopes[index] = self._named(upstream.scope(self.tokens))
+                    self._slots[index] = self._slot(upstream)
                 found.append(self._upstream_scopes[index])
+                slots.append(self._slots[index])
         if self.upstream_of is not None:
             chosen = self.upstream_of(request)
             if inspect.isawaitable(chosen):
@@ -315,5 +357,7 @@ class _Scopes:
                     self._waits[chosen.name] = chosen.wait()
                     self._chosen[chosen.name] = chosen
                 found.append(self._named(chosen.scope(self.tokens)))
-        return tuple(scope for scope in found if scope is not None)
+                slots.append(self._slot(chosen))
+        return (tuple(scope for scope in found if scope is not None),
+                tuple(slot for slot in slots if slot is not None))
 

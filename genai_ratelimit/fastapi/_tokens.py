@@ -332,7 +332,8 @@ class TokenRateLimit(_AsyncRateLimit):
             tokens, document = await self._estimate(request, tier)
         else:  # a subclass's own estimate
             tokens, document = await self.estimate_tokens(request, tier), None
-        scopes = await self._scopes.of(request, document) if self._scopes else ()
+        scopes, slots = await self._scopes.with_slots(request, document) if self._scopes \
+            else ((), ())
         if scopes:
             note_upstreams(request, self.limiter, self._limiter_is_async,
                            self._scopes.upstreams_in(scopes))
@@ -340,7 +341,8 @@ class TokenRateLimit(_AsyncRateLimit):
         return Facts(facts.identity, tier, facts.windows, self.token_windows_of(tier), tokens,
                      scopes, facts.counted, facts.cap, facts.held, spend=spend,
                      wait=(self._scopes.wait_in(scopes, self.tier_max_wait.get(tier))
-                           if scopes else None))
+                           if scopes else None),
+                     slots=self._checked_slots(request, slots))
 
     async def _spend_facts(self, request: Request, facts: Facts,
                            document: Mapping[str, Any] | None) -> SpendFacts | None:

@@ -157,8 +157,11 @@ local function leases(key, stats, now)
   -- Whether `id` may take a slot of `limit`, without writing: {1, holders after it, 0,
   -- its expiry if it is already held (a replay) or 0, 0} or {0, holders, the hint (>= 1),
   -- 0, the wait until the soonest lease expires (>= the hint)}. `fresh`: the caller knows
-  -- `id` is not held (a fresh UUID4, not a replay), so it is not looked up.
-  function held.may_acquire(id, limit, fresh)
+  -- `id` is not held (a fresh UUID4, not a replay), so it is not looked up. `gate`, when
+  -- given, is a rule beside the count (lib/shares.lua's reserved shares): asked once the
+  -- cap has room, gate(count) answers nil to admit, or true and the expiry that frees a
+  -- slot for the caller (nil: the soonest lease's).
+  function held.may_acquire(id, limit, fresh, gate)
     local expires = nil
     if not fresh then expires = expiry_of(id) end
     local count = held.count()
@@ -171,6 +174,14 @@ local function leases(key, stats, now)
       local bound = soonest - now
       if bound < 1 then bound = 1 end
       return {0, count, hint(bound), 0, bound}
+    end
+    if gate then
+      local refused, frees = gate(count)
+      if refused then
+        local bound = (frees or expiry_bound(false)) - now
+        if bound < 1 then bound = 1 end
+        return {0, count, hint(bound), 0, bound}
+      end
     end
     return {1, count + 1, 0, 0, 0}
   end

@@ -52,6 +52,11 @@ class Lease:
     lease_id       the lease's UUID4 ("" when refused, or when RATE_LIMIT_DISABLED granted
                    it without Redis: then release and renew send nothing).
     expires_at_ms  when the lease expires unless renewed (unix ms, on the deciding clock).
+    queue_outcome  acquire(..., max_wait=...): how the wait in the cap's queue ended:
+                   "queued_then_allowed", "queue_timeout" (refused: the deadline came first;
+                   retry_after_* the last refusal's), "queue_full" (refused at once: a
+                   bound), or "" (decided at once, queue or no queue).
+    waited_ms      how long it waited in the queue (0 when decided at once).
 
     `with limiter.acquire(...) as lease:` releases it on leaving the block.
     """
@@ -67,6 +72,8 @@ class Lease:
     limit: int
     lease_seconds: int
     retry_bound_ms: int = 0
+    queue_outcome: str = ""
+    waited_ms: int = 0
     # The limiter that made it, for the bound helpers; not part of the value.
     limiter: Any = field(default=None, repr=False, compare=False)
 

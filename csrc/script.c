@@ -321,8 +321,8 @@ format_lease(const char *prefix, size_t prefix_len, const char *user, size_t use
         return -1;
     cursor = write_key_pair(key, prefix, prefix_len, user, user_len, d->hash_tag, ":leases",
                             ":stats", &argvlen[3], &argvlen[4]);
-    write_key_pair(cursor, prefix, prefix_len, user, user_len, d->hash_tag, ":leases:queue",
-                   ":h", &argvlen[5], &argvlen[6]);
+    write_key_pair(cursor, prefix, prefix_len, user, user_len, d->hash_tag, ":leases:queue", ":h",
+                   &argvlen[5], &argvlen[6]);
     argv[0] = "EVALSHA";
     argvlen[0] = 7;
     argv[1] = rl_script_sha1(RL_SCRIPT_LEASE);

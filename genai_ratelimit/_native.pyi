@@ -234,7 +234,8 @@ class Limiter:
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> int: ...
     def _wait_queue(
-        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int]
+        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int],
+        leases: bool = False,
     ) -> int: ...
     def _reset(
         self,
@@ -247,7 +248,7 @@ class Limiter:
     def metrics(self) -> LimiterMetrics: ...
     def _record_outcome(self, kind: str, count: int = 1, /) -> None: ...
     def _acquire(
-        self, user_id: str, limit: int, lease_seconds: int
+        self, user_id: str, limit: int, lease_seconds: int, ticket: str | None = None
     ) -> _SlotTuple: ...  # (allowed, held, retry_after_s, retry_after_ms, lease_id,
     # expires_at_ms, now_ms, retry_bound_ms)
     def _release(self, user_id: str, lease_id: str) -> bool: ...
@@ -347,7 +348,8 @@ class Codec:
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> Request | int: ...
     def wait_queue(
-        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int]
+        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int],
+        leases: bool = False,
     ) -> Request: ...
     def reset(
         self,
@@ -360,7 +362,7 @@ class Codec:
     def metrics(self) -> LimiterMetrics: ...
     def _record_outcome(self, kind: str, count: int = 1, /) -> None: ...
     def acquire(
-        self, user_id: str, limit: int, lease_seconds: int
+        self, user_id: str, limit: int, lease_seconds: int, ticket: str | None = None
     ) -> Request | _SlotTuple: ...
     # The kill switch answers new decisions only: what Redis holds is always given back,
     # renewed, reconciled or reset there, so these four always answer a Request.
@@ -395,6 +397,14 @@ class Pipeline:
     @property
     def eviction_warning(self) -> str | None: ...
 
+
+@final
+class PushReader:
+    """The decoding half of a pub/sub subscriber connection (csrc/py_pushes.c)."""
+
+    def __init__(self) -> None: ...
+    def feed(self, data: bytes, /) -> list[tuple[str, bytes, bytes]]: ...
+    def command(self, *words: str | bytes) -> bytearray: ...
 
 @final
 class Router:

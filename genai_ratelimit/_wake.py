@@ -58,8 +58,9 @@ def _handshake_words(options: RedisOptions) -> list[tuple[str, ...]]:
 
 def _address(options: RedisOptions) -> tuple[str, int] | None:
     """Where the subscriber connects: the URL's server, or a Cluster's first seed node (a
-    PUBLISH reaches every node's subscribers). None for Sentinel (the backstop only)."""
-    if options.mode == "sentinel":
+    PUBLISH reaches every node's subscribers). None for a unix socket (its path is the
+    address) and for Sentinel (the backstop only)."""
+    if options.mode == "sentinel" or options.unix_path is not None:
         return None
     if options.mode == "cluster":
         return options.nodes[0]

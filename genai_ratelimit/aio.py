@@ -34,6 +34,7 @@ from ._native import (
     WindowDecision,
 )
 from ._url import RedisOptions
+from ._wake import AsyncWakeSubscriber
 from .lease import (
     DEFAULT_LEASE_SECONDS,
     AsyncLease,
@@ -64,7 +65,6 @@ from .reservation import (
     reserve_arguments,
     reserve_plan,
 )
-from ._wake import AsyncWakeSubscriber
 from .wait_queue import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_QUEUE_PER_TENANT,

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
+from ._wake import WakeSubscriber
 from .lease import DEFAULT_LEASE_SECONDS, Lease, lease_arguments, lease_maker, make_lease
 from .metrics import count_reconcile, count_reservation, report_crossings
 from .periods import (
@@ -35,7 +36,6 @@ from .reservation import (
     reserve_arguments,
     reserve_plan,
 )
-from ._wake import WakeSubscriber
 from .wait_queue import (
     DEFAULT_MAX_QUEUE,
     DEFAULT_MAX_QUEUE_PER_TENANT,

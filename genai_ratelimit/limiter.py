@@ -322,7 +322,8 @@ class RateLimiter(_native.Limiter):
                 elif name == "wake":
                     answer = self._wake_subscriber().wake(*positional)
                 elif name == "unsubscribe":
-                    answer = self._wake_subscriber().unsubscribe(*positional)
+                    self._wake_subscriber().unsubscribe(*positional)
+                    answer = None
                 elif name == "clock":
                     answer = time.monotonic()
                 elif name == "sleep":

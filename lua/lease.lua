@@ -27,9 +27,10 @@ Expired leases (expiry <= now) are dropped first, by every operation.
 
 The wait queue (docs/wait-queue.md): while tickets wait, an acquire takes a slot only at its
 turn, held + rank + 1 <= limit (rank: its ticket's, or the queue's length without one: no
-barging); admitted, its ticket is removed. A release, and leases found expired, wake the
-tickets at the head (PUBLISH on KEYS[3], lib/queue.lua's queue_wake): one EXISTS when the
-queue is empty.
+barging); admitted, its ticket is removed, and when slots are still free the tickets
+whose turn that makes are woken. A release, and leases found expired, wake the tickets at
+the head (PUBLISH on KEYS[3], lib/queue.lua's queue_wake): one EXISTS when the queue is
+empty.
 
 Returns {ok, held, retry_ms, expires_ms, now_ms, bound_ms}:
   acquire allowed  -> {1, holders after this one, 0, this lease's expiry, now, 0}
@@ -78,9 +79,18 @@ end
 -- acquire
 local limit = tonumber(ARGV[4])
 local answer = held.may_acquire(id, limit)
-if answer[1] == 1 then answer = queue_admit_lease(queue, queue_hash, id, answer, limit, now) end
+local waiting = 0
+if answer[1] == 1 then
+  answer, waiting = queue_admit_lease(queue, queue_hash, id, answer, limit, now)
+end
 if answer[1] == 0 then
   queue_wake(queue, queue_hash, now, held.dropped)
   return {0, answer[2], answer[3], 0, now, answer[5]}
 end
-return {1, answer[2], 0, held.take(id, lease_ms, answer), now, 0}
+local expires = held.take(id, lease_ms, answer)
+-- Slots still free while tickets wait: the next ones' turn came too (a second release
+-- before the head's waiter came published the head again, not them).
+if waiting > 0 and answer[2] < limit then
+  queue_wake(queue, queue_hash, now, limit - answer[2])
+end
+return {1, answer[2], 0, expires, now, 0}

@@ -257,3 +257,30 @@ def test_a_killed_waiters_ticket_lapses_within_seconds_not_at_its_deadline(
     assert time.monotonic() - killed_at < (wait_queue.TICKET_LIVE_MS / 1000
                                            + wait_queue.WAKE_BACKSTOP_SECONDS + 1)
     assert queued(redis_client) == 0 and not redis_client.exists(QUEUE_HASH)
+
+
+@pytest.mark.limiter_kinds("sync", reason="the scripts' messages, read by a redis-py subscriber")
+def test_releases_and_admissions_publish_the_tickets_whose_turn_came(
+        limiter: Any, redis_url: str, redis_client: redis.Redis) -> None:
+    held = [limiter.acquire(CAP, 2, 60) for _ in range(2)]
+    first, second = take_ticket(redis_url, "a"), take_ticket(redis_url, "b")
+    listener = redis_client.pubsub()
+    listener.subscribe(QUEUE)
+    try:
+        assert listener.get_message(timeout=5)["type"] == "subscribe"
+
+        def message() -> str:
+            got = listener.get_message(timeout=5)
+            assert got is not None and got["type"] == "message"
+            return str(got["data"].decode())
+
+        assert limiter.release(held[0])
+        assert message() == first  # one slot freed: the head
+        assert limiter.release(held[1])
+        assert message() == first  # the head again: its waiter has not come yet
+        assert limiter._acquire(CAP, 2, 60, ticket=first)[0]
+        assert message() == second  # a slot still free: the next turn came too
+        assert limiter._acquire(CAP, 2, 60, ticket=second)[0]
+        assert listener.get_message(timeout=0.2) is None  # the queue is empty: no message
+    finally:
+        listener.close()

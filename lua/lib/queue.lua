@@ -160,27 +160,31 @@ end
 -- rank, or after every live ticket without one, and takes a slot only when the holders and
 -- the tickets ahead leave one: holders + rank + 1 <= limit. Admitted: its ticket is removed
 -- and `answer` returned; else may_acquire's refusal shape {0, holders, hint, 0, bound}.
--- One EXISTS while the queue is empty.
+-- Second value: the live tickets left (0 when none wait). One EXISTS while the queue is
+-- empty.
 local function queue_admit_lease(zkey, hkey, id, answer, limit, now)
-  if answer[4] ~= 0 or redis.call('EXISTS', zkey) == 0 then return answer end
+  if answer[4] ~= 0 or redis.call('EXISTS', zkey) == 0 then return answer, 0 end
   local left = queue_purge(zkey, hkey, now)
-  if left == 0 then return answer end
+  if left == 0 then return answer, 0 end
   local member = redis.call('HGET', hkey, 't|' .. id)
   local rank = member and redis.call('ZRANK', zkey, member) or left
   local holders = answer[2] - 1
   if holders + rank + 1 > limit then
-    return {0, holders, LEASE_QUEUE_HINT_MS, 0, LEASE_QUEUE_HINT_MS}
+    return {0, holders, LEASE_QUEUE_HINT_MS, 0, LEASE_QUEUE_HINT_MS}, left
   end
   if member then
     queue_remove(zkey, hkey, member)
     queue_forget(zkey, hkey)
+    left = left - 1
   end
-  return answer
+  return answer, left
 end
 
--- The in-flight cap's wake-up: `freed` slots came free (a release, leases found expired);
--- when tickets wait, the first `freed` live ones are PUBLISHed on the channel named `zkey`
--- (their waiters ask again at once). One EXISTS while the queue is empty.
+-- The in-flight cap's wake-up: `freed` slots came free (a release, leases found expired),
+-- or an admission left slots free while tickets wait (two releases before the head's
+-- waiter came: the next ticket's turn came too); when tickets wait, the first `freed` live
+-- ones are PUBLISHed on the channel named `zkey` (their waiters ask again at once). One
+-- EXISTS while the queue is empty.
 local function queue_wake(zkey, hkey, now, freed)
   if freed < 1 or redis.call('EXISTS', zkey) == 0 then return end
   if queue_purge(zkey, hkey, now) == 0 then return end

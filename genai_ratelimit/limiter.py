@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
@@ -425,6 +426,8 @@ class RateLimiter(_native.Limiter):
         subscriber: WakeSubscriber | None = getattr(self, "_wake", None)
         if subscriber is None:
             subscriber = self._wake = WakeSubscriber(self._options, self._connect_timeout_s)
+            # a limiter dropped without close() does not leave its subscriber's socket open
+            weakref.finalize(self, subscriber.close)
         return subscriber
 
     def close(self) -> None:

@@ -284,3 +284,99 @@ def test_releases_and_admissions_publish_the_tickets_whose_turn_came(
         assert listener.get_message(timeout=0.2) is None  # the queue is empty: no message
     finally:
         listener.close()
+
+
+# --------------------------------------------------------------------------- the plan, I/O-free
+
+WAITER = object()  # the driver's waiter handle, opaque to the plan
+
+
+def slot(allowed: bool, retry_ms: int = 5000) -> tuple[Any, ...]:
+    """A C acquire tuple: (allowed, held, retry_s, retry_ms, lease_id, expires, now, bound)."""
+    return ((True, 1, 0, 0, "lease", 61_000, 1000, 0) if allowed
+            else (False, 1, -(-retry_ms // 1000), retry_ms, "", 0, 1000, retry_ms))
+
+
+def run_plan(answers: list[Any], max_wait: float = 5) -> tuple[list[tuple[Any, ...]], Any]:
+    from genai_ratelimit.lease import Lease, make_lease
+    from genai_ratelimit.reservation import advance
+    from genai_ratelimit.wait_queue import queued_acquire_plan
+
+    plan = queued_acquire_plan(CAP, 1, 60, max_wait, "acme", 1000, 100,
+                               lambda raw: make_lease(Lease, raw, CAP, 1, 60, None))
+    calls: list[tuple[Any, ...]] = []
+    call, result = advance(plan)
+    for answer in answers:
+        assert call is not None, "the plan ended early"
+        calls.append(call)
+        call, result = advance(plan, answer)
+    assert call is None, f"the plan wanted more: {call}"
+    return calls, result
+
+
+def test_the_plan_of_an_acquire_admitted_at_once_takes_no_ticket() -> None:
+    calls, lease = run_plan([100.0, slot(True)])
+    assert [c[0] for c in calls] == ["clock", "acquire"] and calls[1][2] == {}
+    assert lease.allowed and lease.queue_outcome == ""
+
+
+def test_the_plan_subscribes_before_it_relies_on_a_wake_and_asks_with_its_ticket() -> None:
+    calls, lease = run_plan([100.0, slot(False), 0, WAITER, 100.0, slot(False), 100.01, True,
+                             100.02, slot(True), 100.03, None])
+    assert [c[0] for c in calls] == ["clock", "acquire", "wait_queue", "subscribe", "clock",
+                                     "acquire", "clock", "wake", "clock", "acquire", "clock",
+                                     "unsubscribe"]
+    name, ticket, tenant, numbers = calls[2][1]
+    assert (name, tenant, numbers) == (CAP, tenant_key("acme"), (3000, 1000, 100))
+    assert calls[2][2] == {"leases": True}
+    assert calls[3][1] == (CAP, ticket)  # subscribed before the retry with the ticket
+    assert calls[5][2] == {"ticket": ticket} and calls[9][2] == {"ticket": ticket}
+    assert calls[7][1] == (WAITER, wait_queue.WAKE_BACKSTOP_SECONDS)
+    assert calls[11][1] == (WAITER,)
+    assert lease.allowed and lease.queue_outcome == "queued_then_allowed"
+    assert lease.waited_ms == 30
+
+
+def test_the_plan_renews_its_ticket_after_a_backstop_wake() -> None:
+    calls, lease = run_plan([100.0, slot(False), 0, WAITER, 100.0, slot(False), 100.0, False,
+                             101.0, 0, slot(True), 101.0, None])
+    assert [c[0] for c in calls] == ["clock", "acquire", "wait_queue", "subscribe", "clock",
+                                     "acquire", "clock", "wake", "clock", "wait_queue",
+                                     "acquire", "clock", "unsubscribe"]
+    assert calls[9][1][3][0] == wait_queue.TICKET_LIVE_MS  # renewed, not left
+    assert lease.allowed
+
+
+def test_the_plan_at_its_deadline_leaves_with_the_last_refusals_wait() -> None:
+    calls, lease = run_plan([100.0, slot(False), 0, WAITER, 100.0, slot(False, 2000), 100.6, 1,
+                             None], max_wait=0.5)
+    assert [c[0] for c in calls][-3:] == ["clock", "wait_queue", "unsubscribe"]
+    assert calls[-2][1][3][0] == 0  # the ticket left
+    assert not lease.allowed and lease.queue_outcome == "queue_timeout"
+    assert lease.retry_after_ms == 2000 and lease.waited_ms == 600
+
+
+def test_the_plan_of_a_full_queue_refuses_at_once() -> None:
+    for full in (-1, -2):
+        calls, lease = run_plan([100.0, slot(False), full])
+        assert [c[0] for c in calls] == ["clock", "acquire", "wait_queue"]
+        assert not lease.allowed and lease.queue_outcome == "queue_full"
+
+
+def test_the_plan_leaves_its_ticket_and_its_waiter_when_it_is_cancelled() -> None:
+    from genai_ratelimit.lease import Lease, make_lease
+    from genai_ratelimit.reservation import advance
+    from genai_ratelimit.wait_queue import queued_acquire_plan
+
+    plan = queued_acquire_plan(CAP, 1, 60, 5, None, 1000, 100,
+                               lambda raw: make_lease(Lease, raw, CAP, 1, 60, None))
+    call, _ = advance(plan)
+    for answer in (100.0, slot(False), 0, WAITER, 100.0, slot(False), 100.0):
+        call, _ = advance(plan, answer)
+    assert call is not None and call[0] == "wake"
+    call, _ = advance(plan, error=asyncio.CancelledError())
+    assert call is not None and call[0] == "wait_queue" and call[1][3][0] == 0
+    call, _ = advance(plan, 1)
+    assert call is not None and call[0] == "unsubscribe"
+    with pytest.raises(asyncio.CancelledError):
+        advance(plan, None)

@@ -792,6 +792,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     const int per_window = window_keys[d->storage].count;
     /* the leases key and its stats key, last */
     const int slot_keys = 2 * rl_script_holds_slot(d->script);
+    /* reconcile_release.lua wakes the in-flight cap's waiters (lib/queue.lua's queue_wake):
+       the cap's wait queue, its two keys before the leases' */
+    const int release_queue = 2 * (d->script == RL_SCRIPT_RECONCILE_RELEASE ||
+                                   d->script == RL_SCRIPT_COMPACT_RECONCILE_RELEASE);
     /* with gcra=: window 0 is the bucket, whose one key and four values come last */
     const int first = rl_script_gcra_windows(d->script);
     size_t owner_len = user_len, scope_room = 0;
@@ -816,7 +820,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     const int queues =
         d->script == RL_SCRIPT_WINDOW || d->script == RL_SCRIPT_COMPACT_WINDOW ? upstreams : 0;
     size_t need = (size_t)w->count * (3 * key_room + 4 * RL_NUMBER_TEXT) + 4 * key_room +
-                  (size_t)upstreams * key_room + (size_t)queues * 2 * key_room;
+                  (size_t)upstreams * key_room + (size_t)queues * 2 * key_room +
+                  (size_t)release_queue * 2 * key_room;
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
     int argc = 0;
@@ -846,7 +851,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc++] = strlen(argv[1]);
     argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d",
                                      per_window * (w->count - first) + upstreams + 2 * queues +
-                                         slot_keys + first);
+                                         release_queue + slot_keys + first);
     argv[argc++] = numkeys;
     for (int i = first; i < w->count; i++) {
         char *key = cursor;
@@ -891,6 +896,14 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         cursor += 5;
         argv[argc] = key;
         argvlen[argc++] = (size_t)(cursor - key);
+    }
+    if (release_queue) { /* the in-flight cap's wait queue, as format_lease names it */
+        char *queue = cursor;
+        cursor = write_key_pair(cursor, prefix, prefix_len, user, user_len, d->hash_tag,
+                                ":leases:queue", ":h", &argvlen[argc], &argvlen[argc + 1]);
+        argv[argc] = queue;
+        argv[argc + 1] = queue + argvlen[argc];
+        argc += 2;
     }
     if (slot_keys) { /* the leases key and its stats key, as format_lease names them */
         char *leases = cursor;

@@ -125,6 +125,21 @@ def test_a_release_wakes_the_waiter_long_before_its_backstop(
     assert not redis_client.exists(LEASES)
 
 
+def test_a_reconcile_that_releases_the_slot_wakes_the_waiter(
+        limiter: Any, waiters: Waiters, redis_client: redis.Redis, long_backstop: None) -> None:
+    reservation = limiter.reserve(CAP, [(1000, 60)], in_flight=(1, 60))
+    assert reservation.allowed and reservation.lease.allowed
+    waiting = waiters.start(1, max_wait=30)
+    wait_for(lambda: queued(redis_client) == 1)
+    time.sleep(0.05)  # the waiter subscribes after its ticket: give it the time to sleep
+    released_at = time.monotonic()
+    assert limiter.reconcile(reservation, 0, release=True) == 1
+    lease = waiting.result(timeout=10)
+    assert lease.allowed and lease.queue_outcome == "queued_then_allowed"
+    assert time.monotonic() - released_at < 2.0  # the backstop is 60 s
+    assert queued(redis_client) == 0
+
+
 def test_waiters_are_admitted_one_per_release_in_order(
         limiter: Any, waiters: Waiters, redis_client: redis.Redis, long_backstop: None) -> None:
     held = [limiter.acquire(CAP, 2, 60) for _ in range(2)]

@@ -200,10 +200,13 @@ class WakeSubscriber:
         """A waiter for ticket on channel, once the server confirmed the subscription (or
         the connect timeout passed)."""
         waiter = Waiter(channel, ticket, threading.Event())
+        if self._pid != os.getpid():
+            # A fork child: the parent's socket and reader thread are not ours, and its lock
+            # may have been held by that thread when the process forked.
+            self._lock = threading.Lock()
+            self._pid, self._sock, self._table = os.getpid(), None, _Table()
+            self._confirmed = {}
         with self._lock:
-            if self._pid != os.getpid():  # a fork child: the parent's socket is not ours
-                self._pid, self._sock, self._table = os.getpid(), None, _Table()
-                self._confirmed.clear()
             if self._closed:
                 return waiter
             self._table.add(waiter)

@@ -81,7 +81,7 @@ FUZZ_ENV = $(ASAN_OPTIONS_) LD_PRELOAD="$$($(ASAN_PY) scripts/native_build.py as
   $$($(ASAN_PY) scripts/native_build.py cxx-runtime)"
 
 .PHONY: help deps venv install build test test-fast test-asan test-valgrind run-test-asan run-test-valgrind soak fuzz run-fuzz \
-        install-asan install-debug demo serve bench bench-instructions bench-gcra bench-http bench-weighted bench-leases bench-scopes bench-metrics bench-cluster bench-replicas \
+        install-asan install-debug demo serve bench bench-instructions bench-gcra bench-http bench-weighted bench-leases bench-inflight-queue bench-scopes bench-metrics bench-cluster bench-replicas \
         bench-builds bench-token-request bench-shares-in-flight \
         metrics-dashboard dashboard-pictures dist wheel test-wheel docs clean
 
@@ -104,6 +104,7 @@ help:
 	@echo "make bench-replicas a master + replica vs a 3+3 cluster, min_replicas=1 vs without"
 	@echo "make bench-leases   acquire + release (in-flight leases) vs the plain check, sync and async"
 	@echo "make bench-shares-in-flight  3 tiers on one in-flight cap of 10 with reserved shares"
+	@echo "make bench-inflight-queue  an in-flight cap's wait queue: 429s, cap use, wake-up latency, fairness, kill -9"
 	@echo "make bench-scopes   reserve with an upstream scope (one script, two steps) vs check_windows"
 	@echo "make bench-token-request [BASE=<rev>]  a capped token request's Redis commands and server time"
 	@echo "make bench-metrics  checks with metrics on vs off (both limiters)"
@@ -320,6 +321,12 @@ bench-shares-in-flight: install
 bench-leases: install
 	$(PIP) install -q ".[bench]"
 	$(PY) benchmarks/leases.py
+
+# The in-flight cap's wait queue (docs/wait-queue.md): cap 10, 100 clients from 2 gateway
+# processes, then a run with one gateway kill -9'd (each run < 60 s).
+bench-inflight-queue: install
+	$(PIP) install -q ".[bench]"
+	$(PY) benchmarks/inflight_queue.py --runs $(or $(RUNS),3)
 
 # The capped token request (reserve with in_flight + reconcile with release, 8 windows):
 # commands per request and server time, against a minute+day check; with BASE=<rev>, that

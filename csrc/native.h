@@ -268,7 +268,10 @@ typedef struct {
        the tenant (hex digits) */
     long long queue[RL_QUEUE_FIELDS];
     char tenant[RL_TENANT_LEN + 1];
-    int member_given; /* reserve(ticket=...): the member is the wait queue's ticket */
+    int member_given; /* reserve(ticket=...), acquire(ticket=...): the member is the wait
+                         queue's ticket */
+    int queue_leases; /* _wait_queue(leases=True): the queue of an in-flight cap's leases
+                         ("{name}:leases:queue"), not of a shared scope's windows */
 } rl_prepared;
 
 /* The bytes to send for a decision: its replay form once it was marked for replay. */
@@ -567,6 +570,41 @@ int rl_pool_take_warning(rl_pool *pool, char *buf);
    outlive the reader. NULL: no memory. */
 redisReader *rl_reader_create(rl_reader_limits *limits);
 const char *rl_reader_error(const redisReader *reader); /* the reader's error, for people */
+
+/* A subscriber connection's reader (proto.c, no I/O): the pushes of pub/sub. */
+typedef struct {
+    redisReader *reader;     /* RESP parser, bounded like the engine's */
+    rl_reader_limits limits; /* the reader's privdata */
+    int failed;              /* garbage or an error reply came: the connection is done */
+} rl_push_reader;
+
+typedef enum {
+    RL_PUSH_MESSAGE,     /* "message": channel and payload */
+    RL_PUSH_SUBSCRIBE,   /* SUBSCRIBE's confirmation: channel */
+    RL_PUSH_UNSUBSCRIBE, /* UNSUBSCRIBE's confirmation: channel */
+    RL_PUSH_STATUS,      /* a status reply (the handshake's +OK, PONG): payload */
+} rl_push_kind;
+
+typedef struct {
+    rl_push_kind kind;   /* what came */
+    const char *channel; /* borrowed from reply */
+    size_t channel_len;
+    const char *payload; /* borrowed from reply */
+    size_t payload_len;
+    void *reply; /* the hiredis reply that owns the texts: rl_push_done frees it */
+} rl_push;
+
+int rl_push_reader_init(rl_push_reader *r); /* 0, or -1: no memory */
+void rl_push_reader_clear(rl_push_reader *r);
+/* Hands the reader the bytes read (copied). */
+rl_status rl_push_feed(rl_push_reader *r, const char *data, size_t len, rl_error *err);
+/* The next push: 1 (out filled: rl_push_done it), 0 (none complete yet), -1 (err filled:
+   garbage, an error reply or a reply that is no push; the connection is done). */
+int rl_push_next(rl_push_reader *r, rl_push *out, rl_error *err);
+void rl_push_done(rl_push *p);
+/* A command's RESP bytes (*out: free with rl_push_format_free). Its length, or -1. */
+long long rl_push_format(int argc, const char **argv, const size_t *argvlen, char **out);
+void rl_push_format_free(char *command);
 
 /* One blocking decision on a pool, resumable after a signal: rl_call_run returns
    RL_ERR_INTERRUPTED when a signal interrupted the I/O; the caller (GIL held) runs the
@@ -875,6 +913,7 @@ typedef struct {
     PyTypeObject *RouterType; /* py_routing.c */
     PyTypeObject *RouteType;
     PyTypeObject *RouteReadType;
+    PyTypeObject *PushReaderType; /* py_pushes.c: a subscriber connection's reader */
     /* check_windows_detailed's answer (a struct sequence) */
     PyTypeObject *WindowDecisionType;
     PyObject *Error;           /* RateLimiterError */

@@ -880,3 +880,148 @@ rl_proto_next(rl_proto *p, rl_event *ev, rl_error *err)
         return 1;
     }
 }
+
+/* ------------------------------------------------------------------ pub/sub */
+
+/* A subscriber connection (the in-flight wait queue's wake-ups, docs/wait-queue.md) reads
+   no replies to requests of its own but the server's pushes: "message" (a channel and its
+   payload), the confirmations of SUBSCRIBE and UNSUBSCRIBE, and the status replies of its
+   handshake (AUTH, PING). Here, with no I/O: the driver feeds what it read and takes the
+   pushes; anything else (an error reply, garbage, an unexpected shape) makes the
+   connection unusable. */
+
+int
+rl_push_reader_init(rl_push_reader *r)
+{
+    memset(r, 0, sizeof(*r));
+    r->reader = rl_reader_create(&r->limits);
+    return r->reader == NULL ? -1 : 0;
+}
+
+void
+rl_push_reader_clear(rl_push_reader *r)
+{
+    if (r->reader != NULL)
+        redisReaderFree(r->reader);
+    memset(r, 0, sizeof(*r));
+}
+
+rl_status
+rl_push_feed(rl_push_reader *r, const char *data, size_t len, rl_error *err)
+{
+    if (r->failed)
+        return rl_error_set(err, RL_ERR_PROTOCOL, "the subscriber connection already failed");
+    if (redisReaderFeed(r->reader, data, len) != REDIS_OK) {
+        r->failed = 1;
+        return rl_error_set(err, RL_ERR_NOMEM, "out of memory reading the subscriber connection");
+    }
+    return RL_OK;
+}
+
+/* The text of element i of an array reply when it is a bulk or status string. */
+static int
+push_text(const redisReply *r, size_t i, const char **text, size_t *len)
+{
+    const redisReply *e = r->element[i];
+    if (e->type != REDIS_REPLY_STRING && e->type != REDIS_REPLY_STATUS)
+        return -1;
+    *text = e->str;
+    *len = e->len;
+    return 0;
+}
+
+int
+rl_push_next(rl_push_reader *r, rl_push *out, rl_error *err)
+{
+    void *raw = NULL;
+    memset(out, 0, sizeof(*out));
+    if (r->failed) {
+        rl_error_set(err, RL_ERR_PROTOCOL, "the subscriber connection already failed");
+        return -1;
+    }
+    r->limits.max_elements = RL_MAX_REPLY_ELEMENTS;
+    if (redisReaderGetReply(r->reader, &raw) != REDIS_OK) {
+        r->failed = 1;
+        rl_error_set(err, RL_ERR_PROTOCOL, "Redis sent a malformed push: %s",
+                     rl_reader_error(r->reader));
+        return -1;
+    }
+    if (raw == NULL) {
+        if (r->reader->len - r->reader->pos > RL_MAX_REPLY_BYTES) {
+            r->failed = 1;
+            rl_error_set(err, RL_ERR_PROTOCOL,
+                         "Redis sent more than %d bytes without completing a push",
+                         (int)RL_MAX_REPLY_BYTES);
+            return -1;
+        }
+        return 0;
+    }
+    redisReply *reply = raw;
+    out->reply = reply;
+    if (reply->type == REDIS_REPLY_STATUS) {
+        out->kind = RL_PUSH_STATUS;
+        out->payload = reply->str;
+        out->payload_len = reply->len;
+        return 1;
+    }
+    if (reply->type == REDIS_REPLY_ERROR) {
+        r->failed = 1;
+        /* A refused password names itself (NOAUTH, WRONGPASS, "invalid password") */
+        int auth = reply->len >= 6 && (strncmp(reply->str, "NOAUTH", 6) == 0 ||
+                                       strncmp(reply->str, "WRONGPASS", 9) == 0 ||
+                                       strstr(reply->str, "password") != NULL);
+        rl_error_set(err, auth ? RL_ERR_AUTH : RL_ERR_SERVER,
+                     "Redis refused the subscriber connection's command: %.200s", reply->str);
+        rl_push_done(out);
+        return -1;
+    }
+    const char *kind = NULL;
+    size_t kind_len = 0;
+    if (reply->type == REDIS_REPLY_ARRAY && reply->elements == 3 &&
+        push_text(reply, 0, &kind, &kind_len) == 0 &&
+        push_text(reply, 1, &out->channel, &out->channel_len) == 0) {
+        const redisReply *last = reply->element[2];
+        if (kind_len == 7 && memcmp(kind, "message", 7) == 0 &&
+            push_text(reply, 2, &out->payload, &out->payload_len) == 0) {
+            out->kind = RL_PUSH_MESSAGE;
+            return 1;
+        }
+        if (last->type == REDIS_REPLY_INTEGER &&
+            ((kind_len == 9 && memcmp(kind, "subscribe", 9) == 0) ||
+             (kind_len == 11 && memcmp(kind, "unsubscribe", 11) == 0))) {
+            out->kind = kind_len == 9 ? RL_PUSH_SUBSCRIBE : RL_PUSH_UNSUBSCRIBE;
+            return 1;
+        }
+    }
+    r->failed = 1;
+    rl_error_set(err, RL_ERR_PROTOCOL,
+                 "Redis sent the subscriber connection a reply that is no push: %s",
+                 rl_reply_type_name(reply->type));
+    rl_push_done(out);
+    return -1;
+}
+
+void
+rl_push_done(rl_push *p)
+{
+    if (p->reply != NULL)
+        freeReplyObject(p->reply);
+    p->reply = NULL;
+}
+
+long long
+rl_push_format(int argc, const char **argv, const size_t *argvlen, char **out)
+{
+    long long len = redisFormatCommandArgv(out, argc, argv, argvlen);
+    if (len < 0 || *out == NULL) {
+        *out = NULL;
+        return -1;
+    }
+    return len;
+}
+
+void
+rl_push_format_free(char *command)
+{
+    redisFreeCommand(command);
+}

@@ -283,7 +283,7 @@ static PyMethodDef Codec_methods[] = {
      "A Request, or the kill switch's final int (Limiter._observe_upstream's shape)."},
     {"wait_queue", (PyCFunction)(void (*)(void))Codec_wait_queue,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "wait_queue($self, /, name, ticket, tenant, numbers)\n--\n\n"
+     "wait_queue($self, /, name, ticket, tenant, numbers, leases=False)\n--\n\n"
      "A Request (Limiter._wait_queue's shape; the kill switch never answers it)."},
     {"reset", (PyCFunction)(void (*)(void))Codec_reset, METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reset($self, /, user_id, windows=None, *, token_windows=None, cursor=None)\n--\n\n"
@@ -295,7 +295,7 @@ static PyMethodDef Codec_methods[] = {
      "Counts what only the caller knows (Limiter._record_outcome's kinds)."},
     {"acquire", (PyCFunction)(void (*)(void))Codec_acquire,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
-     "acquire($self, /, user_id, limit, lease_seconds, shares=None)\n--\n\n"
+     "acquire($self, /, user_id, limit, lease_seconds, shares=None, ticket=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._acquire's shape)."},
     {"release", (PyCFunction)(void (*)(void))Codec_release,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,

@@ -476,11 +476,13 @@ PyDoc_STRVAR(Limiter_observe_upstream_doc,
 LIMITER_METHOD(observe_upstream, RL_SHAPE_OBSERVE)
 
 PyDoc_STRVAR(Limiter_wait_queue_doc,
-"_wait_queue($self, /, name, ticket, tenant, numbers)\n--\n\n"
+"_wait_queue($self, /, name, ticket, tenant, numbers, leases=False)\n--\n\n"
 "-> take: the ticket's rank (0: first), -1 the queue is full, -2 the tenant's share is;\n"
 "leave: 1 when the ticket was removed, else 0\n\n"
 "A ticket of the wait queue of the shared scope `name` (lua/wait_queue.lua): numbers is\n"
-"(wait_ms, max_queue, max_tenant), wait_ms 0 to leave; tenant a hex digest.");
+"(wait_ms, max_queue, max_tenant), wait_ms 0 to leave; tenant a hex digest. A take of a\n"
+"ticket already held renews its deadline. leases=True: the queue of the in-flight cap\n"
+"`name` (acquire's), \"{name}:leases:queue\".");
 
 LIMITER_METHOD(wait_queue, RL_SHAPE_QUEUE)
 
@@ -514,12 +516,13 @@ Limiter_record_outcome(LimiterObject *self, PyObject *const *args, Py_ssize_t na
     return rl_metrics_record(self->metrics_on ? &self->metrics : NULL, args, nargs);
 }
 PyDoc_STRVAR(Limiter_acquire_doc,
-"_acquire($self, /, user_id, limit, lease_seconds, shares=None)\n--\n\n"
+"_acquire($self, /, user_id, limit, lease_seconds, shares=None, ticket=None)\n--\n\n"
 "-> (allowed, held, retry_after_s, retry_after_ms, lease_id, expires_at_ms, now_ms,\n"
 "    retry_bound_ms, share_rule)\n\n"
 "Takes one of `limit` concurrent slots of user_id for lease_seconds (lua/lease.lua);\n"
 "shares: lua/lib/shares.lua's \"L ...\" spec, share_rule the rule that refused (0: none).\n"
-"RateLimiter.acquire wraps it in a Lease.");
+"ticket: the caller's ticket in the cap's wait queue (_wait_queue(leases=True)), the\n"
+"lease's id. RateLimiter.acquire wraps it in a Lease.");
 
 LIMITER_METHOD(acquire, RL_SHAPE_ACQUIRE)
 

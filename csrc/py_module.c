@@ -30,6 +30,7 @@ extern PyType_Spec rl_pipeline_spec;
 extern PyType_Spec rl_router_spec;
 extern PyType_Spec rl_route_spec;
 extern PyType_Spec rl_route_read_spec;
+extern PyType_Spec rl_push_reader_spec;
 
 static rl_module_state *
 get_state(PyObject *module)
@@ -274,7 +275,8 @@ module_exec(PyObject *module)
         add_type(module, &state->PipelineType, &rl_pipeline_spec, "Pipeline") < 0 ||
         add_type(module, &state->RouterType, &rl_router_spec, "Router") < 0 ||
         add_type(module, &state->RouteType, &rl_route_spec, "Route") < 0 ||
-        add_type(module, &state->RouteReadType, &rl_route_read_spec, "RouteRead") < 0)
+        add_type(module, &state->RouteReadType, &rl_route_read_spec, "RouteRead") < 0 ||
+        add_type(module, &state->PushReaderType, &rl_push_reader_spec, "PushReader") < 0)
         goto done;
     state->WindowDecisionType = PyStructSequence_NewType(&window_decision_desc);
     if (state->WindowDecisionType == NULL ||
@@ -340,6 +342,7 @@ module_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->RouterType);
     Py_VISIT(state->RouteType);
     Py_VISIT(state->RouteReadType);
+    Py_VISIT(state->PushReaderType);
     Py_VISIT(state->WindowDecisionType);
     Py_VISIT(state->Error);
     Py_VISIT(state->Unavailable);
@@ -359,6 +362,7 @@ module_clear(PyObject *module)
     Py_CLEAR(state->RouterType);
     Py_CLEAR(state->RouteType);
     Py_CLEAR(state->RouteReadType);
+    Py_CLEAR(state->PushReaderType);
     Py_CLEAR(state->WindowDecisionType);
     Py_CLEAR(state->Error);
     Py_CLEAR(state->Unavailable);

@@ -639,14 +639,15 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
                                                   "cost",    "tokens",  "scopes", "tie",
                                                   "release", "shares"};
     static const char *const reset_names[] = {"user_id", "windows", "token_windows", "cursor"};
-    static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds", "shares"};
+    static const char *const acquire_names[] = {"user_id", "limit", "lease_seconds", "shares",
+                                                "ticket"};
     static const char *const release_names[] = {"user_id", "lease_id"};
     static const char *const renew_names[] = {"user_id", "lease_id", "lease_seconds"};
     static const char *const gcra_names[] = {"user_id", "rate", "period_seconds", "burst", "cost"};
     static const char *const hold_names[] = {"user_id", "budgets", "hold_ms"};
     static const char *const settle_names[] = {"user_id", "budgets", "hold_id"};
     static const char *const observe_names[] = {"name", "observation"};
-    static const char *const queue_names[] = {"name", "ticket", "tenant", "numbers"};
+    static const char *const queue_names[] = {"name", "ticket", "tenant", "numbers", "leases"};
     static const rl_script_id scripts[] = {
         [RL_SHAPE_CHECK] = RL_SCRIPT_WINDOW,
         [RL_SHAPE_WINDOWS] = RL_SCRIPT_WINDOW,
@@ -676,6 +677,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->nscopes = 0;
     d->member[0] = '\0';
     d->member_given = 0;
+    d->queue_leases = 0;
     d->score_ms = 0;
     d->new_cost = 0;
     d->tie = 0;
@@ -705,9 +707,11 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         break;
     case RL_SHAPE_QUEUE:
-        if (rl_parse_args("_wait_queue", args, nargs, kwnames, queue_names, 4, 4, 4, v) < 0 ||
+        if (rl_parse_args("_wait_queue", args, nargs, kwnames, queue_names, 5, 4, 4, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             parse_member(v[1], "ticket's", d->member) < 0 || parse_queue(v[2], v[3], d) < 0)
+            return -1;
+        if (v[4] != NULL && (d->queue_leases = PyObject_IsTrue(v[4])) < 0)
             return -1;
         if (unused > RL_MAX_SCOPE_NAME) {
             PyErr_Format(PyExc_ValueError, "an upstream's name holds 1 to %d bytes of UTF-8",
@@ -732,13 +736,18 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         break;
     case RL_SHAPE_ACQUIRE:
-        if (rl_parse_args("acquire", args, nargs, kwnames, acquire_names, 4, 4, 3, v) < 0 ||
+        if (rl_parse_args("acquire", args, nargs, kwnames, acquire_names, 5, 4, 3, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             positive_int(v[1], "limit", RL_MAX_LIMIT, &d->lease_limit) < 0 ||
             positive_int(v[2], "lease_seconds", RL_MAX_WINDOW_SECONDS, &seconds) < 0 ||
             (v[3] != NULL && parse_shares(v[3], d, 'L') < 0)) /* lua/lib/shares.lua's */
             return -1;
         d->lease_ms = seconds * 1000;
+        if (v[4] != NULL && v[4] != Py_None) { /* the in-flight queue's ticket is the lease id */
+            if (parse_member(v[4], "ticket's", d->member) < 0)
+                return -1;
+            d->member_given = 1;
+        }
         break;
     case RL_SHAPE_RELEASE:
         if (rl_parse_args("release", args, nargs, kwnames, release_names, 2, 2, 2, v) < 0 ||

@@ -301,45 +301,50 @@ write_key_pair(char *cursor, const char *prefix, size_t prefix_len, const char *
     return cursor + companion_len;
 }
 
-/* Formats "EVALSHA sha 2 {prefix}:{user_id}:leases {prefix}:{user_id}:leases:stats op id
-   now limit lease_ms [shares]" (see the header of lua/lease.lua; shares: an acquire's
-   reserved-shares spec, lua/lib/shares.lua). Returns the length and sets *out, or -1 (out of
-   memory). */
+/* Formats "EVALSHA sha 4 {prefix}:{user_id}:leases {prefix}:{user_id}:leases:stats
+   {prefix}:{user_id}:leases:queue {prefix}:{user_id}:leases:queue:h op id now limit lease_ms
+   [shares]" (see the header of lua/lease.lua: the last two keys are the in-flight cap's wait
+   queue, lib/queue.lua's; shares: an acquire's reserved-shares spec, lua/lib/shares.lua).
+   Returns the length and sets *out, or -1 (out of memory). */
 static long long
 format_lease(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
              const rl_prepared *d, long long now_ms, char **out)
 {
-    char stack_key[RL_STACK_ARENA], *key = stack_key;
+    char stack_key[RL_STACK_ARENA], *key = stack_key, *cursor;
     char now_text[RL_NUMBER_TEXT], limit_text[RL_NUMBER_TEXT], ms_text[RL_NUMBER_TEXT];
-    size_t need = 2 * (prefix_len + 1 + rl_key_user_room(user_len) + 14);
-    const char *argv[11];
-    size_t argvlen[11];
-    int argc = 10;
+    size_t need = 4 * (prefix_len + 1 + rl_key_user_room(user_len) + 16);
+    const char *argv[13];
+    size_t argvlen[13];
+    int argc = 12;
     long long len;
 
     *out = NULL;
     if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
         return -1;
-    write_key_pair(key, prefix, prefix_len, user, user_len, d->hash_tag, ":leases", ":stats",
-                   &argvlen[3], &argvlen[4]);
+    cursor = write_key_pair(key, prefix, prefix_len, user, user_len, d->hash_tag, ":leases",
+                            ":stats", &argvlen[3], &argvlen[4]);
+    write_key_pair(cursor, prefix, prefix_len, user, user_len, d->hash_tag, ":leases:queue", ":h",
+                   &argvlen[5], &argvlen[6]);
     argv[0] = "EVALSHA";
     argvlen[0] = 7;
     argv[1] = rl_script_sha1(RL_SCRIPT_LEASE);
     argvlen[1] = strlen(argv[1]);
-    argv[2] = "2";
+    argv[2] = "4";
     argvlen[2] = 1;
     argv[3] = key;
     argv[4] = key + argvlen[3];
-    argv[5] = lease_ops[d->shape];
-    argvlen[5] = strlen(argv[5]);
-    argv[6] = d->member;
-    argvlen[6] = strlen(d->member);
-    argvlen[7] = now_ms >= 0 ? (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms) : 0;
-    argv[7] = now_ms >= 0 ? now_text : "";
-    argvlen[8] = (size_t)snprintf(limit_text, sizeof(limit_text), "%lld", d->lease_limit);
-    argv[8] = limit_text;
-    argvlen[9] = (size_t)snprintf(ms_text, sizeof(ms_text), "%lld", d->lease_ms);
-    argv[9] = ms_text;
+    argv[5] = cursor;
+    argv[6] = cursor + argvlen[5];
+    argv[7] = lease_ops[d->shape];
+    argvlen[7] = strlen(argv[7]);
+    argv[8] = d->member;
+    argvlen[8] = strlen(d->member);
+    argvlen[9] = now_ms >= 0 ? (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms) : 0;
+    argv[9] = now_ms >= 0 ? now_text : "";
+    argvlen[10] = (size_t)snprintf(limit_text, sizeof(limit_text), "%lld", d->lease_limit);
+    argv[10] = limit_text;
+    argvlen[11] = (size_t)snprintf(ms_text, sizeof(ms_text), "%lld", d->lease_ms);
+    argv[11] = ms_text;
     if (d->shape == RL_SHAPE_ACQUIRE && d->shares_len > 0 && d->shares != NULL) {
         argv[argc] = d->shares;
         argvlen[argc++] = d->shares_len;
@@ -516,14 +521,14 @@ write_upstream_key(char *cursor, const char *prefix, size_t prefix_len, const ch
 
 /* Formats "EVALSHA sha 2 {prefix}:{name}:queue {prefix}:{name}:queue:h now ticket tenant
    wait_ms max_queue max_tenant" (lua/wait_queue.lua); the upstream's name is the call's
-   user. Returns the length and sets *out, or -1 (out of memory). */
+   user. With d->queue_leases, the in-flight cap's queue: "{name}:leases:queue" (and ":h"). Returns the length and sets *out, or -1 (out of memory). */
 static long long
 format_queue(const char *prefix, size_t prefix_len, const char *user, size_t user_len,
              const rl_prepared *d, long long now_ms, char **out)
 {
     char stack_key[RL_STACK_ARENA], *key = stack_key;
     char numbers[RL_QUEUE_FIELDS + 1][RL_NUMBER_TEXT];
-    size_t need = 2 * (prefix_len + 1 + rl_key_user_room(user_len) + 8);
+    size_t need = 2 * (prefix_len + 1 + rl_key_user_room(user_len) + 16);
     const char *argv[8 + RL_QUEUE_FIELDS];
     size_t argvlen[8 + RL_QUEUE_FIELDS];
     long long len;
@@ -537,8 +542,8 @@ format_queue(const char *prefix, size_t prefix_len, const char *user, size_t use
     argvlen[1] = strlen(argv[1]);
     argv[2] = "2";
     argvlen[2] = 1;
-    write_key_pair(key, prefix, prefix_len, user, user_len, d->hash_tag, ":queue", ":h",
-                   &argvlen[3], &argvlen[4]);
+    write_key_pair(key, prefix, prefix_len, user, user_len, d->hash_tag,
+                   d->queue_leases ? ":leases:queue" : ":queue", ":h", &argvlen[3], &argvlen[4]);
     argv[3] = key;
     argv[4] = key + argvlen[3];
     argvlen[5] = now_ms >= 0 ? (size_t)snprintf(numbers[0], RL_NUMBER_TEXT, "%lld", now_ms) : 0;
@@ -793,6 +798,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     const int per_window = window_keys[d->storage].count;
     /* the leases key and its stats key, last */
     const int slot_keys = 2 * rl_script_holds_slot(d->script);
+    /* reconcile_release.lua wakes the in-flight cap's waiters (lib/queue.lua's queue_wake):
+       the cap's wait queue, its two keys before the leases' */
+    const int release_queue = 2 * (d->script == RL_SCRIPT_RECONCILE_RELEASE ||
+                                   d->script == RL_SCRIPT_COMPACT_RECONCILE_RELEASE);
     /* with gcra=: window 0 is the bucket, whose one key and four values come last */
     const int first = rl_script_gcra_windows(d->script);
     size_t owner_len = user_len, scope_room = 0;
@@ -823,7 +832,8 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             queues += d->scopes[k].shared;
     }
     size_t need = (size_t)w->count * (3 * key_room + 4 * RL_NUMBER_TEXT) + 4 * key_room +
-                  (size_t)upstreams * key_room + (size_t)queues * 2 * key_room;
+                  (size_t)upstreams * key_room + (size_t)queues * 2 * key_room +
+                  (size_t)release_queue * 2 * key_room;
     const char **keys = argv + 3;
     size_t *keylens = argvlen + 3;
     int argc = 0;
@@ -853,7 +863,7 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
     argvlen[argc++] = strlen(argv[1]);
     argvlen[argc] = (size_t)snprintf(numkeys, sizeof(numkeys), "%d",
                                      per_window * (w->count - first) + upstreams + 2 * queues +
-                                         slot_keys + first);
+                                         release_queue + slot_keys + first);
     argv[argc++] = numkeys;
     for (int i = first; i < w->count; i++) {
         char *key = cursor;
@@ -898,6 +908,14 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         cursor += 5;
         argv[argc] = key;
         argvlen[argc++] = (size_t)(cursor - key);
+    }
+    if (release_queue) { /* the in-flight cap's wait queue, as format_lease names it */
+        char *queue = cursor;
+        cursor = write_key_pair(cursor, prefix, prefix_len, user, user_len, d->hash_tag,
+                                ":leases:queue", ":h", &argvlen[argc], &argvlen[argc + 1]);
+        argv[argc] = queue;
+        argv[argc + 1] = queue + argvlen[argc];
+        argc += 2;
     }
     if (slot_keys) { /* the leases key and its stats key, as format_lease names them */
         char *leases = cursor;
@@ -1416,8 +1434,9 @@ decode_lease(const redisReply *reply, const rl_prepared *d, rl_result *out, rl_e
     if (!granted && within(name, "expires_ms", expires, 0, 0, err) != RL_OK)
         return err->kind;
     if ((d->shape == RL_SHAPE_ACQUIRE && ok == 1 && (held < 1 || retry_ms != 0 || bound != 0)) ||
-        (d->shape == RL_SHAPE_ACQUIRE && ok == 0 &&
-         ((held < d->lease_limit && v[6] == 0) || retry_ms < 1)) ||
+        /* a refusal with free slots: tickets of the cap's wait queue are ahead of it, or
+           a class's share refused it */
+        (d->shape == RL_SHAPE_ACQUIRE && ok == 0 && retry_ms < 1) ||
         (d->shape != RL_SHAPE_ACQUIRE && (retry_ms != 0 || bound != 0)))
         return rl_error_set(err, RL_ERR_PROTOCOL,
                             "the lease script answered values out of range "

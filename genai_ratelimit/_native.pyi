@@ -236,7 +236,8 @@ class Limiter:
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> int: ...
     def _wait_queue(
-        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int]
+        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int],
+        leases: bool = False,
     ) -> int: ...
     def _reset(
         self,
@@ -249,7 +250,8 @@ class Limiter:
     def metrics(self) -> LimiterMetrics: ...
     def _record_outcome(self, kind: str, count: int = 1, /) -> None: ...
     def _acquire(
-        self, user_id: str, limit: int, lease_seconds: int, shares: str | None = None
+        self, user_id: str, limit: int, lease_seconds: int, shares: str | None = None,
+        ticket: str | None = None
     ) -> _AcquireTuple: ...  # (allowed, held, retry_after_s, retry_after_ms, lease_id,
     # expires_at_ms, now_ms, retry_bound_ms, share rule)
     def _release(self, user_id: str, lease_id: str) -> bool: ...
@@ -349,7 +351,8 @@ class Codec:
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> Request | int: ...
     def wait_queue(
-        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int]
+        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int],
+        leases: bool = False,
     ) -> Request: ...
     def reset(
         self,
@@ -362,7 +365,8 @@ class Codec:
     def metrics(self) -> LimiterMetrics: ...
     def _record_outcome(self, kind: str, count: int = 1, /) -> None: ...
     def acquire(
-        self, user_id: str, limit: int, lease_seconds: int, shares: str | None = None
+        self, user_id: str, limit: int, lease_seconds: int, shares: str | None = None,
+        ticket: str | None = None
     ) -> Request | _AcquireTuple: ...
     # The kill switch answers new decisions only: what Redis holds is always given back,
     # renewed, reconciled or reset there, so these four always answer a Request.
@@ -397,6 +401,14 @@ class Pipeline:
     @property
     def eviction_warning(self) -> str | None: ...
 
+
+@final
+class PushReader:
+    """The decoding half of a pub/sub subscriber connection (csrc/py_pushes.c)."""
+
+    def __init__(self) -> None: ...
+    def feed(self, data: bytes, /) -> list[tuple[str, bytes, bytes]]: ...
+    def command(self, *words: str | bytes) -> bytearray: ...
 
 @final
 class Router:

@@ -34,6 +34,7 @@ from ._native import (
     WindowDecision,
 )
 from ._url import RedisOptions
+from ._wake import AsyncWakeSubscriber
 from .lease import (
     DEFAULT_LEASE_SECONDS,
     AsyncLease,
@@ -73,7 +74,14 @@ from .reservation import (
     reserve_plan,
 )
 from .shares import Shares
-from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
+from .wait_queue import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_QUEUE_PER_TENANT,
+    check_queue_shares,
+    queued_acquire_plan,
+    queued_reserve_plan,
+    wake_channel,
+)
 
 __all__ = ["AsyncRateLimiter"]
 
@@ -661,6 +669,10 @@ class AsyncRateLimiter:
         self._last_pool: _LoopPool | None = None
         self._pools: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopPool] = (
             weakref.WeakKeyDictionary())
+        # The in-flight wait queue's subscriber connection of each loop (_wake.py), made
+        # when the loop's first waiter needs it.
+        self._wakes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                               AsyncWakeSubscriber] = weakref.WeakKeyDictionary()
 
     @property
     def url(self) -> str:
@@ -1181,7 +1193,7 @@ class AsyncRateLimiter:
             await asyncio.sleep(*positional)
             return None
         if name == "wait_queue":
-            return await self._run(self._codec.wait_queue(*positional), sent=sent)
+            return await self._run(self._codec.wait_queue(*positional, **keywords), sent=sent)
         if name == "reserve":  # a decision (the metrics count it), a reconcile is not
             request = self._codec.reserve(*positional, **keywords)
             return (request if type(request) is tuple
@@ -1333,12 +1345,23 @@ class AsyncRateLimiter:
 
     async def acquire(self, user_id: str, limit: int,
                       lease_seconds: int = DEFAULT_LEASE_SECONDS, *,
-                      shares: Shares | None = None,
-                      share_class: str | None = None) -> AsyncLease:
-        """RateLimiter.acquire, awaited: an AsyncLease (`async with` releases it)."""
+                      shares: Shares | None = None, share_class: str | None = None,
+                      max_wait: float | None = None, tenant: str | None = None,
+                      max_queue: int = DEFAULT_MAX_QUEUE,
+                      max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT) -> AsyncLease:
+        """RateLimiter.acquire, awaited: an AsyncLease (`async with` releases it). A caller
+        cancelled while it waits in the cap's queue (max_wait) leaves it: its ticket is
+        removed (and a lease granted as it was cancelled released)."""
         if self._closed:
             raise RateLimiterError("the rate limiter is closed")
         spec = acquire_shares(limit, shares, share_class)
+        if max_wait is not None:
+            check_queue_shares(spec)
+            return await self._queued_acquire(queued_acquire_plan(
+                user_id, limit, lease_seconds, max_wait, tenant, max_queue,
+                max_queue_per_tenant,
+                lambda raw: make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self)),
+                user_id)
         if spec is None:
             request = self._codec.acquire(user_id, limit, lease_seconds)
         else:
@@ -1356,6 +1379,77 @@ class AsyncRateLimiter:
                 raise
         return make_lease(AsyncLease, raw, user_id, limit, lease_seconds, self,  # type: ignore[return-value]
                           shares, share_class)
+
+    async def _queued_acquire(self, plan: Plan, user_id: str) -> AsyncLease:
+        """Runs wait_queue.queued_acquire_plan on this loop. When the caller is cancelled,
+        the plan is finished on its own (_abandon_acquire): its ticket removed, a lease
+        granted by the call that was out released."""
+        call, result = advance(plan)
+        while call is not None:
+            sent = _Sent()
+            try:
+                answer = await self._queue_call(call, sent)
+            except asyncio.CancelledError:
+                self._leave(self._abandon_acquire(plan, call, sent, user_id))
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the plan, which re-raises
+                call, result = advance(plan, error=exc)
+            else:
+                call, result = advance(plan, answer)
+        return result  # type: ignore[no-any-return]
+
+    async def _queue_call(self, call: Any, sent: _Sent | None = None) -> Any:
+        """One call of queued_acquire_plan, awaited: its answer."""
+        name, positional, keywords = call
+        if self._closed:
+            raise RateLimiterError("the rate limiter is closed")
+        if name == "acquire":
+            request = self._codec.acquire(*positional, **keywords)
+            if type(request) is tuple:  # the kill switch answered
+                return request
+            return await self._run(request, admission=True, sent=sent)
+        if name == "wait_queue":
+            return await self._run(self._codec.wait_queue(*positional, **keywords), sent=sent)
+        if name == "clock":
+            return time.monotonic()
+        subscriber = self._wake_subscriber()
+        if name == "subscribe":
+            channel = wake_channel(self.key_prefix,
+                                   _native.key_owner(positional[0], self._two_step_scopes))
+            return await subscriber.subscribe(channel, positional[1])
+        if name == "wake":
+            return await subscriber.wake(*positional)
+        subscriber.unsubscribe(*positional)  # "unsubscribe"
+        return None
+
+    def _wake_subscriber(self) -> AsyncWakeSubscriber:
+        """This loop's subscriber of the in-flight wait queue's wake-ups."""
+        loop = asyncio.get_running_loop()
+        subscriber = self._wakes.get(loop)
+        if subscriber is None:
+            subscriber = self._wakes[loop] = AsyncWakeSubscriber(
+                self._options, self._connect_timeout, self._ssl)
+        return subscriber
+
+    async def _abandon_acquire(self, plan: Plan, call: Any, sent: _Sent, user_id: str) -> None:
+        """Finishes the plan of a cancelled queued acquire: a lease the call that was out
+        granted is released; the plan, told it was abandoned, removes its ticket and its
+        waiter (it sends no further acquire and sleeps no more)."""
+        if call[0] == "acquire":
+            await self._release_granted(user_id, sent)
+        try:
+            call, _ = advance(plan, error=_Abandoned())
+            while call is not None:
+                try:
+                    if call[0] in ("acquire", "subscribe", "wake"):  # nobody waits for it
+                        raise _Abandoned()
+                    answer = await self._queue_call(call)
+                except Exception as exc:  # noqa: BLE001 - handed to the plan
+                    call, _ = advance(plan, error=exc)
+                else:
+                    call, _ = advance(plan, answer)
+        except Exception:  # noqa: BLE001 - the plan re-raised: it has left; a ticket lapses
+            return
 
     async def release(self, lease: Lease) -> bool:
         """RateLimiter.release, awaited."""
@@ -1404,6 +1498,15 @@ class AsyncRateLimiter:
                     pass
         self._pools.clear()
         self._last_loop = self._last_pool = None
+        for loop, subscriber in list(self._wakes.items()):
+            if loop is running:
+                subscriber.close()
+            elif not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(subscriber.close)
+                except RuntimeError:  # the loop closed meanwhile
+                    pass
+        self._wakes.clear()
 
     async def __aenter__(self) -> AsyncRateLimiter:
         return self

@@ -56,6 +56,11 @@ class Lease:
     share_refusal  acquire(..., shares=...): the reserved-share rule that refused it (a
                    ShareRefusal naming the rule and the class), None otherwise.
     share_class    the class it was asked for (acquire's share_class), None without one.
+    queue_outcome  acquire(..., max_wait=...): how the wait in the cap's queue ended:
+                   "queued_then_allowed", "queue_timeout" (refused: the deadline came first;
+                   retry_after_* the last refusal's), "queue_full" (refused at once: a
+                   bound), or "" (decided at once, queue or no queue).
+    waited_ms      how long it waited in the queue (0 when decided at once).
 
     `with limiter.acquire(...) as lease:` releases it on leaving the block.
     """
@@ -73,6 +78,8 @@ class Lease:
     retry_bound_ms: int = 0
     share_refusal: ShareRefusal | None = None
     share_class: str | None = None
+    queue_outcome: str = ""
+    waited_ms: int = 0
     # The limiter that made it, for the bound helpers; not part of the value.
     limiter: Any = field(default=None, repr=False, compare=False)
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, TypedDict
 
 from . import _native
 from ._url import DEFAULT_URL, RedisOptions, parse_redis_url
+from ._wake import WakeSubscriber
 from .lease import (
     DEFAULT_LEASE_SECONDS,
     Lease,
@@ -49,7 +51,14 @@ from .reservation import (
     reserve_plan,
 )
 from .shares import Shares
-from .wait_queue import DEFAULT_MAX_QUEUE, DEFAULT_MAX_QUEUE_PER_TENANT, queued_reserve_plan
+from .wait_queue import (
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_MAX_QUEUE_PER_TENANT,
+    check_queue_shares,
+    queued_acquire_plan,
+    queued_reserve_plan,
+    wake_channel,
+)
 
 __all__ = ["RateLimiter", "limiter_options"]
 
@@ -188,6 +197,8 @@ class RateLimiter(_native.Limiter):
         # A shared scope's keys hash to the scope's slot, the user's to the user's.
         self._two_step_scopes = options.mode == "cluster"
         self._clock = clock
+        self._connect_timeout_s = float(native["connect_timeout"])
+        self._wake: WakeSubscriber | None = None
 
     @property
     def url(self) -> str:
@@ -326,9 +337,21 @@ class RateLimiter(_native.Limiter):
                 elif name == "observe_upstream":
                     answer = self._observe_upstream(*positional)
                 elif name == "wait_queue":
-                    answer = self._wait_queue(*positional)
+                    answer = self._wait_queue(*positional, **keywords)
                     if positional[3][0] > 0 and isinstance(answer, int) and answer >= 0:
                         leaves.append(queue_waits(self).enter(positional[0]))
+                elif name == "acquire":
+                    answer = self._acquire(*positional, **keywords)
+                elif name == "subscribe":
+                    answer = self._wake_subscriber().subscribe(
+                        wake_channel(self.key_prefix,
+                                     _native.key_owner(positional[0], self._two_step_scopes)),
+                        positional[1])
+                elif name == "wake":
+                    answer = self._wake_subscriber().wake(*positional)
+                elif name == "unsubscribe":
+                    self._wake_subscriber().unsubscribe(*positional)
+                    answer = None
                 elif name == "clock":
                     answer = time.monotonic()
                 elif name == "sleep":
@@ -406,21 +429,49 @@ class RateLimiter(_native.Limiter):
             removed += more
         return removed
 
-    def acquire(self, user_id: str, limit: int,
-                lease_seconds: int = DEFAULT_LEASE_SECONDS, *, shares: Shares | None = None,
-                share_class: str | None = None) -> Lease:
+    def acquire(self, user_id: str, limit: int, lease_seconds: int = DEFAULT_LEASE_SECONDS,
+                *, shares: Shares | None = None, share_class: str | None = None,
+                max_wait: float | None = None, tenant: str | None = None,
+                max_queue: int = DEFAULT_MAX_QUEUE,
+                max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT) -> Lease:
         """Takes one of user_id's `limit` concurrent slots for lease_seconds, in one script
         execution: a Lease, allowed or not. Release it when done (`release`, or `with`);
         one never released expires after lease_seconds. `shares`: the cap's reserved
         shares and ceilings per class, decided in the same script, work-conserving
         (docs/upstreams.md, "Reserved shares"); `share_class` the request's class (None: a
-        class with no share); a refusal by a share rule names it in `.share_refusal`."""
+        class with no share); a refusal by a share rule names it in `.share_refusal`.
+        `max_wait` (seconds, > 0, at most 300): a refused acquire waits in the cap's queue,
+        shared by every replica and fair across `tenant`s (default: user_id), until a release
+        makes its turn come or its deadline passes (docs/wait-queue.md; the Lease's
+        queue_outcome says how it ended). Not with `shares` yet (ValueError)."""
         spec = acquire_shares(limit, shares, share_class)
-        if spec is None:
-            raw = self._acquire(user_id, limit, lease_seconds)
-        else:
-            raw = self._acquire(user_id, limit, lease_seconds, spec)
-        return make_lease(Lease, raw, user_id, limit, lease_seconds, self, shares, share_class)
+        if max_wait is None:
+            raw = (self._acquire(user_id, limit, lease_seconds) if spec is None
+                   else self._acquire(user_id, limit, lease_seconds, spec))
+            return make_lease(Lease, raw, user_id, limit, lease_seconds, self, shares,
+                              share_class)
+        check_queue_shares(spec)
+        lease: Lease = self._drive(queued_acquire_plan(
+            user_id, limit, lease_seconds, max_wait, tenant, max_queue, max_queue_per_tenant,
+            lambda raw: make_lease(Lease, raw, user_id, limit, lease_seconds, self)))
+        return lease
+
+    def _wake_subscriber(self) -> WakeSubscriber:
+        """The subscriber connection of the in-flight wait queue's wake-ups, made when the
+        first waiter needs it."""
+        subscriber: WakeSubscriber | None = getattr(self, "_wake", None)
+        if subscriber is None:
+            subscriber = self._wake = WakeSubscriber(self._options, self._connect_timeout_s)
+            # a limiter dropped without close() does not leave its subscriber's socket open
+            weakref.finalize(self, subscriber.close)
+        return subscriber
+
+    def close(self) -> None:
+        """Closes every connection (the wait queue's subscriber too)."""
+        subscriber: WakeSubscriber | None = getattr(self, "_wake", None)
+        if subscriber is not None:
+            subscriber.close()
+        super().close()
 
     def release(self, lease: Lease) -> bool:
         """Gives the lease's slot back. Idempotent. Returns whether it was still held

@@ -10,9 +10,11 @@ Lua."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from .reservation import (
@@ -26,7 +28,8 @@ from .reservation import (
 )
 
 __all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_MAX_QUEUE_PER_TENANT", "MAX_WAIT_SECONDS",
-           "queue_bound", "queue_milliseconds", "tenant_key"]
+           "TICKET_LIVE_MS", "WAKE_BACKSTOP_SECONDS", "queue_bound", "queue_milliseconds",
+           "queued_acquire_plan", "tenant_key", "wake_channel"]
 
 # The longest a request may wait (csrc/native.h RL_MAX_QUEUE_WAIT_MS): a queue that holds a
 # request for hours behind a provider's long reset helps nobody.
@@ -35,6 +38,14 @@ MAX_WAIT_SECONDS = 300.0
 DEFAULT_MAX_QUEUE = 1000
 DEFAULT_MAX_QUEUE_PER_TENANT = 100
 _MAX_QUEUE_LENGTH = 100_000  # csrc/native.h RL_MAX_QUEUE_LENGTH
+# An in-flight cap's ticket lives this long unless its waiter renews it (it does at every
+# backstop wake): a killed waiter's ticket leaves the head of the queue within seconds, not
+# at its deadline.
+TICKET_LIVE_MS = 3000
+# The longest an in-flight cap's waiter sleeps between two looks at the cap: a wake-up
+# PUBLISHed by a release is at-most-once (a lost message, a subscriber reconnecting), so a
+# waiter asks again after this at the latest. A lost wake only delays, never hangs.
+WAKE_BACKSTOP_SECONDS = 1.0
 
 
 def queue_milliseconds(max_wait: object) -> int:
@@ -143,3 +154,88 @@ def _leave(names: list[str], ticket: str, tenant: str, bounds: tuple[int, int]) 
             pass
     names.clear()
 
+
+
+def wake_channel(key_prefix: str, owner: str) -> str:
+    """The pub/sub channel an in-flight cap's releases wake its waiters on: the name of the
+    cap's queue key, "{prefix}:{name}:leases:queue" (`owner`: the name as keys carry it,
+    _native.key_owner's: a hash tag on a Cluster)."""
+    return f"{key_prefix}:{owner}:leases:queue"
+
+
+def check_queue_shares(spec: str | None) -> None:
+    """acquire(max_wait=...) with shares=: not yet. A ticket at the head that its class's
+    ceiling refuses would hold back the tickets behind it (no barging), whose classes the
+    rule would admit: the queue's rounds are per tenant, not weighted by the shares."""
+    if spec is not None:
+        raise ValueError("acquire(max_wait=...) does not go with shares= yet: the wait "
+                         "queue's turns are per tenant, not by the classes' shares")
+
+
+def queued_acquire_plan(user_id: str, limit: int, lease_seconds: int, max_wait: object,
+                        tenant: str | None, max_queue: int, max_queue_per_tenant: int,
+                        make: Callable[[Any], Any]) -> Plan:
+    """acquire with max_wait: one acquire; when the cap refuses it, a ticket is taken in the
+    cap's queue ("{name}:leases:queue", lib/queue.lua), the waiter subscribes to the cap's
+    wake channel (and has the confirmation), asks once more with its ticket (a release
+    between the take and the subscription is not missed), then sleeps until a release names
+    its ticket (lua/lease.lua PUBLISHes the tickets whose turn came), WAKE_BACKSTOP_SECONDS
+    pass, or its deadline; and asks again, renewing its ticket (TICKET_LIVE_MS) at least
+    once a second, until it is admitted or its deadline passes. The Lease says how it ended
+    (queue_outcome, waited_ms). Calls: "acquire", "wait_queue", "clock", "subscribe" (->
+    the driver's waiter, once subscribed), "wake" (waiter, seconds -> whether notified),
+    "unsubscribe" (waiter)."""
+    wait_ms = queue_milliseconds(max_wait)
+    tenant_text = tenant_key(user_id if tenant is None else tenant)
+    bounds = (queue_bound(max_queue, "max_queue"),
+              queue_bound(max_queue_per_tenant, "max_queue_per_tenant"))
+    start: float = yield ("clock", (), {})
+    lease = make((yield ("acquire", (user_id, limit, lease_seconds), {})))
+    if lease.allowed:
+        return lease
+    deadline = start + wait_ms / 1000
+    ticket = str(uuid.uuid4())
+    live = (TICKET_LIVE_MS, *bounds)
+    rank = yield ("wait_queue", (user_id, ticket, tenant_text, live), {"leases": True})
+    if rank < 0:
+        return dataclasses.replace(lease, queue_outcome="queue_full")
+    waiter: Any = None
+    try:
+        waiter = yield ("subscribe", (user_id, ticket), {})
+        renewed = yield ("clock", (), {})
+        while True:
+            lease = make((yield ("acquire", (user_id, limit, lease_seconds), {"ticket": ticket})))
+            now: float = yield ("clock", (), {})
+            if lease.allowed:  # the script removed the ticket
+                return dataclasses.replace(lease, queue_outcome="queued_then_allowed",
+                                           waited_ms=round((now - start) * 1000))
+            if now >= deadline:
+                yield from _leave_leases(user_id, ticket, tenant_text, bounds)
+                return dataclasses.replace(lease, queue_outcome="queue_timeout",
+                                           waited_ms=round((now - start) * 1000))
+            yield ("wake", (waiter, min(WAKE_BACKSTOP_SECONDS, deadline - now)), {})
+            now = yield ("clock", (), {})
+            if now - renewed >= WAKE_BACKSTOP_SECONDS / 2:  # the ticket kept alive
+                rank = yield ("wait_queue", (user_id, ticket, tenant_text, live), {"leases": True})
+                renewed = now
+                if rank < 0:  # it had lapsed, and the queue filled meanwhile
+                    return dataclasses.replace(lease, queue_outcome="queue_full",
+                                               waited_ms=round((now - start) * 1000))
+    except BaseException:
+        yield from _leave_leases(user_id, ticket, tenant_text, bounds)
+        raise
+    finally:
+        if waiter is not None:
+            try:
+                yield ("unsubscribe", (waiter,), {})
+            except Exception:  # noqa: BLE001 - the subscriber forgets it with its channel
+                pass
+
+
+def _leave_leases(name: str, ticket: str, tenant: str, bounds: tuple[int, int]) -> Plan:
+    """The ticket removed from the in-flight cap's queue (best effort: it lapses within
+    TICKET_LIVE_MS otherwise)."""
+    try:
+        yield ("wait_queue", (name, ticket, tenant, (0, *bounds)), {"leases": True})
+    except Exception:  # noqa: BLE001 - the ticket lapses by itself
+        pass

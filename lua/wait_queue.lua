@@ -1,11 +1,13 @@
 -- include: lib/clock.lua
 -- include: lib/queue.lua
 --[[
-wait_queue.lua - a ticket of a shared cap's wait queue taken or left (lib/queue.lua holds
-the keys and the fairness rule; sliding_window.lua admits a ticket at its turn).
+wait_queue.lua - a ticket of a shared cap's wait queue taken, renewed or left (lib/queue.lua
+holds the keys and the fairness rule; sliding_window.lua admits a ticket at its turn, and
+lease.lua at an in-flight cap's).
 
-KEYS[1]   the queue's sorted set, "{prefix}:{name}:queue"
-KEYS[2]   the queue's hash, "{prefix}:{name}:queue:h"
+KEYS[1]   the queue's sorted set, "{prefix}:{name}:queue" (an in-flight cap's:
+          "{prefix}:{name}:leases:queue")
+KEYS[2]   the queue's hash, "{prefix}:{name}:queue:h" (":leases:queue:h")
 ARGV[1]   now in unix ms, or "" to read the server's clock (TIME)
 ARGV[2]   the ticket (a UUID4: the member the request's admission logs)
 ARGV[3]   the tenant (1 to 256 bytes)
@@ -13,7 +15,8 @@ ARGV[4]   take: the ms the ticket waits at most (> 0); 0: leave (remove the tick
 ARGV[5]   take: the most live tickets of the queue; ARGV[6] the most of one tenant
 
 Returns, take: the ticket's rank (0: first), -1 when the queue holds its most tickets, -2
-when the tenant does (nothing written then), the rank it has when it already holds one;
+when the tenant does (nothing written then); a take of a ticket already held renews it: its
+deadline becomes now + ARGV[4] when that is later (its place is kept), and its rank;
 leave: 1 when the ticket was removed, 0 when it was not there (admitted, expired, left).
 --]]
 
@@ -28,7 +31,23 @@ if wait_ms == 0 then
   queue_forget(zkey, hkey)
   return 1
 end
-if member then return redis.call('ZRANK', zkey, member) end
+if member then
+  -- A renewal (an in-flight cap's waiter keeps its short-lived ticket alive): the same
+  -- round and arrival, a later deadline.
+  local deadline, _, _, seq = queue_parse(member)
+  if now + wait_ms > deadline then
+    local renewed = string.format('%s|%d|%s|%s', seq, now + wait_ms, ticket, tenant)
+    local round = redis.call('ZSCORE', zkey, member)
+    redis.call('ZREM', zkey, member)
+    redis.call('ZADD', zkey, round, renewed)
+    redis.call('HSET', hkey, 't|' .. ticket, renewed)
+    local expiry = math.max(redis.call('PTTL', zkey), wait_ms + 1000)
+    redis.call('PEXPIRE', zkey, expiry)
+    redis.call('PEXPIRE', hkey, expiry)
+    member = renewed
+  end
+  return redis.call('ZRANK', zkey, member)
+end
 if left >= tonumber(ARGV[5]) then return -1 end
 local state = redis.call('HMGET', hkey, 'n|' .. tenant, 'r|' .. tenant, 'seq')
 local mine = tonumber(state[1]) or 0

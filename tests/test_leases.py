@@ -281,12 +281,11 @@ def test_an_async_lease_releases_itself_on_leaving_async_with(
     b"*6\r\n:2\r\n:1\r\n:0\r\n:5\r\n:1\r\n:0\r\n",         # ok is not 0/1
     b"*6\r\n:1\r\n:0\r\n:0\r\n:5\r\n:1\r\n:0\r\n",         # admitted, yet nobody holds a slot
     b"*6\r\n:1\r\n:1\r\n:0\r\n:1\r\n:1\r\n:0\r\n",         # admitted, expiring at once
-    b"*6\r\n:0\r\n:1\r\n:1000\r\n:0\r\n:1\r\n:1000\r\n",   # refused below the limit
     b"*6\r\n:0\r\n:3\r\n:0\r\n:0\r\n:1\r\n:1000\r\n",      # refused, no wait
     b"*6\r\n:0\r\n:3\r\n:2000\r\n:0\r\n:1\r\n:1000\r\n",   # a hint past the bound
     b"*6\r\n:1\r\n:1\r\n:0\r\n:5\r\n:1\r\n:1000\r\n",      # admitted, with a bound
     b"*6\r\n:1\r\n:1\r\n:0\r\n$2\r\n99\r\n:1\r\n:0\r\n",  # a string where an int goes
-], ids=["short", "ok-2", "held-0", "expired", "refused-below", "no-wait", "hint-past-bound",
+], ids=["short", "ok-2", "held-0", "expired", "no-wait", "hint-past-bound",
         "admitted-bound", "string"])
 def test_a_nonsense_lease_reply_raises_unavailable(make_limiter: LimiterFactory,
                                                     reply: bytes) -> None:

@@ -11,6 +11,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -132,6 +133,43 @@ def test_the_documented_acl_user_waits_in_a_shared_caps_queue(
     assert not late.allowed and late.queue_outcome == "queue_timeout"
     admin.select(1)
     assert not admin.keys("ratelimit:acl/provider:queue*")  # every ticket gone, its keys too
+
+
+def test_the_documented_acl_user_waits_for_an_in_flight_cap_and_is_woken_by_the_release(
+        acl_url: Callable[..., str], make_limiter: LimiterFactory, admin: redis.Redis,
+        user_id: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/wait-queue.md, in-flight caps: a ticket taken, the subscriber's SUBSCRIBE, the
+    release's PUBLISH on the prefix's channel, the admission, with no other command. The
+    backstop is longer than the test: only the release's message wakes the waiter."""
+    import threading
+
+    from genai_ratelimit import RateLimiter, wait_queue
+
+    monkeypatch.setattr(wait_queue, "WAKE_BACKSTOP_SECONDS", 60.0)
+    monkeypatch.setattr(wait_queue, "TICKET_LIVE_MS", 120_000)
+    url = acl_url()
+    limiter = make_limiter(url)
+    held = limiter.acquire("acl/slots", 1, 60)
+    assert held.allowed
+    results: list[Any] = []
+
+    def wait() -> None:
+        with RateLimiter(url) as own:
+            results.append(own.acquire("acl/slots", 1, 60, max_wait=30))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    admin.select(1)
+    deadline = time.monotonic() + 10
+    while not admin.exists("ratelimit:acl/slots:leases:queue"):
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    time.sleep(0.05)
+    assert limiter.release(held)
+    waiter.join(10)
+    assert results and results[0].allowed
+    assert results[0].queue_outcome == "queued_then_allowed"
+    assert not admin.keys("ratelimit:acl/slots:leases:queue*")
 
 
 @pytest.mark.storages("zset", reason=SORTED_SET_SHAPE)

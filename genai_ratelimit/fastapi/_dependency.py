@@ -412,16 +412,19 @@ class RateLimit:
         leases.entries.append((key, self.limiter, self._limiter_is_async, lease))
 
     @staticmethod
-    def _checked_slots(request: Request, slots: tuple[UpstreamSlot, ...]
+    def _checked_slots(self, request: Request, slots: tuple[UpstreamSlot, ...], tier: str
                        ) -> tuple[UpstreamSlot, ...]:
         """The in-flight caps of a request's upstreams, once the middleware that gives their
-        slots back is known to be there."""
+        slots back is known to be there, each with how a request of `tier` may wait in its
+        queue (_Scopes.slot_wait)."""
         if slots and not isinstance(request.scope.get(_LEASES_KEY), _LeaseLedger):
             raise RuntimeError(
                 "an Upstream's in_flight needs RateLimitHeadersMiddleware, which gives the slot "
                 "back when the response is over: add app.add_middleware("
                 "genai_ratelimit.fastapi.RateLimitHeadersMiddleware)")
-        return slots
+        tier_wait = self.tier_max_wait.get(tier)
+        return tuple(slot._replace(wait=self._scopes.slot_wait(slot, tier_wait))
+                     for slot in slots)
 
     def _keep(self, request: Request, tier: str, reservation: Reservation) -> None:
         """A token reservation, kept for the reconcile (TokenRateLimit's)."""
@@ -555,7 +558,8 @@ class _AsyncRateLimit(RateLimit):
                 note_upstreams(request, self.limiter, self._limiter_is_async,
                                self._scopes.upstreams_in(scopes))
             if slots:
-                facts = dataclasses.replace(facts, slots=self._checked_slots(request, slots))
+                facts = dataclasses.replace(
+                    facts, slots=self._checked_slots(request, slots, facts.tier))
         return facts
 
     async def __call__(self, request: Request, response: Response) -> None:

@@ -104,12 +104,15 @@ class Policy:
 class UpstreamSlot(NamedTuple):
     """An upstream's in-flight cap (Upstream(in_flight=...)), as a request takes one of its
     slots: acquire(name, limit, lease_seconds, shares=shares, share_class=the request's tier
-    when the shares name it)."""
+    when the shares name it). wait: (max_wait, max_queue, max_queue_per_tenant) when a
+    request the cap refuses waits in its queue (acquire(max_wait=...), the tenant the
+    request's key), None: refused at once."""
 
     name: str
     limit: int
     lease_seconds: int
     shares: Shares | None
+    wait: tuple[float, int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -255,6 +258,9 @@ def plan(facts: Facts, policy: Policy) -> Plan:
             keywords["shares"] = slot.shares
             if facts.tier in classes_of(slot.shares):
                 keywords["share_class"] = facts.tier
+        if slot.wait is not None and not policy.shadow:
+            keywords.update(max_wait=slot.wait[0], tenant=facts.identity,
+                            max_queue=slot.wait[1], max_queue_per_tenant=slot.wait[2])
         try:
             lease = yield Call("acquire", (slot.name, slot.limit, slot.lease_seconds), keywords)
         except RateLimiterError as exc:

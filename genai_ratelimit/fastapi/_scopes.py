@@ -275,6 +275,20 @@ class _Scopes:
                 waits.append((seconds, *self._queue_bounds(scope.name)))
         return min(waits) if waits else None
 
+    def slot_wait(self, slot: UpstreamSlot, tier_wait: float | None = None) -> Wait | None:
+        """How a request may wait in the queue of an upstream's in-flight cap: its max_wait
+        as wait_in chooses it (the tier's, else the Upstream's, else the route's) and the
+        Upstream's bounds; None in shadow mode, without a max_wait, and (not yet) for a cap
+        with reserved shares (wait_queue.check_queue_shares)."""
+        if self.shadow or slot.shares is not None:
+            return None
+        own = self._waits.get(slot.name)
+        seconds = tier_wait if tier_wait is not None else (
+            own[0] if own is not None else self.max_wait)
+        if seconds is None:
+            return None
+        return (seconds, *self._queue_bounds(slot.name))
+
     def _queue_bounds(self, name: str) -> tuple[int, int]:
         """(max_queue, max_queue_per_tenant) of the upstream `name` (the defaults for one
         the configuration does not name)."""

@@ -342,7 +342,7 @@ class TokenRateLimit(_AsyncRateLimit):
                      scopes, facts.counted, facts.cap, facts.held, spend=spend,
                      wait=(self._scopes.wait_in(scopes, self.tier_max_wait.get(tier))
                            if scopes else None),
-                     slots=self._checked_slots(request, slots))
+                     slots=self._checked_slots(request, slots, tier))
 
     async def _spend_facts(self, request: Request, facts: Facts,
                            document: Mapping[str, Any] | None) -> SpendFacts | None:

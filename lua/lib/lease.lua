@@ -60,6 +60,8 @@ local function leases(key, stats, now)
   else
     expired = redis.call('ZRANGEBYSCORE', key, '-inf', now)
   end
+  -- how many expired leases were dropped: slots freed (lib/queue.lua's queue_wake)
+  held.dropped = #expired
   if #expired > 0 then
     redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
     for i = 1, #expired, 1000 do

@@ -1,5 +1,6 @@
 --[[
-lib/queue.lua - the wait queue of a shared cap (an upstream's caps): tickets of requests the
+lib/queue.lua - the wait queue of a shared cap (its windows) or of an in-flight cap (its
+leases) (an upstream's caps): tickets of requests the
 cap refused that wait for it to free, shared by every replica. Prepended by the build
 (setup.py) to sliding_window.lua (the admission: no barging, a ticket's turn) and
 wait_queue.lua (take a ticket, leave it); functions only. docs/wait-queue.md is the design.
@@ -19,9 +20,20 @@ other tenant; first in first out within a tenant. Both keys expire 1 s after the
 deadline of a ticket taken; a ticket whose deadline passed is purged by the next script that
 reads the head of the queue (the first PURGE_SCAN tickets), so a waiter that was killed takes
 no place once its deadline is over.
+
+An in-flight cap (lease.lua, acquire's `limit` on a name such as an upstream's) has the same
+two keys at "{prefix}:{name}:leases:queue" and ":h"; its tickets' deadlines are short (a few
+seconds: a liveness the live waiter renews by taking its ticket again, wait_queue.lua), so a
+killed waiter's ticket leaves the head within seconds. queue_admit_lease is its admission
+(no barging: held + rank + 1 <= limit), queue_wake its wake-up: a script that frees slots
+(a release, leases found expired) PUBLISHes on the channel named after the queue's sorted
+set the tickets at the head that the freed slots make room for (space-separated).
 --]]
 
 local PURGE_SCAN = 64
+-- The in-flight cap's queue (lease.lua): the wait a request refused for the tickets ahead of
+-- it is told (they are admitted as their releases come; a plain acquire retries then).
+local LEASE_QUEUE_HINT_MS = 1000
 
 local function queue_parse(member)
   local seq, deadline, ticket, tenant = member:match('^(%d+)|(%d+)|([^|]+)|(.*)$')
@@ -153,4 +165,46 @@ local function open_queues(first, count, now)
     return reply
   end
   return queues
+end
+
+-- The in-flight cap's admission (lease.lua's acquire, after lib/lease.lua's may_acquire
+-- allowed it: answer = {1, holders after it, 0, expiry of a replay or 0, 0}): with tickets
+-- waiting, lease `id` (a ticket when it holds one, ARGV of the acquire) goes at its ticket's
+-- rank, or after every live ticket without one, and takes a slot only when the holders and
+-- the tickets ahead leave one: holders + rank + 1 <= limit. Admitted: its ticket is removed
+-- and `answer` returned; else may_acquire's refusal shape {0, holders, hint, 0, bound}.
+-- Second value: the live tickets left (0 when none wait). One EXISTS while the queue is
+-- empty.
+local function queue_admit_lease(zkey, hkey, id, answer, limit, now)
+  if answer[4] ~= 0 or redis.call('EXISTS', zkey) == 0 then return answer, 0 end
+  local left = queue_purge(zkey, hkey, now)
+  if left == 0 then return answer, 0 end
+  local member = redis.call('HGET', hkey, 't|' .. id)
+  local rank = member and redis.call('ZRANK', zkey, member) or left
+  local holders = answer[2] - 1
+  if holders + rank + 1 > limit then
+    return {0, holders, LEASE_QUEUE_HINT_MS, 0, LEASE_QUEUE_HINT_MS}, left
+  end
+  if member then
+    queue_remove(zkey, hkey, member)
+    queue_forget(zkey, hkey)
+    left = left - 1
+  end
+  return answer, left
+end
+
+-- The in-flight cap's wake-up: `freed` slots came free (a release, leases found expired),
+-- or an admission left slots free while tickets wait (two releases before the head's
+-- waiter came: the next ticket's turn came too); when tickets wait, the first `freed` live
+-- ones are PUBLISHed on the channel named `zkey` (their waiters ask again at once). One
+-- EXISTS while the queue is empty.
+local function queue_wake(zkey, hkey, now, freed)
+  if freed < 1 or redis.call('EXISTS', zkey) == 0 then return end
+  if queue_purge(zkey, hkey, now) == 0 then return end
+  local tickets = {}
+  for i, member in ipairs(redis.call('ZRANGE', zkey, 0, freed - 1)) do
+    local _, ticket = queue_parse(member)
+    tickets[i] = ticket
+  end
+  redis.call('PUBLISH', zkey, table.concat(tickets, ' '))
 end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -298,3 +299,32 @@ def _parse_multi_host(url: str, path: str, scheme: str, single: dict[str, str]) 
                         password=password, mode="sentinel" if sentinel else "cluster",
                         nodes=tuple(nodes), master_name=master_name,
                         **_tls_options(single, scheme.startswith("rediss")))
+
+
+def ssl_context(options: RedisOptions) -> ssl.SSLContext:
+    """The client TLS context of a rediss:// URL, following the one trust policy both
+    limiters keep (RedisOptions.tls_trust): certificates and the host name verified unless
+    ssl_cert_reqs=none; trusted: the ssl_ca_certs file alone when given, else the system's
+    default CAs. A missing or bad file is a ValueError naming it, at construction."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    trust = options.tls_trust()
+    if trust is None:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    elif trust == "system":
+        context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    else:
+        try:
+            context.load_verify_locations(cafile=trust)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load CA certificates from {trust}: "
+                             f"{exc.strerror or exc}") from None
+    if options.ssl_certfile or options.ssl_keyfile:
+        certfile = options.ssl_certfile or options.ssl_keyfile
+        try:
+            context.load_cert_chain(certfile, options.ssl_keyfile)  # type: ignore[arg-type]
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"cannot load the client certificate {certfile} "
+                             f"(key {options.ssl_keyfile or certfile}): {exc.strerror or exc}") from None
+    return context

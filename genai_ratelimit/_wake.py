@@ -28,7 +28,7 @@ import threading
 from typing import Any
 
 from . import _native
-from ._url import RedisOptions
+from ._url import RedisOptions, ssl_context
 
 __all__ = ["AsyncWakeSubscriber", "WakeSubscriber", "Waiter"]
 
@@ -132,9 +132,7 @@ class WakeSubscriber:
                 assert address is not None
                 sock = socket.create_connection(address, timeout=self._connect_timeout)
                 if self._options.tls:
-                    from .aio import _ssl_context  # one place builds the TLS context
-
-                    context = _ssl_context(self._options)
+                    context = ssl_context(self._options)
                     sock = context.wrap_socket(sock, server_hostname=address[0])
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             reader = _native.PushReader()

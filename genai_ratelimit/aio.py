@@ -33,7 +33,7 @@ from ._native import (
     RateLimiterUnavailable,
     WindowDecision,
 )
-from ._url import RedisOptions
+from ._url import RedisOptions, ssl_context
 from ._wake import AsyncWakeSubscriber
 from .lease import (
     DEFAULT_LEASE_SECONDS,
@@ -92,35 +92,6 @@ logger = logging.getLogger("genai_ratelimit")
 _PIPELINE_DEPTH_BEFORE_NEW_CONNECTION = 128
 # pick(): a connection that a WAIT blocks counts as busier than any pipeline depth.
 _BLOCKED = 1 << 40
-
-def _ssl_context(options: RedisOptions) -> ssl.SSLContext:
-    """The client TLS context of a rediss:// URL, following the one trust policy both
-    limiters keep (RedisOptions.tls_trust): certificates and the host name verified unless
-    ssl_cert_reqs=none; trusted: the ssl_ca_certs file alone when given, else the system's
-    default CAs. A missing or bad file is a ValueError naming it, at construction."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    trust = options.tls_trust()
-    if trust is None:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    elif trust == "system":
-        context.load_default_certs(ssl.Purpose.SERVER_AUTH)
-    else:
-        try:
-            context.load_verify_locations(cafile=trust)
-        except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"cannot load CA certificates from {trust}: "
-                             f"{exc.strerror or exc}") from None
-    if options.ssl_certfile or options.ssl_keyfile:
-        certfile = options.ssl_certfile or options.ssl_keyfile
-        try:
-            context.load_cert_chain(certfile, options.ssl_keyfile)  # type: ignore[arg-type]
-        except (OSError, ssl.SSLError) as exc:
-            raise ValueError(f"cannot load the client certificate {certfile} "
-                             f"(key {options.ssl_keyfile or certfile}): {exc.strerror or exc}") from None
-    return context
-
 
 class _Sent:
     """The reply of a request whose caller must not lose it to a cancellation (acquire,
@@ -644,7 +615,7 @@ class AsyncRateLimiter:
         self._replica_timeout_ms = native["replica_timeout_ms"]
         # The tasks that give back what a cancelled call took (_leave), until they end.
         self._leftovers: set[asyncio.Task[None]] = set()
-        self._ssl = _ssl_context(options) if options.tls else None
+        self._ssl = ssl_context(options) if options.tls else None
         self._options = options
         self._clock = clock
         cluster = options.mode == "cluster"

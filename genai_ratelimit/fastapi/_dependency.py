@@ -411,7 +411,6 @@ class RateLimit:
                (*self._of_limiter()[1], "upstream", lease.user_id))
         leases.entries.append((key, self.limiter, self._limiter_is_async, lease))
 
-    @staticmethod
     def _checked_slots(self, request: Request, slots: tuple[UpstreamSlot, ...], tier: str
                        ) -> tuple[UpstreamSlot, ...]:
         """The in-flight caps of a request's upstreams, once the middleware that gives their

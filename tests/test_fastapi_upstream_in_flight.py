@@ -231,3 +231,37 @@ def test_the_plan_takes_the_upstream_slot_before_the_windows(tier: str, klass: s
     assert isinstance(verdict, Refused) and verdict.scope == "upstream"
     assert ("X-RateLimit-Share", "reserve; class=enterprise") in verdict.contract
     assert verdict.retry == (2, 1_500) and verdict.outcome == "concurrency_rejected"
+
+
+def test_with_max_wait_a_request_past_the_cap_waits_for_a_slot_instead_of_a_429(
+        gateway_of: Any, redis_client: redis.Redis) -> None:
+    """Upstream(in_flight=1, max_wait=...): the second request waits in the cap's queue (its
+    ticket in {cap}:leases:queue) while the first holds the slot, and runs when the first's
+    response ends and its release wakes it."""
+    gateway = gateway_of(Upstream(CAP, in_flight=1, max_wait=20))
+    with TestClient(gateway.app) as client:
+        gateway.hold(client, "free", 1)
+        second: list[int] = []
+        waiter = threading.Thread(target=lambda: second.append(post(client, "pro").status_code))
+        waiter.start()
+        deadline = time.monotonic() + 10
+        while redis_client.zcard(f"{LEASES}:queue") < 1:  # it took a ticket: it waits
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.005)
+        assert second == []
+        gateway.finish.set()  # the first's response ends: its release wakes the waiter
+        waiter.join(20)
+        assert second == [200]
+        gateway.release_all()
+        assert gateway.codes == [200]
+        assert redis_client.exists(f"{LEASES}:queue", f"{LEASES}:queue:h") == 0
+
+
+def test_max_wait_does_not_wait_for_a_cap_with_reserved_shares_yet(gateway_of: Any) -> None:
+    gateway = gateway_of(Upstream(CAP, in_flight=1, reserved={"enterprise": 50}, max_wait=20))
+    with TestClient(gateway.app) as client:
+        gateway.hold(client, "free", 1)
+        started = time.monotonic()
+        assert post(client, "free").status_code == 429  # at once (docs/wait-queue.md)
+        assert time.monotonic() - started < 10
+        gateway.release_all()

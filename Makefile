@@ -31,6 +31,10 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 PYTEST_ARGS ?=
+# make test-asan / test-hiredis1: the blocking and the asyncio limiter. The uvloop cases drive
+# the same C (the asyncio limiter's codec, fed by the loop's transport) and run in make test;
+# SPECIAL_BUILD_KINDS= runs them there too.
+SPECIAL_BUILD_KINDS ?= --limiter-kinds sync,asyncio
 export PIP_DISABLE_PIP_VERSION_CHECK = 1
 
 ASAN_VENV  ?= .venv-asan
@@ -197,7 +201,7 @@ test-asan: install-asan
 run-test-asan:
 	$(PROMTOOL)
 	$(ASAN_ENV) $(ASAN_VENV)/bin/pytest -m "not slow and not not_asan" -p no:cacheprovider \
-	  $(PYTEST_ARGS)
+	  $(SPECIAL_BUILD_KINDS) $(PYTEST_ARGS)
 
 # VALGRIND_TESTS under memcheck with the -O0 -g build. Invalid reads/writes and uses of
 # uninitialised memory fail the run (--error-exitcode); definite leaks are listed and
@@ -245,7 +249,7 @@ test-hiredis1: install-hiredis1
 run-test-hiredis1:
 	$(PROMTOOL)
 	$(HIREDIS1_VENV)/bin/pytest -m "not slow and not no_hiredis1" -p no:cacheprovider \
-	  $(PYTEST_ARGS)
+	  $(SPECIAL_BUILD_KINDS) $(PYTEST_ARGS)
 
 # ------------------------------------------------------------------------------
 

@@ -279,6 +279,37 @@ parse_shares(PyObject *value, rl_prepared *d, char lead)
     return 0;
 }
 
+/* reserve(..., probe=spec): the probes of the shared scopes that follow their provider
+   (lib/upstream.lua's "P p_1 t_1 ..." in ASCII, built by genai_ratelimit/reservation.py).
+   Passed to the script as it is, borrowed until rl_prepare ends. */
+static int
+parse_probe(PyObject *value, rl_prepared *d)
+{
+    Py_ssize_t len;
+    const char *text;
+    if (value == Py_None)
+        return 0;
+    if (!PyUnicode_Check(value)) {
+        rl_type_error(value, "probe must be a str, not ");
+        return -1;
+    }
+    text = PyUnicode_AsUTF8AndSize(value, &len);
+    if (text == NULL)
+        return -1;
+    if (len < 3 || len > RL_MAX_SHARES_SPEC || text[0] != 'P' || text[1] != ' ') {
+        PyErr_Format(PyExc_ValueError, "probe must be a spec of 3 to %d bytes starting \"P \"",
+                     RL_MAX_SHARES_SPEC);
+        return -1;
+    }
+    if (d->script == RL_SCRIPT_IN_FLIGHT) {
+        PyErr_SetString(PyExc_ValueError, "a probe does not go with in_flight yet");
+        return -1;
+    }
+    d->probe = text;
+    d->probe_len = (size_t)len;
+    return 0;
+}
+
 static int
 parse_member(PyObject *value, const char *what, char out[RL_MEMBER_LEN + 1])
 {
@@ -634,7 +665,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     static const char *const windows_names[] = {"user_id", "windows", "cost", "gcra"};
     static const char *const reserve_names[] = {"user_id",       "windows", "cost",
                                                 "token_windows", "tokens",  "scopes",
-                                                "in_flight",     "shares",  "ticket"};
+                                                "in_flight",     "shares",  "ticket",
+                                                "probe"};
     static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
                                                   "cost",    "tokens",  "scopes", "tie",
                                                   "release", "shares"};
@@ -671,6 +703,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->shape = shape;
     d->shares = NULL;
     d->shares_len = 0;
+    d->probe = NULL;
+    d->probe_len = 0;
     d->script = scripts[shape];
     d->windows.count = 0;
     d->nscopes = 0;
@@ -772,7 +806,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     case RL_SHAPE_RESERVE:
     case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments */
         if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
-                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 9, 2, 2, v) < 0 ||
+                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 10, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
             (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
@@ -790,7 +824,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         }
         if (set_cost(d, v[4], "tokens", 1) < 0 || (v[6] != NULL && parse_in_flight(v[6], d) < 0) ||
-            (v[7] != NULL && parse_shares(v[7], d, 'S') < 0))
+            (v[7] != NULL && parse_shares(v[7], d, 'S') < 0) ||
+            (v[9] != NULL && parse_probe(v[9], d) < 0))
             return -1;
         if (v[8] != NULL && v[8] != Py_None) { /* the wait queue's ticket is the member */
             if (parse_member(v[8], "ticket's", d->member) < 0)
@@ -926,6 +961,8 @@ forget_scope_names(rl_prepared *p)
         p->scopes[k].name_len = 0;
     }
     p->shares = NULL; /* shares_len stays: the reply has one element more (script.c) */
+    p->probe = NULL;
+    p->probe_len = 0;
     for (int k = 0; k < p->nbudgets; k++) {
         p->budgets[k].owner = p->budgets[k].name = NULL;
         p->budgets[k].owner_len = p->budgets[k].name_len = 0;

@@ -976,6 +976,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
             argv[argc] = d->shares;
             argvlen[argc++] = d->shares_len;
         }
+        if (d->probe_len > 0 && d->probe != NULL) { /* lua/lib/upstream.lua's probe spec */
+            argv[argc] = d->probe;
+            argvlen[argc++] = d->probe_len;
+        }
     }
 format:
     len = redisFormatCommandArgv(out, argc, argv, argvlen);

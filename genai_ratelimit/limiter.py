@@ -326,7 +326,8 @@ class RateLimiter(_native.Limiter):
         window_seconds). Writes nothing: one read-only script execution on the server's
         clock."""
         return self._peek(user_id, windows,
-                          **reserve_arguments(cost, token_windows, tokens, _scope_list(scopes)))[:4]
+                          **reserve_arguments(cost, token_windows, tokens, _scope_list(scopes),
+                                             decides=False))[:4]
 
     def observe_upstream(self, name: str, status: int,
                          headers: Mapping[str, str] | Iterable[tuple[str | bytes, str | bytes]],

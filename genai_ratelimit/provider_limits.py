@@ -302,7 +302,9 @@ def observe_plan(name: str, status: object,
     if not isinstance(name, str) or not name:
         raise TypeError(f"an upstream's name must be a non-empty str, got {name!r}")
     limits = read_provider_limits(status, headers, max_close_seconds=max_close_seconds)
-    if not limits.says_anything:
+    # A success that says nothing is still the provider's answer: a cap that follows it
+    # (Scope.probe) learns that it was heard from, and its cold start ends.
+    if not limits.says_anything and not (isinstance(status, int) and 200 <= status < 300):
         return limits
     closed_until_ms = yield ("observe_upstream", (name, limits.observation(max_close_seconds)), {})
     return replace(limits, closed_until_ms=closed_until_ms)

@@ -51,6 +51,7 @@ least one; the token keys count in TokenRateLimit only), and an upstream lists t
     tokens_per_minute = 30000
     reserved = { enterprise = 30 }      # optional: reserved shares per tier (percent), and
     ceilings = { free = [50, 80] }      # ceilings (percent) above a saturation (percent)
+    probe = 1                           # optional: the cold start (docs/upstreams.md)
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from ._native import MAX_LIMIT
+from .reservation import DEFAULT_PROBE_TIMEOUT_SECONDS, check_probe
 from .shares import validate as validate_shares
 from .tiers import DEFAULT_TIER, TIER_TOKEN_LIMITS
 
@@ -236,7 +238,9 @@ def validate_scope_budget(budget: object, source: str, what: str, *,
     return checked
 
 
-# An upstream's section: (budget, models, {"reserved": ..., "ceilings": ...} as given).
+# An upstream's section: (budget, models, {"reserved": ..., "ceilings": ..., "probe": ...,
+# "probe_timeout_seconds": ...} as given: Upstream's keyword arguments).
+PROBE_KEYS = ("probe", "probe_timeout_seconds")
 UpstreamSection = tuple[dict[str, int], tuple[str, ...], dict[str, Any]]
 ScopeSections = tuple[dict[str, dict[str, int]], dict[str, UpstreamSection]]
 
@@ -262,16 +266,20 @@ def scope_sections_of(data: object, source: str) -> ScopeSections:
                                       f"got {name!r}")
             checked = validate_scope_budget(
                 budget, source, what,
-                extra=("models", "reserved", "ceilings") if section == "upstreams" else ())
+                extra=("models", "reserved", "ceilings", *PROBE_KEYS)
+                if section == "upstreams" else ())
             if section == "models":
                 models[name] = checked
                 continue
             served = budget.get("models", [])
             if not isinstance(served, list) or not all(isinstance(m, str) and m for m in served):
                 raise TierConfigError(f"{source}: {what}: models must be a list of model names")
-            shares = {key: budget[key] for key in ("reserved", "ceilings") if key in budget}
+            shares = {key: budget[key] for key in ("reserved", "ceilings", *PROBE_KEYS)
+                      if key in budget}
             try:
                 validate_shares(shares.get("reserved"), shares.get("ceilings"))
+                check_probe(shares.get("probe", 0),
+                            shares.get("probe_timeout_seconds", DEFAULT_PROBE_TIMEOUT_SECONDS))
             except (TypeError, ValueError) as exc:
                 raise TierConfigError(f"{source}: {what}: {exc}") from None
             upstreams[name] = (checked, tuple(served), shares)

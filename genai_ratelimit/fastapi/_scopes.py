@@ -19,6 +19,7 @@ from .._tiers_config import (
     validate_scope_budget,
 )
 from ..provider_limits import DEFAULT_MAX_CLOSE_SECONDS, validate_max_close_seconds
+from ..reservation import DEFAULT_PROBE_TIMEOUT_SECONDS, check_probe
 from ..reservation import Scope as BudgetScope
 from ..shares import validate as validate_shares
 from ..wait_queue import (
@@ -40,10 +41,11 @@ UPSTREAMS_KEY = "genai_ratelimit.upstreams"
 
 
 def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool,
-              reserved: Any = (), ceilings: Any = ()) -> BudgetScope | None:
+              reserved: Any = (), ceilings: Any = (), **probe: Any) -> BudgetScope | None:
     """The Scope of a budget (SCOPE_BUDGET_KEYS); its token windows only when `tokens` (a
     RateLimit charges no tokens). None when nothing of it applies. `reserved`, `ceilings`:
-    an upstream's shares, as Upstream keeps them (validated tuples)."""
+    an upstream's shares, as Upstream keeps them (validated tuples); `probe`: an upstream's
+    probe and probe_timeout_seconds (Scope's)."""
     windows = [(budget[key], seconds) for key, (seconds, is_tokens) in SCOPE_BUDGET_KEYS.items()
                if key in budget and not is_tokens]
     token_windows = [(budget[key], seconds)
@@ -57,7 +59,7 @@ def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool,
     if ceilings:
         shares["ceilings"] = {klass: (top, saturation) for klass, top, saturation in ceilings}
     return BudgetScope(name, windows=windows, token_windows=token_windows, shared=shared,
-                       **shares)
+                       **shares, **probe)
 
 
 # (max_wait, max_queue, max_queue_per_tenant) of an upstream's wait queue.
@@ -80,7 +82,11 @@ class Upstream:
 
     reserved {class: percent}, ceilings {class: (ceiling percent, saturation percent)}: the
     cap's reserved shares (docs/upstreams.md, "Reserved shares"); a request's class is its
-    tier. Kept as Scope keeps them (sorted tuples of exact Fractions)."""
+    tier. Kept as Scope keeps them (sorted tuples of exact Fractions).
+
+    probe, probe_timeout_seconds: the cap's cold start (Scope's; docs/upstreams.md, "Cold
+    start"): until the provider's first answer is observed, at most `probe` requests go
+    through; 0 (the default): off."""
 
     name: str
     per_minute: int | None = None
@@ -96,6 +102,8 @@ class Upstream:
     # dependency's key); past either a request gets its 429 at once (queue_full).
     max_queue: int = DEFAULT_MAX_QUEUE
     max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT
+    probe: int = 0
+    probe_timeout_seconds: float = DEFAULT_PROBE_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -111,6 +119,7 @@ class Upstream:
                                              None if self.ceilings == () else self.ceilings)
         object.__setattr__(self, "reserved", reserved)
         object.__setattr__(self, "ceilings", ceilings)
+        check_probe(self.probe, self.probe_timeout_seconds)
         if self.max_wait is not None:  # TypeError / ValueError now, not per request
             queue_milliseconds(self.max_wait)
             queue_bound(self.max_queue, "max_queue")
@@ -128,7 +137,10 @@ class Upstream:
 
     def scope(self, tokens: bool = True) -> BudgetScope | None:
         """Its Scope (shared); the token caps only when `tokens`. None when none applies."""
-        return _scope_of(self.name, self.budget(), True, tokens, self.reserved, self.ceilings)
+        probe = {"probe": self.probe, "probe_timeout_seconds": self.probe_timeout_seconds} \
+            if self.probe else {}
+        return _scope_of(self.name, self.budget(), True, tokens, self.reserved, self.ceilings,
+                         **probe)
 
 
 UpstreamOf = Callable[[Request], "Upstream | None | Awaitable[Upstream | None]"]

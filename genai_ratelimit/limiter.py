@@ -339,7 +339,8 @@ class RateLimiter(_native.Limiter):
         every replica's admissions through that cap count against them
         (docs/upstreams.md). Garbage in the headers is ignored; a reset or closure further
         away than `max_close_seconds` is read as that bound. Returns what was read, with
-        `closed_until_ms`; sends nothing when the response said nothing usable."""
+        `closed_until_ms`; sends nothing when the response said nothing usable, but for a
+        2xx (the provider's answer: it ends a cold start, Scope.probe)."""
         limits: ProviderLimits = self._drive(observe_plan(name, status, headers,
                                                           max_close_seconds))
         return limits

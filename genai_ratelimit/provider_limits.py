@@ -126,7 +126,8 @@ class ProviderLimits:
 
     @property
     def says_anything(self) -> bool:
-        """Whether there is anything to record (else observe_upstream sends nothing)."""
+        """Whether there is anything to record (else observe_upstream sends nothing, but
+        for a 2xx: the provider's answer ends a cold start)."""
         return (self.close_ms is not None or self.requests_limit is not None
                 or self.tokens_limit is not None
                 or (self.requests_remaining is not None and self.requests_reset_ms is not None)

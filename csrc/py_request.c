@@ -247,67 +247,56 @@ has_token_windows(const rl_windows *w)
     return 0;
 }
 
-/* reserve(..., shares=spec): the reserved-shares spec of a shared scope, built by
-   genai_ratelimit/shares.py and read by lua/lib/shares.lua ("S ..." in ASCII); reconcile(...,
-   shares="C class"): the entry's class, whose logs lua/lib/set_cost.lua moves too. Passed to
-   the script as it is, borrowed until rl_prepare ends. */
+/* A spec the Python layer built for a script ("S ...", "C class", "P ..." in ASCII), given
+   as the keyword `what`: a str of 3 to RL_MAX_SHARES_SPEC bytes starting with `lead` and a
+   space; None leaves *text NULL. Refused with in_flight (`in_flight_error`). *text is
+   borrowed from the str until rl_prepare ends. Returns 0, or -1 with an exception set. */
 static int
-parse_shares(PyObject *value, rl_prepared *d, char lead)
+parse_spec(PyObject *value, const rl_prepared *d, const char *what, char lead,
+           const char *in_flight_error, const char **text, size_t *text_len)
 {
     Py_ssize_t len;
-    const char *text;
+    const char *utf8;
     if (value == Py_None)
         return 0;
     if (!PyUnicode_Check(value)) {
-        rl_type_error(value, "shares must be a str, not ");
+        rl_type_error(value, "%s must be a str, not ", what);
         return -1;
     }
-    text = PyUnicode_AsUTF8AndSize(value, &len);
-    if (text == NULL)
+    utf8 = PyUnicode_AsUTF8AndSize(value, &len);
+    if (utf8 == NULL)
         return -1;
-    if (len < 3 || len > RL_MAX_SHARES_SPEC || text[0] != lead || text[1] != ' ') {
-        PyErr_Format(PyExc_ValueError, "shares must be a spec of 3 to %d bytes starting \"%c \"",
-                     RL_MAX_SHARES_SPEC, lead);
+    if (len < 3 || len > RL_MAX_SHARES_SPEC || utf8[0] != lead || utf8[1] != ' ') {
+        PyErr_Format(PyExc_ValueError, "%s must be a spec of 3 to %d bytes starting \"%c \"",
+                     what, RL_MAX_SHARES_SPEC, lead);
         return -1;
     }
     if (d->script == RL_SCRIPT_IN_FLIGHT) {
-        PyErr_SetString(PyExc_ValueError, "reserved shares do not go with in_flight yet");
+        PyErr_SetString(PyExc_ValueError, in_flight_error);
         return -1;
     }
-    d->shares = text;
-    d->shares_len = (size_t)len;
+    *text = utf8;
+    *text_len = (size_t)len;
     return 0;
 }
 
+/* reserve(..., shares=spec): the reserved-shares spec of a shared scope, built by
+   genai_ratelimit/shares.py and read by lua/lib/shares.lua ("S ..."); reconcile(...,
+   shares="C class"): the entry's class, whose logs lua/lib/set_cost.lua moves too. */
+static int
+parse_shares(PyObject *value, rl_prepared *d, char lead)
+{
+    return parse_spec(value, d, "shares", lead, "reserved shares do not go with in_flight yet",
+                      &d->shares, &d->shares_len);
+}
+
 /* reserve(..., probe=spec): the probes of the shared scopes that follow their provider
-   (lib/upstream.lua's "P p_1 t_1 ..." in ASCII, built by genai_ratelimit/reservation.py).
-   Passed to the script as it is, borrowed until rl_prepare ends. */
+   (lib/upstream.lua's "P p_1 t_1 ...", built by genai_ratelimit/reservation.py). */
 static int
 parse_probe(PyObject *value, rl_prepared *d)
 {
-    Py_ssize_t len;
-    const char *text;
-    if (value == Py_None)
-        return 0;
-    if (!PyUnicode_Check(value)) {
-        rl_type_error(value, "probe must be a str, not ");
-        return -1;
-    }
-    text = PyUnicode_AsUTF8AndSize(value, &len);
-    if (text == NULL)
-        return -1;
-    if (len < 3 || len > RL_MAX_SHARES_SPEC || text[0] != 'P' || text[1] != ' ') {
-        PyErr_Format(PyExc_ValueError, "probe must be a spec of 3 to %d bytes starting \"P \"",
-                     RL_MAX_SHARES_SPEC);
-        return -1;
-    }
-    if (d->script == RL_SCRIPT_IN_FLIGHT) {
-        PyErr_SetString(PyExc_ValueError, "a probe does not go with in_flight yet");
-        return -1;
-    }
-    d->probe = text;
-    d->probe_len = (size_t)len;
-    return 0;
+    return parse_spec(value, d, "probe", 'P', "a probe does not go with in_flight yet",
+                      &d->probe, &d->probe_len);
 }
 
 static int

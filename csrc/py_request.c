@@ -267,8 +267,8 @@ parse_spec(PyObject *value, const rl_prepared *d, const char *what, char lead,
     if (utf8 == NULL)
         return -1;
     if (len < 3 || len > RL_MAX_SHARES_SPEC || utf8[0] != lead || utf8[1] != ' ') {
-        PyErr_Format(PyExc_ValueError, "%s must be a spec of 3 to %d bytes starting \"%c \"",
-                     what, RL_MAX_SHARES_SPEC, lead);
+        PyErr_Format(PyExc_ValueError, "%s must be a spec of 3 to %d bytes starting \"%c \"", what,
+                     RL_MAX_SHARES_SPEC, lead);
         return -1;
     }
     if (d->script == RL_SCRIPT_IN_FLIGHT) {
@@ -295,8 +295,8 @@ parse_shares(PyObject *value, rl_prepared *d, char lead)
 static int
 parse_probe(PyObject *value, rl_prepared *d)
 {
-    return parse_spec(value, d, "probe", 'P', "a probe does not go with in_flight yet",
-                      &d->probe, &d->probe_len);
+    return parse_spec(value, d, "probe", 'P', "a probe does not go with in_flight yet", &d->probe,
+                      &d->probe_len);
 }
 
 static int
@@ -652,10 +652,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
 {
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
     static const char *const windows_names[] = {"user_id", "windows", "cost", "gcra"};
-    static const char *const reserve_names[] = {"user_id",       "windows", "cost",
-                                                "token_windows", "tokens",  "scopes",
-                                                "in_flight",     "shares",  "ticket",
-                                                "probe"};
+    static const char *const reserve_names[] = {"user_id", "windows", "cost",      "token_windows",
+                                                "tokens",  "scopes",  "in_flight", "shares",
+                                                "ticket",  "probe"};
     static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
                                                   "cost",    "tokens",  "scopes", "tie",
                                                   "release", "shares"};

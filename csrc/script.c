@@ -314,10 +314,9 @@ _Static_assert(RL_QUEUE_FIELDS <= RL_CALL_NUMBERS && RL_UPSTREAM_FIELDS <= RL_CA
    The keys and words are borrowed. Returns the length and sets *out (the caller frees it),
    or -1 (out of memory, or more arguments than the RL_CALL_ bounds). */
 static long long
-format_script_call(rl_script_id script, int nkeys, const char *const keys[],
-                   const size_t keylens[], long long now_ms, int nwords,
-                   const char *const words[], int nnumbers, const long long numbers[],
-                   char **out)
+format_script_call(rl_script_id script, int nkeys, const char *const keys[], const size_t keylens[],
+                   long long now_ms, int nwords, const char *const words[], int nnumbers,
+                   const long long numbers[], char **out)
 {
     char nkeys_text[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT];
     char texts[RL_CALL_NUMBERS][RL_NUMBER_TEXT];
@@ -565,8 +564,8 @@ format_queue(const char *prefix, size_t prefix_len, const char *user, size_t use
                    &keylens[0], &keylens[1]);
     const char *keys[2] = {key, key + keylens[0]};
     const char *words[2] = {d->member, d->tenant};
-    len = format_script_call(RL_SCRIPT_QUEUE, 2, keys, keylens, now_ms, 2, words,
-                             RL_QUEUE_FIELDS, d->queue, out);
+    len = format_script_call(RL_SCRIPT_QUEUE, 2, keys, keylens, now_ms, 2, words, RL_QUEUE_FIELDS,
+                             d->queue, out);
     if (key != stack_key)
         free(key);
     return len;

@@ -99,8 +99,8 @@ def test_the_limit_stays_known_after_the_reset_no_probe_again(
 
 
 @pytest.mark.parametrize("probe", [1, 3])
-def test_the_probe_is_exact_under_concurrency(make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
-                                              probe: int) -> None:
+def test_the_probe_is_exact_under_concurrency(make_limiter: LimiterFactory, redis_url: str,
+                                              redis_client: redis.Redis, probe: int) -> None:
     scope = following(probe)
     if make_limiter.is_async:
         native = make_limiter.native(redis_url)
@@ -151,7 +151,8 @@ def test_a_lying_header_never_opens_more_than_the_operators_cap(
     assert answers[-1].retry_after_s > 1  # the cap's own window refused
 
 
-def test_a_cap_without_probe_is_not_cold(make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> None:
+def test_a_cap_without_probe_is_not_cold(make_limiter: LimiterFactory, redis_url: str,
+                                         redis_client: redis.Redis) -> None:
     limiter = make_limiter(redis_url)
     plain = Scope(UPSTREAM, windows=[(100, 60)], shared=True)
     assert all(limiter.reserve(f"t{i}", [(50, 60)], scopes=[plain]).allowed for i in range(5))

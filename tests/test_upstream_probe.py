@@ -254,3 +254,15 @@ def test_the_tiers_file_takes_an_upstreams_probe() -> None:
     for bad in ({"probe": -1}, {"probe": "x"}, {"probe": 1, "probe_timeout_seconds": 0}):
         with pytest.raises(TierConfigError):
             scope_sections_of({"upstreams": {UPSTREAM: {"per_minute": 5, **bad}}}, "tiers.toml")
+
+
+def test_with_max_wait_a_refused_request_waits_for_the_probes_round(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis) -> None:
+    """The probe's answer never comes: the waiter is woken at the refusals' named times
+    (at most a second apart) and admitted as the next round's probe, after the timeout."""
+    a, b = make_limiter(redis_url), make_limiter(redis_url)
+    scope = following(timeout=1.5)
+    assert a.reserve("lost", [(50, 60)], scopes=[scope]).allowed
+    waited = b.reserve("waiter", [(50, 60)], scopes=[scope], max_wait=5)
+    assert waited.allowed and waited.queue_outcome == "queued_then_allowed"
+    assert 1000 <= waited.waited_ms < 5000

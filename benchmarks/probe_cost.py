@@ -111,7 +111,9 @@ def main() -> None:
         for name, (script, make, prefill) in contenders.items():
             per_call, admitted = commands(client, script, make, args.calls, prefill)
             row = f"| {name} | {per_call:.2f} | {admitted:,} |"
-            if args.instructions:
+            if args.instructions and admitted < args.calls:  # its method admits every call
+                row += " — |"
+            elif args.instructions:
                 from script_instructions import run_server
                 once = run_server(script, make, args.calls, Path(tmp), prefill)
                 twice = run_server(script, make, 2 * args.calls, Path(tmp), prefill)

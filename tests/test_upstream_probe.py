@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import uuid
 from typing import Any
 
 import pytest
@@ -16,7 +17,7 @@ import redis
 from fastapi import Depends, FastAPI
 from fastapi.testclient import TestClient
 
-from genai_ratelimit import Scope
+from genai_ratelimit import Scope, _native
 from genai_ratelimit._tiers_config import TierConfigError, scope_sections_of
 from genai_ratelimit.fastapi import RateLimit, Upstream
 from genai_ratelimit.testing import ManualClock
@@ -266,3 +267,25 @@ def test_with_max_wait_a_refused_request_waits_for_the_probes_round(
     waited = b.reserve("waiter", [(50, 60)], scopes=[scope], max_wait=5)
     assert waited.allowed and waited.queue_outcome == "queued_then_allowed"
     assert 1000 <= waited.waited_ms < 5000
+
+
+@pytest.mark.parametrize("shares", [False, True])
+def test_a_replay_after_the_probe_spec_counts_the_probe_once(redis_client: redis.Redis,
+                                                             shares: bool) -> None:
+    """The script's tail: [shares] probe ["1"]: the replay marker is still read, and a
+    replayed probe is allowed again without a second probe counted."""
+    sha = redis_client.script_load(_native.SCRIPT_SOURCE)
+    windows = ["ratelimit:t:60", f"ratelimit:{UPSTREAM}:60:shared"]
+    keys = windows + [f"{w}:w" for w in windows] + [f"{w}:t" for w in windows]
+    keys += [VIEW_KEY, f"ratelimit:{UPSTREAM}:queue", f"ratelimit:{UPSTREAM}:queue:h"]
+    spec = ["S 1 0 1 pro 1 60000 requests 0 100 100"] if shares else []
+    member = str(uuid.uuid4())
+
+    def call(who: str, *tail: str) -> Any:
+        return redis_client.evalsha(sha, len(keys), *keys, who, "", 60_000, 50, 1,
+                                    60_000, 100, 1, *spec, "P 1 30000", *tail)
+
+    assert call(member)[0] == 1
+    assert call(member, "1")[0] == 1  # the replay: allowed again, nothing more counted
+    assert int(redis_client.hget(VIEW_KEY, "probe_out")) == 1
+    assert call(str(uuid.uuid4()))[0] == 0  # the probe is out: the next one waits

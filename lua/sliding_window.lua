@@ -48,11 +48,12 @@ A Redis over its maxmemory refuses the script with an OOM error before it writes
 anything (the storage's OOM probe, open_log's), rather than admitting requests it cannot log.
 --]]
 
--- The probe spec, when given, is among the last three (the shares before it, the replay
--- marker after it); no window's number starts "P ".
-local probe_at = nil
-for j = #ARGV, math.max(3, #ARGV - 2), -1 do
-  if ARGV[j]:sub(1, 2) == 'P ' then probe_at = j end
+-- The probe spec, when given, is last or just before the replay marker; nothing else a call
+-- sends starts with "P" (byte 80): two byte reads, no new string, on every call.
+local probe_at = #ARGV
+if ARGV[probe_at]:byte(1) ~= 80 then
+  probe_at = probe_at - 1
+  if ARGV[probe_at]:byte(1) ~= 80 then probe_at = nil end
 end
 local argc = #ARGV - 2 - (probe_at and 1 or 0) -- member, now, 3 per window (shares, replay)
 local n = (argc - argc % 3) / 3

@@ -15,6 +15,7 @@ Commands per call: every command the script ran (INFO commandstats, EVALSHA left
 not move.
 
     .venv/bin/python benchmarks/probe_cost.py [--base main] [--calls 2000] [--instructions]
+        [--only TEXT]
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def main() -> None:
     parser.add_argument("--base", default="main")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--instructions", action="store_true")
+    parser.add_argument("--only", default="", help="only the rows whose name holds this text")
     args = parser.parse_args()
     this, before = _native.SCRIPT_SOURCE, base_script(args.base)
     probe = "P 1 30000"
@@ -109,6 +111,8 @@ def main() -> None:
     with ThrowawayRedis() as server, tempfile.TemporaryDirectory() as tmp:
         client = redis.Redis.from_url(server.url)
         for name, (script, make, prefill) in contenders.items():
+            if args.only not in name:
+                continue
             per_call, admitted = commands(client, script, make, args.calls, prefill)
             row = f"| {name} | {per_call:.2f} | {admitted:,} |"
             if args.instructions and admitted < args.calls:  # its method admits every call

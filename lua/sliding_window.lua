@@ -62,7 +62,7 @@ local log, now, decided = open_log(n, ARGV[2], true, 'lazy')
 if decided then return decided end
 local shared = (#KEYS - KEYS_PER_WINDOW * n) / 3 -- an upstream view and a queue's 2 keys each
 local upstreams = shared > 0 and open_upstreams(n, KEYS_PER_WINDOW * n + 1, shared, now,
-  probe_at and probe_spec(ARGV[probe_at])) or nil
+  probe_at and ARGV[probe_at]) or nil
 local queues = shared > 0 and open_queues(KEYS_PER_WINDOW * n + shared + 1, shared, now) or nil
 local marker, spec = ARGV[3 * n + 3], nil
 if marker and marker:sub(1, 2) == 'S ' then spec, marker = marker, ARGV[3 * n + 4] end

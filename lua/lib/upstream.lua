@@ -84,19 +84,30 @@ end
 --     what the provider has left; writes nothing;
 --   charge(): the admitted request's cost counted against every view (a view past its
 --     reset starts anew at the provider's limit), and the request counted as sent.
-local function open_upstreams(n, first, count, now, probes)
+-- probe_text: the call's probe spec (see the header), or nil; a cold view of a cap that
+-- follows refuses past its probes and counts the probe on charge.
+local function open_upstreams(n, first, count, now, probe_text)
   if count == 0 then return nil end -- a check without a shared scope: nothing more is made
-  local found = nil
+  local found, probes = nil, nil
+  -- The probe of the k-th shared scope, the spec parsed only when a view is cold.
+  local function probe_of(k)
+    if not probe_text then return nil end
+    probes = probes or probe_spec(probe_text)
+    return probes and probes[k - first + 1]
+  end
   for k = first, first + count - 1 do
-    local probe = probes and probes[k - first + 1]
     if redis.call('EXISTS', KEYS[k]) == 1 then
       found = found or {}
-      found[#found + 1] = {KEYS[k], redis.call('HMGET', KEYS[k], 'closed_until', 'bound',
-        'requests', 'requests_reset', 'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit',
-        'requests_sent_at'), probe}
-    elseif probe then -- a cap that follows, never heard from: its first probe
-      found = found or {}
-      found[#found + 1] = {KEYS[k], {}, probe}
+      local v = redis.call('HMGET', KEYS[k], 'closed_until', 'bound', 'requests',
+        'requests_reset', 'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit',
+        'requests_sent_at')
+      found[#found + 1] = {KEYS[k], v, not v[2] and probe_of(k) or nil}
+    elseif probe_text then
+      local probe = probe_of(k)
+      if probe then -- a cap that follows, never heard from: its first probe
+        found = found or {}
+        found[#found + 1] = {KEYS[k], {}, probe}
+      end
     end
   end
   if not found then return nil end -- nobody observed: the EXISTS were the whole cost
@@ -105,7 +116,7 @@ local function open_upstreams(n, first, count, now, probes)
     local key, v = entry[1], entry[2]
     local view = {key = key, closed = tonumber(v[1]) or 0, bound = tonumber(v[2]), left = {},
                   reset = {}, rolled = {}, sent_at = tonumber(v[9])}
-    if entry[3] and not view.bound then -- cold: the probes out, this round's
+    if entry[3] then -- cold (no `bound`): the probes out, this round's
       local out, until_ms = 0, 0
       if #v > 0 then -- the key exists (probes of this round, their requests_sent)
         local p = redis.call('HMGET', key, 'probe_out', 'probe_until')

@@ -2,7 +2,8 @@
 provider answers, with and without the gateway handing it the provider's headers.
 
     .venv/bin/python benchmarks/provider_follow.py [--requests 300] [--clients 30]
-        [--latency-ms 100] [--families openai,anthropic]
+        [--latency-ms 100] [--families openai,anthropic] [--modes off,observe,probe]
+        [--probe 1] [--max-wait 0]
 
 - the provider: a real HTTP server in a process of its own (uvicorn), with a hidden limit of
   20 requests per 60 s (a sliding log); it answers 200 with its family's headers (OpenAI:
@@ -15,6 +16,11 @@ provider answers, with and without the gateway handing it the provider's headers
   typed as 100 per minute (a `RateLimiter` on one redis-server), then, when admitted, the
   request to the provider; with the feature, `observe_upstream(...)` with its answer (the
   one line a route that does not use forward_to_upstream adds).
+- modes: `off` (no observation), `observe` (observe_upstream, the cap without a probe: a
+  cold burst is sent before any answer), `probe` (observe_upstream and
+  `Scope(..., probe=--probe)`: until the first answer is observed the cap admits the probe
+  only). `--max-wait S`: a request the cap refuses waits up to S seconds in its wait queue
+  (`reserve(..., max_wait=S)`) instead of being dropped.
 
 Prints, per header family and mode, the provider's 200s and 429s and the gateway's own
 refusals (which never reach the provider)."""
@@ -111,12 +117,16 @@ def start_provider(family: str, latency_ms: float, window_s: float, port: int, w
     raise RuntimeError("the fake provider did not start")
 
 
-def gateway(redis_url: str, base_url: str, threads: int, per_thread: int, follow: bool,
-            start_at: float, spread_s: float, offset: int, results: Any) -> None:
+def gateway(redis_url: str, base_url: str, threads: int, per_thread: int, mode: str,
+            start_at: float, spread_s: float, offset: int, results: Any, probe: int,
+            max_wait: float) -> None:
     """One gateway process: `threads` clients, each sending `per_thread` requests, the
     clients' requests spread evenly over `spread_s` seconds (0: each as soon as it can)."""
     limiter = RateLimiter(redis_url)
-    cap = Scope(UPSTREAM, windows=[(TYPED_CAP, 60)], shared=True)
+    follow = mode != "off"
+    cap = Scope(UPSTREAM, windows=[(TYPED_CAP, 60)], shared=True,
+                probe=probe if mode == "probe" else 0)
+    waiting = {"max_wait": max_wait} if max_wait else {}
     counts = {"gateway_429": 0, "sent": 0}
     lock = threading.Lock()
 
@@ -130,7 +140,7 @@ def gateway(redis_url: str, base_url: str, threads: int, per_thread: int, follow
                 while spread_s and time.time() < due:
                     time.sleep(min(0.01, max(0.0, due - time.time())))
                 reservation = limiter.reserve(f"tenant-{os.getpid()}-{number}", [(1000, 60)],
-                                              scopes=[cap])
+                                              scopes=[cap], **waiting)
                 if not reservation.allowed:
                     with lock:
                         counts["gateway_429"] += 1
@@ -150,9 +160,9 @@ def gateway(redis_url: str, base_url: str, threads: int, per_thread: int, follow
     results.put(counts)
 
 
-def scenario(redis_url: str, family: str, follow: bool, requests: int, clients: int,
-             latency_ms: float, window_s: float, spread_s: float, port: int, workdir: Path
-             ) -> dict[str, Any]:
+def scenario(redis_url: str, family: str, mode: str, requests: int, clients: int,
+             latency_ms: float, window_s: float, spread_s: float, port: int, workdir: Path,
+             probe: int, max_wait: float) -> dict[str, Any]:
     import redis
 
     redis.Redis.from_url(redis_url).flushdb()
@@ -163,8 +173,9 @@ def scenario(redis_url: str, family: str, follow: bool, requests: int, clients: 
         start_at = time.time() + 1.5
         per_process = clients // 2
         processes = [context.Process(target=gateway, args=(
-            redis_url, f"http://127.0.0.1:{port}", per_process, requests // clients, follow,
-            start_at, spread_s, index * per_process, results)) for index in range(2)]
+            redis_url, f"http://127.0.0.1:{port}", per_process, requests // clients, mode,
+            start_at, spread_s, index * per_process, results, probe, max_wait))
+            for index in range(2)]
         for process in processes:
             process.start()
         totals = {"gateway_429": 0, "sent": 0}
@@ -178,7 +189,7 @@ def scenario(redis_url: str, family: str, follow: bool, requests: int, clients: 
     finally:
         provider.terminate()
         provider.wait()
-    return {"family": family, "follow": follow, "provider_200": report["200"],
+    return {"family": family, "mode": mode, "provider_200": report["200"],
             "provider_429": report["429"], "gateway_429": totals["gateway_429"],
             "sent": totals["sent"], "seconds": seconds}
 
@@ -193,6 +204,10 @@ def main() -> None:
                         help="the provider's hidden window (its limit: 20 per window)")
     parser.add_argument("--spread-s", type=float, default=0.0,
                         help="spread the requests evenly over this many seconds (0: a burst)")
+    parser.add_argument("--modes", default="off,observe,probe")
+    parser.add_argument("--probe", type=int, default=1, help="the probe of mode `probe`")
+    parser.add_argument("--max-wait", type=float, default=0.0,
+                        help="a refused request waits up to this many seconds (0: dropped)")
     args = parser.parse_args()
     import tempfile
 
@@ -201,19 +216,19 @@ def main() -> None:
     rows = []
     with ThrowawayRedis() as server, tempfile.TemporaryDirectory() as workdir:
         for family in args.families.split(","):
-            for follow in (False, True):
-                rows.append(scenario(server.url, family, follow, args.requests, args.clients,
+            for mode in args.modes.split(","):
+                rows.append(scenario(server.url, family, mode, args.requests, args.clients,
                                      args.latency_ms, args.window_s, args.spread_s, free_port(),
-                                     Path(workdir)))
+                                     Path(workdir), args.probe, args.max_wait))
     print(f"\nhidden provider limit {HIDDEN_LIMIT} per {args.window_s:g} s, typed cap {TYPED_CAP} "
           f"per minute, {args.requests} requests from {args.clients} clients in 2 gateway "
           f"processes ({'a burst' if not args.spread_s else f'spread over {args.spread_s:g} s'}), "
-          f"provider latency {args.latency_ms:g} ms\n")
-    print("| headers | gateway follows the provider | provider 200 | provider 429 | "
-          "gateway 429 (never sent) | seconds |")
+          f"provider latency {args.latency_ms:g} ms, probe {args.probe}, max_wait "
+          f"{args.max_wait:g} s\n")
+    print("| headers | mode | provider 200 | provider 429 | gateway 429 (never sent) | seconds |")
     print("|---|---|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['family']} | {'yes' if row['follow'] else 'no'} | {row['provider_200']} | "
+        print(f"| {row['family']} | {row['mode']} | {row['provider_200']} | "
               f"{row['provider_429']} | {row['gateway_429']} | {row['seconds']:.1f} |")
 
 

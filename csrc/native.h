@@ -261,6 +261,11 @@ typedef struct {
        rule that refused, script.c); NULL and 0 without */
     const char *shares;
     size_t shares_len;
+    /* reserve: the probes of the shared scopes that follow their provider (lib/upstream.lua's
+       spec "P p t ...", built by genai_ratelimit/reservation.py), borrowed and cleared like
+       shares; NULL and 0 without */
+    const char *probe;
+    size_t probe_len;
     /* observe_upstream: requests left, ms to their reset, their limit, the same for tokens,
        ms closed for (-1: not said), the bound in ms (lua/observe_upstream.lua) */
     long long upstream[RL_UPSTREAM_FIELDS];

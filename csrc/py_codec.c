@@ -254,7 +254,7 @@ static PyMethodDef Codec_methods[] = {
     {"reserve", (PyCFunction)(void (*)(void))Codec_reserve,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,
      "reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
-     "    scopes=(), in_flight=None, shares=None, ticket=None)\n--\n\n"
+     "    scopes=(), in_flight=None, shares=None, ticket=None, probe=None)\n--\n\n"
      "A Request, or the kill switch's final tuple (Limiter._reserve's shape)."},
     {"reconcile", (PyCFunction)(void (*)(void))Codec_reconcile,
      METH_METHOD | METH_FASTCALL | METH_KEYWORDS,

@@ -399,7 +399,8 @@ LIMITER_METHOD(check_windows_detailed, RL_SHAPE_DETAILED)
 
 PyDoc_STRVAR(Limiter_reserve_doc,
 "_reserve($self, /, user_id, windows, *, cost=1, token_windows=(), tokens=None,\n"
-"    scopes=(), in_flight=None, shares=None, ticket=None)\n--\n\n"
+"    scopes=(), in_flight=None, shares=None, ticket=None,\n"
+"    probe=None)\n--\n\n"
 "-> (allowed, remaining, retry_after_s, window_seconds, is_token_window, member,\n"
 "    timestamp_ms, ((limit, window_seconds, is_token_window, remaining|None, scope), ...),\n"
 "    retry_after_ms, scope, tie, slot)\n\n"

@@ -247,36 +247,56 @@ has_token_windows(const rl_windows *w)
     return 0;
 }
 
-/* reserve(..., shares=spec): the reserved-shares spec of a shared scope, built by
-   genai_ratelimit/shares.py and read by lua/lib/shares.lua ("S ..." in ASCII); reconcile(...,
-   shares="C class"): the entry's class, whose logs lua/lib/set_cost.lua moves too. Passed to
-   the script as it is, borrowed until rl_prepare ends. */
+/* A spec the Python layer built for a script ("S ...", "C class", "P ..." in ASCII), given
+   as the keyword `what`: a str of 3 to RL_MAX_SHARES_SPEC bytes starting with `lead` and a
+   space; None leaves *text NULL. Refused with in_flight (`in_flight_error`). *text is
+   borrowed from the str until rl_prepare ends. Returns 0, or -1 with an exception set. */
 static int
-parse_shares(PyObject *value, rl_prepared *d, char lead)
+parse_spec(PyObject *value, const rl_prepared *d, const char *what, char lead,
+           const char *in_flight_error, const char **text, size_t *text_len)
 {
     Py_ssize_t len;
-    const char *text;
+    const char *utf8;
     if (value == Py_None)
         return 0;
     if (!PyUnicode_Check(value)) {
-        rl_type_error(value, "shares must be a str, not ");
+        rl_type_error(value, "%s must be a str, not ", what);
         return -1;
     }
-    text = PyUnicode_AsUTF8AndSize(value, &len);
-    if (text == NULL)
+    utf8 = PyUnicode_AsUTF8AndSize(value, &len);
+    if (utf8 == NULL)
         return -1;
-    if (len < 3 || len > RL_MAX_SHARES_SPEC || text[0] != lead || text[1] != ' ') {
-        PyErr_Format(PyExc_ValueError, "shares must be a spec of 3 to %d bytes starting \"%c \"",
+    if (len < 3 || len > RL_MAX_SHARES_SPEC || utf8[0] != lead || utf8[1] != ' ') {
+        PyErr_Format(PyExc_ValueError, "%s must be a spec of 3 to %d bytes starting \"%c \"", what,
                      RL_MAX_SHARES_SPEC, lead);
         return -1;
     }
     if (d->script == RL_SCRIPT_IN_FLIGHT) {
-        PyErr_SetString(PyExc_ValueError, "reserved shares do not go with in_flight yet");
+        PyErr_SetString(PyExc_ValueError, in_flight_error);
         return -1;
     }
-    d->shares = text;
-    d->shares_len = (size_t)len;
+    *text = utf8;
+    *text_len = (size_t)len;
     return 0;
+}
+
+/* reserve(..., shares=spec): the reserved-shares spec of a shared scope, built by
+   genai_ratelimit/shares.py and read by lua/lib/shares.lua ("S ..."); reconcile(...,
+   shares="C class"): the entry's class, whose logs lua/lib/set_cost.lua moves too. */
+static int
+parse_shares(PyObject *value, rl_prepared *d, char lead)
+{
+    return parse_spec(value, d, "shares", lead, "reserved shares do not go with in_flight yet",
+                      &d->shares, &d->shares_len);
+}
+
+/* reserve(..., probe=spec): the probes of the shared scopes that follow their provider
+   (lib/upstream.lua's "P p_1 t_1 ...", built by genai_ratelimit/reservation.py). */
+static int
+parse_probe(PyObject *value, rl_prepared *d)
+{
+    return parse_spec(value, d, "probe", 'P', "a probe does not go with in_flight yet", &d->probe,
+                      &d->probe_len);
 }
 
 static int
@@ -632,9 +652,9 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
 {
     static const char *const check_names[] = {"user_id", "limit", "window_seconds", "cost"};
     static const char *const windows_names[] = {"user_id", "windows", "cost", "gcra"};
-    static const char *const reserve_names[] = {"user_id",       "windows", "cost",
-                                                "token_windows", "tokens",  "scopes",
-                                                "in_flight",     "shares",  "ticket"};
+    static const char *const reserve_names[] = {"user_id", "windows", "cost",      "token_windows",
+                                                "tokens",  "scopes",  "in_flight", "shares",
+                                                "ticket",  "probe"};
     static const char *const reconcile_names[] = {"user_id", "windows", "member", "timestamp_ms",
                                                   "cost",    "tokens",  "scopes", "tie",
                                                   "release", "shares"};
@@ -672,6 +692,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     d->shape = shape;
     d->shares = NULL;
     d->shares_len = 0;
+    d->probe = NULL;
+    d->probe_len = 0;
     d->script = scripts[shape];
     d->windows.count = 0;
     d->nscopes = 0;
@@ -782,7 +804,7 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
     case RL_SHAPE_RESERVE:
     case RL_SHAPE_PEEK: /* answers what reserve would, with the same arguments */
         if (rl_parse_args(shape == RL_SHAPE_PEEK ? "peek" : "reserve", args, nargs, kwnames,
-                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 9, 2, 2, v) < 0 ||
+                          reserve_names, shape == RL_SHAPE_PEEK ? 6 : 10, 2, 2, v) < 0 ||
             rl_user_id_utf8(v[0], &unused) == NULL ||
             add_windows(&d->windows, v[1], "windows", 0, 1, 0) < 0 ||
             (v[3] != NULL && add_windows(&d->windows, v[3], "token_windows", 1, 1, 0) < 0) ||
@@ -800,7 +822,8 @@ rl_parse_request(rl_shape shape, PyObject *const *args, Py_ssize_t nargs, PyObje
             return -1;
         }
         if (set_cost(d, v[4], "tokens", 1) < 0 || (v[6] != NULL && parse_in_flight(v[6], d) < 0) ||
-            (v[7] != NULL && parse_shares(v[7], d, 'S') < 0))
+            (v[7] != NULL && parse_shares(v[7], d, 'S') < 0) ||
+            (v[9] != NULL && parse_probe(v[9], d) < 0))
             return -1;
         if (v[8] != NULL && v[8] != Py_None) { /* the wait queue's ticket is the member */
             if (parse_member(v[8], "ticket's", d->member) < 0)
@@ -936,6 +959,8 @@ forget_scope_names(rl_prepared *p)
         p->scopes[k].name_len = 0;
     }
     p->shares = NULL; /* shares_len stays: the reply has one element more (script.c) */
+    p->probe = NULL;
+    p->probe_len = 0;
     for (int k = 0; k < p->nbudgets; k++) {
         p->budgets[k].owner = p->budgets[k].name = NULL;
         p->budgets[k].owner_len = p->budgets[k].name_len = 0;

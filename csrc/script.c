@@ -301,6 +301,62 @@ write_key_pair(char *cursor, const char *prefix, size_t prefix_len, const char *
     return cursor + companion_len;
 }
 
+/* The most keys, words and numbers of format_script_call's scripts. */
+#define RL_CALL_KEYS 2
+#define RL_CALL_WORDS 2
+#define RL_CALL_NUMBERS 8
+_Static_assert(RL_QUEUE_FIELDS <= RL_CALL_NUMBERS && RL_UPSTREAM_FIELDS <= RL_CALL_NUMBERS,
+               "format_script_call's numbers");
+
+/* Formats "EVALSHA sha nkeys keys... now words... numbers..." for the scripts whose
+   arguments are keys, the time ("" when now_ms < 0: the server's clock), a few strings and
+   a few integers in decimal (lua/gcra.lua, lua/wait_queue.lua, lua/observe_upstream.lua).
+   The keys and words are borrowed. Returns the length and sets *out (the caller frees it),
+   or -1 (out of memory, or more arguments than the RL_CALL_ bounds). */
+static long long
+format_script_call(rl_script_id script, int nkeys, const char *const keys[], const size_t keylens[],
+                   long long now_ms, int nwords, const char *const words[], int nnumbers,
+                   const long long numbers[], char **out)
+{
+    char nkeys_text[RL_NUMBER_TEXT], now_text[RL_NUMBER_TEXT];
+    char texts[RL_CALL_NUMBERS][RL_NUMBER_TEXT];
+    const char *argv[4 + RL_CALL_KEYS + RL_CALL_WORDS + RL_CALL_NUMBERS];
+    size_t argvlen[4 + RL_CALL_KEYS + RL_CALL_WORDS + RL_CALL_NUMBERS];
+    int argc = 0;
+    long long len;
+
+    *out = NULL;
+    if (nkeys > RL_CALL_KEYS || nwords > RL_CALL_WORDS || nnumbers > RL_CALL_NUMBERS)
+        return -1;
+    argv[argc] = "EVALSHA";
+    argvlen[argc++] = 7;
+    argv[argc] = rl_script_sha1(script);
+    argvlen[argc] = strlen(argv[argc]);
+    argc++;
+    argvlen[argc] = (size_t)snprintf(nkeys_text, sizeof(nkeys_text), "%d", nkeys);
+    argv[argc++] = nkeys_text;
+    for (int i = 0; i < nkeys; i++) {
+        argv[argc] = keys[i];
+        argvlen[argc++] = keylens[i];
+    }
+    argvlen[argc] = now_ms >= 0 ? (size_t)snprintf(now_text, sizeof(now_text), "%lld", now_ms) : 0;
+    argv[argc++] = now_ms >= 0 ? now_text : "";
+    for (int i = 0; i < nwords; i++) {
+        argv[argc] = words[i];
+        argvlen[argc++] = strlen(words[i]);
+    }
+    for (int i = 0; i < nnumbers; i++) {
+        argvlen[argc] = (size_t)snprintf(texts[i], RL_NUMBER_TEXT, "%lld", numbers[i]);
+        argv[argc++] = texts[i];
+    }
+    len = redisFormatCommandArgv(out, argc, argv, argvlen);
+    if (len < 0 || *out == NULL) {
+        *out = NULL;
+        return -1;
+    }
+    return len;
+}
+
 /* Formats "EVALSHA sha 4 {prefix}:{user_id}:leases {prefix}:{user_id}:leases:stats
    {prefix}:{user_id}:leases:queue {prefix}:{user_id}:leases:queue:h op id now limit lease_ms
    [shares]" (see the header of lua/lease.lua: the last two keys are the in-flight cap's wait
@@ -368,12 +424,9 @@ format_gcra(const char *prefix, size_t prefix_len, const char *user, size_t user
             const rl_prepared *d, long long now_ms, char **out)
 {
     char stack_key[RL_STACK_ARENA], *key = stack_key, *end;
-    char numbers[5][RL_NUMBER_TEXT];
     const long long values[4] = {d->gcra_units, d->gcra_scale, d->windows.limit[0],
                                  d->windows.cost[0]};
     size_t need = prefix_len + 1 + rl_key_user_room(user_len) + RL_NUMBER_TEXT + 6;
-    const char *argv[9];
-    size_t argvlen[9];
     long long len;
 
     *out = NULL;
@@ -383,27 +436,11 @@ format_gcra(const char *prefix, size_t prefix_len, const char *user, size_t user
     end += snprintf(end, RL_NUMBER_TEXT, ":%lld", d->windows.seconds[0]);
     memcpy(end, ":gcra", 5);
     end += 5;
-    argv[0] = "EVALSHA";
-    argvlen[0] = 7;
-    argv[1] = rl_script_sha1(RL_SCRIPT_GCRA);
-    argvlen[1] = strlen(argv[1]);
-    argv[2] = "1";
-    argvlen[2] = 1;
-    argv[3] = key;
-    argvlen[3] = (size_t)(end - key);
-    argvlen[4] = now_ms >= 0 ? (size_t)snprintf(numbers[4], RL_NUMBER_TEXT, "%lld", now_ms) : 0;
-    argv[4] = now_ms >= 0 ? numbers[4] : "";
-    for (int i = 0; i < 4; i++) {
-        argvlen[5 + i] = (size_t)snprintf(numbers[i], RL_NUMBER_TEXT, "%lld", values[i]);
-        argv[5 + i] = numbers[i];
-    }
-    len = redisFormatCommandArgv(out, 9, argv, argvlen);
+    const char *keys[1] = {key};
+    const size_t keylens[1] = {(size_t)(end - key)};
+    len = format_script_call(RL_SCRIPT_GCRA, 1, keys, keylens, now_ms, 0, NULL, 4, values, out);
     if (key != stack_key)
         free(key);
-    if (len < 0 || *out == NULL) {
-        *out = NULL;
-        return -1;
-    }
     return len;
 }
 
@@ -527,42 +564,21 @@ format_queue(const char *prefix, size_t prefix_len, const char *user, size_t use
              const rl_prepared *d, long long now_ms, char **out)
 {
     char stack_key[RL_STACK_ARENA], *key = stack_key;
-    char numbers[RL_QUEUE_FIELDS + 1][RL_NUMBER_TEXT];
     size_t need = 2 * (prefix_len + 1 + rl_key_user_room(user_len) + 16);
-    const char *argv[8 + RL_QUEUE_FIELDS];
-    size_t argvlen[8 + RL_QUEUE_FIELDS];
+    size_t keylens[2];
     long long len;
 
     *out = NULL;
     if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
         return -1;
-    argv[0] = "EVALSHA";
-    argvlen[0] = 7;
-    argv[1] = rl_script_sha1(RL_SCRIPT_QUEUE);
-    argvlen[1] = strlen(argv[1]);
-    argv[2] = "2";
-    argvlen[2] = 1;
     write_key_pair(key, prefix, prefix_len, user, user_len, d->hash_tag,
-                   d->queue_leases ? ":leases:queue" : ":queue", ":h", &argvlen[3], &argvlen[4]);
-    argv[3] = key;
-    argv[4] = key + argvlen[3];
-    argvlen[5] = now_ms >= 0 ? (size_t)snprintf(numbers[0], RL_NUMBER_TEXT, "%lld", now_ms) : 0;
-    argv[5] = now_ms >= 0 ? numbers[0] : "";
-    argv[6] = d->member;
-    argvlen[6] = strlen(d->member);
-    argv[7] = d->tenant;
-    argvlen[7] = strlen(d->tenant);
-    for (int i = 0; i < RL_QUEUE_FIELDS; i++) {
-        argvlen[8 + i] = (size_t)snprintf(numbers[1 + i], RL_NUMBER_TEXT, "%lld", d->queue[i]);
-        argv[8 + i] = numbers[1 + i];
-    }
-    len = redisFormatCommandArgv(out, 8 + RL_QUEUE_FIELDS, argv, argvlen);
+                   d->queue_leases ? ":leases:queue" : ":queue", ":h", &keylens[0], &keylens[1]);
+    const char *keys[2] = {key, key + keylens[0]};
+    const char *words[2] = {d->member, d->tenant};
+    len = format_script_call(RL_SCRIPT_QUEUE, 2, keys, keylens, now_ms, 2, words, RL_QUEUE_FIELDS,
+                             d->queue, out);
     if (key != stack_key)
         free(key);
-    if (len < 0 || *out == NULL) {
-        *out = NULL;
-        return -1;
-    }
     return len;
 }
 
@@ -573,37 +589,19 @@ format_observe(const char *prefix, size_t prefix_len, const char *user, size_t u
                const rl_prepared *d, long long now_ms, char **out)
 {
     char stack_key[RL_STACK_ARENA], *key = stack_key, *end;
-    char numbers[RL_UPSTREAM_FIELDS + 1][RL_NUMBER_TEXT];
     size_t need = prefix_len + 1 + rl_key_user_room(user_len) + 9;
-    const char *argv[5 + RL_UPSTREAM_FIELDS];
-    size_t argvlen[5 + RL_UPSTREAM_FIELDS];
     long long len;
 
     *out = NULL;
     if (need > sizeof(stack_key) && (key = malloc(need)) == NULL)
         return -1;
     end = write_upstream_key(key, prefix, prefix_len, user, user_len, d->hash_tag);
-    argv[0] = "EVALSHA";
-    argvlen[0] = 7;
-    argv[1] = rl_script_sha1(RL_SCRIPT_OBSERVE);
-    argvlen[1] = strlen(argv[1]);
-    argv[2] = "1";
-    argvlen[2] = 1;
-    argv[3] = key;
-    argvlen[3] = (size_t)(end - key);
-    argvlen[4] = now_ms >= 0 ? (size_t)snprintf(numbers[0], RL_NUMBER_TEXT, "%lld", now_ms) : 0;
-    argv[4] = now_ms >= 0 ? numbers[0] : "";
-    for (int i = 0; i < RL_UPSTREAM_FIELDS; i++) {
-        argvlen[5 + i] = (size_t)snprintf(numbers[1 + i], RL_NUMBER_TEXT, "%lld", d->upstream[i]);
-        argv[5 + i] = numbers[1 + i];
-    }
-    len = redisFormatCommandArgv(out, 5 + RL_UPSTREAM_FIELDS, argv, argvlen);
+    const char *keys[1] = {key};
+    const size_t keylens[1] = {(size_t)(end - key)};
+    len = format_script_call(RL_SCRIPT_OBSERVE, 1, keys, keylens, now_ms, 0, NULL,
+                             RL_UPSTREAM_FIELDS, d->upstream, out);
     if (key != stack_key)
         free(key);
-    if (len < 0 || *out == NULL) {
-        *out = NULL;
-        return -1;
-    }
     return len;
 }
 
@@ -1005,6 +1003,10 @@ rl_script_format(const char *prefix, size_t prefix_len, const char *user, size_t
         if (d->shares_len > 0 && d->shares != NULL) { /* lua/lib/shares.lua's spec */
             argv[argc] = d->shares;
             argvlen[argc++] = d->shares_len;
+        }
+        if (d->probe_len > 0 && d->probe != NULL) { /* lua/lib/upstream.lua's probe spec */
+            argv[argc] = d->probe;
+            argvlen[argc++] = d->probe_len;
         }
     }
 format:

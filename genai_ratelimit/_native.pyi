@@ -198,6 +198,7 @@ class Limiter:
         in_flight: tuple[int, int] | None = None,
         shares: str | None = None,
         ticket: str | None = None,
+        probe: str | None = None,
     ) -> _ReserveTuple: ...
     def _reconcile(
         self,
@@ -313,6 +314,7 @@ class Codec:
         in_flight: tuple[int, int] | None = None,
         shares: str | None = None,
         ticket: str | None = None,
+        probe: str | None = None,
     ) -> Request | _ReserveTuple: ...
     def reconcile(
         self,

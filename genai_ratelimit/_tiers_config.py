@@ -60,6 +60,7 @@ least one; the token keys count in TokenRateLimit only), and an upstream lists t
     tokens_per_minute = 30000
     reserved = { enterprise = 30 }      # optional: reserved shares per tier (percent), and
     ceilings = { free = [50, 80] }      # ceilings (percent) above a saturation (percent)
+    probe = 1                           # optional: the cold start (docs/upstreams.md)
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ from pathlib import Path
 from typing import Any
 
 from ._native import MAX_LIMIT
+from .reservation import DEFAULT_PROBE_TIMEOUT_SECONDS, check_probe
 from .shares import validate as validate_shares
 from .tiers import DEFAULT_TIER, TIER_TOKEN_LIMITS
 from .wait_queue import queue_milliseconds
@@ -260,13 +262,16 @@ def validate_scope_budget(budget: object, source: str, what: str, *,
 
 
 # An upstream's section: (budget, models, {"reserved": ..., "ceilings": ..., "in_flight":
-# ..., "in_flight_lease_seconds": ...} as given: the Upstream's keywords besides its budget).
+# ..., "in_flight_lease_seconds": ..., "probe": ..., "probe_timeout_seconds": ...} as given:
+# the Upstream's keywords besides its budget).
+PROBE_KEYS = ("probe", "probe_timeout_seconds")
 UpstreamSection = tuple[dict[str, int], tuple[str, ...], dict[str, Any]]
 ScopeSections = tuple[dict[str, dict[str, int]], dict[str, UpstreamSection]]
 
 
 # The keys of an [upstreams."name"] section besides its budget.
-UPSTREAM_KEYS = ("models", "reserved", "ceilings", "in_flight", "in_flight_lease_seconds")
+UPSTREAM_KEYS = ("models", "reserved", "ceilings", "in_flight", "in_flight_lease_seconds",
+                 *PROBE_KEYS)
 
 
 def in_flight_number(value: object, what: str) -> int:
@@ -314,6 +319,8 @@ def scope_sections_of(data: object, source: str) -> ScopeSections:
                 for key in ("in_flight", "in_flight_lease_seconds"):
                     if key in shares:
                         in_flight_number(shares[key], key)
+                check_probe(shares.get("probe", 0),
+                            shares.get("probe_timeout_seconds", DEFAULT_PROBE_TIMEOUT_SECONDS))
             except (TypeError, ValueError) as exc:
                 raise TierConfigError(f"{source}: {what}: {exc}") from None
             upstreams[name] = (checked, tuple(served), shares)

@@ -1245,7 +1245,7 @@ class AsyncRateLimiter:
                    scopes: Sequence[Scope] = ()) -> tuple[bool, int, int, int]:
         """RateLimiter.peek, awaited: what a check would answer now; writes nothing."""
         raw = await self._peek(user_id, windows, **reserve_arguments(
-            cost, token_windows, tokens, _scope_list(scopes)))
+            cost, token_windows, tokens, _scope_list(scopes), decides=False))
         return raw[:4]  # type: ignore[no-any-return]
 
     async def _peek(self, user_id: str, windows: Sequence[tuple[int, int]] = (),

@@ -375,7 +375,8 @@ class RateLimiter(_native.Limiter):
         window_seconds). Writes nothing: one read-only script execution on the server's
         clock."""
         return self._peek(user_id, windows,
-                          **reserve_arguments(cost, token_windows, tokens, _scope_list(scopes)))[:4]
+                          **reserve_arguments(cost, token_windows, tokens, _scope_list(scopes),
+                                             decides=False))[:4]
 
     def observe_upstream(self, name: str, status: int,
                          headers: Mapping[str, str] | Iterable[tuple[str | bytes, str | bytes]],
@@ -387,7 +388,8 @@ class RateLimiter(_native.Limiter):
         every replica's admissions through that cap count against them
         (docs/upstreams.md). Garbage in the headers is ignored; a reset or closure further
         away than `max_close_seconds` is read as that bound. Returns what was read, with
-        `closed_until_ms`; sends nothing when the response said nothing usable."""
+        `closed_until_ms`; sends nothing when the response said nothing usable, but for a
+        2xx (the provider's answer: it ends a cold start, Scope.probe)."""
         limits: ProviderLimits = self._drive(observe_plan(name, status, headers,
                                                           max_close_seconds))
         return limits

@@ -126,7 +126,8 @@ class ProviderLimits:
 
     @property
     def says_anything(self) -> bool:
-        """Whether there is anything to record (else observe_upstream sends nothing)."""
+        """Whether there is anything to record (else observe_upstream sends nothing, but
+        for a 2xx: the provider's answer ends a cold start)."""
         return (self.close_ms is not None or self.requests_limit is not None
                 or self.tokens_limit is not None
                 or (self.requests_remaining is not None and self.requests_reset_ms is not None)
@@ -302,7 +303,9 @@ def observe_plan(name: str, status: object,
     if not isinstance(name, str) or not name:
         raise TypeError(f"an upstream's name must be a non-empty str, got {name!r}")
     limits = read_provider_limits(status, headers, max_close_seconds=max_close_seconds)
-    if not limits.says_anything:
+    # A success that says nothing is still the provider's answer: a cap that follows it
+    # (Scope.probe) learns that it was heard from, and its cold start ends.
+    if not limits.says_anything and not (isinstance(status, int) and 200 <= status < 300):
         return limits
     closed_until_ms = yield ("observe_upstream", (name, limits.observation(max_close_seconds)), {})
     return replace(limits, closed_until_ms=closed_until_ms)

@@ -10,6 +10,7 @@ Reservation type and the arguments of the reconcile call."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -27,6 +28,11 @@ Windows = tuple[tuple[int, int], ...]
 # too) and the longest name, in bytes of UTF-8 (RL_MAX_SCOPE_NAME).
 MAX_SCOPES = 8
 MAX_SCOPE_NAME_BYTES = 256
+# A cap that follows its provider (Scope.probe): the most probes one cold cap admits, and
+# the longest a probe's answer is waited for (lib/upstream.lua's cold start).
+MAX_PROBE = 1000
+DEFAULT_PROBE_TIMEOUT_SECONDS = 30.0
+MAX_PROBE_TIMEOUT_SECONDS = 86400.0
 
 
 def _window_pairs(value: object, what: str) -> Windows:
@@ -67,6 +73,13 @@ class Scope:
     strs of exact decimals. The request's class is reserve(..., scope_class=...). Stored as
     sorted tuples: reserved ((class, Fraction), ...), ceilings ((class, ceiling,
     saturation), ...).
+
+    probe, probe_timeout_seconds (shared=True only): the cap follows its provider
+    (docs/upstreams.md, "Cold start"): while nothing was heard from the provider (no
+    observe_upstream yet, or its view expired), the cap admits at most `probe` requests
+    (an int, 0: off, the default) until the first answer is observed, and refuses the
+    others with a wait of at most a second; a probe whose answer is never observed stops
+    counting after `probe_timeout_seconds` (> 0, at most a day; default 30).
     """
 
     name: str
@@ -76,6 +89,8 @@ class Scope:
     shared: bool = False
     reserved: Any = ()
     ceilings: Any = ()
+    probe: int = 0
+    probe_timeout_seconds: float = DEFAULT_PROBE_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -98,6 +113,14 @@ class Scope:
         valid_reserved, valid_ceilings = _shares.validate(reserved, ceilings)
         object.__setattr__(self, "reserved", valid_reserved)
         object.__setattr__(self, "ceilings", valid_ceilings)
+        check_probe(self.probe, self.probe_timeout_seconds)
+        if self.probe and not self.shared:
+            raise ValueError(f"Scope {self.name!r}: probe needs shared=True")
+
+    @property
+    def probe_timeout_ms(self) -> int:
+        """probe_timeout_seconds in whole milliseconds (at least 1)."""
+        return max(1, math.ceil(self.probe_timeout_seconds * 1000))
 
     @property
     def has_shares(self) -> bool:
@@ -230,6 +253,29 @@ def make_reservation(raw: tuple[Any, ...], user_id: str, cost: int, tokens: int 
         share_refusal=share_refusal, scope_class=scope_class)
 
 
+def check_probe(probe: object, timeout_seconds: object) -> None:
+    """A Scope's (or an Upstream's) probe and probe_timeout_seconds: raises TypeError or
+    ValueError naming the field."""
+    if isinstance(probe, bool) or not isinstance(probe, int):
+        raise TypeError(f"probe must be an int, not {type(probe).__name__}")
+    if not 0 <= probe <= MAX_PROBE:
+        raise ValueError(f"probe must be 0 (off) to {MAX_PROBE}, got {probe}")
+    if isinstance(timeout_seconds, bool) or not isinstance(timeout_seconds, (int, float)):
+        raise TypeError(f"probe_timeout_seconds must be a number, not "
+                        f"{type(timeout_seconds).__name__}")
+    if not 0 < timeout_seconds <= MAX_PROBE_TIMEOUT_SECONDS:  # NaN fails too
+        raise ValueError(f"probe_timeout_seconds must be > 0 and at most "
+                         f"{MAX_PROBE_TIMEOUT_SECONDS:g}, got {timeout_seconds!r}")
+
+
+def probe_spec(shared: Sequence[Scope]) -> str | None:
+    """lib/upstream.lua's probe spec for a call whose shared scopes are `shared` (in the
+    order of their view keys): "P p_1 t_1 ...", or None when none follows its provider."""
+    if not any(scope.probe for scope in shared):
+        return None
+    return "P " + " ".join(f"{scope.probe} {scope.probe_timeout_ms}" for scope in shared)
+
+
 def _scope_list(scopes: object) -> tuple[Scope, ...]:
     if isinstance(scopes, (str, bytes, Scope)) or not isinstance(scopes, Sequence):
         raise TypeError(f"scopes must be a sequence of Scope, not {type(scopes).__name__}")
@@ -244,10 +290,18 @@ def _scope_list(scopes: object) -> tuple[Scope, ...]:
 def reserve_arguments(cost: int, token_windows: Sequence[tuple[int, int]],
                       tokens: int | None, scopes: Sequence[Scope] = (),
                       in_flight: tuple[int, int] | None = None,
-                      scope_class: str | None = None) -> dict[str, Any]:
-    """The keyword arguments of the C reserve call (validated there)."""
+                      scope_class: str | None = None, *, decides: bool = True
+                      ) -> dict[str, Any]:
+    """The keyword arguments of the C reserve call (validated there); decides=False: a
+    peek's (no probe, which only an admission counts)."""
     arguments: dict[str, Any] = {"cost": cost, "token_windows": token_windows}
     shared = [scope for scope in scopes if scope.shared]
+    probe = probe_spec(shared) if decides else None
+    if probe is not None:
+        if in_flight is not None:
+            raise ValueError("a probe (a cap that follows its provider) does not go with "
+                             "in_flight yet")
+        arguments["probe"] = probe
     with_shares = [scope for scope in shared if scope.has_shares]
     if len(with_shares) > 1:
         raise ValueError("one decision takes at most one scope with reserved shares")

@@ -11,7 +11,9 @@ ARGV[2..4]  the requests the provider has left, ms until its reset (> 0), its li
 ARGV[5..7]  the same for tokens
 ARGV[8]   ms the upstream is closed for (a 429 or 529 with retry-after)
 ARGV[9]   the operator's bound in ms (max_close_seconds), > 0
-Each number but the bound is -1 when the response did not say.
+Each number but the bound is -1 when the response did not say; all of them -1 (an answer
+that said nothing) writes only `bound` into an existing view (a cold cap's probes: the
+provider was heard from) and nothing when there is none.
 
 Returns the upstream's closed-until time (unix ms), 0 when it is open.
 --]]
@@ -59,4 +61,9 @@ end
 local now = script_now(ARGV[1], true)
 local numbers = {}
 for i = 1, 8 do numbers[i] = tonumber(ARGV[i + 1]) end
+-- An answer that says nothing (a success without rate-limit headers) only ends a cold
+-- start: with no view (no probe out), nothing is written.
+local silent = true
+for i = 1, 7 do if numbers[i] >= 0 then silent = false end end
+if silent and redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 return upstream_record(KEYS[1], now, numbers)

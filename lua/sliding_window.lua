@@ -29,7 +29,9 @@ ARGV[3i], ARGV[3i+1], ARGV[3i+2]
 ARGV[3n+3] optional: a shared scope's reserved shares, "S ..." (lib/shares.lua); the reply
            then has one element more, last: 0, or the rule that refused (2j: the reserve of
            class j, 2j + 1: class j's ceiling)
-ARGV[3n+3] (or 3n+4 after the shares) optional: "1" marks a replay of a call whose reply was lost. If the member is
+ARGV[3n+3], after the shares when given, optional: the probes of the shared scopes that
+           follow their provider, "P p_1 t_1 ..." (lib/upstream.lua's cold start)
+ARGV[3n+3] (or later, after the shares and the probes) optional: "1" marks a replay of a call whose reply was lost. If the member is
            already logged in KEYS[n] (the longest window, where it stays longest; compact:
            in its replay table of the 8 latest admissions still in the window), the first
            attempt was allowed and logged: answer allow again, write nothing, and report that
@@ -46,16 +48,25 @@ A Redis over its maxmemory refuses the script with an OOM error before it writes
 anything (the storage's OOM probe, open_log's), rather than admitting requests it cannot log.
 --]]
 
-local argc = #ARGV - 2 -- member, now, then 3 per window (and the replay marker)
+-- The probe spec, when given, is last or just before the replay marker; nothing else a call
+-- sends starts with "P" (byte 80): two byte reads, no new string, on every call.
+local probe_at = #ARGV
+if ARGV[probe_at]:byte(1) ~= 80 then
+  probe_at = probe_at - 1
+  if ARGV[probe_at]:byte(1) ~= 80 then probe_at = nil end
+end
+local argc = #ARGV - 2 - (probe_at and 1 or 0) -- member, now, 3 per window (shares, replay)
 local n = (argc - argc % 3) / 3
 -- The OOM probe when needed (the storage's); compact may decide an allowed plain check at once.
 local log, now, decided = open_log(n, ARGV[2], true, 'lazy')
 if decided then return decided end
 local shared = (#KEYS - KEYS_PER_WINDOW * n) / 3 -- an upstream view and a queue's 2 keys each
-local upstreams = shared > 0 and open_upstreams(n, KEYS_PER_WINDOW * n + 1, shared, now) or nil
+local upstreams = shared > 0 and open_upstreams(n, KEYS_PER_WINDOW * n + 1, shared, now,
+  probe_at and ARGV[probe_at]) or nil
 local queues = shared > 0 and open_queues(KEYS_PER_WINDOW * n + shared + 1, shared, now) or nil
 local marker, spec = ARGV[3 * n + 3], nil
 if marker and marker:sub(1, 2) == 'S ' then spec, marker = marker, ARGV[3 * n + 4] end
+if probe_at and marker == ARGV[probe_at] then marker = ARGV[probe_at + 1] end
 local shares = open_shares(n, spec, now, log)
 local reply, tie = decide_and_log(n, now, log, marker, upstreams, shares, queues)
 if TIE_NAMES_ENTRY then reply[8] = tie end

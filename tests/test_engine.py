@@ -257,7 +257,7 @@ def test_a_decision_that_runs_out_of_memory_queues_nothing_and_holds_its_future_
                            "max_queue", "max_queue_per_tenant"]),
     (RateLimiter.reconcile, ["self", "reservation", "actual", "release"]),
     (RateLimiter._reserve, ["self", "user_id", "windows", "cost", "token_windows", "tokens",
-                            "scopes", "in_flight", "shares", "ticket"]),
+                            "scopes", "in_flight", "shares", "ticket", "probe"]),
     (RateLimiter._reconcile, ["self", "user_id", "windows", "member", "timestamp_ms", "cost",
                               "tokens", "scopes", "tie", "release", "shares"]),
     (RateLimiter.close, ["self"]),

@@ -206,6 +206,21 @@ def test_a_fused_slot_rides_on_the_reserve_and_its_refusal_comes_first() -> None
     assert [v.outcome for v in out.verdicts if isinstance(v, Refused)] == ["concurrency_rejected"]
 
 
+@pytest.mark.parametrize("upstream", [
+    Scope("openai/gpt-4o", windows=[(100, 60)], shared=True, probe=1),
+    Scope("openai/gpt-4o", windows=[(100, 60)], shared=True, reserved={"pro": 30}),
+], ids=["probe", "shares"])
+def test_a_slot_is_not_fused_through_a_cap_whose_reserve_refuses_in_flight(
+        upstream: Scope) -> None:
+    """reserve(in_flight=...) does not go with a cold-start probe or reserved shares yet
+    (ValueError): the tier's slot is then taken apart, as with a limiter that cannot fuse."""
+    facts = Facts("alice", "free", MINUTE_DAY, TOKENS, 40, cap=2, scopes=(upstream,))
+    calls, out = drive(facts, FUSED, [lease(True), reservation(True)])
+    assert [c.method for c in calls] == ["acquire", "reserve"]
+    assert "in_flight" not in calls[1].kwargs
+    assert out.hold is not None
+
+
 def test_a_token_refusal_reports_both_resources_in_the_provider_family() -> None:
     facts = Facts("alice", "free", MINUTE_DAY, TOKENS, 40)
     refused = reservation(False, resource="tokens", retry_after_ms=1_500,

@@ -188,8 +188,9 @@ def test_a_request_whose_answer_is_never_observed_stops_counting_after_the_bound
         assert int(redis_client.hget(VIEW_KEY, "requests")) == 5
 
 
-def test_a_response_that_says_nothing_sends_nothing(make_limiter: LimiterFactory, redis_url: str,
-                                                    redis_client: redis.Redis) -> None:
+def test_a_response_that_says_nothing_writes_nothing(make_limiter: LimiterFactory,
+                                                     redis_url: str,
+                                                     redis_client: redis.Redis) -> None:
     limiter = make_limiter(redis_url)
     assert limiter.observe_upstream(UPSTREAM, 200, {"content-type": "application/json"}
                                     ).closed_until_ms == 0

@@ -242,7 +242,7 @@ def plan(facts: Facts, policy: Policy) -> Plan:
                                                  policy))
                 if not policy.shadow:
                     return out
-        elif policy.fused:
+        elif policy.fused and _fusable(facts.scopes):
             in_flight = (facts.cap, policy.lease_seconds)
         else:
             try:
@@ -404,6 +404,14 @@ def _take(lease: Lease, cap: int, out: Outcome, policy: Policy) -> bool:
     out.verdicts.append(_concurrency(cap, lease.retry_after_ms,
                                      lease.retry_bound_ms or lease.retry_after_ms, policy))
     return policy.shadow
+
+
+def _fusable(scopes: tuple[BudgetScope, ...]) -> bool:
+    """Whether the tier's in-flight slot may ride on the reserve's script with these scopes:
+    not with a shared cap's reserved shares or cold-start probe (reserve refuses in_flight
+    with them: reservation.reserve_arguments), whose slot is then taken apart, as without a
+    fused limiter."""
+    return not any(scope.has_shares or scope.probe for scope in scopes)
 
 
 def _concurrency(cap: int, hint_ms: int, expiry_ms: int, policy: Policy) -> Refused:

@@ -21,6 +21,7 @@ from .._tiers_config import (
 )
 from ..lease import DEFAULT_LEASE_SECONDS
 from ..provider_limits import DEFAULT_MAX_CLOSE_SECONDS, validate_max_close_seconds
+from ..reservation import DEFAULT_PROBE_TIMEOUT_SECONDS, check_probe
 from ..reservation import Scope as BudgetScope
 from ..shares import Shares
 from ..shares import validate as validate_shares
@@ -44,10 +45,11 @@ UPSTREAMS_KEY = "genai_ratelimit.upstreams"
 
 
 def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool,
-              reserved: Any = (), ceilings: Any = ()) -> BudgetScope | None:
+              reserved: Any = (), ceilings: Any = (), **probe: Any) -> BudgetScope | None:
     """The Scope of a budget (SCOPE_BUDGET_KEYS); its token windows only when `tokens` (a
     RateLimit charges no tokens). None when nothing of it applies. `reserved`, `ceilings`:
-    an upstream's shares, as Upstream keeps them (validated tuples)."""
+    an upstream's shares, as Upstream keeps them (validated tuples); `probe`: an upstream's
+    probe and probe_timeout_seconds (Scope's)."""
     windows = [(budget[key], seconds) for key, (seconds, is_tokens) in SCOPE_BUDGET_KEYS.items()
                if key in budget and not is_tokens]
     token_windows = [(budget[key], seconds)
@@ -61,7 +63,7 @@ def _scope_of(name: str, budget: Mapping[str, int], shared: bool, tokens: bool,
     if ceilings:
         shares["ceilings"] = {klass: (top, saturation) for klass, top, saturation in ceilings}
     return BudgetScope(name, windows=windows, token_windows=token_windows, shared=shared,
-                       **shares)
+                       **shares, **probe)
 
 
 # (max_wait, max_queue, max_queue_per_tenant) of an upstream's wait queue.
@@ -90,7 +92,10 @@ class Upstream:
     in_flight: at most this many requests through the upstream at once, every user's
     together: each takes one of its slots (acquire on the upstream's name, with its shares
     when it has some) and gives it back when its response is over (the middleware), or
-    after in_flight_lease_seconds when it never does. Needs RateLimitHeadersMiddleware."""
+    after in_flight_lease_seconds when it never does. Needs RateLimitHeadersMiddleware.
+    probe, probe_timeout_seconds: the cap's cold start (Scope's; docs/upstreams.md, "Cold
+    start"): until the provider's first answer is observed, at most `probe` requests go
+    through; 0 (the default): off."""
 
     name: str
     per_minute: int | None = None
@@ -108,6 +113,8 @@ class Upstream:
     max_queue_per_tenant: int = DEFAULT_MAX_QUEUE_PER_TENANT
     in_flight: int | None = None
     in_flight_lease_seconds: int = DEFAULT_LEASE_SECONDS
+    probe: int = 0
+    probe_timeout_seconds: float = DEFAULT_PROBE_TIMEOUT_SECONDS
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -127,6 +134,7 @@ class Upstream:
                                              None if self.ceilings == () else self.ceilings)
         object.__setattr__(self, "reserved", reserved)
         object.__setattr__(self, "ceilings", ceilings)
+        check_probe(self.probe, self.probe_timeout_seconds)
         if self.max_wait is not None:  # TypeError / ValueError now, not per request
             queue_milliseconds(self.max_wait)
         # Checked without max_wait too: a route's or a tier's max_wait uses them.
@@ -155,7 +163,10 @@ class Upstream:
 
     def scope(self, tokens: bool = True) -> BudgetScope | None:
         """Its Scope (shared); the token caps only when `tokens`. None when none applies."""
-        return _scope_of(self.name, self.budget(), True, tokens, self.reserved, self.ceilings)
+        probe = {"probe": self.probe, "probe_timeout_seconds": self.probe_timeout_seconds} \
+            if self.probe else {}
+        return _scope_of(self.name, self.budget(), True, tokens, self.reserved, self.ceilings,
+                         **probe)
 
 
 UpstreamOf = Callable[[Request], "Upstream | None | Awaitable[Upstream | None]"]

@@ -15,7 +15,11 @@ tag of both, so they share a slot). Its fields:
                             answer never observed stops counting then)
   tokens, tokens_reset, tokens_limit  the same for tokens
   closed_until              unix ms: the provider refused (429, 529) and said to come back then
-  bound                     the operator's bound (ms), max_close_seconds
+  bound                     the operator's bound (ms), max_close_seconds; written by every
+                            observation: a view without it was never heard from (cold)
+  probe_out, probe_until    a cap that follows the provider (a call's probe spec, below)
+                            and has no view: the probes admitted and still unanswered, and
+                            when they stop counting (unix ms, the operator's probe timeout)
 After a reset the provider has its limit again: the next admission starts a new view of
 `limit` left for at most `bound` ms, which the provider's next word replaces. The key
 expires `bound` ms after the last of its times: an upstream nobody heard from costs nothing.
@@ -23,7 +27,38 @@ The numbers were read from the provider's headers and bounded by the caller
 (genai_ratelimit/provider_limits.py): no remaining above the provider's limit, no limit of
 0, no reset or closure further away than the bound; so a header that lies can narrow or
 close the cap for at most the bound, and never raise it (the windows still decide).
+
+Cold start (a cap that follows the provider): before the provider's first answer nothing is
+known, and a burst of more requests than the provider allows would meet its 429s. A call
+names the caps that follow with a probe spec, "P p_1 t_1 p_2 t_2 ..." (one pair per shared
+scope, in the order of their view keys; p = 0: the cap does not follow): while such a cap's
+view was never heard from (no key, or a key without `bound`: never observed, or expired),
+it admits at most p_k requests, the probes, until an observation writes the view; the
+others are refused with a short wait (at most a second, at most until the probes stop
+counting). A probe whose answer never comes stops counting t_k ms after the first probe of
+its round (probe_until): nothing hangs. Once heard from, the provider's limit stays known
+while the view lives (after its reset the cap admits against that limit again, see above),
+so a cap goes cold again only when its view expired: no probe after every reset.
 --]]
+
+-- The longest wait (ms) a cold cap names while its probes are out: the probe's answer
+-- usually comes sooner, and the cap cannot know when.
+local PROBE_WAIT_MS = 1000
+
+-- A call's probe spec (ARGV, "P p_1 t_1 ..."), or nil: {[k] = {probe, timeout_ms}} for the
+-- k-th shared scope whose p_k > 0.
+local function probe_spec(text)
+  if not text or text:sub(1, 2) ~= 'P ' then return nil end
+  local probes, k, numbers = {}, 0, {}
+  for word in text:sub(3):gmatch('%S+') do numbers[#numbers + 1] = tonumber(word) end
+  for j = 1, #numbers - 1, 2 do
+    k = k + 1
+    if numbers[j] and numbers[j] > 0 and numbers[j + 1] and numbers[j + 1] > 0 then
+      probes[k] = {numbers[j], numbers[j + 1]}
+    end
+  end
+  return probes
+end
 
 -- The resource ("requests", "tokens") of window key `key` when it is a window of the shared
 -- scope whose keys start with `base`, else nil (the grammar of csrc/script.c window_key: the
@@ -49,15 +84,30 @@ end
 --     what the provider has left; writes nothing;
 --   charge(): the admitted request's cost counted against every view (a view past its
 --     reset starts anew at the provider's limit), and the request counted as sent.
-local function open_upstreams(n, first, count, now)
+-- probe_text: the call's probe spec (see the header), or nil; a cold view of a cap that
+-- follows refuses past its probes and counts the probe on charge.
+local function open_upstreams(n, first, count, now, probe_text)
   if count == 0 then return nil end -- a check without a shared scope: nothing more is made
-  local found = nil
+  local found, probes = nil, nil
+  -- The probe of the k-th shared scope, the spec parsed only when a view is cold.
+  local function probe_of(k)
+    if not probe_text then return nil end
+    probes = probes or probe_spec(probe_text)
+    return probes and probes[k - first + 1]
+  end
   for k = first, first + count - 1 do
     if redis.call('EXISTS', KEYS[k]) == 1 then
       found = found or {}
-      found[#found + 1] = {KEYS[k], redis.call('HMGET', KEYS[k], 'closed_until', 'bound',
-        'requests', 'requests_reset', 'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit',
-        'requests_sent_at')}
+      local v = redis.call('HMGET', KEYS[k], 'closed_until', 'bound', 'requests',
+        'requests_reset', 'requests_limit', 'tokens', 'tokens_reset', 'tokens_limit',
+        'requests_sent_at')
+      found[#found + 1] = {KEYS[k], v, not v[2] and probe_of(k) or nil}
+    elseif probe_text then
+      local probe = probe_of(k)
+      if probe then -- a cap that follows, never heard from: its first probe
+        found = found or {}
+        found[#found + 1] = {KEYS[k], {}, probe}
+      end
     end
   end
   if not found then return nil end -- nobody observed: the EXISTS were the whole cost
@@ -66,6 +116,15 @@ local function open_upstreams(n, first, count, now)
     local key, v = entry[1], entry[2]
     local view = {key = key, closed = tonumber(v[1]) or 0, bound = tonumber(v[2]), left = {},
                   reset = {}, rolled = {}, sent_at = tonumber(v[9])}
+    if entry[3] then -- cold (no `bound`): the probes out, this round's
+      local out, until_ms = 0, 0
+      if #v > 0 then -- the key exists (probes of this round, their requests_sent)
+        local p = redis.call('HMGET', key, 'probe_out', 'probe_until')
+        until_ms = tonumber(p[2]) or 0
+        if until_ms > now then out = tonumber(p[1]) or 0 else until_ms = 0 end
+      end
+      view.probe = {limit = entry[3][1], timeout = entry[3][2], out = out, until_ms = until_ms}
+    end
     for r, resource in ipairs({'requests', 'tokens'}) do
       local left, reset, limit = tonumber(v[3 * r]), tonumber(v[3 * r + 1]) or 0,
         tonumber(v[3 * r + 2])
@@ -97,6 +156,8 @@ local function open_upstreams(n, first, count, now)
             until_ms = view.closed
           elseif left and left < cost then
             until_ms = view.reset[resource] or now + view.bound
+          elseif view.probe and view.probe.out >= view.probe.limit then
+            until_ms = now + math.min(PROBE_WAIT_MS, view.probe.until_ms - now)
           end
           if until_ms and (not refusal or i < refusal) then refusal, wait = i, until_ms - now end
           charged[view.key .. ' ' .. resource] = {view, resource, cost}
@@ -117,6 +178,17 @@ local function open_upstreams(n, first, count, now)
       return {0, 0, math.ceil(wait / 1000), refusal, now, remaining_of, wait}
     end,
     charge = function()
+      for _, view in ipairs(live) do
+        local probe = view.probe
+        if probe then -- one probe more out, counted until the round's end
+          if probe.out == 0 then
+            redis.call('HSET', view.key, 'probe_out', 1, 'probe_until', now + probe.timeout)
+            redis.call('PEXPIRE', view.key, probe.timeout) -- a cold key is the probes' own
+          else
+            redis.call('HINCRBY', view.key, 'probe_out', 1)
+          end
+        end
+      end
       for _, c in pairs(charged) do
         local view, resource, cost = c[1], c[2], c[3]
         if view.rolled[resource] then
@@ -127,7 +199,10 @@ local function open_upstreams(n, first, count, now)
           redis.call('HINCRBY', view.key, resource, -cost)
         end
         if resource == 'requests' then
-          if view.rolled.requests or not view.sent_at or now - view.sent_at >= view.bound then
+          -- A cold view counts its probes on their way as long as they count as probes.
+          local span = view.bound or (view.probe and view.probe.timeout)
+          if view.rolled.requests or not view.sent_at or not span
+              or now - view.sent_at >= span then
             redis.call('HSET', view.key, 'requests_sent', cost, 'requests_sent_at', now)
           else
             redis.call('HINCRBY', view.key, 'requests_sent', cost)

@@ -36,6 +36,7 @@ from ..reservation import Reservation
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
 from ._answer import _COUNTED_KEY, _SHADOWED_KEY, _record_shadow, answer, shadow_headers, unavailable
 from ._clients import Identify, UnknownClientAddress, default_identify, key_identity
+from ._disconnect import DisconnectWatch
 from ._ietf_headers import HeaderMode, PartitionKeys
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _LeaseLedger
 from ._openai_headers import ErrorFormat
@@ -567,7 +568,18 @@ class _AsyncRateLimit(RateLimit):
             return
         steps = plan(facts, self._policy())
         limiter = self.limiter
-        outcome = await run_async(steps, limiter, None if self._limiter_is_async else run_in_threadpool)
+        if not self._limiter_is_async:  # a thread cannot be cancelled: its wait runs out
+            outcome = await run_async(steps, limiter, run_in_threadpool)
+        elif self.mode != "shadow" and (facts.wait is not None or
+                                        any(slot.wait is not None for slot in facts.slots)):
+            # It may wait in a queue: a client that leaves meanwhile takes its ticket along.
+            watch = DisconnectWatch(request)
+            try:
+                outcome = await run_async(steps, limiter, gone=watch)
+            finally:
+                watch.restore()
+        else:
+            outcome = await run_async(steps, limiter)
         answer(self, request, response, facts, outcome)
 
 

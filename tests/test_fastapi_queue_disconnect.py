@@ -37,13 +37,14 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from genai_ratelimit import AsyncRateLimiter
+from genai_ratelimit import AsyncRateLimiter, RateLimiter
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, TokenRateLimit, Upstream
 from genai_ratelimit.metrics import request_outcomes
 
 SIGNALS = Path(os.environ["SIGNAL_DIR"])
 PREFIX = os.environ["UPSTREAM_PREFIX"]
-limiter = AsyncRateLimiter()
+limiter = AsyncRateLimiter() if os.environ["LIMITER"] == "async" else RateLimiter()
+RUNS = []  # the users whose route ran
 TIERS = {"free": {"per_minute": 100_000}}
 
 
@@ -69,12 +70,13 @@ async def healthz():
 
 @app.get("/abandoned")
 async def abandoned():
-    return {"count": request_outcomes(limiter).total(outcome="queue_abandoned")}
+    return {"count": request_outcomes(limiter).total(outcome="queue_abandoned"), "runs": RUNS}
 
 
 def route(kind, cap):
     # No body parameter: FastAPI reads no body before the dependency; the route reads it.
     async def handler(request: Request, until: str = ""):
+        RUNS.append(request.headers["x-user"])
         digest = hashlib.sha256(await request.body()).hexdigest()
 
         async def stream():
@@ -92,6 +94,9 @@ for kind in ("requests", "tokens"):
 '''
 
 
+BLOCKING_PREFIX = f"dc-sync-{uuid.uuid4().hex[:8]}"
+
+
 @pytest.fixture(scope="module")
 def signals(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("signals")
@@ -102,15 +107,25 @@ def prefix() -> str:
     return f"dc-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture(scope="module")
-def server(redis_url: str, signals: Path, prefix: str) -> Iterator[UvicornServer]:
+def serve(redis_url: str, signals: Path, prefix: str, limiter: str) -> Iterator[UvicornServer]:
     served = UvicornServer(APP, {"REDIS_URL": redis_url, "SIGNAL_DIR": str(signals),
-                                 "UPSTREAM_PREFIX": prefix, "RATE_LIMIT_DISABLED": ""})
+                                 "UPSTREAM_PREFIX": prefix, "LIMITER": limiter,
+                                 "RATE_LIMIT_DISABLED": ""})
     served.start()
     try:
         yield served
     finally:
         served.close()
+
+
+@pytest.fixture(scope="module")
+def server(redis_url: str, signals: Path, prefix: str) -> Iterator[UvicornServer]:
+    yield from serve(redis_url, signals, prefix, "async")
+
+
+@pytest.fixture(scope="module")
+def blocking_server(redis_url: str, signals: Path) -> Iterator[UvicornServer]:
+    yield from serve(redis_url, signals, BLOCKING_PREFIX, "sync")
 
 
 class Client:
@@ -172,17 +187,30 @@ def abandoned(server: UvicornServer) -> int:
         return int(client.get("/abandoned").json()["count"])
 
 
+def users() -> tuple[str, str, str]:
+    """Three users of their own (a user's token budget is not another test's)."""
+    tag = uuid.uuid4().hex[:6]
+    return f"alice-{tag}", f"bob-{tag}", f"carol-{tag}"
+
+
+def runs(server: UvicornServer) -> list[str]:
+    """The users whose route ran."""
+    with server.client(timeout=10) as client:
+        return list(client.get("/abandoned").json()["runs"])
+
+
 @pytest.mark.parametrize("kind", ["requests", "tokens"])
 def test_a_window_caps_waiter_that_disconnects_leaves_the_queue(
         server: UvicornServer, redis_url: str, prefix: str, kind: str) -> None:
     r = redis.Redis.from_url(redis_url)
+    alice, bob, carol = users()
     name = f"{prefix}/{kind}/window"
     before = abandoned(server)
-    first = Client(server, f"/{kind}/window", "alice", body_of(10))
+    first = Client(server, f"/{kind}/window", alice, body_of(10))
     assert first.response().startswith(b"HTTP/1.1 200")      # the cap's one a minute
-    waiting = Client(server, f"/{kind}/window", "bob", body_of(10))
+    waiting = Client(server, f"/{kind}/window", bob, body_of(10))
     wait_for(lambda: len(queue_members(r, name, False)) == 1, 10)
-    behind = Client(server, f"/{kind}/window", "carol", body_of(10))
+    behind = Client(server, f"/{kind}/window", carol, body_of(10))
     wait_for(lambda: len(queue_members(r, name, False)) == 2, 10)
     (bob_ticket, carol_ticket) = queue_members(r, name, False)
     waiting.close()                                           # bob's client goes away
@@ -192,6 +220,7 @@ def test_a_window_caps_waiter_that_disconnects_leaves_the_queue(
     behind.close()
     wait_for(lambda: queue_members(r, name, False) == [], 5)
     assert abandoned(server) == before + 2
+    assert bob not in runs(server) and carol not in runs(server)
     print(f"window/{kind}: the ticket left {took * 1000:.0f} ms after the close")
 
 
@@ -199,17 +228,18 @@ def test_a_window_caps_waiter_that_disconnects_leaves_the_queue(
 def test_an_in_flight_caps_waiter_that_disconnects_leaves_and_the_next_is_admitted(
         server: UvicornServer, redis_url: str, prefix: str, signals: Path, kind: str) -> None:
     r = redis.Redis.from_url(redis_url)
+    alice, bob, carol = users()
     name = f"{prefix}/{kind}/in-flight"
     before = abandoned(server)
     release = f"release-{kind}-{uuid.uuid4().hex[:6]}"
-    holder = Client(server, f"/{kind}/in-flight?until={release}", "alice", body_of(10))
+    holder = Client(server, f"/{kind}/in-flight?until={release}", alice, body_of(10))
     assert holder.status_line().startswith(b"HTTP/1.1 200")    # it holds the one slot
-    waiting = Client(server, f"/{kind}/in-flight", "bob", body_of(10))
+    waiting = Client(server, f"/{kind}/in-flight", bob, body_of(10))
     wait_for(lambda: len(queue_members(r, name, True)) == 1, 10)
     # RateLimit reads no body: the watch receives it (more than one message's worth) while
     # carol waits. A TokenRateLimit read it for its estimate (a smaller one: its budget).
     big = body_of(300_000 if kind == "requests" else 20_000)
-    behind = Client(server, f"/{kind}/in-flight", "carol", big)
+    behind = Client(server, f"/{kind}/in-flight", carol, big)
     try:
         wait_for(lambda: len(queue_members(r, name, True)) == 2, 10)
     except AssertionError:
@@ -234,4 +264,38 @@ def test_an_in_flight_caps_waiter_that_disconnects_leaves_and_the_next_is_admitt
     assert hashlib.sha256(big).hexdigest().encode() in response
     assert queue_members(r, name, True) == []
     assert abandoned(server) == before + 1
+    assert bob not in runs(server)
     print(f"in-flight/{kind}: the ticket left {took * 1000:.0f} ms after the close")
+
+
+@pytest.mark.parametrize("kind", ["requests", "tokens"])
+def test_a_blocking_limiters_waiter_that_disconnects_does_not_run_when_admitted(
+        blocking_server: UvicornServer, redis_url: str, signals: Path, kind: str) -> None:
+    """A RateLimiter's wait runs in FastAPI's threadpool, which cannot be cancelled: the
+    ticket stays until its turn, but then the route does not run for nobody and the slot is
+    free at once for the next waiter."""
+    server = blocking_server
+    r = redis.Redis.from_url(redis_url)
+    alice, bob, carol = users()
+    name = f"{BLOCKING_PREFIX}/{kind}/in-flight"
+    before = abandoned(server)
+    release = f"release-sync-{kind}-{uuid.uuid4().hex[:6]}"
+    holder = Client(server, f"/{kind}/in-flight?until={release}", alice, body_of(10))
+    assert holder.status_line().startswith(b"HTTP/1.1 200")
+    waiting = Client(server, f"/{kind}/in-flight", bob, body_of(10))
+    wait_for(lambda: len(queue_members(r, name, True)) == 1, 10)
+    body = body_of(300_000 if kind == "requests" else 20_000)
+    behind = Client(server, f"/{kind}/in-flight", carol, body)
+    wait_for(lambda: len(queue_members(r, name, True)) == 2, 10)
+    waiting.close()                   # noticed, but its thread waits on
+    admitted: list[bytes] = []
+    reader = threading.Thread(target=lambda: admitted.append(behind.response()))
+    reader.start()
+    (signals / release).touch()
+    holder.response()
+    reader.join(30)
+    assert not reader.is_alive()
+    assert admitted[0].startswith(b"HTTP/1.1 200"), admitted[0][:900]
+    assert hashlib.sha256(body).hexdigest().encode() in admitted[0]
+    assert abandoned(server) == before + 1
+    assert bob not in runs(server) and carol in runs(server)

@@ -214,6 +214,11 @@ def answer(dependency: RateLimit, request: Request, response: Response, facts: F
         elif isinstance(verdict, Refused):
             _refused(dependency, request, response, facts, verdict)
         elif isinstance(verdict, Abandoned):
+            if verdict.admitted is not None:  # settled as the request ends, like a failed route's
+                if verdict.admitted.reservation is not None:
+                    dependency._keep(request, facts.tier, verdict.admitted.reservation)
+                if verdict.admitted.spend is not None:
+                    dependency._keep_spend(request, facts.tier, verdict.admitted.spend)
             abandoned(dependency, request)
         else:
             dependency._unavailable(request, facts.identity, verdict.error)

@@ -49,6 +49,7 @@ from ._plan import (
     SyncWindowLimiter,
     UpstreamSlot,
     Windows,
+    abandon,
     plan,
     run,
     run_async,
@@ -568,18 +569,22 @@ class _AsyncRateLimit(RateLimit):
             return
         steps = plan(facts, self._policy())
         limiter = self.limiter
-        if not self._limiter_is_async:  # a thread cannot be cancelled: its wait runs out
-            outcome = await run_async(steps, limiter, run_in_threadpool)
-        elif self.mode != "shadow" and (facts.wait is not None or
-                                        any(slot.wait is not None for slot in facts.slots)):
-            # It may wait in a queue: a client that leaves meanwhile takes its ticket along.
+        offload = None if self._limiter_is_async else run_in_threadpool
+        if self.mode != "shadow" and (facts.wait is not None or
+                                      any(slot.wait is not None for slot in facts.slots)):
+            # It may wait in a queue: a client that leaves meanwhile takes its ticket along
+            # (the waiting call cancelled). A blocking limiter's wait, in a thread, cannot be
+            # cancelled: it runs out, then the route does not run for nobody (abandon).
             watch = DisconnectWatch(request)
             try:
-                outcome = await run_async(steps, limiter, gone=watch)
+                outcome = await (run_async(steps, limiter, gone=watch) if offload is None else
+                                 watch.during(run_async(steps, limiter, offload)))
             finally:
                 watch.restore()
+            if watch.left:
+                outcome = abandon(outcome)
         else:
-            outcome = await run_async(steps, limiter)
+            outcome = await run_async(steps, limiter, offload)
         answer(self, request, response, facts, outcome)
 
 

@@ -3,10 +3,15 @@ call waits in an upstream's queue, without losing a byte of the request's body."
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.types import Message
+
+T = TypeVar("T")
 
 
 class DisconnectWatch:
@@ -33,6 +38,16 @@ class DisconnectWatch:
                 self.left = True
                 return
             self.kept.append(message)
+
+    async def during(self, work: Awaitable[T]) -> T:
+        """`work`'s result, watching meanwhile (`left` says whether the client left): for a
+        wait that cannot be cancelled (a blocking limiter's, in a thread)."""
+        watcher = asyncio.ensure_future(self())
+        try:
+            return await work
+        finally:
+            watcher.cancel()
+            await asyncio.wait((watcher,))
 
     def restore(self) -> None:
         """The body messages the watch took, first in the request's receive channel."""

@@ -212,7 +212,11 @@ class Unavailable:
 class Abandoned:
     """The client disconnected while the request waited in an upstream's queue: its waiting
     call was cancelled (which removed its ticket), the route does not run (outcome
-    queue_abandoned)."""
+    queue_abandoned). `admitted`: the admission that came anyway (a wait in a thread, which
+    cannot be cancelled, or an answer with the disconnect): what it holds is kept to be
+    settled as the request ends, as for a route that ended without a response."""
+
+    admitted: Allowed | None = None
 
 
 Verdict = Allowed | Refused | Unavailable | Abandoned
@@ -355,6 +359,20 @@ def _queued(verdict: Verdict, reservation: Reservation) -> Verdict:
     if isinstance(verdict, Allowed) and reservation.queue_outcome == "queued_then_allowed":
         verdict.outcome = "queued_then_allowed"
     return verdict
+
+
+def abandon(outcome: Outcome) -> Outcome:
+    """The client left while the request waited in a queue, but the wait ended in an
+    admission (a blocking limiter's wait in a thread, which cannot be cancelled; or an
+    admission that came with the disconnect): the route does not run for nobody, the
+    admission becomes Abandoned. Its slots are held as before (released as the request
+    ends: at once). A request that did not wait, or was refused, stays as it was."""
+    waited = any(lease.queue_outcome == "queued_then_allowed" for lease in outcome.slots)
+    for index, verdict in enumerate(outcome.verdicts):
+        if isinstance(verdict, Allowed) and (waited or verdict.outcome == "queued_then_allowed"):
+            outcome.verdicts[index:] = [Abandoned(verdict)]
+            break
+    return outcome
 
 
 def run(steps: Plan, limiter: Any) -> Outcome:

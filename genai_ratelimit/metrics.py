@@ -205,7 +205,7 @@ REQUESTS = _family("requests", "counter",
                    "Requests decided by a FastAPI dependency, each in exactly one outcome: "
                    "allowed, rejected, too_large, concurrency_rejected, shadow_would_refuse, "
                    "unavailable_denied, fail_open, queued_then_allowed, queue_timeout, "
-                   "queue_full.", "{request}", "requests")
+                   "queue_full, queue_abandoned.", "{request}", "requests")
 REQUEST_TOKENS = _family("request_tokens", "counter", ("tier", "mode", "state"),
                          "Tokens of the requests a TokenRateLimit allowed, by tier: reserved "
                          "(the estimates), charged (the usage reconciled), refunded (estimate "
@@ -263,6 +263,7 @@ OUTCOMES = (
     "queued_then_allowed",  # the route ran after waiting in an upstream's queue (max_wait)
     "queue_timeout",        # 429: it waited in an upstream's queue; its deadline came first
     "queue_full",           # 429 at once: the upstream's queue (or the tenant's share) is full
+    "queue_abandoned",      # 499, the route never ran: the client left while it waited
 )
 _OUTCOME_SET = frozenset(OUTCOMES)
 # The bound on a RequestOutcomes' series: label sets beyond it count as one "other" set.

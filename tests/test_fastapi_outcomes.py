@@ -35,7 +35,8 @@ pytestmark = [
 # The HTTP status each outcome answers (the route's own status: 200 here).
 STATUS = {"allowed": 200, "rejected": 429, "too_large": 429, "concurrency_rejected": 429,
           "shadow_would_refuse": 200, "unavailable_denied": 503, "fail_open": 200,
-          "queued_then_allowed": 200, "queue_timeout": 429, "queue_full": 429}
+          "queued_then_allowed": 200, "queue_timeout": 429, "queue_full": 429,
+          "queue_abandoned": 499}
 
 
 def by_header(request: Request) -> tuple[str, str]:
@@ -189,7 +190,9 @@ def test_every_request_lands_in_exactly_one_outcome(gateway: Gateway, user_id: s
     totals = gateway.totals()
     assert sum(totals.values()) == len(answers) == 18
     assert totals == EXPECTED
-    assert set(totals) == set(OUTCOMES), "the burst makes every outcome"
+    # Every outcome but queue_abandoned, which needs a client that leaves while it waits (a
+    # real socket closed: tests/test_fastapi_queue_disconnect.py).
+    assert set(totals) == set(OUTCOMES) - {"queue_abandoned"}, "the burst makes every outcome"
     # Each outcome's HTTP status, as the table says: the statuses the client saw.
     expected_statuses = Counter(STATUS[o] for o in EXPECTED.elements())
     assert Counter(status for _, status in answers) == expected_statuses

@@ -31,7 +31,7 @@ from ._openai_headers import (
     rfc3339,
     too_large_error_body,
 )
-from ._plan import Allowed, Facts, Outcome, Refused, Windows, window_name
+from ._plan import Abandoned, Allowed, Facts, Outcome, Refused, Windows, window_name
 
 if TYPE_CHECKING:
     from ._dependency import RateLimit
@@ -213,8 +213,24 @@ def answer(dependency: RateLimit, request: Request, response: Response, facts: F
             _allowed(dependency, request, response, facts, verdict)
         elif isinstance(verdict, Refused):
             _refused(dependency, request, response, facts, verdict)
+        elif isinstance(verdict, Abandoned):
+            if verdict.admitted is not None:  # settled as the request ends, like a failed route's
+                if verdict.admitted.reservation is not None:
+                    dependency._keep(request, facts.tier, verdict.admitted.reservation)
+                if verdict.admitted.spend is not None:
+                    dependency._keep_spend(request, facts.tier, verdict.admitted.spend)
+            abandoned(dependency, request)
         else:
             dependency._unavailable(request, facts.identity, verdict.error)
+
+
+def abandoned(dependency: RateLimit, request: Request) -> NoReturn:
+    """The client left while its request waited in a queue: counted queue_abandoned, and
+    answered 499 (nginx's "client closed request"; nobody reads it: the status is for the
+    access log and the middleware), without running the route. The slots it held are
+    released as the request ends (RateLimitHeadersMiddleware)."""
+    dependency._count(request, "queue_abandoned")
+    refuse(request, 499, "Client closed request", {}, {"detail": "Client closed request"})
 
 
 def _allowed(dependency: RateLimit, request: Request, response: Response, facts: Facts,

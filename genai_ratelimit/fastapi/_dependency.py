@@ -36,6 +36,7 @@ from ..reservation import Reservation
 from ..tiers import DEFAULT_TIER, TIER_LIMITS
 from ._answer import _COUNTED_KEY, _SHADOWED_KEY, _record_shadow, answer, shadow_headers, unavailable
 from ._clients import Identify, UnknownClientAddress, default_identify, key_identity
+from ._disconnect import DisconnectWatch
 from ._ietf_headers import HeaderMode, PartitionKeys
 from ._ledger import _IN_FLIGHT_KEY, _LEASES_KEY, _LeaseLedger
 from ._openai_headers import ErrorFormat
@@ -48,6 +49,7 @@ from ._plan import (
     SyncWindowLimiter,
     UpstreamSlot,
     Windows,
+    abandon,
     plan,
     run,
     run_async,
@@ -567,7 +569,22 @@ class _AsyncRateLimit(RateLimit):
             return
         steps = plan(facts, self._policy())
         limiter = self.limiter
-        outcome = await run_async(steps, limiter, None if self._limiter_is_async else run_in_threadpool)
+        offload = None if self._limiter_is_async else run_in_threadpool
+        if self.mode != "shadow" and (facts.wait is not None or
+                                      any(slot.wait is not None for slot in facts.slots)):
+            # It may wait in a queue: a client that leaves meanwhile takes its ticket along
+            # (the waiting call cancelled). A blocking limiter's wait, in a thread, cannot be
+            # cancelled: it runs out, then the route does not run for nobody (abandon).
+            watch = DisconnectWatch(request)
+            try:
+                outcome = await (run_async(steps, limiter, gone=watch) if offload is None else
+                                 watch.during(run_async(steps, limiter, offload)))
+            finally:
+                watch.restore()
+            if watch.left:
+                outcome = abandon(outcome)
+        else:
+            outcome = await run_async(steps, limiter, offload)
         answer(self, request, response, facts, outcome)
 
 

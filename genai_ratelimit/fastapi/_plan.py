@@ -17,6 +17,7 @@ request, a clock other than `Policy.clock`, or Redis.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 import time
@@ -207,7 +208,23 @@ class Unavailable:
     error: RateLimiterError
 
 
-Verdict = Allowed | Refused | Unavailable
+@dataclass(slots=True)
+class Abandoned:
+    """The client disconnected while the request waited in an upstream's queue: its waiting
+    call was cancelled (which removed its ticket), the route does not run (outcome
+    queue_abandoned). `admitted`: the admission that came anyway (a wait in a thread, which
+    cannot be cancelled, or an answer with the disconnect): what it holds is kept to be
+    settled as the request ends, as for a route that ended without a response."""
+
+    admitted: Allowed | None = None
+
+
+Verdict = Allowed | Refused | Unavailable | Abandoned
+
+
+class ClientGone(Exception):
+    """Thrown into the plan by run_async in place of a waiting call's answer (a call with
+    max_wait) when the client disconnected while it waited; the call was cancelled."""
 
 
 @dataclass(slots=True)
@@ -266,6 +283,9 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         except RateLimiterError as exc:
             out.verdicts.append(Unavailable(exc))
             return out
+        except ClientGone:
+            out.verdicts.append(Abandoned())
+            return out
         if lease.allowed:
             out.slots.append(lease)
             continue
@@ -300,6 +320,9 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         reservation: Reservation = yield Call("reserve", (facts.identity, windows), arguments)
     except RateLimiterError as exc:
         out.verdicts.append(Unavailable(exc))
+        return out
+    except ClientGone:
+        out.verdicts.append(Abandoned())
         return out
     if in_flight is not None and reservation.lease is not None and not _take(
             reservation.lease, in_flight[0], out, policy):
@@ -338,6 +361,20 @@ def _queued(verdict: Verdict, reservation: Reservation) -> Verdict:
     return verdict
 
 
+def abandon(outcome: Outcome) -> Outcome:
+    """The client left while the request waited in a queue, but the wait ended in an
+    admission (a blocking limiter's wait in a thread, which cannot be cancelled; or an
+    admission that came with the disconnect): the route does not run for nobody, the
+    admission becomes Abandoned. Its slots are held as before (released as the request
+    ends: at once). A request that did not wait, or was refused, stays as it was."""
+    waited = any(lease.queue_outcome == "queued_then_allowed" for lease in outcome.slots)
+    for index, verdict in enumerate(outcome.verdicts):
+        if isinstance(verdict, Allowed) and (waited or verdict.outcome == "queued_then_allowed"):
+            outcome.verdicts[index:] = [Abandoned(verdict)]
+            break
+    return outcome
+
+
 def run(steps: Plan, limiter: Any) -> Outcome:
     """The blocking driver: each call on the limiter, in this thread."""
     step = _advance(steps, None, None)
@@ -351,22 +388,49 @@ def run(steps: Plan, limiter: Any) -> Outcome:
 
 
 async def run_async(steps: Plan, limiter: Any,
-                    offload: Callable[..., Awaitable[Any]] | None = None) -> Outcome:
+                    offload: Callable[..., Awaitable[Any]] | None = None,
+                    gone: Callable[[], Awaitable[None]] | None = None) -> Outcome:
     """The asyncio driver: each call awaited, or, for a blocking limiter, `offload(fn)`
-    (the threadpool)."""
+    (the threadpool). `gone()`: an awaitable that ends when the client disconnects; a call
+    that may wait in a queue (max_wait) races it and, when it ends first, is cancelled (its
+    cancellation removes its ticket) and ClientGone is thrown into the plan. Not with
+    `offload`: a thread cannot be cancelled."""
     step = _advance(steps, None, None)
     while isinstance(step, Call):
         method = getattr(limiter, step.method)
+        error: Exception | None = None
         try:
-            answer, error = await (method(*step.args, **step.kwargs) if offload is None else
-                                   offload(functools.partial(method, *step.args, **step.kwargs))), None
-        except RateLimiterError as exc:
+            if offload is not None:
+                answer = await offload(functools.partial(method, *step.args, **step.kwargs))
+            elif gone is not None and "max_wait" in step.kwargs:
+                answer = await _unless_gone(method(*step.args, **step.kwargs), gone)
+            else:
+                answer = await method(*step.args, **step.kwargs)
+        except (RateLimiterError, ClientGone) as exc:
             answer, error = None, exc
         step = _advance(steps, answer, error)
     return step
 
 
-def _advance(steps: Plan, answer: Any, error: RateLimiterError | None) -> Call | Outcome:
+async def _unless_gone(call: Awaitable[Any], gone: Callable[[], Awaitable[None]]) -> Any:
+    """The call's answer, unless `gone()` ends first: then the call is cancelled (and waited
+    for: its cancellation removes its ticket, releases a lease granted meanwhile) and
+    ClientGone raised. An answer that comes with the disconnect is kept (the plan goes on)."""
+    waiting = asyncio.ensure_future(call)
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait((waiting, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not waiting.done():
+            waiting.cancel()
+        await asyncio.wait((waiting, watcher))
+    if waiting.cancelled():
+        raise ClientGone
+    return waiting.result()
+
+
+def _advance(steps: Plan, answer: Any, error: Exception | None) -> Call | Outcome:
     """The plan's next call, given the last one's answer or error; its outcome when done."""
     try:
         return steps.throw(error) if error is not None else steps.send(answer)

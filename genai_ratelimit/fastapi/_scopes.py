@@ -83,7 +83,8 @@ class Upstream:
     longest the provider's word (a 429's retry-after, a reset) may close or narrow the cap
     (docs/upstreams.md). max_wait: seconds (> 0, at most 300) a request the cap refuses
     waits in its queue, shared by every replica, instead of a 429 (docs/wait-queue.md);
-    None: refused at once.
+    None: refused at once. A request whose client disconnects while it waits leaves the
+    queue at once (with an AsyncRateLimiter), answered 499 and counted queue_abandoned.
 
     reserved {class: percent}, ceilings {class: (ceiling percent, saturation percent)}: the
     cap's reserved shares (docs/upstreams.md, "Reserved shares"); a request's class is its

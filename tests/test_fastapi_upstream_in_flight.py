@@ -20,6 +20,7 @@ from fastapi import Depends, FastAPI
 
 from genai_ratelimit._tiers_config import TierConfigError
 from genai_ratelimit.fastapi import RateLimit, RateLimitHeadersMiddleware, Upstream
+from genai_ratelimit.metrics import request_outcomes
 from helpers_async import LimiterFactory
 
 pytestmark = [
@@ -52,6 +53,7 @@ class Gateway:
         self.app.add_middleware(RateLimitHeadersMiddleware)
         self.threads: list[threading.Thread] = []
         self.codes: list[int] = []
+        self.limiter: Any = None
 
         @self.app.post("/v1/chat/completions", dependencies=[Depends(budget)])
         def chat() -> dict[str, bool]:  # a plain def: the threadpool
@@ -92,6 +94,7 @@ def gateway_of(make_limiter: LimiterFactory, redis_url: str,
                                                      request.headers["x-tier"]),
                            upstream=upstream)
         made.append(Gateway(budget, redis_client))
+        made[-1].limiter = budget.limiter
         return made[-1]
 
     yield build
@@ -255,6 +258,9 @@ def test_with_max_wait_a_request_past_the_cap_waits_for_a_slot_instead_of_a_429(
         gateway.release_all()
         assert gateway.codes == [200]
         assert redis_client.exists(f"{LEASES}:queue", f"{LEASES}:queue:h") == 0
+    outcomes = {outcome: count for outcome, *_, count
+                in request_outcomes(gateway.limiter).snapshot()[0]}
+    assert outcomes == {"allowed": 1, "queued_then_allowed": 1}
 
 
 def test_max_wait_does_not_wait_for_a_cap_with_reserved_shares_yet(gateway_of: Any) -> None:

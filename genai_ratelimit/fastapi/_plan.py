@@ -303,7 +303,8 @@ def plan(facts: Facts, policy: Policy) -> Plan:
                 out.verdicts.append(Unavailable(exc))
                 return out
             out.remember = decision
-        out.verdicts.append(_window_verdict(facts, policy, decision, *_exact(decision, policy)))
+        out.verdicts.append(_queued(_window_verdict(facts, policy, decision,
+                                                    *_exact(decision, policy)), None, out.slots))
         return out
     arguments: dict[str, Any] = {"scopes": facts.scopes} if facts.scopes else {}
     klass = share_class(facts)
@@ -331,7 +332,8 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         out.verdicts.append(_scope_refusal(facts, reservation))
         return out
     if facts.tokens is not None:
-        verdict = _queued(_token_verdict(facts, policy, reservation, out), reservation)
+        verdict = _queued(_token_verdict(facts, policy, reservation, out), reservation,
+                          out.slots)
         if facts.spend is not None and isinstance(verdict, Allowed):
             verdict = yield from _hold_money(facts, reservation, verdict, out)
         out.verdicts.append(verdict)
@@ -350,13 +352,17 @@ def plan(facts: Facts, policy: Policy) -> Plan:
         assert state is not None and state.remaining is not None
         decision = out.remember = (True, state.remaining, 0, state.window_seconds)
         exact = (0, stamp)
-    out.verdicts.append(_queued(_window_verdict(facts, policy, decision, *exact), reservation))
+    out.verdicts.append(_queued(_window_verdict(facts, policy, decision, *exact), reservation,
+                                out.slots))
     return out
 
 
-def _queued(verdict: Verdict, reservation: Reservation) -> Verdict:
-    """An admission after a wait in an upstream's queue counts as queued_then_allowed."""
-    if isinstance(verdict, Allowed) and reservation.queue_outcome == "queued_then_allowed":
+def _queued(verdict: Verdict, reservation: Reservation | None, slots: list[Lease]) -> Verdict:
+    """An admission after a wait in an upstream's queue (its windows', or its in-flight
+    cap's: one of `slots`) counts as queued_then_allowed."""
+    if isinstance(verdict, Allowed) and (
+            (reservation is not None and reservation.queue_outcome == "queued_then_allowed")
+            or any(lease.queue_outcome == "queued_then_allowed" for lease in slots)):
         verdict.outcome = "queued_then_allowed"
     return verdict
 
@@ -493,7 +499,9 @@ def _concurrency(cap: int, hint_ms: int, expiry_ms: int, policy: Policy) -> Refu
 
 def _upstream_busy(slot: UpstreamSlot, lease: Lease, policy: Policy) -> Refused:
     """The 429 of an upstream's in-flight cap: every slot held (by all users together), or
-    a share rule kept the free one for another class (X-RateLimit-Share names it)."""
+    a share rule kept the free one for another class (X-RateLimit-Share names it). Counted
+    as the lease's queue outcome (queue_timeout, queue_full) when it waited in the cap's
+    queue, else concurrency_rejected."""
     retry_ms, retry_s = in_flight_wait(lease.retry_after_ms / 1000,
                                        lease.retry_bound_ms or lease.retry_after_ms)
     share = lease.share_refusal
@@ -510,8 +518,9 @@ def _upstream_busy(slot: UpstreamSlot, lease: Lease, policy: Policy) -> Refused:
     return Refused((("X-RateLimit-Limit", str(slot.limit)), ("X-RateLimit-Remaining", "0"),
                     ("X-RateLimit-Window", window_name(CONCURRENT)),
                     ("X-RateLimit-Scope", "upstream"), ("X-RateLimit-Resource", "in_flight"))
-                   + rule, (retry_s, retry_ms), message, "concurrency_rejected", "in_flight",
-                   None, "upstream", now_ms=policy.clock())
+                   + rule, (retry_s, retry_ms), message,
+                   lease.queue_outcome or "concurrency_rejected", "in_flight", None, "upstream",
+                   now_ms=policy.clock())
 
 
 def _too_large(facts: Facts, policy: Policy) -> Refused | None:

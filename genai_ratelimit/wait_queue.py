@@ -20,6 +20,7 @@ from typing import Any
 
 from .reservation import (
     Plan,
+    Scope,
     _scope_list,
     _with,
     check_scope_class,
@@ -73,7 +74,7 @@ def queue_bound(value: object, what: str) -> int:
     return value
 
 
-def queue_class(scope: Any, scope_class: str | None) -> tuple[int, int]:
+def queue_class(scope: Scope, scope_class: str | None) -> tuple[int, int]:
     """The (weight, class index) of a request's ticket in `scope`'s queue (lua/lib/queue.lua's
     queue_round; docs/wait-queue.md, "Classes weighted by their shares"): (0, 0) when the
     scope reserves no shares (every ticket steps one round: the rounds of a queue without
@@ -84,7 +85,7 @@ def queue_class(scope: Any, scope_class: str | None) -> tuple[int, int]:
     the reserved ones), at least QUEUE_MIN_UNRESERVED_WEIGHT when those take it all. Its
     tickets step floor(72072000 / weight) rounds: under a backlog, the classes are served
     in proportion to their weights."""
-    reserved = getattr(scope, "reserved", ())
+    reserved = scope.reserved
     if not reserved:
         return 0, 0
     for index, (name, share) in enumerate(reserved):

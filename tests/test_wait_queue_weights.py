@@ -190,3 +190,55 @@ def test_the_plan_sends_the_ticket_class_weight_only_when_the_cap_has_shares() -
         plan = queued_reserve_plan("u", OWN, 1, (), None, [scope], 5, scope_class=scope_class)
         calls, _ = drive(plan, [100.0, raw_answer(False, 700), -1, None])
         assert calls[2][0] == "wait_queue" and calls[2][1][3] == numbers
+
+
+@pytest.mark.parametrize("dependency_name", ["RateLimit", "TokenRateLimit"])
+def test_an_upstreams_reserved_shares_weigh_its_queue_in_fastapi(
+        make_limiter: LimiterFactory, redis_url: str, redis_client: redis.Redis,
+        dependency_name: str) -> None:
+    """Upstream(reserved=..., max_wait=...): the request's class is its tier. Two tickets of
+    an enterprise tenant whose waiter is gone (rounds 12012, 24024) are ahead of a free
+    request (36036: unweighted it would be round 1, second); it runs once they expire."""
+    import threading
+
+    from fastapi import Depends, FastAPI
+    from fastapi.testclient import TestClient
+
+    from genai_ratelimit import fastapi as gr_fastapi
+
+    limiter = make_limiter.native(redis_url)
+    budget = getattr(gr_fastapi, dependency_name)(
+        limiter, tier_limits={"enterprise": {"per_minute": 100}, "free": {"per_minute": 100}},
+        identify=lambda request: (request.headers["x-org"], request.headers["x-tier"]),
+        upstream=gr_fastapi.Upstream(UPSTREAM, per_minute=1, reserved=SHARES, max_wait=10))
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(budget)])
+    async def chat() -> dict[str, bool]:
+        return {"ok": True}
+
+    scope = shared(reserved=SHARES)
+    with RateLimiter(redis_url) as raw:
+        for _ in range(2):
+            numbers = (1500, *BOUNDS, *queue_class(scope, "enterprise"))
+            assert raw._wait_queue(UPSTREAM, str(uuid.uuid4()), tenant_key("ghost"),
+                                   numbers) >= 0
+    answers: list[Any] = []
+
+    def post() -> None:
+        with TestClient(app) as client:
+            answers.append(client.post("/v1/chat/completions",
+                                       json={"model": "gpt-4o", "max_tokens": 10},
+                                       headers={"x-org": "initech", "x-tier": "free"}))
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    try:
+        wait_for(lambda: queued(redis_client) == 3)
+        rounds = sorted(int(score) for _, score in
+                        redis_client.zrange(QUEUE, 0, -1, withscores=True))
+        assert rounds == [12012, 24024, 36036]
+    finally:
+        thread.join(30)
+    assert answers[0].status_code == 200
+    assert queued(redis_client) == 0

@@ -163,9 +163,10 @@ def test_reserve_with_max_wait_queues_by_the_classes_shares(
         scope = Scope(UPSTREAM, windows=[(1, 1)], shared=True, reserved=SHARES)
         assert limiter.reserve("filler", OWN, scopes=[scope], scope_class="enterprise").allowed
         futures = []
-        for user, scope_class in (("e", "enterprise"), ("e", "enterprise"), ("f", "free")):
+        for n, (user, scope_class) in enumerate((("e", "enterprise"), ("e", "enterprise"),
+                                                  ("f", "free")), start=1):
             futures.append(crowd.start(user, scope, max_wait=30, scope_class=scope_class))
-            wait_for(lambda n=len(futures): queued(redis_client) == n)
+            wait_for(lambda n=n: queued(redis_client) == n)
         rounds = sorted(int(score) for _, score in
                         redis_client.zrange(QUEUE, 0, -1, withscores=True))
         # weighted: e's second ticket (24024) goes before f's first (36036); unweighted, f's

@@ -112,11 +112,14 @@ local function queue_remove(zkey, hkey, member)
   end
 end
 
--- An empty queue's hash: its counters and its classes' rounds go (every tenant's fields
--- went with its last ticket), so Redis deletes it (no DEL, which the documented ACL lacks).
+-- An empty queue's hash: its counter and its classes' rounds go (every tenant's fields went
+-- with its last ticket), so Redis deletes it (no DEL, HKEYS or HLEN: the documented ACL
+-- lacks them). A hash left after "seq" holds "v|" rounds (a weighted queue's): all 65 go.
+local QUEUE_CLASS_FIELDS = {}
+for class = 0, QUEUE_MAX_CLASS do QUEUE_CLASS_FIELDS[class + 1] = 'v|' .. class end
 local function queue_clear(hkey)
-  local fields = redis.call('HKEYS', hkey)
-  if #fields > 0 then redis.call('HDEL', hkey, unpack(fields)) end
+  redis.call('HDEL', hkey, 'seq')
+  if redis.call('EXISTS', hkey) == 1 then redis.call('HDEL', hkey, unpack(QUEUE_CLASS_FIELDS)) end
 end
 
 -- The queue's hash forgets its counters once the sorted set is empty (Redis deletes an

@@ -48,23 +48,6 @@ local PURGE_SCAN = 64
 local QUEUE_STEP_SCALE = 72072000
 local QUEUE_MAX_WEIGHT = 10000
 local QUEUE_MAX_CLASS = 64
--- The weighted rounds' scale (above): step = floor(QUEUE_STEP_SCALE / weight in basis points).
-local QUEUE_STEP_SCALE = 72072000
-local QUEUE_MAX_WEIGHT = 10000
-
--- The round of a new ticket (the rule of fairness, above): `head` the round of the queue's
--- head (nil when empty), `latest` its tenant's latest live ticket's (nil when none), `weight`
--- its class's share in basis points (0: no shares, step 1). Raises on a weight out of range.
-local function queue_round(head, latest, weight)
-  local step = 1
-  if weight ~= 0 then
-    if weight ~= math.floor(weight) or weight < 1 or weight > QUEUE_MAX_WEIGHT then
-      return error('a wait queue weight must be 0 to 10000 basis points')
-    end
-    step = math.floor(QUEUE_STEP_SCALE / weight)
-  end
-  return math.max(head or 0, (latest or 0) + step)
-end
 -- The in-flight cap's queue (lease.lua): the wait a request refused for the tickets ahead of
 -- it is told (they are admitted as their releases come; a plain acquire retries then).
 local LEASE_QUEUE_HINT_MS = 1000

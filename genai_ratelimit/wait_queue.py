@@ -30,8 +30,9 @@ from .reservation import (
 )
 
 __all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_MAX_QUEUE_PER_TENANT", "MAX_WAIT_SECONDS",
-           "TICKET_LIVE_MS", "WAKE_BACKSTOP_SECONDS", "queue_bound", "queue_milliseconds",
-           "queue_class", "queued_acquire_plan", "tenant_key", "wake_channel"]
+           "QUEUE_MIN_UNRESERVED_WEIGHT", "TICKET_LIVE_MS", "UNRESERVED_CLASS",
+           "WAKE_BACKSTOP_SECONDS", "queue_bound", "queue_class", "queue_milliseconds",
+           "queued_acquire_plan", "tenant_key", "wake_channel"]
 
 # The longest a request may wait (csrc/native.h RL_MAX_QUEUE_WAIT_MS): a queue that holds a
 # request for hours behind a provider's long reset helps nobody.

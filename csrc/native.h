@@ -48,7 +48,9 @@
 #define RL_MAX_SHARES_SPEC 8192              /* bytes of a reserved-shares spec */
 #define RL_MAX_SCOPE_NAME 256                /* bytes of a scope's name, in UTF-8 */
 #define RL_TENANT_LEN 64                     /* a wait queue's tenant: 1 to 64 hex digits */
-#define RL_QUEUE_FIELDS 3                    /* lua/wait_queue.lua's numbers */
+#define RL_QUEUE_FIELDS 5                    /* lua/wait_queue.lua's numbers */
+#define RL_MAX_QUEUE_WEIGHT 10000LL          /* a ticket's class weight: basis points */
+#define RL_MAX_QUEUE_CLASS 64LL              /* a ticket's class index (lib/queue.lua) */
 #define RL_MAX_QUEUE_WAIT_MS 300000LL        /* a ticket's wait: 5 minutes at most */
 #define RL_MAX_QUEUE_LENGTH 100000LL         /* a wait queue's bound */
 #define RL_UPSTREAM_FIELDS 8                 /* lua/observe_upstream.lua's numbers */
@@ -269,8 +271,8 @@ typedef struct {
     /* observe_upstream: requests left, ms to their reset, their limit, the same for tokens,
        ms closed for (-1: not said), the bound in ms (lua/observe_upstream.lua) */
     long long upstream[RL_UPSTREAM_FIELDS];
-    /* _wait_queue: the ticket's wait in ms (0: leave), the queue's and the tenant's bound;
-       the tenant (hex digits) */
+    /* _wait_queue: the ticket's wait in ms (0: leave), the queue's and the tenant's bound,
+       its class's weight in basis points (0: no shares) and index; the tenant (hex digits) */
     long long queue[RL_QUEUE_FIELDS];
     char tenant[RL_TENANT_LEN + 1];
     int member_given; /* reserve(ticket=...), acquire(ticket=...): the member is the wait

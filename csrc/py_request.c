@@ -375,17 +375,21 @@ parse_upstream(PyObject *value, rl_prepared *d)
     return 0;
 }
 
-/* _wait_queue(name, ticket, tenant, (wait_ms, max_queue, max_tenant)): the tenant 1 to
-   RL_TENANT_LEN hex digits (a digest made by genai_ratelimit/wait_queue.py), the wait 0
-   (leave) to RL_MAX_QUEUE_WAIT_MS, the bounds 1 to RL_MAX_QUEUE_LENGTH. 0, or -1 with an
-   exception. */
+/* _wait_queue(name, ticket, tenant, (wait_ms, max_queue, max_tenant[, weight, class])): the
+   tenant 1 to RL_TENANT_LEN hex digits (a digest made by genai_ratelimit/wait_queue.py), the
+   wait 0 (leave) to RL_MAX_QUEUE_WAIT_MS, the bounds 1 to RL_MAX_QUEUE_LENGTH, the weight
+   (the ticket's class's reserved share in basis points, lib/queue.lua's queue_round) 0 (no
+   shares, the default) to RL_MAX_QUEUE_WEIGHT, the class's index 0 to RL_MAX_QUEUE_CLASS.
+   0, or -1 with an exception. */
 static int
 parse_queue(PyObject *tenant, PyObject *numbers, rl_prepared *d)
 {
-    static const char *const names[RL_QUEUE_FIELDS] = {"wait ms", "max queue", "max tenant"};
+    static const char *const names[RL_QUEUE_FIELDS] = {"wait ms", "max queue", "max tenant",
+                                                       "weight", "class"};
     static const long long maxima[RL_QUEUE_FIELDS] = {RL_MAX_QUEUE_WAIT_MS, RL_MAX_QUEUE_LENGTH,
-                                                      RL_MAX_QUEUE_LENGTH};
-    Py_ssize_t len;
+                                                      RL_MAX_QUEUE_LENGTH, RL_MAX_QUEUE_WEIGHT,
+                                                      RL_MAX_QUEUE_CLASS};
+    Py_ssize_t len, count;
     const char *text;
     if (!PyUnicode_Check(tenant)) {
         rl_type_error(tenant, "a wait queue's tenant must be a str, not ");
@@ -399,14 +403,17 @@ parse_queue(PyObject *tenant, PyObject *numbers, rl_prepared *d)
         return -1;
     }
     memcpy(d->tenant, text, (size_t)len + 1);
-    if (!PyTuple_Check(numbers) || PyTuple_Size(numbers) != RL_QUEUE_FIELDS) {
-        rl_type_error(numbers, "a wait queue's numbers must be a tuple of 3 ints, not ");
+    if (!PyTuple_Check(numbers) ||
+        ((count = PyTuple_Size(numbers)) != RL_QUEUE_FIELDS && count != RL_QUEUE_FIELDS - 2)) {
+        rl_type_error(numbers, "a wait queue's numbers must be a tuple of 3 or 5 ints, not ");
         return -1;
     }
-    for (int i = 0; i < RL_QUEUE_FIELDS; i++) {
+    d->queue[RL_QUEUE_FIELDS - 2] = d->queue[RL_QUEUE_FIELDS - 1] = 0; /* no weight: step 1 */
+    for (Py_ssize_t i = 0; i < count; i++) {
         PyObject *item = PyTuple_GetItem(numbers, i);
-        if ((i == 0 ? non_negative_int(item, names[i], maxima[i], &d->queue[i])
-                    : positive_int(item, names[i], maxima[i], &d->queue[i])) < 0)
+        if ((i == 0 || i >= RL_QUEUE_FIELDS - 2
+                 ? non_negative_int(item, names[i], maxima[i], &d->queue[i])
+                 : positive_int(item, names[i], maxima[i], &d->queue[i])) < 0)
             return -1;
     }
     return 0;

@@ -557,7 +557,7 @@ write_upstream_key(char *cursor, const char *prefix, size_t prefix_len, const ch
 }
 
 /* Formats "EVALSHA sha 2 {prefix}:{name}:queue {prefix}:{name}:queue:h now ticket tenant
-   wait_ms max_queue max_tenant" (lua/wait_queue.lua); the upstream's name is the call's
+   wait_ms max_queue max_tenant weight class" (lua/wait_queue.lua); the upstream's name is the call's
    user. With d->queue_leases, the in-flight cap's queue: "{name}:leases:queue" (and ":h"). Returns the length and sets *out, or -1 (out of memory). */
 static long long
 format_queue(const char *prefix, size_t prefix_len, const char *user, size_t user_len,

@@ -132,7 +132,9 @@ GCRA_SOURCE: str
 # _observe_upstream: lua/observe_upstream.lua (closed-until, unix ms, 0 when open)
 OBSERVE_SHA1: str
 OBSERVE_SOURCE: str
-# _wait_queue: lua/wait_queue.lua (take: the ticket's rank, -1/-2 full; leave: 1 or 0)
+# _wait_queue: lua/wait_queue.lua (take: the ticket's rank, -1/-2 full; leave: 1 or 0);
+# numbers: (wait_ms, max_queue, max_tenant[, weight, class]): the ticket's class's share in
+# basis points (0-10000, 0: no shares) and its index (0-64), wait_queue.queue_class
 QUEUE_SHA1: str
 QUEUE_SOURCE: str
 GCRA_WINDOWS_SHA1: str
@@ -237,7 +239,8 @@ class Limiter:
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> int: ...
     def _wait_queue(
-        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int],
+        self, name: str, ticket: str, tenant: str,
+        numbers: tuple[int, int, int] | tuple[int, int, int, int, int],
         leases: bool = False,
     ) -> int: ...
     def _reset(
@@ -353,7 +356,8 @@ class Codec:
         self, name: str, observation: tuple[int, int, int, int, int, int, int, int]
     ) -> Request | int: ...
     def wait_queue(
-        self, name: str, ticket: str, tenant: str, numbers: tuple[int, int, int],
+        self, name: str, ticket: str, tenant: str,
+        numbers: tuple[int, int, int] | tuple[int, int, int, int, int],
         leases: bool = False,
     ) -> Request: ...
     def reset(

@@ -15,10 +15,12 @@ import hashlib
 import math
 import uuid
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 from .reservation import (
     Plan,
+    Scope,
     _scope_list,
     _with,
     check_scope_class,
@@ -28,7 +30,8 @@ from .reservation import (
 )
 
 __all__ = ["DEFAULT_MAX_QUEUE", "DEFAULT_MAX_QUEUE_PER_TENANT", "MAX_WAIT_SECONDS",
-           "TICKET_LIVE_MS", "WAKE_BACKSTOP_SECONDS", "queue_bound", "queue_milliseconds",
+           "QUEUE_MIN_UNRESERVED_WEIGHT", "TICKET_LIVE_MS", "UNRESERVED_CLASS",
+           "WAKE_BACKSTOP_SECONDS", "queue_bound", "queue_class", "queue_milliseconds",
            "queued_acquire_plan", "tenant_key", "wake_channel"]
 
 # The longest a request may wait (csrc/native.h RL_MAX_QUEUE_WAIT_MS): a queue that holds a
@@ -46,6 +49,11 @@ TICKET_LIVE_MS = 3000
 # PUBLISHed by a release is at-most-once (a lost message, a subscriber reconnecting), so a
 # waiter asks again after this at the latest. A lost wake only delays, never hangs.
 WAKE_BACKSTOP_SECONDS = 1.0
+# The weight (basis points) of a ticket whose class has no reserved share, when the reserved
+# shares take the whole cap (queue_class): 1 %; the index of that class (csrc/native.h
+# RL_MAX_QUEUE_CLASS: the reserved ones are 0 to 63).
+QUEUE_MIN_UNRESERVED_WEIGHT = 100
+UNRESERVED_CLASS = 64
 
 
 def queue_milliseconds(max_wait: object) -> int:
@@ -65,6 +73,27 @@ def queue_bound(value: object, what: str) -> int:
     if not 1 <= value <= _MAX_QUEUE_LENGTH:
         raise ValueError(f"{what} must be 1 to {_MAX_QUEUE_LENGTH}, got {value}")
     return value
+
+
+def queue_class(scope: Scope, scope_class: str | None) -> tuple[int, int]:
+    """The (weight, class index) of a request's ticket in `scope`'s queue (lua/lib/queue.lua's
+    queue_round; docs/wait-queue.md, "Classes weighted by their shares"): (0, 0) when the
+    scope reserves no shares (every ticket steps one round: the rounds of a queue without
+    classes). Else a class the scope reserves a share for weighs it in basis points (1 to
+    10000: rounded to the nearest, at least 1), its index its place in the scope's sorted
+    reserved shares; every other request (a class the scope reserves nothing for, no class)
+    is of the one class UNRESERVED_CLASS, weighing the share left unreserved (100 % minus
+    the reserved ones), at least QUEUE_MIN_UNRESERVED_WEIGHT when those take it all. Its
+    tickets step floor(72072000 / weight) rounds: under a backlog, the classes are served
+    in proportion to their weights."""
+    reserved = scope.reserved
+    if not reserved:
+        return 0, 0
+    for index, (name, share) in enumerate(reserved):
+        if name == scope_class:
+            return max(1, round(share * 100)), index
+    unreserved = round((100 - sum((share for _, share in reserved), Fraction(0))) * 100)
+    return max(QUEUE_MIN_UNRESERVED_WEIGHT, unreserved), UNRESERVED_CLASS
 
 
 def tenant_key(tenant: object) -> str:
@@ -116,7 +145,9 @@ def queued_reserve_plan(user_id: str, windows: Any, cost: int, token_windows: An
     taken: list[str] = []
     try:
         for scope in shared:
-            rank = yield ("wait_queue", (scope.name, ticket, tenant_text, (wait_ms, *bounds)), {})
+            weight = queue_class(scope, scope_class)  # no shares: the 3 numbers of before
+            numbers = (wait_ms, *bounds, *weight) if weight[0] else (wait_ms, *bounds)
+            rank = yield ("wait_queue", (scope.name, ticket, tenant_text, numbers), {})
             if rank < 0:
                 yield from _leave(taken, ticket, tenant_text, bounds)
                 return _with(reservation, queue_outcome="queue_full")
@@ -166,7 +197,8 @@ def wake_channel(key_prefix: str, owner: str) -> str:
 def check_queue_shares(spec: str | None) -> None:
     """acquire(max_wait=...) with shares=: not yet. A ticket at the head that its class's
     ceiling refuses would hold back the tickets behind it (no barging), whose classes the
-    rule would admit: the queue's rounds are per tenant, not weighted by the shares."""
+    rule would admit (the window caps' queue weighs the classes by their shares:
+    queue_class; the in-flight cap's does not yet)."""
     if spec is not None:
         raise ValueError("acquire(max_wait=...) does not go with shares= yet: the wait "
                          "queue's turns are per tenant, not by the classes' shares")

@@ -13,6 +13,9 @@ ARGV[2]   the ticket (a UUID4: the member the request's admission logs)
 ARGV[3]   the tenant (1 to 256 bytes)
 ARGV[4]   take: the ms the ticket waits at most (> 0); 0: leave (remove the ticket)
 ARGV[5]   take: the most live tickets of the queue; ARGV[6] the most of one tenant
+ARGV[7]   take: the ticket's class's weight, its reserved share in basis points (1 to
+          10000), or 0 when the cap has no shares (lib/queue.lua's queue_round: step 1);
+          ARGV[8] the class's index (0 to 64; any when the weight is 0)
 
 Returns, take: the ticket's rank (0: first), -1 when the queue holds its most tickets, -2
 when the tenant does (nothing written then); a take of a ticket already held renews it: its
@@ -54,12 +57,14 @@ local mine = tonumber(state[1]) or 0
 if mine >= tonumber(ARGV[6]) then return -2 end
 -- The round being served is the head's (tickets may be admitted out of order: a ticket
 -- behind a sleeping one may pass when the windows hold both); a tenant's next ticket goes
--- in the round after its latest.
+-- the round after its latest, or its class's step (lib/queue.lua's queue_round).
 local head = left > 0 and redis.call('ZRANGE', zkey, 0, 0, 'WITHSCORES') or {}
-local round = math.max(tonumber(head[2]) or 1, (tonumber(state[2]) or 0) + 1)
+local round = queue_round(hkey, tonumber(head[2]), tenant, tonumber(state[2]),
+                         tonumber(ARGV[7]) or 0, tonumber(ARGV[8]) or 0)
 local seq = (tonumber(state[3]) or 0) + 1
 local deadline = now + wait_ms
 member = string.format('%012d|%d|%s|%s', seq, deadline, ticket, tenant)
+round = string.format('%d', round) -- every digit (a number argument keeps 14)
 redis.call('ZADD', zkey, round, member)
 redis.call('HSET', hkey, 't|' .. ticket, member, 'n|' .. tenant, mine + 1,
            'r|' .. tenant, round, 'seq', seq)

@@ -13,10 +13,23 @@ Two keys per shared scope, under the scope's name (its hash tag on a Redis Clust
   "{prefix}:{name}:queue:h"  hash: "t|<ticket>" -> the ticket's member; "n|<tenant>" -> the
                              tenant's live tickets; "r|<tenant>" -> the round of its latest;
                              "seq" -> the arrival counter
-Fairness (virtual rounds): a ticket is served in round max(the head's round, the round of
-its tenant's latest live ticket + 1), so each tenant has at most one ticket per round and a
-tenant with none waiting goes in the round being served, behind at most one ticket of each
-other tenant; first in first out within a tenant. Both keys expire 1 s after the latest
+Fairness (virtual rounds, queue_round): without reserved shares (weight 0) a ticket is
+served in round max(the head's round, the round of its tenant's latest live ticket + 1), so
+each tenant has at most one ticket per round and a tenant with none waiting goes in the round
+being served, behind at most one ticket of each other tenant; first in first out within a
+tenant. With shares (docs/wait-queue.md, "Classes weighted by their shares") the ticket's
+class c (an index, wait_queue.lua's ARGV[8]) weighs w_c basis points (1 to 10000, ARGV[7]),
+its step is s_c = floor(QUEUE_STEP_SCALE / w_c) and the rounds are integers (exact in a
+double's 53 bits): a tenant with live tickets goes in max(head, latest + s_c * n_c), n_c the
+live tenants of its class (the class's share split evenly among them); a tenant with none in
+max(head, v_c + s_c), v_c the round of its class's latest such first ticket. So under a
+backlog each class is served about once per s_c rounds (in proportion to w_c), its waiting
+tenants in turn, first in first out within a tenant. QUEUE_STEP_SCALE = 72072000 = 100 *
+lcm(1..16): the steps of the whole percents that divide 720720 (1-16, 18, 20, 24, 30, 40, 60,
+70, 80, 90, ...) are in exact ratio, any other within 1 part in 7207 (w = 10000: step 7207).
+The hash's fields of a weighted queue also hold "c|<tenant>" -> the class its live tickets
+count in (its first's), "k|<class>" -> the class's live tenants, "v|<class>" -> v_c.
+Both keys expire 1 s after the latest
 deadline of a ticket taken; a ticket whose deadline passed is purged by the next script that
 reads the head of the queue (the first PURGE_SCAN tickets), so a waiter that was killed takes
 no place once its deadline is over.
@@ -31,6 +44,10 @@ set the tickets at the head that the freed slots make room for (space-separated)
 --]]
 
 local PURGE_SCAN = 64
+-- The weighted rounds (above): step = floor(QUEUE_STEP_SCALE / weight in basis points).
+local QUEUE_STEP_SCALE = 72072000
+local QUEUE_MAX_WEIGHT = 10000
+local QUEUE_MAX_CLASS = 64
 -- The in-flight cap's queue (lease.lua): the wait a request refused for the tickets ahead of
 -- it is told (they are admitted as their releases come; a plain acquire retries then).
 local LEASE_QUEUE_HINT_MS = 1000
@@ -40,20 +57,58 @@ local function queue_parse(member)
   return tonumber(deadline), ticket, tenant, seq
 end
 
--- Removes the ticket whose sorted-set member is `member` (its tenant's count and round).
+-- The round of a new ticket of `tenant` (the rule of fairness, above): `head` the round of
+-- the queue's head (nil when empty), `latest` the tenant's latest live ticket's (nil when
+-- none), `weight` its class's share in basis points (0: no shares, step 1) and `class` its
+-- index (0 to QUEUE_MAX_CLASS). A weighted first ticket of a tenant counts it in its class
+-- (the hash's "c|", "k|", "v|" fields). Raises on a weight or a class out of range.
+local function queue_round(hkey, head, tenant, latest, weight, class)
+  if weight == 0 then return math.max(head or 0, (latest or 0) + 1) end
+  if weight ~= math.floor(weight) or weight < 1 or weight > QUEUE_MAX_WEIGHT or
+      class ~= math.floor(class) or class < 0 or class > QUEUE_MAX_CLASS then
+    return error('a wait queue weight must be 0 to 10000 basis points, its class 0 to 64')
+  end
+  local step = math.floor(QUEUE_STEP_SCALE / weight)
+  if latest then
+    local counted = redis.call('HGET', hkey, 'c|' .. tenant) or tostring(class)
+    local tenants = tonumber(redis.call('HGET', hkey, 'k|' .. counted)) or 1
+    return math.max(head or 0, latest + step * tenants)
+  end
+  local round = math.max(head or 0, (tonumber(redis.call('HGET', hkey, 'v|' .. class)) or 0) + step)
+  redis.call('HSET', hkey, 'c|' .. tenant, class, 'v|' .. class, string.format('%d', round))
+  redis.call('HINCRBY', hkey, 'k|' .. class, 1)
+  return round
+end
+
+-- Removes the ticket whose sorted-set member is `member` (its tenant's count and round; its
+-- class's count of tenants when it was the tenant's last).
 local function queue_remove(zkey, hkey, member)
   local _, ticket, tenant = queue_parse(member)
   redis.call('ZREM', zkey, member)
   redis.call('HDEL', hkey, 't|' .. ticket)
   if redis.call('HINCRBY', hkey, 'n|' .. tenant, -1) <= 0 then
-    redis.call('HDEL', hkey, 'n|' .. tenant, 'r|' .. tenant)
+    local class = redis.call('HGET', hkey, 'c|' .. tenant)
+    if class and redis.call('HINCRBY', hkey, 'k|' .. class, -1) <= 0 then
+      redis.call('HDEL', hkey, 'k|' .. class)
+    end
+    redis.call('HDEL', hkey, 'n|' .. tenant, 'r|' .. tenant, 'c|' .. tenant)
   end
 end
 
+-- An empty queue's hash: its counter and its classes' rounds go (every tenant's fields went
+-- with its last ticket), so Redis deletes it (no DEL, HKEYS or HLEN: the documented ACL
+-- lacks them). A hash left after "seq" holds "v|" rounds (a weighted queue's): all 65 go.
+local QUEUE_CLASS_FIELDS = {}
+for class = 0, QUEUE_MAX_CLASS do QUEUE_CLASS_FIELDS[class + 1] = 'v|' .. class end
+local function queue_clear(hkey)
+  redis.call('HDEL', hkey, 'seq')
+  if redis.call('EXISTS', hkey) == 1 then redis.call('HDEL', hkey, unpack(QUEUE_CLASS_FIELDS)) end
+end
+
 -- The queue's hash forgets its counters once the sorted set is empty (Redis deletes an
--- empty sorted set and an empty hash by itself: no DEL, which the documented ACL lacks).
+-- empty sorted set and an empty hash by itself).
 local function queue_forget(zkey, hkey)
-  if redis.call('ZCARD', zkey) == 0 then redis.call('HDEL', hkey, 'seq') end
+  if redis.call('ZCARD', zkey) == 0 then queue_clear(hkey) end
 end
 
 -- Purges the expired tickets among the first PURGE_SCAN; both keys are gone once the queue
@@ -71,7 +126,7 @@ local function queue_purge(zkey, hkey, now)
     end
   end
   local left = redis.call('ZCARD', zkey)
-  if left == 0 then redis.call('HDEL', hkey, 'seq') end
+  if left == 0 then queue_clear(hkey) end
   return left, deadlines
 end
 

@@ -84,6 +84,19 @@ OPS = ("check", "check_windows", "check_windows_detailed", "reserve", "reconcile
        "reset", "acquire", "release", "renew", "ping", "command")
 
 
+def _decrement_once(lock: threading.Lock, counts: dict[str, int], key: str) -> Callable[[], None]:
+    """A leave(): counts[key] taken down by one under `lock`, the first time it is called
+    only (again: a no-op)."""
+    done = False
+
+    def leave() -> None:
+        nonlocal done
+        with lock:
+            if not done:
+                done = True
+                counts[key] -= 1
+    return leave
+
 class LatencyHistogram(TypedDict):
     """The round trips of one op: each bucket's own count (not cumulative)."""
 
@@ -410,15 +423,7 @@ class RequestOutcomes:
 
     def _leaver(self, tier: str) -> Callable[[], None]:
         """The leave() of one request of `tier` counted in flight: once only."""
-        done = False
-
-        def leave() -> None:
-            nonlocal done
-            with self._lock:
-                if not done:
-                    done = True
-                    self._in_flight[tier] -= 1
-        return leave
+        return _decrement_once(self._lock, self._in_flight, tier)
 
     def enter(self, tier: str) -> Callable[[], None]:
         """One more request of `tier` in flight; call the answer (once) when it is over."""
@@ -565,15 +570,7 @@ class QueueWaits:
         with self._lock:
             label = self._label(upstream)
             self._waiting[label] = self._waiting.get(label, 0) + 1
-        done = False
-
-        def leave() -> None:
-            nonlocal done
-            with self._lock:
-                if not done:
-                    done = True
-                    self._waiting[label] -= 1
-        return leave
+        return _decrement_once(self._lock, self._waiting, label)
 
     def observe(self, upstream: str, outcome: str, seconds: float) -> None:
         """One wait over: `seconds` in `upstream`'s queue, ended in `outcome`

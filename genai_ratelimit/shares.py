@@ -192,14 +192,20 @@ def spec(scope: Scope, shared_index: int, request_class: str | None) -> str:
 
 def refusal(scope: Scope, code: int, request_class: str | None) -> ShareRefusal | None:
     """The script's rule code (2j: class j's reserve, 2j + 1: class j's ceiling) read back."""
+    return _rule_read(scope, classes_of(scope), code, request_class, "a scope")
+
+
+def _rule_read(owner: Scope | str, names: tuple[str, ...], code: int, request_class: str | None,
+               what: str) -> ShareRefusal | None:
+    """A rule code of a window cap's (owner: its Scope) or an in-flight cap's (owner: its
+    name) classes `names`, read back: None below 2 (no rule refused)."""
     if code < 2:
         return None
-    names = classes_of(scope)
     j, ceiling = divmod(code, 2)
     if not 1 <= j <= len(names):
-        raise ValueError(f"the script answered share rule {code}, for a scope of {len(names)} "
+        raise ValueError(f"the script answered share rule {code}, for {what} of {len(names)} "
                          f"classes")
-    return ShareRefusal(scope, "ceiling" if ceiling else "reserve", names[j - 1], request_class)
+    return ShareRefusal(owner, "ceiling" if ceiling else "reserve", names[j - 1], request_class)
 
 
 def lease_spec(shares: Shares, limit: int, request_class: str | None) -> str:
@@ -216,11 +222,4 @@ def lease_spec(shares: Shares, limit: int, request_class: str | None) -> str:
 def lease_refusal(name: str, shares: Shares, code: int,
                   request_class: str | None) -> ShareRefusal | None:
     """An acquire's rule code (2j: class j's reserve, 2j + 1: class j's ceiling) read back."""
-    if code < 2:
-        return None
-    names = classes_of(shares)
-    j, ceiling = divmod(code, 2)
-    if not 1 <= j <= len(names):
-        raise ValueError(f"the script answered share rule {code}, for shares of {len(names)} "
-                         f"classes")
-    return ShareRefusal(name, "ceiling" if ceiling else "reserve", names[j - 1], request_class)
+    return _rule_read(name, classes_of(shares), code, request_class, "shares")

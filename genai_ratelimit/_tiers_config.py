@@ -77,7 +77,7 @@ from ._native import MAX_LIMIT
 from .reservation import DEFAULT_PROBE_TIMEOUT_SECONDS, check_probe
 from .shares import validate as validate_shares
 from .tiers import DEFAULT_TIER, TIER_TOKEN_LIMITS
-from .wait_queue import queue_milliseconds
+from .wait_queue import queue_bound, queue_milliseconds
 
 __all__ = [
     "BURST_KEY",
@@ -262,16 +262,18 @@ def validate_scope_budget(budget: object, source: str, what: str, *,
 
 
 # An upstream's section: (budget, models, {"reserved": ..., "ceilings": ..., "in_flight":
-# ..., "in_flight_lease_seconds": ..., "probe": ..., "probe_timeout_seconds": ...} as given:
-# the Upstream's keywords besides its budget).
+# ..., "in_flight_lease_seconds": ..., "probe": ..., "probe_timeout_seconds": ...,
+# "max_wait": ..., "max_queue": ..., "max_queue_per_tenant": ...} as given: the Upstream's
+# keywords besides its budget).
 PROBE_KEYS = ("probe", "probe_timeout_seconds")
 UpstreamSection = tuple[dict[str, int], tuple[str, ...], dict[str, Any]]
 ScopeSections = tuple[dict[str, dict[str, int]], dict[str, UpstreamSection]]
 
 
 # The keys of an [upstreams."name"] section besides its budget.
+QUEUE_KEYS = ("max_wait", "max_queue", "max_queue_per_tenant")
 UPSTREAM_KEYS = ("models", "reserved", "ceilings", "in_flight", "in_flight_lease_seconds",
-                 *PROBE_KEYS)
+                 *PROBE_KEYS, *QUEUE_KEYS)
 
 
 def in_flight_number(value: object, what: str) -> int:
@@ -321,6 +323,11 @@ def scope_sections_of(data: object, source: str) -> ScopeSections:
                         in_flight_number(shares[key], key)
                 check_probe(shares.get("probe", 0),
                             shares.get("probe_timeout_seconds", DEFAULT_PROBE_TIMEOUT_SECONDS))
+                if "max_wait" in shares:
+                    queue_milliseconds(shares["max_wait"])
+                for key in QUEUE_KEYS[1:]:
+                    if key in shares:
+                        queue_bound(shares[key], key)
             except (TypeError, ValueError) as exc:
                 raise TierConfigError(f"{source}: {what}: {exc}") from None
             upstreams[name] = (checked, tuple(served), shares)

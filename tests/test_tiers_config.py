@@ -336,6 +336,18 @@ def test_scope_sections_are_read_and_are_not_tiers() -> None:
         {"openai/gpt-4o": ({"per_minute": 30}, ("gpt-4o",), {})})
 
 
+def test_an_upstream_section_takes_its_wait_queue(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  limiter: RateLimiter) -> None:
+    """[upstreams."name"] max_wait, max_queue, max_queue_per_tenant: the Upstream's."""
+    monkeypatch.setenv(TIERS_FILE_ENV, str(write(tmp_path, "tiers.toml", (
+        "[free]\nper_minute = 5\n\n[upstreams.\"openai/gpt-4o\"]\nper_minute = 30\n"
+        "in_flight = 4\nmax_wait = 2.5\nmax_queue = 50\nmax_queue_per_tenant = 5\n"))))
+    dependency = RateLimit(limiter=limiter)
+    [upstream] = dependency._scopes.upstreams
+    assert (upstream.in_flight, upstream.max_wait, upstream.max_queue,
+            upstream.max_queue_per_tenant) == (4, 2.5, 50, 5)
+
+
 @pytest.mark.parametrize("section, problem", [
     ({"models": []}, "must be a table"),
     ({"models": {"gpt-4o": {"per_hour": 3}}}, "unknown key"),
@@ -349,6 +361,13 @@ def test_scope_sections_are_read_and_are_not_tiers() -> None:
     ({"upstreams": {"u": {"per_minute": 9, "ceilings": {"free": [50, 101]}}}},
      r"ceilings\['free'\] saturation must be in \(0, 100\]"),
     ({"upstreams": {"u": {"per_minute": 9, "reserved": {"pro": 2.5}}}}, "float is never exact"),
+    ({"upstreams": {"u": {"per_minute": 9, "max_wait": 0}}}, "max_wait must be > 0"),
+    ({"upstreams": {"u": {"per_minute": 9, "max_wait": 86400}}}, "max_wait must be > 0"),
+    ({"upstreams": {"u": {"per_minute": 9, "max_wait": "5"}}}, "max_wait must be a number"),
+    ({"upstreams": {"u": {"per_minute": 9, "max_wait": 5, "max_queue": 0}}},
+     "max_queue must be 1 to"),
+    ({"upstreams": {"u": {"per_minute": 9, "max_queue_per_tenant": True}}},
+     "max_queue_per_tenant must be an int"),
 ])
 def test_malformed_scope_sections_fail_when_the_file_is_read(
         tmp_path: Path, section: dict[str, Any], problem: str) -> None:

@@ -96,7 +96,7 @@ help:
 	@echo "make test-valgrind  the core suite under valgrind memcheck"
 	@echo "make test-hiredis1  the suite (not the slow tests) built against hiredis 1.x from source"
 	@echo "make soak           1,000,000 sync + 1,000,000 async checks: RSS before/after, checks/s"
-	@echo "make fuzz           fuzz the reply decoder and argument validation (FUZZ_SECONDS=60)"
+	@echo "make fuzz           fuzz the reply decoder, argument validation, the pub/sub reader (FUZZ_SECONDS=60)"
 	@echo "make serve          keep the example app running for your own curl"
 	@echo "make bench          benchmarks side by side (QUICK=1 for a short run)"
 	@echo "make bench-instructions  server instructions per script call (callgrind): the check vs the seed"

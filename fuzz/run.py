@@ -28,7 +28,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-TARGETS = ["pipeline", "arguments"]
+TARGETS = ["pipeline", "arguments", "pushes"]
 BUILD = os.path.join(REPO, "build", "fuzz")
 
 
